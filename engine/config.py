@@ -1,0 +1,110 @@
+"""Configuration: one frozen dataclass per component, built from TOML and CLI flags.
+
+`configs/default.toml` holds the defaults (mirrored by the dataclass defaults, so the
+engine is usable without the file); `load_config` layers a user file and then flag
+overrides on top, key by key, and rejects unknown sections or keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # local Hugging Face model directory; "" selects the embedded SmolLM2-135M-Instruct
+    model: str = ""
+    # the name clients put in the "model" field; "" derives it from the model
+    served_model_name: str = ""
+    # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"
+    # auto | cpu | cuda | cuda:N
+    device: str = "auto"
+    # upper bound on prompt + completion tokens of one sequence
+    max_model_len: int = 2048
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # tokens per KV block
+    block_size: int = 16
+    # bytes of KV cache preallocated for all layers, K and V together
+    kv_cache_bytes: int = 1 << 30
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # sequences running at once (decode batch size bound)
+    max_num_seqs: int = 16
+    # tokens computed in one engine step, prefill chunks and decodes together
+    max_num_batched_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+
+@dataclass(frozen=True)
+class AlchemistConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        _check_positive(self.model, "max_model_len")
+        _check_positive(self.cache, "block_size", "kv_cache_bytes")
+        _check_positive(self.scheduler, "max_num_seqs", "max_num_batched_tokens")
+        if not 0 < self.server.port < 65536:
+            raise ValueError(f"server.port must be in 1..65535, got {self.server.port}")
+
+
+def _check_positive(section: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{type(section).__name__}.{name} must be a positive integer, got {value!r}")
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(AlchemistConfig)}
+
+
+def _merge(base: dict[str, dict[str, Any]], layer: dict[str, Any], origin: str) -> None:
+    for section, values in layer.items():
+        if section not in _SECTIONS:
+            raise ValueError(f"{origin}: unknown section [{section}]; known: {sorted(_SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"{origin}: [{section}] must be a table")
+        known = {f.name: f for f in dataclasses.fields(_SECTIONS[section].default_factory)}
+        for key, value in values.items():
+            if key not in known:
+                raise ValueError(f"{origin}: unknown key {section}.{key}; known: {sorted(known)}")
+            base.setdefault(section, {})[key] = value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> AlchemistConfig:
+    """Defaults from configs/default.toml, then the file at `path`, then `overrides`
+    ({"section": {"key": value}}; None values are ignored, so unset CLI flags pass through)."""
+    merged: dict[str, dict[str, Any]] = {}
+    if DEFAULT_CONFIG_PATH.exists():
+        _merge(merged, tomllib.loads(DEFAULT_CONFIG_PATH.read_text()), str(DEFAULT_CONFIG_PATH))
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"config file not found: {path}")
+        _merge(merged, tomllib.loads(path.read_text()), str(path))
+    if overrides:
+        cleaned = {s: {k: v for k, v in kv.items() if v is not None} for s, kv in overrides.items()}
+        _merge(merged, cleaned, "command line")
+    return AlchemistConfig(**{s: _SECTIONS[s].default_factory(**kv) for s, kv in merged.items()})

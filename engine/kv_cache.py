@@ -1,0 +1,139 @@
+"""The engine-owned paged KV cache.
+
+Each layer has one K and one V tensor of shape (num_blocks * block_size, KVH, D): a pool
+of fixed-size blocks. A sequence owns a list of blocks (its block table); token position
+`p` lives in slot `block_ids[p // block_size] * block_size + p % block_size`. Blocks are
+allocated as a sequence grows and freed when it finishes or is preempted, so memory
+follows the tokens actually held, not max_model_len per sequence.
+
+Memory per token: 2 (K, V) * num_layers * num_kv_heads * head_dim * dtype bytes
+(SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfBlocks(RuntimeError):
+    pass
+
+
+class BlockAllocator:
+    """Free list of KV block ids; no tensors, so the scheduler can own it."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OutOfBlocks(f"need {count} KV blocks, {len(self._free)} free")
+        return [self._free.popleft() for _ in range(count)]
+
+    def free(self, block_ids: list[int]) -> None:
+        self._free.extend(block_ids)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @classmethod
+    def from_model_config(cls, config, dtype: torch.dtype, block_size: int) -> "KVCacheSpec":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(config.num_hidden_layers, kv_heads, head_dim, dtype, block_size)
+
+    @property
+    def bytes_per_token(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return budget_bytes // (self.bytes_per_token * self.block_size)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class PagedKVCache:
+    """The K/V block pool of every layer."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.keys = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.values = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.num_blocks * self.spec.block_size * self.spec.bytes_per_token
+
+
+@dataclass
+class AttentionMetadata:
+    """How one step's packed tokens map onto sequences and cache slots.
+
+    The step's T new tokens of B sequences are packed along one axis (no padding in the
+    linear layers). Attention regroups them per sequence, padded to the longest query
+    (Qmax) and the longest context (S).
+    """
+
+    # (T,) cache slot each new token's K/V is written to
+    slot_mapping: torch.Tensor
+    # (B, Qmax) packed index of each sequence's query rows; padding points at row 0
+    query_index: torch.Tensor
+    # (T,) row of each packed token in the flattened (B * Qmax) attention output
+    output_index: torch.Tensor
+    # (B, S) cache slot of each key position; padding points at slot 0 (masked)
+    key_slots: torch.Tensor
+    # (B, Qmax) absolute position of each query row; padding rows get -1
+    query_positions: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """(B, 1, Qmax, S) bool, True where a query may attend to a key."""
+        if sliding_window not in self._masks:
+            positions = self.query_positions.unsqueeze(-1)  # (B, Qmax, 1)
+            keys = torch.arange(self.key_slots.shape[1], device=positions.device)  # (S,)
+            allowed = keys <= positions
+            if sliding_window is not None:
+                allowed &= keys > positions - sliding_window
+            allowed[..., 0] |= positions[..., 0] < 0  # padding rows attend to one key, not none (NaN)
+            self._masks[sliding_window] = allowed.unsqueeze(1)
+        return self._masks[sliding_window]
+
+
+class StepKV:
+    """The `past_key_values` a decoder layer sees during one engine step: `update()`
+    stores the step's new K/V in the pool and returns each sequence's full K/V."""
+
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata):
+        self.cache = cache
+        self.metadata = metadata
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key, value: (1, KVH, T, D) -> (B, KVH, S, D) each."""
+        slots = self.metadata.slot_mapping
+        k_pool, v_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
+        k_pool.index_copy_(0, slots, key[0].transpose(0, 1).detach())
+        v_pool.index_copy_(0, slots, value[0].transpose(0, 1).detach())
+        key_slots = self.metadata.key_slots
+        return k_pool[key_slots].transpose(1, 2), v_pool[key_slots].transpose(1, 2)

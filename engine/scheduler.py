@@ -1,0 +1,135 @@
+"""Decides which sequences run in the next step and how many tokens each computes.
+
+No tensors here. A step has a token budget (`max_num_batched_tokens`); running
+sequences are served first (each needs one token when decoding, or the rest of its
+prompt when its prefill was chunked), then waiting sequences are admitted in arrival
+order while the budget, `max_num_seqs` and free KV blocks allow; a prompt larger than
+what is left of the budget is prefilled in chunks over several steps, sharing those
+steps with other sequences' decodes. When KV blocks run out, the most recently admitted
+sequence is preempted: its blocks are freed and it is recomputed later (vLLM's policy).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    # tokens computed for this sequence in this step, starting at seq.num_computed_tokens
+    num_new_tokens: int
+
+    @property
+    def completes_pending(self) -> bool:
+        """After this step every known token has K/V: the next token can be sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    # sequences that lost their blocks this step
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int):
+        self.config = config
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` blocks for `num_tokens` tokens in all; False if not enough are free."""
+        missing = blocks_needed(num_tokens, self.block_size) - len(seq.block_ids)
+        if missing <= 0:
+            return True
+        if missing > self.allocator.num_free:
+            return False
+        seq.block_ids.extend(self.allocator.allocate(missing))
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_ids)
+        seq.block_ids = []
+
+    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        output.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        # Running sequences first, oldest first; the newest is preempted when blocks run out.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_pending_tokens, budget)
+            while not self._grow(seq, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim, output)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            output.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+            index += 1
+        if output.preempted:
+            return output
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = min(seq.num_pending_tokens, budget)
+            if not self._grow(seq, seq.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            output.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new
+        return output
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """Mark `seq` finished and free its blocks (it may be running or waiting)."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.allocator.num_free / max(self.allocator.num_blocks, 1)

@@ -1,0 +1,87 @@
+"""A sequence's state inside the engine, tracked by counters rather than phase flags.
+
+A request with `n` choices is `n` sequences sharing a request id. What a sequence still
+needs is `num_tokens - num_computed_tokens` tokens of forward pass: the whole prompt at
+first (possibly over several chunked steps), then one token per decode step. A
+preempted sequence resets `num_computed_tokens` to 0 and recomputes prompt + output.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    # engine-wide unique id
+    seq_id: int
+    # the request this sequence answers, and which of its n choices it is
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    # max_tokens resolved against the context length
+    max_tokens: int
+    # time.monotonic() when the request reached the engine
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer
+    # per-sequence RNG when the request has a seed; None uses the global RNG
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    # tokens whose K/V are in this sequence's blocks
+    num_computed_tokens: int = 0
+    # KV blocks, filled by the scheduler through the block allocator
+    block_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    # "stop" | "length" | "abort", set when the sequence finishes
+    finish_reason: str | None = None
+    # the stop string or stop token id that ended it, if one did
+    stop_reason: str | int | None = None
+    # filled by update() as tokens are sampled; drained into each step's output
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # prompt logprobs computed so far (position 0 has none); emitted once complete
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    # time.monotonic() of the first and latest sampled token
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # times this sequence lost its KV blocks to make room for others
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_id_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

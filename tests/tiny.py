@@ -1,0 +1,73 @@
+"""Tiny random models of each supported family and a tiny tokenizer, built in-process.
+
+No download: a byte-level BPE tokenizer is trained on a few sentences, given ChatML
+special tokens and a chat template; models are 2 layers, hidden 64, with that vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+
+FAMILIES = ("llama", "mistral", "phi3", "qwen2")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Hello, how are you today? I am fine, thank you.",
+    "Online learning trains a LoRA adapter on what the server just served.",
+    "Continuous batching lets new requests join the running batch at every step.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 and symbols ! ? , . : ; - _ ( ) [ ] { } \" '",
+    "é è à ü ö 日本語 emoji 🙂",
+]
+
+_tokenizer_cache: PreTrainedTokenizerFast | None = None
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    global _tokenizer_cache
+    if _tokenizer_cache is None:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(_CORPUS * 20, trainer)
+        _tokenizer_cache = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            unk_token="<|endoftext|>")
+        _tokenizer_cache.chat_template = CHAT_TEMPLATE
+    return _tokenizer_cache
+
+
+def tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32):
+    tok = tiny_tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                  tie_word_embeddings=False)
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[family]
+    extra = {"sliding_window": None} if family in ("mistral", "phi3") else {}
+    torch.manual_seed(seed)
+    config = config_cls(**common, **extra)
+    model = model_cls(config).to(dtype).eval()
+    # A larger init than the default std 0.02 gives peaked logits, so greedy decoding does
+    # not hinge on float rounding between batched and unbatched matmuls.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.15)
+    return model
