@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import use_engine_attention
+from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
 from engine.sampler import SampledToken, Sampler, top_logprobs
@@ -54,6 +55,7 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         use_engine_attention(model)
+        install_packed_linear(model)
         self.embed, self.layers, self.norm, self.rotary, self.lm_head = decoder_parts(model)
         self.kv_cache = PagedKVCache(kv_spec, num_blocks, self.device)
         self.block_size = kv_spec.block_size
