@@ -1,0 +1,136 @@
+"""`alchemist bench serving`: the engine against Hugging Face, side by side in one run.
+
+N distinct chat prompts, greedy, exactly `max_tokens` new tokens each (EOS suppressed
+until then: `min_tokens` here, `min_new_tokens` in `generate`), run through
+  - the engine, all N at once (continuous batching),
+  - the engine, one request at a time (what batching buys),
+  - `model.generate` on a static batch with left padding,
+  - `model.generate_batch`, transformers' own continuous batching (it stops at EOS, so
+    its tokens are counted, not assumed),
+in interleaved rounds; medians of tokens/s are reported with their ratios, and the
+engine's greedy tokens are checked against `generate`'s token for token. The Hugging
+Face paths run on their own, untouched copies of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from engine.config import AlchemistConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import load_model
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
+    "List three fruits and their colors.", "How do I boil an egg?", "What is 17 times 23?",
+    "Name a famous painter and one of their works.", "Why is the sky blue?", "Give me a tip for learning Python.",
+    "What does a compiler do?", "Describe a cat in two sentences.", "What is photosynthesis?",
+    "Suggest a name for a bakery.", "How far is the Moon?", "What is the largest ocean?", "Tell me a fun fact.",
+]
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    prompts = []
+    for i in range(count):
+        question = QUESTIONS[i % len(QUESTIONS)] + (f" (#{i // len(QUESTIONS)})" if i >= len(QUESTIONS) else "")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False)
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def hf_static_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt").to(model.device)
+    with torch.inference_mode():
+        out = model.generate(**batch, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    return [row.tolist() for row in out[:, batch["input_ids"].shape[1]:]]
+
+
+def hf_generate_batch(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():  # generate_batch writes its own buffers in place: not under inference_mode
+        out = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    return [list(out[key].generated_tokens) for key in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+
+
+def _timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens: int = 64, repeats: int = 3,
+                      json_path: str | None = None) -> dict:
+    model, tokenizer, name = load_model(config.model.model, config.model.dtype, config.model.device)
+    hf_model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
+    cb_model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
+    engine = LLMEngine(model, tokenizer, config)
+    prompts = chat_prompts(tokenizer, num_prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+
+    def engine_batched():
+        return [choices[0] for choices in engine.generate(prompts, params)]
+
+    def engine_sequential():
+        return [engine.generate([p], params)[0][0] for p in prompts]
+
+    paths = {
+        "engine": engine_batched,
+        "engine_sequential": engine_sequential,
+        "hf_generate": lambda: hf_static_generate(hf_model, tokenizer, prompts, max_tokens),
+        "hf_generate_batch": lambda: hf_generate_batch(cb_model, tokenizer, prompts, max_tokens),
+    }
+    logger.info("warming up each path")
+    engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
+    hf_static_generate(hf_model, tokenizer, prompts[:2], 2)
+    hf_generate_batch(cb_model, tokenizer, prompts[:2], 2)
+
+    rates: dict[str, list[float]] = {key: [] for key in paths}
+    outputs: dict[str, list[list[int]]] = {}
+    for round_index in range(repeats):
+        for key, fn in paths.items():
+            seconds, tokens = _timed(fn)
+            outputs[key] = tokens
+            rates[key].append(sum(len(t) for t in tokens) / seconds)
+            print(f"round {round_index + 1}/{repeats}  {key:<18} {rates[key][-1]:8.1f} tokens/s", flush=True)
+    median = {key: statistics.median(values) for key, values in rates.items()}
+    mismatches = [i for i, (a, b) in enumerate(zip(outputs["engine"], outputs["hf_generate"])) if a != b]
+    sequential_mismatches = [i for i, (a, b) in enumerate(zip(outputs["engine_sequential"], outputs["engine"]))
+                             if a != b]
+    result = {
+        "model": name,
+        "dtype": str(next(model.parameters()).dtype),
+        "device": str(next(model.parameters()).device),
+        "num_prompts": num_prompts,
+        "max_tokens": max_tokens,
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+        "tokens_per_s": {key: round(value, 2) for key, value in median.items()},
+        "tokens_per_s_all_rounds": {key: [round(v, 2) for v in values] for key, values in rates.items()},
+        "ratio_engine_over_hf_generate": round(median["engine"] / median["hf_generate"], 3),
+        "ratio_engine_over_hf_generate_batch": round(median["engine"] / median["hf_generate_batch"], 3),
+        "ratio_concurrent_over_sequential": round(median["engine"] / median["engine_sequential"], 3),
+        "greedy_equal_to_generate": not mismatches,
+        "greedy_mismatched_prompts": mismatches,
+        "batched_equal_to_alone": not sequential_mismatches,
+        "kv_cache_bytes_per_token": engine.kv_spec.bytes_per_token,
+    }
+    print(json.dumps(result, indent=2))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+    return result

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP front (FastAPI), its errors and metrics, and the CLI."""

@@ -1,0 +1,83 @@
+"""The `alchemist` command: `serve` and `bench serving`.
+
+Configuration comes from configs/default.toml, then `--config FILE`, then flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from engine.config import AlchemistConfig, load_config
+
+logger = logging.getLogger("alchemist")
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file layered over configs/default.toml")
+    parser.add_argument("--model", help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", help="name clients use in the 'model' field")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--kv-cache-bytes", type=int)
+
+
+def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
+    overrides = {
+        "model": {"model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
+                  "device": args.device, "max_model_len": args.max_model_len},
+        "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
+        "cache": {"kv_cache_bytes": args.kv_cache_bytes},
+        "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None)},
+    }
+    return load_config(args.config, overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="alchemist", description="OpenAI-compatible LLM server that learns "
+                                     "online from what it serves.")
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
+    _add_config_flags(serve)
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+
+    bench = commands.add_parser("bench", help="benchmarks, each a side-by-side ratio in one run")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    serving = benches.add_parser("serving", help="engine vs Hugging Face generate and generate_batch")
+    _add_config_flags(serving)
+    serving.add_argument("--num-prompts", type=int, default=8)
+    serving.add_argument("--max-tokens", type=int, default=64)
+    serving.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
+    serving.add_argument("--json", help="write the results to this JSON file")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"alchemist: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "serve":
+        from server.serve import serve
+        serve(config)
+        return 0
+    if args.command == "bench" and args.bench == "serving":
+        from engine.bench_serving import run_serving_bench
+        run_serving_bench(config, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                          repeats=args.repeats, json_path=args.json)
+        return 0
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
+
+Every path out of the server that is not a success goes through here — validation
+errors become 400 (never FastAPI's 422), unknown routes 404, and an unexpected
+exception a 500 whose body still has OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 409: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
+               type: str | None = None) -> dict:
+    err = APIError(status, message, param, code, type)
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code, err.type), status_code=err.status)
+
+
+def _loc_to_param(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p not in ("body",)]
+    # pydantic appends the union member it tried ("str", "list[TextPart]"); drop those
+    parts = [p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int", "float", "bool")]
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
+    return out or "body"
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    param = _loc_to_param(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param, "unrecognized_argument")
+    if first.get("type") == "missing":
+        return APIError(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    value = first.get("input")
+    shown = json.dumps(value)[:80] if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
+    return APIError(400, f"Invalid value for '{param}': {first.get('msg')} (got {shown}).", param, "invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError):
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else "request failed"
+        if exc.status_code == 404:
+            message = "Not found: no such route. Routes: /v1/chat/completions, /v1/completions, /v1/models, " \
+                      "/health, /metrics."
+        elif exc.status_code == 405:
+            message = "Method not allowed for this route."
+        return error_response(APIError(exc.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception):
+        logger.exception("unhandled error")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))

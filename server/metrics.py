@@ -1,0 +1,99 @@
+"""Prometheus metrics under the `alchemist:` prefix with vLLM's names after it.
+
+One registry per server instance (so tests can build several apps in one process). The
+engine's worker thread feeds it through the `EngineObserver` interface: per step
+(queue sizes, KV usage) and per request output (token counts, latencies).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.llm_engine import StepStats
+from engine.outputs import RequestOutput
+
+PREFIX = "alchemist:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class ServingMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def child(metric):
+            return metric.labels(model_name=model_name)
+
+        self.ttft = child(Histogram(f"{PREFIX}time_to_first_token_seconds",
+                                    "Time from request arrival to its first generated token, in seconds.",
+                                    labels, registry=r, buckets=_LATENCY_BUCKETS))
+        self.tpot = child(Histogram(f"{PREFIX}time_per_output_token_seconds",
+                                    "Time between consecutive generated tokens of a request, in seconds.",
+                                    labels, registry=r, buckets=_LATENCY_BUCKETS))
+        self.e2e = child(Histogram(f"{PREFIX}e2e_request_latency_seconds",
+                                   "Time from request arrival to its last token, in seconds.",
+                                   labels, registry=r, buckets=_E2E_BUCKETS))
+        self.prompt_len = child(Histogram(f"{PREFIX}request_prompt_tokens", "Prompt length of finished requests, "
+                                          "in tokens.", labels, registry=r, buckets=_TOKEN_BUCKETS))
+        self.gen_len = child(Histogram(f"{PREFIX}request_generation_tokens", "Tokens generated per finished "
+                                       "request (all choices), in tokens.", labels, registry=r,
+                                       buckets=_TOKEN_BUCKETS))
+        self.running = child(Gauge(f"{PREFIX}num_requests_running", "Sequences in the running batch.",
+                                   labels, registry=r))
+        self.waiting = child(Gauge(f"{PREFIX}num_requests_waiting", "Sequences waiting to be scheduled.",
+                                   labels, registry=r))
+        self.kv_usage = child(Gauge(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                                    labels, registry=r))
+        self.prompt_tokens = child(Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of requests that began "
+                                           "generating.", labels, registry=r))
+        self.generation_tokens = child(Counter(f"{PREFIX}generation_tokens", "Generated tokens.", labels,
+                                               registry=r))
+        self.preemptions = child(Counter(f"{PREFIX}num_preemptions", "Sequences preempted for KV cache space.",
+                                         labels, registry=r))
+        self.success = Counter(f"{PREFIX}request_success", "Finished requests, by finish reason.",
+                               labels + ["finished_reason"], registry=r)
+        self._model_name = model_name
+        self._started: set[str] = set()
+        self._last_token_time: dict[str, float] = {}
+
+    # EngineObserver
+    def on_step(self, stats: StepStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        if stats.num_preempted:
+            self.preemptions.inc(stats.num_preempted)
+
+    def on_output(self, output: RequestOutput) -> None:
+        rid, meta = output.request_id, output.metrics
+        new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        now = time.monotonic()
+        if new_tokens:
+            if rid not in self._started:
+                self._started.add(rid)
+                self.prompt_tokens.inc(meta.num_prompt_tokens)
+                if meta.first_token_time is not None:
+                    self.ttft.observe(meta.first_token_time - meta.arrival_time)
+            elif rid in self._last_token_time:
+                self.tpot.observe(now - self._last_token_time[rid])
+            self._last_token_time[rid] = now
+            self.generation_tokens.inc(new_tokens)
+        if output.finished:
+            if meta.finish_time is not None:
+                self.e2e.observe(meta.finish_time - meta.arrival_time)
+            self.prompt_len.observe(meta.num_prompt_tokens)
+            self.gen_len.observe(meta.num_generation_tokens)
+            reasons = {c.finish_reason for c in output.outputs if c.finish_reason}
+            for reason in reasons or {"abort"}:
+                self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
+            self._started.discard(rid)
+            self._last_token_time.pop(rid, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

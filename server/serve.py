@@ -1,0 +1,52 @@
+"""Builds the whole server from a config and runs it under uvicorn.
+
+Start-up order: model -> engine -> worker thread -> HTTP. Shutdown (SIGINT/SIGTERM via
+uvicorn) stops accepting connections, then stops the engine thread; requests still in
+flight receive an error rather than hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import uvicorn
+from fastapi import FastAPI
+
+from engine.async_engine import AsyncEngine
+from engine.config import AlchemistConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import load_model
+from server.app import ServerState, build_app
+from server.metrics import ServingMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name: str | None = None) -> FastAPI:
+    """The app for `config`; pass `model` and `tokenizer` to serve an in-memory model."""
+    if model is None:
+        model, tokenizer, model_name = load_model(config.model.model, config.model.dtype, config.model.device)
+    name = config.model.served_model_name or model_name or "model"
+    engine = LLMEngine(model, tokenizer, config)
+    metrics = ServingMetrics(name)
+    async_engine = AsyncEngine(engine, observers=[metrics])
+    state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, metrics)
+    app = build_app(state)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        async_engine.start()
+        logger.info("serving %s (max_model_len=%d, max_num_seqs=%d)", name, config.model.max_model_len,
+                    config.scheduler.max_num_seqs)
+        yield
+        async_engine.shutdown()
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+def serve(config: AlchemistConfig) -> None:
+    app = build_server(config)
+    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info",
+                timeout_graceful_shutdown=10)
