@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import InvalidParameter, SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 
 
 class _Strict(BaseModel):
@@ -108,6 +108,9 @@ class ChatCompletionRequest(_SamplingFields):
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         top = None
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidParameter("top_logprobs", f"top_logprobs must be between 0 and {MAX_LOGPROBS}, "
+                                   f"got {self.top_logprobs}")
         if self.logprobs:
             top = self.top_logprobs or 0
         elif self.top_logprobs is not None:

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny engines and in-process servers; `gpu` tests skip without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import AlchemistConfig, CacheConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from tests.tiny import tiny_model, tiny_tokenizer
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_config(max_model_len: int = 256, block_size: int = 4, kv_cache_bytes: int = 4 << 20,
+                max_num_seqs: int = 8, max_num_batched_tokens: int = 64) -> AlchemistConfig:
+    return AlchemistConfig(
+        model=ModelConfig(max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+    )
+
+
+def make_engine(family: str = "llama", **config_kwargs) -> LLMEngine:
+    return LLMEngine(tiny_model(family), tiny_tokenizer(), make_config(**config_kwargs))
+
+
+@pytest.fixture
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def encode(text: str) -> list[int]:
+    return tiny_tokenizer()(text)["input_ids"]

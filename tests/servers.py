@@ -1,0 +1,53 @@
+"""Serving a tiny in-process model over real HTTP (uvicorn on a loopback port) for tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from server.serve import build_server
+from tests.conftest import make_config
+from tests.tiny import tiny_model, tiny_tokenizer
+
+TINY_NAME = "tiny-llama"
+
+
+def tiny_app(family: str = "llama", **config_kwargs):
+    return build_server(make_config(**config_kwargs), model=tiny_model(family), tokenizer=tiny_tokenizer(),
+                        model_name=TINY_NAME)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """Runs an app under uvicorn in a thread; use as a context manager."""
+
+    def __init__(self, app):
+        self.app = app
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)

@@ -1,0 +1,53 @@
+"""A client that goes away stops its request at once (real HTTP, tiny model)."""
+
+import socket
+import time
+
+import httpx
+
+from tests.servers import TINY_NAME, ServerThread, tiny_app
+
+LONG = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3000,
+        "ignore_eos": True}
+
+
+def engine_of(app):
+    return app.state.alchemist.engine
+
+
+def wait_until(predicate, timeout: float) -> float:
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+def test_streaming_client_disconnect_aborts_the_request():
+    app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20)
+    engine = engine_of(app)
+    with ServerThread(app) as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            with client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if '"content"' in line and '""' not in line:
+                        break
+                assert engine.engine.num_requests == 1
+        waited = wait_until(lambda: engine.engine.num_requests == 0, timeout=2.0)
+    assert waited < 2.0
+
+
+def test_non_streaming_client_disconnect_aborts_the_request():
+    app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20)
+    engine = engine_of(app)
+    with ServerThread(app) as server:
+        body = httpx.Request("POST", f"{server.url}/v1/chat/completions", json=LONG).read()
+        sock = socket.create_connection(("127.0.0.1", server.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_until(lambda: engine.engine.num_requests == 1, timeout=5.0)
+        steps_before = engine.num_steps
+        sock.close()
+        wait_until(lambda: engine.engine.num_requests == 0, timeout=2.0)
+        assert engine.num_steps - steps_before < 2900  # stopped long before max_tokens

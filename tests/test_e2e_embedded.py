@@ -1,0 +1,99 @@
+"""End to end: `alchemist serve` on the embedded SmolLM2-135M-Instruct, driven by the
+official OpenAI Python SDK over real HTTP."""
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.servers import free_port
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    port = free_port()
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"alchemist-e2e-{port}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300  # the first start converts the GGUF (about 20 s)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("server did not become healthy")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server_url):
+    return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused")
+
+
+def test_sdk_chat_streaming_and_completions(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content":
+                                           "What is the capital of France?"}], max_tokens=20, temperature=0)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.usage.completion_tokens > 0
+
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                            max_tokens=12, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    assert chunks[-1].choices == [] and 0 < chunks[-1].usage.completion_tokens <= 12
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason in ("stop", "length")
+
+    scored = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=0, echo=True,
+                                       logprobs=1)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == "The capital of France is"
+    assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
+
+
+def test_sdk_errors_are_typed(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=9)
+    assert info.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+
+
+def test_eight_concurrent_requests_finish_at_least_twice_as_fast_as_sequential(client):
+    def one(i):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Tell me about the number {i}."}],
+            max_tokens=24, temperature=0, extra_body={"min_tokens": 24})
+
+    one(0)
+    started = time.perf_counter()
+    sequential = [one(i) for i in range(8)]
+    sequential_s = time.perf_counter() - started
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        concurrent_replies = list(pool.map(one, range(8)))
+    concurrent_s = time.perf_counter() - started
+    assert [r.choices[0].message.content for r in concurrent_replies] == \
+        [r.choices[0].message.content for r in sequential]
+    assert sequential_s / concurrent_s >= 2.0, (sequential_s, concurrent_s)

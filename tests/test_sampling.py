@@ -1,0 +1,158 @@
+"""Per-request sampling parameters as vLLM defines them, and logprobs."""
+
+import pytest
+import torch
+
+from engine.sampling_params import InvalidParameter, SamplingParams
+from tests.conftest import encode, make_engine
+from tests.tiny import tiny_tokenizer
+
+PROMPT = "Hello, how are you today?"
+
+
+def run(engine, params, prompt=PROMPT, request_id="r"):
+    engine.add_request(request_id, encode(prompt), params)
+    outputs = []
+    while engine.has_unfinished():
+        step_outputs, _ = engine.step()
+        outputs += [o for o in step_outputs if o.request_id == request_id]
+    return outputs
+
+
+def collect(outputs, index=0):
+    text, ids, lps, reason, stop_reason = "", [], [], None, None
+    for out in outputs:
+        for c in out.outputs:
+            if c.index == index:
+                text += c.text
+                ids += c.token_ids
+                lps += c.logprobs or []
+                reason, stop_reason = c.finish_reason or reason, c.stop_reason if c.finish_reason else stop_reason
+    return text, ids, lps, reason, stop_reason
+
+
+def test_max_tokens_respected():
+    _, ids, _, reason, _ = collect(run(make_engine(), SamplingParams(max_tokens=7, ignore_eos=True)))
+    assert len(ids) == 7 and reason == "length"
+
+
+def test_seed_reproducibility_independent_of_batch():
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = collect(run(make_engine(), params))[1]
+    engine = make_engine()
+    engine.add_request("other", encode("The quick brown fox"), SamplingParams(temperature=1.0, max_tokens=20))
+    with_company = collect(run(engine, params))[1]
+    assert alone == with_company
+    different = collect(run(make_engine(), SamplingParams(temperature=1.0, seed=99, max_tokens=16,
+                                                          ignore_eos=True)))[1]
+    assert different != alone
+
+
+def test_top_k_one_is_greedy():
+    greedy = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))[1]
+    top1 = collect(run(make_engine(), SamplingParams(temperature=1.0, top_k=1, seed=3, max_tokens=12,
+                                                     ignore_eos=True)))[1]
+    assert top1 == greedy
+
+
+def test_min_tokens_suppresses_eos_and_ignore_eos_continues_past_it():
+    engine = make_engine()
+    eos = tiny_tokenizer().eos_token_id
+    # force EOS: a stop token list containing every token but EOS is not possible, so
+    # check through min_tokens that EOS never appears before min_tokens
+    _, ids, _, _, _ = collect(run(engine, SamplingParams(temperature=1.0, seed=0, max_tokens=30, min_tokens=30)))
+    assert len(ids) == 30 and eos not in ids
+    _, ids, _, reason, _ = collect(run(make_engine(), SamplingParams(temperature=2.0, seed=5, max_tokens=200,
+                                                                     ignore_eos=True)))
+    assert len(ids) == 200 and reason == "length"
+
+
+def test_stop_token_ids_end_generation():
+    engine = make_engine()
+    greedy = collect(run(engine, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)))[1]
+    target = greedy[5]
+    first = greedy.index(target)
+    _, ids, _, reason, stop_reason = collect(run(make_engine(), SamplingParams(
+        temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[target])))
+    assert ids == greedy[:first + 1] and reason == "stop" and stop_reason == target
+
+
+def test_stop_string_truncates_output_and_is_not_streamed():
+    full_text = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)))[0]
+    stop = full_text[10:13]
+    outputs = run(make_engine(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]))
+    text, _, _, reason, stop_reason = collect(outputs)
+    assert text == full_text[:full_text.index(stop)] and reason == "stop" and stop_reason == stop
+    streamed = "".join(c.text for o in outputs for c in o.outputs)
+    assert stop not in streamed
+    included = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                         stop=[stop], include_stop_str_in_output=True)))[0]
+    assert included == full_text[:full_text.index(stop) + len(stop)]
+
+
+def test_n_choices_are_returned_and_differ():
+    outputs = run(make_engine(), SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True))
+    choices = [collect(outputs, i)[1] for i in range(3)]
+    assert all(len(c) == 10 for c in choices)
+    assert len({tuple(c) for c in choices}) == 3
+
+
+def test_logprobs_match_the_model_distribution():
+    engine = make_engine()
+    outputs = run(engine, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3,
+                                         prompt_logprobs=2))
+    _, ids, lps, _, _ = collect(outputs)
+    prompt = encode(PROMPT)
+    with torch.inference_mode():
+        ref = engine.model(torch.tensor([prompt + ids])).logits[0].float().log_softmax(-1)
+    for i, lp in enumerate(lps):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.token_id == ids[i]
+        assert lp.logprob == pytest.approx(row[ids[i]].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+    prompt_lps = next(o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None)
+    assert prompt_lps[0] is None and len(prompt_lps) == len(prompt)
+    for pos in range(1, len(prompt)):
+        assert prompt_lps[pos].logprob == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=1e-4)
+
+
+def test_max_tokens_zero_scores_the_prompt_only():
+    outputs = run(make_engine(), SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+    assert not collect(outputs)[1]
+    assert next(o.prompt_logprobs for o in outputs if o.prompt_logprobs) is not None
+
+
+def test_abort_stops_a_request_and_frees_its_blocks():
+    engine = make_engine()
+    engine.add_request("a", encode(PROMPT), SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    final = engine.abort_request("a")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished() and engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-5), "top_k"),
+    (dict(n=0), "n"), (dict(max_tokens=-1), "max_tokens"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(logprobs=21), "logprobs"), (dict(stop=[""]), "stop"), (dict(presence_penalty=3), "presence_penalty"),
+])
+def test_out_of_range_parameters_name_the_parameter(kwargs, param):
+    with pytest.raises(InvalidParameter) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_prompt_longer_than_the_context_is_rejected():
+    engine = make_engine(max_model_len=32)
+    with pytest.raises(InvalidParameter, match="maximum context length is 32"):
+        engine.add_request("x", list(range(5)) * 5, SamplingParams(max_tokens=10))
+    assert not engine.has_unfinished()
+
+
+def test_penalties_change_the_distribution():
+    base = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)))[1]
+    penalized = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                          frequency_penalty=2.0)))[1]
+    assert len(set(penalized)) >= len(set(base))
+    assert penalized != base

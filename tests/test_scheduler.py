@@ -1,0 +1,86 @@
+"""The scheduler without tensors: budgets, admission, chunked prefill, preemption."""
+
+from engine.config import SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+
+def create_scheduler(max_num_seqs=4, max_num_batched_tokens=16, num_blocks=32, block_size=4) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens), num_blocks, block_size)
+
+
+def create_sequence(seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", index=0, prompt_token_ids=list(range(prompt_len)),
+                    params=SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens, arrival_time=0.0,
+                    detokenizer=IncrementalDetokenizer(None, [], [], False, True))
+
+
+def complete_step(scheduler: Scheduler, output) -> None:
+    """What the engine's update does with the counters: compute, and sample a token
+    for each sequence whose pending tokens are done."""
+    for entry in output.scheduled:
+        done = entry.completes_pending
+        entry.seq.num_computed_tokens += entry.num_new_tokens
+        if done:
+            entry.seq.output_token_ids.append(0)
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_budget():
+    scheduler = create_scheduler(max_num_batched_tokens=16)
+    seq = create_sequence(0, prompt_len=40)
+    scheduler.add(seq)
+    chunks = []
+    while not seq.output_token_ids:
+        out = scheduler.schedule()
+        assert out.num_tokens <= 16
+        chunks.append(out.scheduled[0].num_new_tokens)
+        complete_step(scheduler, out)
+    assert chunks == [16, 16, 8]
+    assert scheduler.schedule().scheduled[0].num_new_tokens == 1  # then decode
+
+
+def test_decodes_share_a_step_with_a_new_prefill():
+    scheduler = create_scheduler(max_num_batched_tokens=16)
+    first = create_sequence(0, prompt_len=6)
+    scheduler.add(first)
+    complete_step(scheduler, scheduler.schedule())
+    scheduler.add(create_sequence(1, prompt_len=30))
+    out = scheduler.schedule()
+    assert [(e.seq.seq_id, e.num_new_tokens) for e in out.scheduled] == [(0, 1), (1, 15)]
+
+
+def test_max_num_seqs_bounds_the_running_batch():
+    scheduler = create_scheduler(max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(4):
+        scheduler.add(create_sequence(i, prompt_len=3))
+    out = scheduler.schedule()
+    assert len(out.scheduled) == 2 and len(scheduler.waiting) == 2
+
+
+def test_out_of_blocks_preempts_the_newest_and_it_is_recomputed_later():
+    scheduler = create_scheduler(max_num_batched_tokens=64, num_blocks=4, block_size=4)
+    old, new = create_sequence(0, prompt_len=7), create_sequence(1, prompt_len=7)
+    scheduler.add(old)
+    scheduler.add(new)
+    complete_step(scheduler, scheduler.schedule())  # both prefilled: 2 blocks each, all 4 used
+    complete_step(scheduler, scheduler.schedule())  # both decode token 8: still fits
+    out = scheduler.schedule()  # token 9 needs a third block for each: newest is preempted
+    assert out.preempted == [new]
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and not new.block_ids
+    assert [e.seq for e in out.scheduled] == [old]
+    scheduler.finish(old, "length")
+    out = scheduler.schedule()
+    assert out.scheduled[0].seq is new and out.scheduled[0].num_new_tokens == new.num_tokens  # recompute
+    assert scheduler.allocator.num_free == 4 - 3
+
+
+def test_finish_frees_blocks():
+    scheduler = create_scheduler()
+    seq = create_sequence(0, prompt_len=9)
+    scheduler.add(seq)
+    scheduler.schedule()
+    assert scheduler.allocator.num_free == 32 - 3
+    scheduler.finish(seq, "abort")
+    assert scheduler.allocator.num_free == 32 and not scheduler.has_unfinished()

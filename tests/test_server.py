@@ -1,0 +1,159 @@
+"""The OpenAI-compatible routes on a tiny model: shapes of responses and of errors."""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.servers import TINY_NAME, tiny_app
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(tiny_app(max_model_len=256)) as c:
+        yield c
+
+
+def chat(client, **body):
+    payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello, how are you?"}], **body}
+    return client.post("/v1/chat/completions", json=payload)
+
+
+def sse_events(response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_chat_completion_shape_and_usage(client):
+    r = chat(client, max_tokens=8, temperature=0, ignore_eos=True)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == TINY_NAME
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 8
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 8
+
+
+def test_streaming_chat_with_usage_matches_non_streaming(client):
+    expected = chat(client, max_tokens=10, temperature=0, ignore_eos=True).json()
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": TINY_NAME, "messages": [{"role": "user", "content": "Hello, how are you?"}], "max_tokens": 10,
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == expected["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == expected["usage"]
+    assert [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_logprobs(client):
+    body = chat(client, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == body["usage"]["completion_tokens"]
+    assert all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+
+
+def test_completions_echo_with_logprobs_scores_the_prompt(client):
+    r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "The quick brown fox", "max_tokens": 3,
+                                             "echo": True, "logprobs": 1, "temperature": 0})
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["text"].startswith("The quick brown fox")
+    lp = choice["logprobs"]
+    prompt_len = r.json()["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == prompt_len + 3
+    assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert lp["text_offset"][0] == 0
+
+
+def test_completions_batch_of_prompts_and_n(client):
+    r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": ["Hello", "Paris"], "max_tokens": 2,
+                                             "n": 2, "seed": 1})
+    assert r.status_code == 200
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+
+
+def test_streaming_completions(client):
+    with client.stream("POST", "/v1/completions", json={"model": TINY_NAME, "prompt": "Hello", "max_tokens": 5,
+                                                        "stream": True, "ignore_eos": True}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_models_health_and_metrics(client):
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == TINY_NAME
+    assert client.get(f"/v1/models/{TINY_NAME}").status_code == 200
+    assert client.get("/health").status_code == 200
+    chat(client, max_tokens=3)
+    text = client.get("/metrics").text
+    for name in ["alchemist:time_to_first_token_seconds_bucket", "alchemist:time_per_output_token_seconds_bucket",
+                 "alchemist:e2e_request_latency_seconds_bucket", "alchemist:num_requests_running",
+                 "alchemist:num_requests_waiting", "alchemist:prompt_tokens_total",
+                 "alchemist:generation_tokens_total"]:
+        assert name in text, name
+
+
+BAD_BODIES = [
+    ("malformed json", b'{"model": ', 400, None),
+    ("empty body", b"", 400, None),
+    ("not an object", b"[1, 2]", 400, None),
+    ("missing messages", {"model": TINY_NAME}, 400, "messages"),
+    ("empty messages", {"model": TINY_NAME, "messages": []}, 400, "messages"),
+    ("bad role", {"model": TINY_NAME, "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("temperature as string", {"temperature": "hot"}, 400, "temperature"),
+    ("temperature too high", {"temperature": 3.5}, 400, "temperature"),
+    ("negative max_tokens", {"max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens as float", {"max_tokens": 2.5}, 400, "max_tokens"),
+    ("n as bool", {"n": True}, 400, "n"),
+    ("top_p zero", {"top_p": 0}, 400, "top_p"),
+    ("too many logprobs", {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    ("unknown field", {"max_token": 5}, 400, "max_token"),
+    ("stop wrong type", {"stop": 5}, 400, "stop"),
+    ("unknown model", {"model": "gpt-9"}, 404, "model"),
+    ("context too long", {"max_tokens": 100000}, 400, "max_tokens"),
+    ("stream_options without stream", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("name, body, status, param", BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
+    if isinstance(body, dict):
+        full = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], **body}
+        if "messages" not in body and name == "missing messages":
+            full.pop("messages")
+        if name in ("empty messages", "bad role"):
+            full["messages"] = body["messages"]
+        r = client.post("/v1/chat/completions", json=full)
+    else:
+        r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_bad_completion_requests(client):
+    for body, param in [({"prompt": []}, "prompt"), ({"prompt": "x", "suffix": "y"}, "suffix"),
+                        ({"prompt": [[-1]]}, "prompt"), ({"prompt": [10**9]}, "prompt"),
+                        ({"prompt": "x", "best_of": 3}, "best_of")]:
+        r = client.post("/v1/completions", json={"model": TINY_NAME, **body})
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param
+
+
+def test_unknown_route_and_method_get_openai_errors(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = client.get("/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
