@@ -148,7 +148,7 @@ class AsyncEngine:
         self._deliver(output.request_id, output)
 
     def _fail_all(self, exc: BaseException) -> None:
-        for request_id in list(self.engine._requests):
+        for request_id in self.engine.request_ids():
             output = self.engine.abort_request(request_id)
             if output is not None:
                 output.error = f"{type(exc).__name__}: {exc}"

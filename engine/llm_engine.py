@@ -77,6 +77,8 @@ class LLMEngine:
             raise InvalidParameter("prompt", f"prompt token ids must be in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidParameter("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size})")
+        if any(t >= self.vocab_size for t in params.logit_bias):
+            raise InvalidParameter("logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size})")
         requested = len(prompt_token_ids) + (params.max_tokens or 0)
         if len(prompt_token_ids) >= self.max_model_len or requested > self.max_model_len:
             raise InvalidParameter(
@@ -127,6 +129,9 @@ class LLMEngine:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
 
     # -- the step ---------------------------------------------------------------------
 

@@ -34,8 +34,11 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> lis
 
 
 def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
-    """In place on one row (V,)."""
+    """logit_bias, then repetition/presence/frequency penalties, in place on one row (V,)."""
     params = seq.params
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(seq.prompt_token_ids + seq.output_token_ids, device=logits.device).unique()
         values = logits[seen]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# temperatures below this are treated as greedy (dividing by them overflows), as in vLLM
+_GREEDY_EPS = 1e-5
 
 
 class InvalidParameter(ValueError):
@@ -37,6 +39,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     # vLLM/HF multiplicative penalty over prompt and generated tokens; 1 disables it
     repetition_penalty: float = 1.0
+    # OpenAI logit_bias: token id -> value in [-100, 100] added to that token's logit
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # makes sampling reproducible for this request alone, whatever else is batched with it
     seed: int | None = None
     # generation stops before any of these strings (not included unless include_stop_str_in_output)
@@ -60,6 +64,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if self.top_k == 0:
             self.top_k = -1
+        self.logit_bias = dict(self.logit_bias)
         checks = [
             ("n", self.n >= 1, "must be at least 1"),
             ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
@@ -81,11 +86,16 @@ class SamplingParams:
             ("stop", len(self.stop) <= 16, "at most 16 stop strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be non-negative token ids"),
+            ("logit_bias", all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0
+                               for t, b in self.logit_bias.items()),
+             "must map token ids to values between -100 and 100"),
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must fit in 64 bits"),
         ]
         for param, ok, message in checks:
             if not ok:
                 raise InvalidParameter(param, f"{param} {message}, got {getattr(self, param)!r}")
+        if self.temperature < _GREEDY_EPS:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -93,4 +103,5 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias))

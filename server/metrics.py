@@ -74,14 +74,15 @@ class ServingMetrics:
         rid, meta = output.request_id, output.metrics
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
         now = time.monotonic()
+        aborted = all(c.finish_reason == "abort" for c in output.outputs)
+        if rid not in self._started and (new_tokens or (output.finished and not aborted)):
+            self._started.add(rid)  # prefill done (prompt-only requests finish without a token)
+            self.prompt_tokens.inc(meta.num_prompt_tokens)
+            if meta.first_token_time is not None:
+                self.ttft.observe(meta.first_token_time - meta.arrival_time)
+        elif new_tokens and rid in self._last_token_time:
+            self.tpot.observe(now - self._last_token_time[rid])
         if new_tokens:
-            if rid not in self._started:
-                self._started.add(rid)
-                self.prompt_tokens.inc(meta.num_prompt_tokens)
-                if meta.first_token_time is not None:
-                    self.ttft.observe(meta.first_token_time - meta.arrival_time)
-            elif rid in self._last_token_time:
-                self.tpot.observe(now - self._last_token_time[rid])
             self._last_token_time[rid] = now
             self.generation_tokens.inc(new_tokens)
         if output.finished:

@@ -63,6 +63,7 @@ class _SamplingFields(_Strict):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -86,8 +87,13 @@ class _SamplingFields(_Strict):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
         }
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
+            bias[int(key)] = value
         return SamplingParams(
-            n=self.n, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+            n=self.n, logit_bias=bias, seed=self.seed, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,

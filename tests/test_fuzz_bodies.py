@@ -12,10 +12,10 @@ from tests.servers import TINY_NAME, tiny_app
 VALUES = [None, True, False, 0, -1, 1, 2.5, -1e9, 1e308, 10**30, "", "x", "hot", [], [1], ["a"], [[1, 2]], {},
           {"type": "text"}, {"include_usage": True}, [{"role": "user"}], [{"role": "user", "content": 5}],
           [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "system", "content": None}],
-          "\u0000", "🙂" * 3, [-5], [10**12]]
+          "\u0000", "🙂" * 3, [-5], [10**12], {"5": 1}, {"a": 1}, {"1": 1e9}]
 FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed",
           "stream", "stream_options", "logprobs", "top_logprobs", "echo", "presence_penalty", "min_tokens",
-          "stop_token_ids", "response_format", "best_of", "ignore_eos", "unknown_field", "max_completion_tokens"]
+          "stop_token_ids", "logit_bias", "response_format", "best_of", "ignore_eos", "unknown_field", "max_completion_tokens"]
 
 
 def mutate(rng: random.Random, base: dict) -> bytes:

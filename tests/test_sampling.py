@@ -156,3 +156,20 @@ def test_penalties_change_the_distribution():
                                                           frequency_penalty=2.0)))[1]
     assert len(set(penalized)) >= len(set(base))
     assert penalized != base
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    engine = make_engine()
+    greedy = collect(run(engine, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))[1]
+    forced = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                       logit_bias={42: 100.0})))[1]
+    assert forced == [42] * 8
+    banned = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                       logit_bias={greedy[0]: -100.0})))[1]
+    assert banned[0] != greedy[0]
+
+
+def test_tiny_temperature_is_greedy():
+    greedy = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))[1]
+    tiny = collect(run(make_engine(), SamplingParams(temperature=1e-9, max_tokens=8, ignore_eos=True)))[1]
+    assert tiny == greedy

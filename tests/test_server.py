@@ -157,3 +157,23 @@ def test_unknown_route_and_method_get_openai_errors(client):
     assert r.status_code == 404 and "error" in r.json()
     r = client.get("/v1/chat/completions")
     assert r.status_code == 405 and "error" in r.json()
+
+
+def test_logit_bias_over_http(client):
+    r = chat(client, max_tokens=3, temperature=0, ignore_eos=True, logit_bias={"42": 100})
+    assert r.status_code == 200
+    r = chat(client, max_tokens=3, logit_bias={"not-a-token": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    r = chat(client, max_tokens=3, logit_bias={"99999999": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+
+
+def test_prompt_only_requests_count_prompt_tokens(client):
+    def prompt_total():
+        line = next(l for l in client.get("/metrics").text.splitlines()
+                    if l.startswith("alchemist:prompt_tokens_total"))
+        return float(line.split()[-1])
+    before = prompt_total()
+    r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 0,
+                                             "echo": True, "logprobs": 0})
+    assert prompt_total() - before == r.json()["usage"]["prompt_tokens"]
