@@ -3,8 +3,7 @@
 All tensor work happens on the worker thread; the asyncio loop only enqueues messages
 (add, abort, shutdown) and awaits per-request queues, so it stays responsive while a
 step runs. Messages are applied at step boundaries: an aborted request (for example a
-client that disconnected) stops within one engine step. `idle_hook`, when set, is
-called whenever the engine has nothing runnable — the place where training slices go.
+client that disconnected) stops within one engine step. When nothing is runnable the thread sleeps until a message arrives.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncIterator, Protocol
 
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
@@ -50,12 +49,9 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observers: list[EngineObserver] | None = None,
-                 idle_hook: Callable[[], bool] | None = None):
+    def __init__(self, engine: LLMEngine, observers: list[EngineObserver] | None = None):
         self.engine = engine
         self.observers = observers or []
-        # returns True if it did work (then the loop checks for requests again at once)
-        self.idle_hook = idle_hook
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -170,8 +166,6 @@ class AsyncEngine:
                     observer.on_step(stats)
                 for output in outputs:
                     self._publish(output)
-            elif self.idle_hook is not None and self.idle_hook():
-                continue
             else:
                 self._wake.wait()
         self._fail_all(EngineDeadError("the server is shutting down"))

@@ -4,6 +4,7 @@ N distinct chat prompts, greedy, exactly `max_tokens` new tokens each (EOS suppr
 until then: `min_tokens` here, `min_new_tokens` in `generate`), run through
   - the engine, all N at once (continuous batching),
   - the engine, one request at a time (what batching buys),
+  - the engine with plain `F.linear` instead of oneDNN-packed weights (what packing buys),
   - `model.generate` on a static batch with left padding,
   - `model.generate_batch`, transformers' own continuous batching (it stops at EOS, so
     its tokens are counted, not assumed),
@@ -14,6 +15,7 @@ Face paths run on their own, untouched copies of the model.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
@@ -75,10 +77,14 @@ def _timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
 
 def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens: int = 64, repeats: int = 3,
                       json_path: str | None = None) -> dict:
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     model, tokenizer, name = load_model(config.model.model, config.model.dtype, config.model.device)
     hf_model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
     cb_model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
+    plain_model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
     engine = LLMEngine(model, tokenizer, config)
+    plain_config = dataclasses.replace(config, model=dataclasses.replace(config.model, packed_linear=False))
+    plain_engine = LLMEngine(plain_model, tokenizer, plain_config)
     prompts = chat_prompts(tokenizer, num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
 
@@ -88,14 +94,19 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     def engine_sequential():
         return [engine.generate([p], params)[0][0] for p in prompts]
 
+    def engine_plain_linear():
+        return [choices[0] for choices in plain_engine.generate(prompts, params)]
+
     paths = {
         "engine": engine_batched,
         "engine_sequential": engine_sequential,
+        "engine_plain_linear": engine_plain_linear,
         "hf_generate": lambda: hf_static_generate(hf_model, tokenizer, prompts, max_tokens),
         "hf_generate_batch": lambda: hf_generate_batch(cb_model, tokenizer, prompts, max_tokens),
     }
     logger.info("warming up each path")
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
+    plain_engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
     hf_static_generate(hf_model, tokenizer, prompts[:2], 2)
     hf_generate_batch(cb_model, tokenizer, prompts[:2], 2)
 
@@ -106,7 +117,7 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
             seconds, tokens = _timed(fn)
             outputs[key] = tokens
             rates[key].append(sum(len(t) for t in tokens) / seconds)
-            print(f"round {round_index + 1}/{repeats}  {key:<18} {rates[key][-1]:8.1f} tokens/s", flush=True)
+            print(f"round {round_index + 1}/{repeats}  {key:<20} {rates[key][-1]:8.1f} tokens/s", flush=True)
     median = {key: statistics.median(values) for key, values in rates.items()}
     mismatches = [i for i, (a, b) in enumerate(zip(outputs["engine"], outputs["hf_generate"])) if a != b]
     sequential_mismatches = [i for i, (a, b) in enumerate(zip(outputs["engine_sequential"], outputs["engine"]))
@@ -124,6 +135,8 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
         "ratio_engine_over_hf_generate": round(median["engine"] / median["hf_generate"], 3),
         "ratio_engine_over_hf_generate_batch": round(median["engine"] / median["hf_generate_batch"], 3),
         "ratio_concurrent_over_sequential": round(median["engine"] / median["engine_sequential"], 3),
+        "ratio_packed_over_plain_linear": round(median["engine"] / median["engine_plain_linear"], 3),
+        "packed_equal_to_plain_linear": outputs["engine"] == outputs["engine_plain_linear"],
         "greedy_equal_to_generate": not mismatches,
         "greedy_mismatched_prompts": mismatches,
         "batched_equal_to_alone": not sequential_mismatches,

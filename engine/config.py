@@ -28,6 +28,8 @@ class ModelConfig:
     device: str = "auto"
     # upper bound on prompt + completion tokens of one sequence
     max_model_len: int = 2048
+    # on CPU, run frozen linear layers through oneDNN with prepacked weights (engine/packed_linear.py)
+    packed_linear: bool = True
 
 
 @dataclass(frozen=True)

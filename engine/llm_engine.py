@@ -59,7 +59,8 @@ class LLMEngine:
         self.kv_spec = spec
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
         self.vocab_size = model.config.vocab_size
-        self.runner = ModelRunner(model, spec, num_blocks, Sampler(self.eos_token_ids))
+        self.runner = ModelRunner(model, spec, num_blocks, Sampler(self.eos_token_ids),
+                                  packed_linear=config.model.packed_linear)
         self.scheduler = Scheduler(config.scheduler, num_blocks, spec.block_size)
         self._requests: dict[str, list[Sequence]] = {}
         self._request_meta: dict[str, RequestMetrics] = {}
@@ -129,6 +130,10 @@ class LLMEngine:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+    def cache_info(self) -> dict[str, str]:
+        return {"block_size": str(self.kv_spec.block_size), "num_blocks": str(self.runner.kv_cache.num_blocks),
+                "bytes_per_token": str(self.kv_spec.bytes_per_token), "dtype": str(self.kv_spec.dtype)}
 
     def request_ids(self) -> list[str]:
         return list(self._requests)

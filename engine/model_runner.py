@@ -51,11 +51,12 @@ def decoder_parts(model):
 
 
 class ModelRunner:
-    def __init__(self, model, kv_spec: KVCacheSpec, num_blocks: int, sampler: Sampler):
+    def __init__(self, model, kv_spec: KVCacheSpec, num_blocks: int, sampler: Sampler, packed_linear: bool = True):
         self.model = model
         self.device = next(model.parameters()).device
         use_engine_attention(model)
-        install_packed_linear(model)
+        if packed_linear:
+            install_packed_linear(model)
         self.embed, self.layers, self.norm, self.rotary, self.lm_head = decoder_parts(model)
         self.kv_cache = PagedKVCache(kv_spec, num_blocks, self.device)
         self.block_size = kv_spec.block_size

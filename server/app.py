@@ -265,9 +265,8 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = engine_stream(state, request_id, prompt_ids, params)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventSourceResponse(_chat_events(state, request_id, stream, params, len(prompt_ids),
-                                                    include_usage), ping=15)
+                                                    body.stream_options), ping=15)
         result = await until_disconnect(request, _chat_response(state, request_id, stream, params,
                                                                  len(prompt_ids)))
         return result if result is not None else Response(status_code=499)
@@ -289,9 +288,8 @@ def build_app(state: ServerState) -> FastAPI:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = [engine_stream(state, f"{request_id}-{i}", ids, params) for i, (ids, _) in enumerate(prompts)]
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return EventSourceResponse(_completion_events(state, request_id, streams, prompts, body, params,
-                                                          include_usage), ping=15)
+                                                          body.stream_options), ping=15)
         result = await until_disconnect(request, _completion_response(state, request_id, streams, prompts,
                                                                        body, params))
         return result if result is not None else Response(status_code=499)
@@ -348,17 +346,19 @@ async def _chat_response(state, request_id, stream, params: SamplingParams, num_
 
 
 async def _chat_events(state, request_id, stream, params: SamplingParams, num_prompt_tokens: int,
-                       include_usage: bool):
+                       stream_options):
     created = int(time.time())
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = include_usage and stream_options.continuous_usage_stats
+    completion_tokens = 0
 
     def chunk(choices, usage_value=None):
         data = {"id": request_id, "object": "chat.completion.chunk", "created": created,
                 "model": state.model_name, "choices": choices}
         if include_usage:
-            data["usage"] = usage_value
+            data["usage"] = usage_value or (usage(num_prompt_tokens, completion_tokens) if continuous else None)
         return {"data": json.dumps(data)}
 
-    completion_tokens = 0
     try:
         for i in range(params.n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -424,18 +424,21 @@ async def _completion_response(state, request_id, streams, prompts, body: Comple
 
 
 async def _completion_events(state, request_id, streams, prompts, body: CompletionRequest,
-                             params: SamplingParams, include_usage: bool):
+                             params: SamplingParams, stream_options):
     created = int(time.time())
     n = params.n
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = include_usage and stream_options.continuous_usage_stats
+    prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    completion_tokens = 0
 
     def chunk(choices, usage_value=None):
         data = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name,
                 "choices": choices}
         if include_usage:
-            data["usage"] = usage_value
+            data["usage"] = usage_value or (usage(prompt_tokens, completion_tokens) if continuous else None)
         return {"data": json.dumps(data)}
 
-    completion_tokens = 0
     offsets = [0] * (len(prompts) * n)
     echoed = [False] * (len(prompts) * n)
     try:
@@ -459,7 +462,7 @@ async def _completion_events(state, request_id, streams, prompts, body: Completi
                 yield chunk([{"index": k, "text": text, "logprobs": lp,
                               "finish_reason": _finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])
         if include_usage:
-            yield chunk([], usage(sum(len(ids) for ids, _ in prompts), completion_tokens))
+            yield chunk([], usage(prompt_tokens, completion_tokens))
     except APIError as exc:
         yield {"data": json.dumps(error_body(exc.status, exc.message, exc.param, exc.code, exc.type))}
     yield {"data": "[DONE]"}

@@ -22,7 +22,7 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
 class ServingMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, cache_info: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -58,6 +58,10 @@ class ServingMetrics:
                                          labels, registry=r))
         self.success = Counter(f"{PREFIX}request_success", "Finished requests, by finish reason.",
                                labels + ["finished_reason"], registry=r)
+        if cache_info:
+            info = Gauge(f"{PREFIX}cache_config_info", "KV cache configuration (block_size, num_blocks, "
+                         "bytes_per_token, dtype); the value is always 1.", sorted(cache_info), registry=r)
+            info.labels(**cache_info).set(1)
         self._model_name = model_name
         self._started: set[str] = set()
         self._last_token_time: dict[str, float] = {}

@@ -29,7 +29,7 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
         model, tokenizer, model_name = load_model(config.model.model, config.model.dtype, config.model.device)
     name = config.model.served_model_name or model_name or "model"
     engine = LLMEngine(model, tokenizer, config)
-    metrics = ServingMetrics(name)
+    metrics = ServingMetrics(name, engine.cache_info())
     async_engine = AsyncEngine(engine, observers=[metrics])
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, metrics)
     app = build_app(state)

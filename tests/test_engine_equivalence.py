@@ -2,12 +2,15 @@
 supported family: alone, batched with prompts of other lengths, with prefill chunked
 across steps, and with sequences preempted and recomputed."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.conftest import encode, make_engine
-from tests.tiny import FAMILIES
+from tests.conftest import encode, make_config, make_engine
+from tests.tiny import FAMILIES, tiny_model, tiny_tokenizer
 
 PROMPTS = ["Hello, how are you today?", "The quick brown fox jumps over the lazy dog. What is the capital of France?",
            "Paris", "Continuous batching lets new requests join"]
@@ -65,10 +68,6 @@ def test_requests_join_a_running_batch_at_step_boundaries():
 
 @pytest.mark.gpu
 def test_greedy_equals_generate_on_cuda():
-    from engine.llm_engine import LLMEngine
-    from tests.conftest import make_config
-    from tests.tiny import tiny_model, tiny_tokenizer
-
     model = tiny_model("llama").to("cuda")
     engine = LLMEngine(model, tiny_tokenizer(), make_config())
     prompts = [encode(p) for p in PROMPTS]
@@ -77,3 +76,15 @@ def test_greedy_equals_generate_on_cuda():
                                     min_new_tokens=MAX_TOKENS, do_sample=False,
                                     pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     assert [c[0] for c in engine.generate(prompts, greedy())] == reference
+
+
+def test_packed_linear_engine_equals_plain_linear_engine():
+    prompts = [encode(p) for p in PROMPTS]
+    packed = make_engine("qwen2")  # qwen2: biased q/k/v projections go through the packed path too
+    plain_config = make_config()
+    plain_config = dataclasses.replace(plain_config, model=dataclasses.replace(plain_config.model,
+                                                                               packed_linear=False))
+    plain = LLMEngine(tiny_model("qwen2"), tiny_tokenizer(), plain_config)
+    assert any(type(m).__name__ == "PackedLinear" for m in packed.model.modules())
+    assert not any(type(m).__name__ == "PackedLinear" for m in plain.model.modules())
+    assert packed.generate(prompts, greedy()) == plain.generate(prompts, greedy())

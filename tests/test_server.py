@@ -177,3 +177,18 @@ def test_prompt_only_requests_count_prompt_tokens(client):
     r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hello there", "max_tokens": 0,
                                              "echo": True, "logprobs": 0})
     assert prompt_total() - before == r.json()["usage"]["prompt_tokens"]
+
+
+def test_continuous_usage_stats_put_running_usage_in_every_chunk(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": TINY_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}) as r:
+        chunks = sse_events(r)[:-1]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert all(c["usage"]["prompt_tokens"] == chunks[0]["usage"]["prompt_tokens"] for c in chunks)
+
+
+def test_cache_config_is_exported(client):
+    line = next(l for l in client.get("/metrics").text.splitlines() if l.startswith("alchemist:cache_config_info"))
+    assert 'bytes_per_token="512"' in line  # 2 (K,V) * 2 layers * 2 kv heads * 16 head_dim * 4 bytes
