@@ -48,6 +48,56 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
 
 
+TRAIN_MODES = ("off", "cpt", "dpo")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # off | cpt (continual pre-training on prompts) | dpo (preference alignment from feedback)
+    mode: str = "off"
+    learning_rate: float = 1e-4
+    # LoRA rank (the paper's 8), scale alpha, and modules; empty: the family's attention projections
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    target_modules: tuple[str, ...] = ()
+    # DPO sigmoid loss temperature
+    dpo_beta: float = 0.1
+    # a DPO entry whose feedback has not arrived this many seconds after the response is evicted
+    label_timeout_s: float = 300.0
+    # bytes of recorded activations the activation cache may hold
+    cache_bytes: int = 2 << 30
+    # when a new recording does not fit: drop_new (the paper's) or evict_oldest
+    cache_full_policy: str = "drop_new"
+    # fraction of requests whose prefill is recorded (1: every request)
+    record_fraction: float = 1.0
+    # prompts longer than this are served but not recorded
+    max_record_tokens: int = 2048
+    # an entry recorded under an older adapter version: recompute it, or drop it
+    stale_policy: str = "recompute"
+    # gradient clipping (max global norm over LoRA parameters)
+    max_grad_norm: float = 1.0
+    # entries whose gradients are accumulated into one optimizer step
+    entries_per_step: int = 1
+    # seed for the adapter's initialization and the record-fraction draw
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in TRAIN_MODES:
+            raise ValueError(f"train.mode must be one of {TRAIN_MODES}, got {self.mode!r}")
+        if self.cache_full_policy not in ("drop_new", "evict_oldest"):
+            raise ValueError(f"train.cache_full_policy must be drop_new or evict_oldest, got {self.cache_full_policy!r}")
+        if self.stale_policy not in ("recompute", "drop"):
+            raise ValueError(f"train.stale_policy must be recompute or drop, got {self.stale_policy!r}")
+        if not 0.0 <= self.record_fraction <= 1.0:
+            raise ValueError(f"train.record_fraction must be in [0, 1], got {self.record_fraction}")
+        for name in ("learning_rate", "dpo_beta", "label_timeout_s", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("lora_rank", "lora_alpha", "cache_bytes", "max_record_tokens", "entries_per_step"):
+            _check_positive(self, name)
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -59,6 +109,7 @@ class AlchemistConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:

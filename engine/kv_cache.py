@@ -94,25 +94,35 @@ class AttentionMetadata:
     (Qmax) and the longest context (S).
     """
 
-    # (T,) cache slot each new token's K/V is written to
-    slot_mapping: torch.Tensor
     # (B, Qmax) packed index of each sequence's query rows; padding points at row 0
     query_index: torch.Tensor
     # (T,) row of each packed token in the flattened (B * Qmax) attention output
     output_index: torch.Tensor
-    # (B, S) cache slot of each key position; padding points at slot 0 (masked)
-    key_slots: torch.Tensor
     # (B, Qmax) absolute position of each query row; padding rows get -1
     query_positions: torch.Tensor
+    # S: key positions per sequence (0 .. S-1), the longest context in the step
+    num_keys: int
+    # (T,) cache slot each new token's K/V is written to; None when nothing is cached
+    slot_mapping: torch.Tensor | None = None
+    # (B, S) cache slot of each key position; padding points at slot 0 (masked)
+    key_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self._masks: dict[int | None, torch.Tensor] = {}
+
+    @classmethod
+    def contiguous(cls, num_queries: int, start: int, device: torch.device) -> "AttentionMetadata":
+        """One sequence whose queries are positions start .. start + num_queries - 1 and
+        whose keys are positions 0 .. start + num_queries - 1 (training forwards)."""
+        rows = torch.arange(num_queries, device=device)
+        return cls(query_index=rows.unsqueeze(0), output_index=rows,
+                   query_positions=(rows + start).unsqueeze(0), num_keys=start + num_queries)
 
     def mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """(B, 1, Qmax, S) bool, True where a query may attend to a key."""
         if sliding_window not in self._masks:
             positions = self.query_positions.unsqueeze(-1)  # (B, Qmax, 1)
-            keys = torch.arange(self.key_slots.shape[1], device=positions.device)  # (S,)
+            keys = torch.arange(self.num_keys, device=positions.device)  # (S,)
             allowed = keys <= positions
             if sliding_window is not None:
                 allowed &= keys > positions - sliding_window
@@ -123,11 +133,18 @@ class AttentionMetadata:
 
 class StepKV:
     """The `past_key_values` a decoder layer sees during one engine step: `update()`
-    stores the step's new K/V in the pool and returns each sequence's full K/V."""
+    stores the step's new K/V in the pool and returns each sequence's full K/V.
 
-    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata):
+    With `record=True` (a recorded prefill: one sequence, whole prompt) the pool gets
+    detached copies while attention uses the live, graph-connected K/V, which are kept in
+    `recorded` per layer; decode later reads only the pool, so it never touches the graph.
+    """
+
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, record: bool = False):
         self.cache = cache
         self.metadata = metadata
+        self.record = record
+        self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key, value: (1, KVH, T, D) -> (B, KVH, S, D) each."""
@@ -135,5 +152,25 @@ class StepKV:
         k_pool, v_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         k_pool.index_copy_(0, slots, key[0].transpose(0, 1).detach())
         v_pool.index_copy_(0, slots, value[0].transpose(0, 1).detach())
+        if self.record:
+            self.recorded[layer_idx] = (key, value)
+            return key, value
         key_slots = self.metadata.key_slots
         return k_pool[key_slots].transpose(1, 2), v_pool[key_slots].transpose(1, 2)
+
+
+class PrefixKV:
+    """`past_key_values` for a training forward of new tokens after a prefix whose K/V
+    are given per layer (e.g. detached leaves of a recorded prompt): attention sees
+    [prefix ; new]. The new tokens' K/V are kept in `new` per layer."""
+
+    def __init__(self, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None):
+        self.prefix = prefix
+        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.new[layer_idx] = (key, value)
+        if not self.prefix:
+            return key, value
+        prefix_key, prefix_value = self.prefix[layer_idx]
+        return torch.cat([prefix_key, key], dim=2), torch.cat([prefix_value, value], dim=2)

@@ -13,6 +13,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -21,12 +22,21 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheSpec, blocks_needed
 from engine.model_runner import ModelOutput, ModelRunner
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.recording import RecordedPrefill, RecordSpec
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+
+class PrefillRecorder(Protocol):
+    """Receives recorded prefills (the trainer)."""
+
+    def adapter_version(self) -> int: ...
+
+    def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None: ...
 
 
 @dataclass
@@ -65,6 +75,8 @@ class LLMEngine:
         self._requests: dict[str, list[Sequence]] = {}
         self._request_meta: dict[str, RequestMetrics] = {}
         self._seq_ids = itertools.count()
+        # set by the trainer when training is on
+        self.recorder: PrefillRecorder | None = None
         logger.info("KV cache: %d blocks x %d tokens, %d bytes per token, %.1f MiB", num_blocks,
                     spec.block_size, spec.bytes_per_token, self.runner.kv_cache.memory_bytes / 2**20)
 
@@ -89,7 +101,8 @@ class LLMEngine:
                 f"completion). Please reduce the length of the messages or completion.")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, record: RecordSpec | None = None) -> None:
+        """`record`: record the prefill of choice 0 for training (see engine/recording.py)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         self.validate(prompt_token_ids, params)
@@ -110,6 +123,8 @@ class LLMEngine:
             )
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
+            if index == 0:
+                seq.record = record
             seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = seqs
@@ -159,6 +174,11 @@ class LLMEngine:
             seq = entry.seq
             completes_pending = entry.completes_pending
             seq.num_computed_tokens += entry.num_new_tokens
+            if scheduled.recorded:
+                seq.record = None
+                if model_output.recording is not None and self.recorder is not None:
+                    model_output.recording.adapter_version = self.recorder.adapter_version()
+                    self.recorder.on_recorded(seq.request_id, model_output.recording)
             if seq.seq_id in model_output.prompt_logprobs:
                 seq.prompt_logprobs.extend(model_output.prompt_logprobs[seq.seq_id])
                 touched.add(seq.request_id)

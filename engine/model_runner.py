@@ -17,6 +17,7 @@ from engine.attention import use_engine_attention
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
+from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -30,6 +31,8 @@ class ModelOutput:
     sampled: dict[int, SampledToken] = field(default_factory=dict)
     # seq_id -> logprobs of prompt tokens computed this step, in prompt order
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    # the graph of a recorded prefill step (its adapter_version is filled by the engine)
+    recording: RecordedPrefill | None = None
 
 
 @dataclass
@@ -109,28 +112,74 @@ class ModelRunner:
             slot_mapping[rows[0]:rows[-1] + 1] = table_row[row_pos // self.block_size] * self.block_size \
                 + row_pos % self.block_size
         metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device), query_index=query_index.to(device),
-            output_index=output_index.to(device), key_slots=key_slots.to(device),
-            query_positions=query_positions.to(device),
+            query_index=query_index.to(device), output_index=output_index.to(device),
+            query_positions=query_positions.to(device), num_keys=max_ctx,
+            slot_mapping=slot_mapping.to(device), key_slots=key_slots.to(device),
         )
         return _PackedStep(torch.tensor(ids, device=device), pos_tensor.to(device), metadata,
                            sample_rows, sample_entries, prompt_rows)
 
+    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
+                   leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
+                   ) -> torch.Tensor:
+        """hidden: (1, T, hidden) embeddings -> (1, T, hidden) output of the last layer.
+
+        With `leaves`/`outputs` given, each layer's input is made a fresh autograd leaf
+        (one segment per layer) and the leaves and outputs are appended to them."""
+        position_ids = positions.unsqueeze(0)
+        position_embeddings = self.rotary(hidden, position_ids)
+        for layer in self.layers:
+            if leaves is not None:
+                hidden = hidden.detach().requires_grad_()
+                leaves.append(hidden)
+            hidden = layer(hidden, attention_mask=metadata, position_ids=position_ids, past_key_values=past,
+                           position_embeddings=position_embeddings)
+            if isinstance(hidden, tuple):
+                hidden = hidden[0]
+            if outputs is not None:
+                outputs.append(hidden)
+        return hidden
+
     def forward_hidden(self, packed: _PackedStep) -> torch.Tensor:
         """Runs embedding, decoder layers and final norm; returns (T, hidden)."""
         hidden = self.embed(packed.input_ids.unsqueeze(0))  # (1, T, hidden)
-        position_ids = packed.positions.unsqueeze(0)
-        position_embeddings = self.rotary(hidden, position_ids)
-        past = StepKV(self.kv_cache, packed.metadata)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=packed.metadata, position_ids=position_ids,
-                           past_key_values=past, position_embeddings=position_embeddings)
-            if isinstance(hidden, tuple):
-                hidden = hidden[0]
+        hidden = self.run_layers(hidden, packed.positions, packed.metadata, StepKV(self.kv_cache, packed.metadata))
         return self.norm(hidden)[0]
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelOutput:
+        if step.recorded:
+            return self._execute_recorded(step)
+        with torch.inference_mode():
+            return self._execute(step)
+
+    def _execute_recorded(self, step: SchedulerOutput) -> ModelOutput:
+        """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only;
+        base weights are frozen), kept as per-layer segments plus a head segment."""
+        packed = self._pack(step)
+        seq = step.scheduled[0].seq
+        tracker = SavedTensorTracker()
+        leaves: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        past = StepKV(self.kv_cache, packed.metadata, record=True)
+        with torch.enable_grad(), tracker.hooks():
+            with torch.no_grad():
+                hidden = self.embed(packed.input_ids.unsqueeze(0))
+            hidden = self.run_layers(hidden, packed.positions, packed.metadata, past, leaves, outs)
+            head_leaf = hidden.detach().requires_grad_()
+            normed = self.norm(head_leaf)[0]  # (T, hidden)
+            all_rows = seq.record.all_logit_rows
+            logits = self.lm_head(normed if all_rows else normed[-1:])
+        segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
+        recording = RecordedPrefill(list(seq.prompt_token_ids), -1, segments, head_leaf, logits, all_rows,
+                                    saved_bytes=tracker.peak_bytes)
+        output = ModelOutput(recording=recording)
+        if packed.sample_rows:
+            with torch.inference_mode():
+                token = self.sampler.sample(logits[-1:].detach(), [seq])[0]
+            output.sampled[seq.seq_id] = token
+        return output
+
+    def _execute(self, step: SchedulerOutput) -> ModelOutput:
         packed = self._pack(step)
         hidden = self.forward_hidden(packed)
         output = ModelOutput()

@@ -3,11 +3,13 @@
 At decode batch sizes MKL's sgemm streams the weights at ~10 GB/s on this machine; oneDNN
 with the weight reordered once into its blocked layout reaches 2-5x that (measured per
 shape and row count while building this; `alchemist bench serving` compares the engine
-against plain Hugging Face end to end). The packed copy is used only where autograd is
-not involved (inference, and forward passes whose input and weight need no grad); any
-forward that autograd must see — a recorded prefill, training — uses `F.linear` on the
-original weight. If the weight is modified in place its version counter changes and the
-pack is rebuilt, so the packed path never serves stale weights.
+against plain Hugging Face end to end). The weights are frozen (only LoRA adapters
+train), so the packed copy also serves forwards that autograd records: a recorded
+prefill or a training forward needs the gradient with respect to the input only, which
+`_PackedLinearFunction` computes as `grad @ W` from the original weight. A weight that
+itself requires grad goes through plain `F.linear`. If a weight is modified in place,
+its version counter changes: the pack is rebuilt, and a backward through a forward that
+used the old weight raises instead of returning a wrong gradient.
 
 Cost: a second copy of each packed weight in host memory.
 `install_packed_linear(model)` swaps the class of every `nn.Linear` in place; parameters,
@@ -28,26 +30,47 @@ def packed_linear_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
+class _PackedLinearFunction(torch.autograd.Function):
+    """Packed forward; backward to the input only (the weight and bias are frozen)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: "PackedLinear") -> torch.Tensor:
+        ctx.layer = layer
+        ctx.weight_version = layer.weight._version
+        return layer._packed_forward(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        layer = ctx.layer
+        if layer.weight._version != ctx.weight_version:
+            raise RuntimeError("a frozen weight was modified in place between forward and backward")
+        return grad.matmul(layer.weight), None
+
+
 class PackedLinear(nn.Linear):
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
 
-    def _needs_autograd(self, x: torch.Tensor) -> bool:
-        return torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad or
-                                            (self.bias is not None and self.bias.requires_grad))
+    def _params_need_grad(self) -> bool:
+        return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or self._needs_autograd(x):
-            return F.linear(x, self.weight, self.bias)
+    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None or self._packed_version != self.weight._version:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_ROWS_HINT)
             self._packed_version = self.weight._version
         flat = x.reshape(-1, self.in_features)
-        if flat.dtype != self.weight.dtype:
-            return F.linear(x, self.weight, self.bias)
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_grad_enabled() and self._params_need_grad():
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _PackedLinearFunction.apply(x, self)
+        return self._packed_forward(x)
 
 
 def install_packed_linear(model: nn.Module) -> int:

@@ -36,6 +36,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     # sequences that lost their blocks this step
     preempted: list[Sequence] = field(default_factory=list)
+    # a recorded prefill: exactly one sequence, its whole prompt, run with autograd
+    recorded: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +87,23 @@ class Scheduler:
         self.waiting.appendleft(seq)
         output.preempted.append(seq)
 
+    def _schedule_recorded_prefill(self) -> SchedulerOutput | None:
+        """A sequence selected for training is prefilled alone and whole (not chunked,
+        not packed with others), so its graph covers exactly its prompt."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        if seq.record is None or seq.num_computed_tokens != 0 or not self._grow(seq, seq.num_tokens):
+            return None
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)], recorded=True)
+
     def schedule(self) -> SchedulerOutput:
+        recorded = self._schedule_recorded_prefill()
+        if recorded is not None:
+            return recorded
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Running sequences first, oldest first; the newest is preempted when blocks run out.
@@ -107,6 +125,8 @@ class Scheduler:
             return output
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.record is not None and seq.num_computed_tokens == 0:
+                break  # waits for a step of its own (see _schedule_recorded_prefill)
             num_new = min(seq.num_pending_tokens, budget)
             if not self._grow(seq, seq.num_computed_tokens + num_new):
                 break

@@ -15,6 +15,7 @@ import torch
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import TokenLogprob
+from engine.recording import RecordSpec
 from engine.sampling_params import SamplingParams
 
 
@@ -61,6 +62,8 @@ class Sequence:
     last_token_time: float | None = None
     # times this sequence lost its KV blocks to make room for others
     num_preemptions: int = 0
+    # set when this sequence's prefill is to be recorded for training; cleared once done
+    record: RecordSpec | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

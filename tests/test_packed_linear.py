@@ -51,3 +51,27 @@ def test_is_still_an_nn_linear_with_the_same_state_dict():
     layer = make()
     assert isinstance(layer, nn.Linear) and type(layer) is PackedLinear
     assert set(layer.state_dict()) == {"weight", "bias"}
+
+
+def test_frozen_weight_backward_to_input_matches_f_linear():
+    layer = make()
+    layer.weight.requires_grad_(False)
+    layer.bias.requires_grad_(False)
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    g = torch.randn(2, 5, 96)
+    (layer(x) * g).sum().backward()
+    packed_grad = x.grad.clone()
+    x.grad = None
+    (F.linear(x, layer.weight, layer.bias) * g).sum().backward()
+    assert torch.allclose(packed_grad, x.grad, atol=1e-5)
+
+
+def test_backward_after_the_frozen_weight_changed_raises():
+    layer = make()
+    layer.requires_grad_(False)
+    x = torch.randn(3, 64, requires_grad=True)
+    out = layer(x)
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.sum().backward()

@@ -1,0 +1,116 @@
+"""What a recorded prefill keeps, and how many bytes autograd really holds for it.
+
+A recorded prefill runs one sequence's whole prompt with autograd enabled for the LoRA
+path. Each decoder layer's input is made a fresh leaf, so every layer is a separate
+segment `(leaf, out, key, value)` (DESIGN.md, "Layer-segmented execution"): backward
+can run one segment at a time, and the K/V of the prompt can receive gradients from
+suffixes that attended to them.
+
+`SavedTensorTracker` measures activation memory instead of estimating it: it counts the
+bytes of every tensor autograd saves (each storage once) from the moment it is saved
+until autograd lets go of it, and keeps the peak.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LayerSegment:
+    # (1, T, hidden) the layer's input, an autograd leaf
+    leaf: torch.Tensor
+    # (1, T, hidden) the layer's output, with its graph back to `leaf` and the LoRA weights
+    out: torch.Tensor
+    # (1, KVH, T, D) the layer's keys (after RoPE) and values, part of the same graph
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass
+class RecordedPrefill:
+    prompt_token_ids: list[int]
+    # the adapter version the graph was recorded under
+    adapter_version: int
+    segments: list[LayerSegment]
+    # (1, T, hidden) the last layer's output, as a leaf: the input of the head segment
+    head_leaf: torch.Tensor
+    # (R, V) logits with their graph back to head_leaf: every prompt row, or only the last
+    logits: torch.Tensor
+    all_logit_rows: bool
+    # bytes autograd saved for this recording (measured)
+    saved_bytes: int = 0
+
+    def release(self) -> None:
+        """Drop the graph (after training on it, or when the entry is evicted)."""
+        self.segments = []
+        self.head_leaf = self.logits = None
+
+
+@dataclass(frozen=True)
+class RecordSpec:
+    # keep logits for every prompt row (CPT) or only the last one (DPO: it scores the
+    # first response token)
+    all_logit_rows: bool
+
+
+class _Saved:
+    """What autograd holds instead of a saved tensor while the tracker is active."""
+
+    __slots__ = ("tensor", "tracker", "key", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, tracker: "SavedTensorTracker"):
+        self.tensor = tensor
+        self.tracker = tracker
+        self.key = tracker._acquire(tensor)
+
+    def __del__(self):
+        if self.key is not None:
+            self.tracker._release(self.key)
+
+
+@dataclass
+class SavedTensorTracker:
+    """Context manager: counts live autograd-saved bytes (deduplicated by storage).
+
+    Parameters (requires_grad leaves such as LoRA weights, frozen weights) are not
+    activations and are not counted.
+    """
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    # storage pointer -> (references, bytes)
+    _storages: dict[int, list[int]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _acquire(self, tensor: torch.Tensor) -> int | None:
+        if isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "meta":
+            return None
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        with self._lock:
+            entry = self._storages.get(key)
+            if entry is None:
+                self._storages[key] = [1, storage.nbytes()]
+                self.live_bytes += storage.nbytes()
+                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            else:
+                entry[0] += 1
+        return key
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            entry = self._storages[key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.live_bytes -= entry[1]
+                del self._storages[key]
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, self), lambda saved: saved.tensor)
