@@ -3,7 +3,9 @@
 All tensor work happens on the worker thread; the asyncio loop only enqueues messages
 (add, abort, shutdown) and awaits per-request queues, so it stays responsive while a
 step runs. Messages are applied at step boundaries: an aborted request (for example a
-client that disconnected) stops within one engine step. When nothing is runnable the thread sleeps until a message arrives.
+client that disconnected) stops within one engine step. When nothing is runnable, `idle_work` (training: one slice per call) runs between
+message checks, so a request that arrives during training waits for at most one slice;
+with no idle work either, the thread sleeps until a message arrives.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
+from engine.recording import RecordSpec
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    record: RecordSpec | None = None
 
 
 @dataclass
@@ -49,9 +53,12 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, observers: list[EngineObserver] | None = None):
+    def __init__(self, engine: LLMEngine, observers: list[EngineObserver] | None = None,
+                 idle_work: Callable[[], bool] | None = None):
         self.engine = engine
         self.observers = observers or []
+        # called when the engine has nothing runnable; returns True if it did some work
+        self.idle_work = idle_work
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -79,8 +86,8 @@ class AsyncEngine:
 
     # -- the asyncio side -------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       record: RecordSpec | None = None) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs. Raises InvalidParameter before anything is queued
         if the request can never be served. Leaving the iteration early aborts it."""
         if not self.is_alive:
@@ -90,7 +97,7 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
-        self._send(_Add(request_id, list(prompt_token_ids), params, time.monotonic()))
+        self._send(_Add(request_id, list(prompt_token_ids), params, time.monotonic(), record))
         finished = False
         try:
             while not finished:
@@ -130,7 +137,7 @@ class AsyncEngine:
                     continue  # the caller left before its request reached the engine
                 try:
                     self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                            message.arrival_time)
+                                            message.arrival_time, message.record)
                 except Exception as exc:  # noqa: BLE001 - reported to the caller
                     self._deliver(message.request_id, exc)
             elif isinstance(message, _Abort):
@@ -150,6 +157,13 @@ class AsyncEngine:
                 output.error = f"{type(exc).__name__}: {exc}"
                 self._publish(output)
 
+    def _idle_work(self) -> bool:
+        try:
+            return self.idle_work()
+        except Exception:  # noqa: BLE001 - idle work must never stop serving
+            logger.exception("idle work failed")
+            return False
+
     def _run(self) -> None:
         while not self._stopping:
             self._wake.clear()
@@ -166,6 +180,8 @@ class AsyncEngine:
                     observer.on_step(stats)
                 for output in outputs:
                     self._publish(output)
+            elif self.idle_work is not None and self._idle_work():
+                continue
             else:
                 self._wake.wait()
         self._fail_all(EngineDeadError("the server is shutting down"))

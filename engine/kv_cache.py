@@ -157,20 +157,3 @@ class StepKV:
             return key, value
         key_slots = self.metadata.key_slots
         return k_pool[key_slots].transpose(1, 2), v_pool[key_slots].transpose(1, 2)
-
-
-class PrefixKV:
-    """`past_key_values` for a training forward of new tokens after a prefix whose K/V
-    are given per layer (e.g. detached leaves of a recorded prompt): attention sees
-    [prefix ; new]. The new tokens' K/V are kept in `new` per layer."""
-
-    def __init__(self, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None):
-        self.prefix = prefix
-        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.new[layer_idx] = (key, value)
-        if not self.prefix:
-            return key, value
-        prefix_key, prefix_value = self.prefix[layer_idx]
-        return torch.cat([prefix_key, key], dim=2), torch.cat([prefix_value, value], dim=2)

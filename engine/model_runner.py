@@ -47,6 +47,15 @@ class _PackedStep:
     prompt_logprob_rows: list[tuple[ScheduledSequence, list[int], list[int]]]
 
 
+def run_to_end(generator):
+    """Exhausts a generator and returns its return value."""
+    while True:
+        try:
+            next(generator)
+        except StopIteration as stop:
+            return stop.value
+
+
 def decoder_parts(model):
     """(embed_tokens, layers, norm, rotary_emb, lm_head) of a causal LM."""
     base = model.model
@@ -119,10 +128,10 @@ class ModelRunner:
         return _PackedStep(torch.tensor(ids, device=device), pos_tensor.to(device), metadata,
                            sample_rows, sample_entries, prompt_rows)
 
-    def run_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
-                   leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
-                   ) -> torch.Tensor:
-        """hidden: (1, T, hidden) embeddings -> (1, T, hidden) output of the last layer.
+    def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
+                    leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None):
+        """Generator over the decoder layers, yielding after each one (a training slice);
+        returns the last layer's output. hidden: (1, T, hidden) -> (1, T, hidden).
 
         With `leaves`/`outputs` given, each layer's input is made a fresh autograd leaf
         (one segment per layer) and the leaves and outputs are appended to them."""
@@ -138,7 +147,12 @@ class ModelRunner:
                 hidden = hidden[0]
             if outputs is not None:
                 outputs.append(hidden)
+            yield
         return hidden
+
+    def run_layers(self, *args, **kwargs) -> torch.Tensor:
+        """`iter_layers` run to the end."""
+        return run_to_end(self.iter_layers(*args, **kwargs))
 
     def forward_hidden(self, packed: _PackedStep) -> torch.Tensor:
         """Runs embedding, decoder layers and final norm; returns (T, hidden)."""

@@ -8,7 +8,9 @@ suffixes that attended to them.
 
 `SavedTensorTracker` measures activation memory instead of estimating it: it counts the
 bytes of every tensor autograd saves (each storage once) from the moment it is saved
-until autograd lets go of it, and keeps the peak.
+until autograd lets go of it, and keeps the peak. Saved-tensor hooks take autograd's own
+version check out of the loop, so the tracker repeats it: unpacking a tensor that was
+modified in place since it was saved raises, as autograd would (DESIGN.md invariant).
 """
 
 from __future__ import annotations
@@ -60,12 +62,21 @@ class RecordSpec:
 class _Saved:
     """What autograd holds instead of a saved tensor while the tracker is active."""
 
-    __slots__ = ("tensor", "tracker", "key", "__weakref__")
+    __slots__ = ("tensor", "tracker", "key", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, tracker: "SavedTensorTracker"):
         self.tensor = tensor
         self.tracker = tracker
+        self.version = tensor._version
         self.key = tracker._acquire(tensor)
+
+    def unpack(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"{tuple(self.tensor.shape)} is at version {self.tensor._version}; expected version {self.version} "
+                "(a graph recorded under older weights must not be back-propagated)")
+        return self.tensor
 
     def __del__(self):
         if self.key is not None:
@@ -113,4 +124,4 @@ class SavedTensorTracker:
         self.peak_bytes = self.live_bytes
 
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, self), lambda saved: saved.tensor)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, self), _Saved.unpack)

@@ -25,7 +25,8 @@ from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server.errors import APIError, error_body, install_error_handlers, validation_error
 from server.metrics import ServingMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol import ChatCompletionRequest, CompletionRequest, FeedbackRequest
+from trainer.trainer import FeedbackError
 
 # JSON cannot carry -inf; vLLM reports this floor instead
 _MIN_LOGPROB = -9999.0
@@ -38,6 +39,8 @@ class ServerState:
     model_name: str
     max_model_len: int
     metrics: ServingMetrics
+    # the online trainer, when training is on
+    trainer: object | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 
@@ -169,10 +172,19 @@ async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def engine_stream(state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams):
+def record_spec(state: ServerState, prompt_ids: list[int], params: SamplingParams, train: bool):
+    """Whether this request's prefill is recorded for training. Scoring requests
+    (prompt logprobs, max_tokens 0) are not."""
+    if state.trainer is None or params.prompt_logprobs is not None or params.max_tokens == 0:
+        return None
+    return state.trainer.record_spec(len(prompt_ids), train)
+
+
+def engine_stream(state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                  record=None):
     async def stream():
         try:
-            async for output in state.engine.generate(request_id, prompt_ids, params):
+            async for output in state.engine.generate(request_id, prompt_ids, params, record):
                 if output.error:
                     raise APIError(500, f"generation failed: {output.error}", type="server_error")
                 yield output
@@ -263,7 +275,8 @@ def build_app(state: ServerState) -> FastAPI:
         prompt_ids = render_chat(state, body)
         validate_for_engine(state, prompt_ids, params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = engine_stream(state, request_id, prompt_ids, params)
+        stream = engine_stream(state, request_id, prompt_ids, params, record_spec(state, prompt_ids, params,
+                                                                                   body.train))
         if body.stream:
             return EventSourceResponse(_chat_events(state, request_id, stream, params, len(prompt_ids),
                                                     body.stream_options), ping=15)
@@ -286,13 +299,31 @@ def build_app(state: ServerState) -> FastAPI:
         for prompt_ids, _ in prompts:
             validate_for_engine(state, prompt_ids, params, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = [engine_stream(state, f"{request_id}-{i}", ids, params) for i, (ids, _) in enumerate(prompts)]
+        if len(prompts) == 1:  # the completion id is the training entry's id (for feedback)
+            ids = prompts[0][0]
+            streams = [engine_stream(state, request_id, ids, params, record_spec(state, ids, params, body.train))]
+        else:
+            streams = [engine_stream(state, f"{request_id}-{i}", ids, params, record_spec(state, ids, params,
+                                                                                         body.train))
+                       for i, (ids, _) in enumerate(prompts)]
         if body.stream:
             return EventSourceResponse(_completion_events(state, request_id, streams, prompts, body, params,
                                                           body.stream_options), ping=15)
         result = await until_disconnect(request, _completion_response(state, request_id, streams, prompts,
                                                                        body, params))
         return result if result is not None else Response(status_code=499)
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request):
+        body: FeedbackRequest = await parse_body(request, FeedbackRequest)
+        if state.trainer is None:
+            raise APIError(400, "training is off on this server (start it with --train-mode dpo); feedback is "
+                                "not used", code="feedback_not_used")
+        try:
+            state.trainer.submit_feedback(body.id, body.chosen, body.rejected, body.choice_index)
+        except FeedbackError as err:
+            raise APIError(err.status, err.message, err.param, err.code) from None
+        return {"id": body.id, "object": "feedback", "status": "accepted"}
 
     return app
 

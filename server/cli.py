@@ -24,6 +24,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--kv-cache-bytes", type=int)
+    parser.add_argument("--train-mode", choices=["off", "cpt", "dpo"], help="online training from served traffic")
+    parser.add_argument("--learning-rate", type=float)
 
 
 def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
@@ -32,6 +34,7 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
                   "device": args.device, "max_model_len": args.max_model_len},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
+        "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None)},
         "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None)},
     }
     return load_config(args.config, overrides)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.llm_engine import StepStats
 from engine.outputs import RequestOutput
+from trainer.cache import EntryState
 
 PREFIX = "alchemist:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -100,5 +102,56 @@ class ServingMetrics:
             self._started.discard(rid)
             self._last_token_time.pop(rid, None)
 
+    def add_trainer(self, trainer) -> None:
+        self.registry.register(TrainingCollector(trainer))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class TrainingCollector:
+    """Exports the trainer's counters at scrape time (no state of its own)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def collect(self):
+        t = self.trainer
+        stats, cache = t.stats, t.cache
+        trained = CounterMetricFamily(f"{PREFIX}trained_entries", "Cache entries trained on, by mode and by path "
+                                      "(reuse: the recorded prefill; recompute: a full forward).", labels=["mode", "path"])
+        for path in ("reuse", "recompute"):
+            trained.add_metric([t.mode, path], stats.trained_entries.get((t.mode, path), 0))
+        yield trained
+        yield CounterMetricFamily(f"{PREFIX}train_tokens", "Tokens trained on (prompt, plus responses for DPO).",
+                                  value=stats.train_tokens)
+        yield GaugeMetricFamily(f"{PREFIX}train_loss", "Mean loss of the latest optimizer step.",
+                                value=stats.last_loss)
+        yield GaugeMetricFamily(f"{PREFIX}adapter_version", "Adapter version (optimizer steps applied).",
+                                value=t.optimizer.version)
+        yield GaugeMetricFamily(f"{PREFIX}activation_cache_bytes", "Bytes of recorded activations in the "
+                                "activation cache.", value=cache.bytes)
+        entries = GaugeMetricFamily(f"{PREFIX}activation_cache_entries", "Entries in the activation cache, by "
+                                    "state.", labels=["state"])
+        for state in (EntryState.WAITING_LABEL, EntryState.READY, EntryState.TRAINING):
+            entries.add_metric([state.value], cache.count(state))
+        yield entries
+        ended = CounterMetricFamily(f"{PREFIX}activation_cache_ended_entries", "Entries that left the cache, by "
+                                    "final state.", labels=["state"])
+        for state, count in cache.ended_counts.items():
+            ended.add_metric([state], count)
+        yield ended
+        feedback = CounterMetricFamily(f"{PREFIX}feedback", "Feedback requests, by outcome.", labels=["status"])
+        for status in ("accepted", "invalid", "unknown", "conflict"):
+            feedback.add_metric([status], stats.feedback.get(status, 0))
+        yield feedback
+        yield CounterMetricFamily(f"{PREFIX}stale_entries", "Entries recorded under an older adapter version "
+                                  "(recomputed, or dropped by stale_policy).", value=stats.stale_entries)
+        yield CounterMetricFamily(f"{PREFIX}skipped_steps", "Optimizer steps skipped for a non-finite loss or "
+                                  "gradient.", value=t.optimizer.skipped_steps)
+        yield CounterMetricFamily(f"{PREFIX}failed_train_jobs", "Training jobs that raised (entries dropped).",
+                                  value=stats.failed_jobs)
+        yield CounterMetricFamily(f"{PREFIX}recorded_prefills", "Prefills recorded into the activation cache.",
+                                  value=stats.recorded)
+        yield CounterMetricFamily(f"{PREFIX}unrecorded_prefills", "Requests selected for training but not "
+                                  "recorded (cache full or prompt too long).", value=stats.not_recorded)

@@ -79,6 +79,8 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # alchemist: false keeps this request out of online training
+    train: bool = True
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -135,3 +137,12 @@ class CompletionRequest(_SamplingFields):
     def sampling_params(self) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class FeedbackRequest(_Strict):
+    """POST /v1/feedback: a preference label for a served completion."""
+
+    id: Annotated[str, Field(min_length=1)]
+    chosen: Annotated[str, Field(min_length=1)] | None = None
+    rejected: Annotated[str, Field(min_length=1)] | None = None
+    choice_index: Annotated[int, Field(ge=0)] = 0

@@ -19,6 +19,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from server.app import ServerState, build_app
 from server.metrics import ServingMetrics
+from trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,15 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
     name = config.model.served_model_name or model_name or "model"
     engine = LLMEngine(model, tokenizer, config)
     metrics = ServingMetrics(name, engine.cache_info())
-    async_engine = AsyncEngine(engine, observers=[metrics])
-    state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, metrics)
+    trainer = None
+    if config.train.mode != "off":
+        trainer = Trainer(engine, config.train)
+        metrics.add_trainer(trainer)
+        logger.info("online training: %s, LoRA rank %d, learning rate %g", config.train.mode,
+                    config.train.lora_rank, config.train.learning_rate)
+    observers = [metrics] + ([trainer] if trainer else [])
+    async_engine = AsyncEngine(engine, observers=observers, idle_work=trainer.run_slice if trainer else None)
+    state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, metrics, trainer)
     app = build_app(state)
 
     @contextlib.asynccontextmanager

@@ -1,0 +1,162 @@
+"""Online learning on tiny models: the reuse path gives the recompute path's gradients,
+stale graphs are never back-propagated, the cache keeps its bounds and timeouts."""
+
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+
+from engine.config import TrainConfig
+from engine.model_runner import run_to_end
+from engine.sampling_params import SamplingParams
+from tests.conftest import encode, make_engine
+from tests.tiny import FAMILIES, tiny_tokenizer
+from trainer.adapter import lora_gradients, lora_parameters
+from trainer.cache import EntryState
+from trainer.trainer import Trainer
+
+PROMPT = "The quick brown fox jumps over the lazy dog. What is the capital of France?"
+
+
+def make_trainer(family="llama", mode="cpt", **train_kwargs) -> Trainer:
+    engine = make_engine(family)
+    config = TrainConfig(mode=mode, lora_rank=4, **train_kwargs)
+    # random B as well as A, so that every LoRA tensor gets a non-zero gradient
+    return Trainer(engine, config, init_lora_weights=False)
+
+
+def serve(trainer: Trainer, request_id: str, prompt: str = PROMPT, max_tokens: int = 6) -> list[int]:
+    engine = trainer.engine
+    ids = encode(prompt)
+    engine.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                       record=trainer.record_spec(len(ids), True))
+    tokens = []
+    while engine.has_unfinished():
+        outputs, _ = engine.step()
+        for out in outputs:
+            trainer.on_output(out)
+            tokens += out.outputs[0].token_ids
+    return tokens
+
+
+def label(trainer: Trainer, request_id: str, chosen="Paris is the capital.", rejected=None):
+    trainer.submit_feedback(request_id, chosen, rejected, 0)
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
+
+
+def gradients_of(trainer: Trainer, job) -> dict:
+    trainer.optimizer.zero_grad()
+    run_to_end(job)
+    grads = lora_gradients(trainer.peft_model)
+    trainer.optimizer.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reuse_and_recompute_paths_give_the_same_lora_gradients(family, mode):
+    trainer = make_trainer(family, mode)
+    serve(trainer, "r", max_tokens=8)  # decoded after recording: the graph must be intact
+    entry = trainer.cache.get("r")
+    if mode == "dpo":
+        label(trainer, "r", chosen="Paris, of course. It is a lovely city.")
+    context = trainer.context
+    reuse = gradients_of(trainer, trainer.method.reuse_job(entry, context))
+    recompute = gradients_of(trainer, trainer.method.recompute_job(entry, context))
+    assert set(reuse) == set(recompute) and len(reuse) == len(lora_parameters(trainer.peft_model))
+    assert all(g.norm() > 0 for g in recompute.values())
+    assert relative_difference(reuse, recompute) <= 1e-4
+
+
+def test_training_steps_bump_the_adapter_version_and_change_the_model():
+    trainer = make_trainer()
+    before = [p.detach().clone() for p in lora_parameters(trainer.peft_model)]
+    serve(trainer, "a")
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 1
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 1}
+    assert trainer.cache.bytes == 0 and len(trainer.cache) == 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, lora_parameters(trainer.peft_model)))
+
+
+def test_stale_entry_is_recomputed_never_back_propagated():
+    trainer = make_trainer()
+    serve(trainer, "a")
+    serve(trainer, "b", prompt="Hello, how are you today? I am fine.")
+    stale = trainer.cache.get("b")
+    recording = dataclasses.replace(stale.recording)  # keeps the graph the trainer releases
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 2
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 1, ("cpt", "recompute"): 1}
+    assert trainer.stats.stale_entries == 1
+    # what the trainer avoided: the old graph saved the adapter weights the step changed
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        stale.recording = recording
+        run_to_end(trainer.method.reuse_job(stale, trainer.context))
+
+
+def test_stale_policy_drop_drops_the_entry():
+    trainer = make_trainer(stale_policy="drop")
+    serve(trainer, "a")
+    serve(trainer, "b")
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 1
+    assert trainer.stats.stale_dropped == 1 and trainer.cache.ended_counts["dropped"] == 1
+
+
+def test_cache_full_drop_new_keeps_old_entries_and_evict_oldest_evicts():
+    probe = make_trainer()
+    serve(probe, "a")
+    size = probe.cache.get("a").nbytes
+    keep_old = make_trainer(cache_bytes=int(size * 1.5))
+    serve(keep_old, "a")
+    serve(keep_old, "b")
+    assert keep_old.cache.get("a") is not None and keep_old.cache.get("b") is None
+    evict = make_trainer(cache_bytes=int(size * 1.5), cache_full_policy="evict_oldest")
+    serve(evict, "a")
+    serve(evict, "b")
+    assert evict.cache.get("a") is None and evict.cache.get("b") is not None
+    assert evict.cache.ended_counts["evicted"] == 1 and evict.cache.bytes <= int(size * 1.5)
+
+
+def test_label_timeout_expires_waiting_dpo_entries():
+    trainer = make_trainer(mode="dpo", label_timeout_s=0.05)
+    serve(trainer, "a")
+    assert trainer.cache.get("a").state is EntryState.WAITING_LABEL
+    time.sleep(0.1)
+    assert not trainer.run_slice()
+    assert trainer.cache.get("a") is None and trainer.cache.ended_state("a") is EntryState.EXPIRED
+    assert trainer.cache.bytes == 0
+
+
+def test_non_finite_loss_skips_the_step_and_counts_it():
+    trainer = make_trainer()
+    with torch.no_grad():
+        lora_parameters(trainer.peft_model)[0].fill_(math.nan)
+    serve(trainer, "a")
+    trainer.train_until_idle()
+    assert trainer.optimizer.skipped_steps == 1 and trainer.optimizer.version == 0
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 1}
+
+
+def test_a_weight_changed_after_recording_makes_backward_raise_not_lie():
+    trainer = make_trainer()
+    serve(trainer, "a")
+    with torch.no_grad():
+        lora_parameters(trainer.peft_model)[0].add_(1.0)  # what an optimizer step does
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run_to_end(trainer.method.reuse_job(trainer.cache.get("a"), trainer.context))
+
+
+def test_served_tokens_are_unchanged_by_recording():
+    trainer = make_trainer()
+    recorded = serve(trainer, "a", max_tokens=12)
+    plain_engine = trainer.engine
+    ids = encode(PROMPT)
+    plain = plain_engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0][0]
+    assert recorded == plain

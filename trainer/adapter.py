@@ -1,0 +1,42 @@
+"""The LoRA adapter (PEFT) attached in place to the served model.
+
+The runner keeps references to the model's decoder layers; PEFT replaces their target
+linear layers in place, so serving and training both see base + adapter from then on.
+Dropout is 0: the reuse and recompute paths must compute the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from engine.config import TrainConfig
+
+# the attention projections of each family (Phi-3 fuses q, k and v into one layer)
+DEFAULT_TARGETS = {
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "mistral": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "qwen2": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "phi3": ("qkv_proj", "o_proj"),
+}
+
+
+def attach_lora(model, config: TrainConfig, init_lora_weights: bool | str = True) -> PeftModel:
+    """Wraps `model` (modified in place) with a fresh LoRA adapter; base weights frozen."""
+    targets = list(config.target_modules) or list(DEFAULT_TARGETS[model.config.model_type])
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=targets, lora_dropout=0.0,
+                      bias="none", task_type="CAUSAL_LM", init_lora_weights=init_lora_weights)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        peft_model = get_peft_model(model, lora)
+    peft_model.eval()  # no dropout anywhere; gradients still flow
+    return peft_model
+
+
+def lora_parameters(peft_model: PeftModel) -> list[torch.nn.Parameter]:
+    return [p for name, p in peft_model.named_parameters() if "lora_" in name and p.requires_grad]
+
+
+def lora_gradients(peft_model: PeftModel) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in peft_model.named_parameters()
+            if "lora_" in name and p.grad is not None}

@@ -1,0 +1,203 @@
+"""The activation cache: recorded requests waiting to be trained on.
+
+Entries are keyed by completion id and move through
+    waiting_label -> ready -> training -> trained
+or end as expired (no label within the label timeout, paper §4.4), evicted (the cache
+was full and the policy chose it), or dropped (stale with stale_policy=drop, an aborted
+DPO request, a failed job). The cache is bounded in bytes of recorded activations; when
+a new recording does not fit, `drop_new` (the paper's policy) keeps the old entries and
+drops the new one, `evict_oldest` evicts the oldest entries not being trained.
+
+`CacheEntry` is the paper's AlchemistCacheBase: subclass it (and `TrainingMethod`) to
+train with another method. Thread-safe: feedback arrives on the HTTP thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from engine.recording import RecordedPrefill
+
+
+class EntryState(str, enum.Enum):
+    WAITING_LABEL = "waiting_label"
+    READY = "ready"
+    TRAINING = "training"
+    TRAINED = "trained"
+    EXPIRED = "expired"
+    EVICTED = "evicted"
+    DROPPED = "dropped"
+
+
+TERMINAL = {EntryState.TRAINED, EntryState.EXPIRED, EntryState.EVICTED, EntryState.DROPPED}
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """One recorded request. Ready for training as soon as it is recorded; subclasses
+    that need a label override `needs_label`."""
+
+    completion_id: str
+    prompt_token_ids: list[int]
+    # the recorded prefill; None once trained, evicted or released
+    recording: RecordedPrefill | None
+    adapter_version: int
+    # bytes of activations the recording holds (measured)
+    nbytes: int
+    created: float = field(default_factory=time.monotonic)
+    state: EntryState = EntryState.READY
+    # served responses by choice index (token ids), filled when the request finishes
+    responses: dict[int, list[int]] = field(default_factory=dict)
+    response_finished: bool = False
+    # monotonic time after which an entry still waiting for its label expires
+    label_deadline: float | None = None
+
+    needs_label = False
+
+    def __post_init__(self) -> None:
+        if self.needs_label:
+            self.state = EntryState.WAITING_LABEL
+
+    def is_ready(self) -> bool:
+        return self.state is EntryState.READY
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens trained on (for throughput)."""
+        return len(self.prompt_token_ids)
+
+    def release(self) -> None:
+        if self.recording is not None:
+            self.recording.release()
+            self.recording = None
+
+
+@dataclass
+class PreferenceLabel:
+    # response token ids (each ends with the end-of-turn token)
+    chosen: list[int]
+    rejected: list[int]
+
+
+@dataclass(eq=False)
+class PreferenceEntry(CacheEntry):
+    """A DPO entry: waits for feedback; caches the reference model's log-probs."""
+
+    label: PreferenceLabel | None = None
+    # summed log-probs of (chosen, rejected) under the base model, computed once
+    reference_logps: tuple[float, float] | None = None
+
+    needs_label = True
+
+    @property
+    def num_tokens(self) -> int:
+        extra = len(self.label.chosen) + len(self.label.rejected) if self.label else 0
+        return len(self.prompt_token_ids) + extra
+
+
+class ActivationCache:
+    def __init__(self, budget_bytes: int, full_policy: str = "drop_new", label_timeout_s: float = 300.0,
+                 clock=time.monotonic):
+        self.budget_bytes = budget_bytes
+        self.full_policy = full_policy
+        self.label_timeout_s = label_timeout_s
+        self.clock = clock
+        self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
+        # recently ended entries (id -> final state), so feedback can tell "trained" from "unknown"
+        self._ended: OrderedDict[str, EntryState] = OrderedDict()
+        self._lock = threading.RLock()
+        self.bytes = 0
+        # how entries ended, by state
+        self.ended_counts: dict[str, int] = {s.value: 0 for s in TERMINAL}
+        self.rejected_full = 0
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, completion_id: str) -> CacheEntry | None:
+        with self._lock:
+            return self._entries.get(completion_id)
+
+    def ended_state(self, completion_id: str) -> EntryState | None:
+        with self._lock:
+            return self._ended.get(completion_id)
+
+    def has_room_for(self, nbytes: int) -> bool:
+        with self._lock:
+            if self.full_policy == "drop_new":
+                return self.bytes + nbytes <= self.budget_bytes
+            return nbytes <= self.budget_bytes
+
+    def add(self, entry: CacheEntry) -> bool:
+        """Admits a recorded entry, applying the full-cache policy; False if dropped."""
+        with self._lock:
+            if entry.nbytes > self.budget_bytes or (self.full_policy == "drop_new" and
+                                                    self.bytes + entry.nbytes > self.budget_bytes):
+                self.rejected_full += 1
+                entry.release()
+                return False
+            while self.bytes + entry.nbytes > self.budget_bytes:
+                victim = next((e for e in self._entries.values() if e.state is not EntryState.TRAINING), None)
+                if victim is None:
+                    self.rejected_full += 1
+                    entry.release()
+                    return False
+                self.end(victim, EntryState.EVICTED)
+            self._entries[entry.completion_id] = entry
+            self.bytes += entry.nbytes
+            return True
+
+    def end(self, entry: CacheEntry, state: EntryState) -> None:
+        """Removes an entry for good, freeing its activations."""
+        with self._lock:
+            if self._entries.pop(entry.completion_id, None) is not None:
+                self.bytes -= entry.nbytes
+            entry.state = state
+            entry.release()
+            self.ended_counts[state.value] += 1
+            self._ended[entry.completion_id] = state
+            while len(self._ended) > 10_000:
+                self._ended.popitem(last=False)
+
+    def response_finished(self, completion_id: str, responses: dict[int, list[int]], aborted: bool) -> None:
+        with self._lock:
+            entry = self._entries.get(completion_id)
+            if entry is None:
+                return
+            entry.responses = responses
+            entry.response_finished = True
+            if entry.needs_label:
+                if aborted and entry.state is EntryState.WAITING_LABEL:
+                    self.end(entry, EntryState.DROPPED)  # no complete response to prefer or reject
+                elif entry.state is EntryState.WAITING_LABEL:
+                    entry.label_deadline = self.clock() + self.label_timeout_s
+
+    def expire(self) -> list[CacheEntry]:
+        """Ends entries whose label did not arrive in time."""
+        now = self.clock()
+        with self._lock:
+            expired = [e for e in self._entries.values() if e.state is EntryState.WAITING_LABEL
+                       and e.label_deadline is not None and now > e.label_deadline]
+            for entry in expired:
+                self.end(entry, EntryState.EXPIRED)
+            return expired
+
+    def take_ready(self, limit: int) -> list[CacheEntry]:
+        """Up to `limit` ready entries, oldest first, marked as training."""
+        with self._lock:
+            taken = [e for e in self._entries.values() if e.state is EntryState.READY][:limit]
+            for entry in taken:
+                entry.state = EntryState.TRAINING
+            return taken
+
+    def count(self, state: EntryState) -> int:
+        with self._lock:
+            return sum(1 for e in self._entries.values() if e.state is state)

@@ -1,0 +1,139 @@
+"""Training forwards and backwards, one decoder layer per slice.
+
+`forward_segments` runs packed sequences through the model with autograd, making every
+layer a segment (DESIGN.md); with `prefix` it runs one sequence's new tokens attending to
+a prefix's K/V given per layer — detached leaves of a recorded prompt, whose gradients
+(gK, gV) then accumulate there. `backward_segments` runs backward one segment at a time,
+top to bottom, handing each layer's input gradient to the layer below.
+
+Both are generators that yield after each layer (so that a caller can stop between
+slices) and return their result through StopIteration, for `yield from`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.kv_cache import AttentionMetadata
+from engine.model_runner import ModelRunner
+from engine.recording import LayerSegment
+
+
+def within(context: Callable[[], contextlib.AbstractContextManager], generator):
+    """Runs `generator` with `context` entered around each of its steps only — never
+    across a yield, so that no grad mode or disabled adapter leaks into the serving steps
+    that run between training slices. Returns the generator's return value."""
+    while True:
+        with context():
+            try:
+                next(generator)
+            except StopIteration as stop:
+                return stop.value
+        yield
+
+
+def packed_metadata(lengths: list[int], starts: list[int], device: torch.device) -> AttentionMetadata:
+    """B sequences packed along one axis; sequence b's queries are positions
+    starts[b] .. starts[b] + lengths[b] - 1 and its keys positions 0 .. that end."""
+    batch, q_max = len(lengths), max(lengths)
+    query_index = torch.zeros(batch, q_max, dtype=torch.long)
+    query_positions = torch.full((batch, q_max), -1, dtype=torch.long)
+    output_index = torch.empty(sum(lengths), dtype=torch.long)
+    offset = 0
+    for b, (n, start) in enumerate(zip(lengths, starts)):
+        query_index[b, :n] = torch.arange(offset, offset + n)
+        query_positions[b, :n] = torch.arange(start, start + n)
+        output_index[offset:offset + n] = torch.arange(b * q_max, b * q_max + n)
+        offset += n
+    return AttentionMetadata(query_index=query_index.to(device), output_index=output_index.to(device),
+                             query_positions=query_positions.to(device),
+                             num_keys=max(s + n for s, n in zip(starts, lengths)))
+
+
+class SequenceKV:
+    """`past_key_values` for a training forward: each sequence attends to its own new
+    tokens, after the prefix K/V if one is given (one sequence only)."""
+
+    def __init__(self, metadata: AttentionMetadata, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        self.metadata = metadata
+        self.prefix = prefix
+        # layer -> the new tokens' (key, value), (1, KVH, T, D), graph-connected
+        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _per_sequence(self, packed: torch.Tensor) -> torch.Tensor:
+        # (1, KVH, T, D) -> (B, KVH, Qmax, D)
+        return packed[0].transpose(0, 1)[self.metadata.query_index].transpose(1, 2)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.new[layer_idx] = (key, value)
+        key, value = self._per_sequence(key), self._per_sequence(value)
+        if self.prefix is not None:
+            prefix_key, prefix_value = self.prefix[layer_idx]
+            key, value = torch.cat([prefix_key, key], dim=2), torch.cat([prefix_value, value], dim=2)
+        return key, value
+
+
+@dataclass
+class SegmentedForward:
+    segments: list[LayerSegment]
+    # (1, T, hidden) the last layer's output as a leaf (the head segment's input)
+    head_leaf: torch.Tensor
+    # packed row ranges of each sequence: rows offsets[b] .. offsets[b + 1] - 1
+    offsets: list[int]
+    # per layer, the new tokens' (key, value), (1, KVH, T, D)
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def forward_segments(runner: ModelRunner, token_lists: list[list[int]], starts: list[int] | None = None,
+                     prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None, with_grad: bool = True):
+    """Generator: one slice per layer; returns a SegmentedForward (segments empty without grad)."""
+    device = runner.device
+    starts = starts or [0] * len(token_lists)
+    lengths = [len(t) for t in token_lists]
+    metadata = packed_metadata(lengths, starts, device)
+    ids = torch.tensor([t for tokens in token_lists for t in tokens], device=device)
+    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
+    past = SequenceKV(metadata, prefix)
+    leaves: list[torch.Tensor] | None = [] if with_grad else None
+    outs: list[torch.Tensor] | None = [] if with_grad else None
+    with torch.no_grad():
+        hidden = runner.embed(ids.unsqueeze(0))
+    layers = runner.iter_layers(hidden, positions, metadata, past, leaves, outs)
+    hidden = yield from within(lambda: torch.set_grad_enabled(with_grad), layers)
+    segments = [LayerSegment(leaf, out, *past.new[i]) for i, (leaf, out) in enumerate(zip(leaves or [], outs or []))]
+    head_leaf = hidden.detach().requires_grad_(with_grad)
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return SegmentedForward(segments, head_leaf, offsets, [past.new[i] for i in range(len(past.new))])
+
+
+def kv_leaves(segments: list[LayerSegment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Detached, grad-requiring copies of each layer's K/V: what suffixes attend to."""
+    return [(s.key.detach().requires_grad_(), s.value.detach().requires_grad_()) for s in segments]
+
+
+def backward_segments(segments: list[LayerSegment], top_grad: torch.Tensor,
+                      kv_grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None):
+    """Generator: backward through `segments` top to bottom, one slice per layer.
+
+    top_grad: gradient on the last segment's output. kv_grads: per layer, gradients on
+    its K and V from suffixes that attended to them (None where there are none). Each
+    segment's graph is freed as soon as it has been back-propagated."""
+    grad = top_grad
+    for index in reversed(range(len(segments))):
+        segment = segments[index]
+        tensors, grads = [segment.out], [grad]
+        if kv_grads is not None:
+            for tensor, g in zip((segment.key, segment.value), kv_grads[index]):
+                if g is not None:
+                    tensors.append(tensor)
+                    grads.append(g)
+        torch.autograd.backward(tensors, grads)
+        grad = segment.leaf.grad
+        segments[index] = None  # free this layer's graph and activations now
+        yield

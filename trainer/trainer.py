@@ -1,0 +1,275 @@
+"""The online trainer: records what the engine serves, takes feedback, trains in slices.
+
+It is the engine's `PrefillRecorder` (recorded prefills become cache entries) and an
+`EngineObserver` (finished responses complete their entries). `run_slice()` is called
+on the engine's worker thread whenever the engine has nothing runnable; each call does
+one bounded slice of the current job (a layer's forward or backward, a loss, or the
+optimizer step), so a newly arrived request waits for at most one slice.
+
+Adapter versions: every optimizer step bumps the version. An entry recorded under an
+older version is never back-propagated: it goes to the recompute path, or is dropped
+(`stale_policy`), and `stale_entries` counts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from engine.config import TrainConfig
+from engine.llm_engine import LLMEngine, StepStats
+from engine.outputs import RequestOutput
+from engine.recording import RecordedPrefill, RecordSpec
+from trainer.adapter import attach_lora, lora_parameters
+from trainer.cache import ActivationCache, CacheEntry, EntryState, PreferenceLabel
+from trainer.methods import CPTMethod, DPOMethod, JobResult, TrainContext, TrainingMethod
+from trainer.optimizer import AdapterOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+class FeedbackError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclass
+class TrainingStats:
+    # (mode, path) -> entries trained
+    trained_entries: dict[tuple[str, str], int] = field(default_factory=dict)
+    train_tokens: int = 0
+    last_loss: float = math.nan
+    stale_entries: int = 0
+    # stale entries dropped instead of recomputed (stale_policy = drop)
+    stale_dropped: int = 0
+    # feedback status -> count
+    feedback: dict[str, int] = field(default_factory=dict)
+    failed_jobs: int = 0
+    recorded: int = 0
+    # requests selected but not recorded: cache full or prompt too long
+    not_recorded: int = 0
+
+
+@dataclass
+class _Job:
+    entries: list[CacheEntry]
+    # the generator of the entry being worked on, and which path it takes
+    current: object = None
+    path: str = ""
+    index: int = 0
+    results: list[JobResult] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, engine: LLMEngine, config: TrainConfig, method: TrainingMethod | None = None,
+                 init_lora_weights: bool | str = True):
+        if config.mode == "off" and method is None:
+            raise ValueError("the trainer needs train.mode cpt or dpo (or a custom method)")
+        self.engine = engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.method = method or (CPTMethod() if config.mode == "cpt" else DPOMethod(config.dpo_beta))
+        self.mode = self.method.name
+        self.peft_model = attach_lora(engine.model, config, init_lora_weights)
+        self.context = TrainContext(engine.runner, self.peft_model)
+        self.optimizer = AdapterOptimizer(lora_parameters(self.peft_model), config.learning_rate,
+                                          config.max_grad_norm)
+        self.cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s)
+        self.stats = TrainingStats()
+        self._rng = random.Random(config.seed)
+        self._rng_lock = threading.Lock()
+        self._job: _Job | None = None
+        # completion id -> choice index -> served token ids, for recorded requests in flight
+        self._responses: dict[str, dict[int, list[int]]] = {}
+        # measured bytes per recorded prompt token (to predict whether a recording fits)
+        self._bytes_per_token: float | None = None
+        engine.recorder = self
+
+    # -- selection (HTTP thread) ---------------------------------------------------------
+
+    def record_spec(self, num_prompt_tokens: int, train: bool) -> RecordSpec | None:
+        """Whether to record a new request's prefill, and how."""
+        if not train:
+            return None
+        with self._rng_lock:
+            if self._rng.random() >= self.config.record_fraction:
+                return None
+        expected = (self._bytes_per_token or 0.0) * num_prompt_tokens
+        if num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected)):
+            self.stats.not_recorded += 1
+            return None
+        return self.method.record_spec()
+
+    # -- engine callbacks (worker thread) ------------------------------------------------
+
+    def adapter_version(self) -> int:
+        return self.optimizer.version
+
+    def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None:
+        self._bytes_per_token = recording.saved_bytes / max(len(recording.prompt_token_ids), 1)
+        entry = self.method.make_entry(request_id, recording)
+        if self.cache.add(entry):
+            self.stats.recorded += 1
+            self._responses[request_id] = {}
+        else:
+            self.stats.not_recorded += 1
+
+    def on_step(self, stats: StepStats) -> None:
+        pass
+
+    def on_output(self, output: RequestOutput) -> None:
+        responses = self._responses.get(output.request_id)
+        if responses is None:
+            return
+        for completion in output.outputs:
+            responses.setdefault(completion.index, []).extend(completion.token_ids)
+        if output.finished:
+            del self._responses[output.request_id]
+            aborted = all(c.finish_reason == "abort" for c in output.outputs)
+            self.cache.response_finished(output.request_id, responses, aborted)
+
+    # -- feedback (HTTP thread) ----------------------------------------------------------
+
+    def _count_feedback(self, status: str) -> None:
+        self.stats.feedback[status] = self.stats.feedback.get(status, 0) + 1
+
+    def submit_feedback(self, completion_id: str, chosen: str | None, rejected: str | None,
+                        choice_index: int) -> None:
+        """Attaches a preference label; raises FeedbackError (status 400/404/409)."""
+        try:
+            self._submit_feedback(completion_id, chosen, rejected, choice_index)
+        except FeedbackError as err:
+            self._count_feedback({404: "unknown", 409: "conflict"}.get(err.status, "invalid"))
+            raise
+        self._count_feedback("accepted")
+
+    def _submit_feedback(self, completion_id, chosen, rejected, choice_index) -> None:
+        if not self.method.uses_feedback:
+            raise FeedbackError(400, f"feedback is used by preference training; this server trains in "
+                                     f"{self.mode!r} mode (start it with --train-mode dpo)", None, "feedback_not_used")
+        if chosen is None and rejected is None:
+            raise FeedbackError(400, "give at least one of 'chosen' and 'rejected'; the other defaults to the "
+                                     "served response", "chosen", "missing_required_parameter")
+        with self.cache.lock:
+            entry = self.cache.get(completion_id)
+            if entry is None:
+                ended = self.cache.ended_state(completion_id)
+                if ended is EntryState.TRAINED:
+                    raise FeedbackError(409, f"completion {completion_id!r} already has its label and was "
+                                             "trained on", "id", "label_exists")
+                reason = "it expired (no feedback within the label timeout)" if ended is EntryState.EXPIRED \
+                    else "it is unknown, was not recorded for training, or was evicted"
+                raise FeedbackError(404, f"no training entry for completion {completion_id!r}: {reason}", "id",
+                                    "entry_not_found")
+            if getattr(entry, "label", None) is not None:
+                raise FeedbackError(409, f"completion {completion_id!r} already has its label", "id",
+                                    "label_exists")
+            served = None
+            if chosen is None or rejected is None:
+                if not entry.response_finished:
+                    raise FeedbackError(409, f"completion {completion_id!r} is still being generated; send both "
+                                             "'chosen' and 'rejected', or wait for it to finish", "id",
+                                        "response_pending")
+                if choice_index not in entry.responses:
+                    raise FeedbackError(400, f"choice_index {choice_index} does not exist; the completion has "
+                                             f"choices {sorted(entry.responses)}", "choice_index", "invalid_value")
+                served = list(entry.responses[choice_index])
+                if not served:
+                    raise FeedbackError(400, "the served response is empty; give both 'chosen' and 'rejected'",
+                                        "id", "invalid_value")
+            chosen_ids = self._response_ids(chosen) if chosen is not None else served
+            rejected_ids = self._response_ids(rejected) if rejected is not None else served
+            if chosen_ids == rejected_ids:
+                raise FeedbackError(400, "'chosen' and 'rejected' are the same response", "chosen",
+                                    "invalid_value")
+            limit = self.engine.max_model_len - len(entry.prompt_token_ids)
+            for name, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+                if len(ids) > limit:
+                    raise FeedbackError(400, f"'{name}' is {len(ids)} tokens; at most {limit} fit after the "
+                                             "prompt", name, "context_length_exceeded")
+            entry.label = PreferenceLabel(chosen_ids, rejected_ids)
+            if entry.state is EntryState.WAITING_LABEL:
+                entry.state = EntryState.READY
+
+    def _response_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        return ids + ([eos] if eos is not None else [])
+
+    # -- training (worker thread) --------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self._job is not None or self.cache.count(EntryState.READY) > 0
+
+    def run_slice(self) -> bool:
+        """One bounded slice of training; False if there was nothing to do."""
+        self.cache.expire()
+        if self._job is None:
+            entries = self.cache.take_ready(self.config.entries_per_step)
+            if not entries:
+                return False
+            self._job = _Job(entries)
+        job = self._job
+        try:
+            if job.current is None:
+                if job.index == len(job.entries):
+                    self._finish_job(job)
+                    return True
+                entry = job.entries[job.index]
+                job.current, job.path = self._start(entry)
+                if job.current is None:  # stale and dropped
+                    job.index += 1
+                    return True
+            try:
+                next(job.current)
+            except StopIteration as stop:
+                job.results.append(stop.value)
+                entry = job.entries[job.index]
+                self.stats.trained_entries[(self.mode, job.path)] = \
+                    self.stats.trained_entries.get((self.mode, job.path), 0) + 1
+                job.current = None
+                job.index += 1
+        except Exception:  # noqa: BLE001 - a failed job must not stop serving
+            logger.exception("training job failed; dropping its entries")
+            self.stats.failed_jobs += 1
+            self.optimizer.zero_grad()
+            for entry in job.entries:
+                self.cache.end(entry, EntryState.DROPPED)
+            self._job = None
+        return True
+
+    def _start(self, entry: CacheEntry):
+        """(job generator, path) for an entry; stale entries go to recompute or are dropped."""
+        if entry.adapter_version != self.optimizer.version:
+            self.stats.stale_entries += 1
+            entry.release()  # never back-propagate a graph recorded under other weights
+            if self.config.stale_policy == "drop":
+                self.stats.stale_dropped += 1
+                self.cache.end(entry, EntryState.DROPPED)
+                return None, ""
+            return self.method.recompute_job(entry, self.context), "recompute"
+        return self.method.reuse_job(entry, self.context), "reuse"
+
+    def _finish_job(self, job: _Job) -> None:
+        losses = [r.loss for r in job.results]
+        finite = all(math.isfinite(v) for v in losses)
+        if job.results:
+            self.optimizer.step(loss_is_finite=finite)
+            self.stats.last_loss = sum(losses) / len(losses)
+            self.stats.train_tokens += sum(r.tokens for r in job.results)
+        for entry in job.entries:
+            if entry.state is EntryState.TRAINING:
+                self.cache.end(entry, EntryState.TRAINED)
+        self._job = None
+
+    def train_until_idle(self, timeout_s: float = 600.0) -> None:
+        """Runs slices until nothing is ready (tests, benchmarks, offline use)."""
+        deadline = time.monotonic() + timeout_s
+        while self.run_slice():
+            if time.monotonic() > deadline:
+                raise TimeoutError("training did not finish in time")
