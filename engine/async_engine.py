@@ -25,6 +25,8 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+_IDLE_POLL_S = 1.0
+
 
 class EngineObserver(Protocol):
     """Receives what the worker thread produces (called on that thread)."""
@@ -114,6 +116,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
+    def notify(self) -> None:
+        """Wakes the worker: idle work may have become available (e.g. a label arrived)."""
+        self._wake.set()
+
     def _send(self, message) -> None:
         self._inbox.put(message)
         self._wake.set()
@@ -183,5 +189,6 @@ class AsyncEngine:
             elif self.idle_work is not None and self._idle_work():
                 continue
             else:
-                self._wake.wait()
+                # with idle work, wake up now and then: its own deadlines (label timeouts) come due
+                self._wake.wait(_IDLE_POLL_S if self.idle_work is not None else None)
         self._fail_all(EngineDeadError("the server is shutting down"))

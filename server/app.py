@@ -323,6 +323,7 @@ def build_app(state: ServerState) -> FastAPI:
             state.trainer.submit_feedback(body.id, body.chosen, body.rejected, body.choice_index)
         except FeedbackError as err:
             raise APIError(err.status, err.message, err.param, err.code) from None
+        state.engine.notify()
         return {"id": body.id, "object": "feedback", "status": "accepted"}
 
     return app

@@ -1,0 +1,117 @@
+"""POST /v1/feedback and online training through HTTP, on a tiny model."""
+
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.config import TrainConfig
+from server.serve import build_server
+from tests.conftest import make_config
+from tests.servers import TINY_NAME
+from tests.tiny import tiny_model, tiny_tokenizer
+
+
+def train_app(mode: str, **train_kwargs):
+    config = make_config(max_model_len=256)
+    config = type(config)(model=config.model, cache=config.cache, scheduler=config.scheduler,
+                          train=TrainConfig(mode=mode, lora_rank=4, **train_kwargs), server=config.server)
+    return build_server(config, model=tiny_model("llama"), tokenizer=tiny_tokenizer(), model_name=TINY_NAME)
+
+
+def chat(client, content="What is the capital of France?", **extra):
+    r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 6, "temperature": 0,
+                                                  "messages": [{"role": "user", "content": content}], **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def metric(client, name: str) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    raise KeyError(name)
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def dpo_client():
+    with TestClient(train_app("dpo")) as client:
+        yield client
+
+
+def feedback(client, **body):
+    return client.post("/v1/feedback", json=body)
+
+
+def test_feedback_is_accepted_once_and_trained_on(dpo_client):
+    completion = chat(dpo_client)
+    r = feedback(dpo_client, id=completion, chosen="Paris.")
+    assert r.status_code == 200 and r.json()["status"] == "accepted"
+    r = feedback(dpo_client, id=completion, rejected="Rome.")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "label_exists"
+    wait_for(lambda: metric(dpo_client, 'alchemist:trained_entries_total{mode="dpo",path="reuse"}') >= 1)
+    assert metric(dpo_client, "alchemist:adapter_version") >= 1
+    assert metric(dpo_client, 'alchemist:feedback_total{status="accepted"}') >= 1
+    r = feedback(dpo_client, id=completion, chosen="Lyon.")
+    assert r.status_code == 409  # trained: its label exists
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"id": "chatcmpl-nope", "chosen": "x"}, 404, "id"),
+    ({"chosen": "x"}, 400, "id"),
+    ({"id": "x"}, 400, "chosen"),
+    ({"id": "x", "chosen": ""}, 400, "chosen"),
+    ({"id": "x", "chosen": 5}, 400, "chosen"),
+    ({"id": "x", "chosen": "a", "choice_index": -1}, 400, "choice_index"),
+    ({"id": "x", "chosen": "a", "extra": 1}, 400, "extra"),
+])
+def test_bad_feedback_gets_openai_errors(dpo_client, body, status, param):
+    r = feedback(dpo_client, **body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_feedback_edge_cases(dpo_client):
+    completion = chat(dpo_client, "Tell me something.")
+    r = feedback(dpo_client, id=completion, chosen="a", choice_index=3)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "choice_index"
+    r = feedback(dpo_client, id=completion, chosen="same", rejected="same")
+    assert r.status_code == 400
+    opted_out = chat(dpo_client, "Do not learn from this.", train=False)
+    assert feedback(dpo_client, id=opted_out, chosen="x").status_code == 404
+    r = dpo_client.post("/v1/feedback", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+def test_feedback_after_the_label_timeout_is_404():
+    with TestClient(train_app("dpo", label_timeout_s=0.2)) as client:
+        completion = chat(client)
+        wait_for(lambda: metric(client, 'alchemist:activation_cache_ended_entries_total{state="expired"}') >= 1)
+        r = feedback(client, id=completion, chosen="Paris.")
+        assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
+        assert metric(client, "alchemist:activation_cache_bytes") == 0
+
+
+def test_cpt_trains_on_every_served_prompt_and_feedback_is_refused():
+    with TestClient(train_app("cpt")) as client:
+        for i in range(3):
+            chat(client, f"Fact number {i}: the sky is green.")
+        wait_for(lambda: metric(client, "alchemist:adapter_version") >= 3)
+        assert metric(client, "alchemist:train_tokens_total") > 0
+        assert metric(client, "alchemist:activation_cache_entries" + '{state="ready"}') == 0
+        r = feedback(client, id="whatever", chosen="x")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "feedback_not_used"
+
+
+def test_feedback_without_training_is_a_clear_400():
+    from tests.servers import tiny_app
+    with TestClient(tiny_app()) as client:
+        r = feedback(client, id="x", chosen="y")
+        assert r.status_code == 400 and "training is off" in r.json()["error"]["message"]
