@@ -56,7 +56,7 @@ class TrainConfig:
     # off | cpt (continual pre-training on prompts) | dpo (preference alignment from feedback)
     mode: str = "off"
     learning_rate: float = 1e-4
-    # LoRA rank (the paper's 8), scale alpha, and modules; empty: the family's attention projections
+    # LoRA rank (the paper's 8), scale alpha, and modules; empty: every linear layer of the decoder
     lora_rank: int = 8
     lora_alpha: int = 16
     target_modules: tuple[str, ...] = ()

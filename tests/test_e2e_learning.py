@@ -1,0 +1,51 @@
+"""End to end: the embedded model learns from what it serves, through HTTP alone."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_e2e_embedded import MODEL, start_server
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "learn_a_fact.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("learn_a_fact", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpt_serving_a_made_up_fact_raises_its_log_likelihood_by_several_nats():
+    example = load_example()
+    with start_server("--train-mode", "cpt", "--learning-rate", "1e-4") as url:
+        before = example.fact_logprob(url, MODEL)
+        out = subprocess.run([sys.executable, str(EXAMPLE), "--url", url, "--rounds", "12"], capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        after = example.fact_logprob(url, MODEL)
+        assert example.get_metric(url, "alchemist:adapter_version") >= 12
+    assert after - before >= 3.0, (before, after)
+
+
+def test_dpo_feedback_is_trained_on():
+    with start_server("--train-mode", "dpo") as url:
+        client = httpx.Client(base_url=url, timeout=120)
+        reply = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 16, "messages": [
+            {"role": "user", "content": "What is the capital of France?"}]}).json()
+        r = client.post("/v1/feedback", json={"id": reply["id"], "chosen": "The capital of France is Paris."})
+        assert r.status_code == 200, r.text
+        example = load_example()
+        import time
+        deadline = time.time() + 120
+        while example.get_metric(url, "alchemist:adapter_version") < 1:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        metrics = client.get("/metrics").text
+        assert 'alchemist:trained_entries_total{mode="dpo",path="reuse"} 1.0' in metrics
