@@ -125,6 +125,7 @@ class LLMEngine:
                 seq.prompt_logprobs = [None]
             if index == 0:
                 seq.record = record
+                seq.track_logprob = record is not None
             seqs.append(seq)
             self.scheduler.add(seq)
         self._requests[request_id] = seqs
@@ -189,6 +190,8 @@ class LLMEngine:
             if sampled is None:  # max_tokens == 0: the prompt was only scored
                 self.scheduler.finish(seq, "length")
                 continue
+            if sampled.logprob_value is not None:
+                seq.cumulative_logprob += sampled.logprob_value
             self._append_token(seq, sampled.token_id, sampled.logprob, now)
         return touched
 
@@ -225,7 +228,8 @@ class LLMEngine:
             completions.append(CompletionOutput(
                 index=seq.index, text=seq.detokenizer.take_new_text(seq.is_finished),
                 token_ids=seq.new_token_ids, logprobs=seq.new_logprobs if seq.params.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                cumulative_logprob=seq.cumulative_logprob if seq.track_logprob else None))
             seq.new_token_ids, seq.new_logprobs = [], []
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         meta.first_token_time = min(firsts) if firsts else None

@@ -73,6 +73,9 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(kv_spec, num_blocks, self.device)
         self.block_size = kv_spec.block_size
         self.sampler = sampler
+        # when set, recorded prefills are measured by this tracker (benchmarks measure a
+        # recording and the training on it together); otherwise each gets its own
+        self.record_tracker: SavedTensorTracker | None = None
 
     def _pack(self, step: SchedulerOutput) -> _PackedStep:
         ids: list[int] = []
@@ -171,7 +174,8 @@ class ModelRunner:
         base weights are frozen), kept as per-layer segments plus a head segment."""
         packed = self._pack(step)
         seq = step.scheduled[0].seq
-        tracker = SavedTensorTracker()
+        tracker = self.record_tracker or SavedTensorTracker()
+        bytes_before = tracker.live_bytes
         leaves: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         past = StepKV(self.kv_cache, packed.metadata, record=True)
@@ -185,11 +189,11 @@ class ModelRunner:
             logits = self.lm_head(normed if all_rows else normed[-1:])
         segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
         recording = RecordedPrefill(list(seq.prompt_token_ids), -1, segments, head_leaf, logits, all_rows,
-                                    saved_bytes=tracker.peak_bytes)
+                                    saved_bytes=tracker.live_bytes - bytes_before)
         output = ModelOutput(recording=recording)
         if packed.sample_rows:
             with torch.inference_mode():
-                token = self.sampler.sample(logits[-1:].detach(), [seq])[0]
+                token = self.sampler.sample(logits[-1:].detach().clone(), [seq])[0]
             output.sampled[seq.seq_id] = token
         return output
 

@@ -30,6 +30,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     # the stop string or stop token id that ended the choice, if any
     stop_reason: str | int | None = None
+    # sum of the raw log-probs of all tokens generated so far (recorded sequences only)
+    cumulative_logprob: float | None = None
 
 
 @dataclass

@@ -21,6 +21,8 @@ class SampledToken:
     token_id: int
     # None unless the sequence asked for logprobs
     logprob: TokenLogprob | None
+    # the token's raw log-prob, for sequences that track their cumulative log-prob
+    logprob_value: float | None = None
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprob]:
@@ -76,10 +78,12 @@ class Sampler:
         self.eos_token_ids = eos_token_ids
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        """logits: (N, V), one row per sequence, in the model's dtype."""
+        """logits: (N, V), one row per sequence, in the model's dtype; never modified."""
         logits = logits.float()
+        if any(s.params.uses_penalties or len(s.output_token_ids) < s.params.min_tokens for s in seqs):
+            logits = logits.clone()  # the rows are edited below
         raw_logprobs = None
-        if any(s.params.logprobs is not None for s in seqs):
+        if any(s.params.logprobs is not None or s.track_logprob for s in seqs):
             raw_logprobs = logits.log_softmax(-1)
         token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         greedy_rows = []
@@ -87,7 +91,6 @@ class Sampler:
             params = seq.params
             needs_min_tokens = len(seq.output_token_ids) < params.min_tokens
             if params.uses_penalties or needs_min_tokens:
-                logits[row] = logits[row].clone()
                 if params.uses_penalties:
                     _apply_penalties(logits[row], seq)
                 if needs_min_tokens:
@@ -104,6 +107,8 @@ class Sampler:
         results = [SampledToken(t, None) for t in token_ids.tolist()]
         if raw_logprobs is not None:
             for row, seq in enumerate(seqs):
+                if seq.track_logprob:
+                    results[row].logprob_value = raw_logprobs[row, results[row].token_id].item()
                 if seq.params.logprobs is not None:
                     results[row].logprob = top_logprobs(
                         raw_logprobs[row:row + 1], token_ids[row:row + 1], seq.params.logprobs)[0]

@@ -64,6 +64,10 @@ class Sequence:
     num_preemptions: int = 0
     # set when this sequence's prefill is to be recorded for training; cleared once done
     record: RecordSpec | None = None
+    # sum of the raw log-probs of the sampled tokens; tracked for recorded sequences only
+    # (DPO reuses it as the served response's policy log-prob)
+    track_logprob: bool = False
+    cumulative_logprob: float = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -59,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--max-tokens", type=int, default=64)
     serving.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
     serving.add_argument("--json", help="write the results to this JSON file")
+    training = benches.add_parser("training", help="reuse path vs recompute path on the embedded model")
+    _add_config_flags(training)
+    training.add_argument("--mode", choices=["cpt", "dpo"], required=True)
+    training.add_argument("--tokens", type=int, default=512, help="trained tokens per entry")
+    training.add_argument("--repeats", type=int, default=3)
+    training.add_argument("--json", help="write the results to this JSON file")
+    training.add_argument("--sweep", nargs="?", const="128,256,512,1024", default=None,
+                          help="comma-separated token lengths (default 128,256,512,1024); draws PNG plots")
+    training.add_argument("--plot-prefix", help="PNG path prefix (default bench-training-MODE)")
     return parser
 
 
@@ -78,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench_serving import run_serving_bench
         run_serving_bench(config, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                           repeats=args.repeats, json_path=args.json)
+        return 0
+    if args.command == "bench" and args.bench == "training":
+        from trainer.bench_training import run_training_bench
+        sweep = [int(n) for n in args.sweep.split(",")] if args.sweep else None
+        run_training_bench(config, args.mode, args.tokens, args.repeats, args.json, sweep, args.plot_prefix)
         return 0
     return 1
 

@@ -57,14 +57,20 @@ def gradients_of(trainer: Trainer, job) -> dict:
     return grads
 
 
-@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+@pytest.mark.parametrize("mode", ["cpt", "dpo-served", "dpo-both"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_reuse_and_recompute_paths_give_the_same_lora_gradients(family, mode):
-    trainer = make_trainer(family, mode)
+    """dpo-served: rejected is the served response (its log-prob comes from decoding);
+    dpo-both: both responses given (the shorter is first scored without grad)."""
+    trainer = make_trainer(family, mode.split("-")[0])
     serve(trainer, "r", max_tokens=8)  # decoded after recording: the graph must be intact
     entry = trainer.cache.get("r")
-    if mode == "dpo":
+    if mode == "dpo-served":
         label(trainer, "r", chosen="Paris, of course. It is a lovely city.")
+        assert set(entry.label.served_logps) == {"rejected"}
+    elif mode == "dpo-both":
+        label(trainer, "r", chosen="Paris, of course. It is a lovely city.", rejected="Rome.")
+        assert not entry.label.served_logps
     context = trainer.context
     reuse = gradients_of(trainer, trainer.method.reuse_job(entry, context))
     recompute = gradients_of(trainer, trainer.method.recompute_job(entry, context))
@@ -153,6 +159,17 @@ def test_a_weight_changed_after_recording_makes_backward_raise_not_lie():
         run_to_end(trainer.method.reuse_job(trainer.cache.get("a"), trainer.context))
 
 
+def test_served_log_prob_equals_the_training_forward():
+    trainer = make_trainer(mode="dpo")
+    served = serve(trainer, "a", max_tokens=8)
+    entry = trainer.cache.get("a")
+    method, context = trainer.method, trainer.context
+    last = entry.recording.logits[-1:].detach()
+    prefix = [(s.key.detach(), s.value.detach()) for s in entry.recording.segments]
+    value, _ = run_to_end(method._response_logp(context, len(entry.prompt_token_ids), served, last, prefix, False))
+    assert entry.served_logps[0] == pytest.approx(value.item(), rel=1e-5)
+
+
 def test_served_tokens_are_unchanged_by_recording():
     trainer = make_trainer()
     recorded = serve(trainer, "a", max_tokens=12)
@@ -160,3 +177,20 @@ def test_served_tokens_are_unchanged_by_recording():
     ids = encode(PROMPT)
     plain = plain_engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0][0]
     assert recorded == plain
+
+
+def test_sampling_edits_do_not_touch_the_recorded_logits():
+    trainer = make_trainer()
+    engine = trainer.engine
+    ids = encode(PROMPT)
+    # min_tokens bans EOS and logit_bias edits logits: both used to write into the recording
+    engine.add_request("a", ids, SamplingParams(max_tokens=3, min_tokens=3, logit_bias={5: 3.0}),
+                       record=trainer.record_spec(len(ids), True))
+    while engine.has_unfinished():
+        engine.step()
+    entry = trainer.cache.get("a")
+    with torch.inference_mode():
+        fresh = trainer.engine.model(torch.tensor([ids])).logits[0]
+    assert torch.allclose(entry.recording.logits.detach(), fresh, atol=1e-4)
+    trainer.train_until_idle()
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 1}

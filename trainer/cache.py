@@ -52,6 +52,8 @@ class CacheEntry:
     state: EntryState = EntryState.READY
     # served responses by choice index (token ids), filled when the request finishes
     responses: dict[int, list[int]] = field(default_factory=dict)
+    # their summed log-probs as serving computed them (under this entry's adapter version)
+    served_logps: dict[int, float] = field(default_factory=dict)
     response_finished: bool = False
     # monotonic time after which an entry still waiting for its label expires
     label_deadline: float | None = None
@@ -81,6 +83,9 @@ class PreferenceLabel:
     # response token ids (each ends with the end-of-turn token)
     chosen: list[int]
     rejected: list[int]
+    # policy log-probs already known from serving: "chosen"/"rejected" -> value (a side
+    # that is the served response, scored while it was decoded)
+    served_logps: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -167,12 +172,14 @@ class ActivationCache:
             while len(self._ended) > 10_000:
                 self._ended.popitem(last=False)
 
-    def response_finished(self, completion_id: str, responses: dict[int, list[int]], aborted: bool) -> None:
+    def response_finished(self, completion_id: str, responses: dict[int, list[int]], aborted: bool,
+                          served_logps: dict[int, float] | None = None) -> None:
         with self._lock:
             entry = self._entries.get(completion_id)
             if entry is None:
                 return
             entry.responses = responses
+            entry.served_logps = served_logps or {}
             entry.response_finished = True
             if entry.needs_label:
                 if aborted and entry.state is EntryState.WAITING_LABEL:

@@ -153,11 +153,14 @@ class DPOMethod(TrainingMethod):
 
     def reuse_job(self, entry: PreferenceEntry, ctx: TrainContext):
         """Shared-prefix schedule: the responses read the prompt's K/V as detached leaves
-        and accumulate gK/gV there; the prompt's backward runs once at the end. To hold
-        as little as possible, only one response graph is alive at a time: the shorter
-        response is first scored without grad (its value is all the loss needs to give
-        the longer one its gradient), then each is forwarded and back-propagated in turn.
-        Peak: the prompt's recording plus the longer response's graph."""
+        and accumulate gK/gV there; the prompt's backward runs once at the end.
+
+        To hold as little as possible, only one response graph is alive at a time: the
+        loss needs the other response's log-prob only as a value, to give the first its
+        gradient. That value is reused from serving when the other response is the served
+        one (it was scored while decoding, under this same adapter version); otherwise the
+        shorter response is scored once without grad. Then each response is forwarded and
+        back-propagated in turn. Peak: the prompt's recording plus one response's graph."""
         if entry.reference_logps is None:
             entry.reference_logps = yield from self.reference_logps(entry, ctx)
         recording, label = entry.recording, entry.label
@@ -165,25 +168,31 @@ class DPOMethod(TrainingMethod):
         prefix = kv_leaves(recording.segments)
         last = recording.logits[-1:].detach().requires_grad_()
         responses = {"chosen": label.chosen, "rejected": label.rejected}
-        short, long = sorted(responses, key=lambda k: len(responses[k]))
-        detached_prefix = [(k.detach(), v.detach()) for k, v in prefix]
-        short_value, _ = yield from self._response_logp(ctx, prompt_len, responses[short], last.detach(),
-                                                        detached_prefix, with_grad=False)
-        long_logp, long_fwd = yield from self._response_logp(ctx, prompt_len, responses[long], last, prefix, True)
-        short_leaf = short_value.detach().clone().requires_grad_()
-        policy = {short: short_leaf, long: long_logp}
+        if label.served_logps:
+            second = next(iter(label.served_logps))
+            second_value = torch.tensor(label.served_logps[second])
+        else:
+            second = min(responses, key=lambda k: len(responses[k]))
+            detached_prefix = [(k.detach(), v.detach()) for k, v in prefix]
+            second_value, _ = yield from self._response_logp(ctx, prompt_len, responses[second], last.detach(),
+                                                             detached_prefix, with_grad=False)
+        first = "rejected" if second == "chosen" else "chosen"
+        first_logp, first_fwd = yield from self._response_logp(ctx, prompt_len, responses[first], last, prefix, True)
+        second_leaf = second_value.detach().clone().float().requires_grad_()
+        policy = {first: first_logp, second: second_leaf}
         with torch.enable_grad():
             loss, metrics = self.loss(policy["chosen"], policy["rejected"], entry)
             loss.backward()
         yield
-        if long_fwd is not None:
-            yield from backward_segments(long_fwd.segments, long_fwd.head_leaf.grad)
-        short_logp, short_fwd = yield from self._response_logp(ctx, prompt_len, responses[short], last, prefix, True)
+        if first_fwd is not None:
+            yield from backward_segments(first_fwd.segments, first_fwd.head_leaf.grad)
+        second_logp, second_fwd = yield from self._response_logp(ctx, prompt_len, responses[second], last, prefix,
+                                                                 True)
         with torch.enable_grad():
-            short_logp.backward(short_leaf.grad)
+            second_logp.backward(second_leaf.grad)
         yield
-        if short_fwd is not None:
-            yield from backward_segments(short_fwd.segments, short_fwd.head_leaf.grad)
+        if second_fwd is not None:
+            yield from backward_segments(second_fwd.segments, second_fwd.head_leaf.grad)
         with torch.enable_grad():
             recording.logits[-1:].backward(last.grad)  # the prompt's head segment
         yield

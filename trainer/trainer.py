@@ -86,6 +86,8 @@ class Trainer:
         self._job: _Job | None = None
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
+        # completion id -> choice index -> cumulative log-prob of the served tokens
+        self._served_logps: dict[str, dict[int, float]] = {}
         # measured bytes per recorded prompt token (to predict whether a recording fits)
         self._bytes_per_token: float | None = None
         engine.recorder = self
@@ -126,12 +128,16 @@ class Trainer:
         responses = self._responses.get(output.request_id)
         if responses is None:
             return
+        logps = self._served_logps.setdefault(output.request_id, {})
         for completion in output.outputs:
             responses.setdefault(completion.index, []).extend(completion.token_ids)
+            if completion.cumulative_logprob is not None:
+                logps[completion.index] = completion.cumulative_logprob
         if output.finished:
             del self._responses[output.request_id]
+            del self._served_logps[output.request_id]
             aborted = all(c.finish_reason == "abort" for c in output.outputs)
-            self.cache.response_finished(output.request_id, responses, aborted)
+            self.cache.response_finished(output.request_id, responses, aborted, logps)
 
     # -- feedback (HTTP thread) ----------------------------------------------------------
 
@@ -193,6 +199,9 @@ class Trainer:
                     raise FeedbackError(400, f"'{name}' is {len(ids)} tokens; at most {limit} fit after the "
                                              "prompt", name, "context_length_exceeded")
             entry.label = PreferenceLabel(chosen_ids, rejected_ids)
+            if served is not None and choice_index in entry.served_logps:
+                side = "rejected" if rejected is None else "chosen"
+                entry.label.served_logps[side] = entry.served_logps[choice_index]
             if entry.state is EntryState.WAITING_LABEL:
                 entry.state = EntryState.READY
 

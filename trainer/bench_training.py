@@ -1,0 +1,235 @@
+"""`alchemist bench training`: the reuse path against the recompute path, side by side.
+
+On the embedded model, each round serves a fresh prompt through the engine twice — once
+plainly and once recorded (their ratio is the recording overhead) — then trains on the
+recorded entry both ways, in alternating order: reuse (backward from the recorded
+prefill; DPO: responses against the recorded prompt K/V) and recompute (full forward
+from tokens, then backward; DPO: `[prompt+chosen; prompt+rejected]` as TRL does). Both
+start from the same adapter and the same entry; their LoRA gradients are compared.
+Peak activation memory is measured by counting the bytes autograd really saves
+(engine/recording.py), including, for the reuse path, the recorded prefill it holds.
+
+Tokens: N trained tokens in all (CPT: an N-token prompt; DPO: N/2 prompt and N/4 for
+each response). Text is synthetic: a fixed English passage, cut to length. DPO follows
+the paper's evaluation: the served response (N/4 tokens, decoded by the engine) is the
+rejected one, and a given text of N/4 tokens the chosen one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import statistics
+import time
+
+import torch
+
+from engine.config import AlchemistConfig, TrainConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import load_model
+from engine.model_runner import run_to_end
+from engine.recording import SavedTensorTracker
+from engine.sampling_params import SamplingParams
+from trainer.adapter import lora_gradients
+from trainer.cache import PreferenceLabel
+from trainer.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+PASSAGE = (
+    "Online learning lets a deployed language model improve from the requests it serves. Each prompt that "
+    "arrives is processed once by the serving engine, and the activations of that pass can be kept and reused "
+    "to train a small adapter when the server is idle, instead of running the same computation again in a "
+    "separate training cluster. Users may also tell the server which of two answers they prefer, and the model "
+    "can learn from that feedback as well. The quick brown fox jumps over the lazy dog while the curious cat "
+    "watches from the window, counting the clouds that drift slowly across the afternoon sky. "
+)
+
+
+def synthetic_tokens(tokenizer, count: int, offset: int) -> list[int]:
+    ids = tokenizer(PASSAGE * (count // 40 + 4), add_special_tokens=False)["input_ids"]
+    start = (offset * 37) % 200
+    return ids[start:start + count]
+
+
+class _Bench:
+    def __init__(self, config: AlchemistConfig, mode: str, max_tokens: int):
+        model, self.tokenizer, self.name = load_model(config.model.model, config.model.dtype, config.model.device)
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=max_tokens + 64),
+                                     scheduler=dataclasses.replace(config.scheduler,
+                                                                   max_num_batched_tokens=max(max_tokens + 64, 2048)))
+        self.engine = LLMEngine(model, self.tokenizer, config)
+        self.trainer = Trainer(self.engine, TrainConfig(mode=mode, cache_bytes=1 << 40))
+        # B starts at zero in LoRA, which makes A's gradient zero; a small random B gives
+        # every LoRA tensor a gradient to compare, and keeps the model near the base
+        with torch.no_grad():
+            for name, param in self.trainer.peft_model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 1e-3)
+        self.method = self.trainer.method
+        self.context = self.trainer.context
+
+    def serve(self, prompt: list[int], record: bool, request_id: str, tracker: SavedTensorTracker | None = None,
+              max_tokens: int = 1) -> float:
+        """Serves `prompt` (greedy, exactly `max_tokens` tokens); returns the prefill step's seconds."""
+        self.engine.runner.record_tracker = tracker
+        spec = self.method.record_spec() if record else None
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
+        self.engine.add_request(request_id, prompt, params, record=spec)
+        seconds = None
+        while self.engine.has_unfinished():
+            started = time.perf_counter()
+            outputs, _ = self.engine.step()
+            seconds = seconds if seconds is not None else time.perf_counter() - started
+            for output in outputs:
+                self.trainer.on_output(output)
+        self.engine.runner.record_tracker = None
+        return seconds
+
+    def entry(self, prompt: list[int], round_index: int, chosen: list[int] | None, response_len: int,
+              tracker: SavedTensorTracker):
+        """A recorded entry; for DPO, as in the paper's evaluation, the served response
+        (response_len tokens) is the rejected one and `chosen` a given text."""
+        request_id = f"bench-{round_index}-{time.monotonic_ns()}"
+        seconds = self.serve(prompt, True, request_id, tracker, max_tokens=max(response_len, 1))
+        entry = self.trainer.cache.get(request_id)
+        if chosen is not None:
+            entry.label = PreferenceLabel(chosen, list(entry.responses[0]),
+                                          served_logps={"rejected": entry.served_logps[0]})
+            entry.reference_logps = run_to_end(self.method.reference_logps(entry, self.context))
+        return entry, seconds
+
+    def run_job(self, job, tracker: SavedTensorTracker) -> tuple[float, dict]:
+        self.trainer.optimizer.zero_grad()
+        with tracker.hooks():
+            started = time.perf_counter()
+            run_to_end(job)
+            seconds = time.perf_counter() - started
+        grads = lora_gradients(self.trainer.peft_model)
+        self.trainer.optimizer.zero_grad()
+        return seconds, grads
+
+
+def _rel_diff(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
+
+
+def measure(bench: _Bench, mode: str, tokens: int, repeats: int) -> dict:
+    if mode == "cpt":
+        prompt_len, response_len = tokens, 0
+    else:
+        prompt_len, response_len = tokens // 2, tokens // 4
+    rows = []
+    for r in range(repeats + 1):  # round 0 warms up and is not reported
+        prompt = synthetic_tokens(bench.tokenizer, prompt_len, r)
+        chosen = None
+        if mode == "dpo":
+            chosen = synthetic_tokens(bench.tokenizer, response_len - 1, r + 50) + [bench.tokenizer.eos_token_id]
+        plain_s = bench.serve(prompt, False, f"plain-{r}-{time.monotonic_ns()}")
+        reuse_tracker, recompute_tracker = SavedTensorTracker(), SavedTensorTracker()
+        entry, recorded_s = bench.entry(prompt, r, chosen, response_len, reuse_tracker)
+        reuse_first = r % 2 == 0
+        results = {}
+        for path in (("reuse", "recompute") if reuse_first else ("recompute", "reuse")):
+            if path == "reuse":
+                job, tracker = bench.method.reuse_job(entry, bench.context), reuse_tracker
+            else:
+                job, tracker = bench.method.recompute_job(entry, bench.context), recompute_tracker
+            results[path] = bench.run_job(job, tracker)
+        bench.trainer.cache.end(entry, entry.state.__class__.TRAINED)
+        if r == 0:
+            continue
+        rows.append({
+            "reuse_s": results["reuse"][0], "recompute_s": results["recompute"][0],
+            "reuse_peak_bytes": reuse_tracker.peak_bytes, "recompute_peak_bytes": recompute_tracker.peak_bytes,
+            "grad_rel_diff": _rel_diff(results["reuse"][1], results["recompute"][1]),
+            "recording_overhead": recorded_s / plain_s,
+        })
+        print(f"  {mode} {tokens:5d} tokens  round {r}/{repeats}: reuse {rows[-1]['reuse_s']:.3f}s  "
+              f"recompute {rows[-1]['recompute_s']:.3f}s  memory {rows[-1]['reuse_peak_bytes'] / 2**20:.0f} / "
+              f"{rows[-1]['recompute_peak_bytes'] / 2**20:.0f} MiB  recording x{rows[-1]['recording_overhead']:.2f}",
+              flush=True)
+    reuse_s = statistics.median(row["reuse_s"] for row in rows)
+    recompute_s = statistics.median(row["recompute_s"] for row in rows)
+    reuse_peak = statistics.median(row["reuse_peak_bytes"] for row in rows)
+    recompute_peak = statistics.median(row["recompute_peak_bytes"] for row in rows)
+    return {
+        "mode": mode, "tokens": tokens, "prompt_tokens": prompt_len, "response_tokens": response_len,
+        "repeats": repeats,
+        "reuse_tokens_per_s": round(tokens / reuse_s, 2),
+        "baseline_tokens_per_s": round(tokens / recompute_s, 2),
+        "speedup": round(recompute_s / reuse_s, 3),
+        "reuse_peak_activation_bytes": int(reuse_peak),
+        "baseline_peak_activation_bytes": int(recompute_peak),
+        "memory_ratio": round(reuse_peak / recompute_peak, 3),
+        "max_grad_rel_diff": max(row["grad_rel_diff"] for row in rows),
+        "recording_overhead": round(statistics.median(row["recording_overhead"] for row in rows), 3),
+        "rounds": rows,
+    }
+
+
+def plot_sweep(results: list[dict], mode: str, prefix: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [r["tokens"] for r in results]
+    x = range(len(lengths))
+    width = 0.38
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar([i - width / 2 for i in x], [r["reuse_tokens_per_s"] for r in results], width, label="alchemist (reuse)",
+           color="tab:blue")
+    ax.bar([i + width / 2 for i in x], [r["baseline_tokens_per_s"] for r in results], width,
+           label="baseline (recompute)", color="tab:red")
+    for i, r in enumerate(results):
+        ax.annotate(f"{r['speedup']:.2f}x", (i - width / 2, r["reuse_tokens_per_s"]), ha="center", va="bottom",
+                    fontsize=9)
+    ax.set_xticks(list(x), [str(n) for n in lengths])
+    ax.set_xlabel("trained tokens")
+    ax.set_ylabel("training tokens / s")
+    ax.set_title(f"Training throughput, {mode.upper()} (cf. paper Fig. 8)")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(f"{prefix}-throughput.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(lengths, [r["reuse_peak_activation_bytes"] / 2**20 for r in results], "o-", label="alchemist (reuse)",
+            color="tab:blue")
+    ax.plot(lengths, [r["baseline_peak_activation_bytes"] / 2**20 for r in results], "s-",
+            label="baseline (recompute)", color="tab:red")
+    for r in results:
+        ax.annotate(f"{r['memory_ratio']:.2f}", (r["tokens"], r["reuse_peak_activation_bytes"] / 2**20),
+                    textcoords="offset points", xytext=(0, -14), ha="center", fontsize=9)
+    ax.set_xlabel("trained tokens")
+    ax.set_ylabel("peak activation memory (MiB, measured)")
+    ax.set_title(f"Peak activation memory, {mode.upper()} (cf. paper's memory-saving figure)")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(f"{prefix}-memory.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def run_training_bench(config: AlchemistConfig, mode: str, tokens: int, repeats: int = 3,
+                       json_path: str | None = None, sweep: list[int] | None = None,
+                       plot_prefix: str | None = None) -> dict:
+    lengths = sweep or [tokens]
+    bench = _Bench(config, mode, max(lengths))
+    results = [measure(bench, mode, n, repeats) for n in lengths]
+    summary = {"model": bench.name, "dtype": str(next(bench.engine.model.parameters()).dtype),
+               "torch_threads": torch.get_num_threads(), "lora_rank": bench.trainer.config.lora_rank,
+               "results": results}
+    if sweep:
+        summary["plots"] = plot_sweep(results, mode, plot_prefix or f"bench-training-{mode}")
+    for r in results:
+        print(json.dumps({k: v for k, v in r.items() if k != "rounds"}))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(summary if sweep else {**summary, **{k: v for k, v in results[0].items()}}, f, indent=2)
+    return summary
