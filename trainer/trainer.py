@@ -63,6 +63,8 @@ class _Job:
     path: str = ""
     index: int = 0
     results: list[JobResult] = field(default_factory=list)
+    # the path each finished entry took
+    paths: list[str] = field(default_factory=list)
 
 
 class Trainer:
@@ -238,9 +240,7 @@ class Trainer:
                 next(job.current)
             except StopIteration as stop:
                 job.results.append(stop.value)
-                entry = job.entries[job.index]
-                self.stats.trained_entries[(self.mode, job.path)] = \
-                    self.stats.trained_entries.get((self.mode, job.path), 0) + 1
+                job.paths.append(job.path)
                 job.current = None
                 job.index += 1
         except Exception:  # noqa: BLE001 - a failed job must not stop serving
@@ -271,6 +271,9 @@ class Trainer:
             self.optimizer.step(loss_is_finite=finite)
             self.stats.last_loss = sum(losses) / len(losses)
             self.stats.train_tokens += sum(r.tokens for r in job.results)
+            for path in job.paths:
+                key = (self.mode, path)
+                self.stats.trained_entries[key] = self.stats.trained_entries.get(key, 0) + 1
         for entry in job.entries:
             if entry.state is EntryState.TRAINING:
                 self.cache.end(entry, EntryState.TRAINED)
