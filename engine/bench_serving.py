@@ -8,7 +8,10 @@ until then: `min_tokens` here, `min_new_tokens` in `generate`), run through
   - `model.generate` on a static batch with left padding,
   - `model.generate_batch`, transformers' own continuous batching (it stops at EOS, so
     its tokens are counted, not assumed),
-in interleaved rounds; medians of tokens/s are reported with their ratios, and the
+With `with_adapter`, two more engines serve with a (zero-initialised) LoRA adapter
+attached as in training mode — through the lean inference path and through PEFT's own
+forward — to show what training mode costs serving and what the lean path saves.
+All paths run in interleaved rounds; medians of tokens/s are reported with their ratios, and the
 engine's greedy tokens are checked against `generate`'s token for token. The Hugging
 Face paths run on their own, untouched copies of the model.
 """
@@ -75,8 +78,23 @@ def _timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - started, result
 
 
+def _adapter_engine(config: AlchemistConfig, tokenizer, lean: bool) -> LLMEngine:
+    from engine.config import TrainConfig
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from trainer.trainer import Trainer
+
+    model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
+    engine = LLMEngine(model, tokenizer, config)
+    trainer = Trainer(engine, TrainConfig(mode="cpt"))
+    if not lean:
+        for module in trainer.peft_model.modules():
+            if isinstance(module, LoraLinear):
+                module.__class__ = LoraLinear
+    return engine
+
+
 def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens: int = 64, repeats: int = 3,
-                      json_path: str | None = None) -> dict:
+                      json_path: str | None = None, with_adapter: bool = False) -> dict:
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     model, tokenizer, name = load_model(config.model.model, config.model.dtype, config.model.device)
     hf_model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
@@ -97,7 +115,12 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     def engine_plain_linear():
         return [choices[0] for choices in plain_engine.generate(prompts, params)]
 
+    extra_engines = {}
+    if with_adapter:
+        extra_engines = {"engine_adapter_lean": _adapter_engine(config, tokenizer, lean=True),
+                         "engine_adapter_peft_forward": _adapter_engine(config, tokenizer, lean=False)}
     paths = {
+        **{key: (lambda e=e: [c[0] for c in e.generate(prompts, params)]) for key, e in extra_engines.items()},
         "engine": engine_batched,
         "engine_sequential": engine_sequential,
         "engine_plain_linear": engine_plain_linear,
@@ -107,6 +130,8 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     logger.info("warming up each path")
     engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
     plain_engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
+    for extra in extra_engines.values():
+        extra.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
     hf_static_generate(hf_model, tokenizer, prompts[:2], 2)
     hf_generate_batch(cb_model, tokenizer, prompts[:2], 2)
 
@@ -137,6 +162,9 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
         "ratio_concurrent_over_sequential": round(median["engine"] / median["engine_sequential"], 3),
         "ratio_packed_over_plain_linear": round(median["engine"] / median["engine_plain_linear"], 3),
         "packed_equal_to_plain_linear": outputs["engine"] == outputs["engine_plain_linear"],
+        **({"ratio_adapter_lean_over_engine": round(median["engine_adapter_lean"] / median["engine"], 3),
+            "ratio_adapter_peft_forward_over_engine": round(median["engine_adapter_peft_forward"] / median["engine"], 3),
+            "adapter_equal_to_engine": outputs["engine_adapter_lean"] == outputs["engine"]} if with_adapter else {}),
         "greedy_equal_to_generate": not mismatches,
         "greedy_mismatched_prompts": mismatches,
         "batched_equal_to_alone": not sequential_mismatches,

@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--max-tokens", type=int, default=64)
     serving.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
     serving.add_argument("--json", help="write the results to this JSON file")
+    serving.add_argument("--with-adapter", action="store_true",
+                         help="also serve with a LoRA adapter attached (what training mode costs serving)")
     training = benches.add_parser("training", help="reuse path vs recompute path on the embedded model")
     _add_config_flags(training)
     training.add_argument("--mode", choices=["cpt", "dpo"], required=True)
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "serving":
         from engine.bench_serving import run_serving_bench
         run_serving_bench(config, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                          repeats=args.repeats, json_path=args.json)
+                          repeats=args.repeats, json_path=args.json, with_adapter=args.with_adapter)
         return 0
     if args.command == "bench" and args.bench == "training":
         from trainer.bench_training import run_training_bench

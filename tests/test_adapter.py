@@ -1,0 +1,34 @@
+"""The LoRA adapter: its lean inference path equals PEFT's forward."""
+
+import pytest
+import torch
+
+from engine.config import TrainConfig
+from tests.conftest import encode, make_engine
+from tests.tiny import FAMILIES
+from trainer.adapter import LeanLoraLinear, attach_lora
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lean_inference_forward_equals_peft_forward(family):
+    engine = make_engine(family)
+    peft_model = attach_lora(engine.model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
+    layers = [m for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
+    assert layers
+    x = torch.randn(1, 5, layers[0].in_features)
+    for layer in layers[:3]:
+        x = torch.randn(1, 5, layer.in_features)
+        with torch.inference_mode():
+            lean = layer(x)
+        with torch.no_grad(), torch.enable_grad():  # grad mode on: PEFT's own forward
+            reference = layer(x).detach()
+        assert torch.allclose(lean, reference, atol=1e-5)
+    ids = torch.tensor([encode("Hello there, how are you?")])
+    with torch.inference_mode():
+        lean_logits = peft_model(ids).logits
+    with torch.enable_grad():
+        reference_logits = peft_model(ids).logits.detach()
+    assert torch.allclose(lean_logits, reference_logits, atol=1e-4)
+    with peft_model.disable_adapter(), torch.inference_mode():
+        base_logits = peft_model(ids).logits
+    assert not torch.allclose(base_logits, lean_logits, atol=1e-3)  # the adapter really acts
