@@ -67,6 +67,9 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.num_steps = 0
+        # seconds the engine had nothing runnable (training or waiting), for
+        # alchemist:engine_idle_seconds_total: the share of idle time training harvests
+        self.idle_seconds = 0.0
 
     # -- lifecycle --------------------------------------------------------------------
 
@@ -186,9 +189,11 @@ class AsyncEngine:
                     observer.on_step(stats)
                 for output in outputs:
                     self._publish(output)
-            elif self.idle_work is not None and self._idle_work():
-                continue
             else:
-                # with idle work, wake up now and then: its own deadlines (label timeouts) come due
-                self._wake.wait(_IDLE_POLL_S if self.idle_work is not None else None)
+                idle_started = time.monotonic()
+                worked = self.idle_work is not None and self._idle_work()
+                if not worked:
+                    # with idle work, wake up now and then: its own deadlines (label timeouts) come due
+                    self._wake.wait(_IDLE_POLL_S if self.idle_work is not None else None)
+                self.idle_seconds += time.monotonic() - idle_started
         self._fail_all(EngineDeadError("the server is shutting down"))

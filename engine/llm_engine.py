@@ -77,6 +77,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         # set by the trainer when training is on
         self.recorder: PrefillRecorder | None = None
+        # steps executed so far (the trainer tells from it that serving ran between its slices)
+        self.num_steps = 0
         logger.info("KV cache: %d blocks x %d tokens, %d bytes per token, %.1f MiB", num_blocks,
                     spec.block_size, spec.bytes_per_token, self.runner.kv_cache.memory_bytes / 2**20)
 
@@ -161,6 +163,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         touched: set[str] = {s.request_id for s in scheduled.preempted}
         if not scheduled.is_empty:
+            self.num_steps += 1
             model_output = self.runner.execute(scheduled)
             touched |= self._update(scheduled, model_output)
         outputs = [out for rid in touched if (out := self._collect(rid)) is not None]

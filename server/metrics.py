@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.llm_engine import StepStats
 from engine.outputs import RequestOutput
@@ -105,8 +105,21 @@ class ServingMetrics:
     def add_trainer(self, trainer) -> None:
         self.registry.register(TrainingCollector(trainer))
 
+    def add_engine(self, async_engine) -> None:
+        self.registry.register(_EngineCollector(async_engine))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, async_engine):
+        self.async_engine = async_engine
+
+    def collect(self):
+        yield CounterMetricFamily(f"{PREFIX}engine_idle_seconds", "Seconds the engine had no request to run "
+                                  "(spent training or waiting); train_busy_seconds over this is the harvested "
+                                  "share.", value=self.async_engine.idle_seconds)
 
 
 class TrainingCollector:
@@ -153,5 +166,16 @@ class TrainingCollector:
                                   value=stats.failed_jobs)
         yield CounterMetricFamily(f"{PREFIX}recorded_prefills", "Prefills recorded into the activation cache.",
                                   value=stats.recorded)
+        cumulative, buckets = 0, []
+        for bound, count in stats.slice_buckets.items():
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else str(bound), cumulative))
+        yield HistogramMetricFamily(f"{PREFIX}train_slice_seconds", "Duration of one training slice (a layer's "
+                                    "forward or backward, a loss, an optimizer step), in seconds.", buckets=buckets,
+                                    sum_value=stats.busy_seconds)
+        yield CounterMetricFamily(f"{PREFIX}train_busy_seconds", "Seconds spent in training slices.",
+                                  value=stats.busy_seconds)
+        yield CounterMetricFamily(f"{PREFIX}train_preemptions", "Times a training job was interrupted by serving "
+                                  "and resumed where it stopped.", value=stats.preemptions)
         yield CounterMetricFamily(f"{PREFIX}unrecorded_prefills", "Requests selected for training but not "
                                   "recorded (cache full or prompt too long).", value=stats.not_recorded)

@@ -39,6 +39,7 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
                     config.train.lora_rank, config.train.learning_rate)
     observers = [metrics] + ([trainer] if trainer else [])
     async_engine = AsyncEngine(engine, observers=observers, idle_work=trainer.run_slice if trainer else None)
+    metrics.add_engine(async_engine)
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, metrics, trainer)
     app = build_app(state)
 

@@ -31,6 +31,8 @@ from trainer.optimizer import AdapterOptimizer
 
 logger = logging.getLogger(__name__)
 
+SLICE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
+
 
 class FeedbackError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
@@ -50,6 +52,13 @@ class TrainingStats:
     # feedback status -> count
     feedback: dict[str, int] = field(default_factory=dict)
     failed_jobs: int = 0
+    # slices run, their total seconds, and a histogram of their durations (bucket upper bounds)
+    slices: int = 0
+    busy_seconds: float = 0.0
+    max_slice_seconds: float = 0.0
+    slice_buckets: dict[float, int] = field(default_factory=lambda: {b: 0 for b in SLICE_BUCKETS})
+    # times a job was interrupted by serving and resumed where it stopped
+    preemptions: int = 0
     recorded: int = 0
     # requests selected but not recorded: cache full or prompt too long
     not_recorded: int = 0
@@ -86,6 +95,7 @@ class Trainer:
         self._rng = random.Random(config.seed)
         self._rng_lock = threading.Lock()
         self._job: _Job | None = None
+        self._engine_steps_at_last_slice = 0
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
         # completion id -> choice index -> cumulative log-prob of the served tokens
@@ -219,6 +229,21 @@ class Trainer:
 
     def run_slice(self) -> bool:
         """One bounded slice of training; False if there was nothing to do."""
+        started = time.perf_counter()
+        if self._job is not None and self.engine.num_steps != self._engine_steps_at_last_slice:
+            self.stats.preemptions += 1  # serving ran in between; the job resumes here
+        worked = self._run_slice()
+        self._engine_steps_at_last_slice = self.engine.num_steps
+        if worked:
+            seconds = time.perf_counter() - started
+            self.stats.slices += 1
+            self.stats.busy_seconds += seconds
+            self.stats.max_slice_seconds = max(self.stats.max_slice_seconds, seconds)
+            bucket = next(b for b in SLICE_BUCKETS if seconds <= b)
+            self.stats.slice_buckets[bucket] += 1
+        return worked
+
+    def _run_slice(self) -> bool:
         self.cache.expire()
         if self._job is None:
             entries = self.cache.take_ready(self.config.entries_per_step)
