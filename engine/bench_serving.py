@@ -8,9 +8,10 @@ until then: `min_tokens` here, `min_new_tokens` in `generate`), run through
   - `model.generate` on a static batch with left padding,
   - `model.generate_batch`, transformers' own continuous batching (it stops at EOS, so
     its tokens are counted, not assumed),
-With `with_adapter`, two more engines serve with a (zero-initialised) LoRA adapter
-attached as in training mode — through the lean inference path and through PEFT's own
-forward — to show what training mode costs serving and what the lean path saves.
+With `with_adapter`, three more engines serve with a (zero-initialised) LoRA adapter
+attached as in training mode — through merged weights (training mode's default on CPU),
+through the lean unmerged path, and through PEFT's own forward — to show what training
+mode costs serving and what each path saves.
 All paths run in interleaved rounds; medians of tokens/s are reported with their ratios, and the
 engine's greedy tokens are checked against `generate`'s token for token. The Hugging
 Face paths run on their own, untouched copies of the model.
@@ -78,7 +79,8 @@ def _timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - started, result
 
 
-def _adapter_engine(config: AlchemistConfig, tokenizer, lean: bool) -> LLMEngine:
+def _adapter_engine(config: AlchemistConfig, tokenizer, variant: str) -> LLMEngine:
+    """variant: merged | lean | peft"""
     from engine.config import TrainConfig
     from peft.tuners.lora.layer import Linear as LoraLinear
     from trainer.trainer import Trainer
@@ -86,7 +88,9 @@ def _adapter_engine(config: AlchemistConfig, tokenizer, lean: bool) -> LLMEngine
     model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
     engine = LLMEngine(model, tokenizer, config)
     trainer = Trainer(engine, TrainConfig(mode="cpt"))
-    if not lean:
+    if variant == "merged":
+        trainer.train_until_idle()  # with nothing to train, idle slices build the merged weights
+    if variant == "peft":
         for module in trainer.peft_model.modules():
             if isinstance(module, LoraLinear):
                 module.__class__ = LoraLinear
@@ -117,8 +121,8 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
 
     extra_engines = {}
     if with_adapter:
-        extra_engines = {"engine_adapter_lean": _adapter_engine(config, tokenizer, lean=True),
-                         "engine_adapter_peft_forward": _adapter_engine(config, tokenizer, lean=False)}
+        extra_engines = {f"engine_adapter_{variant}": _adapter_engine(config, tokenizer, variant)
+                         for variant in ("merged", "lean", "peft")}
     paths = {
         **{key: (lambda e=e: [c[0] for c in e.generate(prompts, params)]) for key, e in extra_engines.items()},
         "engine": engine_batched,
@@ -162,9 +166,10 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
         "ratio_concurrent_over_sequential": round(median["engine"] / median["engine_sequential"], 3),
         "ratio_packed_over_plain_linear": round(median["engine"] / median["engine_plain_linear"], 3),
         "packed_equal_to_plain_linear": outputs["engine"] == outputs["engine_plain_linear"],
-        **({"ratio_adapter_lean_over_engine": round(median["engine_adapter_lean"] / median["engine"], 3),
-            "ratio_adapter_peft_forward_over_engine": round(median["engine_adapter_peft_forward"] / median["engine"], 3),
-            "adapter_equal_to_engine": outputs["engine_adapter_lean"] == outputs["engine"]} if with_adapter else {}),
+        **({f"ratio_adapter_{v}_over_engine": round(median[f"engine_adapter_{v}"] / median["engine"], 3)
+            for v in ("merged", "lean", "peft")} if with_adapter else {}),
+        **({"adapter_equal_to_engine": all(outputs[f"engine_adapter_{v}"] == outputs["engine"]
+                                           for v in ("merged", "lean", "peft"))} if with_adapter else {}),
         "greedy_equal_to_generate": not mismatches,
         "greedy_mismatched_prompts": mismatches,
         "batched_equal_to_alone": not sequential_mismatches,

@@ -80,6 +80,10 @@ class TrainConfig:
     entries_per_step: int = 1
     # seed for the adapter's initialization and the record-fraction draw
     seed: int = 0
+    # on CPU, serve through merged (base + adapter) weights, rebuilt in idle slices after
+    # each optimizer step: training mode then serves as fast as no adapter, for one more
+    # copy of the adapted weights in memory
+    merged_serving: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:

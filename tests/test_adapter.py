@@ -32,3 +32,36 @@ def test_lean_inference_forward_equals_peft_forward(family):
     with peft_model.disable_adapter(), torch.inference_mode():
         base_logits = peft_model(ids).logits
     assert not torch.allclose(base_logits, lean_logits, atol=1e-3)  # the adapter really acts
+
+
+def test_merged_serving_equals_lean_and_goes_stale_with_the_weights():
+    from trainer.adapter import merge_stale
+
+    engine = make_engine("qwen2")  # biased projections through the merged GEMM too
+    peft_model = attach_lora(engine.model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
+    layers = [m for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
+    ids = torch.tensor([encode("Hello there, how are you?")])
+    with torch.inference_mode():
+        lean_logits = peft_model(ids).logits
+    while merge_stale(peft_model):
+        pass
+    assert all(layer.merged_is_current() for layer in layers)
+    with torch.inference_mode():
+        merged_logits = peft_model(ids).logits
+    assert torch.allclose(merged_logits, lean_logits, atol=1e-4)
+    with torch.no_grad():
+        layers[0].lora_B["default"].weight.add_(0.5)  # what an optimizer step does
+    assert not layers[0].merged_is_current() and layers[1].merged_is_current()
+    with torch.inference_mode():
+        updated = peft_model(ids).logits  # layer 0 lean (new weights), the rest merged
+    with torch.enable_grad():
+        reference = peft_model(ids).logits.detach()  # PEFT's forward, all current weights
+    assert torch.allclose(updated, reference, atol=1e-4)
+    assert not torch.allclose(updated, merged_logits, atol=1e-3)
+    with peft_model.disable_adapter():
+        with torch.inference_mode():
+            disabled = peft_model(ids).logits
+        with torch.enable_grad():
+            disabled_reference = peft_model(ids).logits.detach()
+    assert torch.allclose(disabled, disabled_reference, atol=1e-5)
+    assert not torch.allclose(disabled, updated, atol=1e-3)  # the merged copies were not used

@@ -4,11 +4,15 @@ The runner keeps references to the model's decoder layers; PEFT replaces their t
 linear layers in place, so serving and training both see base + adapter from then on.
 Dropout is 0: the reuse and recompute paths must compute the same function.
 
-Serving goes through every adapted layer at every decode step, where PEFT's general
-forward (argument checks, three submodule calls, casts) costs more than the adapter's two
-small matmuls. `LeanLoraLinear` computes the same `base(x) + scale * x A^T B^T` in three
-ops when autograd is not involved and one plain adapter is active, and defers to PEFT's
-forward otherwise (training, disabled or merged adapters, variants).
+Serving goes through every adapted layer at every decode step. `LeanLoraLinear` serves
+without autograd in one of two ways, both computing `x (W + s B A)^T`:
+  - merged: one oneDNN GEMM with a packed copy of `W + s B A` (CPU). The copy is current
+    only while the base and LoRA weights have the version counters it was built from, so
+    an optimizer step invalidates it by itself; the trainer rebuilds copies in idle slices
+    (`merge_stale`). This makes serving in training mode as fast as without an adapter.
+  - lean: `base(x) + s (x A^T) B^T` in three ops, while its merged copy is stale.
+A step may mix merged and lean layers: both stand for the same, current adapter. With
+autograd, disabled or several adapters, PEFT's own forward runs.
 """
 
 from __future__ import annotations
@@ -32,7 +36,40 @@ DEFAULT_TARGETS = {
 
 
 class LeanLoraLinear(LoraLinear):
+    _merged_pack: torch.Tensor | None = None
+    # the (base, A, B) weights the merged pack was built from, and their versions then
+    _merged_from: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _merged_key: tuple[int, int, int] | None = None
+
+    def _weights(self):
+        name = self.active_adapters[0]
+        return self.base_layer.weight, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
+
+    def can_merge(self) -> bool:
+        return self.base_layer.weight.device.type == "cpu" and torch.backends.mkldnn.is_available() \
+            and len(self.active_adapters) == 1
+
+    def merged_is_current(self) -> bool:
+        if self._merged_pack is None:
+            return False
+        w, a, b = self._merged_from
+        return (w._version, a._version, b._version) == self._merged_key
+
+    @torch.no_grad()
+    def build_merged(self) -> None:
+        w, a, b, scale = self._weights()
+        key = (w._version, a._version, b._version)
+        self._merged_pack = torch.ops.mkldnn._reorder_linear_weight(torch.addmm(w, b, a, alpha=scale), 8)
+        self._merged_from, self._merged_key = (w, a, b), key
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        # the hot path of serving in training mode: a few attribute reads, then one GEMM
+        if (self._merged_pack is not None and not args and not kwargs and not self._disable_adapters
+                and not torch.is_grad_enabled() and self.merged_is_current()
+                and x.dtype == self._merged_pack.dtype):
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.ops.mkldnn._linear_pointwise(flat, self._merged_pack, self.base_layer.bias, "none", [], "")
+            return out.view(*x.shape[:-1], out.shape[-1])
         adapters = self.active_adapters
         if (args or kwargs or torch.is_grad_enabled() or self.disable_adapters or self.merged
                 or len(adapters) != 1 or adapters[0] in self.lora_variant or adapters[0] not in self.lora_A):
@@ -58,6 +95,21 @@ def attach_lora(model, config: TrainConfig, init_lora_weights: bool | str = True
         if type(module) is LoraLinear:
             module.__class__ = LeanLoraLinear
     return peft_model
+
+
+def merge_stale(peft_model: PeftModel, budget_s: float = 0.01) -> int:
+    """Rebuilds stale merged copies until `budget_s` has passed (one training slice);
+    returns how many were rebuilt (0: all current, or merging not possible here)."""
+    import time
+
+    started, rebuilt = time.perf_counter(), 0
+    for module in peft_model.modules():
+        if isinstance(module, LeanLoraLinear) and module.can_merge() and not module.merged_is_current():
+            module.build_merged()
+            rebuilt += 1
+            if time.perf_counter() - started >= budget_s:
+                break
+    return rebuilt
 
 
 def lora_parameters(peft_model: PeftModel) -> list[torch.nn.Parameter]:

@@ -24,7 +24,7 @@ from engine.config import TrainConfig
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 from engine.recording import RecordedPrefill, RecordSpec
-from trainer.adapter import attach_lora, lora_parameters
+from trainer.adapter import attach_lora, lora_parameters, merge_stale
 from trainer.cache import ActivationCache, CacheEntry, EntryState, PreferenceLabel
 from trainer.methods import CPTMethod, DPOMethod, JobResult, TrainContext, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
@@ -245,6 +245,8 @@ class Trainer:
 
     def _run_slice(self) -> bool:
         self.cache.expire()
+        if self._job is None and self.config.merged_serving and merge_stale(self.peft_model):
+            return True  # serving speed first: merged weights are rebuilt before the next job
         if self._job is None:
             entries = self.cache.take_ready(self.config.entries_per_step)
             if not entries:
