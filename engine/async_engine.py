@@ -1,23 +1,30 @@
-"""Runs the engine on one worker thread and streams its outputs to asyncio callers.
+"""The engine behind the asyncio server: one device executor, and the arbiter.
 
-All tensor work happens on the worker thread; the asyncio loop only enqueues messages
-(add, abort, shutdown) and awaits per-request queues, so it stays responsive while a
-step runs. Messages are applied at step boundaries: an aborted request (for example a
-client that disconnected) stops within one engine step. When nothing is runnable, `idle_work` (training: one slice per call) runs between
-message checks, so a request that arrives during training waits for at most one slice;
-with no idle work either, the thread sleeps until a message arrives.
+All tensor work — engine steps, training slices, optimizer steps — runs on one worker
+thread, one item at a time (the device executor). The asyncio loop never runs tensor
+code: it enqueues messages (add, abort), awaits per-request queues, and runs the
+arbiter, a coroutine that chooses the executor's next item:
+
+  - an engine step whenever a request is runnable; messages are applied at the step
+    boundary, so a new or aborted request (a client that disconnected) takes effect
+    within one engine step, and a request that arrives during training waits for at most
+    the slice in progress;
+  - a training slice (`TrainingWork.run_slice`) when nothing is runnable — policy `idle`,
+    the paper's — or, with policy `slo`, also between decode steps while the measured
+    time per output token stays under `tpot_slo_ms` (it backs off when it does not).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import logging
-import queue
-import threading
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Protocol
 
+from engine.config import ArbiterConfig
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 from engine.recording import RecordSpec
@@ -25,15 +32,26 @@ from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+# with training work, the arbiter wakes up now and then: its deadlines (label timeouts) come due
 _IDLE_POLL_S = 1.0
+# smoothing of the measured step, slice and token times
+_EMA = 0.2
 
 
 class EngineObserver(Protocol):
-    """Receives what the worker thread produces (called on that thread)."""
+    """Receives what the engine produces (called on the asyncio loop's thread)."""
 
     def on_step(self, stats: StepStats) -> None: ...
 
     def on_output(self, output: RequestOutput) -> None: ...
+
+
+class TrainingWork(Protocol):
+    """What the arbiter schedules in the gaps (the trainer)."""
+
+    def has_work(self) -> bool: ...
+
+    def run_slice(self) -> bool: ...
 
 
 class EngineDeadError(RuntimeError):
@@ -54,42 +72,76 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class ArbiterStats:
+    # training slices run in true idle gaps, and between decode steps (slo policy)
+    idle_slices: int = 0
+    between_step_slices: int = 0
+    # times the slo policy stopped interleaving because the measured TPOT exceeded the SLO
+    slo_backoffs: int = 0
+    # seconds the engine had nothing runnable (spent training or waiting)
+    idle_seconds: float = 0.0
+    # smoothed measurements (seconds): decode step, training slice, time per output token
+    step_ema: float = 0.0
+    slice_ema: float = 0.0
+    tpot_ema: float = 0.0
+    recent_tpot: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+
+
+def _ema(old: float, new: float) -> float:
+    return new if old == 0.0 else (1 - _EMA) * old + _EMA * new
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, observers: list[EngineObserver] | None = None,
-                 idle_work: Callable[[], bool] | None = None):
+                 training: TrainingWork | None = None, arbiter: ArbiterConfig | None = None):
         self.engine = engine
         self.observers = observers or []
-        # called when the engine has nothing runnable; returns True if it did some work
-        self.idle_work = idle_work
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self.training = training
+        self.arbiter_config = arbiter or ArbiterConfig()
+        self.stats = ArbiterStats()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._task: asyncio.Task | None = None
+        self._inbox: collections.deque = collections.deque()
+        self._wake: asyncio.Event | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._backoff_steps = 0
+        self._backoff_length = 1
+        self._last_decode_done: float | None = None
         self.num_steps = 0
-        # seconds the engine had nothing runnable (training or waiting), for
-        # alchemist:engine_idle_seconds_total: the share of idle time training harvests
-        self.idle_seconds = 0.0
 
-    # -- lifecycle --------------------------------------------------------------------
+    # -- lifecycle (on the asyncio loop) ----------------------------------------------
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="alchemist-engine", daemon=True)
-            self._thread.start()
+        """Starts the executor thread and the arbiter; call from inside the running loop."""
+        if self._task is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-device")
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._arbitrate(), name="alchemist-arbiter")
 
-    def shutdown(self, timeout: float = 30.0) -> None:
+    async def stop(self) -> None:
+        """Stops admitting work; the item in progress (a step or a slice) finishes, a
+        training job in progress is parked, and requests still running get an error."""
         self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        return self._task is not None and not self._task.done() and not self._stopping
 
-    # -- the asyncio side -------------------------------------------------------------
+    @property
+    def idle_seconds(self) -> float:
+        return self.stats.idle_seconds
+
+    # -- requests (on the asyncio loop) -----------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        record: RecordSpec | None = None) -> AsyncIterator[RequestOutput]:
@@ -101,7 +153,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._streams[request_id] = stream
         self._send(_Add(request_id, list(prompt_token_ids), params, time.monotonic(), record))
         finished = False
         try:
@@ -120,80 +172,141 @@ class AsyncEngine:
         self._send(_Abort(request_id))
 
     def notify(self) -> None:
-        """Wakes the worker: idle work may have become available (e.g. a label arrived)."""
-        self._wake.set()
+        """Wakes the arbiter: training work may have become available (a label arrived)."""
+        if self._wake is not None:
+            self._wake.set()
 
     def _send(self, message) -> None:
-        self._inbox.put(message)
-        self._wake.set()
-
-    def _deliver(self, request_id: str, item) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-
-    # -- the worker thread ------------------------------------------------------------
-
-    def _apply_messages(self) -> None:
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(message, _Add):
-                if message.request_id not in self._streams:
-                    continue  # the caller left before its request reached the engine
-                try:
-                    self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
-                                            message.arrival_time, message.record)
-                except Exception as exc:  # noqa: BLE001 - reported to the caller
-                    self._deliver(message.request_id, exc)
-            elif isinstance(message, _Abort):
-                output = self.engine.abort_request(message.request_id)
-                if output is not None:
-                    self._publish(output)
+        self._inbox.append(message)
+        if self._wake is not None:
+            self._wake.set()
 
     def _publish(self, output: RequestOutput) -> None:
         for observer in self.observers:
             observer.on_output(output)
-        self._deliver(output.request_id, output)
+        stream = self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put_nowait(output)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    # -- executor items (on the device thread) ----------------------------------------
+
+    def _engine_item(self, messages: list):
+        """Applies messages at this step boundary, then runs one step if anything is runnable."""
+        outputs, errors = [], []
+        for message in messages:
+            if isinstance(message, _Add):
+                try:
+                    self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                            message.arrival_time, message.record)
+                except Exception as exc:  # noqa: BLE001 - reported to the caller
+                    errors.append((message.request_id, exc))
+            else:
+                output = self.engine.abort_request(message.request_id)
+                if output is not None:
+                    outputs.append(output)
+        stats = None
+        if self.engine.has_unfinished():
+            try:
+                step_outputs, stats = self.engine.step()
+                outputs.extend(step_outputs)
+            except Exception as exc:  # noqa: BLE001 - the server keeps serving
+                logger.exception("engine step failed; failing the requests in it")
+                outputs.extend(self._fail_all(exc))
+        return outputs, errors, stats
+
+    def _fail_all(self, exc: BaseException) -> list[RequestOutput]:
+        failed = []
         for request_id in self.engine.request_ids():
             output = self.engine.abort_request(request_id)
             if output is not None:
                 output.error = f"{type(exc).__name__}: {exc}"
-                self._publish(output)
+                failed.append(output)
+        return failed
 
-    def _idle_work(self) -> bool:
+    def _slice_item(self) -> tuple[bool, float]:
+        started = time.perf_counter()
         try:
-            return self.idle_work()
-        except Exception:  # noqa: BLE001 - idle work must never stop serving
-            logger.exception("idle work failed")
-            return False
+            worked = self.training.run_slice()
+        except Exception:  # noqa: BLE001 - training must never stop serving
+            logger.exception("training slice failed")
+            worked = False
+        return worked, time.perf_counter() - started
 
-    def _run(self) -> None:
+    # -- the arbiter (a coroutine on the asyncio loop) --------------------------------
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def _arbitrate(self) -> None:
         while not self._stopping:
             self._wake.clear()
-            self._apply_messages()
-            if self.engine.has_unfinished():
+            if self._inbox or self.engine.has_unfinished():
+                await self._serve_step()
+                if self.arbiter_config.policy == "slo":
+                    await self._slices_between_steps()
+                continue
+            idle_started = time.monotonic()
+            worked = False
+            if self.training is not None:  # also when it has no work: the slice expires old entries
+                worked, seconds = await self._run(self._slice_item)
+                if worked:
+                    self.stats.idle_slices += 1
+                    self.stats.slice_ema = _ema(self.stats.slice_ema, seconds)
+            if not worked:
+                timeout = _IDLE_POLL_S if self.training is not None else None
                 try:
-                    outputs, stats = self.engine.step()
-                except Exception as exc:  # noqa: BLE001 - the server keeps serving
-                    logger.exception("engine step failed; failing the requests in it")
-                    self._fail_all(exc)
-                    continue
-                self.num_steps += 1
-                for observer in self.observers:
-                    observer.on_step(stats)
-                for output in outputs:
-                    self._publish(output)
-            else:
-                idle_started = time.monotonic()
-                worked = self.idle_work is not None and self._idle_work()
-                if not worked:
-                    # with idle work, wake up now and then: its own deadlines (label timeouts) come due
-                    self._wake.wait(_IDLE_POLL_S if self.idle_work is not None else None)
-                self.idle_seconds += time.monotonic() - idle_started
-        self._fail_all(EngineDeadError("the server is shutting down"))
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+            self.stats.idle_seconds += time.monotonic() - idle_started
+            self._last_decode_done = None  # a gap in serving is not a token time
+        self._inbox.clear()
+        for output in await self._run(self._fail_all, EngineDeadError("the server is shutting down")):
+            self._publish(output)
+
+    async def _serve_step(self) -> None:
+        messages = list(self._inbox)
+        self._inbox.clear()
+        started = time.perf_counter()
+        outputs, errors, stats = await self._run(self._engine_item, messages)
+        done = time.perf_counter()
+        for request_id, exc in errors:
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_nowait(exc)
+        if stats is not None:
+            self.num_steps += 1
+            for observer in self.observers:
+                observer.on_step(stats)
+            self.stats.step_ema = _ema(self.stats.step_ema, done - started)
+            if stats.num_running and self._last_decode_done is not None:
+                tpot = done - self._last_decode_done
+                self.stats.tpot_ema = _ema(self.stats.tpot_ema, tpot)
+                self.stats.recent_tpot.append(tpot)
+            self._last_decode_done = done if stats.num_running else None
+        for output in outputs:
+            self._publish(output)
+
+    async def _slices_between_steps(self) -> None:
+        """slo policy: training slices after a decode step, within the token-time budget."""
+        if self.training is None or not self.engine.has_unfinished() or self._inbox:
+            return
+        slo = self.arbiter_config.tpot_slo_ms / 1000.0
+        if self.stats.tpot_ema > slo:
+            self.stats.slo_backoffs += 1
+            self._backoff_steps = self._backoff_length
+            self._backoff_length = min(self._backoff_length * 2, 64)
+            return
+        if self._backoff_steps > 0:
+            self._backoff_steps -= 1
+            return
+        self._backoff_length = max(1, self._backoff_length // 2)
+        spent = 0.0
+        while (self.training.has_work() and not self._inbox and not self._stopping
+               and self.stats.step_ema + spent + max(self.stats.slice_ema, 1e-4) <= slo):
+            worked, seconds = await self._run(self._slice_item)
+            if not worked:
+                return
+            spent += seconds
+            self.stats.between_step_slices += 1
+            self.stats.slice_ema = _ema(self.stats.slice_ema, seconds)

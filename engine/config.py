@@ -102,6 +102,23 @@ class TrainConfig:
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
 
+ARBITER_POLICIES = ("idle", "slo")
+
+
+@dataclass(frozen=True)
+class ArbiterConfig:
+    # idle: train only when no request is runnable (the paper's); slo: also between decode
+    # steps while the measured time per output token stays under tpot_slo_ms
+    policy: str = "idle"
+    tpot_slo_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ARBITER_POLICIES:
+            raise ValueError(f"arbiter.policy must be one of {ARBITER_POLICIES}, got {self.policy!r}")
+        if not self.tpot_slo_ms > 0:
+            raise ValueError(f"arbiter.tpot_slo_ms must be positive, got {self.tpot_slo_ms}")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -114,6 +131,7 @@ class AlchemistConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    arbiter: ArbiterConfig = field(default_factory=ArbiterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:

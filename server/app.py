@@ -186,6 +186,8 @@ def engine_stream(state: ServerState, request_id: str, prompt_ids: list[int], pa
         try:
             async for output in state.engine.generate(request_id, prompt_ids, params, record):
                 if output.error:
+                    if output.error.startswith(EngineDeadError.__name__):
+                        raise APIError(503, "the server is shutting down; retry on another replica")
                     raise APIError(500, f"generation failed: {output.error}", type="server_error")
                 yield output
         except EngineDeadError as exc:

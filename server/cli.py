@@ -26,6 +26,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int)
     parser.add_argument("--train-mode", choices=["off", "cpt", "dpo"], help="online training from served traffic")
     parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--arbiter-policy", choices=["idle", "slo"], help="when training runs (default idle)")
+    parser.add_argument("--tpot-slo-ms", type=float, help="time-per-output-token SLO for --arbiter-policy slo")
 
 
 def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
@@ -35,6 +37,7 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None)},
+        "arbiter": {"policy": getattr(args, "arbiter_policy", None), "tpot_slo_ms": getattr(args, "tpot_slo_ms", None)},
         "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None)},
     }
     return load_config(args.config, overrides)

@@ -117,9 +117,21 @@ class _EngineCollector:
         self.async_engine = async_engine
 
     def collect(self):
+        stats, policy = self.async_engine.stats, self.async_engine.arbiter_config.policy
         yield CounterMetricFamily(f"{PREFIX}engine_idle_seconds", "Seconds the engine had no request to run "
                                   "(spent training or waiting); train_busy_seconds over this is the harvested "
-                                  "share.", value=self.async_engine.idle_seconds)
+                                  "share.", value=stats.idle_seconds)
+        slices = CounterMetricFamily(f"{PREFIX}arbiter_slices", "Training slices the arbiter ran, by policy and gap "
+                                     "(idle: nothing runnable; between_steps: between decode steps, slo policy).",
+                                     labels=["policy", "gap"])
+        slices.add_metric([policy, "idle"], stats.idle_slices)
+        slices.add_metric([policy, "between_steps"], stats.between_step_slices)
+        yield slices
+        yield CounterMetricFamily(f"{PREFIX}arbiter_slo_backoffs", "Times the slo policy stopped interleaving "
+                                  "training because the measured time per output token exceeded the SLO.",
+                                  value=stats.slo_backoffs)
+        yield GaugeMetricFamily(f"{PREFIX}arbiter_tpot_ema_seconds", "Smoothed time per output token the "
+                                "arbiter measures between decode steps.", value=stats.tpot_ema)
 
 
 class TrainingCollector:

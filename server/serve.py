@@ -38,7 +38,7 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
         logger.info("online training: %s, LoRA rank %d, learning rate %g", config.train.mode,
                     config.train.lora_rank, config.train.learning_rate)
     observers = [metrics] + ([trainer] if trainer else [])
-    async_engine = AsyncEngine(engine, observers=observers, idle_work=trainer.run_slice if trainer else None)
+    async_engine = AsyncEngine(engine, observers=observers, training=trainer, arbiter=config.arbiter)
     metrics.add_engine(async_engine)
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, metrics, trainer)
     app = build_app(state)
@@ -49,7 +49,8 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
         logger.info("serving %s (max_model_len=%d, max_num_seqs=%d)", name, config.model.max_model_len,
                     config.scheduler.max_num_seqs)
         yield
-        async_engine.shutdown()
+        await async_engine.stop()
+        logger.info("shutdown complete")
 
     app.router.lifespan_context = lifespan
     return app

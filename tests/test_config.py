@@ -10,7 +10,7 @@ from server.cli import build_parser, config_from_args
 
 def test_default_toml_matches_dataclass_defaults():
     assert load_config() == AlchemistConfig()
-    assert set(tomllib.loads(DEFAULT_CONFIG_PATH.read_text())) == {"model", "cache", "scheduler", "train", "server"}
+    assert set(tomllib.loads(DEFAULT_CONFIG_PATH.read_text())) == {"model", "cache", "scheduler", "train", "arbiter", "server"}
 
 
 def test_file_then_flags_override(tmp_path):

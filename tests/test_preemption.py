@@ -25,24 +25,26 @@ def test_request_arriving_during_a_long_training_run_starts_within_one_slice():
         while engine.has_unfinished():
             for output in engine.step()[0]:
                 trainer.on_output(output)
-    async_engine = AsyncEngine(engine, observers=[trainer], idle_work=trainer.run_slice)
+    async_engine = AsyncEngine(engine, observers=[trainer], training=trainer)
 
     async def probe() -> tuple[float, int]:
         async_engine.start()
-        while trainer.stats.slices < 25:  # well inside the run, mid-job
-            await asyncio.sleep(0.001)
-        remaining = len(trainer.cache)
-        submitted = time.perf_counter()
-        async for _ in async_engine.generate("probe", encode("Hello"), SamplingParams(max_tokens=1)):
-            return time.perf_counter() - submitted, remaining
+        try:
+            while trainer.stats.slices < 25:  # well inside the run, mid-job
+                await asyncio.sleep(0.001)
+            remaining = len(trainer.cache)
+            submitted = time.perf_counter()
+            async for _ in async_engine.generate("probe", encode("Hello"), SamplingParams(max_tokens=1)):
+                waited = time.perf_counter() - submitted
+                break
+            deadline = time.time() + 60
+            while trainer.has_work() and time.time() < deadline:
+                await asyncio.sleep(0.01)
+            return waited, remaining
+        finally:
+            await async_engine.stop()
 
-    try:
-        waited, remaining = asyncio.run(probe())
-        deadline = time.time() + 60
-        while trainer.has_work() and time.time() < deadline:
-            time.sleep(0.01)
-    finally:
-        async_engine.shutdown()
+    waited, remaining = asyncio.run(probe())
     print(f"waited {waited * 1000:.1f} ms, max slice {trainer.stats.max_slice_seconds * 1000:.1f} ms, "
           f"slices {trainer.stats.slices}, busy {trainer.stats.busy_seconds:.2f} s")
     assert remaining > 5  # the request really arrived during training

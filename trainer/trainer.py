@@ -96,6 +96,8 @@ class Trainer:
         self._rng_lock = threading.Lock()
         self._job: _Job | None = None
         self._engine_steps_at_last_slice = 0
+        # merged serving weights may be stale (at start, and after every optimizer step)
+        self._merge_pending = config.merged_serving
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
         # completion id -> choice index -> cumulative log-prob of the served tokens
@@ -225,7 +227,7 @@ class Trainer:
     # -- training (worker thread) --------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self._job is not None or self.cache.count(EntryState.READY) > 0
+        return self._job is not None or self._merge_pending or self.cache.count(EntryState.READY) > 0
 
     def run_slice(self) -> bool:
         """One bounded slice of training; False if there was nothing to do."""
@@ -245,8 +247,10 @@ class Trainer:
 
     def _run_slice(self) -> bool:
         self.cache.expire()
-        if self._job is None and self.config.merged_serving and merge_stale(self.peft_model):
-            return True  # serving speed first: merged weights are rebuilt before the next job
+        if self._job is None and self._merge_pending:
+            if merge_stale(self.peft_model):
+                return True  # serving speed first: merged weights are rebuilt before the next job
+            self._merge_pending = False
         if self._job is None:
             entries = self.cache.take_ready(self.config.entries_per_step)
             if not entries:
@@ -296,6 +300,7 @@ class Trainer:
         finite = all(math.isfinite(v) for v in losses)
         if job.results:
             self.optimizer.step(loss_is_finite=finite)
+            self._merge_pending = self.config.merged_serving
             self.stats.last_loss = sum(losses) / len(losses)
             self.stats.train_tokens += sum(r.tokens for r in job.results)
             for path in job.paths:
