@@ -1,0 +1,139 @@
+"""The arbiter's policies on a small model: idle-only training, slo interleaving with
+back-off, served tokens untouched by training, and a clean stop on SIGTERM."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import ArbiterConfig, TrainConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.conftest import encode, make_config
+from tests.servers import free_port
+from tests.tiny import tiny_model, tiny_tokenizer
+from trainer.trainer import Trainer
+
+LONG_PROMPT = ("Continuous batching lets new requests join the running batch at every step. " * 10).strip()
+
+
+def trainer_with_backlog(entries: int = 20, entries_per_step: int = 1) -> Trainer:
+    engine = LLMEngine(tiny_model("llama", hidden_size=256, num_layers=6), tiny_tokenizer(),
+                       make_config(max_model_len=512, kv_cache_bytes=64 << 20, max_num_batched_tokens=512))
+    trainer = Trainer(engine, TrainConfig(mode="cpt", lora_rank=4, entries_per_step=entries_per_step))
+    ids = encode(LONG_PROMPT)
+    for i in range(entries):
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=1), record=trainer.record_spec(len(ids), True))
+        while engine.has_unfinished():
+            for output in engine.step()[0]:
+                trainer.on_output(output)
+    return trainer
+
+
+async def serve_during(async_engine: AsyncEngine, request_id: str, params: SamplingParams) -> list[int]:
+    tokens = []
+    async for output in async_engine.generate(request_id, encode("Hello, how are you?"), params):
+        tokens += output.outputs[0].token_ids
+    return tokens
+
+
+def run_with(trainer: Trainer, arbiter: ArbiterConfig, body):
+    async_engine = AsyncEngine(trainer.engine, observers=[trainer], training=trainer, arbiter=arbiter)
+
+    async def main():
+        async_engine.start()
+        try:
+            return await body(async_engine)
+        finally:
+            await async_engine.stop()
+
+    return asyncio.run(main()), async_engine
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def test_slo_policy_trains_between_decode_steps_and_leaves_served_tokens_unchanged():
+    trainer = trainer_with_backlog(entries=30, entries_per_step=30)  # one optimizer step at the very end
+    alone = trainer.engine.generate([encode("Hello, how are you?")], GREEDY)[0][0]
+
+    async def body(async_engine):
+        while trainer.stats.slices < 5:
+            await asyncio.sleep(0.001)
+        return await serve_during(async_engine, "probe", GREEDY)
+
+    served, async_engine = run_with(trainer, ArbiterConfig(policy="slo", tpot_slo_ms=60.0), body)
+    assert async_engine.stats.between_step_slices > 0  # training progressed while the request decoded
+    assert trainer.optimizer.version == 0  # the same adapter throughout the request...
+    assert served == alone  # ...so the same tokens as serving alone
+
+
+def test_idle_policy_never_trains_while_a_request_runs():
+    trainer = trainer_with_backlog(entries=10)
+
+    async def body(async_engine):
+        while trainer.stats.slices < 5:
+            await asyncio.sleep(0.001)
+        before = trainer.stats.slices
+        task = asyncio.ensure_future(serve_during(async_engine, "probe", GREEDY))
+        await asyncio.sleep(0)  # the request is queued; no slice may start until it is done
+        during = []
+        while not task.done():
+            during.append(trainer.stats.slices)
+            await asyncio.sleep(0.0005)
+        await task
+        return before, during
+
+    (before, during), async_engine = run_with(trainer, ArbiterConfig(policy="idle"), body)
+    assert async_engine.stats.between_step_slices == 0
+    assert max(during) <= before + 1  # at most the slice that was already running
+
+
+def test_slo_policy_backs_off_when_the_slo_cannot_be_met():
+    trainer = trainer_with_backlog(entries=10)
+
+    async def body(async_engine):
+        while trainer.stats.slices < 3:
+            await asyncio.sleep(0.001)
+        return await serve_during(async_engine, "probe", GREEDY)
+
+    _, async_engine = run_with(trainer, ArbiterConfig(policy="slo", tpot_slo_ms=0.01), body)
+    assert async_engine.stats.between_step_slices == 0
+    assert async_engine.stats.slo_backoffs > 0
+
+
+@pytest.mark.slow
+def test_sigterm_stops_cleanly_while_training():
+    port = free_port()
+    log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"alchemist-sigterm-{port}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--train-mode",
+                                 "cpt"], stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.time() + 300
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.time() < deadline and proc.poll() is None
+                time.sleep(0.3)
+            httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "model": "SmolLM2-135M-Instruct", "max_tokens": 4,
+                "messages": [{"role": "user", "content": LONG_PROMPT}]})
+            time.sleep(0.3)  # training on it has started
+            proc.send_signal(signal.SIGTERM)
+            # uvicorn re-raises the signal after its graceful shutdown (exit status -SIGTERM)
+            assert proc.wait(30) in (0, -signal.SIGTERM)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert "shutdown complete" in open(log_path).read()
