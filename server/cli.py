@@ -73,17 +73,30 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--sweep", nargs="?", const="128,256,512,1024", default=None,
                           help="comma-separated token lengths (default 128,256,512,1024); draws PNG plots")
     training.add_argument("--plot-prefix", help="PNG path prefix (default bench-training-MODE)")
+    colocate = benches.add_parser("colocate", help="serving latency with training off and on, over HTTP")
+    colocate.add_argument("--policy", choices=["idle", "slo"], default="idle")
+    colocate.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
+    colocate.add_argument("--seconds", type=float, default=60.0, help="trace length per run")
+    colocate.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    colocate.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
+    colocate.add_argument("--seed", type=int, default=0)
+    colocate.add_argument("--json", help="write the results to this JSON file")
+    colocate.add_argument("--sweep", help="comma-separated rates; draws TPOT vs rate as PNG")
+    colocate.add_argument("--plot", help="PNG path for --sweep (default bench-colocate-POLICY.png)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        config = config_from_args(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"alchemist: configuration error: {exc}", file=sys.stderr)
-        return 2
+    if args.command == "bench" and args.bench == "colocate":
+        config = None  # the bench starts its own servers
+    else:
+        try:
+            config = config_from_args(args)
+        except (ValueError, FileNotFoundError) as exc:
+            print(f"alchemist: configuration error: {exc}", file=sys.stderr)
+            return 2
     if args.command == "serve":
         from server.serve import serve
         serve(config)
@@ -92,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         from engine.bench_serving import run_serving_bench
         run_serving_bench(config, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                           repeats=args.repeats, json_path=args.json, with_adapter=args.with_adapter)
+        return 0
+    if args.command == "bench" and args.bench == "colocate":
+        from server.bench_colocate import run_colocate_bench
+        sweep = [float(r) for r in args.sweep.split(",")] if args.sweep else None
+        run_colocate_bench(args.policy, args.rate, args.seconds, args.tpot_slo_ms, args.rounds, args.seed, args.json,
+                           sweep, args.plot)
         return 0
     if args.command == "bench" and args.bench == "training":
         from trainer.bench_training import run_training_bench

@@ -65,3 +65,8 @@ def test_merged_serving_equals_lean_and_goes_stale_with_the_weights():
             disabled_reference = peft_model(ids).logits.detach()
     assert torch.allclose(disabled, disabled_reference, atol=1e-5)
     assert not torch.allclose(disabled, updated, atol=1e-3)  # the merged copies were not used
+    from trainer.adapter import adapters_disabled
+    with adapters_disabled(peft_model), torch.inference_mode():
+        assert torch.allclose(peft_model(ids).logits, disabled_reference, atol=1e-5)
+    with torch.inference_mode():
+        assert torch.allclose(peft_model(ids).logits, updated, atol=1e-5)  # restored

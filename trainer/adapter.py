@@ -97,6 +97,30 @@ def attach_lora(model, config: TrainConfig, init_lora_weights: bool | str = True
     return peft_model
 
 
+class adapters_disabled:
+    """Context manager: the base model, adapters off. PEFT's `disable_adapter()` walks the
+    whole model and flips `requires_grad` on every adapter parameter; entered once per
+    training slice (reference log-probs) that costs more than the slice, so this flips
+    only the adapted layers' flag."""
+
+    def __init__(self, peft_model: PeftModel):
+        layers = getattr(peft_model, "_alchemist_lora_layers", None)
+        if layers is None:
+            layers = [m for m in peft_model.modules() if isinstance(m, LoraLinear)]
+            peft_model._alchemist_lora_layers = layers
+        self.layers = layers
+
+    def __enter__(self):
+        self.previous = [layer._disable_adapters for layer in self.layers]
+        for layer in self.layers:
+            layer._disable_adapters = True
+        return self
+
+    def __exit__(self, *exc):
+        for layer, previous in zip(self.layers, self.previous):
+            layer._disable_adapters = previous
+
+
 def merge_stale(peft_model: PeftModel, budget_s: float = 0.01) -> int:
     """Rebuilds stale merged copies until `budget_s` has passed (one training slice);
     returns how many were rebuilt (0: all current, or merging not possible here)."""

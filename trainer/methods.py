@@ -22,6 +22,7 @@ import torch
 
 from engine.model_runner import ModelRunner
 from engine.recording import RecordedPrefill, RecordSpec
+from trainer.adapter import adapters_disabled
 from trainer.cache import CacheEntry, PreferenceEntry
 from trainer.forward import backward_segments, forward_segments, kv_leaves, within
 from trainer.losses import cpt_loss, dpo_loss, token_logprobs
@@ -142,7 +143,7 @@ class DPOMethod(TrainingMethod):
         def base_model_no_grad():
             stack = contextlib.ExitStack()
             stack.enter_context(torch.no_grad())
-            stack.enter_context(ctx.peft_model.disable_adapter())
+            stack.enter_context(adapters_disabled(ctx.peft_model))
             return stack
 
         return (yield from within(base_model_no_grad, compute()))

@@ -96,8 +96,12 @@ class Trainer:
         self._rng_lock = threading.Lock()
         self._job: _Job | None = None
         self._engine_steps_at_last_slice = 0
-        # merged serving weights may be stale (at start, and after every optimizer step)
-        self._merge_pending = config.merged_serving
+        # merged serving weights are built now (nobody is waiting yet) and rebuilt in idle
+        # slices after every optimizer step
+        self._merge_pending = False
+        if config.merged_serving:
+            while merge_stale(self.peft_model, budget_s=1.0):
+                pass
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
         # completion id -> choice index -> cumulative log-prob of the served tokens
@@ -232,7 +236,8 @@ class Trainer:
     def run_slice(self) -> bool:
         """One bounded slice of training; False if there was nothing to do."""
         started = time.perf_counter()
-        if self._job is not None and self.engine.num_steps != self._engine_steps_at_last_slice:
+        in_progress = self._job is not None or self._merge_pending
+        if in_progress and self.engine.num_steps != self._engine_steps_at_last_slice:
             self.stats.preemptions += 1  # serving ran in between; the job resumes here
         worked = self._run_slice()
         self._engine_steps_at_last_slice = self.engine.num_steps

@@ -1,0 +1,223 @@
+"""`alchemist bench colocate`: serving latency with and without training, over real HTTP.
+
+A seeded Poisson arrival trace with prompt and output lengths drawn from a ShareGPT-like
+distribution (synthetic: log-normal lengths fitted by eye to ShareGPT's shape, scaled to
+this CPU; the text is a fixed English passage) is streamed against a server the bench
+starts: once with training off and once on (DPO, the client sending feedback on every
+response), alternating, in rounds. Client-side: mean and p99 time per output token, p50
+and p99 time to first token; server-side: training tokens per second harvested and the
+longest training slice. `--sweep` runs several rates and plots TPOT against rate, on and
+off (cf. the paper's Figure 10, right).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import httpx
+
+WORDS = ("online learning lets a deployed language model improve from the requests it serves while the "
+         "quick brown fox jumps over the lazy dog and the curious cat counts clouds drifting across the "
+         "afternoon sky as users ask questions about history science cooking travel and code").split()
+
+
+@dataclass
+class TraceRequest:
+    arrival_s: float
+    prompt: str
+    output_tokens: int
+
+
+def make_trace(rate: float, seconds: float, seed: int) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    trace, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return trace
+        prompt_words = int(min(max(rng.lognormvariate(math.log(60), 0.8), 8), 400))
+        output = int(min(max(rng.lognormvariate(math.log(48), 0.6), 8), 160))
+        prompt = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
+        trace.append(TraceRequest(t, prompt, output))
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def read_metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@contextlib.contextmanager
+def running_server(flags: list[str]):
+    port = _free_port()
+    log = tempfile.NamedTemporaryFile("w", prefix="alchemist-colocate-", suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.dirname(__file__)))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited; see {log.name}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, start: float, feedback: bool,
+               rng: random.Random) -> dict:
+    await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
+    sent = time.perf_counter()
+    token_times, completion_id = [], None
+    body = {"model": model, "messages": [{"role": "user", "content": request.prompt}], "stream": True,
+            "max_tokens": request.output_tokens, "min_tokens": request.output_tokens}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            completion_id = chunk["id"]
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                token_times.append(time.perf_counter())
+    if feedback and completion_id:
+        chosen = " ".join(rng.choice(WORDS) for _ in range(max(4, request.output_tokens // 2)))
+        await client.post("/v1/feedback", json={"id": completion_id, "chosen": chosen})
+    ttft = token_times[0] - sent if token_times else math.nan
+    tpot = (token_times[-1] - token_times[0]) / (len(token_times) - 1) if len(token_times) > 1 else math.nan
+    return {"ttft": ttft, "tpot": tpot, "tokens": len(token_times)}
+
+
+async def _run_trace(url: str, trace: list[TraceRequest], feedback: bool, seed: int) -> list[dict]:
+    rng = random.Random(seed + 1)
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        start = time.perf_counter()
+        return await asyncio.gather(*[_one(client, model, r, start, feedback, rng) for r in trace])
+
+
+def run_condition(training: bool, policy: str, tpot_slo_ms: float, trace: list[TraceRequest], seed: int,
+                  seconds: float) -> dict:
+    flags = ["--train-mode", "dpo", "--arbiter-policy", policy, "--tpot-slo-ms", str(tpot_slo_ms)] if training \
+        else ["--train-mode", "off"]
+    with running_server(flags) as url:
+        before = httpx.get(f"{url}/metrics").text
+        started = time.perf_counter()
+        results = asyncio.run(_run_trace(url, trace, training, seed))
+        elapsed = time.perf_counter() - started
+        after = httpx.get(f"{url}/metrics").text
+    tpots = [r["tpot"] for r in results if not math.isnan(r["tpot"])]
+    ttfts = [r["ttft"] for r in results if not math.isnan(r["ttft"])]
+    trained = read_metric(after, "alchemist:train_tokens_total") - read_metric(before, "alchemist:train_tokens_total")
+    return {
+        "training": training, "requests": len(results), "elapsed_s": round(elapsed, 2),
+        "tpot_mean_s": statistics.mean(tpots), "tpot_p99_s": percentile(tpots, 0.99),
+        "ttft_p50_s": percentile(ttfts, 0.50), "ttft_p99_s": percentile(ttfts, 0.99),
+        "train_tokens_per_s": trained / max(elapsed, seconds),
+        "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
+        "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
+                                           + policy + '"}'),
+    }
+
+
+def measure_rate(rate: float, seconds: float, policy: str, tpot_slo_ms: float, rounds: int, seed: int) -> dict:
+    trace = make_trace(rate, seconds, seed)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for round_index in range(rounds):
+        for training in ((False, True) if round_index % 2 == 0 else (True, False)):
+            result = run_condition(training, policy, tpot_slo_ms, trace, seed, seconds)
+            runs[training].append(result)
+            print(f"  rate {rate:.2f}/s round {round_index + 1}/{rounds} training {'on ' if training else 'off'}: "
+                  f"TPOT mean {result['tpot_mean_s'] * 1000:.1f} ms p99 {result['tpot_p99_s'] * 1000:.1f} ms, "
+                  f"TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms p99 {result['ttft_p99_s'] * 1000:.0f} ms, "
+                  f"trained {result['train_tokens_per_s']:.1f} tok/s", flush=True)
+
+    def median(training: bool, key: str) -> float:
+        return statistics.median(r[key] for r in runs[training])
+
+    summary = {"rate": rate, "seconds": seconds, "policy": policy, "tpot_slo_ms": tpot_slo_ms, "rounds": rounds,
+               "requests": len(trace)}
+    for key in ("tpot_mean_s", "tpot_p99_s", "ttft_p50_s", "ttft_p99_s"):
+        summary[f"off_{key}"] = round(median(False, key), 5)
+        summary[f"on_{key}"] = round(median(True, key), 5)
+    summary["tpot_mean_ratio"] = round(summary["on_tpot_mean_s"] / summary["off_tpot_mean_s"], 4)
+    summary["tpot_p99_ratio"] = round(summary["on_tpot_p99_s"] / summary["off_tpot_p99_s"], 4)
+    summary["ttft_p99_increase_s"] = round(summary["on_ttft_p99_s"] - summary["off_ttft_p99_s"], 4)
+    summary["train_slice_max_s"] = round(max(r["train_slice_max_s"] for r in runs[True]), 4)
+    summary["train_tokens_per_s"] = round(median(True, "train_tokens_per_s"), 2)
+    summary["between_step_slices"] = median(True, "between_step_slices")
+    summary["runs"] = {"off": runs[False], "on": runs[True]}
+    return summary
+
+
+def plot(results: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [r["rate"] for r in results]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(rates, [r["off_tpot_mean_s"] * 1000 for r in results], "s-", color="tab:red", label="training off")
+    ax.plot(rates, [r["on_tpot_mean_s"] * 1000 for r in results], "o-", color="tab:blue",
+            label=f"training on ({results[0]['policy']})")
+    if results[0]["policy"] == "slo":
+        ax.axhline(results[0]["tpot_slo_ms"], color="gray", linestyle="--", label="TPOT SLO")
+    ax.set_xlabel("request rate (requests / s)")
+    ax.set_ylabel("mean time per output token (ms)")
+    ax.set_title("Serving latency with online training (cf. paper Fig. 10)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run_colocate_bench(policy: str, rate: float, seconds: float, tpot_slo_ms: float, rounds: int = 2,
+                       seed: int = 0, json_path: str | None = None, sweep: list[float] | None = None,
+                       plot_path: str | None = None) -> dict:
+    results = [measure_rate(r, seconds, policy, tpot_slo_ms, rounds, seed) for r in (sweep or [rate])]
+    for r in results:
+        print(json.dumps({k: v for k, v in r.items() if k != "runs"}))
+    out = {"results": results}
+    if sweep:
+        out["plot"] = plot(results, plot_path or f"bench-colocate-{policy}.png")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out if sweep else results[0], f, indent=2)
+    return out
