@@ -152,8 +152,20 @@ class StepKV:
         k_pool, v_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         k_pool.index_copy_(0, slots, key[0].transpose(0, 1).detach())
         v_pool.index_copy_(0, slots, value[0].transpose(0, 1).detach())
-        if self.record:
-            self.recorded[layer_idx] = (key, value)
-            return key, value
         key_slots = self.metadata.key_slots
-        return k_pool[key_slots].transpose(1, 2), v_pool[key_slots].transpose(1, 2)
+        if not self.record:
+            return k_pool[key_slots].transpose(1, 2), v_pool[key_slots].transpose(1, 2)
+        # sequence 0 is the recorded one: its rows lead the packed step and its keys are all
+        # new, so attention takes them live, padded to S; the others read the pool
+        live_rows = self.metadata.query_index[0]
+        num_live = int((self.metadata.query_positions[0] >= 0).sum())
+        live_key, live_value = key[:, :, :num_live], value[:, :, :num_live]
+        self.recorded[layer_idx] = (live_key, live_value)
+        pad = key_slots.shape[1] - num_live
+        keys = [torch.nn.functional.pad(live_key, (0, 0, 0, pad))]
+        values = [torch.nn.functional.pad(live_value, (0, 0, 0, pad))]
+        if key_slots.shape[0] > 1:
+            others = key_slots[1:]
+            keys.append(k_pool[others].transpose(1, 2))
+            values.append(v_pool[others].transpose(1, 2))
+        return torch.cat(keys), torch.cat(values)

@@ -171,9 +171,12 @@ class ModelRunner:
 
     def _execute_recorded(self, step: SchedulerOutput) -> ModelOutput:
         """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only;
-        base weights are frozen), kept as per-layer segments plus a head segment."""
+        base weights are frozen), kept as per-layer segments plus a head segment. Other
+        sequences' decode rows share the step; their rows ride along in the segments (they
+        receive no gradient) and they are sampled without grad."""
         packed = self._pack(step)
         seq = step.scheduled[0].seq
+        num_prompt = step.scheduled[0].num_new_tokens
         tracker = self.record_tracker or SavedTensorTracker()
         bytes_before = tracker.live_bytes
         leaves: list[torch.Tensor] = []
@@ -184,17 +187,22 @@ class ModelRunner:
                 hidden = self.embed(packed.input_ids.unsqueeze(0))
             hidden = self.run_layers(hidden, packed.positions, packed.metadata, past, leaves, outs)
             head_leaf = hidden.detach().requires_grad_()
-            normed = self.norm(head_leaf)[0]  # (T, hidden)
+            normed = self.norm(head_leaf)[0]  # (T, hidden); the recorded prompt is rows 0 .. num_prompt - 1
             all_rows = seq.record.all_logit_rows
-            logits = self.lm_head(normed if all_rows else normed[-1:])
+            logits = self.lm_head(normed[:num_prompt] if all_rows else normed[num_prompt - 1:num_prompt])
         segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
         recording = RecordedPrefill(list(seq.prompt_token_ids), -1, segments, head_leaf, logits, all_rows,
                                     saved_bytes=tracker.live_bytes - bytes_before)
         output = ModelOutput(recording=recording)
-        if packed.sample_rows:
-            with torch.inference_mode():
-                token = self.sampler.sample(logits[-1:].detach().clone(), [seq])[0]
-            output.sampled[seq.seq_id] = token
+        with torch.inference_mode():
+            if packed.sample_rows and packed.sample_entries[0].seq is seq:
+                output.sampled[seq.seq_id] = self.sampler.sample(logits[-1:].detach().clone(), [seq])[0]
+            others = [(row, e.seq) for row, e in zip(packed.sample_rows, packed.sample_entries) if e.seq is not seq]
+            if others:
+                rows = [row for row, _ in others]
+                other_logits = self.lm_head(normed.detach()[rows])
+                for (_, other), token in zip(others, self.sampler.sample(other_logits, [o for _, o in others])):
+                    output.sampled[other.seq_id] = token
         return output
 
     def _execute(self, step: SchedulerOutput) -> ModelOutput:

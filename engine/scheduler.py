@@ -88,17 +88,20 @@ class Scheduler:
         output.preempted.append(seq)
 
     def _schedule_recorded_prefill(self) -> SchedulerOutput | None:
-        """A sequence selected for training is prefilled alone and whole (not chunked,
-        not packed with others), so its graph covers exactly its prompt."""
+        """A sequence selected for training is prefilled whole (not chunked), first in its
+        step, so its graph covers exactly its prompt; running sequences that are decoding
+        share the step (one token each), so recording does not stall them."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         seq = self.waiting[0]
         if seq.record is None or seq.num_computed_tokens != 0 or not self._grow(seq, seq.num_tokens):
             return None
         self.waiting.popleft()
+        decodes = [ScheduledSequence(s, 1) for s in self.running
+                   if s.num_pending_tokens == 1 and self._grow(s, s.num_tokens)]
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        return SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)], recorded=True)
+        return SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)] + decodes, recorded=True)
 
     def schedule(self) -> SchedulerOutput:
         recorded = self._schedule_recorded_prefill()

@@ -195,3 +195,39 @@ def test_sampling_edits_do_not_touch_the_recorded_logits():
     assert torch.allclose(entry.recording.logits.detach(), fresh, atol=1e-4)
     trainer.train_until_idle()
     assert trainer.stats.trained_entries == {("cpt", "reuse"): 1}
+
+
+@pytest.mark.parametrize("mode", ["cpt", "dpo-served"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything(family, mode):
+    trainer = make_trainer(family, mode.split("-")[0])
+    engine = trainer.engine
+    other_ids, recorded_ids = encode("Hello, how are you today?"), encode(PROMPT)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    other_alone = engine.generate([other_ids], params)[0][0]
+    recorded_alone = engine.generate([recorded_ids], params)[0][0]
+    steps = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    tokens = {"other": [], "rec": []}
+
+    def step():
+        for out in engine.step()[0]:
+            trainer.on_output(out)
+            tokens[out.request_id] += out.outputs[0].token_ids
+
+    engine.add_request("other", other_ids, params)
+    for _ in range(3):
+        step()
+    engine.add_request("rec", recorded_ids, params, record=trainer.record_spec(len(recorded_ids), True))
+    while engine.has_unfinished():
+        step()
+    recorded_step = next(s for s in steps if s.recorded)
+    assert [e.seq.request_id for e in recorded_step.scheduled] == ["rec", "other"]  # shared, not alone
+    assert tokens == {"other": other_alone, "rec": recorded_alone}
+    entry = trainer.cache.get("rec")
+    if mode == "dpo-served":
+        label(trainer, "rec", chosen="Paris, of course.")
+    reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    recompute = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+    assert relative_difference(reuse, recompute) <= 1e-4
