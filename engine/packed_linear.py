@@ -54,11 +54,14 @@ class PackedLinear(nn.Linear):
     def _params_need_grad(self) -> bool:
         return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
 
-    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def ensure_packed(self) -> None:
         if self._packed is None or self._packed_version != self.weight._version:
             with torch.no_grad():
                 self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_ROWS_HINT)
             self._packed_version = self.weight._version
+
+    def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ensure_packed()
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(flat, self._packed, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)

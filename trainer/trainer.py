@@ -102,6 +102,11 @@ class Trainer:
         if config.merged_serving:
             while merge_stale(self.peft_model, budget_s=1.0):
                 pass
+        # with merged serving, decode never touches the base layers' packed weights; pack
+        # them now rather than in the first recorded prefill
+        for module in engine.model.modules():
+            if hasattr(module, "ensure_packed"):
+                module.ensure_packed()
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
         # completion id -> choice index -> cumulative log-prob of the served tokens
