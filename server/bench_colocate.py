@@ -201,7 +201,7 @@ def plot(results: list[dict], path: str) -> str:
     ax.set_xlabel("request rate (requests / s)")
     ax.set_ylabel("mean time per output token (ms)")
     ax.set_title("Serving latency with online training (cf. paper Fig. 10)")
-    ax.legend()
+    ax.legend(loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
