@@ -13,19 +13,16 @@ off (cf. the paper's Figure 10, right).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
-import os
 import random
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 import httpx
+
+from server.launch import running_server
 
 WORDS = ("online learning lets a deployed language model improve from the requests it serves while the "
          "quick brown fox jumps over the lazy dog and the curious cat counts clouds drifting across the "
@@ -66,39 +63,6 @@ def read_metric(text: str, name: str) -> float:
     return 0.0
 
 
-@contextlib.contextmanager
-def running_server(flags: list[str]):
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile("w", prefix="alchemist-colocate-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.dirname(__file__)))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {log.name}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            if time.time() > deadline:
-                raise RuntimeError("server did not start")
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, start: float, feedback: bool,
                rng: random.Random) -> dict:
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
@@ -135,7 +99,7 @@ def run_condition(training: bool, policy: str, tpot_slo_ms: float, trace: list[T
                   seconds: float) -> dict:
     flags = ["--train-mode", "dpo", "--arbiter-policy", policy, "--tpot-slo-ms", str(tpot_slo_ms)] if training \
         else ["--train-mode", "off"]
-    with running_server(flags) as url:
+    with running_server(*flags) as url:
         before = httpx.get(f"{url}/metrics").text
         started = time.perf_counter()
         results = asyncio.run(_run_trace(url, trace, training, seed))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
 import uvicorn
 
+from server.launch import free_port  # noqa: F401 - re-exported for tests
 from server.serve import build_server
 from tests.conftest import make_config
 from tests.tiny import tiny_model, tiny_tokenizer
@@ -18,12 +18,6 @@ TINY_NAME = "tiny-llama"
 def tiny_app(family: str = "llama", **config_kwargs):
     return build_server(make_config(**config_kwargs), model=tiny_model(family), tokenizer=tiny_tokenizer(),
                         model_name=TINY_NAME)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:

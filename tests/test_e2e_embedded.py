@@ -2,49 +2,19 @@
 official OpenAI Python SDK over real HTTP."""
 
 import concurrent.futures
-import contextlib
-import os
-import subprocess
-import sys
 import time
 
-import httpx
 import openai
 import pytest
 
-from tests.servers import free_port
+from server.launch import running_server
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-@contextlib.contextmanager
-def start_server(*flags: str):
-    """`alchemist serve` in a subprocess on a free port; yields its URL once healthy."""
-    port = free_port()
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"alchemist-e2e-{port}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300  # the first start converts the GGUF (about 20 s)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise RuntimeError("server did not become healthy")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+start_server = running_server
 
 
 @pytest.fixture(scope="module")
