@@ -87,9 +87,7 @@ def _adapter_engine(config: AlchemistConfig, tokenizer, variant: str) -> LLMEngi
 
     model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
     engine = LLMEngine(model, tokenizer, config)
-    trainer = Trainer(engine, TrainConfig(mode="cpt"))
-    if variant == "merged":
-        trainer.train_until_idle()  # with nothing to train, idle slices build the merged weights
+    trainer = Trainer(engine, TrainConfig(mode="cpt", merged_serving=variant == "merged"))
     if variant == "peft":
         for module in trainer.peft_model.modules():
             if isinstance(module, LoraLinear):
