@@ -37,9 +37,13 @@ def test_cpt_serving_a_made_up_fact_raises_its_log_likelihood_by_several_nats():
 def test_dpo_feedback_is_trained_on():
     with start_server("--train-mode", "dpo") as url:
         client = httpx.Client(base_url=url, timeout=120)
-        reply = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 16, "messages": [
-            {"role": "user", "content": "What is the capital of France?"}]}).json()
-        r = client.post("/v1/feedback", json={"id": reply["id"], "chosen": "The capital of France is Paris."})
+        reply = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 16, "temperature": 0,
+                                                          "messages": [{"role": "user", "content":
+                                                                        "What is the capital of France?"}]}).json()
+        # greedy, the model answers "The capital of France is Paris."; the user prefers more
+        chosen = "Paris, capital of France since the tenth century, on the Seine."
+        assert reply["choices"][0]["message"]["content"] != chosen
+        r = client.post("/v1/feedback", json={"id": reply["id"], "chosen": chosen})
         assert r.status_code == 200, r.text
         example = load_example()
         import time
