@@ -2,9 +2,11 @@
 
 Recorded prefills allocate their saved activations fresh and release them when trained
 on; with glibc's defaults, large blocks are mmap'd and unmapped, so every recording pays
-first-touch page faults again (measured: a 300-token recorded prefill 3.4x a plain one
-with the defaults, 1.7x with this). With CPython on glibc this raises the mmap threshold
-to its maximum (32 MiB) and keeps up to 1 GiB of freed heap; elsewhere it does nothing.
+first-touch page faults again. In one in-process measurement a 300-token recorded
+prefill cost 3.4x a plain one with the defaults and 1.7x with this; the colocate bench
+shows no effect beyond its noise, so treat this as plausible, not proven. On glibc it
+raises the mmap threshold to its maximum (32 MiB) and keeps up to 1 GiB of freed heap;
+elsewhere it does nothing.
 """
 
 from __future__ import annotations

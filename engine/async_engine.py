@@ -21,7 +21,7 @@ import collections
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
 from engine.config import ArbiterConfig
@@ -85,7 +85,6 @@ class ArbiterStats:
     step_ema: float = 0.0
     slice_ema: float = 0.0
     tpot_ema: float = 0.0
-    recent_tpot: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
 
 
 def _ema(old: float, new: float) -> float:
@@ -109,7 +108,6 @@ class AsyncEngine:
         self._backoff_steps = 0
         self._backoff_length = 1
         self._last_decode_done: float | None = None
-        self.num_steps = 0
 
     # -- lifecycle (on the asyncio loop) ----------------------------------------------
 
@@ -136,10 +134,6 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done() and not self._stopping
-
-    @property
-    def idle_seconds(self) -> float:
-        return self.stats.idle_seconds
 
     # -- requests (on the asyncio loop) -----------------------------------------------
 
@@ -275,14 +269,12 @@ class AsyncEngine:
             if stream is not None:
                 stream.put_nowait(exc)
         if stats is not None:
-            self.num_steps += 1
             for observer in self.observers:
                 observer.on_step(stats)
             self.stats.step_ema = _ema(self.stats.step_ema, done - started)
             if stats.num_running and self._last_decode_done is not None:
                 tpot = done - self._last_decode_done
                 self.stats.tpot_ema = _ema(self.stats.tpot_ema, tpot)
-                self.stats.recent_tpot.append(tpot)
             self._last_decode_done = done if stats.num_running else None
         for output in outputs:
             self._publish(output)

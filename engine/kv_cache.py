@@ -110,14 +110,6 @@ class AttentionMetadata:
     def __post_init__(self) -> None:
         self._masks: dict[int | None, torch.Tensor] = {}
 
-    @classmethod
-    def contiguous(cls, num_queries: int, start: int, device: torch.device) -> "AttentionMetadata":
-        """One sequence whose queries are positions start .. start + num_queries - 1 and
-        whose keys are positions 0 .. start + num_queries - 1 (training forwards)."""
-        rows = torch.arange(num_queries, device=device)
-        return cls(query_index=rows.unsqueeze(0), output_index=rows,
-                   query_positions=(rows + start).unsqueeze(0), num_keys=start + num_queries)
-
     def mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """(B, 1, Qmax, S) bool, True where a query may attend to a key."""
         if sliding_window not in self._masks:

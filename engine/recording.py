@@ -120,8 +120,5 @@ class SavedTensorTracker:
                 self.live_bytes -= entry[1]
                 del self._storages[key]
 
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.live_bytes
-
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, self), _Saved.unpack)

@@ -82,7 +82,6 @@ class Scheduler:
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         output.preempted.append(seq)

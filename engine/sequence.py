@@ -60,8 +60,6 @@ class Sequence:
     # time.monotonic() of the first and latest sampled token
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # times this sequence lost its KV blocks to make room for others
-    num_preemptions: int = 0
     # set when this sequence's prefill is to be recorded for training; cleared once done
     record: RecordSpec | None = None
     # sum of the raw log-probs of the sampled tokens; tracked for recorded sequences only

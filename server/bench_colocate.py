@@ -95,14 +95,26 @@ async def _run_trace(url: str, trace: list[TraceRequest], feedback: bool, seed: 
         return await asyncio.gather(*[_one(client, model, r, start, feedback, rng) for r in trace])
 
 
-def run_condition(training: bool, policy: str, tpot_slo_ms: float, trace: list[TraceRequest], seed: int,
-                  seconds: float) -> dict:
-    flags = ["--train-mode", "dpo", "--arbiter-policy", policy, "--tpot-slo-ms", str(tpot_slo_ms)] if training \
-        else ["--train-mode", "off"]
+@dataclass(frozen=True)
+class TrainingSide:
+    """How the training-on server runs: arbiter policy, extra TOML, and whether the
+    client sends feedback (without it, DPO entries are recorded but never trained)."""
+
+    policy: str = "idle"
+    tpot_slo_ms: float = 100.0
+    config_file: str | None = None
+    feedback: bool = True
+
+
+def run_condition(training: bool, side: TrainingSide, trace: list[TraceRequest], seed: int, seconds: float) -> dict:
+    flags = ["--train-mode", "dpo", "--arbiter-policy", side.policy, "--tpot-slo-ms", str(side.tpot_slo_ms)] \
+        if training else ["--train-mode", "off"]
+    if training and side.config_file:
+        flags += ["--config", side.config_file]
     with running_server(*flags) as url:
         before = httpx.get(f"{url}/metrics").text
         started = time.perf_counter()
-        results = asyncio.run(_run_trace(url, trace, training, seed))
+        results = asyncio.run(_run_trace(url, trace, training and side.feedback, seed))
         elapsed = time.perf_counter() - started
         after = httpx.get(f"{url}/metrics").text
     tpots = [r["tpot"] for r in results if not math.isnan(r["tpot"])]
@@ -115,16 +127,16 @@ def run_condition(training: bool, policy: str, tpot_slo_ms: float, trace: list[T
         "train_tokens_per_s": trained / max(elapsed, seconds),
         "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
-                                           + policy + '"}'),
+                                           + side.policy + '"}'),
     }
 
 
-def measure_rate(rate: float, seconds: float, policy: str, tpot_slo_ms: float, rounds: int, seed: int) -> dict:
+def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, seed: int) -> dict:
     trace = make_trace(rate, seconds, seed)
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for round_index in range(rounds):
         for training in ((False, True) if round_index % 2 == 0 else (True, False)):
-            result = run_condition(training, policy, tpot_slo_ms, trace, seed, seconds)
+            result = run_condition(training, side, trace, seed, seconds)
             runs[training].append(result)
             print(f"  rate {rate:.2f}/s round {round_index + 1}/{rounds} training {'on ' if training else 'off'}: "
                   f"TPOT mean {result['tpot_mean_s'] * 1000:.1f} ms p99 {result['tpot_p99_s'] * 1000:.1f} ms, "
@@ -134,8 +146,8 @@ def measure_rate(rate: float, seconds: float, policy: str, tpot_slo_ms: float, r
     def median(training: bool, key: str) -> float:
         return statistics.median(r[key] for r in runs[training])
 
-    summary = {"rate": rate, "seconds": seconds, "policy": policy, "tpot_slo_ms": tpot_slo_ms, "rounds": rounds,
-               "requests": len(trace)}
+    summary = {"rate": rate, "seconds": seconds, "policy": side.policy, "tpot_slo_ms": side.tpot_slo_ms,
+               "train_config": side.config_file, "feedback": side.feedback, "rounds": rounds, "requests": len(trace)}
     for key in ("tpot_mean_s", "tpot_p99_s", "ttft_p50_s", "ttft_p99_s"):
         summary[f"off_{key}"] = round(median(False, key), 5)
         summary[f"on_{key}"] = round(median(True, key), 5)
@@ -172,15 +184,15 @@ def plot(results: list[dict], path: str) -> str:
     return path
 
 
-def run_colocate_bench(policy: str, rate: float, seconds: float, tpot_slo_ms: float, rounds: int = 2,
-                       seed: int = 0, json_path: str | None = None, sweep: list[float] | None = None,
+def run_colocate_bench(side: TrainingSide, rate: float, seconds: float, rounds: int = 2, seed: int = 0,
+                       json_path: str | None = None, sweep: list[float] | None = None,
                        plot_path: str | None = None) -> dict:
-    results = [measure_rate(r, seconds, policy, tpot_slo_ms, rounds, seed) for r in (sweep or [rate])]
+    results = [measure_rate(r, seconds, side, rounds, seed) for r in (sweep or [rate])]
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "runs"}))
     out = {"results": results}
     if sweep:
-        out["plot"] = plot(results, plot_path or f"bench-colocate-{policy}.png")
+        out["plot"] = plot(results, plot_path or f"bench-colocate-{side.policy}.png")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out if sweep else results[0], f, indent=2)

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     colocate.add_argument("--tpot-slo-ms", type=float, default=100.0)
     colocate.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
     colocate.add_argument("--seed", type=int, default=0)
+    colocate.add_argument("--train-config", help="TOML passed to the training-on server (e.g. record_fraction)")
+    colocate.add_argument("--no-feedback", action="store_true",
+                          help="record but send no feedback (isolates the cost of recording)")
     colocate.add_argument("--json", help="write the results to this JSON file")
     colocate.add_argument("--sweep", help="comma-separated rates; draws TPOT vs rate as PNG")
     colocate.add_argument("--plot", help="PNG path for --sweep (default bench-colocate-POLICY.png)")
@@ -109,10 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                           repeats=args.repeats, json_path=args.json, with_adapter=args.with_adapter)
         return 0
     if args.command == "bench" and args.bench == "colocate":
-        from server.bench_colocate import run_colocate_bench
+        from server.bench_colocate import TrainingSide, run_colocate_bench
         sweep = [float(r) for r in args.sweep.split(",")] if args.sweep else None
-        run_colocate_bench(args.policy, args.rate, args.seconds, args.tpot_slo_ms, args.rounds, args.seed, args.json,
-                           sweep, args.plot)
+        side = TrainingSide(args.policy, args.tpot_slo_ms, args.train_config, not args.no_feedback)
+        run_colocate_bench(side, args.rate, args.seconds, args.rounds, args.seed, args.json, sweep, args.plot)
         return 0
     if args.command == "bench" and args.bench == "training":
         from trainer.bench_training import run_training_bench

@@ -47,7 +47,7 @@ def test_non_streaming_client_disconnect_aborts_the_request():
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         wait_until(lambda: engine.engine.num_requests == 1, timeout=5.0)
-        steps_before = engine.num_steps
+        steps_before = engine.engine.num_steps
         sock.close()
         wait_until(lambda: engine.engine.num_requests == 0, timeout=2.0)
-        assert engine.num_steps - steps_before < 2900  # stopped long before max_tokens
+        assert engine.engine.num_steps - steps_before < 2900  # stopped long before max_tokens

@@ -14,12 +14,9 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 
 
-start_server = running_server
-
-
 @pytest.fixture(scope="module")
 def server_url():
-    with start_server() as url:
+    with running_server() as url:
         yield url
 
 

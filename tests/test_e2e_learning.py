@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_e2e_embedded import MODEL, start_server
+from server.launch import running_server
+from tests.test_e2e_embedded import MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def load_example():
 
 def test_cpt_serving_a_made_up_fact_raises_its_log_likelihood_by_several_nats():
     example = load_example()
-    with start_server("--train-mode", "cpt", "--learning-rate", "1e-4") as url:
+    with running_server("--train-mode", "cpt", "--learning-rate", "1e-4") as url:
         before = example.fact_logprob(url, MODEL)
         out = subprocess.run([sys.executable, str(EXAMPLE), "--url", url, "--rounds", "12"], capture_output=True,
                              text=True, timeout=600)
@@ -35,7 +36,7 @@ def test_cpt_serving_a_made_up_fact_raises_its_log_likelihood_by_several_nats():
 
 
 def test_dpo_feedback_is_trained_on():
-    with start_server("--train-mode", "dpo") as url:
+    with running_server("--train-mode", "dpo") as url:
         client = httpx.Client(base_url=url, timeout=120)
         reply = client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 16, "temperature": 0,
                                                           "messages": [{"role": "user", "content":

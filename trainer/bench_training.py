@@ -32,7 +32,7 @@ from engine.model_runner import run_to_end
 from engine.recording import SavedTensorTracker
 from engine.sampling_params import SamplingParams
 from trainer.adapter import lora_gradients
-from trainer.cache import PreferenceLabel
+from trainer.cache import EntryState, PreferenceLabel
 from trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def measure(bench: _Bench, mode: str, tokens: int, repeats: int) -> dict:
             else:
                 job, tracker = bench.method.recompute_job(entry, bench.context), recompute_tracker
             results[path] = bench.run_job(job, tracker)
-        bench.trainer.cache.end(entry, entry.state.__class__.TRAINED)
+        bench.trainer.cache.end(entry, EntryState.TRAINED)
         if r == 0:
             continue
         rows.append({

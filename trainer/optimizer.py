@@ -19,12 +19,10 @@ class AdapterOptimizer:
         # bumped by every applied step
         self.version = 0
         self.skipped_steps = 0
-        self.last_grad_norm = 0.0
 
     def step(self, loss_is_finite: bool = True) -> bool:
         """Applies the accumulated gradients; returns False (and counts it) if skipped."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm).item()
-        self.last_grad_norm = grad_norm
         if not loss_is_finite or not math.isfinite(grad_norm):
             self.skipped_steps += 1
             self.zero_grad()
