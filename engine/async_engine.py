@@ -162,6 +162,13 @@ class AsyncEngine:
                 self._send(_Abort(request_id))
             self._streams.pop(request_id, None)
 
+    async def run_on_device(self, fn, *args):
+        """Runs `fn(*args)` on the device thread, after the item in progress (adapter
+        rollback: weights must not change under a step or a slice)."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        return await self._run(fn, *args)
+
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 

@@ -24,9 +24,11 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server.errors import APIError, error_body, install_error_handlers, validation_error
+from server.guards import GuardConfig, RequestGuard
 from server.metrics import ServingMetrics
-from server.protocol import ChatCompletionRequest, CompletionRequest, FeedbackRequest
-from trainer.trainer import FeedbackError
+from server.protocol import ChatCompletionRequest, CompletionRequest, FeedbackRequest, RollbackRequest
+from trainer.adapter_store import AdapterLoadError
+from trainer.trainer import AdapterMismatchError, FeedbackError
 
 # JSON cannot carry -inf; vLLM reports this floor instead
 _MIN_LOGPROB = -9999.0
@@ -240,9 +242,10 @@ def completion_logprobs(state: ServerState, logprobs: list[TokenLogprob | None],
 
 # -- the app -----------------------------------------------------------------------------
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     app = FastAPI(title="alchemist", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, config=guard or GuardConfig(), count_response=state.metrics.count_response)
     app.state.alchemist = state
 
     @app.get("/health")
@@ -328,7 +331,70 @@ def build_app(state: ServerState) -> FastAPI:
         state.engine.notify()
         return {"id": body.id, "object": "feedback", "status": "accepted"}
 
+    @app.get("/v1/adapters")
+    async def adapters():
+        return adapter_status(state)
+
+    @app.post("/v1/adapters/rollback")
+    async def rollback(request: Request):
+        body: RollbackRequest = await parse_body(request, RollbackRequest)
+        checkpointer = adapter_checkpointer(state)
+        try:
+            snapshot = await asyncio.to_thread(checkpointer.store.load, body.version)
+        except AdapterLoadError as exc:
+            saved = [v.version for v in checkpointer.store.versions()]
+            if body.version not in saved:
+                raise APIError(404, f"adapter version {body.version} is not saved; saved versions: {saved}",
+                               "version", "version_not_found") from None
+            raise APIError(409, f"saved adapter version {body.version} cannot be loaded: {exc}", "version",
+                           "version_unreadable") from None
+        try:
+            await state.engine.run_on_device(state.trainer.rollback, snapshot)
+        except AdapterMismatchError as exc:
+            raise APIError(409, str(exc), "version", "version_incompatible") from None
+        except EngineDeadError:
+            raise APIError(503, "the server is shutting down") from None
+        return adapter_status(state)
+
     return app
+
+
+def adapter_checkpointer(state: ServerState):
+    if state.trainer is None:
+        raise APIError(400, "training is off on this server, so there is no adapter (start it with "
+                            "--train-mode cpt|dpo)", code="adapters_not_used")
+    if state.trainer.checkpointer is None:
+        raise APIError(400, "adapters are not saved on this server (start it with --adapter-dir DIR)",
+                       code="adapter_dir_not_set")
+    return state.trainer.checkpointer
+
+
+def adapter_status(state: ServerState) -> dict:
+    """GET /v1/adapters: the live version, the saved ones, and the training counters."""
+    trainer = state.trainer
+    if trainer is None:
+        adapter_checkpointer(state)  # raises the explanation
+    stats, checkpointer = trainer.stats, trainer.checkpointer
+    saved = checkpointer.store.versions() if checkpointer else []
+    loss = stats.last_loss
+    return {
+        "object": "adapter",
+        "version": trainer.optimizer.version,
+        "restored_from": trainer.restored_from,
+        "mode": trainer.mode,
+        "adapter_dir": str(checkpointer.store.root) if checkpointer else None,
+        "save_every": checkpointer.save_every if checkpointer else None,
+        "saved": [{"version": v.version, "path": str(v.path), "created": int(v.created)} for v in saved],
+        "training": {
+            "trained_entries": sum(stats.trained_entries.values()),
+            "train_tokens": stats.train_tokens,
+            "last_loss": loss if loss == loss else None,
+            "skipped_steps": trainer.optimizer.skipped_steps,
+            "failed_jobs": stats.failed_jobs,
+            "stale_entries": stats.stale_entries,
+            "activation_cache_bytes": trainer.cache.bytes,
+        },
+    }
 
 
 def _completion_prompts(state: ServerState, prompt) -> list[tuple[list[int], str]]:

@@ -38,7 +38,11 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None)},
         "arbiter": {"policy": getattr(args, "arbiter_policy", None), "tpot_slo_ms": getattr(args, "tpot_slo_ms", None)},
-        "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None)},
+        "adapter": {"dir": getattr(args, "adapter_dir", None), "save_every": getattr(args, "adapter_save_every", None)},
+        "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None),
+                   "api_key": getattr(args, "api_key", None), "admin_key": getattr(args, "admin_key", None),
+                   "max_queued_requests": getattr(args, "max_queued_requests", None),
+                   "max_body_bytes": getattr(args, "max_body_bytes", None)},
     }
     return load_config(args.config, overrides)
 
@@ -53,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(serve)
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or ALCHEMIST_SERVER_API_KEY, "
+                       "which keeps the key out of the process list)")
+    serve.add_argument("--admin-key", help="key for the adapter routes /v1/adapters* (or ALCHEMIST_SERVER_ADMIN_KEY)")
+    serve.add_argument("--max-queued-requests", type=int,
+                       help="requests waiting beyond --max-num-seqs running; more get 429 (default 256)")
+    serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
+    serve.add_argument("--adapter-dir", help="save the adapter here (PEFT format) and resume from it on start")
+    serve.add_argument("--adapter-save-every", type=int, help="save every N adapter versions (default 10)")
 
     bench = commands.add_parser("bench", help="benchmarks, each a side-by-side ratio in one run")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -103,8 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"alchemist: configuration error: {exc}", file=sys.stderr)
             return 2
     if args.command == "serve":
-        from server.serve import serve
-        serve(config)
+        from server.serve import build_server, run
+        try:
+            app = build_server(config)
+        except ValueError as exc:  # what only the built server can judge (a saved adapter that does not fit)
+            print(f"alchemist: configuration error: {exc}", file=sys.stderr)
+            return 2
+        run(app, config)
         return 0
     if args.command == "bench" and args.bench == "serving":
         from engine.bench_serving import run_serving_bench

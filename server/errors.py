@@ -81,7 +81,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = "Not found: no such route. Routes: /v1/chat/completions, /v1/completions, /v1/models, " \
-                      "/v1/feedback, /health, /metrics."
+                      "/v1/feedback, /v1/adapters, /v1/adapters/rollback, /health, /metrics."
         elif exc.status_code == 405:
             message = "Method not allowed for this route."
         return error_response(APIError(exc.status_code, message))

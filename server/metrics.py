@@ -58,6 +58,9 @@ class ServingMetrics:
                                                registry=r))
         self.preemptions = child(Counter(f"{PREFIX}num_preemptions", "Sequences preempted for KV cache space.",
                                          labels, registry=r))
+        self.http_responses = Counter(f"{PREFIX}http_requests", "HTTP responses, by route and status code "
+                                      "(401 unauthenticated, 413 body too large, 429 over capacity, 499 "
+                                      "client gone).", ["handler", "status"], registry=r)
         self.success = Counter(f"{PREFIX}request_success", "Finished requests, by finish reason.",
                                labels + ["finished_reason"], registry=r)
         if cache_info:
@@ -101,6 +104,9 @@ class ServingMetrics:
                 self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
             self._started.discard(rid)
             self._last_token_time.pop(rid, None)
+
+    def count_response(self, handler: str, status: int) -> None:
+        self.http_responses.labels(handler=handler, status=str(status)).inc()
 
     def add_trainer(self, trainer) -> None:
         self.registry.register(TrainingCollector(trainer))

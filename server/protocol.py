@@ -146,3 +146,9 @@ class FeedbackRequest(_Strict):
     chosen: Annotated[str, Field(min_length=1)] | None = None
     rejected: Annotated[str, Field(min_length=1)] | None = None
     choice_index: Annotated[int, Field(ge=0)] = 0
+
+
+class RollbackRequest(_Strict):
+    """POST /v1/adapters/rollback: make a saved adapter version the live one."""
+
+    version: Annotated[int, Field(ge=0)]

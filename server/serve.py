@@ -1,12 +1,14 @@
 """Builds the whole server from a config and runs it under uvicorn.
 
-Start-up order: model -> engine -> worker thread -> HTTP. Shutdown (SIGINT/SIGTERM via
-uvicorn) stops accepting connections, then stops the engine thread; requests still in
-flight receive an error rather than hanging.
+Start-up order: model -> engine -> trainer (resuming the latest saved adapter when
+`adapter.dir` is set) -> worker thread -> HTTP. Shutdown (SIGINT/SIGTERM via uvicorn)
+stops accepting connections, then stops the engine thread (requests still in flight
+receive an error rather than hanging), then saves the final adapter version.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -18,7 +20,9 @@ from engine.config import AlchemistConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from server.app import ServerState, build_app
+from server.guards import GuardConfig
 from server.metrics import ServingMetrics
+from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -37,11 +41,20 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
         metrics.add_trainer(trainer)
         logger.info("online training: %s, LoRA rank %d, learning rate %g", config.train.mode,
                     config.train.lora_rank, config.train.learning_rate)
+    if config.adapter.dir:
+        if trainer is None:
+            raise ValueError("adapter.dir (--adapter-dir) saves the adapter that online training updates; "
+                             "set train.mode (--train-mode cpt|dpo) too")
+        trainer.enable_checkpoints(AdapterCheckpointer(AdapterStore(config.adapter.dir, config.adapter.keep),
+                                                       config.adapter.save_every))
     observers = [metrics] + ([trainer] if trainer else [])
     async_engine = AsyncEngine(engine, observers=observers, training=trainer, arbiter=config.arbiter)
     metrics.add_engine(async_engine)
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, metrics, trainer)
-    app = build_app(state)
+    server = config.server
+    app = build_app(state, GuardConfig(server.api_key, server.admin_key,
+                                       config.scheduler.max_num_seqs + server.max_queued_requests,
+                                       server.max_body_bytes))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -50,13 +63,14 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
                     config.scheduler.max_num_seqs)
         yield
         await async_engine.stop()
+        if trainer is not None:
+            await asyncio.to_thread(trainer.close)  # the final adapter version, when saving is on
         logger.info("shutdown complete")
 
     app.router.lifespan_context = lifespan
     return app
 
 
-def serve(config: AlchemistConfig) -> None:
-    app = build_server(config)
+def run(app: FastAPI, config: AlchemistConfig) -> None:
     uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info",
                 timeout_graceful_shutdown=10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -15,9 +16,12 @@ from tests.tiny import tiny_model, tiny_tokenizer
 TINY_NAME = "tiny-llama"
 
 
-def tiny_app(family: str = "llama", **config_kwargs):
-    return build_server(make_config(**config_kwargs), model=tiny_model(family), tokenizer=tiny_tokenizer(),
-                        model_name=TINY_NAME)
+def tiny_app(family: str = "llama", *, train=None, adapter=None, server=None, model=None, **config_kwargs):
+    """A server app on a tiny model; `train`, `adapter`, `server` replace those config sections."""
+    config = make_config(**config_kwargs)
+    sections = {k: v for k, v in (("train", train), ("adapter", adapter), ("server", server)) if v is not None}
+    config = dataclasses.replace(config, **sections)
+    return build_server(config, model=model or tiny_model(family), tokenizer=tiny_tokenizer(), model_name=TINY_NAME)
 
 
 class ServerThread:

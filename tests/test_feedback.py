@@ -6,17 +6,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.config import TrainConfig
-from server.serve import build_server
-from tests.conftest import make_config
-from tests.servers import TINY_NAME
-from tests.tiny import tiny_model, tiny_tokenizer
+from tests.servers import TINY_NAME, tiny_app
 
 
 def train_app(mode: str, **train_kwargs):
-    config = make_config(max_model_len=256)
-    config = type(config)(model=config.model, cache=config.cache, scheduler=config.scheduler,
-                          train=TrainConfig(mode=mode, lora_rank=4, **train_kwargs), server=config.server)
-    return build_server(config, model=tiny_model("llama"), tokenizer=tiny_tokenizer(), model_name=TINY_NAME)
+    return tiny_app(train=TrainConfig(mode=mode, lora_rank=4, **train_kwargs))
 
 
 def chat(client, content="What is the capital of France?", **extra):

@@ -205,6 +205,12 @@ class ActivationCache:
                 entry.state = EntryState.TRAINING
             return taken
 
+    def requeue(self, entry: CacheEntry) -> None:
+        """Puts an entry of an abandoned job back in line (it is retrained later)."""
+        with self._lock:
+            if entry.completion_id in self._entries and entry.state is EntryState.TRAINING:
+                entry.state = EntryState.READY
+
     def count(self, state: EntryState) -> int:
         with self._lock:
             return sum(1 for e in self._entries.values() if e.state is state)

@@ -6,6 +6,7 @@ finite is skipped (gradients discarded, version unchanged) and counted.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -31,6 +32,20 @@ class AdapterOptimizer:
         self.zero_grad()
         self.version += 1
         return True
+
+    def state_dict(self) -> dict:
+        """A copy of AdamW's state (moments, step counts), independent of later steps."""
+        return copy.deepcopy(self.optimizer.state_dict())
+
+    def load_state_dict(self, state: dict, version: int) -> None:
+        """Restores AdamW's state and sets the version; the configured learning rate wins
+        over the saved one."""
+        learning_rates = [group["lr"] for group in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(state)
+        for group, lr in zip(self.optimizer.param_groups, learning_rates):
+            group["lr"] = lr
+        self.zero_grad()
+        self.version = version
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -20,11 +20,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.config import TrainConfig
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 from engine.recording import RecordedPrefill, RecordSpec
 from trainer.adapter import attach_lora, lora_parameters, merge_stale
+from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot
 from trainer.cache import ActivationCache, CacheEntry, EntryState, PreferenceLabel
 from trainer.methods import CPTMethod, DPOMethod, JobResult, TrainContext, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
@@ -32,6 +35,10 @@ from trainer.optimizer import AdapterOptimizer
 logger = logging.getLogger(__name__)
 
 SLICE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
+
+
+class AdapterMismatchError(ValueError):
+    """A saved adapter does not fit the configured one (rank, alpha, target modules)."""
 
 
 class FeedbackError(Exception):
@@ -99,9 +106,7 @@ class Trainer:
         # merged serving weights are built now (nobody is waiting yet) and rebuilt in idle
         # slices after every optimizer step
         self._merge_pending = False
-        if config.merged_serving:
-            while merge_stale(self.peft_model, budget_s=1.0):
-                pass
+        self._merge_all()
         # with merged serving, decode never touches the base layers' packed weights; pack
         # them now rather than in the first recorded prefill
         for module in engine.model.modules():
@@ -113,7 +118,15 @@ class Trainer:
         self._served_logps: dict[str, dict[int, float]] = {}
         # measured bytes per recorded prompt token (to predict whether a recording fits)
         self._bytes_per_token: float | None = None
+        self.checkpointer: AdapterCheckpointer | None = None
+        # the saved version the adapter was last restored from (resume or rollback)
+        self.restored_from: int | None = None
         engine.recorder = self
+
+    def _merge_all(self) -> None:
+        if self.config.merged_serving:
+            while merge_stale(self.peft_model, budget_s=1.0):
+                pass
 
     # -- selection (HTTP thread) ---------------------------------------------------------
 
@@ -309,7 +322,9 @@ class Trainer:
         losses = [r.loss for r in job.results]
         finite = all(math.isfinite(v) for v in losses)
         if job.results:
-            self.optimizer.step(loss_is_finite=finite)
+            if self.optimizer.step(loss_is_finite=finite) and self.checkpointer is not None \
+                    and self.checkpointer.due(self.optimizer.version):
+                self.checkpointer.save_async(self.snapshot())
             self._merge_pending = self.config.merged_serving
             self.stats.last_loss = sum(losses) / len(losses)
             self.stats.train_tokens += sum(r.tokens for r in job.results)
@@ -320,6 +335,94 @@ class Trainer:
             if entry.state is EntryState.TRAINING:
                 self.cache.end(entry, EntryState.TRAINED)
         self._job = None
+
+    # -- adapter versions on disk (device thread) -------------------------------------
+
+    def enable_checkpoints(self, checkpointer: AdapterCheckpointer) -> None:
+        """Resumes from the latest good saved version, if any (else saves version 0, so
+        there is always a version to roll back to); from then on saves every
+        `save_every` versions. Call before serving starts."""
+        snapshot = checkpointer.store.latest()
+        if snapshot is not None:
+            self.restore(snapshot, snapshot.version)
+            self._merge_all()
+            self._merge_pending = False
+            logger.info("resumed adapter version %d from %s", snapshot.version, checkpointer.store.root)
+        else:
+            checkpointer.save_async(self.snapshot())
+        self.checkpointer = checkpointer
+
+    def snapshot(self) -> AdapterSnapshot:
+        from peft import get_peft_model_state_dict
+
+        weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.peft_model).items()}
+        trained = sum(self.stats.trained_entries.values())
+        return AdapterSnapshot(self.optimizer.version, weights, self.peft_model.peft_config["default"],
+                               self.optimizer.state_dict(),
+                               {"mode": self.mode, "restored_from": self.restored_from,
+                                "trained_entries": trained, "train_tokens": self.stats.train_tokens})
+
+    def restore(self, snapshot: AdapterSnapshot, version: int) -> None:
+        """Loads `snapshot` into the live adapter as adapter `version`. A job in progress is
+        abandoned: its gradients are discarded and its entries go back in line (recorded
+        under other weights, they take the recompute path)."""
+        from peft import get_peft_model_state_dict
+
+        live = get_peft_model_state_dict(self.peft_model)
+        self._check_compatible(snapshot, live)
+        self._abandon_job()
+        with torch.no_grad():
+            for name, tensor in live.items():
+                tensor.copy_(snapshot.weights[name])
+        self.optimizer.load_state_dict(snapshot.optimizer_state, version)
+        self.restored_from = snapshot.version
+        self._merge_pending = self.config.merged_serving
+
+    def rollback(self, snapshot: AdapterSnapshot) -> int:
+        """Makes the saved `snapshot` the live adapter. Versions only go forward: the
+        rolled-back adapter is a new version (saved at once), so nothing recorded under
+        the weights being replaced is mistaken for current."""
+        version = self.optimizer.version + 1
+        self.restore(snapshot, version)
+        if self.checkpointer is not None:
+            self.checkpointer.save_async(self.snapshot())
+        logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
+        return version
+
+    def close(self) -> None:
+        """At shutdown (after the engine stopped): saves the final version."""
+        if self.checkpointer is not None:
+            final = self.snapshot() if self.checkpointer.last_saved_version != self.optimizer.version else None
+            self.checkpointer.close(final)
+
+    def _check_compatible(self, snapshot: AdapterSnapshot, live: dict) -> None:
+        ours = self.peft_model.peft_config["default"]
+        theirs = snapshot.peft_config
+        problems = [f"{name} {getattr(theirs, name)} (configured: {getattr(ours, name)})"
+                    for name in ("r", "lora_alpha") if getattr(theirs, name) != getattr(ours, name)]
+        if set(theirs.target_modules or ()) != set(ours.target_modules or ()):
+            problems.append(f"target modules {sorted(theirs.target_modules)} (configured: "
+                            f"{sorted(ours.target_modules)})")
+        if not problems:
+            if set(snapshot.weights) != set(live):
+                problems.append("its weights name other layers")
+            else:
+                problems += [f"{k} has shape {tuple(snapshot.weights[k].shape)}, expected {tuple(v.shape)}"
+                             for k, v in live.items() if snapshot.weights[k].shape != v.shape]
+        if problems:
+            raise AdapterMismatchError(f"saved adapter version {snapshot.version} does not fit this model and "
+                                       f"configuration: {'; '.join(problems[:3])}. Use another adapter directory "
+                                       "or match the configuration.")
+
+    def _abandon_job(self) -> None:
+        job, self._job = self._job, None
+        if job is None:
+            return
+        if job.current is not None:
+            job.current.close()
+        self.optimizer.zero_grad()
+        for entry in job.entries:
+            self.cache.requeue(entry)
 
     def train_until_idle(self, timeout_s: float = 600.0) -> None:
         """Runs slices until nothing is ready (tests, benchmarks, offline use)."""

@@ -1,0 +1,143 @@
+"""The server's front door: authentication, body size, admission, response counting.
+
+A plain ASGI middleware (not Starlette's `BaseHTTPMiddleware`, which would buffer SSE
+streams and hide client disconnects from the routes). For every HTTP request it:
+  - requires `Authorization: Bearer <key>` on `/v1/*` when a key is configured (the
+    adapter routes take the admin key when one is set); `/health` and `/metrics` stay
+    open for probes and Prometheus. 401 otherwise.
+  - rejects bodies over `max_body_bytes` with 413: up front from Content-Length, and
+    while reading for chunked bodies.
+  - admits at most `max_num_seqs + max_queued_requests` generation requests at once;
+    beyond that a new one gets 429 with `Retry-After` at once, never a hang or a 5xx.
+  - counts responses by route and status (`alchemist:http_requests_total`).
+Refusals carry OpenAI's error body, so the SDK raises AuthenticationError,
+RateLimitError, and so on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from dataclasses import dataclass
+
+from server.errors import APIError, error_body
+
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+ADMIN_PREFIX = "/v1/adapters"
+# routes counted under their own label; anything else is counted as "other"
+KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/feedback",
+                          "/v1/adapters", "/v1/adapters/rollback", "/health", "/metrics"})
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    api_key: str = ""
+    admin_key: str = ""
+    # generation requests in flight at once (running + queued); more get 429
+    max_in_flight: int = 1 << 30
+    max_body_bytes: int = 4 << 20
+
+
+class RequestGuard:
+    def __init__(self, app, config: GuardConfig, count_response=None):
+        self.app = app
+        self.config = config
+        # called with (route label, status code) for every response
+        self.count_response = count_response or (lambda route, status: None)
+        self.in_flight = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in KNOWN_ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        status_seen = []
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                return await _send_error(counting_send, refusal)
+            admitted = path in GENERATION_ROUTES
+            if admitted:
+                if self.in_flight >= self.config.max_in_flight:
+                    return await _send_error(counting_send, APIError(
+                        429, f"The server is at capacity ({self.config.max_in_flight} requests running or "
+                             "queued); retry shortly.", code="rate_limit_exceeded"), {"retry-after": "1"})
+                self.in_flight += 1
+            try:
+                await self.app(scope, self._limited(receive), counting_send)
+            finally:
+                if admitted:
+                    self.in_flight -= 1
+        finally:
+            self.count_response(route, status_seen[0] if status_seen else 499)
+
+    def _refusal(self, scope, path: str) -> APIError | None:
+        if path.startswith("/v1/"):
+            key = self.config.admin_key if path.startswith(ADMIN_PREFIX) and self.config.admin_key \
+                else self.config.api_key
+            if key:
+                given = _bearer(scope)
+                if given is None:
+                    return APIError(401, "You didn't provide an API key. Send it in the Authorization header "
+                                         "as 'Authorization: Bearer YOUR_KEY'.", code="missing_api_key",
+                                    type="invalid_request_error")
+                if not hmac.compare_digest(given.encode(), key.encode()):
+                    which = "admin key" if key is self.config.admin_key else "API key"
+                    return APIError(401, f"Incorrect {which} provided.", code="invalid_api_key",
+                                    type="invalid_request_error")
+        length = _header(scope, b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return APIError(400, "The Content-Length header is not a number.", code="invalid_request")
+            if int(length) > self.config.max_body_bytes:
+                return self._too_large()
+        return None
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"The request body is larger than the server's limit of "
+                             f"{self.config.max_body_bytes} bytes.", code="request_too_large")
+
+    def _limited(self, receive):
+        limit, seen = self.config.max_body_bytes, 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:  # the app's error handlers turn this into the 413 response
+                    raise self._too_large()
+            return message
+
+        return limited_receive
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1").strip()
+    return None
+
+
+def _bearer(scope) -> str | None:
+    value = _header(scope, b"authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+async def _send_error(send, err: APIError, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(error_body(err.status, err.message, err.param, err.code, err.type)).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if err.status == 401:
+        raw_headers.append((b"www-authenticate", b"Bearer"))
+    raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})

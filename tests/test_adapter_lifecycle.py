@@ -1,0 +1,174 @@
+"""Saved adapter versions: PEFT's format, atomic saves, resume on restart, rollback, and
+a SIGKILL in the middle of a save."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from peft import PeftModel
+
+from engine.config import AdapterConfig, TrainConfig
+from tests.servers import TINY_NAME, tiny_app
+from tests.tiny import tiny_model
+from trainer.adapter_store import AdapterStore
+
+TRAIN = TrainConfig(mode="cpt", lora_rank=4, learning_rate=1e-2)
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def serve_and_train(client, prompts):
+    """Serves each prompt (greedy) and waits until its entry is trained; returns the texts."""
+    texts = []
+    for prompt in prompts:
+        before = client.get("/v1/adapters").json()["version"]
+        r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": prompt, "max_tokens": 6,
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+        wait_for(lambda: client.get("/v1/adapters").json()["version"] > before)
+    return texts
+
+
+def complete(client, prompt="the quick brown fox"):
+    r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": prompt, "max_tokens": 8,
+                                             "temperature": 0, "train": False})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_restart_resumes_the_version_and_the_saved_adapter_loads_in_peft(tmp_path):
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=2, keep=10)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        status = client.get("/v1/adapters").json()
+        assert status["version"] == 0 and [v["version"] for v in status["saved"]] == [0]
+        serve_and_train(client, [f"prompt number {i} about cats" for i in range(3)])
+        reference = complete(client)
+        state = client.app.state.alchemist
+        live = {k: v.detach().clone() for k, v in state.trainer.peft_model.named_parameters() if "lora_" in k}
+    # shutdown saved the final version (3), beside the periodic one (2) and the initial one (0)
+    assert [v.version for v in AdapterStore(tmp_path).versions()] == [0, 2, 3]
+
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        status = client.get("/v1/adapters").json()
+        assert status["version"] == 3 and status["restored_from"] == 3
+        assert complete(client) == reference  # the same adapter serves the same tokens
+        resumed = client.app.state.alchemist.trainer
+        assert resumed.optimizer.optimizer.state  # AdamW's moments came back too
+        serve_and_train(client, ["one more prompt"])
+        assert client.get("/v1/adapters").json()["version"] == 4
+
+    # PEFT loads a saved version as it is, and computes what the server computed
+    peft = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "v00000003"))
+    loaded = {k.replace(".default", ""): v for k, v in peft.named_parameters() if "lora_" in k}
+    assert set(loaded) == {k.replace(".default", "") for k in live}
+    for name, tensor in live.items():
+        assert torch.equal(loaded[name.replace(".default", "")], tensor), name
+
+
+def test_rollback_restores_a_saved_version_as_a_new_version(tmp_path):
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        serve_and_train(client, ["first prompt about dogs"])
+        at_v1 = complete(client)
+        serve_and_train(client, ["second prompt about birds", "third prompt about fish"])
+        assert client.get("/v1/adapters").json()["version"] == 3
+        assert complete(client) != at_v1  # training at lr 1e-2 moved the tokens
+
+        r = client.post("/v1/adapters/rollback", json={"version": 1})
+        assert r.status_code == 200, r.text
+        status = r.json()
+        assert status["version"] == 4 and status["restored_from"] == 1
+        assert complete(client) == at_v1
+        client.app.state.alchemist.trainer.checkpointer.wait()
+        saved = [v["version"] for v in client.get("/v1/adapters").json()["saved"]]
+        assert saved == [0, 1, 2, 3, 4]  # the rolled-back adapter is saved as version 4
+
+        r = client.post("/v1/adapters/rollback", json={"version": 99})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "version_not_found"
+        for body in ({}, {"version": -1}, {"version": "1"}, {"version": 1, "x": 2}):
+            r = client.post("/v1/adapters/rollback", json=body)
+            assert r.status_code == 400, body
+        # training goes on after a rollback
+        serve_and_train(client, ["fourth prompt about mice"])
+        assert client.get("/v1/adapters").json()["version"] == 5
+
+
+def test_adapter_routes_explain_when_saving_is_off():
+    with TestClient(tiny_app(train=TRAIN)) as client:
+        status = client.get("/v1/adapters").json()
+        assert status["version"] == 0 and status["saved"] == [] and status["adapter_dir"] is None
+        r = client.post("/v1/adapters/rollback", json={"version": 0})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "adapter_dir_not_set"
+
+
+def test_a_saved_adapter_of_another_rank_is_a_clear_startup_error(tmp_path):
+    adapter = AdapterConfig(dir=str(tmp_path))
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)):
+        pass
+    with pytest.raises(ValueError, match="does not fit.*r 4 \\(configured: 8\\)"):
+        tiny_app(train=TrainConfig(mode="cpt", lora_rank=8), adapter=adapter)
+
+
+def test_unreadable_latest_version_falls_back_to_the_previous_one(tmp_path):
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        serve_and_train(client, ["a prompt", "another prompt"])
+    (tmp_path / "v00000002" / "adapter_model.safetensors").write_bytes(b"damaged")
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        assert client.get("/v1/adapters").json()["version"] == 1
+
+
+_SAVE_LOOP = textwrap.dedent("""
+    import sys, torch
+    from peft import LoraConfig
+    from trainer.adapter_store import AdapterSnapshot, AdapterStore
+    store = AdapterStore(sys.argv[1], keep=1000)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    version = 0
+    while True:  # big enough files that a kill often lands mid-write
+        weights = {f"base_model.model.layers.{i}.q_proj.lora_A.weight": torch.full((4, 4096), float(version))
+                   for i in range(16)}
+        store.save(AdapterSnapshot(version, weights, config, {"state": {}, "param_groups": []}))
+        print(version, flush=True)
+        version += 1
+""")
+
+
+def test_sigkill_mid_save_never_leaves_a_version_that_fails_to_load(tmp_path):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rng = random.Random(0)
+    interrupted = 0
+    for attempt in range(4):
+        root = tmp_path / f"run{attempt}"
+        proc = subprocess.Popen([sys.executable, "-c", _SAVE_LOOP, str(root)], cwd=repo, stdout=subprocess.PIPE,
+                                text=True)
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert all(lines), "the save loop died"
+        started = time.perf_counter()
+        lines.append(proc.stdout.readline())
+        time.sleep(rng.uniform(0, time.perf_counter() - started))  # somewhere inside the next save
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        interrupted += bool(list(root.glob(".tmp-*")))
+        store = AdapterStore(root, keep=1000)  # a new start clears interrupted saves
+        assert not list(root.glob(".tmp-*"))
+        versions = [v.version for v in store.versions()]
+        assert versions[: len(lines)] == list(range(len(lines)))
+        for version in versions:  # every version left behind loads, with its own contents
+            snapshot = store.load(version)
+            assert all(float(t[0, 0]) == version for t in snapshot.weights.values())
+        assert store.latest().version == versions[-1]
+    assert interrupted >= 1, "no kill landed inside a save"

@@ -1,0 +1,107 @@
+"""The front door over real HTTP: API keys (with the OpenAI SDK), body limits, 429 on overload."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from engine.config import ServerConfig
+from tests.servers import TINY_NAME, ServerThread, tiny_app
+
+KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    with ServerThread(tiny_app(server=ServerConfig(api_key=KEY, max_body_bytes=64 << 10))) as server:
+        yield server
+
+
+def test_openai_sdk_with_the_key_works_and_without_it_gets_401(keyed_server):
+    client = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=KEY, max_retries=0)
+    reply = client.chat.completions.create(model=TINY_NAME, max_tokens=3,
+                                           messages=[{"role": "user", "content": "hi"}])
+    assert reply.choices[0].message.content is not None
+    assert [m.id for m in client.models.list()] == [TINY_NAME]
+    for wrong in ("sk-wrong", KEY + "x", ""):
+        bad = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=wrong or "unset", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as err:
+            bad.chat.completions.create(model=TINY_NAME, max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 401 and err.value.code == "invalid_api_key"
+
+
+def test_missing_key_gets_401_with_openai_body_and_probes_stay_open(keyed_server):
+    for method, path in (("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+                         ("POST", "/v1/feedback"), ("GET", "/v1/adapters"), ("GET", "/v1/nope")):
+        r = httpx.request(method, keyed_server.url + path, json={})
+        assert r.status_code == 401, (path, r.text)
+        assert r.json()["error"]["code"] == "missing_api_key" and r.headers["www-authenticate"] == "Bearer"
+    r = httpx.get(f"{keyed_server.url}/v1/models", headers={"Authorization": f"Basic {KEY}"})
+    assert r.status_code == 401  # only Bearer
+    assert httpx.get(f"{keyed_server.url}/health").status_code == 200
+    metrics = httpx.get(f"{keyed_server.url}/metrics")
+    assert metrics.status_code == 200
+    assert 'alchemist:http_requests_total{handler="/v1/chat/completions",status="401"}' in metrics.text
+
+
+def test_bodies_over_the_limit_get_413(keyed_server):
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    big = json.dumps({"model": TINY_NAME, "prompt": "x " * (40 << 10), "max_tokens": 1})
+    r = httpx.post(f"{keyed_server.url}/v1/completions", content=big, headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for _ in range(80):
+            yield b" " * 1024
+    r = httpx.post(f"{keyed_server.url}/v1/completions", content=chunks(), headers=headers)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    r = httpx.post(f"{keyed_server.url}/v1/completions", headers=headers,
+                   json={"model": TINY_NAME, "prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200  # the server is fine afterwards
+
+
+def test_admin_key_guards_the_adapter_routes_only():
+    config = ServerConfig(api_key=KEY, admin_key="sk-admin")
+    with ServerThread(tiny_app(server=config)) as server:
+        user, admin = {"Authorization": f"Bearer {KEY}"}, {"Authorization": "Bearer sk-admin"}
+        assert httpx.get(f"{server.url}/v1/adapters", headers=user).status_code == 401
+        # training is off here: the admin gets through to the route's own explanation
+        r = httpx.get(f"{server.url}/v1/adapters", headers=admin)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "adapters_not_used"
+        assert httpx.get(f"{server.url}/v1/models", headers=user).status_code == 200
+        assert httpx.get(f"{server.url}/v1/models", headers=admin).status_code == 401
+
+
+def test_overload_gets_429_beside_200_and_never_a_5xx():
+    app = tiny_app(max_num_seqs=2, server=ServerConfig(max_queued_requests=2))
+    with ServerThread(app) as server:
+        body = {"model": TINY_NAME, "prompt": "hello", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*[client.post(f"{server.url}/v1/completions", json=body)
+                                              for _ in range(16)])
+
+        responses = asyncio.run(burst())
+        statuses = sorted(r.status_code for r in responses)
+        assert set(statuses) == {200, 429}, statuses
+        assert statuses.count(200) >= 4  # the 2 running + 2 queued were served
+        rejected = next(r for r in responses if r.status_code == 429)
+        assert rejected.json()["error"]["code"] == "rate_limit_exceeded" and rejected.headers["retry-after"] == "1"
+        with pytest.raises(openai.RateLimitError):  # what the SDK makes of it (checked while full)
+            asyncio.run(_sdk_during_burst(server.url, body))
+        # capacity comes back once the burst is over
+        assert httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+
+
+async def _sdk_during_burst(url: str, body: dict):
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    async with httpx.AsyncClient(timeout=60) as http:
+        holders = [asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body)) for _ in range(4)]
+        await asyncio.sleep(0.3)
+        try:
+            await client.completions.create(model=TINY_NAME, prompt="hi", max_tokens=2)
+        finally:
+            await asyncio.gather(*holders)

@@ -1,0 +1,205 @@
+"""Saved adapter versions on disk: one directory per version, in PEFT's format, written atomically.
+
+    DIR/v00000012/adapter_model.safetensors   LoRA weights, PEFT's keys (PeftModel.from_pretrained,
+    DIR/v00000012/adapter_config.json         vLLM --lora-modules and TRL load the directory as it is)
+    DIR/v00000012/optimizer.pt                AdamW state, so training resumes where it stopped
+    DIR/v00000012/alchemist_state.json        version, time, training counters — written last
+
+A version is written into `DIR/.tmp-…`, every file fsynced, and renamed into place, so a
+process killed at any moment (SIGKILL mid-save) leaves either the complete version or a
+temporary directory that the next start removes — never a half-written version. Loading
+checks every file and falls back to the next older version if one is unreadable anyway
+(a damaged disk), with a warning.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "alchemist_state.json"
+_VERSION_DIR = re.compile(r"^v(\d{8,})$")
+_TMP_PREFIX = ".tmp-"
+
+
+class AdapterLoadError(Exception):
+    """A saved version is missing, incomplete or unreadable."""
+
+
+@dataclass
+class AdapterSnapshot:
+    """Everything needed to resume an adapter: taken on the device thread (tensors cloned
+    to CPU), written to disk on another."""
+    version: int
+    # PEFT state dict: keys as PeftModel.save_pretrained writes them
+    weights: dict[str, torch.Tensor]
+    # the adapter's peft LoraConfig
+    peft_config: object
+    optimizer_state: dict
+    # training counters and provenance (JSON-serialisable)
+    state: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SavedVersion:
+    version: int
+    path: Path
+    # unix time the version was saved
+    created: float
+
+
+class AdapterStore:
+    def __init__(self, root: str | Path, keep: int = 5):
+        self.root = Path(root)
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True)
+        for leftover in self.root.glob(_TMP_PREFIX + "*"):  # a save interrupted by a crash
+            logger.warning("removing an interrupted adapter save: %s", leftover)
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def path_of(self, version: int) -> Path:
+        return self.root / f"v{version:08d}"
+
+    def versions(self) -> list[SavedVersion]:
+        """Saved versions, oldest first."""
+        saved = []
+        for child in self.root.iterdir():
+            match = _VERSION_DIR.match(child.name)
+            if match and (child / STATE_FILE).is_file():
+                saved.append(SavedVersion(int(match.group(1)), child, (child / STATE_FILE).stat().st_mtime))
+        return sorted(saved, key=lambda v: v.version)
+
+    def save(self, snapshot: AdapterSnapshot) -> Path:
+        """Writes `snapshot` atomically and prunes versions beyond `keep`; a version that is
+        already saved is left as it is."""
+        final = self.path_of(snapshot.version)
+        if (final / STATE_FILE).is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}v{snapshot.version:08d}-", dir=self.root))
+        try:
+            weights = {k: v.contiguous() for k, v in snapshot.weights.items()}
+            save_file(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+            config = copy.deepcopy(snapshot.peft_config)
+            config.inference_mode = True
+            config.save_pretrained(str(tmp))
+            torch.save(snapshot.optimizer_state, tmp / OPTIMIZER_FILE)
+            state = {"version": snapshot.version, "saved_at": time.time(), **snapshot.state}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            for name in (WEIGHTS_FILE, CONFIG_FILE, OPTIMIZER_FILE, STATE_FILE):
+                _fsync(tmp / name)
+            _fsync(tmp)
+            if final.exists():  # an incomplete directory of that name, not written by this class
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._prune()
+        return final
+
+    def load(self, version: int) -> AdapterSnapshot:
+        from peft import LoraConfig
+
+        path = self.path_of(version)
+        try:
+            state = json.loads((path / STATE_FILE).read_text())
+            if state.get("version") != version:
+                raise AdapterLoadError(f"{path}: {STATE_FILE} says version {state.get('version')}")
+            weights = load_file(path / WEIGHTS_FILE)
+            peft_config = LoraConfig.from_pretrained(str(path))
+            optimizer_state = torch.load(path / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        except AdapterLoadError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unreadable file makes the version unusable
+            raise AdapterLoadError(f"{path}: {type(exc).__name__}: {exc}") from exc
+        for name, tensor in weights.items():
+            if not torch.isfinite(tensor).all():
+                raise AdapterLoadError(f"{path}: {name} holds non-finite values")
+        return AdapterSnapshot(version, weights, peft_config, optimizer_state,
+                               {k: v for k, v in state.items() if k not in ("version", "saved_at")})
+
+    def latest(self) -> AdapterSnapshot | None:
+        """The newest version that loads (older ones are tried in turn); None if none does."""
+        for saved in reversed(self.versions()):
+            try:
+                return self.load(saved.version)
+            except AdapterLoadError as exc:
+                logger.warning("skipping saved adapter version %d: %s", saved.version, exc)
+        return None
+
+    def _prune(self) -> None:
+        for old in self.versions()[:-self.keep]:
+            shutil.rmtree(old.path, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AdapterCheckpointer:
+    """When to save: every `save_every` versions and on demand. Snapshots are taken by the
+    caller on the device thread; the disk writes run on a writer thread of their own, one
+    at a time, so serving never waits for the disk."""
+
+    def __init__(self, store: AdapterStore, save_every: int):
+        self.store = store
+        self.save_every = save_every
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-adapter-save")
+        self._pending: list[concurrent.futures.Future] = []
+        self.saved = 0
+        self.failed = 0
+        self.last_saved_version: int | None = None
+
+    def due(self, version: int) -> bool:
+        return version % self.save_every == 0
+
+    def save_async(self, snapshot: AdapterSnapshot) -> concurrent.futures.Future:
+        self._pending = [f for f in self._pending if not f.done()]
+        future = self._writer.submit(self._save, snapshot)
+        self._pending.append(future)
+        return future
+
+    def _save(self, snapshot: AdapterSnapshot) -> Path | None:
+        try:
+            path = self.store.save(snapshot)
+        except Exception:  # noqa: BLE001 - a failed save is counted; the next one may succeed
+            self.failed += 1
+            logger.exception("saving adapter version %d failed", snapshot.version)
+            return None
+        self.saved += 1
+        self.last_saved_version = snapshot.version
+        logger.info("saved adapter version %d to %s", snapshot.version, path)
+        return path
+
+    def wait(self) -> None:
+        for future in list(self._pending):
+            future.result()
+
+    def close(self, final: AdapterSnapshot | None = None) -> None:
+        """Finishes pending saves, then saves `final` (the adapter at shutdown)."""
+        self.wait()
+        if final is not None:
+            self._save(final)
+        self._writer.shutdown(wait=True)
