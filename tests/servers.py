@@ -49,3 +49,13 @@ class ServerThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+def wait_for(predicate, timeout: float = 30.0, poll_s: float = 0.005) -> float:
+    """Waits until `predicate()` holds; returns the seconds it took (AssertionError on timeout)."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError("condition not reached in time")
+        time.sleep(poll_s)
+    return time.monotonic() - started

@@ -15,18 +15,11 @@ from fastapi.testclient import TestClient
 from peft import PeftModel
 
 from engine.config import AdapterConfig, TrainConfig
-from tests.servers import TINY_NAME, tiny_app
+from tests.servers import TINY_NAME, tiny_app, wait_for
 from tests.tiny import tiny_model
 from trainer.adapter_store import AdapterStore
 
 TRAIN = TrainConfig(mode="cpt", lora_rank=4, learning_rate=1e-2)
-
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def serve_and_train(client, prompts):

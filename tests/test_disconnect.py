@@ -1,11 +1,10 @@
 """A client that goes away stops its request at once (real HTTP, tiny model)."""
 
 import socket
-import time
 
 import httpx
 
-from tests.servers import TINY_NAME, ServerThread, tiny_app
+from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
 
 LONG = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3000,
         "ignore_eos": True}
@@ -13,15 +12,6 @@ LONG = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello"}], 
 
 def engine_of(app):
     return app.state.alchemist.engine
-
-
-def wait_until(predicate, timeout: float) -> float:
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
-    return time.monotonic() - started
 
 
 def test_streaming_client_disconnect_aborts_the_request():
@@ -34,7 +24,7 @@ def test_streaming_client_disconnect_aborts_the_request():
                     if '"content"' in line and '""' not in line:
                         break
                 assert engine.engine.num_requests == 1
-        waited = wait_until(lambda: engine.engine.num_requests == 0, timeout=2.0)
+        waited = wait_for(lambda: engine.engine.num_requests == 0, timeout=2.0)
     assert waited < 2.0
 
 
@@ -46,8 +36,8 @@ def test_non_streaming_client_disconnect_aborts_the_request():
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        wait_until(lambda: engine.engine.num_requests == 1, timeout=5.0)
+        wait_for(lambda: engine.engine.num_requests == 1, timeout=5.0)
         steps_before = engine.engine.num_steps
         sock.close()
-        wait_until(lambda: engine.engine.num_requests == 0, timeout=2.0)
+        wait_for(lambda: engine.engine.num_requests == 0, timeout=2.0)
         assert engine.engine.num_steps - steps_before < 2900  # stopped long before max_tokens

@@ -1,12 +1,11 @@
 """POST /v1/feedback and online training through HTTP, on a tiny model."""
 
-import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from engine.config import TrainConfig
-from tests.servers import TINY_NAME, tiny_app
+from tests.servers import TINY_NAME, tiny_app, wait_for
 
 
 def train_app(mode: str, **train_kwargs):
@@ -25,13 +24,6 @@ def metric(client, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.split()[-1])
     raise KeyError(name)
-
-
-def wait_for(predicate, timeout=20.0):
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +97,6 @@ def test_cpt_trains_on_every_served_prompt_and_feedback_is_refused():
 
 
 def test_feedback_without_training_is_a_clear_400():
-    from tests.servers import tiny_app
     with TestClient(tiny_app()) as client:
         r = feedback(client, id="x", chosen="y")
         assert r.status_code == 400 and "training is off" in r.json()["error"]["message"]

@@ -7,13 +7,14 @@ import random
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.config import AdapterConfig, TrainConfig
 from tests.servers import TINY_NAME, tiny_app
 
 VALUES = [None, True, False, 0, -1, 1, 2.5, -1e9, 1e308, 10**30, "", "x", "hot", [], [1], ["a"], [[1, 2]], {},
           {"type": "text"}, {"include_usage": True}, [{"role": "user"}], [{"role": "user", "content": 5}],
           [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "system", "content": None}],
           "\u0000", "🙂" * 3, [-5], [10**12], {"5": 1}, {"a": 1}, {"1": 1e9}]
-FIELDS = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed",
+FIELDS = ["id", "chosen", "rejected", "choice_index", "version", "model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed",
           "stream", "stream_options", "logprobs", "top_logprobs", "echo", "presence_penalty", "min_tokens",
           "stop_token_ids", "logit_bias", "response_format", "best_of", "ignore_eos", "unknown_field", "max_completion_tokens"]
 
@@ -43,5 +44,23 @@ def test_fuzzed_bodies_never_get_a_server_error(route, base):
             payload = mutate(rng, base)
             r = client.post(route, content=payload, headers={"content-type": "application/json"})
             assert r.status_code in (200, 400, 404), (payload, r.status_code, r.text)
+            if r.status_code != 200:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}, payload
+
+
+def test_fuzzed_feedback_and_rollback_bodies_never_get_a_server_error(tmp_path):
+    """The training routes, on a DPO server that saves adapters (so every branch is live)."""
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    rng = random.Random("training routes")
+    with TestClient(app, raise_server_exceptions=False) as client:
+        served = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 3,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+        bases = [("/v1/feedback", {"id": served.json()["id"], "chosen": "yes"}),
+                 ("/v1/adapters/rollback", {"version": 0})]
+        for i in range(150):
+            route, base = bases[i % 2]
+            payload = mutate(rng, base)
+            r = client.post(route, content=payload, headers={"content-type": "application/json"})
+            assert r.status_code in (200, 400, 404, 409), (route, payload, r.status_code, r.text)
             if r.status_code != 200:
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}, payload

@@ -349,7 +349,7 @@ class Trainer:
             self._merge_pending = False
             logger.info("resumed adapter version %d from %s", snapshot.version, checkpointer.store.root)
         else:
-            checkpointer.save_async(self.snapshot())
+            checkpointer.save_async(self.snapshot()).result()
         self.checkpointer = checkpointer
 
     def snapshot(self) -> AdapterSnapshot:
