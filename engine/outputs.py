@@ -43,6 +43,8 @@ class RequestMetrics:
     num_prompt_tokens: int
     # tokens generated over all choices so far
     num_generation_tokens: int
+    # when the request's first chunk of prefill was scheduled (leaving the queue)
+    first_scheduled_time: float | None = None
 
 
 @dataclass

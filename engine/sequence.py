@@ -57,7 +57,8 @@ class Sequence:
     # prompt logprobs computed so far (position 0 has none); emitted once complete
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
-    # time.monotonic() of the first and latest sampled token
+    # time.monotonic() of the first step that computed this sequence, and of the first and latest sampled token
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     # set when this sequence's prefill is to be recorded for training; cleared once done

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.llm_engine import StepStats
@@ -17,9 +17,11 @@ from engine.outputs import RequestOutput
 from trainer.cache import EntryState
 
 PREFIX = "alchemist:"
+disable_created_metrics()  # no `*_created` series, as vLLM
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+_E2E_BUCKETS_SHORT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + _E2E_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
@@ -41,6 +43,15 @@ class ServingMetrics:
         self.e2e = child(Histogram(f"{PREFIX}e2e_request_latency_seconds",
                                    "Time from request arrival to its last token, in seconds.",
                                    labels, registry=r, buckets=_E2E_BUCKETS))
+        self.queue_time = child(Histogram(f"{PREFIX}request_queue_time_seconds", "Time a request waited in the "
+                                          "queue before its prefill was first scheduled, in seconds.", labels,
+                                          registry=r, buckets=_E2E_BUCKETS_SHORT))
+        self.prefill_time = child(Histogram(f"{PREFIX}request_prefill_time_seconds", "Time from a request's first "
+                                            "scheduled step to its first token, in seconds.", labels, registry=r,
+                                            buckets=_E2E_BUCKETS_SHORT))
+        self.decode_time = child(Histogram(f"{PREFIX}request_decode_time_seconds", "Time from a request's first "
+                                           "token to its last, in seconds.", labels, registry=r,
+                                           buckets=_E2E_BUCKETS))
         self.prompt_len = child(Histogram(f"{PREFIX}request_prompt_tokens", "Prompt length of finished requests, "
                                           "in tokens.", labels, registry=r, buckets=_TOKEN_BUCKETS))
         self.gen_len = child(Histogram(f"{PREFIX}request_generation_tokens", "Tokens generated per finished "
@@ -89,6 +100,10 @@ class ServingMetrics:
             self.prompt_tokens.inc(meta.num_prompt_tokens)
             if meta.first_token_time is not None:
                 self.ttft.observe(meta.first_token_time - meta.arrival_time)
+            if meta.first_scheduled_time is not None:
+                self.queue_time.observe(meta.first_scheduled_time - meta.arrival_time)
+                if meta.first_token_time is not None:
+                    self.prefill_time.observe(meta.first_token_time - meta.first_scheduled_time)
         elif new_tokens and rid in self._last_token_time:
             self.tpot.observe(now - self._last_token_time[rid])
         if new_tokens:
@@ -97,6 +112,8 @@ class ServingMetrics:
         if output.finished:
             if meta.finish_time is not None:
                 self.e2e.observe(meta.finish_time - meta.arrival_time)
+                if meta.first_token_time is not None:
+                    self.decode_time.observe(meta.finish_time - meta.first_token_time)
             self.prompt_len.observe(meta.num_prompt_tokens)
             self.gen_len.observe(meta.num_generation_tokens)
             reasons = {c.finish_reason for c in output.outputs if c.finish_reason}
@@ -137,7 +154,7 @@ class _EngineCollector:
                                   "training because the measured time per output token exceeded the SLO.",
                                   value=stats.slo_backoffs)
         yield GaugeMetricFamily(f"{PREFIX}arbiter_tpot_ema_seconds", "Smoothed time per output token the "
-                                "arbiter measures between decode steps.", value=stats.tpot_ema)
+                                "arbiter measures between decode steps, in seconds.", value=stats.tpot_ema)
 
 
 class TrainingCollector:
@@ -197,5 +214,14 @@ class TrainingCollector:
                                 "(what a request arriving during training may wait).", value=stats.max_slice_seconds)
         yield CounterMetricFamily(f"{PREFIX}train_preemptions", "Times a training job was interrupted by serving "
                                   "and resumed where it stopped.", value=stats.preemptions)
+        saves = CounterMetricFamily(f"{PREFIX}adapter_saves", "Adapter versions written to the adapter directory, "
+                                    "by outcome.", labels=["status"])
+        checkpointer = t.checkpointer
+        saves.add_metric(["ok"], checkpointer.saved if checkpointer else 0)
+        saves.add_metric(["failed"], checkpointer.failed if checkpointer else 0)
+        yield saves
+        last = checkpointer.last_saved_version if checkpointer else None
+        yield GaugeMetricFamily(f"{PREFIX}adapter_saved_version", "Latest adapter version saved to disk (-1: none).",
+                                value=-1 if last is None else last)
         yield CounterMetricFamily(f"{PREFIX}unrecorded_prefills", "Requests selected for training but not "
                                   "recorded (cache full or prompt too long).", value=stats.not_recorded)

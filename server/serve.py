@@ -41,10 +41,10 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
         metrics.add_trainer(trainer)
         logger.info("online training: %s, LoRA rank %d, learning rate %g", config.train.mode,
                     config.train.lora_rank, config.train.learning_rate)
-    if config.adapter.dir:
-        if trainer is None:
-            raise ValueError("adapter.dir (--adapter-dir) saves the adapter that online training updates; "
-                             "set train.mode (--train-mode cpt|dpo) too")
+    if config.adapter.dir and trainer is None:
+        logger.warning("adapter.dir is set but training is off (train.mode = off): no adapter is loaded from or "
+                       "saved to %s", config.adapter.dir)
+    elif config.adapter.dir:
         trainer.enable_checkpoints(AdapterCheckpointer(AdapterStore(config.adapter.dir, config.adapter.keep),
                                                        config.adapter.save_every))
     observers = [metrics] + ([trainer] if trainer else [])

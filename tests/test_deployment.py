@@ -1,0 +1,122 @@
+"""Deployment files checked against the code: every dashboard query names a metric a real
+server exports; compose, Prometheus, Grafana provisioning and the Dockerfile agree with
+each other and with the configuration keys. (No Docker engine here: these are the checks
+that need none.)"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from engine.config import AdapterConfig, TrainConfig, config_from_env
+from tests.servers import TINY_NAME, tiny_app
+
+REPO = Path(__file__).resolve().parents[1]
+DASHBOARD = REPO / "configs" / "grafana" / "dashboards" / "alchemist.json"
+COMPOSE = REPO / "compose.yaml"
+
+
+def exported_metric_names(tmp_path) -> set[str]:
+    """Sample names in /metrics of a server with training and adapter saving on, after a
+    request (so labelled series exist)."""
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 3,
+                                                  "messages": [{"role": "user", "content": "hi"}]})
+        text = client.get("/metrics").text
+    return {re.split(r"[{ ]", line)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def dashboard_panels() -> list[dict]:
+    return [p for p in json.loads(DASHBOARD.read_text())["panels"] if p["type"] != "row"]
+
+
+def test_every_dashboard_query_names_an_exported_metric(tmp_path):
+    exported = exported_metric_names(tmp_path)
+    queried = set()
+    for panel in dashboard_panels():
+        for target in panel["targets"]:
+            queried |= set(re.findall(r"alchemist:[a-z0-9_]+", target["expr"]))
+    missing = sorted(queried - exported)
+    assert not missing, f"the dashboard queries metrics the server does not export: {missing}"
+    # and the dashboard covers what the issue lists
+    for needed in ("time_to_first_token_seconds_bucket", "time_per_output_token_seconds_bucket",
+                   "num_requests_waiting", "train_tokens_total", "train_loss", "adapter_version",
+                   "activation_cache_bytes", "num_preemptions_total", "train_preemptions_total"):
+        assert f"alchemist:{needed}" in queried, needed
+
+
+def test_exported_metrics_have_help_texts_and_units(tmp_path):
+    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4))
+    with TestClient(app) as client:
+        text = client.get("/metrics").text
+    helps = dict(re.findall(r"^# HELP (\S+) (.*)$", text, re.M))
+    assert helps
+    for name, help_text in helps.items():
+        assert len(help_text) > 15, name
+        if name.endswith("_seconds") or name.endswith("_bytes"):
+            assert re.search(r"seconds|bytes|Bytes", help_text), (name, help_text)
+
+
+def test_dashboard_is_importable_grafana_json():
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] and dashboard["title"] and dashboard["schemaVersion"] >= 30
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "instance"} <= variables
+    for panel in dashboard_panels():
+        assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["expr"].count("(") == target["expr"].count(")"), target["expr"]
+            assert 'instance=~"$instance"' in target["expr"], target["expr"]
+
+
+def test_compose_prometheus_and_grafana_provisioning_agree():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    assert {"alchemist", "prometheus", "grafana"} <= set(services)
+    for service in services.values():  # every file mounted from the repository exists
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (REPO / source).exists(), source
+    scrape = yaml.safe_load((REPO / "configs/grafana/prometheus.yml").read_text())
+    targets = scrape["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert targets == ["alchemist:8000"] and "8000:8000" in services["alchemist"]["ports"]
+    datasource = yaml.safe_load((REPO / "configs/grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((REPO / "configs/grafana/provisioning/dashboards/alchemist.yml").read_text())
+    dashboards_path = provider["providers"][0]["options"]["path"]
+    assert f"./configs/grafana/dashboards:{dashboards_path}:ro" in services["grafana"]["volumes"]
+    # the server's environment names real configuration keys
+    environment = {k: "1" if "BYTES" in k else "x" for k in services["alchemist"]["environment"]}
+    environment["ALCHEMIST_TRAIN_MODE"] = "dpo"
+    layer = config_from_env(environment)
+    assert layer["server"].keys() == {"api_key", "admin_key"} and layer["adapter"]["dir"]
+    assert services["alchemist"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_dockerfile_runs_non_root_with_a_healthcheck_on_health():
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^FROM pytorch/pytorch:\S+cuda", text, re.M)
+    user = re.findall(r"^USER (\S+)", text, re.M)
+    assert user and user[-1] not in ("root", "0")
+    assert re.search(r"^EXPOSE 8000$", text, re.M)
+    assert re.search(r"^HEALTHCHECK .*\n?.*127\.0\.0\.1:8000/health", text, re.M)
+    for source in re.findall(r"^COPY (\S+)", text, re.M):
+        assert (REPO / source).exists(), source
+    entrypoint = json.loads(re.search(r"^ENTRYPOINT (.*)$", text, re.M).group(1))
+    assert entrypoint[:2] == ["alchemist", "serve"] and "0.0.0.0" in entrypoint
+    for name in re.findall(r"\b(ALCHEMIST_[A-Z_]+)=", text):  # config variables it sets are real keys
+        if name != "ALCHEMIST_CACHE":
+            config_from_env({name: "/x"})
+
+
+@pytest.mark.parametrize("path", ["README.md"])
+def test_readme_documents_gpu_deployment(path):
+    text = (REPO / path).read_text()
+    assert "docker compose up" in text and "--gpus all" in text and "--api-key" in text
