@@ -174,17 +174,18 @@ class LLMEngine:
     def _update(self, scheduled: SchedulerOutput, model_output: ModelOutput) -> set[str]:
         now = time.monotonic()
         touched = set()
+        if scheduled.recorded:  # the recorded sequence is the step's first; decodes may follow it
+            recorded_seq = scheduled.scheduled[0].seq
+            recorded_seq.record = None
+            if model_output.recording is not None and self.recorder is not None:
+                model_output.recording.adapter_version = self.recorder.adapter_version()
+                self.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
         for entry in scheduled.scheduled:
             seq = entry.seq
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             completes_pending = entry.completes_pending
             seq.num_computed_tokens += entry.num_new_tokens
-            if scheduled.recorded:
-                seq.record = None
-                if model_output.recording is not None and self.recorder is not None:
-                    model_output.recording.adapter_version = self.recorder.adapter_version()
-                    self.recorder.on_recorded(seq.request_id, model_output.recording)
             if seq.seq_id in model_output.prompt_logprobs:
                 seq.prompt_logprobs.extend(model_output.prompt_logprobs[seq.seq_id])
                 touched.add(seq.request_id)

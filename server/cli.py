@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     colocate.add_argument("--json", help="write the results to this JSON file")
     colocate.add_argument("--sweep", help="comma-separated rates; draws TPOT vs rate as PNG")
     colocate.add_argument("--plot", help="PNG path for --sweep (default bench-colocate-POLICY.png)")
+    soak = benches.add_parser("soak", help="mixed traffic with feedback for a while: errors, RSS growth, cache drain")
+    soak.add_argument("--seconds", type=float, default=600.0, help="traffic duration")
+    soak.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--json", help="write the report (with the timeline) to this JSON file")
+    soak.add_argument("--plot", help="PNG of RSS and activation cache over time (default bench-soak.png)")
     return parser
 
 
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.allocator import keep_freed_memory
     keep_freed_memory()
-    if args.command == "bench" and args.bench == "colocate":
+    if args.command == "bench" and args.bench in ("colocate", "soak"):
         config = None  # the bench starts its own servers
     else:
         try:
@@ -134,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         side = TrainingSide(args.policy, args.tpot_slo_ms, args.train_config, not args.no_feedback)
         run_colocate_bench(side, args.rate, args.seconds, args.rounds, args.seed, args.json, sweep, args.plot)
         return 0
+    if args.command == "bench" and args.bench == "soak":
+        from server.bench_soak import SoakConfig, run_soak_bench
+        report = run_soak_bench(SoakConfig(seconds=args.seconds, rate=args.rate, seed=args.seed), args.json,
+                                args.plot)
+        return 0 if report["errors"] == 0 and report["cache_drained"] else 1
     if args.command == "bench" and args.bench == "training":
         from trainer.bench_training import run_training_bench
         sweep = [int(n) for n in args.sweep.split(",")] if args.sweep else None

@@ -23,13 +23,20 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str, startup_timeout_s: float = 300.0):
+def running_server(*flags: str, startup_timeout_s: float = 300.0, env: dict[str, str] | None = None):
     """The first start may convert the embedded model (about 20 s); the log is kept in a
-    temporary file named in any error."""
+    temporary file named in any error. Yields the server's URL."""
+    with server_process(*flags, startup_timeout_s=startup_timeout_s, env=env) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def server_process(*flags: str, startup_timeout_s: float = 300.0, env: dict[str, str] | None = None):
+    """As `running_server`, yielding (url, subprocess.Popen); `env` adds environment variables."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w", prefix=f"alchemist-{port}-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=_REPO)
+                            stdout=log, stderr=subprocess.STDOUT, cwd=_REPO, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + startup_timeout_s
@@ -42,7 +49,7 @@ def running_server(*flags: str, startup_timeout_s: float = 300.0):
             if time.time() > deadline:
                 raise RuntimeError(f"server did not become healthy; see {log.name}")
             time.sleep(0.3)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(60)

@@ -225,7 +225,10 @@ def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything
     recorded_step = next(s for s in steps if s.recorded)
     assert [e.seq.request_id for e in recorded_step.scheduled] == ["rec", "other"]  # shared, not alone
     assert tokens == {"other": other_alone, "rec": recorded_alone}
+    # only the recorded request has an entry: the decodes sharing its step got none
+    assert trainer.cache.get("other") is None and len(trainer.cache) == 1 and trainer.stats.recorded == 1
     entry = trainer.cache.get("rec")
+    assert trainer.cache.bytes == entry.nbytes
     if mode == "dpo-served":
         label(trainer, "rec", chosen="Paris, of course.")
     reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))

@@ -15,12 +15,16 @@ train with another method. Thread-safe: feedback arrives on the HTTP thread.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine.recording import RecordedPrefill
+
+
+logger = logging.getLogger(__name__)
 
 
 class EntryState(str, enum.Enum):
@@ -156,6 +160,10 @@ class ActivationCache:
                     entry.release()
                     return False
                 self.end(victim, EntryState.EVICTED)
+            previous = self._entries.get(entry.completion_id)
+            if previous is not None:  # a bug upstream; keep the byte accounting right and say so
+                logger.error("completion %r was recorded twice; dropping the older entry", entry.completion_id)
+                self.end(previous, EntryState.DROPPED)
             self._entries[entry.completion_id] = entry
             self.bytes += entry.nbytes
             return True
