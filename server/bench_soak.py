@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 import statistics
 import tempfile
@@ -310,6 +311,7 @@ def plot(log: SoakLog, traffic_seconds: float, path: str) -> str:
 
 
 def run_soak_bench(config: SoakConfig, json_path: str | None = None, plot_path: str | None = None) -> dict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the progress
     log = SoakLog()
     adapter_dir = tempfile.mkdtemp(prefix="alchemist-soak-adapters-")
     env = {"ALCHEMIST_SERVER_API_KEY": _KEY, "ALCHEMIST_TRAIN_LABEL_TIMEOUT_S": str(config.label_timeout_s),
