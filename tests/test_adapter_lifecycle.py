@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from peft import PeftModel
+from peft import PeftModel, get_peft_model_state_dict
 
 from engine.config import AdapterConfig, TrainConfig
 from tests.servers import TINY_NAME, tiny_app, wait_for
+from tests.test_training import make_trainer, serve
 from tests.tiny import tiny_model
 from trainer.adapter_store import AdapterStore
 
@@ -165,3 +166,23 @@ def test_sigkill_mid_save_never_leaves_a_version_that_fails_to_load(tmp_path):
             assert all(float(t[0, 0]) == version for t in snapshot.weights.values())
         assert store.latest().version == versions[-1]
     assert interrupted >= 1, "no kill landed inside a save"
+
+
+def test_rollback_in_the_middle_of_a_job_requeues_its_entry_on_the_recompute_path():
+    trainer = make_trainer()
+    serve(trainer, "a")
+    trainer.train_until_idle()
+    snapshot_v1 = trainer.snapshot()
+    serve(trainer, "b", prompt="Hello, how are you today? I am fine.")
+    for _ in range(3):  # the job for "b" is under way
+        assert trainer.run_slice()
+    assert trainer._job is not None
+    assert trainer.rollback(snapshot_v1) == 2
+    assert trainer._job is None and trainer.cache.get("b").state.value == "ready"
+    assert all(p.grad is None for p in trainer.optimizer.params)  # the half-done job's gradients are gone
+    live = get_peft_model_state_dict(trainer.peft_model)
+    for name, tensor in snapshot_v1.weights.items():
+        assert torch.equal(live[name], tensor), name
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 3
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 1, ("cpt", "recompute"): 1}

@@ -1,11 +1,13 @@
 """POST /v1/feedback and online training through HTTP, on a tiny model."""
 
+import threading
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from engine.config import TrainConfig
-from tests.servers import TINY_NAME, tiny_app, wait_for
+from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
 
 
 def train_app(mode: str, **train_kwargs):
@@ -83,6 +85,30 @@ def test_feedback_after_the_label_timeout_is_404():
         r = feedback(client, id=completion, chosen="Paris.")
         assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
         assert metric(client, "alchemist:activation_cache_bytes") == 0
+
+
+def test_entries_expire_while_the_engine_never_idles():
+    """Expiry must not wait for an idle gap: under steady load (no gap, so no training
+    under the idle policy) the cache would otherwise fill with entries nobody labels."""
+    app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20,
+                   train=TrainConfig(mode="dpo", lora_rank=4, label_timeout_s=0.3))
+    engine = app.state.alchemist.engine
+    with ServerThread(app) as server:
+        body = {"model": TINY_NAME, "prompt": "keep busy", "max_tokens": 3000, "ignore_eos": True, "train": False}
+        busy = threading.Thread(target=lambda: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120))
+        busy.start()
+        wait_for(lambda: engine.engine.num_requests == 1)
+        idle_before = engine.stats.idle_slices
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 4,
+                                                                   "messages": [{"role": "user", "content": "hi"}]})
+        completion = r.json()["id"]
+        trainer = app.state.alchemist.trainer
+        assert trainer.cache.get(completion) is not None
+        wait_for(lambda: trainer.cache.get(completion) is None, timeout=10)
+        assert trainer.cache.ended_state(completion).value == "expired" and trainer.cache.bytes == 0
+        assert engine.engine.num_requests == 1 and engine.stats.idle_slices == idle_before  # never idle
+        engine.abort(next(iter(engine.engine.request_ids())))
+        busy.join(30)
 
 
 def test_cpt_trains_on_every_served_prompt_and_feedback_is_refused():

@@ -34,6 +34,8 @@ from trainer.optimizer import AdapterOptimizer
 
 logger = logging.getLogger(__name__)
 
+# how often serving steps check label timeouts
+_EXPIRY_EVERY_S = 0.5
 SLICE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
 
 
@@ -103,6 +105,7 @@ class Trainer:
         self._rng_lock = threading.Lock()
         self._job: _Job | None = None
         self._engine_steps_at_last_slice = 0
+        self._last_expiry = 0.0
         # merged serving weights are built now (nobody is waiting yet) and rebuilt in idle
         # slices after every optimizer step
         self._merge_pending = False
@@ -158,7 +161,11 @@ class Trainer:
             self.stats.not_recorded += 1
 
     def on_step(self, stats: StepStats) -> None:
-        pass
+        # label timeouts come due under steady load too, when no idle slice runs to expire them
+        now = time.monotonic()
+        if now - self._last_expiry >= _EXPIRY_EVERY_S:
+            self._last_expiry = now
+            self.cache.expire()
 
     def on_output(self, output: RequestOutput) -> None:
         responses = self._responses.get(output.request_id)
