@@ -65,7 +65,12 @@ class _Saved:
     __slots__ = ("tensor", "tracker", "key", "version", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, tracker: "SavedTensorTracker"):
-        self.tensor = tensor
+        # detached: a saved output keeps its grad_fn, whose node keeps this object — a
+        # cycle through C++ that Python's gc cannot see, so a graph dropped without a
+        # backward (an expired or evicted entry) would never be freed. The detached
+        # tensor shares storage and version counter; unpacking re-attaches the autograd
+        # metadata, as for tensors saved without hooks.
+        self.tensor = tensor.detach()
         self.tracker = tracker
         self.version = tensor._version
         self.key = tracker._acquire(tensor)

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -41,7 +42,7 @@ MIX = {"chat_feedback": 5, "chat_no_feedback": 2, "stream": 3, "completions_batc
 @dataclass(frozen=True)
 class SoakConfig:
     seconds: float = 600.0
-    rate: float = 1.0
+    rate: float = 0.5
     seed: int = 0
     max_tokens: int = 48
     # entries whose feedback never comes expire after this, so the cache can drain
@@ -322,6 +323,7 @@ def run_soak_bench(config: SoakConfig, json_path: str | None = None, plot_path: 
         proc.terminate()  # SIGTERM: the final adapter version must be saved
         exit_code = proc.wait(120)
     saved = AdapterStore(adapter_dir).versions()
+    shutil.rmtree(adapter_dir, ignore_errors=True)
     baseline, final, growth = rss_growth(log.timeline, result["traffic_seconds"])
     by_kind: dict[str, dict[str, int]] = {}
     for (kind, outcome), count in log.outcomes.items():

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     colocate.add_argument("--plot", help="PNG path for --sweep (default bench-colocate-POLICY.png)")
     soak = benches.add_parser("soak", help="mixed traffic with feedback for a while: errors, RSS growth, cache drain")
     soak.add_argument("--seconds", type=float, default=600.0, help="traffic duration")
-    soak.add_argument("--rate", type=float, default=1.0, help="requests per second (Poisson)")
+    soak.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", help="write the report (with the timeline) to this JSON file")
     soak.add_argument("--plot", help="PNG of RSS and activation cache over time (default bench-soak.png)")
@@ -110,8 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.allocator import keep_freed_memory
-    keep_freed_memory()
     if args.command == "bench" and args.bench in ("colocate", "soak"):
         config = None  # the bench starts its own servers
     else:

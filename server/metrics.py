@@ -223,5 +223,7 @@ class TrainingCollector:
         last = checkpointer.last_saved_version if checkpointer else None
         yield GaugeMetricFamily(f"{PREFIX}adapter_saved_version", "Latest adapter version saved to disk (-1: none).",
                                 value=-1 if last is None else last)
+        yield CounterMetricFamily(f"{PREFIX}memory_trims", "Idle slices that returned freed activation memory "
+                                  "to the OS (glibc malloc_trim).", value=stats.memory_trims)
         yield CounterMetricFamily(f"{PREFIX}unrecorded_prefills", "Requests selected for training but not "
                                   "recorded (cache full or prompt too long).", value=stats.not_recorded)

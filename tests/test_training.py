@@ -234,3 +234,23 @@ def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything
     reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
     recompute = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
     assert relative_difference(reuse, recompute) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+def test_an_entry_dropped_without_backward_frees_its_whole_graph(mode):
+    """Expired, evicted and stale entries are released without a backward; the saved-
+    tensor hooks must not keep their graph alive through a reference cycle."""
+    import gc
+    import weakref
+
+    from engine.recording import SavedTensorTracker
+
+    trainer = make_trainer(mode=mode)
+    tracker = trainer.engine.runner.record_tracker = SavedTensorTracker()
+    serve(trainer, "a")
+    entry = trainer.cache.get("a")
+    assert tracker.live_bytes > 0 and tracker.live_bytes == entry.nbytes
+    output = weakref.ref(entry.recording.segments[0].out)
+    trainer.cache.end(entry, EntryState.EXPIRED)
+    gc.collect()
+    assert output() is None and tracker.live_bytes == 0 and trainer.cache.bytes == 0

@@ -122,6 +122,8 @@ class ActivationCache:
         self.bytes = 0
         # how entries ended, by state
         self.ended_counts: dict[str, int] = {s.value: 0 for s in TERMINAL}
+        # bytes of activations released so far (entries that ended), for memory trimming
+        self.released_bytes = 0
         self.rejected_full = 0
 
     @property
@@ -173,6 +175,7 @@ class ActivationCache:
         with self._lock:
             if self._entries.pop(entry.completion_id, None) is not None:
                 self.bytes -= entry.nbytes
+                self.released_bytes += entry.nbytes
             entry.state = state
             entry.release()
             self.ended_counts[state.value] += 1

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.allocator import return_freed_memory
 from engine.config import TrainConfig
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
@@ -34,6 +35,8 @@ from trainer.optimizer import AdapterOptimizer
 
 logger = logging.getLogger(__name__)
 
+# released activation bytes after which an idle slice returns freed memory to the OS
+_TRIM_AFTER_BYTES = 64 << 20
 # how often serving steps check label timeouts
 _EXPIRY_EVERY_S = 0.5
 SLICE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
@@ -71,6 +74,8 @@ class TrainingStats:
     recorded: int = 0
     # requests selected but not recorded: cache full or prompt too long
     not_recorded: int = 0
+    # idle slices that returned freed host memory to the OS
+    memory_trims: int = 0
 
 
 @dataclass
@@ -106,6 +111,7 @@ class Trainer:
         self._job: _Job | None = None
         self._engine_steps_at_last_slice = 0
         self._last_expiry = 0.0
+        self._released_at_last_trim = 0
         # merged serving weights are built now (nobody is waiting yet) and rebuilt in idle
         # slices after every optimizer step
         self._merge_pending = False
@@ -284,7 +290,7 @@ class Trainer:
         if self._job is None:
             entries = self.cache.take_ready(self.config.entries_per_step)
             if not entries:
-                return False
+                return self._return_freed_memory()
             self._job = _Job(entries)
         job = self._job
         try:
@@ -311,6 +317,16 @@ class Trainer:
             for entry in job.entries:
                 self.cache.end(entry, EntryState.DROPPED)
             self._job = None
+        return True
+
+    def _return_freed_memory(self) -> bool:
+        """An idle slice that gives freed activation memory back to the OS, once enough
+        was released since the last one (engine/allocator.py)."""
+        if self.cache.released_bytes - self._released_at_last_trim < _TRIM_AFTER_BYTES:
+            return False
+        self._released_at_last_trim = self.cache.released_bytes
+        if return_freed_memory():
+            self.stats.memory_trims += 1
         return True
 
     def _start(self, entry: CacheEntry):
