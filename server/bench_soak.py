@@ -11,7 +11,9 @@ After the traffic the bench waits for the cache to drain (trained or expired), s
 server with SIGTERM and checks that the final adapter version was saved.
 
 Reports errors, RSS growth (median over a window after warm-up against the last window
-of traffic), whether the activation cache returned to zero bytes, and plots the timeline.
+of traffic; raw, and net of the live activation-cache bytes, which move with the traffic
+by up to the cache budget), RSS before the traffic and after the drain, whether the
+activation cache returned to zero bytes, and plots the timeline.
 """
 
 from __future__ import annotations
@@ -261,10 +263,13 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
         drain_seconds = time.perf_counter() - drain_started
         stop_sampling.set()
         await sampling
-        await _sample(client, pid, started, log)
+        await asyncio.sleep(3.0)  # idle slices return the freed activation memory
+        after_drain = await _sample(client, pid, started, log)
         final = (await client.get("/metrics")).text
         status = (await client.get("/v1/adapters")).json()
     return {"requests": len(trace), "traffic_seconds": round(traffic_end, 1), "cache_drained": drained,
+            "rss_before_traffic_mib": round(log.timeline[0].rss_bytes / 2**20, 1),
+            "rss_after_drain_mib": round(after_drain.rss_bytes / 2**20, 1),
             "drain_seconds": round(drain_seconds, 1), "adapter_version_end": status["version"],
             "server_failed_train_jobs": read_metric(final, "alchemist:failed_train_jobs_total"),
             "server_5xx": sum(float(line.split()[-1]) for line in final.splitlines()
@@ -273,13 +278,20 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
                                    if line.startswith("alchemist:trained_entries_total"))}
 
 
-def rss_growth(timeline: list[Sample], traffic_seconds: float) -> tuple[float, float, float]:
+def rss_growth(timeline: list[Sample], traffic_seconds: float, net_of_cache: bool = False) -> tuple[float, float, float]:
     """(baseline, final, growth): median RSS over the window after warm-up against the
-    median over the last window of traffic; the window is a sixth of the run, at most 60 s."""
+    median over the last window of traffic; the window is a sixth of the run, at most 60 s.
+    `net_of_cache` subtracts the live activation-cache bytes from each sample first: the
+    cache legitimately moves by up to its budget with the traffic, and what remains is
+    what a leak would grow."""
     window = min(60.0, traffic_seconds / 6)
     warm = min(60.0, traffic_seconds / 6)
-    base = [s.rss_bytes for s in timeline if warm <= s.t < warm + window]
-    last = [s.rss_bytes for s in timeline if traffic_seconds - window <= s.t <= traffic_seconds]
+
+    def value(s: Sample) -> float:
+        return s.rss_bytes - (s.cache_bytes if net_of_cache else 0)
+
+    base = [value(s) for s in timeline if warm <= s.t < warm + window]
+    last = [value(s) for s in timeline if traffic_seconds - window <= s.t <= traffic_seconds]
     if not base or not last:
         return float("nan"), float("nan"), float("nan")
     baseline, final = statistics.median(base), statistics.median(last)
@@ -294,7 +306,10 @@ def plot(log: SoakLog, traffic_seconds: float, path: str) -> str:
 
     t = [s.t for s in log.timeline]
     fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(t, [s.rss_bytes / 2**20 for s in log.timeline], color="tab:blue", label="server RSS (MiB)")
+    ax.plot(t, [s.rss_bytes / 2**20 for s in log.timeline], color="tab:blue", label="server RSS")
+    ax.plot(t, [(s.rss_bytes - s.cache_bytes) / 2**20 for s in log.timeline], color="tab:blue", linestyle=":",
+            label="RSS minus activation cache")
+    ax.legend(loc="lower right")
     ax.set_xlabel("time (s)")
     ax.set_ylabel("RSS (MiB)", color="tab:blue")
     ax.set_ylim(bottom=0)
@@ -325,6 +340,7 @@ def run_soak_bench(config: SoakConfig, json_path: str | None = None, plot_path: 
     saved = AdapterStore(adapter_dir).versions()
     shutil.rmtree(adapter_dir, ignore_errors=True)
     baseline, final, growth = rss_growth(log.timeline, result["traffic_seconds"])
+    net_baseline, net_final, net_growth = rss_growth(log.timeline, result["traffic_seconds"], net_of_cache=True)
     by_kind: dict[str, dict[str, int]] = {}
     for (kind, outcome), count in log.outcomes.items():
         by_kind.setdefault(kind, {"ok": 0, "error": 0})[outcome] = count
@@ -335,6 +351,9 @@ def run_soak_bench(config: SoakConfig, json_path: str | None = None, plot_path: 
         "rss_baseline_mib": round(baseline / 2**20, 1), "rss_final_mib": round(final / 2**20, 1),
         "rss_peak_mib": round(max(s.rss_bytes for s in log.timeline) / 2**20, 1),
         "rss_growth": round(growth, 4),
+        "rss_net_of_cache_baseline_mib": round(net_baseline / 2**20, 1),
+        "rss_net_of_cache_final_mib": round(net_final / 2**20, 1),
+        "rss_net_of_cache_growth": round(net_growth, 4),
         "shutdown_exit_code": exit_code,
         "final_version_saved": bool(saved) and saved[-1].version == result["adapter_version_end"],
         "timeline": [asdict(s) for s in log.timeline],
