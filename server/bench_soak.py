@@ -279,13 +279,15 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
 
 
 def rss_growth(timeline: list[Sample], traffic_seconds: float, net_of_cache: bool = False) -> tuple[float, float, float]:
-    """(baseline, final, growth): median RSS over the window after warm-up against the
-    median over the last window of traffic; the window is a sixth of the run, at most 60 s.
+    """(baseline, final, growth): median RSS over a window after warm-up against the
+    median over the last window of traffic. Warm-up is the first third of the run (the
+    activation cache takes minutes to reach its equilibrium occupancy); windows are a sixth
+    of the run, at most 60 s.
     `net_of_cache` subtracts the live activation-cache bytes from each sample first: the
     cache legitimately moves by up to its budget with the traffic, and what remains is
     what a leak would grow."""
     window = min(60.0, traffic_seconds / 6)
-    warm = min(60.0, traffic_seconds / 6)
+    warm = traffic_seconds / 3
 
     def value(s: Sample) -> float:
         return s.rss_bytes - (s.cache_bytes if net_of_cache else 0)

@@ -288,9 +288,11 @@ class Trainer:
                 return True  # serving speed first: merged weights are rebuilt before the next job
             self._merge_pending = False
         if self._job is None:
+            if self._return_freed_memory():  # between jobs: RSS follows the live activations
+                return True
             entries = self.cache.take_ready(self.config.entries_per_step)
             if not entries:
-                return self._return_freed_memory()
+                return False
             self._job = _Job(entries)
         job = self._job
         try:
