@@ -11,7 +11,9 @@ arbiter, a coroutine that chooses the executor's next item:
     the slice in progress;
   - a training slice (`TrainingWork.run_slice`) when nothing is runnable — policy `idle`,
     the paper's — or, with policy `slo`, also between decode steps while the measured
-    time per output token stays under `tpot_slo_ms` (it backs off when it does not).
+    time per output token stays under `tpot_slo_ms` (it backs off when it does not);
+  - under either policy, a bounded piece of serving maintenance after a serving step
+    while the merged serving weights are stale (`run_serving_maintenance`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_S = 1.0
 # smoothing of the measured step, slice and token times
 _EMA = 0.2
+# serving maintenance between steps: this share of a step's time, at least the minimum
+_MAINTENANCE_SHARE = 0.3
+_MAINTENANCE_MIN_S = 0.005
 
 
 class EngineObserver(Protocol):
@@ -52,6 +57,11 @@ class TrainingWork(Protocol):
     def has_work(self) -> bool: ...
 
     def run_slice(self) -> bool: ...
+
+    def run_serving_maintenance(self, budget_s: float) -> bool:
+        """Work that makes serving itself faster (rebuilding merged serving weights after
+        an optimizer step), run between serving steps under any policy; False if none."""
+        ...
 
 
 class EngineDeadError(RuntimeError):
@@ -79,6 +89,8 @@ class ArbiterStats:
     between_step_slices: int = 0
     # times the slo policy stopped interleaving because the measured TPOT exceeded the SLO
     slo_backoffs: int = 0
+    # serving-maintenance items run between serving steps (merged weights rebuilt)
+    maintenance_slices: int = 0
     # seconds the engine had nothing runnable (spent training or waiting)
     idle_seconds: float = 0.0
     # smoothed measurements (seconds): decode step, training slice, time per output token
@@ -243,6 +255,7 @@ class AsyncEngine:
             self._wake.clear()
             if self._inbox or self.engine.has_unfinished():
                 await self._serve_step()
+                await self._serving_maintenance()
                 if self.arbiter_config.policy == "slo":
                     await self._slices_between_steps()
                 continue
@@ -285,6 +298,17 @@ class AsyncEngine:
             self._last_decode_done = done if stats.num_running else None
         for output in outputs:
             self._publish(output)
+
+    async def _serving_maintenance(self) -> None:
+        """After an optimizer step the merged serving weights are stale and serving runs
+        through the slower unmerged path until they are rebuilt. Waiting for an idle gap
+        would leave a request that arrived meanwhile on that path for its whole life, so
+        a bounded part of the rebuild (a fraction of a step) runs between serving steps."""
+        if self.training is None or self._inbox or not self.engine.has_unfinished():
+            return
+        budget = max(_MAINTENANCE_MIN_S, _MAINTENANCE_SHARE * self.stats.step_ema)
+        if await self._run(self.training.run_serving_maintenance, budget):
+            self.stats.maintenance_slices += 1
 
     async def _slices_between_steps(self) -> None:
         """slo policy: training slices after a decode step, within the token-time budget."""

@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from engine.async_engine import AsyncEngine
 from engine.config import ArbiterConfig, TrainConfig
@@ -93,6 +94,33 @@ def test_idle_policy_never_trains_while_a_request_runs():
     (before, during), async_engine = run_with(trainer, ArbiterConfig(policy="idle"), body)
     assert async_engine.stats.between_step_slices == 0
     assert max(during) <= before + 1  # at most the slice that was already running
+
+
+def test_merged_weights_are_rebuilt_between_steps_of_a_request_under_the_idle_policy():
+    """After an optimizer step the merged serving weights are stale. A request served
+    before any idle gap must not decode on the slower unmerged path for its whole life:
+    the rebuild runs between its steps, and the tokens stay those of this adapter."""
+    from trainer.adapter import LeanLoraLinear
+
+    trainer = trainer_with_backlog(entries=1)
+    trainer.train_until_idle(timeout_s=60)  # the optimizer step; its idle merge slices run here too
+    assert trainer.optimizer.version == 1
+    layers = [m for m in trainer.peft_model.modules() if isinstance(m, LeanLoraLinear)]
+    with torch.no_grad():  # an optimizer step's effect, with the rebuild still to do
+        for p in trainer.optimizer.params:
+            p.add_(1e-3)
+    trainer._merge_pending = True
+    assert not any(layer.merged_is_current() for layer in layers)
+    reference = trainer.engine.generate([encode("Hello, how are you?")], GREEDY)[0][0]  # lean and merged mixed
+    assert not all(layer.merged_is_current() for layer in layers)
+
+    async def body(async_engine):
+        return await serve_during(async_engine, "probe", GREEDY)
+
+    served, async_engine = run_with(trainer, ArbiterConfig(policy="idle"), body)
+    assert async_engine.stats.maintenance_slices > 0 and async_engine.stats.idle_slices == 0
+    assert all(layer.merged_is_current() for layer in layers)
+    assert served == reference
 
 
 def test_slo_policy_backs_off_when_the_slo_cannot_be_met():

@@ -76,6 +76,8 @@ class TrainingStats:
     not_recorded: int = 0
     # idle slices that returned freed host memory to the OS
     memory_trims: int = 0
+    # seconds spent rebuilding merged serving weights between serving steps
+    maintenance_seconds: float = 0.0
 
 
 @dataclass
@@ -263,6 +265,18 @@ class Trainer:
 
     def has_work(self) -> bool:
         return self._job is not None or self._merge_pending or self.cache.count(EntryState.READY) > 0
+
+    def run_serving_maintenance(self, budget_s: float) -> bool:
+        """Rebuilds stale merged serving weights for about `budget_s` (between serving
+        steps); False when they are all current."""
+        if not self._merge_pending:
+            return False
+        started = time.perf_counter()
+        if merge_stale(self.peft_model, budget_s):
+            self.stats.maintenance_seconds += time.perf_counter() - started
+            return True
+        self._merge_pending = False
+        return False
 
     def run_slice(self) -> bool:
         """One bounded slice of training; False if there was nothing to do."""
