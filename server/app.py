@@ -32,6 +32,9 @@ from trainer.trainer import AdapterMismatchError, FeedbackError
 
 # JSON cannot carry -inf; vLLM reports this floor instead
 _MIN_LOGPROB = -9999.0
+# on SIGTERM, streams in flight get this long to finish before they are cut (uvicorn's
+# graceful-shutdown timeout in serve.py is longer)
+STREAM_DRAIN_S = 8.0
 
 
 @dataclass
@@ -284,7 +287,8 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
                                                                                    body.train))
         if body.stream:
             return EventSourceResponse(_chat_events(state, request_id, stream, params, len(prompt_ids),
-                                                    body.stream_options), ping=15)
+                                                    body.stream_options), ping=15,
+                                       shutdown_grace_period=STREAM_DRAIN_S)
         result = await until_disconnect(request, _chat_response(state, request_id, stream, params,
                                                                  len(prompt_ids)))
         return result if result is not None else Response(status_code=499)
@@ -313,7 +317,8 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
                        for i, (ids, _) in enumerate(prompts)]
         if body.stream:
             return EventSourceResponse(_completion_events(state, request_id, streams, prompts, body, params,
-                                                          body.stream_options), ping=15)
+                                                          body.stream_options), ping=15,
+                                       shutdown_grace_period=STREAM_DRAIN_S)
         result = await until_disconnect(request, _completion_response(state, request_id, streams, prompts,
                                                                        body, params))
         return result if result is not None else Response(status_code=499)

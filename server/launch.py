@@ -37,6 +37,7 @@ def server_process(*flags: str, startup_timeout_s: float = 300.0, env: dict[str,
     log = tempfile.NamedTemporaryFile("w", prefix=f"alchemist-{port}-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), *flags],
                             stdout=log, stderr=subprocess.STDOUT, cwd=_REPO, env={**os.environ, **(env or {})})
+    proc.log_path = log.name  # the server's output, for callers that check what it said
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + startup_timeout_s

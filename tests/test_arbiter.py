@@ -1,12 +1,10 @@
 """The arbiter's policies on a small model: idle-only training, slo interleaving with
-back-off, served tokens untouched by training, and a clean stop on SIGTERM."""
+back-off, served tokens untouched by training, merged weights rebuilt between steps, and
+a clean stop on SIGTERM with a stream in flight."""
 
 import asyncio
-import os
+import json
 import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -17,8 +15,9 @@ from engine.config import ArbiterConfig, TrainConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_config
-from tests.servers import free_port
+from server.launch import server_process
 from tests.tiny import tiny_model, tiny_tokenizer
+from trainer.adapter_store import AdapterStore
 from trainer.trainer import Trainer
 
 LONG_PROMPT = ("Continuous batching lets new requests join the running batch at every step. " * 10).strip()
@@ -137,31 +136,36 @@ def test_slo_policy_backs_off_when_the_slo_cannot_be_met():
 
 
 @pytest.mark.slow
-def test_sigterm_stops_cleanly_while_training():
-    port = free_port()
-    log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"alchemist-sigterm-{port}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--train-mode",
-                                 "cpt"], stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.time() + 300
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                assert time.time() < deadline and proc.poll() is None
-                time.sleep(0.3)
-            httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
-                "model": "SmolLM2-135M-Instruct", "max_tokens": 4,
-                "messages": [{"role": "user", "content": LONG_PROMPT}]})
-            time.sleep(0.3)  # training on it has started
-            proc.send_signal(signal.SIGTERM)
-            # uvicorn re-raises the signal after its graceful shutdown (exit status -SIGTERM)
-            assert proc.wait(30) in (0, -signal.SIGTERM)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    assert "shutdown complete" in open(log_path).read()
+def test_sigterm_finishes_in_flight_streams_parks_training_and_saves_the_adapter(tmp_path):
+    """SIGTERM while a stream is in flight and a training job runs: the stream gets all
+    its tokens and [DONE], training stops at a slice boundary, the final adapter version
+    is saved, and the process exits cleanly."""
+    with server_process("--train-mode", "cpt", "--adapter-dir", str(tmp_path)) as (url, proc):
+        httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 4,
+            "messages": [{"role": "user", "content": LONG_PROMPT}]})
+        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 48, "min_tokens": 48, "stream": True,
+                "messages": [{"role": "user", "content": "Count slowly."}], "train": False}
+        pieces, done = [], False
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
+                        pieces.append(chunk["choices"][0]["delta"]["content"])
+                        if len(pieces) == 3:
+                            proc.send_signal(signal.SIGTERM)  # mid-stream, mid-training
+        assert done and len(pieces) >= 48
+        # uvicorn re-raises the signal after its graceful shutdown (exit status -SIGTERM)
+        assert proc.wait(60) in (0, -signal.SIGTERM)
+        log = open(proc.log_path).read()
+    assert "shutdown complete" in log
+    # the adapter at shutdown is the newest saved version, and it loads
+    last_saved = [int(line.split("saved adapter version ")[1].split()[0]) for line in log.splitlines()
+                  if "saved adapter version " in line]
+    saved = AdapterStore(tmp_path).versions()
+    assert last_saved and saved[-1].version == last_saved[-1]
+    AdapterStore(tmp_path).load(saved[-1].version)
