@@ -70,3 +70,33 @@ def test_merged_serving_equals_lean_and_goes_stale_with_the_weights():
         assert torch.allclose(peft_model(ids).logits, disabled_reference, atol=1e-5)
     with torch.inference_mode():
         assert torch.allclose(peft_model(ids).logits, updated, atol=1e-5)  # restored
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_merged_autograd_forward_gives_peft_outputs_and_gradients(family):
+    """With grad enabled and a current merged copy, a layer forwards through the merged
+    GEMM and forms the LoRA products in backward: same output and same gradients for the
+    input, A and B as PEFT's own forward."""
+    from trainer.adapter import merge_stale
+
+    engine = make_engine(family)
+    peft_model = attach_lora(engine.model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
+    while merge_stale(peft_model):
+        pass
+    for layer in [m for m in peft_model.modules() if isinstance(m, LeanLoraLinear)][:4]:
+        a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        x = torch.randn(1, 7, layer.in_features)
+        g = torch.randn(1, 7, layer.out_features)
+        results = []
+        for merged in (True, False):
+            if not merged:
+                layer._merged_pack = None  # PEFT's forward
+            xi = x.clone().requires_grad_()
+            a.grad = b.grad = None
+            with torch.enable_grad():
+                out = layer(xi)
+                assert (type(out.grad_fn).__name__ == "_MergedLoraFunctionBackward") == merged
+                out.backward(g)
+            results.append((out.detach(), xi.grad, a.grad.clone(), b.grad.clone()))
+        for fast, reference in zip(*results):
+            assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,9 @@ without autograd in one of two ways, both computing `x (W + s B A)^T`:
     (`merge_stale`). This makes serving in training mode as fast as without an adapter.
   - lean: `base(x) + s (x A^T) B^T` in three ops, while its merged copy is stale.
 A step may mix merged and lean layers: both stand for the same, current adapter. With
-autograd, disabled or several adapters, PEFT's own forward runs.
+autograd (a recorded prefill, a training forward) and a current merged copy, the forward
+is the same single GEMM and `_MergedLoraFunction` forms the LoRA products in backward;
+otherwise, and with disabled or several adapters, PEFT's own forward runs.
 """
 
 from __future__ import annotations
@@ -33,6 +35,37 @@ DEFAULT_TARGETS = {
     "qwen2": _LLAMA_LIKE,
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
 }
+
+
+class _MergedLoraFunction(torch.autograd.Function):
+    """`x (W + s B A)^T` through the merged packed weight — one GEMM, as serving runs it —
+    with gradients to the input and to A and B. The LoRA products (x A^T, g B) are formed
+    in backward, which runs in a training slice, not in the forward that a recorded
+    prefill runs on the serving path. Saves only x (A and B are parameters)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: "LeanLoraLinear") -> torch.Tensor:
+        ctx.layer = layer
+        ctx.base_version = layer.base_layer.weight._version
+        ctx.save_for_backward(x, a, b)
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, layer._merged_pack, layer.base_layer.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, a, b = ctx.saved_tensors
+        layer = ctx.layer
+        weight, scale = layer.base_layer.weight, layer.scaling[layer.active_adapters[0]]
+        if weight._version != ctx.base_version:
+            raise RuntimeError("a frozen weight was modified in place between forward and backward")
+        g = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        flat = x.reshape(-1, x.shape[-1])  # (N, in)
+        g_b = g @ b  # (N, r)
+        grad_x = torch.addmm(g @ weight, g_b, a, alpha=scale).view_as(x) if ctx.needs_input_grad[0] else None
+        grad_a = (g_b.t() @ flat).mul_(scale) if ctx.needs_input_grad[1] else None
+        grad_b = (g.t() @ (flat @ a.t())).mul_(scale) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_a, grad_b, None
 
 
 class LeanLoraLinear(LoraLinear):
@@ -70,6 +103,10 @@ class LeanLoraLinear(LoraLinear):
             flat = x.reshape(-1, x.shape[-1])
             out = torch.ops.mkldnn._linear_pointwise(flat, self._merged_pack, self.base_layer.bias, "none", [], "")
             return out.view(*x.shape[:-1], out.shape[-1])
+        if (self._merged_pack is not None and not args and not kwargs and not self._disable_adapters
+                and torch.is_grad_enabled() and self.merged_is_current() and x.dtype == self._merged_pack.dtype):
+            name = self.active_adapters[0]
+            return _MergedLoraFunction.apply(x, self.lora_A[name].weight, self.lora_B[name].weight, self)
         adapters = self.active_adapters
         if (args or kwargs or torch.is_grad_enabled() or self.disable_adapters or self.merged
                 or len(adapters) != 1 or adapters[0] in self.lora_variant or adapters[0] not in self.lora_A):
