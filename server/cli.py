@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.allocator import keep_freed_memory
+    keep_freed_memory()
     if args.command == "bench" and args.bench in ("colocate", "soak"):
         config = None  # the bench starts its own servers
     else:
