@@ -255,9 +255,9 @@ class AsyncEngine:
             self._wake.clear()
             if self._inbox or self.engine.has_unfinished():
                 await self._serve_step()
-                await self._serving_maintenance()
+                maintenance_s = await self._serving_maintenance()
                 if self.arbiter_config.policy == "slo":
-                    await self._slices_between_steps()
+                    await self._slices_between_steps(maintenance_s)
                 continue
             idle_started = time.monotonic()
             worked = False
@@ -299,19 +299,24 @@ class AsyncEngine:
         for output in outputs:
             self._publish(output)
 
-    async def _serving_maintenance(self) -> None:
+    async def _serving_maintenance(self) -> float:
         """After an optimizer step the merged serving weights are stale and serving runs
         through the slower unmerged path until they are rebuilt. Waiting for an idle gap
         would leave a request that arrived meanwhile on that path for its whole life, so
-        a bounded part of the rebuild (a fraction of a step) runs between serving steps."""
+        a bounded part of the rebuild (a fraction of a step) runs between serving steps.
+        Returns the seconds it took."""
         if self.training is None or self._inbox or not self.engine.has_unfinished():
-            return
+            return 0.0
         budget = max(_MAINTENANCE_MIN_S, _MAINTENANCE_SHARE * self.stats.step_ema)
-        if await self._run(self.training.run_serving_maintenance, budget):
-            self.stats.maintenance_slices += 1
+        started = time.perf_counter()
+        if not await self._run(self.training.run_serving_maintenance, budget):
+            return 0.0
+        self.stats.maintenance_slices += 1
+        return time.perf_counter() - started
 
-    async def _slices_between_steps(self) -> None:
-        """slo policy: training slices after a decode step, within the token-time budget."""
+    async def _slices_between_steps(self, spent: float = 0.0) -> None:
+        """slo policy: training slices after a decode step, within the token-time budget
+        (`spent`: what serving maintenance already took of it after this step)."""
         if self.training is None or not self.engine.has_unfinished() or self._inbox:
             return
         slo = self.arbiter_config.tpot_slo_ms / 1000.0
@@ -324,7 +329,6 @@ class AsyncEngine:
             self._backoff_steps -= 1
             return
         self._backoff_length = max(1, self._backoff_length // 2)
-        spent = 0.0
         while (self.training.has_work() and not self._inbox and not self._stopping
                and self.stats.step_ema + spent + max(self.stats.slice_ema, 1e-4) <= slo):
             worked, seconds = await self._run(self._slice_item)
