@@ -58,9 +58,14 @@ class TrainingWork(Protocol):
 
     def run_slice(self) -> bool: ...
 
+    def serving_maintenance_pending(self) -> bool:
+        """Whether there is work that makes serving itself faster (rebuilding merged
+        serving weights after an optimizer step); a cheap check, on the asyncio loop."""
+        ...
+
     def run_serving_maintenance(self, budget_s: float) -> bool:
-        """Work that makes serving itself faster (rebuilding merged serving weights after
-        an optimizer step), run between serving steps under any policy; False if none."""
+        """Does about `budget_s` of that work, between serving steps under any policy;
+        False if there was none."""
         ...
 
 
@@ -305,8 +310,9 @@ class AsyncEngine:
         would leave a request that arrived meanwhile on that path for its whole life, so
         a bounded part of the rebuild (a fraction of a step) runs between serving steps.
         Returns the seconds it took."""
-        if self.training is None or self._inbox or not self.engine.has_unfinished():
-            return 0.0
+        if (self.training is None or self._inbox or not self.engine.has_unfinished()
+                or not self.training.serving_maintenance_pending()):
+            return 0.0  # no executor round trip after the steps where nothing is stale
         budget = max(_MAINTENANCE_MIN_S, _MAINTENANCE_SHARE * self.stats.step_ema)
         started = time.perf_counter()
         if not await self._run(self.training.run_serving_maintenance, budget):

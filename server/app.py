@@ -364,11 +364,15 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     return app
 
 
-def adapter_checkpointer(state: ServerState):
+def adapter_trainer(state: ServerState):
     if state.trainer is None:
         raise APIError(400, "training is off on this server, so there is no adapter (start it with "
                             "--train-mode cpt|dpo)", code="adapters_not_used")
-    if state.trainer.checkpointer is None:
+    return state.trainer
+
+
+def adapter_checkpointer(state: ServerState):
+    if adapter_trainer(state).checkpointer is None:
         raise APIError(400, "adapters are not saved on this server (start it with --adapter-dir DIR)",
                        code="adapter_dir_not_set")
     return state.trainer.checkpointer
@@ -376,9 +380,7 @@ def adapter_checkpointer(state: ServerState):
 
 def adapter_status(state: ServerState) -> dict:
     """GET /v1/adapters: the live version, the saved ones, and the training counters."""
-    trainer = state.trainer
-    if trainer is None:
-        adapter_checkpointer(state)  # raises the explanation
+    trainer = adapter_trainer(state)
     stats, checkpointer = trainer.stats, trainer.checkpointer
     saved = checkpointer.store.versions() if checkpointer else []
     loss = stats.last_loss

@@ -76,8 +76,6 @@ class TrainingStats:
     not_recorded: int = 0
     # idle slices that returned freed host memory to the OS
     memory_trims: int = 0
-    # seconds spent rebuilding merged serving weights between serving steps
-    maintenance_seconds: float = 0.0
 
 
 @dataclass
@@ -266,14 +264,13 @@ class Trainer:
     def has_work(self) -> bool:
         return self._job is not None or self._merge_pending or self.cache.count(EntryState.READY) > 0
 
+    def serving_maintenance_pending(self) -> bool:
+        return self._merge_pending
+
     def run_serving_maintenance(self, budget_s: float) -> bool:
         """Rebuilds stale merged serving weights for about `budget_s` (between serving
         steps); False when they are all current."""
-        if not self._merge_pending:
-            return False
-        started = time.perf_counter()
-        if merge_stale(self.peft_model, budget_s):
-            self.stats.maintenance_seconds += time.perf_counter() - started
+        if self._merge_pending and merge_stale(self.peft_model, budget_s):
             return True
         self._merge_pending = False
         return False
