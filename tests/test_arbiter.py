@@ -145,8 +145,9 @@ def test_sigterm_finishes_in_flight_streams_parks_training_and_saves_the_adapter
             "model": "SmolLM2-135M-Instruct", "max_tokens": 4,
             "messages": [{"role": "user", "content": LONG_PROMPT}]})
         body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 48, "min_tokens": 48, "stream": True,
+                "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": "Count slowly."}], "train": False}
-        pieces, done = [], False
+        chunks, finish_reason, usage, done = 0, None, None, False
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
             for line in response.iter_lines():
                 if line == "data: [DONE]":
@@ -154,11 +155,14 @@ def test_sigterm_finishes_in_flight_streams_parks_training_and_saves_the_adapter
                 elif line.startswith("data: "):
                     chunk = json.loads(line[6:])
                     assert "error" not in chunk, chunk
-                    if chunk["choices"] and chunk["choices"][0]["delta"].get("content") is not None:
-                        pieces.append(chunk["choices"][0]["delta"]["content"])
-                        if len(pieces) == 3:
+                    usage = chunk.get("usage") or usage
+                    if chunk["choices"]:
+                        finish_reason = chunk["choices"][0]["finish_reason"] or finish_reason
+                        chunks += 1
+                        if chunks == 3:
                             proc.send_signal(signal.SIGTERM)  # mid-stream, mid-training
-        assert done and len(pieces) >= 48
+        # every token, not a stream cut or aborted at shutdown (an abort ends with "stop")
+        assert done and finish_reason == "length" and usage["completion_tokens"] == 48
         # uvicorn re-raises the signal after its graceful shutdown (exit status -SIGTERM)
         assert proc.wait(60) in (0, -signal.SIGTERM)
         log = open(proc.log_path).read()
