@@ -156,6 +156,33 @@ class ServerConfig:
                              f"got {self.max_queued_requests!r}")
 
 
+OFFLOAD_POLICIES = ("hedged", "load", "recompute")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    # bytes the recorded activations and a serving step's transient memory may use on the
+    # device together; 0: unlimited (no offloader: every recorded layer stays resident)
+    device_budget_bytes: int = 0
+    # the preallocated (pinned on CUDA) host pool freed layers are copied into
+    host_budget_bytes: int = 2 << 30
+    # how freed layers come back for backward: hedged (per layer, load or recompute,
+    # whichever the measured costs favour), load (from the host copy), recompute
+    policy: str = "hedged"
+    # reloads issued this many layers ahead of the backward that needs them
+    prefetch_layers: int = 2
+    # a file written by `alchemist profile` (calibrated maps and timings); empty: calibrate at start
+    profile: str = ""
+
+    def __post_init__(self) -> None:
+        if self.policy not in OFFLOAD_POLICIES:
+            raise ValueError(f"offload.policy must be one of {OFFLOAD_POLICIES}, got {self.policy!r}")
+        for name in ("device_budget_bytes", "host_budget_bytes", "prefetch_layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"offload.{name} must be a non-negative integer, got {value!r}")
+
+
 @dataclass(frozen=True)
 class AlchemistConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -164,6 +191,7 @@ class AlchemistConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     arbiter: ArbiterConfig = field(default_factory=ArbiterConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:

@@ -31,6 +31,14 @@ from engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
+class StepMemoryGuard(Protocol):
+    """Makes room on the device before each serving step (the activation offloader)."""
+
+    def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0) -> None: ...
+
+    def after_step(self) -> None: ...
+
+
 class PrefillRecorder(Protocol):
     """Receives recorded prefills (the trainer)."""
 
@@ -77,6 +85,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         # set by the trainer when training is on
         self.recorder: PrefillRecorder | None = None
+        # set by the trainer when an activation device budget is configured
+        self.memory_guard: StepMemoryGuard | None = None
         # steps executed so far (the trainer tells from it that serving ran between its slices)
         self.num_steps = 0
         logger.info("KV cache: %d blocks x %d tokens, %d bytes per token, %.1f MiB", num_blocks,
@@ -164,7 +174,14 @@ class LLMEngine:
         touched: set[str] = {s.request_id for s in scheduled.preempted}
         if not scheduled.is_empty:
             self.num_steps += 1
-            model_output = self.runner.execute(scheduled)
+            if self.memory_guard is not None:
+                recorded = scheduled.scheduled[0].num_new_tokens if scheduled.recorded else 0
+                self.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
+            try:
+                model_output = self.runner.execute(scheduled)
+            finally:
+                if self.memory_guard is not None:
+                    self.memory_guard.after_step()
             touched |= self._update(scheduled, model_output)
         outputs = [out for rid in touched if (out := self._collect(rid)) is not None]
         stats = StepStats(time.perf_counter() - started, scheduled.num_tokens, len(self.scheduler.running),

@@ -17,7 +17,7 @@ from engine.attention import use_engine_attention
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
-from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker
+from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, SegmentSink
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 
@@ -56,6 +56,11 @@ def run_to_end(generator):
             return stop.value
 
 
+def _collected(tracker: SavedTensorTracker, segment: int) -> list:
+    """The saved tensors attributed to `segment` that autograd still holds."""
+    return [saved for ref in tracker.collected.pop(segment, []) if (saved := ref()) is not None]
+
+
 def decoder_parts(model):
     """(embed_tokens, layers, norm, rotary_emb, lm_head) of a causal LM."""
     base = model.model
@@ -76,6 +81,8 @@ class ModelRunner:
         # when set, recorded prefills are measured by this tracker (benchmarks measure a
         # recording and the training on it together); otherwise each gets its own
         self.record_tracker: SavedTensorTracker | None = None
+        # when set (the offloader), receives each recorded layer segment as it completes
+        self.segment_sink: SegmentSink | None = None
 
     def _pack(self, step: SchedulerOutput) -> _PackedStep:
         ids: list[int] = []
@@ -132,14 +139,16 @@ class ModelRunner:
                            sample_rows, sample_entries, prompt_rows)
 
     def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
-                    leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None):
+                    leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
+                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Generator over the decoder layers, yielding after each one (a training slice);
         returns the last layer's output. hidden: (1, T, hidden) -> (1, T, hidden).
 
         With `leaves`/`outputs` given, each layer's input is made a fresh autograd leaf
         (one segment per layer) and the leaves and outputs are appended to them."""
         position_ids = positions.unsqueeze(0)
-        position_embeddings = self.rotary(hidden, position_ids)
+        if position_embeddings is None:
+            position_embeddings = self.rotary(hidden, position_ids)
         for layer in self.layers:
             if leaves is not None:
                 hidden = hidden.detach().requires_grad_()
@@ -182,17 +191,31 @@ class ModelRunner:
         leaves: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         past = StepKV(self.kv_cache, packed.metadata, record=True)
-        with torch.enable_grad(), tracker.hooks():
-            with torch.no_grad():
-                hidden = self.embed(packed.input_ids.unsqueeze(0))
-            hidden = self.run_layers(hidden, packed.positions, packed.metadata, past, leaves, outs)
-            head_leaf = hidden.detach().requires_grad_()
-            normed = self.norm(head_leaf)[0]  # (T, hidden); the recorded prompt is rows 0 .. num_prompt - 1
-            all_rows = seq.record.all_logit_rows
-            logits = self.lm_head(normed[:num_prompt] if all_rows else normed[num_prompt - 1:num_prompt])
-        segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
-        recording = RecordedPrefill(list(seq.prompt_token_ids), -1, segments, head_leaf, logits, all_rows,
-                                    saved_bytes=tracker.live_bytes - bytes_before)
+        placement = self.segment_sink.begin_recording(num_prompt) if self.segment_sink is not None else None
+        try:
+            with torch.enable_grad(), tracker.hooks():
+                with torch.no_grad():
+                    hidden = self.embed(packed.input_ids.unsqueeze(0))
+                rotary = self.rotary(hidden, packed.positions.unsqueeze(0))
+                if placement is not None:
+                    placement.keep(*rotary)
+                layers = self.iter_layers(hidden, packed.positions, packed.metadata, past, leaves, outs, rotary)
+                hidden = self._record_layers(layers, tracker, placement, leaves, outs, past)
+                head_leaf = hidden.detach().requires_grad_()
+                normed = self.norm(head_leaf)[0]  # (T, hidden); the recorded prompt is rows 0 .. num_prompt - 1
+                all_rows = seq.record.all_logit_rows
+                logits = self.lm_head(normed[:num_prompt] if all_rows else normed[num_prompt - 1:num_prompt])
+            segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
+            recording = RecordedPrefill(list(seq.prompt_token_ids), -1, segments, head_leaf, logits, all_rows,
+                                        saved_bytes=tracker.live_bytes - bytes_before, placement=placement)
+            if placement is not None:
+                placement.finish(recording, _collected(tracker, len(segments)))
+        except BaseException:
+            if placement is not None:
+                placement.release()
+            raise
+        finally:
+            tracker.segment = tracker.collected = None
         output = ModelOutput(recording=recording)
         with torch.inference_mode():
             if packed.sample_rows and packed.sample_entries[0].seq is seq:
@@ -204,6 +227,22 @@ class ModelRunner:
                 for (_, other), token in zip(others, self.sampler.sample(other_logits, [o for _, o in others])):
                     output.sampled[other.seq_id] = token
         return output
+
+    @staticmethod
+    def _record_layers(layers, tracker: SavedTensorTracker, placement, leaves, outs, past) -> torch.Tensor:
+        """Runs the recorded layers, attributing each saved tensor to its layer and handing
+        each finished segment to `placement` (the offloader may copy it out at once)."""
+        tracker.collected = {} if placement is not None else None
+        index = tracker.segment = 0
+        while True:
+            try:
+                next(layers)
+            except StopIteration as stop:
+                return stop.value  # the tracker's segment is now the head's (num_layers)
+            if placement is not None:
+                placement.add_segment(index, LayerSegment(leaves[index], outs[index], *past.recorded[index]),
+                                      _collected(tracker, index))
+            index = tracker.segment = index + 1
 
     def _execute(self, step: SchedulerOutput) -> ModelOutput:
         packed = self._pack(step)

@@ -11,12 +11,19 @@ bytes of every tensor autograd saves (each storage once) from the moment it is s
 until autograd lets go of it, and keeps the peak. Saved-tensor hooks take autograd's own
 version check out of the loop, so the tracker repeats it: unpacking a tensor that was
 modified in place since it was saved raises, as autograd would (DESIGN.md invariant).
+
+Each saved tensor belongs to the layer segment being recorded when autograd saved it
+(`SavedTensorTracker.segment`); the offloader (offload/) moves a segment's saved tensors
+off the device and back through these handles, which is why a handle may be empty
+(`tensor is None`) and then asks `fetch` to bring its tensor back.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -45,11 +52,32 @@ class RecordedPrefill:
     all_logit_rows: bool
     # bytes autograd saved for this recording (measured)
     saved_bytes: int = 0
+    # where the segments' saved tensors live (offload/), when an offloader manages them
+    placement: object | None = None
 
     def release(self) -> None:
         """Drop the graph (after training on it, or when the entry is evicted)."""
         self.segments = []
         self.head_leaf = self.logits = None
+        if self.placement is not None:
+            self.placement.release()
+            self.placement = None
+
+
+class SegmentPlacement(Protocol):
+    """Takes each layer segment of one recording as soon as it is recorded (offload/)."""
+
+    def add_segment(self, index: int, segment: LayerSegment, saved: list["SavedTensor"]) -> None: ...
+
+    def keep(self, *tensors: torch.Tensor) -> None: ...
+
+    def finish(self, recording: "RecordedPrefill", head_saved: list["SavedTensor"]) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class SegmentSink(Protocol):
+    def begin_recording(self, num_tokens: int) -> SegmentPlacement: ...
 
 
 @dataclass(frozen=True)
@@ -59,10 +87,10 @@ class RecordSpec:
     all_logit_rows: bool
 
 
-class _Saved:
+class SavedTensor:
     """What autograd holds instead of a saved tensor while the tracker is active."""
 
-    __slots__ = ("tensor", "tracker", "key", "version", "__weakref__")
+    __slots__ = ("tensor", "tracker", "key", "version", "segment", "fetch", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, tracker: "SavedTensorTracker"):
         # detached: a saved output keeps its grad_fn, whose node keeps this object — a
@@ -74,14 +102,33 @@ class _Saved:
         self.tracker = tracker
         self.version = tensor._version
         self.key = tracker._acquire(tensor)
+        # the layer segment being recorded (None outside one)
+        self.segment = tracker.segment
+        # set by the offloader while the tensor is off the device: puts it back
+        self.fetch = None
+        if tracker.collected is not None and self.segment is not None and self.key is not None:
+            tracker.collected.setdefault(self.segment, []).append(weakref.ref(self))
 
     def unpack(self) -> torch.Tensor:
+        if self.tensor is None:
+            self.fetch(self)
         if self.tensor._version != self.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"{tuple(self.tensor.shape)} is at version {self.tensor._version}; expected version {self.version} "
                 "(a graph recorded under older weights must not be back-propagated)")
         return self.tensor
+
+    def rebind(self, tensor: torch.Tensor | None) -> None:
+        """The offloader moved the data: `tensor` (same values, a new storage) or None
+        (not resident). The tracker counts resident storages only."""
+        if self.key is not None:
+            self.tracker._release(self.key)
+            self.key = None
+        self.tensor = tensor
+        if tensor is not None:
+            self.version = tensor._version
+            self.key = self.tracker._acquire(tensor)
 
     def __del__(self):
         if self.key is not None:
@@ -98,6 +145,10 @@ class SavedTensorTracker:
 
     live_bytes: int = 0
     peak_bytes: int = 0
+    # the layer segment being recorded: saved tensors are attributed to it
+    segment: int | None = None
+    # when a dict is given: segment -> weak references to its saved tensors
+    collected: dict[int, list] | None = None
     # storage pointer -> (references, bytes)
     _storages: dict[int, list[int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -126,4 +177,4 @@ class SavedTensorTracker:
                 del self._storages[key]
 
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: _Saved(t, self), _Saved.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: SavedTensor(t, self), SavedTensor.unpack)

@@ -229,3 +229,26 @@ class TrainingCollector:
                                   "to the OS (glibc malloc_trim).", value=stats.memory_trims)
         yield CounterMetricFamily(f"{PREFIX}unrecorded_prefills", "Requests selected for training but not "
                                   "recorded (cache full or prompt too long).", value=stats.not_recorded)
+        yield from _offload_metrics(t)
+
+
+def _offload_metrics(trainer):
+    """The activation offloader (offload/); without one every recorded byte is on the device."""
+    offloader = trainer.offloader
+    if offloader is None:
+        device, host, stats = trainer.cache.bytes_used, 0, None
+    else:
+        device, host, stats = offloader.device_bytes, offloader.host_bytes, offloader.stats
+    yield GaugeMetricFamily(f"{PREFIX}activation_device_bytes", "Bytes of recorded activations on the device, "
+                            "by the offloader's accounting.", value=device)
+    yield GaugeMetricFamily(f"{PREFIX}activation_host_bytes", "Bytes of recorded activations copied to the host "
+                            "pool.", value=host)
+    for name, field, text in (
+            ("offloaded_layers", "offloaded_layers", "Recorded layers freed from the device to their host copy."),
+            ("dropped_layers", "dropped_layers", "Recorded layers freed without a host copy (recomputed later)."),
+            ("reloaded_layers", "reloaded_layers", "Freed layers loaded back to the device for backward."),
+            ("recomputed_layers", "recomputed_layers", "Freed layers recomputed from their kept input for "
+                                                       "backward.")):
+        yield CounterMetricFamily(f"{PREFIX}{name}", text, value=getattr(stats, field) if stats else 0)
+    yield CounterMetricFamily(f"{PREFIX}reload_wait_seconds", "Seconds backward waited for reloads (not hidden "
+                              "behind compute), in seconds.", value=stats.reload_wait_seconds if stats else 0.0)

@@ -117,16 +117,48 @@ def kv_leaves(segments: list[LayerSegment]) -> list[tuple[torch.Tensor, torch.Te
     return [(s.key.detach().requires_grad_(), s.value.detach().requires_grad_()) for s in segments]
 
 
+def recompute_segment(runner: ModelRunner, index: int, leaf_rows: torch.Tensor) -> LayerSegment:
+    """Decoder layer `index` run again under grad from its kept input, `leaf_rows`
+    (1, P, hidden): the recorded prompt's rows, positions 0 .. P-1. The fresh segment
+    equals the recorded one on those rows (a recorded step's other rows are decodes of
+    other sequences, which get no gradient)."""
+    num = leaf_rows.shape[1]
+    metadata = packed_metadata([num], [0], runner.device)
+    past = SequenceKV(metadata)
+    leaf = leaf_rows.detach().requires_grad_()
+    position_ids = torch.arange(num, device=runner.device).unsqueeze(0)
+    with torch.enable_grad():
+        out = runner.layers[index](leaf, attention_mask=metadata, position_ids=position_ids, past_key_values=past,
+                                   position_embeddings=runner.rotary(leaf, position_ids))
+    if isinstance(out, tuple):
+        out = out[0]
+    key, value = next(iter(past.new.values()))
+    return LayerSegment(leaf, out, key, value)
+
+
+def _fit_rows(grad: torch.Tensor, rows: int) -> torch.Tensor:
+    """A recomputed segment holds the prompt rows only; the rows beyond them (decodes of
+    other sequences in the recorded step) have zero gradient, so this is exact."""
+    if grad.shape[1] > rows:
+        return grad[:, :rows]
+    return torch.nn.functional.pad(grad, (0, 0, 0, rows - grad.shape[1]))
+
+
 def backward_segments(segments: list[LayerSegment], top_grad: torch.Tensor,
-                      kv_grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None):
+                      kv_grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
+                      residency=None):
     """Generator: backward through `segments` top to bottom, one slice per layer.
 
     top_grad: gradient on the last segment's output. kv_grads: per layer, gradients on
     its K and V from suffixes that attended to them (None where there are none). Each
-    segment's graph is freed as soon as it has been back-propagated."""
+    segment's graph is freed as soon as it has been back-propagated. `residency`
+    (offload.offloader.Residency) brings freed layers back — reloaded or recomputed —
+    before their backward, and releases them after."""
     grad = top_grad
     for index in reversed(range(len(segments))):
-        segment = segments[index]
+        segment = segments[index] if residency is None else residency.before(index)
+        if grad.shape[1] != segment.out.shape[1]:
+            grad = _fit_rows(grad, segment.out.shape[1])
         tensors, grads = [segment.out], [grad]
         if kv_grads is not None:
             for tensor, g in zip((segment.key, segment.value), kv_grads[index]):
@@ -135,5 +167,7 @@ def backward_segments(segments: list[LayerSegment], top_grad: torch.Tensor,
                     grads.append(g)
         torch.autograd.backward(tensors, grads)
         grad = segment.leaf.grad
-        segments[index] = None  # free this layer's graph and activations now
+        segments[index] = segment = None  # free this layer's graph and activations now
+        if residency is not None:
+            residency.after(index)
         yield

@@ -33,6 +33,12 @@ class TrainContext:
     runner: ModelRunner
     # the PeftModel (for disable_adapter when computing reference log-probs)
     peft_model: object
+    # the activation offloader, when a device budget is set (offload/)
+    offloader: object | None = None
+
+    def residency(self, recording: RecordedPrefill):
+        """What brings the recording's freed layers back for backward (None: all resident)."""
+        return None if self.offloader is None else self.offloader.residency(recording)
 
 
 @dataclass
@@ -87,7 +93,8 @@ class CPTMethod(TrainingMethod):
             loss, metrics = self.loss(recording.logits, entry, ctx)
             loss.backward()  # the head segment: fills recording.head_leaf.grad
         yield
-        yield from backward_segments(recording.segments, recording.head_leaf.grad)
+        yield from backward_segments(recording.segments, recording.head_leaf.grad,
+                                     residency=ctx.residency(recording))
         return JobResult(metrics["loss"], metrics["tokens"], metrics)
 
     def recompute_job(self, entry: CacheEntry, ctx: TrainContext):
@@ -198,7 +205,7 @@ class DPOMethod(TrainingMethod):
             recording.logits[-1:].backward(last.grad)  # the prompt's head segment
         yield
         yield from backward_segments(recording.segments, recording.head_leaf.grad,
-                                     [(k.grad, v.grad) for k, v in prefix])
+                                     [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
 
     def recompute_job(self, entry: PreferenceEntry, ctx: TrainContext):

@@ -13,6 +13,7 @@ older version is never back-propagated: it goes to the recompute path, or is dro
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import random
@@ -27,9 +28,11 @@ from engine.config import TrainConfig
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 from engine.recording import RecordedPrefill, RecordSpec
+from offload.build import build_offloader
 from trainer.adapter import attach_lora, lora_parameters, merge_stale
 from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot
 from trainer.cache import ActivationCache, CacheEntry, EntryState, PreferenceLabel
+from trainer.forward import recompute_segment
 from trainer.methods import CPTMethod, DPOMethod, JobResult, TrainContext, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
 
@@ -121,6 +124,12 @@ class Trainer:
         for module in engine.model.modules():
             if hasattr(module, "ensure_packed"):
                 module.ensure_packed()
+        self.offloader = None
+        if engine.config.offload.device_budget_bytes > 0:
+            self.offloader = build_offloader(engine.model, engine.config,
+                                             functools.partial(recompute_segment, engine.runner))
+            self.optimizer.zero_grad()  # calibration ran a backward
+            engine.runner.segment_sink = engine.memory_guard = self.context.offloader = self.offloader
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
         # completion id -> choice index -> cumulative log-prob of the served tokens
@@ -147,7 +156,8 @@ class Trainer:
             if self._rng.random() >= self.config.record_fraction:
                 return None
         expected = (self._bytes_per_token or 0.0) * num_prompt_tokens
-        if num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected)):
+        if (num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
+                or (self.offloader is not None and not self.offloader.admits(num_prompt_tokens))):
             self.stats.not_recorded += 1
             return None
         return self.method.record_spec()
@@ -427,6 +437,8 @@ class Trainer:
 
     def close(self) -> None:
         """At shutdown (after the engine stopped): saves the final version."""
+        if self.offloader is not None:
+            self.offloader.close()
         if self.checkpointer is not None:
             final = self.snapshot() if self.checkpointer.last_saved_version != self.optimizer.version else None
             self.checkpointer.close(final)

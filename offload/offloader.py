@@ -1,0 +1,380 @@
+"""The activation offloader: keeps the recorded activations within a device byte budget
+(paper §4.3) and brings freed layers back for training, hidden behind backward.
+
+- Recording: each layer segment is registered as soon as it is recorded and, if the host
+  pool has room, copied to it at once on the copy stream, so that freeing it later costs
+  nothing. If the recording alone would exceed the budget, its layers are freed as they
+  are recorded (the paper's direct offload).
+- Before each serving step the engine calls `before_step`: the offloading map gives the
+  step's bytes, and layers are freed until the cached activations fit beside it — newest
+  recording first (trained last), within it layer 0 first (needed last in backward).
+  Freeing a layer with a host copy drops its device storage; without one it is dropped
+  for recomputation.
+- Training: `residency(recording)` plans, per freed layer, load or recompute
+  (offload/hedging.py); reloads are issued `prefetch_layers` ahead in reverse layer order
+  on the copy stream while the layers above back-propagate.
+
+On CPU the "device" is the budget this class accounts for; the data really moves (into
+the host pool and back) and recomputation really runs, so the logic is the CUDA one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.config import OffloadConfig
+from engine.recording import LayerSegment, RecordedPrefill, SavedTensor
+from offload.copy_stream import CopyStream
+from offload.hedging import KEEP, LOAD, RECOMPUTE, Timings, plan
+from offload.host_pool import HostPool
+from offload.memory_model import OffloadingMap
+from offload.placement import LayerPlacement, RecordingPlacement, Residence, StorageCopy
+
+logger = logging.getLogger(__name__)
+
+# recompute(layer index, the layer's kept input rows (1, P, hidden)) -> a fresh segment
+RecomputeFn = Callable[[int, torch.Tensor], LayerSegment]
+
+
+@dataclass
+class OffloadStats:
+    offloaded_layers: int = 0   # freed to the host pool
+    dropped_layers: int = 0     # freed without a host copy (recomputed later)
+    reloaded_layers: int = 0
+    recomputed_layers: int = 0
+    reload_wait_seconds: float = 0.0
+    # steps before which the budget could not be met (only kept tensors were left)
+    over_budget_steps: int = 0
+    # the most the cached activations held on the device
+    peak_device_bytes: int = 0
+    # the most they held plus the running serving step's bytes (what the budget bounds)
+    peak_budget_bytes: int = 0
+
+
+class ActivationOffloader:
+    def __init__(self, config: OffloadConfig, device: torch.device, offloading_map: OffloadingMap,
+                 timings: Timings, param_keys: set[int], recompute: RecomputeFn):
+        self.config = config
+        self.device = device
+        self.map = offloading_map
+        self.timings = timings
+        self.param_keys = param_keys
+        self.recompute = recompute
+        self.pool = HostPool(config.host_budget_bytes, pin=device.type == "cuda")
+        self.copies = CopyStream(device)
+        self.stats = OffloadStats()
+        self.device_bytes = 0
+        # what the cached activations may use during the coming serving step, and its bytes
+        self._allowed_bytes = config.device_budget_bytes
+        self._step_bytes = 0
+        # the most kept bytes per recorded token seen (predicts a new recording's kept bytes)
+        self._kept_per_token = 0.0
+        self._layer_per_token = 0.0
+        self._recordings: list[RecordingPlacement] = []
+        self._sequence = 0
+        self._lock = threading.RLock()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.config.device_budget_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.pool.used_bytes
+
+    # -- accounting ---------------------------------------------------------------------
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(r.kept_bytes for r in self._recordings)
+
+    def admits(self, num_tokens: int) -> bool:
+        """Whether a new recording of `num_tokens` can be held: its kept tensors (which are
+        never freed) and one layer beside everything kept now and its own prefill step."""
+        with self._lock:
+            need = self.kept_bytes + int(self._kept_per_token * num_tokens) + self.layer_bytes(num_tokens)
+            return need + self.map.serving_bytes(num_tokens, 1) <= self.budget_bytes
+
+    def _account(self, delta: int) -> None:
+        self.device_bytes += delta
+        self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.device_bytes)
+        self.stats.peak_budget_bytes = max(self.stats.peak_budget_bytes, self.device_bytes + self._step_bytes)
+
+    # -- recording (engine.recording.SegmentSink) ---------------------------------------
+
+    def begin_recording(self, num_tokens: int) -> RecordingPlacement:
+        with self._lock:
+            self._sequence += 1
+            placement = RecordingPlacement(self, num_tokens, self._sequence)
+            self._recordings.append(placement)
+            return placement
+
+    def _registered(self, recording: RecordingPlacement, layer: LayerPlacement) -> None:
+        with self._lock:
+            self._layer_per_token = max(self._layer_per_token, layer.nbytes / max(recording.num_tokens, 1))
+            self._account(layer.nbytes)
+            if self.config.policy != "recompute":
+                for storage in layer.storages:
+                    self._copy_to_host(storage)
+            # a recording larger than the budget on its own: free its layers as they come
+            self.free_to(self._allowed_bytes)
+
+    def _observe_kept(self, per_token: float) -> None:
+        self._kept_per_token = max(self._kept_per_token, per_token)
+
+    def _copy_to_host(self, storage: StorageCopy) -> bool:
+        if storage.host is None:
+            storage.host = self.pool.allocate(storage.nbytes)
+            if storage.host is None:
+                return False
+            storage.to_host = self.copies.copy(storage.host.data, storage.device)
+        return True
+
+    def _disown(self, recording: RecordingPlacement, storage: StorageCopy) -> None:
+        """A resident storage turned out to be saved by a later layer too: it is kept on
+        the device from now on (its bytes move from the layer to the kept bytes)."""
+        for layer in recording.layers:
+            if storage in layer.storages:
+                layer.storages.remove(storage)
+        self._free_host(storage)
+
+    def _free_host(self, storage: StorageCopy) -> None:
+        if storage.host is not None:
+            if storage.to_host is not None:
+                storage.to_host.wait()
+            self.pool.free(storage.host)
+            storage.host = storage.to_host = None
+
+    # -- freeing -------------------------------------------------------------------------
+
+    def layer_bytes(self, num_tokens: int) -> int:
+        """A recorded layer's offloadable bytes: the memory model, or the most seen per token."""
+        return max(self.map.model.layer_bytes(num_tokens), int(self._layer_per_token * num_tokens))
+
+    def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0) -> None:
+        """Frees layers so that the cached activations fit beside a serving step (and, for
+        a recorded step, one layer of the new recording before it can be freed)."""
+        with self._lock:
+            self._step_bytes = self.map.serving_bytes(num_tokens, batch_size)
+            in_flight = self.layer_bytes(recorded_tokens) if recorded_tokens else 0
+            self._allowed_bytes = max(0, self.budget_bytes - self._step_bytes - in_flight)
+            if not self.free_to(self._allowed_bytes):
+                self.stats.over_budget_steps += 1
+            self._account(0)
+
+    def after_step(self) -> None:
+        """The serving step's memory is free again (training reloads may use it)."""
+        with self._lock:
+            self._allowed_bytes, self._step_bytes = self.budget_bytes, 0
+
+    def free_to(self, allowed_bytes: int) -> bool:
+        """Frees layers, newest recording first and layer 0 first, until the device bytes
+        are at most `allowed_bytes`; False if only kept tensors are left above it."""
+        with self._lock:
+            if self.device_bytes <= allowed_bytes:
+                return True
+            order = sorted(self._recordings, key=lambda r: (r.active, -r.sequence))
+            for recording in order:
+                for layer in recording.layers:
+                    if self.device_bytes <= allowed_bytes:
+                        return True
+                    if layer.residence is Residence.DEVICE and not layer.loading and layer.nbytes:
+                        self.free_layer(recording, layer)
+            return self.device_bytes <= allowed_bytes
+
+    def free_layer(self, recording: RecordingPlacement, layer: LayerPlacement) -> None:
+        """Drops a resident layer's device storages: to the host copy, or for recompute."""
+        for storage in layer.storages:
+            for ref in storage.handles:
+                handle = ref()
+                if handle is not None and handle.tensor is not None and handle.tensor._version != handle.version:
+                    return  # modified in place since saved: stay, so that backward raises
+        to_host = self.config.policy != "recompute" and all(self._copy_to_host(s) for s in layer.storages)
+        for storage in layer.storages:
+            if to_host:
+                storage.to_host.wait()
+            else:
+                self._free_host(storage)
+            storage.views = []
+            for ref in storage.handles:
+                handle = ref()
+                if handle is None or handle.tensor is None:
+                    continue
+                tensor = handle.tensor
+                storage.views.append((ref, tensor.dtype, tensor.storage_offset(), tuple(tensor.shape),
+                                      tuple(tensor.stride())))
+                handle.fetch = self._fetch_now
+                handle.rebind(None)
+            storage.device = None
+            recording.forget(storage)
+        self._account(-layer.nbytes)
+        layer.residence = Residence.HOST if to_host else Residence.DROPPED
+        if to_host:
+            self.stats.offloaded_layers += 1
+        else:
+            self.stats.dropped_layers += 1
+
+    # -- reloading -------------------------------------------------------------------------
+
+    def start_reload(self, layer: LayerPlacement) -> None:
+        with self._lock:
+            if layer.residence is not Residence.HOST or layer.loading:
+                return
+            layer.loading = True
+            self._account(layer.nbytes)
+            for storage in layer.storages:
+                storage.loading = torch.empty(storage.nbytes, dtype=torch.uint8, device=self.device)
+                storage.to_device = self.copies.copy(storage.loading, storage.host.data[:storage.nbytes])
+
+    def finish_reload(self, layer: LayerPlacement) -> float:
+        """Waits for the layer's reload and re-points its saved tensors; seconds waited."""
+        self.start_reload(layer)
+        waited = 0.0
+        with self._lock:
+            for storage in layer.storages:
+                waited += storage.to_device.wait()
+                device, storage.loading, storage.to_device = storage.loading, None, None
+                for ref, dtype, offset, size, stride in storage.views:
+                    handle = ref()
+                    if handle is not None:
+                        handle.rebind(torch.empty(0, dtype=dtype, device=self.device)
+                                      .set_(device.untyped_storage(), offset, size, stride))
+                storage.views = []
+                storage.device = device
+            layer.loading = False
+            layer.residence = Residence.DEVICE
+            self.stats.reloaded_layers += 1
+            self.stats.reload_wait_seconds += waited
+        return waited
+
+    def _fetch_now(self, handle: SavedTensor) -> None:
+        """A saved tensor unpacked while its layer is off the device and not planned."""
+        with self._lock:
+            for recording in self._recordings:
+                for layer in recording.layers:
+                    if any(ref() is handle for s in layer.storages for ref in s.handles):
+                        if layer.residence is Residence.HOST:
+                            self.finish_reload(layer)
+                            return
+                        raise RuntimeError(f"layer {layer.index}'s activations were dropped; "
+                                           "it must be recomputed, not back-propagated")
+        raise RuntimeError("a saved activation is no longer held by the offloader")
+
+    # -- training --------------------------------------------------------------------------
+
+    def residency(self, recording: RecordedPrefill) -> "Residency | None":
+        placement = recording.placement
+        if not isinstance(placement, RecordingPlacement) or placement.offloader is not self:
+            return None
+        return Residency(self, placement)
+
+    def _release_layer(self, layer: LayerPlacement) -> None:
+        if layer.residence is Residence.DONE:
+            return
+        if layer.residence is Residence.DEVICE or layer.loading:
+            self._account(-layer.nbytes)
+        for storage in layer.storages:
+            if storage.to_device is not None:
+                storage.to_device.wait()
+            self._free_host(storage)
+            storage.device = storage.loading = storage.to_device = None
+            storage.views = []
+        layer.loading = False
+        layer.residence = Residence.DONE
+
+    def _release(self, recording: RecordingPlacement) -> None:
+        with self._lock:
+            if recording.released:
+                return
+            recording.released = True
+            for layer in recording.layers:
+                self._release_layer(layer)
+            self._account(-recording.kept_bytes)
+            recording.kept_bytes = 0
+            self._recordings.remove(recording)
+
+    def close(self) -> None:
+        self.copies.close()
+
+
+class Residency:
+    """Brings one recording's layers onto the device for its backward, top to bottom
+    (trainer.forward.backward_segments calls `before` and `after` around each layer)."""
+
+    def __init__(self, offloader: ActivationOffloader, placement: RecordingPlacement):
+        self.offloader = offloader
+        self.placement = placement
+        self.choices: list[str] | None = None
+        self.predicted_seconds = 0.0
+        self._backward_started = 0.0
+        placement.active = True
+
+    def _plan(self) -> None:
+        offloader, layers = self.offloader, self.placement.layers
+        resident = [layer.residence is Residence.DEVICE for layer in layers]
+        costs = [offloader.timings.layer_costs(self.placement.num_tokens,
+                                               layer.nbytes if layer.residence is Residence.HOST else None)
+                 for layer in layers]
+        policy = offloader.config.policy
+        if policy == "hedged":
+            self.choices, self.predicted_seconds = plan(resident, costs, offloader.timings,
+                                                        offloader.config.prefetch_layers)
+        else:
+            self.choices = [KEEP if r else (LOAD if policy == "load" and c.reload_bytes is not None else RECOMPUTE)
+                            for r, c in zip(resident, costs)]
+
+    def _prefetch(self, index: int) -> None:
+        """Issues reloads for the planned-load layers down to `index - prefetch`, in the
+        order backward needs them, while the device budget has room."""
+        offloader = self.offloader
+        for j in range(index, max(index - offloader.config.prefetch_layers, 0) - 1, -1):
+            layer = self.placement.layers[j]
+            if self.choices[j] == LOAD and layer.residence is Residence.HOST and not layer.loading:
+                if j != index and offloader.device_bytes + layer.nbytes > offloader.budget_bytes:
+                    break
+                offloader.start_reload(layer)
+
+    def before(self, index: int) -> LayerSegment:
+        if self.choices is None:
+            self._plan()
+        layer = self.placement.layers[index]
+        self._prefetch(index)
+        if layer.residence is Residence.HOST and self.choices[index] == LOAD or layer.loading:
+            self.offloader.finish_reload(layer)
+        if layer.residence is Residence.DEVICE:
+            segment = layer.segment
+        else:  # dropped, or planned for recompute
+            started = time.perf_counter()
+            num = self.placement.num_tokens
+            segment = self.offloader.recompute(index, layer.segment.leaf[:, :num])
+            self.offloader.stats.recomputed_layers += 1
+            self._observe_recompute(time.perf_counter() - started)
+        self._backward_started = time.perf_counter()
+        return segment
+
+    def after(self, index: int) -> None:
+        self._observe_backward(time.perf_counter() - self._backward_started)
+        with self.offloader._lock:
+            layer = self.placement.layers[index]
+            self.offloader._release_layer(layer)
+            layer.segment = None
+        if index == 0:
+            self.placement.active = False
+
+    # measured costs refine the planner's timings (exponential average, per token)
+    def _observe_recompute(self, seconds: float) -> None:
+        timings, num = self.offloader.timings, max(self.placement.num_tokens, 1)
+        per_token = max(seconds - timings.recompute_fixed_s, 0.0) / num
+        timings.recompute_per_token_s = 0.8 * timings.recompute_per_token_s + 0.2 * per_token
+
+    def _observe_backward(self, seconds: float) -> None:
+        timings, num = self.offloader.timings, max(self.placement.num_tokens, 1)
+        per_token = max(seconds - timings.backward_fixed_s, 0.0) / num
+        timings.backward_per_token_s = 0.8 * timings.backward_per_token_s + 0.2 * per_token

@@ -1,0 +1,222 @@
+"""The activation offloader: gradients equal keeping everything on the device under every
+policy, the device budget holds while serving and training go on, the hedged plan is
+never predicted slower than the better pure plan, and the host pool keeps its budget."""
+
+import random
+
+import pytest
+import torch
+
+from engine.config import OffloadConfig, TrainConfig
+from engine.sampling_params import SamplingParams
+from offload.hedging import LOAD, RECOMPUTE, LayerCosts, Timings, plan, simulate
+from offload.host_pool import HostPool
+from tests.conftest import encode, make_engine
+from tests.test_training import PROMPT, gradients_of, label, relative_difference
+from tests.tiny import FAMILIES
+from trainer.trainer import Trainer
+
+OTHER_PROMPT = "Tell me a story about a dragon who learned to paint with fire and light."
+
+
+def make_trainer(family="llama", mode="cpt", offload=None) -> Trainer:
+    torch.manual_seed(0)
+    engine = make_engine(family, offload=offload)
+    return Trainer(engine, TrainConfig(mode=mode, lora_rank=4), init_lora_weights=False)
+
+
+def serve_two(trainer: Trainer) -> None:
+    """Request "a" is decoding when "b"'s recorded prefill runs, so "b"'s recorded step
+    carries another sequence's decode rows."""
+    engine = trainer.engine
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for request_id, prompt in (("a", OTHER_PROMPT), ("b", PROMPT)):
+        ids = encode(prompt)
+        engine.add_request(request_id, ids, params, record=trainer.record_spec(len(ids), True))
+        outputs, _ = engine.step()
+        for out in outputs:
+            trainer.on_output(out)
+    while engine.has_unfinished():
+        for out in engine.step()[0]:
+            trainer.on_output(out)
+
+
+def gradients_after_serving(trainer: Trainer, mode: str) -> dict:
+    """LoRA gradients of "b"'s reuse job; with an offloader, every layer freed first."""
+    serve_two(trainer)
+    if trainer.offloader is not None:
+        trainer.offloader.free_to(0)
+    if mode == "dpo":
+        label(trainer, "b", chosen="Paris, of course. It is a lovely city.")
+    entry = trainer.cache.get("b")
+    return gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+
+
+@pytest.mark.parametrize("policy", ["load", "recompute", "hedged"])
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+def test_gradients_equal_keeping_every_layer_on_the_device(mode, policy):
+    reference = gradients_after_serving(make_trainer(mode=mode), mode)
+    trainer = make_trainer(mode=mode, offload=OffloadConfig(device_budget_bytes=1 << 40, policy=policy))
+    grads = gradients_after_serving(trainer, mode)
+    stats = trainer.offloader.stats
+    num_layers = len(trainer.engine.runner.layers)
+    assert stats.offloaded_layers + stats.dropped_layers >= 2 * num_layers
+    assert stats.reloaded_layers + stats.recomputed_layers == num_layers  # "b"'s layers came back
+    if policy == "load":
+        assert stats.reloaded_layers == num_layers
+    if policy == "recompute":
+        assert stats.recomputed_layers == num_layers and trainer.offloader.host_bytes == 0
+    assert relative_difference(grads, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_recomputed_and_reloaded_layers_mixed_in_one_backward(family):
+    """Half the layers dropped (no host room), half loaded back: one backward over both."""
+    reference = gradients_after_serving(make_trainer(family), "cpt")
+    trainer = make_trainer(family, offload=OffloadConfig(device_budget_bytes=1 << 40, policy="load"))
+    serve_two(trainer)
+    trainer.offloader.free_to(0)
+    entry = trainer.cache.get("b")
+    placement = entry.recording.placement
+    assert [layer.residence.value for layer in placement.layers] == ["host"] * len(placement.layers)
+    residency = trainer.offloader.residency(entry.recording)
+    residency.choices = ["recompute" if i % 2 == 0 else "load" for i in range(len(placement.layers))]
+    trainer.context.residency = lambda recording: residency
+    grads = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    stats = trainer.offloader.stats
+    assert stats.recomputed_layers == (len(placement.layers) + 1) // 2
+    assert stats.reloaded_layers == len(placement.layers) // 2
+    assert relative_difference(grads, reference) <= 1e-5
+
+
+def test_host_pool_full_drops_layers_for_recompute_and_gradients_hold():
+    reference = gradients_after_serving(make_trainer(), "cpt")
+    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40, host_budget_bytes=64 << 10,
+                                                 policy="hedged"))
+    grads = gradients_after_serving(trainer, "cpt")
+    stats = trainer.offloader.stats
+    assert stats.dropped_layers > 0 and stats.recomputed_layers > 0
+    assert trainer.offloader.pool.used_bytes <= 64 << 10
+    assert relative_difference(grads, reference) <= 1e-5
+
+
+def test_device_budget_holds_while_serving_and_training_continue():
+    """Requests keep arriving and finishing while every recorded entry is trained; the
+    offloader's accounting (cached activations plus the running step) stays within the
+    budget, and everything is released at the end."""
+    probe = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40))
+    serve_two(probe)
+    placement = probe.cache.get("b").recording.placement
+    largest_layer = max(layer.nbytes for layer in placement.layers)
+    # room for the running step, the kept tensors of three recordings and two layers
+    budget = probe.offloader.map.serving_bytes(64, 8) + 3 * placement.kept_bytes + 2 * largest_layer
+    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=budget, policy="hedged"))
+    offloader = trainer.offloader
+    engine = trainer.engine
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(0)
+    finished = 0
+    for i in range(24):
+        ids = encode(f"{rng.choice([PROMPT, OTHER_PROMPT])} request {i}")
+        engine.add_request(f"r{i}", ids, params, record=trainer.record_spec(len(ids), True))
+        for _ in range(rng.randint(1, 4)):
+            for out in engine.step()[0]:
+                trainer.on_output(out)
+                finished += out.finished
+            trainer.run_slice()
+    while engine.has_unfinished():
+        for out in engine.step()[0]:
+            trainer.on_output(out)
+            finished += out.finished
+    trainer.train_until_idle()
+    stats = offloader.stats
+    assert finished == 24
+    assert trainer.stats.recorded >= 10 and trainer.optimizer.version >= 10
+    assert trainer.stats.not_recorded > 0  # some were refused: their kept tensors would not fit
+    assert stats.offloaded_layers > 0 and stats.reloaded_layers + stats.recomputed_layers > 0
+    assert stats.peak_budget_bytes <= budget, (stats.peak_budget_bytes, budget)
+    assert offloader.device_bytes == 0 and offloader.host_bytes == 0
+
+
+def random_costs(rng: random.Random, num: int) -> tuple[list[bool], list[LayerCosts], Timings]:
+    timings = Timings(rng.uniform(1e8, 1e10), rng.uniform(0, 1e-4), 0.0, 0.0, 0.0, 0.0)
+    freed = rng.randint(1, num)
+    resident = [i >= freed for i in range(num)]
+    costs = [LayerCosts(None if rng.random() < 0.1 else rng.randint(1 << 20, 64 << 20), rng.uniform(1e-3, 2e-2),
+                        rng.uniform(2e-3, 4e-2)) for _ in range(num)]
+    return resident, costs, timings
+
+
+def test_hedged_plan_is_never_predicted_slower_than_either_pure_plan():
+    rng = random.Random(0)
+    strictly_better = 0
+    for _ in range(300):
+        resident, costs, timings = random_costs(rng, rng.randint(2, 24))
+        choices, seconds = plan(resident, costs, timings, prefetch=2)
+        fixed = ["keep" if r else (RECOMPUTE if c.reload_bytes is None else None) for r, c in zip(resident, costs)]
+        pure = [simulate([f or p for f in fixed], costs, timings, 2) for p in (LOAD, RECOMPUTE)]
+        assert seconds <= min(pure) + 1e-12
+        assert seconds == pytest.approx(simulate(choices, costs, timings, 2))
+        assert all(c == RECOMPUTE for c, cost in zip(choices, costs) if cost.reload_bytes is None and c != "keep")
+        strictly_better += seconds < min(pure) - 1e-9
+    assert strictly_better > 0  # mixing is sometimes strictly better, not only a tie
+
+
+def test_hedged_plan_mixes_when_the_link_is_slower_than_backward():
+    """Slow link (35 ms per layer load against 20 ms of backward), all but the top layer
+    freed: loading everything stalls, recomputing everything spends 10 ms per layer; the
+    plan loads some layers behind the backward of others and recomputes the rest."""
+    num = 8
+    costs = [LayerCosts(10 << 20, 0.010, 0.020) for _ in range(num)]
+    timings = Timings(3e8, 0.0, 0.0, 0.0, 0.0, 0.0)
+    resident = [i == num - 1 for i in range(num)]
+    choices, seconds = plan(resident, costs, timings, prefetch=2)
+    assert choices[0] == LOAD and RECOMPUTE in choices
+    load_all = simulate(["keep" if r else LOAD for r in resident], costs, timings, 2)
+    recompute_all = simulate(["keep" if r else RECOMPUTE for r in resident], costs, timings, 2)
+    assert seconds < 0.9 * min(load_all, recompute_all)
+    # a fast link hides every load: then loading all is the plan
+    timings.bandwidth_bytes_per_s = 1e10
+    assert plan(resident, costs, timings, prefetch=2)[0] == ["load"] * (num - 1) + ["keep"]
+
+
+def test_host_pool_allocates_within_its_budget_and_coalesces():
+    pool = HostPool(1024, pin=False)
+    blocks = [pool.allocate(200) for _ in range(4)]  # 4 x 256 aligned
+    assert all(b is not None for b in blocks) and pool.allocate(1) is None
+    assert pool.used_bytes == 1024
+    pool.free(blocks[1])
+    pool.free(blocks[2])
+    big = pool.allocate(500)  # fits only in the coalesced middle
+    assert big is not None and big.offset == 256
+    pool.free(blocks[0])
+    pool.free(blocks[3])
+    pool.free(big)
+    assert pool.used_bytes == 0 and pool.allocate(1024) is not None
+
+
+@pytest.mark.gpu
+def test_cuda_copy_stream_round_trip_through_pinned_pool():
+    from offload.copy_stream import CopyStream
+    device = torch.device("cuda")
+    pool = HostPool(64 << 20, pin=True)
+    assert pool.buffer.is_pinned()
+    copies = CopyStream(device)
+    source = torch.randn(8 << 20, device=device)
+    block = pool.allocate(source.numel() * 4)
+    alias = torch.empty(0, dtype=torch.uint8, device=device).set_(source.untyped_storage())
+    copies.copy(block.data, alias).wait()
+    back = torch.empty_like(alias)
+    copies.copy(back, block.data).wait()
+    assert torch.equal(back.view(torch.float32), source)
+
+
+@pytest.mark.gpu
+def test_cuda_offload_gradients_and_hidden_loads():
+    """On a GPU the reloads overlap backward: gradients equal, and the wait is a small
+    fraction of the backward for a one-third offloaded fraction."""
+    from offload.bench_offload import run_offload_bench
+    report = run_offload_bench(device="cuda", fractions=(1 / 3,), entries=2, tokens=512)
+    for name, result in report["policies"].items():
+        assert result["max_grad_rel_diff"] <= 1e-5, name
+    assert report["policies"]["offload"]["reload_wait_fraction"] < 0.1
