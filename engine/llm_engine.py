@@ -38,6 +38,8 @@ class StepMemoryGuard(Protocol):
 
     def after_step(self) -> None: ...
 
+    def admits(self, num_tokens: int) -> bool: ...
+
 
 class PrefillRecorder(Protocol):
     """Receives recorded prefills (the trainer)."""
@@ -45,6 +47,8 @@ class PrefillRecorder(Protocol):
     def adapter_version(self) -> int: ...
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None: ...
+
+    def on_record_refused(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -175,6 +179,12 @@ class LLMEngine:
         if not scheduled.is_empty:
             self.num_steps += 1
             if self.memory_guard is not None:
+                if scheduled.recorded and not self.memory_guard.admits(scheduled.scheduled[0].num_new_tokens):
+                    # its never-freed tensors would not fit the device budget: serve it unrecorded
+                    refused = scheduled.scheduled[0].seq
+                    refused.record, refused.track_logprob, scheduled.recorded = None, False, False
+                    if self.recorder is not None:
+                        self.recorder.on_record_refused(refused.request_id)
                 recorded = scheduled.scheduled[0].num_new_tokens if scheduled.recorded else 0
                 self.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
             try:

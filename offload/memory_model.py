@@ -38,6 +38,11 @@ class MemoryModel:
     max_model_len: int
     # measured / analytic recorded bytes (1.0 until calibrated)
     calibration: float = 1.0
+    # bytes per recorded token that are never freed: each layer's input, output and K/V,
+    # and the logits (all rows for CPT: the vocabulary per token, an upper bound for DPO)
+    kept_per_token: float = 0.0
+    # of which the head segment's (logits and the last layer's output), recorded last
+    head_per_token: float = 0.0
 
     @classmethod
     def analytic(cls, config, dtype_bytes: int, max_model_len: int) -> "MemoryModel":
@@ -49,8 +54,17 @@ class MemoryModel:
         # input of each adapted linear (shared with the above where they are the same tensor)
         per_token = dtype_bytes * (6 * hidden + 2 * kv + 4 * inter)
         step_per_token = dtype_bytes * (4 * hidden + 2 * kv + 3 * inter)
+        head = dtype_bytes * (hidden + config.vocab_size)
+        kept = dtype_bytes * config.num_hidden_layers * (2 * hidden + 2 * kv) + head
         return cls(config.num_hidden_layers, float(per_token), 0.0, float(step_per_token),
-                   float(4 * heads), float(4 * config.vocab_size), max_model_len)
+                   float(4 * heads), float(4 * config.vocab_size), max_model_len, kept_per_token=float(kept),
+                   head_per_token=float(head))
+
+    def recording_in_flight_bytes(self, tokens: int) -> int:
+        """What a recording holds at its largest before the offloader can free its layers:
+        one layer, that layer's kept tensors, and the head segment."""
+        kept_per_layer = (self.kept_per_token - self.head_per_token) / max(self.num_layers, 1)
+        return self.layer_bytes(tokens) + int((kept_per_layer + self.head_per_token) * tokens)
 
     def layer_bytes(self, tokens: int) -> int:
         return int(self.per_token * tokens + self.per_token_sq * tokens * tokens)

@@ -75,7 +75,7 @@ class ActivationOffloader:
         self._allowed_bytes = config.device_budget_bytes
         self._step_bytes = 0
         # the most kept bytes per recorded token seen (predicts a new recording's kept bytes)
-        self._kept_per_token = 0.0
+        self._kept_per_token = offloading_map.model.kept_per_token
         self._layer_per_token = 0.0
         self._recordings: list[RecordingPlacement] = []
         self._sequence = 0
@@ -96,8 +96,9 @@ class ActivationOffloader:
         return sum(r.kept_bytes for r in self._recordings)
 
     def admits(self, num_tokens: int) -> bool:
-        """Whether a new recording of `num_tokens` can be held: its kept tensors (which are
-        never freed) and one layer beside everything kept now and its own prefill step."""
+        """Whether a recorded prefill of `num_tokens` may run now: its kept tensors (which
+        are never freed) and one layer fit beside everything kept now and its own step.
+        Asked when the recorded step is scheduled; if not, the prefill runs unrecorded."""
         with self._lock:
             need = self.kept_bytes + int(self._kept_per_token * num_tokens) + self.layer_bytes(num_tokens)
             return need + self.map.serving_bytes(num_tokens, 1) <= self.budget_bytes
@@ -163,7 +164,10 @@ class ActivationOffloader:
         a recorded step, one layer of the new recording before it can be freed)."""
         with self._lock:
             self._step_bytes = self.map.serving_bytes(num_tokens, batch_size)
-            in_flight = self.layer_bytes(recorded_tokens) if recorded_tokens else 0
+            in_flight = 0
+            if recorded_tokens:
+                in_flight = max(self.layer_bytes(recorded_tokens),
+                                self.map.model.recording_in_flight_bytes(recorded_tokens))
             self._allowed_bytes = max(0, self.budget_bytes - self._step_bytes - in_flight)
             if not self.free_to(self._allowed_bytes):
                 self.stats.over_budget_steps += 1

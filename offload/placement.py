@@ -136,6 +136,7 @@ class RecordingPlacement:
             if tensor.untyped_storage().data_ptr() not in self.offloader.param_keys:
                 self._keep(storage_key(tensor), tensor.untyped_storage().nbytes())
         self.offloader._observe_kept(self.kept_bytes / max(self.num_tokens, 1))
+        self.offloader.free_to(self.offloader._allowed_bytes)
 
     def release(self) -> None:
         self.offloader._release(self)

@@ -1,4 +1,4 @@
-"""The `alchemist` command: `serve` and `bench serving`.
+"""The `alchemist` command: `serve`, `profile` and the benchmarks (`bench ...`).
 
 Configuration comes from configs/default.toml, then `--config FILE`, then flags.
 """
@@ -28,6 +28,11 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--arbiter-policy", choices=["idle", "slo"], help="when training runs (default idle)")
     parser.add_argument("--tpot-slo-ms", type=float, help="time-per-output-token SLO for --arbiter-policy slo")
+    parser.add_argument("--offload-device-budget-bytes", type=int, help="device bytes for recorded activations and "
+                        "a serving step together; recorded layers are offloaded to fit (0: unlimited)")
+    parser.add_argument("--offload-policy", choices=["hedged", "load", "recompute"],
+                        help="how offloaded layers come back for training (default hedged)")
+    parser.add_argument("--offload-profile", help="maps written by `alchemist profile --out FILE`")
 
 
 def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
@@ -38,6 +43,8 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None)},
         "arbiter": {"policy": getattr(args, "arbiter_policy", None), "tpot_slo_ms": getattr(args, "tpot_slo_ms", None)},
+        "offload": {"device_budget_bytes": getattr(args, "offload_device_budget_bytes", None),
+                    "policy": getattr(args, "offload_policy", None), "profile": getattr(args, "offload_profile", None)},
         "adapter": {"dir": getattr(args, "adapter_dir", None), "save_every": getattr(args, "adapter_save_every", None)},
         "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None),
                    "api_key": getattr(args, "api_key", None), "admin_key": getattr(args, "admin_key", None),
@@ -98,6 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
     colocate.add_argument("--json", help="write the results to this JSON file")
     colocate.add_argument("--sweep", help="comma-separated rates; draws TPOT vs rate as PNG")
     colocate.add_argument("--plot", help="PNG path for --sweep (default bench-colocate-POLICY.png)")
+    offload = benches.add_parser("offload", help="training with recorded layers kept, offloaded, recomputed, hedged")
+    _add_config_flags(offload)
+    offload.add_argument("--tokens", type=int, default=512, help="prompt tokens per entry (CPT)")
+    offload.add_argument("--entries", type=int, default=3, help="entries cached together")
+    offload.add_argument("--repeats", type=int, default=2)
+    offload.add_argument("--budget-fraction", type=float, default=0.5,
+                         help="device budget as a fraction of the entries' recorded activations")
+    offload.add_argument("--json", help="write the report to this JSON file")
+    offload.add_argument("--sweep", action="store_true", help="also sweep the freed fraction of layers and plot it")
+    offload.add_argument("--plot", help="PNG path for --sweep (default bench-offload.png)")
+    profile = commands.add_parser("profile", help="measure this device and write the offloading and hedging maps")
+    _add_config_flags(profile)
+    profile.add_argument("--out", required=True, help="JSON file to write (load it with --offload-profile)")
+    profile.add_argument("--tokens", default="128,512,1024", help="token lengths to measure, comma-separated")
     soak = benches.add_parser("soak", help="mixed traffic with feedback for a while: errors, RSS growth, cache drain")
     soak.add_argument("--seconds", type=float, default=600.0, help="traffic duration")
     soak.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
@@ -145,6 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         report = run_soak_bench(SoakConfig(seconds=args.seconds, rate=args.rate, seed=args.seed), args.json,
                                 args.plot)
         return 0 if report["errors"] == 0 and report["cache_drained"] else 1
+    if args.command == "profile":
+        from offload.profile import run_profile
+        run_profile(config, args.out, tuple(int(n) for n in args.tokens.split(",")))
+        return 0
+    if args.command == "bench" and args.bench == "offload":
+        from offload.bench_offload import run_offload_bench
+        run_offload_bench(config, args.tokens, args.entries, args.repeats, args.budget_fraction, args.json,
+                          args.sweep, plot_path=args.plot)
+        return 0
     if args.command == "bench" and args.bench == "training":
         from trainer.bench_training import run_training_bench
         sweep = [int(n) for n in args.sweep.split(",")] if args.sweep else None

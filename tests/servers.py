@@ -16,10 +16,12 @@ from tests.tiny import tiny_model, tiny_tokenizer
 TINY_NAME = "tiny-llama"
 
 
-def tiny_app(family: str = "llama", *, train=None, adapter=None, server=None, model=None, **config_kwargs):
-    """A server app on a tiny model; `train`, `adapter`, `server` replace those config sections."""
+def tiny_app(family: str = "llama", *, train=None, adapter=None, server=None, offload=None, model=None,
+             **config_kwargs):
+    """A server app on a tiny model; `train`, `adapter`, `server`, `offload` replace those config sections."""
     config = make_config(**config_kwargs)
-    sections = {k: v for k, v in (("train", train), ("adapter", adapter), ("server", server)) if v is not None}
+    sections = {k: v for k, v in (("train", train), ("adapter", adapter), ("server", server), ("offload", offload))
+                if v is not None}
     config = dataclasses.replace(config, **sections)
     return build_server(config, model=model or tiny_model(family), tokenizer=tiny_tokenizer(), model_name=TINY_NAME)
 

@@ -2,8 +2,10 @@
 policy, the device budget holds while serving and training go on, the hedged plan is
 never predicted slower than the better pure plan, and the host pool keeps its budget."""
 
+import asyncio
 import random
 
+import httpx
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from engine.sampling_params import SamplingParams
 from offload.hedging import LOAD, RECOMPUTE, LayerCosts, Timings, plan, simulate
 from offload.host_pool import HostPool
 from tests.conftest import encode, make_engine
+from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
 from tests.test_training import PROMPT, gradients_of, label, relative_difference
 from tests.tiny import FAMILIES
 from trainer.trainer import Trainer
@@ -100,16 +103,21 @@ def test_host_pool_full_drops_layers_for_recompute_and_gradients_hold():
     assert relative_difference(grads, reference) <= 1e-5
 
 
-def test_device_budget_holds_while_serving_and_training_continue():
-    """Requests keep arriving and finishing while every recorded entry is trained; the
-    offloader's accounting (cached activations plus the running step) stays within the
-    budget, and everything is released at the end."""
+def tight_budget() -> int:
+    """Room for a running step, the never-freed tensors of three recordings and two
+    layers: less than the cached activations of a few requests."""
     probe = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40))
     serve_two(probe)
     placement = probe.cache.get("b").recording.placement
     largest_layer = max(layer.nbytes for layer in placement.layers)
-    # room for the running step, the kept tensors of three recordings and two layers
-    budget = probe.offloader.map.serving_bytes(64, 8) + 3 * placement.kept_bytes + 2 * largest_layer
+    return probe.offloader.map.serving_bytes(64, 8) + 3 * placement.kept_bytes + 2 * largest_layer
+
+
+def test_device_budget_holds_while_serving_and_training_continue():
+    """Requests keep arriving and finishing while every recorded entry is trained; the
+    offloader's accounting (cached activations plus the running step) stays within the
+    budget, and everything is released at the end."""
+    budget = tight_budget()
     trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=budget, policy="hedged"))
     offloader = trainer.offloader
     engine = trainer.engine
@@ -136,6 +144,45 @@ def test_device_budget_holds_while_serving_and_training_continue():
     assert stats.offloaded_layers > 0 and stats.reloaded_layers + stats.recomputed_layers > 0
     assert stats.peak_budget_bytes <= budget, (stats.peak_budget_bytes, budget)
     assert offloader.device_bytes == 0 and offloader.host_bytes == 0
+
+
+def test_server_under_a_tight_budget_serves_every_request_and_trains():
+    """Over HTTP: concurrent requests all succeed while the offloader frees layers and
+    training brings them back; the metrics say so."""
+    budget = tight_budget()
+    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4), offload=OffloadConfig(device_budget_bytes=budget))
+    trainer = app.state.alchemist.trainer
+
+    async def traffic(url):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            bodies = [{"model": TINY_NAME, "prompt": f"{PROMPT} number {i}", "max_tokens": 8} for i in range(16)]
+            return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+
+    with ServerThread(app) as server:
+        responses = asyncio.run(traffic(server.url))
+        assert [r.status_code for r in responses] == [200] * 16
+        wait_for(lambda: trainer.optimizer.version >= 3 and not trainer.has_work(), timeout=60)
+        metrics = httpx.get(f"{server.url}/metrics").text
+    stats = trainer.offloader.stats
+    assert stats.offloaded_layers > 0 and stats.reloaded_layers + stats.recomputed_layers > 0
+    assert stats.peak_budget_bytes <= budget
+    assert _sample(metrics, "alchemist:offloaded_layers_total") == stats.offloaded_layers
+    assert _sample(metrics, "alchemist:activation_device_bytes") == trainer.offloader.device_bytes
+
+
+def _sample(metrics: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name))
+
+
+def test_offload_config_is_validated_and_read_from_the_environment():
+    from engine.config import load_config
+    with pytest.raises(ValueError, match="offload.policy"):
+        OffloadConfig(policy="sometimes")
+    with pytest.raises(ValueError, match="offload.device_budget_bytes"):
+        OffloadConfig(device_budget_bytes=-1)
+    config = load_config(None, {}, {"ALCHEMIST_OFFLOAD_POLICY": "recompute",
+                                    "ALCHEMIST_OFFLOAD_DEVICE_BUDGET_BYTES": "123456"})
+    assert config.offload == OffloadConfig(device_budget_bytes=123456, policy="recompute")
 
 
 def random_costs(rng: random.Random, num: int) -> tuple[list[bool], list[LayerCosts], Timings]:

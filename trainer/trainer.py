@@ -156,8 +156,7 @@ class Trainer:
             if self._rng.random() >= self.config.record_fraction:
                 return None
         expected = (self._bytes_per_token or 0.0) * num_prompt_tokens
-        if (num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
-                or (self.offloader is not None and not self.offloader.admits(num_prompt_tokens))):
+        if num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected)):
             self.stats.not_recorded += 1
             return None
         return self.method.record_spec()
@@ -175,6 +174,10 @@ class Trainer:
             self._responses[request_id] = {}
         else:
             self.stats.not_recorded += 1
+
+    def on_record_refused(self, request_id: str) -> None:
+        """The offloader had no room for the recording's never-freed tensors."""
+        self.stats.not_recorded += 1
 
     def on_step(self, stats: StepStats) -> None:
         # label timeouts come due under steady load too, when no idle slice runs to expire them
