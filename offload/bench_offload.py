@@ -73,6 +73,23 @@ class _OffloadBench(_Bench):
         return rows
 
 
+def recording_cost(bench: _OffloadBench, prompts: list[list[int]], repeats: int) -> float:
+    """A recorded prefill with the offloader taking its segments (each copied to the host
+    pool as it is recorded) over one without, median of alternating pairs."""
+    runner, ratios = bench.engine.runner, []
+    for r in range(repeats + 1):
+        seconds = {}
+        for with_offloader in ((True, False) if r % 2 else (False, True)):
+            runner.segment_sink = bench.offloader if with_offloader else None
+            request_id = f"record-{with_offloader}-{r}-{time.monotonic_ns()}"
+            seconds[with_offloader] = bench.serve(prompts[r % len(prompts)], True, request_id)
+            bench.trainer.cache.end(bench.trainer.cache.get(request_id), EntryState.DROPPED)
+        runner.segment_sink = bench.offloader
+        if r:
+            ratios.append(seconds[True] / seconds[False])
+    return round(statistics.median(ratios), 3)
+
+
 def free_to_budget(fraction: float):
     """Frees as before a serving step, to `fraction` of the cached bytes; the budget then
     also bounds the reloads during training."""
@@ -159,6 +176,9 @@ def run_offload_bench(config: AlchemistConfig | None = None, tokens: int = 512, 
           flush=True)
     policies = _measure(bench, prompts, free_to_budget(budget_fraction), repeats)
     report["policies"] = policies
+    report["recording_overhead_with_offloader"] = recording_cost(bench, prompts, max(repeats, 3))
+    print(f"  recorded prefill with the offloader copying it out / without: "
+          f"x{report['recording_overhead_with_offloader']:.3f}", flush=True)
     report["budget_fraction"] = budget_fraction
     report["peak_device_activation_bytes"] = max(policies[p]["peak_device_bytes"] for p in policies if p != "keep")
     report["cached_activation_bytes"] = policies["keep"]["peak_device_bytes"]

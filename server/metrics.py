@@ -236,7 +236,7 @@ def _offload_metrics(trainer):
     """The activation offloader (offload/); without one every recorded byte is on the device."""
     offloader = trainer.offloader
     if offloader is None:
-        device, host, stats = trainer.cache.bytes_used, 0, None
+        device, host, stats = trainer.cache.bytes, 0, None
     else:
         device, host, stats = offloader.device_bytes, offloader.host_bytes, offloader.stats
     yield GaugeMetricFamily(f"{PREFIX}activation_device_bytes", "Bytes of recorded activations on the device, "
