@@ -149,7 +149,6 @@ class StepKV:
             return k_pool[key_slots].transpose(1, 2), v_pool[key_slots].transpose(1, 2)
         # sequence 0 is the recorded one: its rows lead the packed step and its keys are all
         # new, so attention takes them live, padded to S; the others read the pool
-        live_rows = self.metadata.query_index[0]
         num_live = int((self.metadata.query_positions[0] >= 0).sum())
         live_key, live_value = key[:, :, :num_live], value[:, :, :num_live]
         self.recorded[layer_idx] = (live_key, live_value)

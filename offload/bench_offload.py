@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine.config import AlchemistConfig, OffloadConfig
+from engine.config import AlchemistConfig
 from engine.model_runner import run_to_end
 from trainer.adapter import lora_gradients
 from trainer.bench_training import _Bench, _rel_diff, synthetic_tokens

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import TokenLogprob
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server.errors import APIError, error_body, install_error_handlers, validation_error
 from server.guards import GuardConfig, RequestGuard

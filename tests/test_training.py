@@ -12,7 +12,7 @@ from engine.config import TrainConfig
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_engine
-from tests.tiny import FAMILIES, tiny_tokenizer
+from tests.tiny import FAMILIES
 from trainer.adapter import lora_gradients, lora_parameters
 from trainer.cache import EntryState
 from trainer.trainer import Trainer
