@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 class StepMemoryGuard(Protocol):
     """Makes room on the device before each serving step (the activation offloader)."""
 
-    def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0) -> None: ...
+    def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0,
+                    max_context: int = 0) -> None: ...
 
     def after_step(self) -> None: ...
 
@@ -186,7 +187,8 @@ class LLMEngine:
                     if self.recorder is not None:
                         self.recorder.on_record_refused(refused.request_id)
                 recorded = scheduled.scheduled[0].num_new_tokens if scheduled.recorded else 0
-                self.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
+                context = max(s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled.scheduled)
+                self.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded, context)
             try:
                 model_output = self.runner.execute(scheduled)
             finally:

@@ -41,7 +41,7 @@ class MemoryModel:
     # bytes per recorded token that are never freed: each layer's input, output and K/V,
     # and the logits (all rows for CPT: the vocabulary per token, an upper bound for DPO)
     kept_per_token: float = 0.0
-    # of which the head segment's (logits and the last layer's output), recorded last
+    # of which once per recording, not per layer: the rotary tables, the head segment
     head_per_token: float = 0.0
 
     @classmethod
@@ -54,17 +54,22 @@ class MemoryModel:
         # input of each adapted linear (shared with the above where they are the same tensor)
         per_token = dtype_bytes * (6 * hidden + 2 * kv + 4 * inter)
         step_per_token = dtype_bytes * (4 * hidden + 2 * kv + 3 * inter)
-        head = dtype_bytes * (hidden + config.vocab_size)
+        # once per recording: the rotary tables (cos, sin), the head's input and the logits
+        head = dtype_bytes * (2 * (hidden // heads) + hidden + config.vocab_size)
         kept = dtype_bytes * config.num_hidden_layers * (2 * hidden + 2 * kv) + head
         return cls(config.num_hidden_layers, float(per_token), 0.0, float(step_per_token),
                    float(4 * heads), float(4 * config.vocab_size), max_model_len, kept_per_token=float(kept),
                    head_per_token=float(head))
 
-    def recording_in_flight_bytes(self, tokens: int) -> int:
-        """What a recording holds at its largest before the offloader can free its layers:
-        one layer, that layer's kept tensors, and the head segment."""
+    def recording_in_flight_bytes(self, rows: int, batch: int = 1, queries: int = 0, keys: int = 0) -> int:
+        """What a recorded step adds at most before the offloader can free its layers: one
+        layer, that layer's kept tensors, and the once-per-recording tensors. A recorded
+        step holds all its `rows` (the recorded prompt and decodes beside it); attention
+        saves (batch, heads, queries, keys) scores, queries and keys padded to the longest."""
+        queries, keys = queries or rows, keys or rows
+        layer = self.per_token * rows + self.per_token_sq * batch * queries * keys
         kept_per_layer = (self.kept_per_token - self.head_per_token) / max(self.num_layers, 1)
-        return self.layer_bytes(tokens) + int((kept_per_layer + self.head_per_token) * tokens)
+        return int(layer + (kept_per_layer + self.head_per_token) * rows)
 
     def layer_bytes(self, tokens: int) -> int:
         return int(self.per_token * tokens + self.per_token_sq * tokens * tokens)

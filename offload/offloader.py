@@ -38,6 +38,10 @@ from offload.placement import LayerPlacement, RecordingPlacement, Residence, Sto
 
 logger = logging.getLogger(__name__)
 
+# the memory model is calibrated on single-sequence layers; a recorded step pads its
+# attention to the longest sequence beside it, which the model bounds only approximately
+_IN_FLIGHT_MARGIN = 1.25
+
 # recompute(layer index, the layer's kept input rows (1, P, hidden)) -> a fresh segment
 RecomputeFn = Callable[[int, torch.Tensor], LayerSegment]
 
@@ -158,15 +162,16 @@ class ActivationOffloader:
         """A recorded layer's offloadable bytes: the memory model, or the most seen per token."""
         return max(self.map.model.layer_bytes(num_tokens), int(self._layer_per_token * num_tokens))
 
-    def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0) -> None:
+    def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0, max_context: int = 0) -> None:
         """Frees layers so that the cached activations fit beside a serving step (and, for
         a recorded step, one layer of the new recording before it can be freed)."""
         with self._lock:
             self._step_bytes = self.map.serving_bytes(num_tokens, batch_size)
             in_flight = 0
-            if recorded_tokens:
-                in_flight = max(self.layer_bytes(recorded_tokens),
-                                self.map.model.recording_in_flight_bytes(recorded_tokens))
+            if recorded_tokens:  # the recorded graph holds every row of the step, decodes included
+                estimate = self.map.model.recording_in_flight_bytes(num_tokens, batch_size, recorded_tokens,
+                                                                    max(max_context, recorded_tokens))
+                in_flight = int(max(self.layer_bytes(num_tokens), estimate) * _IN_FLIGHT_MARGIN)
             self._allowed_bytes = max(0, self.budget_bytes - self._step_bytes - in_flight)
             if not self.free_to(self._allowed_bytes):
                 self.stats.over_budget_steps += 1

@@ -128,6 +128,9 @@ def run_condition(training: bool, side: TrainingSide, trace: list[TraceRequest],
         "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
                                            + side.policy + '"}'),
+        **{name: read_metric(after, f"alchemist:{name}_total") - read_metric(before, f"alchemist:{name}_total")
+           for name in ("offloaded_layers", "dropped_layers", "reloaded_layers", "recomputed_layers",
+                        "unrecorded_prefills")},
     }
 
 

@@ -103,6 +103,23 @@ def test_host_pool_full_drops_layers_for_recompute_and_gradients_hold():
     assert relative_difference(grads, reference) <= 1e-5
 
 
+def test_an_optimizer_step_frees_the_recordings_it_made_stale():
+    """Entries recorded under the old adapter are never back-propagated: their device
+    and host memory is released at the step, not when their turn comes."""
+    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40))
+    serve_two(trainer)
+    trainer.offloader.free_to(trainer.offloader.device_bytes // 2)  # some layers in the host pool
+    assert trainer.offloader.host_bytes > 0
+    while trainer.optimizer.version == 0:
+        assert trainer.run_slice()
+    waiting = trainer.cache.get("b") or trainer.cache.get("a")
+    assert waiting is not None and waiting.adapter_version == 0 and waiting.recording is None
+    assert trainer.cache.bytes == 0
+    assert trainer.offloader.device_bytes == 0 and trainer.offloader.host_bytes == 0
+    trainer.train_until_idle()  # and it is still trained, through the recompute path
+    assert trainer.optimizer.version == 2 and trainer.stats.stale_entries == 1
+
+
 def tight_budget() -> int:
     """Room for a running step, the never-freed tensors of three recordings and two
     layers: less than the cached activations of a few requests."""

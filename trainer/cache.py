@@ -216,6 +216,22 @@ class ActivationCache:
                 entry.state = EntryState.TRAINING
             return taken
 
+    def release_stale(self, version: int) -> int:
+        """Drops the recordings of waiting entries recorded under another adapter version:
+        they are never back-propagated (they take the recompute path or are dropped when
+        their turn comes), so their memory is freed now rather than then. Returns how many."""
+        released = 0
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.recording is not None and entry.adapter_version != version \
+                        and entry.state is not EntryState.TRAINING:
+                    self.bytes -= entry.nbytes
+                    self.released_bytes += entry.nbytes
+                    entry.nbytes = 0
+                    entry.release()
+                    released += 1
+        return released
+
     def requeue(self, entry: CacheEntry) -> None:
         """Puts an entry of an abandoned job back in line (it is retrained later)."""
         with self._lock:

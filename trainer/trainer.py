@@ -371,9 +371,10 @@ class Trainer:
         losses = [r.loss for r in job.results]
         finite = all(math.isfinite(v) for v in losses)
         if job.results:
-            if self.optimizer.step(loss_is_finite=finite) and self.checkpointer is not None \
-                    and self.checkpointer.due(self.optimizer.version):
-                self.checkpointer.save_async(self.snapshot())
+            if self.optimizer.step(loss_is_finite=finite):
+                self.cache.release_stale(self.optimizer.version)
+                if self.checkpointer is not None and self.checkpointer.due(self.optimizer.version):
+                    self.checkpointer.save_async(self.snapshot())
             self._merge_pending = self.config.merged_serving
             self.stats.last_loss = sum(losses) / len(losses)
             self.stats.train_tokens += sum(r.tokens for r in job.results)
@@ -424,6 +425,7 @@ class Trainer:
             for name, tensor in live.items():
                 tensor.copy_(snapshot.weights[name])
         self.optimizer.load_state_dict(snapshot.optimizer_state, version)
+        self.cache.release_stale(version)
         self.restored_from = snapshot.version
         self._merge_pending = self.config.merged_serving
 
