@@ -173,10 +173,17 @@ class OffloadConfig:
     prefetch_layers: int = 2
     # a file written by `alchemist profile` (calibrated maps and timings); empty: calibrate at start
     profile: str = ""
+    # when layers are copied to the host pool: "recording" (each layer as it is recorded,
+    # on the copy stream — the paper's: freeing is then free), "freeing" (only the layers
+    # freed, when they are), auto: recording on CUDA (a separate copy engine), freeing on
+    # CPU (where the copy takes the cores the prefill runs on)
+    copy_to_host: str = "auto"
 
     def __post_init__(self) -> None:
         if self.policy not in OFFLOAD_POLICIES:
             raise ValueError(f"offload.policy must be one of {OFFLOAD_POLICIES}, got {self.policy!r}")
+        if self.copy_to_host not in ("auto", "recording", "freeing"):
+            raise ValueError(f"offload.copy_to_host must be auto, recording or freeing, got {self.copy_to_host!r}")
         for name in ("device_budget_bytes", "host_budget_bytes", "prefetch_layers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

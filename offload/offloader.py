@@ -3,8 +3,9 @@
 
 - Recording: each layer segment is registered as soon as it is recorded and, if the host
   pool has room, copied to it at once on the copy stream, so that freeing it later costs
-  nothing. If the recording alone would exceed the budget, its layers are freed as they
-  are recorded (the paper's direct offload).
+  nothing (`offload.copy_to_host`: the paper's way, the default on CUDA; on CPU a layer
+  is copied only when it is freed). If the recording alone would exceed the budget, its
+  layers are freed as they are recorded (the paper's direct offload).
 - Before each serving step the engine calls `before_step`: the offloading map gives the
   step's bytes, and layers are freed until the cached activations fit beside it — newest
   recording first (trained last), within it layer 0 first (needed last in backward).
@@ -85,6 +86,11 @@ class ActivationOffloader:
         self._lock = threading.RLock()
 
     @property
+    def copy_while_recording(self) -> bool:
+        mode = self.config.copy_to_host
+        return mode == "recording" or (mode == "auto" and self.device.type == "cuda")
+
+    @property
     def budget_bytes(self) -> int:
         return self.config.device_budget_bytes
 
@@ -124,7 +130,7 @@ class ActivationOffloader:
         with self._lock:
             self._layer_per_token = max(self._layer_per_token, layer.nbytes / max(recording.num_tokens, 1))
             self._account(layer.nbytes)
-            if self.config.policy != "recompute":
+            if self.config.policy != "recompute" and self.copy_while_recording:
                 for storage in layer.storages:
                     self._copy_to_host(storage)
             # a recording larger than the budget on its own: free its layers as they come

@@ -55,11 +55,13 @@ def gradients_after_serving(trainer: Trainer, mode: str) -> dict:
     return gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
 
 
+@pytest.mark.parametrize("copy_to_host", ["recording", "freeing"])
 @pytest.mark.parametrize("policy", ["load", "recompute", "hedged"])
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])
-def test_gradients_equal_keeping_every_layer_on_the_device(mode, policy):
+def test_gradients_equal_keeping_every_layer_on_the_device(mode, policy, copy_to_host):
     reference = gradients_after_serving(make_trainer(mode=mode), mode)
-    trainer = make_trainer(mode=mode, offload=OffloadConfig(device_budget_bytes=1 << 40, policy=policy))
+    trainer = make_trainer(mode=mode, offload=OffloadConfig(device_budget_bytes=1 << 40, policy=policy,
+                                                            copy_to_host=copy_to_host))
     grads = gradients_after_serving(trainer, mode)
     stats = trainer.offloader.stats
     num_layers = len(trainer.engine.runner.layers)
@@ -90,6 +92,17 @@ def test_recomputed_and_reloaded_layers_mixed_in_one_backward(family):
     assert stats.recomputed_layers == (len(placement.layers) + 1) // 2
     assert stats.reloaded_layers == len(placement.layers) // 2
     assert relative_difference(grads, reference) <= 1e-5
+
+
+def test_layers_are_copied_while_recording_or_only_when_freed():
+    eager = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40, copy_to_host="recording"))
+    serve_two(eager)
+    assert eager.offloader.host_bytes > 0 and eager.offloader.stats.offloaded_layers == 0
+    lazy = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40, copy_to_host="freeing"))
+    serve_two(lazy)
+    assert lazy.offloader.host_bytes == 0
+    lazy.offloader.free_to(0)
+    assert lazy.offloader.host_bytes > 0 and lazy.offloader.stats.offloaded_layers > 0
 
 
 def test_host_pool_full_drops_layers_for_recompute_and_gradients_hold():
@@ -195,6 +208,8 @@ def test_offload_config_is_validated_and_read_from_the_environment():
     from engine.config import load_config
     with pytest.raises(ValueError, match="offload.policy"):
         OffloadConfig(policy="sometimes")
+    with pytest.raises(ValueError, match="offload.copy_to_host"):
+        OffloadConfig(copy_to_host="later")
     with pytest.raises(ValueError, match="offload.device_budget_bytes"):
         OffloadConfig(device_budget_bytes=-1)
     config = load_config(None, {}, {"ALCHEMIST_OFFLOAD_POLICY": "recompute",
