@@ -149,18 +149,22 @@ class ModelRunner:
         position_ids = positions.unsqueeze(0)
         if position_embeddings is None:
             position_embeddings = self.rotary(hidden, position_ids)
-        for layer in self.layers:
+        for index in range(len(self.layers)):
             if leaves is not None:
                 hidden = hidden.detach().requires_grad_()
                 leaves.append(hidden)
-            hidden = layer(hidden, attention_mask=metadata, position_ids=position_ids, past_key_values=past,
-                           position_embeddings=position_embeddings)
-            if isinstance(hidden, tuple):
-                hidden = hidden[0]
+            hidden = self.run_layer(index, hidden, position_ids, metadata, past, position_embeddings)
             if outputs is not None:
                 outputs.append(hidden)
             yield
         return hidden
+
+    def run_layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
+                  past, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Decoder layer `index` on (1, T, hidden)."""
+        out = self.layers[index](hidden, attention_mask=metadata, position_ids=position_ids, past_key_values=past,
+                                 position_embeddings=position_embeddings)
+        return out[0] if isinstance(out, tuple) else out
 
     def run_layers(self, *args, **kwargs) -> torch.Tensor:
         """`iter_layers` run to the end."""

@@ -90,7 +90,7 @@ class RecordSpec:
 class SavedTensor:
     """What autograd holds instead of a saved tensor while the tracker is active."""
 
-    __slots__ = ("tensor", "tracker", "key", "version", "segment", "fetch", "__weakref__")
+    __slots__ = ("tensor", "tracker", "key", "version", "fetch", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor, tracker: "SavedTensorTracker"):
         # detached: a saved output keeps its grad_fn, whose node keeps this object — a
@@ -102,12 +102,10 @@ class SavedTensor:
         self.tracker = tracker
         self.version = tensor._version
         self.key = tracker._acquire(tensor)
-        # the layer segment being recorded (None outside one)
-        self.segment = tracker.segment
         # set by the offloader while the tensor is off the device: puts it back
         self.fetch = None
-        if tracker.collected is not None and self.segment is not None and self.key is not None:
-            tracker.collected.setdefault(self.segment, []).append(weakref.ref(self))
+        if tracker.collected is not None and tracker.segment is not None and self.key is not None:
+            tracker.collected.setdefault(tracker.segment, []).append(weakref.ref(self))
 
     def unpack(self) -> torch.Tensor:
         if self.tensor is None:

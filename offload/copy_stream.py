@@ -22,11 +22,6 @@ class CopyHandle:
         self._future = future
         self._event = event
 
-    def done(self) -> bool:
-        if self._event is not None:
-            return self._event.query()
-        return self._future.done()
-
     def wait(self) -> float:
         started = time.perf_counter()
         if self._event is not None:

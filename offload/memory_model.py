@@ -16,7 +16,7 @@ side is what the offloader's accounting measures, which is exact.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 TOKEN_STEP, BATCH_STEP = 500, 5
 
@@ -94,9 +94,6 @@ class MemoryModel:
             t, b = points[0]
             self.per_token = b / t
         self.calibration = sum(b for _, b in points) / max(analytic, 1)
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

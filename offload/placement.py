@@ -69,10 +69,6 @@ class LayerPlacement:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.storages)
 
-    @property
-    def has_host_copy(self) -> bool:
-        return all(s.host is not None for s in self.storages)
-
 
 class RecordingPlacement:
     """One recording's segments, as the offloader sees them (engine.recording.SegmentPlacement)."""

@@ -43,7 +43,7 @@ def build_profile(model: MemoryModel, timings: Timings, budget_bytes: int, max_t
         "offloading_map": {"token_step": offloading.token_step, "batch_step": offloading.batch_step,
                            "budget_bytes": budget_bytes, "rows": offloading.table(max_tokens, max_tokens, max_batch)},
         "hedging_map": {"prefetch_layers": prefetch, "rows": hedging_map(model, timings, max_tokens, prefetch)},
-        "memory_model": model.to_json(),
+        "memory_model": dataclasses.asdict(model),
         "timings": dataclasses.asdict(timings),
         "measurements": [dataclasses.asdict(m) for m in measurements or []],
     }

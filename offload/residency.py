@@ -24,7 +24,6 @@ class Residency:
         self.offloader = offloader
         self.placement = placement
         self.choices: list[str] | None = None
-        self.predicted_seconds = 0.0
         self._backward_started = 0.0
         placement.active = True
 
@@ -36,8 +35,7 @@ class Residency:
                  for layer in layers]
         policy = offloader.config.policy
         if policy == "hedged":
-            self.choices, self.predicted_seconds = plan(resident, costs, offloader.timings,
-                                                        offloader.config.prefetch_layers)
+            self.choices, _ = plan(resident, costs, offloader.timings, offloader.config.prefetch_layers)
         else:
             self.choices = [KEEP if r else (LOAD if policy == "load" and c.reload_bytes is not None else RECOMPUTE)
                             for r, c in zip(resident, costs)]

@@ -228,7 +228,8 @@ class TrainingCollector:
         yield CounterMetricFamily(f"{PREFIX}memory_trims", "Idle slices that returned freed activation memory "
                                   "to the OS (glibc malloc_trim).", value=stats.memory_trims)
         yield CounterMetricFamily(f"{PREFIX}unrecorded_prefills", "Requests selected for training but not "
-                                  "recorded (cache full or prompt too long).", value=stats.not_recorded)
+                                  "recorded (cache full, prompt too long, or no room in the offload device budget).",
+                                  value=stats.not_recorded)
         yield from _offload_metrics(t)
 
 
@@ -243,12 +244,13 @@ def _offload_metrics(trainer):
                             "by the offloader's accounting.", value=device)
     yield GaugeMetricFamily(f"{PREFIX}activation_host_bytes", "Bytes of recorded activations copied to the host "
                             "pool.", value=host)
-    for name, field, text in (
-            ("offloaded_layers", "offloaded_layers", "Recorded layers freed from the device to their host copy."),
-            ("dropped_layers", "dropped_layers", "Recorded layers freed without a host copy (recomputed later)."),
-            ("reloaded_layers", "reloaded_layers", "Freed layers loaded back to the device for backward."),
-            ("recomputed_layers", "recomputed_layers", "Freed layers recomputed from their kept input for "
-                                                       "backward.")):
-        yield CounterMetricFamily(f"{PREFIX}{name}", text, value=getattr(stats, field) if stats else 0)
+    for name, text in (
+            ("offloaded_layers", "Recorded layers freed from the device to their host copy."),
+            ("dropped_layers", "Recorded layers freed without a host copy (recomputed later)."),
+            ("reloaded_layers", "Freed layers loaded back to the device for backward."),
+            ("recomputed_layers", "Freed layers recomputed from their kept input for backward."),
+            ("over_budget_steps", "Serving steps before which the device budget could not be met (only "
+                                  "never-freed tensors were left).")):
+        yield CounterMetricFamily(f"{PREFIX}{name}", text, value=getattr(stats, name) if stats else 0)
     yield CounterMetricFamily(f"{PREFIX}reload_wait_seconds", "Seconds backward waited for reloads (not hidden "
                               "behind compute), in seconds.", value=stats.reload_wait_seconds if stats else 0.0)

@@ -197,6 +197,7 @@ def test_server_under_a_tight_budget_serves_every_request_and_trains():
     assert stats.offloaded_layers > 0 and stats.reloaded_layers + stats.recomputed_layers > 0
     assert stats.peak_budget_bytes <= budget
     assert _sample(metrics, "alchemist:offloaded_layers_total") == stats.offloaded_layers
+    assert _sample(metrics, "alchemist:over_budget_steps_total") == 0
     assert _sample(metrics, "alchemist:activation_device_bytes") == trainer.offloader.device_bytes
 
 
@@ -298,4 +299,4 @@ def test_cuda_offload_gradients_and_hidden_loads():
     report = run_offload_bench(device="cuda", fractions=(1 / 3,), entries=2, tokens=512)
     for name, result in report["policies"].items():
         assert result["max_grad_rel_diff"] <= 1e-5, name
-    assert report["policies"]["offload"]["reload_wait_fraction"] < 0.1
+    assert report["sweep"][0]["policies"]["offload"]["reload_wait_fraction"] < 0.1

@@ -216,11 +216,10 @@ class ActivationCache:
                 entry.state = EntryState.TRAINING
             return taken
 
-    def release_stale(self, version: int) -> int:
+    def release_stale(self, version: int) -> None:
         """Drops the recordings of waiting entries recorded under another adapter version:
         they are never back-propagated (they take the recompute path or are dropped when
-        their turn comes), so their memory is freed now rather than then. Returns how many."""
-        released = 0
+        their turn comes), so their memory is freed now rather than then."""
         with self._lock:
             for entry in self._entries.values():
                 if entry.recording is not None and entry.adapter_version != version \
@@ -229,8 +228,6 @@ class ActivationCache:
                     self.released_bytes += entry.nbytes
                     entry.nbytes = 0
                     entry.release()
-                    released += 1
-        return released
 
     def requeue(self, entry: CacheEntry) -> None:
         """Puts an entry of an abandoned job back in line (it is retrained later)."""

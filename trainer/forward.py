@@ -128,10 +128,7 @@ def recompute_segment(runner: ModelRunner, index: int, leaf_rows: torch.Tensor) 
     leaf = leaf_rows.detach().requires_grad_()
     position_ids = torch.arange(num, device=runner.device).unsqueeze(0)
     with torch.enable_grad():
-        out = runner.layers[index](leaf, attention_mask=metadata, position_ids=position_ids, past_key_values=past,
-                                   position_embeddings=runner.rotary(leaf, position_ids))
-    if isinstance(out, tuple):
-        out = out[0]
+        out = runner.run_layer(index, leaf, position_ids, metadata, past, runner.rotary(leaf, position_ids))
     key, value = next(iter(past.new.values()))
     return LayerSegment(leaf, out, key, value)
 
