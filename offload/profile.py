@@ -1,6 +1,6 @@
-"""`alchemist profile --out FILE`: the offloading and hedging maps for this model on this
-device, as JSON (keys `offloading_map`, `hedging_map`, plus the calibrated memory model
-and timings the server loads with `offload.profile`).
+"""The offloading and hedging maps for a model on a device, as JSON: keys
+`offloading_map`, `hedging_map`, plus the calibrated memory model and timings the server
+loads with `offload.profile`. `alchemist profile --out FILE` (bench/profile.py) writes them.
 
 The offloading map follows the paper (§4.3.1): cached tokens and serving tokens in
 500-token steps, batch in steps of 5, rounded up at lookup. The hedging map (§4.3.3)
@@ -15,7 +15,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import torch
 
 from offload.hedging import LOAD, RECOMPUTE, Timings, plan, simulate
 from offload.memory_model import TOKEN_STEP, MemoryModel, OffloadingMap
@@ -59,38 +58,3 @@ def load_profile(path: str | Path) -> tuple[MemoryModel, Timings]:
         return MemoryModel(**data["memory_model"]), Timings(**data["timings"])
     except (KeyError, TypeError) as err:
         raise ValueError(f"{path} is not a profile written by `alchemist profile`: {err}") from err
-
-
-def run_profile(config, out: str, token_lengths: tuple[int, ...]) -> dict:
-    """Measures the served model (with its LoRA adapter, as training runs it) on this
-    device and writes the maps. The budget is `offload.device_budget_bytes`; if unset,
-    the free device memory on CUDA, and `train.cache_bytes` on CPU."""
-    from engine.llm_engine import LLMEngine
-    from engine.model_loader import load_model
-    from offload.build import calibrated_model
-    from trainer.adapter import attach_lora
-    from trainer.forward import recompute_segment
-
-    model, tokenizer, name = load_model(config.model.model, config.model.dtype, config.model.device)
-    engine = LLMEngine(model, tokenizer, config)
-    attach_lora(engine.model, dataclasses.replace(config.train, mode="cpt"), True)
-    lengths = tuple(t for t in token_lengths if t < config.model.max_model_len)
-    print(f"profiling {name} on {engine.runner.device}: layer at {lengths} tokens, host<->device bandwidth",
-          flush=True)
-    memory, timings, measurements = calibrated_model(
-        engine.model, config, lambda index, hidden: recompute_segment(engine.runner, index, hidden), lengths)
-    budget = config.offload.device_budget_bytes
-    if not budget:
-        budget = torch.cuda.mem_get_info(engine.runner.device)[0] if engine.runner.device.type == "cuda" \
-            else config.train.cache_bytes
-    profile = build_profile(memory, timings, budget, config.model.max_model_len, config.scheduler.max_num_seqs,
-                            config.offload.prefetch_layers, measurements)
-    profile["model"], profile["device"] = name, str(engine.runner.device)
-    write_profile(profile, out)
-    for m in measurements:
-        print(f"  {m.tokens:5d} tokens: {m.saved_bytes / 2**20:7.2f} MiB saved per layer, recompute "
-              f"{m.recompute_s * 1e3:6.1f} ms, backward {m.backward_s * 1e3:6.1f} ms", flush=True)
-    print(f"  host->device {timings.bandwidth_bytes_per_s / 1e9:.2f} GB/s; memory model x{memory.calibration:.2f} "
-          f"of analytic; wrote {out} ({len(profile['offloading_map']['rows'])} offloading rows, "
-          f"{len(profile['hedging_map']['rows'])} hedging rows)", flush=True)
-    return profile

@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from server.launch import free_port  # noqa: F401 - re-exported for tests
+from bench.launch import free_port  # noqa: F401 - re-exported for tests
 from server.serve import build_server
 from tests.conftest import make_config
 from tests.tiny import tiny_model, tiny_tokenizer

@@ -15,7 +15,7 @@ from engine.config import ArbiterConfig, TrainConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_config
-from server.launch import server_process
+from bench.launch import server_process
 from tests.tiny import tiny_model, tiny_tokenizer
 from trainer.adapter_store import AdapterStore
 from trainer.trainer import Trainer

@@ -7,7 +7,7 @@ import time
 import openai
 import pytest
 
-from server.launch import running_server
+from bench.launch import running_server
 
 pytestmark = pytest.mark.slow
 

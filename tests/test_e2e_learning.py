@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.launch import running_server
+from bench.launch import running_server
 from tests.test_e2e_embedded import MODEL
 
 pytestmark = pytest.mark.slow

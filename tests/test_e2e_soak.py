@@ -4,7 +4,7 @@ cache drains to zero, and SIGTERM saves the final adapter version."""
 
 import pytest
 
-from server.bench_soak import SoakConfig, run_soak_bench
+from bench.soak import SoakConfig, run_soak_bench
 
 
 @pytest.mark.slow

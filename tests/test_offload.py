@@ -295,7 +295,7 @@ def test_cuda_copy_stream_round_trip_through_pinned_pool():
 def test_cuda_offload_gradients_and_hidden_loads():
     """On a GPU the reloads overlap backward: gradients equal, and the wait is a small
     fraction of the backward for a one-third offloaded fraction."""
-    from offload.bench_offload import run_offload_bench
+    from bench.offload import run_offload_bench
     report = run_offload_bench(device="cuda", fractions=(1 / 3,), entries=2, tokens=512)
     for name, result in report["policies"].items():
         assert result["max_grad_rel_diff"] <= 1e-5, name

@@ -32,27 +32,10 @@ from engine.config import AlchemistConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
+from bench.report import write_json
+from bench.traces import chat_prompts
 
 logger = logging.getLogger(__name__)
-
-QUESTIONS = [
-    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
-    "List three fruits and their colors.", "How do I boil an egg?", "What is 17 times 23?",
-    "Name a famous painter and one of their works.", "Why is the sky blue?", "Give me a tip for learning Python.",
-    "What does a compiler do?", "Describe a cat in two sentences.", "What is photosynthesis?",
-    "Suggest a name for a bakery.", "How far is the Moon?", "What is the largest ocean?", "Tell me a fun fact.",
-]
-
-
-def chat_prompts(tokenizer, count: int) -> list[list[int]]:
-    prompts = []
-    for i in range(count):
-        question = QUESTIONS[i % len(QUESTIONS)] + (f" (#{i // len(QUESTIONS)})" if i >= len(QUESTIONS) else "")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                             tokenize=False)
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return prompts
-
 
 def hf_static_generate(model, tokenizer, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     tokenizer.padding_side = "left"
@@ -174,7 +157,5 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
         "kv_cache_bytes_per_token": engine.kv_spec.bytes_per_token,
     }
     print(json.dumps(result, indent=2))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(result, json_path)
     return result

@@ -31,8 +31,9 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from server.bench_colocate import WORDS, make_trace, read_metric
-from server.launch import server_process
+from bench.report import pyplot, read_metric, write_json
+from bench.traces import WORDS, make_trace
+from bench.launch import server_process
 from trainer.adapter_store import AdapterStore
 
 _KEY = "sk-soak"
@@ -301,10 +302,7 @@ def rss_growth(timeline: list[Sample], traffic_seconds: float, net_of_cache: boo
 
 
 def plot(log: SoakLog, traffic_seconds: float, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t = [s.t for s in log.timeline]
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -362,7 +360,5 @@ def run_soak_bench(config: SoakConfig, json_path: str | None = None, plot_path: 
     }
     report["plot"] = plot(log, result["traffic_seconds"], plot_path or "bench-soak.png")
     print(json.dumps({k: v for k, v in report.items() if k != "timeline"}, indent=2))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(report, json_path)
     return report

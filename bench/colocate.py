@@ -22,46 +22,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from server.launch import running_server
-
-WORDS = ("online learning lets a deployed language model improve from the requests it serves while the "
-         "quick brown fox jumps over the lazy dog and the curious cat counts clouds drifting across the "
-         "afternoon sky as users ask questions about history science cooking travel and code").split()
-
-
-@dataclass
-class TraceRequest:
-    arrival_s: float
-    prompt: str
-    output_tokens: int
-
-
-def make_trace(rate: float, seconds: float, seed: int) -> list[TraceRequest]:
-    rng = random.Random(seed)
-    trace, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= seconds:
-            return trace
-        prompt_words = int(min(max(rng.lognormvariate(math.log(60), 0.8), 8), 400))
-        output = int(min(max(rng.lognormvariate(math.log(48), 0.6), 8), 160))
-        prompt = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
-        trace.append(TraceRequest(t, prompt, output))
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def read_metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    return 0.0
-
+from bench.launch import running_server
+from bench.report import percentile, pyplot, read_metric, write_json
+from bench.traces import WORDS, TraceRequest, make_trace
 
 async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, start: float, feedback: bool,
                rng: random.Random) -> dict:
@@ -165,10 +128,7 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
 
 
 def plot(results: list[dict], path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rates = [r["rate"] for r in results]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -196,7 +156,5 @@ def run_colocate_bench(side: TrainingSide, rate: float, seconds: float, rounds: 
     out = {"results": results}
     if sweep:
         out["plot"] = plot(results, plot_path or f"bench-colocate-{side.policy}.png")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(out if sweep else results[0], f, indent=2)
+    write_json(out if sweep else results[0], json_path)
     return out

@@ -15,7 +15,6 @@ offloading figure).
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 
@@ -24,13 +23,15 @@ import torch
 from engine.config import AlchemistConfig
 from engine.model_runner import run_to_end
 from trainer.adapter import lora_gradients
-from trainer.bench_training import _Bench, _rel_diff, synthetic_tokens
+from bench.report import pyplot, rel_diff, write_json
+from bench.training import Bench
+from bench.traces import synthetic_tokens
 from trainer.cache import EntryState
 
 POLICIES = {"keep": None, "offload": "load", "recompute": "recompute", "hedged": "hedged"}
 
 
-class _OffloadBench(_Bench):
+class _OffloadBench(Bench):
     def __init__(self, config: AlchemistConfig, tokens: int):
         offload = dataclasses.replace(config.offload, device_budget_bytes=1 << 50,
                                       host_budget_bytes=max(config.offload.host_budget_bytes, 4 << 30))
@@ -117,7 +118,7 @@ def _summarize(rounds: dict[str, list[list[dict]]], reference: str = "keep") -> 
         rows = [row for r in per_round for row in r]
         seconds = statistics.median(sum(row["seconds"] for row in r) for r in per_round)
         tokens = sum(row["tokens"] for row in per_round[0])
-        diffs = [_rel_diff(row["grads"], ref["grads"])
+        diffs = [rel_diff(row["grads"], ref["grads"])
                  for r, ref_round in zip(per_round, rounds[reference]) for row, ref in zip(r, ref_round)]
         out[policy] = {"tokens_per_s": round(tokens / seconds, 2), "max_grad_rel_diff": max(diffs),
                        "reloaded_layers": sum(row["reloaded"] for row in rows) // len(per_round),
@@ -142,10 +143,7 @@ def _measure(bench: _OffloadBench, prompts, free, repeats: int) -> dict:
 
 
 def plot_sweep(rows: list[dict], path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     fractions = [row["offloaded_fraction"] for row in rows]
@@ -201,7 +199,5 @@ def run_offload_bench(config: AlchemistConfig | None = None, tokens: int = 512, 
         report["sweep"] = rows
         if sweep:
             report["plot"] = plot_sweep(rows, plot_path or "bench-offload.png")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(report, json_path)
     return report

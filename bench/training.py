@@ -31,29 +31,15 @@ from engine.model_loader import load_model
 from engine.model_runner import run_to_end
 from engine.recording import SavedTensorTracker
 from engine.sampling_params import SamplingParams
+from bench.report import pyplot, rel_diff, write_json
+from bench.traces import synthetic_tokens
 from trainer.adapter import lora_gradients
 from trainer.cache import EntryState, PreferenceLabel
 from trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
-PASSAGE = (
-    "Online learning lets a deployed language model improve from the requests it serves. Each prompt that "
-    "arrives is processed once by the serving engine, and the activations of that pass can be kept and reused "
-    "to train a small adapter when the server is idle, instead of running the same computation again in a "
-    "separate training cluster. Users may also tell the server which of two answers they prefer, and the model "
-    "can learn from that feedback as well. The quick brown fox jumps over the lazy dog while the curious cat "
-    "watches from the window, counting the clouds that drift slowly across the afternoon sky. "
-)
-
-
-def synthetic_tokens(tokenizer, count: int, offset: int) -> list[int]:
-    ids = tokenizer(PASSAGE * (count // 40 + 4), add_special_tokens=False)["input_ids"]
-    start = (offset * 37) % 200
-    return ids[start:start + count]
-
-
-class _Bench:
+class Bench:
     def __init__(self, config: AlchemistConfig, mode: str, max_tokens: int):
         model, self.tokenizer, self.name = load_model(config.model.model, config.model.dtype, config.model.device)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=max_tokens + 64),
@@ -111,11 +97,7 @@ class _Bench:
         return seconds, grads
 
 
-def _rel_diff(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
-
-
-def measure(bench: _Bench, mode: str, tokens: int, repeats: int) -> dict:
+def measure(bench: Bench, mode: str, tokens: int, repeats: int) -> dict:
     if mode == "cpt":
         prompt_len, response_len = tokens, 0
     else:
@@ -143,7 +125,7 @@ def measure(bench: _Bench, mode: str, tokens: int, repeats: int) -> dict:
         rows.append({
             "reuse_s": results["reuse"][0], "recompute_s": results["recompute"][0],
             "reuse_peak_bytes": reuse_tracker.peak_bytes, "recompute_peak_bytes": recompute_tracker.peak_bytes,
-            "grad_rel_diff": _rel_diff(results["reuse"][1], results["recompute"][1]),
+            "grad_rel_diff": rel_diff(results["reuse"][1], results["recompute"][1]),
             "recording_overhead": recorded_s / plain_s,
         })
         print(f"  {mode} {tokens:5d} tokens  round {r}/{repeats}: reuse {rows[-1]['reuse_s']:.3f}s  "
@@ -170,10 +152,7 @@ def measure(bench: _Bench, mode: str, tokens: int, repeats: int) -> dict:
 
 
 def plot_sweep(results: list[dict], mode: str, prefix: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     lengths = [r["tokens"] for r in results]
     x = range(len(lengths))
@@ -220,7 +199,7 @@ def run_training_bench(config: AlchemistConfig, mode: str, tokens: int, repeats:
                        json_path: str | None = None, sweep: list[int] | None = None,
                        plot_prefix: str | None = None) -> dict:
     lengths = sweep or [tokens]
-    bench = _Bench(config, mode, max(lengths))
+    bench = Bench(config, mode, max(lengths))
     results = [measure(bench, mode, n, repeats) for n in lengths]
     summary = {"model": bench.name, "dtype": str(next(bench.engine.model.parameters()).dtype),
                "torch_threads": torch.get_num_threads(), "lora_rank": bench.trainer.config.lora_rank,
@@ -229,7 +208,5 @@ def run_training_bench(config: AlchemistConfig, mode: str, tokens: int, repeats:
         summary["plots"] = plot_sweep(results, mode, plot_prefix or f"bench-training-{mode}")
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "rounds"}))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(summary if sweep else {**summary, **{k: v for k, v in results[0].items()}}, f, indent=2)
+    write_json(summary if sweep else {**summary, **{k: v for k, v in results[0].items()}}, json_path)
     return summary

@@ -1,0 +1,100 @@
+"""The `alchemist bench …` and `alchemist profile` commands: their flags and dispatch.
+
+Each command imports its benchmark module only when it runs (server start-up never
+imports bench/)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_commands(commands, add_config_flags) -> None:
+    """Adds `bench {serving,training,colocate,offload,soak}` and `profile` to the CLI;
+    `add_config_flags` adds the server's config flags to a parser."""
+    bench = commands.add_parser("bench", help="benchmarks, each a side-by-side ratio in one run")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    serving = benches.add_parser("serving", help="engine vs Hugging Face generate and generate_batch")
+    add_config_flags(serving)
+    serving.add_argument("--num-prompts", type=int, default=8)
+    serving.add_argument("--max-tokens", type=int, default=64)
+    serving.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
+    serving.add_argument("--json", help="write the results to this JSON file")
+    serving.add_argument("--with-adapter", action="store_true",
+                         help="also serve with a LoRA adapter attached (what training mode costs serving)")
+    training = benches.add_parser("training", help="reuse path vs recompute path on the embedded model")
+    add_config_flags(training)
+    training.add_argument("--mode", choices=["cpt", "dpo"], required=True)
+    training.add_argument("--tokens", type=int, default=512, help="trained tokens per entry")
+    training.add_argument("--repeats", type=int, default=3)
+    training.add_argument("--json", help="write the results to this JSON file")
+    training.add_argument("--sweep", nargs="?", const="128,256,512,1024", default=None,
+                          help="comma-separated token lengths (default 128,256,512,1024); draws PNG plots")
+    training.add_argument("--plot-prefix", help="PNG path prefix (default bench-training-MODE)")
+    colocate = benches.add_parser("colocate", help="serving latency with training off and on, over HTTP")
+    colocate.add_argument("--policy", choices=["idle", "slo"], default="idle")
+    colocate.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
+    colocate.add_argument("--seconds", type=float, default=60.0, help="trace length per run")
+    colocate.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    colocate.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
+    colocate.add_argument("--seed", type=int, default=0)
+    colocate.add_argument("--train-config", help="TOML passed to the training-on server (e.g. record_fraction)")
+    colocate.add_argument("--no-feedback", action="store_true",
+                          help="record but send no feedback (isolates the cost of recording)")
+    colocate.add_argument("--json", help="write the results to this JSON file")
+    colocate.add_argument("--sweep", help="comma-separated rates; draws TPOT vs rate as PNG")
+    colocate.add_argument("--plot", help="PNG path for --sweep (default bench-colocate-POLICY.png)")
+    offload = benches.add_parser("offload", help="training with recorded layers kept, offloaded, recomputed, hedged")
+    add_config_flags(offload)
+    offload.add_argument("--tokens", type=int, default=512, help="prompt tokens per entry (CPT)")
+    offload.add_argument("--entries", type=int, default=3, help="entries cached together")
+    offload.add_argument("--repeats", type=int, default=2)
+    offload.add_argument("--budget-fraction", type=float, default=0.5,
+                         help="device budget as a fraction of the entries' recorded activations")
+    offload.add_argument("--json", help="write the report to this JSON file")
+    offload.add_argument("--sweep", action="store_true", help="also sweep the freed fraction of layers and plot it")
+    offload.add_argument("--plot", help="PNG path for --sweep (default bench-offload.png)")
+    profile = commands.add_parser("profile", help="measure this device and write the offloading and hedging maps")
+    add_config_flags(profile)
+    profile.add_argument("--out", required=True, help="JSON file to write (load it with --offload-profile)")
+    profile.add_argument("--tokens", default="128,512,1024", help="token lengths to measure, comma-separated")
+    soak = benches.add_parser("soak", help="mixed traffic with feedback for a while: errors, RSS growth, cache drain")
+    soak.add_argument("--seconds", type=float, default=600.0, help="traffic duration")
+    soak.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--json", help="write the report (with the timeline) to this JSON file")
+    soak.add_argument("--plot", help="PNG of RSS and activation cache over time (default bench-soak.png)")
+
+
+def run_bench_command(args: argparse.Namespace, config) -> int:
+    """Runs the parsed `bench …` or `profile` command; its exit status."""
+    if args.command == "profile":
+        from bench.profile import run_profile
+        run_profile(config, args.out, tuple(int(n) for n in args.tokens.split(",")))
+        return 0
+    if args.bench == "serving":
+        from bench.serving import run_serving_bench
+        run_serving_bench(config, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                          repeats=args.repeats, json_path=args.json, with_adapter=args.with_adapter)
+        return 0
+    if args.bench == "colocate":
+        from bench.colocate import TrainingSide, run_colocate_bench
+        sweep = [float(r) for r in args.sweep.split(",")] if args.sweep else None
+        side = TrainingSide(args.policy, args.tpot_slo_ms, args.train_config, not args.no_feedback)
+        run_colocate_bench(side, args.rate, args.seconds, args.rounds, args.seed, args.json, sweep, args.plot)
+        return 0
+    if args.bench == "soak":
+        from bench.soak import SoakConfig, run_soak_bench
+        report = run_soak_bench(SoakConfig(seconds=args.seconds, rate=args.rate, seed=args.seed), args.json,
+                                args.plot)
+        return 0 if report["errors"] == 0 and report["cache_drained"] else 1
+    if args.bench == "offload":
+        from bench.offload import run_offload_bench
+        run_offload_bench(config, args.tokens, args.entries, args.repeats, args.budget_fraction, args.json,
+                          args.sweep, plot_path=args.plot)
+        return 0
+    if args.bench == "training":
+        from bench.training import run_training_bench
+        sweep = [int(n) for n in args.sweep.split(",")] if args.sweep else None
+        run_training_bench(config, args.mode, args.tokens, args.repeats, args.json, sweep, args.plot_prefix)
+        return 0
+    return 1

@@ -1,0 +1,45 @@
+"""What the benchmarks report with: percentiles, gradient differences, Prometheus
+scrapes, JSON files and plots (matplotlib is the `bench` extra, imported only here)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def rel_diff(a: dict, b: dict) -> float:
+    """The largest relative difference between two dicts of gradient tensors."""
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-30)).item() for k in b)
+
+
+def read_metric(text: str, name: str) -> float:
+    """A sample's value from a Prometheus text scrape (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def write_json(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plots need matplotlib: pip install 'alchemist[bench]' (make installs it)") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -1,0 +1,69 @@
+"""Synthetic workloads the benchmarks share: Poisson request traces, chat prompts, and
+token sequences of an exact length cut from a fixed English passage."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+WORDS = ("online learning lets a deployed language model improve from the requests it serves while the "
+         "quick brown fox jumps over the lazy dog and the curious cat counts clouds drifting across the "
+         "afternoon sky as users ask questions about history science cooking travel and code").split()
+
+PASSAGE = (
+    "Online learning lets a deployed language model improve from the requests it serves. Each prompt that "
+    "arrives is processed once by the serving engine, and the activations of that pass can be kept and reused "
+    "to train a small adapter when the server is idle, instead of running the same computation again in a "
+    "separate training cluster. Users may also tell the server which of two answers they prefer, and the model "
+    "can learn from that feedback as well. The quick brown fox jumps over the lazy dog while the curious cat "
+    "watches from the window, counting the clouds that drift slowly across the afternoon sky. "
+)
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child.",
+    "List three fruits and their colors.", "How do I boil an egg?", "What is 17 times 23?",
+    "Name a famous painter and one of their works.", "Why is the sky blue?", "Give me a tip for learning Python.",
+    "What does a compiler do?", "Describe a cat in two sentences.", "What is photosynthesis?",
+    "Suggest a name for a bakery.", "How far is the Moon?", "What is the largest ocean?", "Tell me a fun fact.",
+]
+
+
+@dataclass
+class TraceRequest:
+    # seconds after the trace starts
+    arrival_s: float
+    prompt: str
+    output_tokens: int
+
+
+def make_trace(rate: float, seconds: float, seed: int) -> list[TraceRequest]:
+    """Poisson arrivals at `rate` per second; log-normal prompt (words) and output lengths."""
+    rng = random.Random(seed)
+    trace, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate)
+        if t >= seconds:
+            return trace
+        prompt_words = int(min(max(rng.lognormvariate(math.log(60), 0.8), 8), 400))
+        output = int(min(max(rng.lognormvariate(math.log(48), 0.6), 8), 160))
+        prompt = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
+        trace.append(TraceRequest(t, prompt, output))
+
+
+def synthetic_tokens(tokenizer, count: int, offset: int) -> list[int]:
+    """`count` token ids of the passage, starting at a point that depends on `offset`."""
+    ids = tokenizer(PASSAGE * (count // 40 + 4), add_special_tokens=False)["input_ids"]
+    start = (offset * 37) % 200
+    return ids[start:start + count]
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` distinct single-turn chat prompts, rendered with the model's template."""
+    prompts = []
+    for i in range(count):
+        question = QUESTIONS[i % len(QUESTIONS)] + (f" (#{i // len(QUESTIONS)})" if i >= len(QUESTIONS) else "")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                             tokenize=False)
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
