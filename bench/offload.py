@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine.config import AlchemistConfig
+from server.config import AlchemistConfig
 from engine.model_runner import run_to_end
 from trainer.adapter import lora_gradients
 from bench.report import pyplot, rel_diff, write_json

@@ -27,7 +27,7 @@ def run_profile(config, out: str, token_lengths: tuple[int, ...]) -> dict:
     print(f"profiling {name} on {engine.runner.device}: layer at {lengths} tokens, host<->device bandwidth",
           flush=True)
     memory, timings, measurements = calibrated_model(
-        engine.model, config, lambda index, hidden: recompute_segment(engine.runner, index, hidden), lengths)
+        engine.model, config.model.max_model_len, lambda index, hidden: recompute_segment(engine.runner, index, hidden), lengths)
     budget = config.offload.device_budget_bytes
     if not budget:
         budget = torch.cuda.mem_get_info(engine.runner.device)[0] if engine.runner.device.type == "cuda" \

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from engine.config import AlchemistConfig
+from server.config import AlchemistConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from engine.sampling_params import SamplingParams
@@ -64,7 +64,7 @@ def _timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
 
 def _adapter_engine(config: AlchemistConfig, tokenizer, variant: str) -> LLMEngine:
     """variant: merged | lean | peft"""
-    from engine.config import TrainConfig
+    from trainer.config import TrainConfig
     from peft.tuners.lora.layer import Linear as LoraLinear
     from trainer.trainer import Trainer
 

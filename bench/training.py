@@ -25,7 +25,9 @@ import time
 
 import torch
 
-from engine.config import AlchemistConfig, TrainConfig
+from server.config import AlchemistConfig
+
+from trainer.config import TrainConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from engine.model_runner import run_to_end

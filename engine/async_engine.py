@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Protocol
 
-from engine.config import ArbiterConfig
+from trainer.config import ArbiterConfig
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 from engine.recording import RecordSpec

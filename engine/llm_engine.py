@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from engine.config import AlchemistConfig
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import KVCacheSpec, blocks_needed
 from engine.model_runner import ModelOutput, ModelRunner
@@ -65,7 +65,7 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer, config: AlchemistConfig):
+    def __init__(self, model, tokenizer, config: EngineConfig):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

@@ -79,7 +79,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
 
-    from engine.config import TrainConfig, load_config
+    from trainer.config import TrainConfig
+
+    from server.config import load_config
     from engine.llm_engine import LLMEngine
     from engine.model_loader import load_model
     from engine.sampling_params import SamplingParams

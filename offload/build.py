@@ -7,8 +7,8 @@ import logging
 
 import torch
 
-from engine.config import AlchemistConfig
 from offload.calibration import calibrate
+from offload.config import OffloadConfig
 from offload.memory_model import MemoryModel, OffloadingMap
 from offload.offloader import ActivationOffloader, RecomputeFn
 from offload.profile import load_profile
@@ -21,24 +21,23 @@ def parameter_keys(model: torch.nn.Module) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
 
 
-def calibrated_model(model, config: AlchemistConfig, recompute: RecomputeFn,
+def calibrated_model(model, max_model_len: int, recompute: RecomputeFn,
                      token_lengths: tuple[int, ...] = (64, 256)):
     """(MemoryModel, Timings, measurements) measured on this device now."""
     parameter = next(model.parameters())
-    memory = MemoryModel.analytic(model.config, parameter.element_size(), config.model.max_model_len)
+    memory = MemoryModel.analytic(model.config, parameter.element_size(), max_model_len)
     timings, measurements = calibrate(recompute, model.config.hidden_size, parameter.device, parameter.dtype,
                                       token_lengths)
     memory.calibrate({m.tokens: m.saved_bytes for m in measurements})
     return memory, timings, measurements
 
 
-def build_offloader(model, config: AlchemistConfig, recompute: RecomputeFn) -> ActivationOffloader:
-    offload = config.offload
+def build_offloader(model, offload: OffloadConfig, max_model_len: int, recompute: RecomputeFn) -> ActivationOffloader:
     if offload.profile:
         memory, timings = load_profile(offload.profile)
         source = offload.profile
     else:
-        memory, timings, _ = calibrated_model(model, config, recompute)
+        memory, timings, _ = calibrated_model(model, max_model_len, recompute)
         source = "calibration at start"
     device = next(model.parameters()).device
     logger.info("activation offloader: device budget %.1f MiB, host pool %.1f MiB, policy %s; %.0f KiB per "

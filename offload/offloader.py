@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from engine.config import OffloadConfig
+from offload.config import OffloadConfig
 from engine.recording import LayerSegment, RecordedPrefill, SavedTensor
 from offload.copy_stream import CopyStream
 from offload.hedging import Timings

@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from engine.config import AlchemistConfig, load_config
+from server.config import AlchemistConfig, load_config
 
 logger = logging.getLogger("alchemist")
 
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from engine.allocator import keep_freed_memory
+    from engine.malloc_tuning import keep_freed_memory
     keep_freed_memory()
     if args.command == "bench" and args.bench in ("colocate", "soak"):
         config = None  # the bench starts its own servers

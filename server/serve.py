@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.async_engine import AsyncEngine
-from engine.config import AlchemistConfig
+from server.config import AlchemistConfig
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from server.app import ServerState, build_app

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import AlchemistConfig, CacheConfig, ModelConfig, OffloadConfig, SchedulerConfig
+from server.config import AlchemistConfig
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+
+from offload.config import OffloadConfig
 from engine.llm_engine import LLMEngine
 from tests.tiny import tiny_model, tiny_tokenizer
 

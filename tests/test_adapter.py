@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.config import TrainConfig
+from trainer.config import TrainConfig
 from tests.conftest import encode, make_engine
 from tests.tiny import FAMILIES
 from trainer.adapter import LeanLoraLinear, attach_lora

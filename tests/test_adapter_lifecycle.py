@@ -14,7 +14,7 @@ import torch
 from fastapi.testclient import TestClient
 from peft import PeftModel, get_peft_model_state_dict
 
-from engine.config import AdapterConfig, TrainConfig
+from trainer.config import AdapterConfig, TrainConfig
 from tests.servers import TINY_NAME, tiny_app, wait_for
 from tests.test_training import make_trainer, serve
 from tests.tiny import tiny_model

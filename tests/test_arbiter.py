@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.async_engine import AsyncEngine
-from engine.config import ArbiterConfig, TrainConfig
+from trainer.config import ArbiterConfig, TrainConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_config

@@ -5,7 +5,7 @@ import tomllib
 
 import pytest
 
-from engine.config import DEFAULT_CONFIG_PATH, AlchemistConfig, load_config
+from server.config import DEFAULT_CONFIG_PATH, AlchemistConfig, load_config
 from server.cli import build_parser, config_from_args
 
 

@@ -4,7 +4,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from engine.config import TrainConfig
+from trainer.config import TrainConfig
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
 from tests.test_training import PROMPT, relative_difference

@@ -10,7 +10,9 @@ from pathlib import Path
 import yaml
 from fastapi.testclient import TestClient
 
-from engine.config import AdapterConfig, TrainConfig, config_from_env
+from trainer.config import AdapterConfig, TrainConfig
+
+from server.config import config_from_env
 from tests.servers import TINY_NAME, tiny_app
 
 REPO = Path(__file__).resolve().parents[1]

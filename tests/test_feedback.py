@@ -6,7 +6,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.config import TrainConfig
+from trainer.config import TrainConfig
 from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.config import AdapterConfig, TrainConfig
+from trainer.config import AdapterConfig, TrainConfig
 from tests.servers import TINY_NAME, tiny_app
 
 VALUES = [None, True, False, 0, -1, 1, 2.5, -1e9, 1e308, 10**30, "", "x", "hot", [], [1], ["a"], [[1, 2]], {},

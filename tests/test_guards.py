@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from engine.config import ServerConfig
+from server.config import ServerConfig
 from tests.servers import TINY_NAME, ServerThread, tiny_app
 
 KEY = "sk-test-key"

@@ -9,7 +9,9 @@ import httpx
 import pytest
 import torch
 
-from engine.config import OffloadConfig, TrainConfig
+from offload.config import OffloadConfig
+
+from trainer.config import TrainConfig
 from engine.sampling_params import SamplingParams
 from offload.hedging import LOAD, RECOMPUTE, LayerCosts, Timings, plan, simulate
 from offload.host_pool import HostPool
@@ -206,7 +208,7 @@ def _sample(metrics: str, name: str) -> float:
 
 
 def test_offload_config_is_validated_and_read_from_the_environment():
-    from engine.config import load_config
+    from server.config import load_config
     with pytest.raises(ValueError, match="offload.policy"):
         OffloadConfig(policy="sometimes")
     with pytest.raises(ValueError, match="offload.copy_to_host"):

@@ -5,7 +5,7 @@ import asyncio
 import time
 
 from engine.async_engine import AsyncEngine
-from engine.config import TrainConfig
+from trainer.config import TrainConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_config

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from engine.config import TrainConfig
+from trainer.config import TrainConfig
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_engine

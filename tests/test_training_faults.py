@@ -5,7 +5,7 @@ import logging
 
 from fastapi.testclient import TestClient
 
-from engine.config import TrainConfig
+from trainer.config import TrainConfig
 from tests.servers import TINY_NAME, tiny_app, wait_for
 
 

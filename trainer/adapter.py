@@ -23,7 +23,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear
 
-from engine.config import TrainConfig
+from trainer.config import TrainConfig
 
 # every linear layer of the decoder, as QLoRA recommends and PEFT's "all-linear" does
 # (Phi-3 fuses q/k/v and gate/up). Measured with examples/learn_a_fact.py on the embedded

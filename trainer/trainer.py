@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.allocator import return_freed_memory
-from engine.config import TrainConfig
+from engine.malloc_tuning import return_freed_memory
+from trainer.config import TrainConfig
 from engine.llm_engine import LLMEngine, StepStats
 from engine.outputs import RequestOutput
 from engine.recording import RecordedPrefill, RecordSpec
@@ -126,7 +126,7 @@ class Trainer:
                 module.ensure_packed()
         self.offloader = None
         if engine.config.offload.device_budget_bytes > 0:
-            self.offloader = build_offloader(engine.model, engine.config,
+            self.offloader = build_offloader(engine.model, engine.config.offload, engine.max_model_len,
                                              functools.partial(recompute_segment, engine.runner))
             self.optimizer.zero_grad()  # calibration ran a backward
             engine.runner.segment_sink = engine.memory_guard = self.context.offloader = self.offloader
@@ -347,7 +347,7 @@ class Trainer:
 
     def _return_freed_memory(self) -> bool:
         """An idle slice that gives freed activation memory back to the OS, once enough
-        was released since the last one (engine/allocator.py)."""
+        was released since the last one (engine/malloc_tuning.py)."""
         if self.cache.released_bytes - self._released_at_last_trim < _TRIM_AFTER_BYTES:
             return False
         self._released_at_last_trim = self.cache.released_bytes

@@ -5,7 +5,7 @@ import platform
 
 import torch
 
-from engine.allocator import keep_freed_memory, return_freed_memory
+from engine.malloc_tuning import keep_freed_memory, return_freed_memory
 
 
 def rss_bytes() -> int:

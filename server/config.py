@@ -1,0 +1,138 @@
+"""Configuration: the server's section, and the whole config assembled from every
+package's sections, built from TOML, environment variables and CLI flags.
+
+`configs/default.toml` holds the defaults (mirrored by the dataclass defaults, so the
+engine is usable without the file); `load_config` layers a user file, then environment
+variables (`ALCHEMIST_<SECTION>_<KEY>`, e.g. `ALCHEMIST_SERVER_API_KEY`), then flag
+overrides on top, key by key, and rejects unknown sections or keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig, check_positive
+from offload.config import OffloadConfig
+from trainer.config import AdapterConfig, ArbiterConfig, TrainConfig
+
+DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # when set, every /v1/* route requires "Authorization: Bearer <api_key>" (/health and /metrics stay open)
+    api_key: str = field(default="", repr=False)
+    # when set, the adapter routes (/v1/adapters*) require this key instead of api_key
+    admin_key: str = field(default="", repr=False)
+    # requests waiting beyond max_num_seqs running; more get 429
+    max_queued_requests: int = 256
+    # request bodies larger than this get 413
+    max_body_bytes: int = 4 << 20
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"server.port must be in 1..65535, got {self.port}")
+        check_positive(self, "max_body_bytes")
+        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
+            raise ValueError(f"server.max_queued_requests must be a non-negative integer, "
+                             f"got {self.max_queued_requests!r}")
+
+
+@dataclass(frozen=True)
+class AlchemistConfig(EngineConfig):
+    """Every section; the engine's three come from EngineConfig."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    arbiter: ArbiterConfig = field(default_factory=ArbiterConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(AlchemistConfig)}
+
+
+def _merge(base: dict[str, dict[str, Any]], layer: dict[str, Any], origin: str) -> None:
+    for section, values in layer.items():
+        if section not in _SECTIONS:
+            raise ValueError(f"{origin}: unknown section [{section}]; known: {sorted(_SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ValueError(f"{origin}: [{section}] must be a table")
+        known = {f.name: f for f in dataclasses.fields(_SECTIONS[section].default_factory)}
+        for key, value in values.items():
+            if key not in known:
+                raise ValueError(f"{origin}: unknown key {section}.{key}; known: {sorted(known)}")
+            base.setdefault(section, {})[key] = value
+
+
+ENV_PREFIX = "ALCHEMIST_"
+
+
+def _parse_env_value(name: str, text: str, default: Any) -> Any:
+    try:
+        if isinstance(default, bool):
+            if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+                raise ValueError
+            return text.lower() in ("1", "true", "yes", "on")
+        if isinstance(default, int):
+            return int(text)
+        if isinstance(default, float):
+            return float(text)
+        if isinstance(default, tuple):
+            return tuple(item.strip() for item in text.split(",") if item.strip())
+    except ValueError:
+        raise ValueError(f"environment: {name}={text!r} is not a valid {type(default).__name__}") from None
+    return text
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """`ALCHEMIST_<SECTION>_<KEY>=value` variables as a config layer (values parsed by the
+    key's type; lists comma-separated). A variable naming a known section with an unknown
+    key is an error; other `ALCHEMIST_*` variables (e.g. `ALCHEMIST_CACHE`) are not config."""
+    environ = os.environ if environ is None else environ
+    layer: dict[str, dict[str, Any]] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
+        if section is None:
+            continue
+        key = rest[len(section) + 1:]
+        defaults = _SECTIONS[section].default_factory()
+        if not hasattr(defaults, key):
+            known = sorted(f"{ENV_PREFIX}{section.upper()}_{f.name.upper()}"
+                           for f in dataclasses.fields(defaults))
+            raise ValueError(f"environment: unknown variable {name}; known for [{section}]: {known}")
+        layer.setdefault(section, {})[key] = _parse_env_value(name, text, getattr(defaults, key))
+    return layer
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, dict[str, Any]] | None = None,
+    environ: dict[str, str] | None = None,
+) -> AlchemistConfig:
+    """Defaults from configs/default.toml, then the file at `path`, then `ALCHEMIST_*`
+    environment variables (`environ`, default os.environ), then `overrides`
+    ({"section": {"key": value}}; None values are ignored, so unset CLI flags pass through)."""
+    merged: dict[str, dict[str, Any]] = {}
+    if DEFAULT_CONFIG_PATH.exists():
+        _merge(merged, tomllib.loads(DEFAULT_CONFIG_PATH.read_text()), str(DEFAULT_CONFIG_PATH))
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"config file not found: {path}")
+        _merge(merged, tomllib.loads(path.read_text()), str(path))
+    _merge(merged, config_from_env(environ), "environment")
+    if overrides:
+        cleaned = {s: {k: v for k, v in kv.items() if v is not None} for s, kv in overrides.items()}
+        _merge(merged, cleaned, "command line")
+    return AlchemistConfig(**{s: _SECTIONS[s].default_factory(**kv) for s, kv in merged.items()})

@@ -1,0 +1,92 @@
+"""The trainer's configuration: training (`[train]`), the arbiter (`[arbiter]`) and the
+adapter's directory (`[adapter]`), one frozen dataclass each (assembled in server/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import check_positive
+
+
+TRAIN_MODES = ("off", "cpt", "dpo")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    # off | cpt (continual pre-training on prompts) | dpo (preference alignment from feedback)
+    mode: str = "off"
+    learning_rate: float = 1e-4
+    # LoRA rank (the paper's 8), scale alpha, and modules; empty: every linear layer of the decoder
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    target_modules: tuple[str, ...] = ()
+    # DPO sigmoid loss temperature
+    dpo_beta: float = 0.1
+    # a DPO entry whose feedback has not arrived this many seconds after the response is evicted
+    label_timeout_s: float = 300.0
+    # bytes of recorded activations the activation cache may hold
+    cache_bytes: int = 2 << 30
+    # when a new recording does not fit: drop_new (the paper's) or evict_oldest
+    cache_full_policy: str = "drop_new"
+    # fraction of requests whose prefill is recorded (1: every request)
+    record_fraction: float = 1.0
+    # prompts longer than this are served but not recorded
+    max_record_tokens: int = 2048
+    # an entry recorded under an older adapter version: recompute it, or drop it
+    stale_policy: str = "recompute"
+    # gradient clipping (max global norm over LoRA parameters)
+    max_grad_norm: float = 1.0
+    # entries whose gradients are accumulated into one optimizer step
+    entries_per_step: int = 1
+    # seed for the adapter's initialization and the record-fraction draw
+    seed: int = 0
+    # on CPU, serve through merged (base + adapter) weights, rebuilt in idle slices after
+    # each optimizer step: training mode then serves as fast as no adapter, for one more
+    # copy of the adapted weights in memory
+    merged_serving: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in TRAIN_MODES:
+            raise ValueError(f"train.mode must be one of {TRAIN_MODES}, got {self.mode!r}")
+        if self.cache_full_policy not in ("drop_new", "evict_oldest"):
+            raise ValueError(f"train.cache_full_policy must be drop_new or evict_oldest, got {self.cache_full_policy!r}")
+        if self.stale_policy not in ("recompute", "drop"):
+            raise ValueError(f"train.stale_policy must be recompute or drop, got {self.stale_policy!r}")
+        if not 0.0 <= self.record_fraction <= 1.0:
+            raise ValueError(f"train.record_fraction must be in [0, 1], got {self.record_fraction}")
+        for name in ("learning_rate", "dpo_beta", "label_timeout_s", "max_grad_norm"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        for name in ("lora_rank", "lora_alpha", "cache_bytes", "max_record_tokens", "entries_per_step"):
+            check_positive(self, name)
+        object.__setattr__(self, "target_modules", tuple(self.target_modules))
+
+
+ARBITER_POLICIES = ("idle", "slo")
+
+
+@dataclass(frozen=True)
+class ArbiterConfig:
+    # idle: train only when no request is runnable (the paper's); slo: also between decode
+    # steps while the measured time per output token stays under tpot_slo_ms
+    policy: str = "idle"
+    tpot_slo_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in ARBITER_POLICIES:
+            raise ValueError(f"arbiter.policy must be one of {ARBITER_POLICIES}, got {self.policy!r}")
+        if not self.tpot_slo_ms > 0:
+            raise ValueError(f"arbiter.tpot_slo_ms must be positive, got {self.tpot_slo_ms}")
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    # where the adapter is saved (PEFT format, one directory per version); "" keeps it in memory only
+    dir: str = ""
+    # save every this many adapter versions (and always at shutdown)
+    save_every: int = 10
+    # saved versions kept on disk (older ones are deleted)
+    keep: int = 5
+
+    def __post_init__(self) -> None:
+        check_positive(self, "save_every", "keep")
