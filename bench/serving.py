@@ -66,11 +66,11 @@ def _adapter_engine(config: AlchemistConfig, tokenizer, variant: str) -> LLMEngi
     """variant: merged | lean | peft"""
     from trainer.config import TrainConfig
     from peft.tuners.lora.layer import Linear as LoraLinear
-    from trainer.trainer import Trainer
+    from server.build import build_trainer
 
     model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
     engine = LLMEngine(model, tokenizer, config)
-    trainer = Trainer(engine, TrainConfig(mode="cpt", merged_serving=variant == "merged"))
+    trainer = build_trainer(engine, TrainConfig(mode="cpt", merged_serving=variant == "merged"))
     if variant == "peft":
         for module in trainer.peft_model.modules():
             if isinstance(module, LoraLinear):

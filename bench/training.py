@@ -37,9 +37,10 @@ from bench.report import pyplot, rel_diff, write_json
 from bench.traces import synthetic_tokens
 from trainer.adapter import lora_gradients
 from trainer.cache import EntryState, PreferenceLabel
-from trainer.trainer import Trainer
+from server.build import build_trainer
 
 logger = logging.getLogger(__name__)
+
 
 class Bench:
     def __init__(self, config: AlchemistConfig, mode: str, max_tokens: int):
@@ -48,7 +49,7 @@ class Bench:
                                      scheduler=dataclasses.replace(config.scheduler,
                                                                    max_num_batched_tokens=max(max_tokens + 64, 2048)))
         self.engine = LLMEngine(model, self.tokenizer, config)
-        self.trainer = Trainer(self.engine, TrainConfig(mode=mode, cache_bytes=1 << 40))
+        self.trainer = build_trainer(self.engine, TrainConfig(mode=mode, cache_bytes=1 << 40), config.offload)
         # B starts at zero in LoRA, which makes A's gradient zero; a small random B gives
         # every LoRA tensor a gradient to compare, and keeps the model near the base
         with torch.no_grad():
@@ -62,16 +63,13 @@ class Bench:
               max_tokens: int = 1) -> float:
         """Serves `prompt` (greedy, exactly `max_tokens` tokens); returns the prefill step's seconds."""
         self.engine.runner.record_tracker = tracker
-        spec = self.method.record_spec() if record else None
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
-        self.engine.add_request(request_id, prompt, params, record=spec)
+        self.engine.add_request(request_id, prompt, params, train=record)
         seconds = None
         while self.engine.has_unfinished():
             started = time.perf_counter()
-            outputs, _ = self.engine.step()
+            self.engine.step()
             seconds = seconds if seconds is not None else time.perf_counter() - started
-            for output in outputs:
-                self.trainer.on_output(output)
         self.engine.runner.record_tracker = None
         return seconds
 

@@ -31,7 +31,7 @@ class ModelOutput:
     sampled: dict[int, SampledToken] = field(default_factory=dict)
     # seq_id -> logprobs of prompt tokens computed this step, in prompt order
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
-    # the graph of a recorded prefill step (its adapter_version is filled by the engine)
+    # the graph of a recorded prefill step
     recording: RecordedPrefill | None = None
 
 
@@ -210,8 +210,9 @@ class ModelRunner:
                 all_rows = seq.record.all_logit_rows
                 logits = self.lm_head(normed[:num_prompt] if all_rows else normed[num_prompt - 1:num_prompt])
             segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
-            recording = RecordedPrefill(list(seq.prompt_token_ids), -1, segments, head_leaf, logits, all_rows,
-                                        saved_bytes=tracker.live_bytes - bytes_before, placement=placement)
+            recording = RecordedPrefill(list(seq.prompt_token_ids), seq.record.adapter_version, segments,
+                                        head_leaf, logits, all_rows, saved_bytes=tracker.live_bytes - bytes_before,
+                                        placement=placement)
             if placement is not None:
                 placement.finish(recording, _collected(tracker, len(segments)))
         except BaseException:

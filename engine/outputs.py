@@ -1,11 +1,13 @@
-"""What the engine hands back after each step: per-request deltas and timings.
+"""What the engine hands back after each step: per-request deltas, timings, errors.
 
 Outputs are incremental: each `CompletionOutput` carries only what is new since the
-previous step (text, token ids, logprobs); consumers accumulate them.
+previous step (text, token ids, logprobs); consumers accumulate them. Errors are typed
+(`EngineError`): the server maps their kind to an HTTP status, never their text.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -47,6 +49,32 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
 
 
+class ErrorKind(enum.Enum):
+    # the engine stopped (shutdown) before the request finished: retry elsewhere
+    ENGINE_STOPPED = "engine_stopped"
+    # an engine step raised while the request was in it
+    STEP_FAILED = "step_failed"
+
+
+@dataclass(frozen=True)
+class EngineError:
+    kind: ErrorKind
+    # what happened, for the client and the log
+    message: str
+
+
+@dataclass
+class StepStats:
+    # wall time of the whole step
+    seconds: float
+    num_scheduled_tokens: int
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    # preemptions that happened in this step
+    num_preempted: int
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -56,5 +84,5 @@ class RequestOutput:
     metrics: RequestMetrics
     # prompt logprobs (position 0 is None), sent once when the prompt has been computed
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # set when the engine failed while serving this request
-    error: str | None = None
+    # set when the engine failed while serving this request (the output is then final)
+    error: EngineError | None = None

@@ -20,6 +20,7 @@ off the device and back through these handles, which is why a handle may be empt
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -56,12 +57,24 @@ class RecordedPrefill:
     placement: object | None = None
 
     def release(self) -> None:
-        """Drop the graph (after training on it, or when the entry is evicted)."""
+        """Drop the graph (after training on it, or when the entry is evicted); on the
+        device thread only (freeing a graph and the offloader's copies is tensor work)."""
+        assert_off_event_loop("releasing a recorded prefill")
         self.segments = []
         self.head_leaf = self.logits = None
         if self.placement is not None:
             self.placement.release()
             self.placement = None
+
+
+def assert_off_event_loop(what: str) -> None:
+    """Raises if called from a thread running an asyncio event loop: tensor work belongs
+    on the device thread (DESIGN.md invariant), where it cannot stall every request."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return  # no loop runs in this thread
+    raise RuntimeError(f"{what} is tensor work and must not run on the asyncio event loop")
 
 
 class SegmentPlacement(Protocol):
@@ -82,9 +95,13 @@ class SegmentSink(Protocol):
 
 @dataclass(frozen=True)
 class RecordSpec:
+    """How to record one prefill; decided when it is admitted (engine/hooks.py)."""
+
     # keep logits for every prompt row (CPT) or only the last one (DPO: it scores the
     # first response token)
     all_logit_rows: bool
+    # the adapter version serving runs under: the recording's graph is of these weights
+    adapter_version: int
 
 
 class SavedTensor:

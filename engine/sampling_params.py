@@ -1,8 +1,8 @@
 """Per-request sampling parameters, named as vLLM names them, validated on creation.
 
 Range checks live here (not only in the HTTP layer) so that every user of the engine
-gets the same errors; `InvalidParameter` carries the offending parameter's name so the
-server can fill OpenAI's `param` field.
+gets the same errors; `InvalidParameter` carries the offending parameter's name and an
+OpenAI error code, so the server can fill OpenAI's `param` and `code` fields.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ _GREEDY_EPS = 1e-5
 
 
 class InvalidParameter(ValueError):
-    """A request parameter out of its accepted range."""
+    """A request parameter out of its accepted range; `code` is OpenAI's error code."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, code: str = "invalid_value"):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 @dataclass

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.config import SchedulerConfig
 from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.recording import RecordSpec
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -49,8 +51,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int):
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
+                 admit_recording: Callable[[Sequence], RecordSpec | None] | None = None):
         self.config = config
+        # asked once per trainable sequence, before its first prefill: record it, and how?
+        self.admit_recording = admit_recording
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Sequence] = deque()
@@ -93,7 +98,13 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         seq = self.waiting[0]
-        if seq.record is None or seq.num_computed_tokens != 0 or not self._grow(seq, seq.num_tokens):
+        if seq.num_computed_tokens != 0:
+            return None
+        if seq.awaits_admission:
+            seq.awaits_admission = False
+            seq.record = self.admit_recording(seq) if self.admit_recording is not None else None
+            seq.track_logprob = seq.record is not None
+        if seq.record is None or not self._grow(seq, seq.num_tokens):
             return None
         self.waiting.popleft()
         decodes = [ScheduledSequence(s, 1) for s in self.running
@@ -127,7 +138,7 @@ class Scheduler:
             return output
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if seq.record is not None and seq.num_computed_tokens == 0:
+            if (seq.record is not None or seq.awaits_admission) and seq.num_computed_tokens == 0:
                 break  # waits for a step of its own (see _schedule_recorded_prefill)
             num_new = min(seq.num_pending_tokens, budget)
             if not self._grow(seq, seq.num_computed_tokens + num_new):

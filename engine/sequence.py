@@ -61,7 +61,9 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    # set when this sequence's prefill is to be recorded for training; cleared once done
+    # a trainable request's first choice, before the scheduler asked whether to record it
+    awaits_admission: bool = False
+    # set by the scheduler's admission when this prefill is to be recorded; cleared once done
     record: RecordSpec | None = None
     # sum of the raw log-probs of the sampled tokens; tracked for recorded sequences only
     # (DPO reuses it as the served response's policy log-prob)

@@ -10,7 +10,7 @@ Run it offline on the embedded model (or --model DIR, a ChatML-template model):
 
     .venv/bin/python examples/custom_method.py
 
-In a server: `Trainer(engine, config.train, method=UserTurnCPT(tokenizer))`.
+In a server: `build_trainer(engine, config.train, method=UserTurnCPT(tokenizer))`.
 """
 
 from __future__ import annotations
@@ -79,18 +79,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
 
-    from trainer.config import TrainConfig
-
-    from server.config import load_config
     from engine.llm_engine import LLMEngine
     from engine.model_loader import load_model
     from engine.sampling_params import SamplingParams
-    from trainer.trainer import Trainer
+    from server.build import build_trainer
+    from server.config import load_config
+    from trainer.config import TrainConfig
 
     config = load_config()
     model, tokenizer, _ = load_model(args.model)
     engine = LLMEngine(model, tokenizer, config)
-    trainer = Trainer(engine, TrainConfig(mode="cpt", learning_rate=3e-4), method=UserTurnCPT(tokenizer))
+    trainer = build_trainer(engine, TrainConfig(mode="cpt", learning_rate=3e-4), method=UserTurnCPT(tokenizer))
     fact = "My cat is called Bartholomew Whiskerton and he is seven years old."
     text = tokenizer.apply_chat_template([{"role": "user", "content": fact}], add_generation_prompt=True,
                                          tokenize=False)
@@ -98,12 +97,9 @@ def main() -> None:
     entry_mask = user_turn_mask(tokenizer, prompt)
     print(f"prompt: {len(prompt)} tokens, {sum(entry_mask)} of them the user's")
     for step in range(args.steps):
-        engine.add_request(f"r{step}", prompt, SamplingParams(max_tokens=4),
-                           record=trainer.record_spec(len(prompt), True))
+        engine.add_request(f"r{step}", prompt, SamplingParams(max_tokens=4), train=True)
         while engine.has_unfinished():
-            outputs, _ = engine.step()
-            for output in outputs:
-                trainer.on_output(output)
+            engine.step()
         trainer.train_until_idle()
         print(f"step {step + 1}: adapter version {trainer.optimizer.version}, "
               f"user-turn loss {trainer.stats.last_loss:.3f}")

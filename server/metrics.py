@@ -1,8 +1,10 @@
 """Prometheus metrics under the `alchemist:` prefix with vLLM's names after it.
 
 One registry per server instance (so tests can build several apps in one process). The
-engine's worker thread feeds it through the `EngineObserver` interface: per step
-(queue sizes, KV usage) and per request output (token counts, latencies).
+engine feeds it on the device thread through the `EngineObserver` interface
+(engine/hooks.py): per step (queue sizes, KV usage) and per request output (token
+counts, latencies). The trainer's and the arbiter's figures are read at scrape time from
+`Trainer.status()` and `Arbiter.stats`.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from engine.llm_engine import StepStats
-from engine.outputs import RequestOutput
-from trainer.cache import EntryState
+from trainer.arbiter import ArbiterStats
+
+from engine.outputs import RequestOutput, StepStats
 
 PREFIX = "alchemist:"
 disable_created_metrics()  # no `*_created` series, as vLLM
@@ -128,22 +130,25 @@ class ServingMetrics:
     def add_trainer(self, trainer) -> None:
         self.registry.register(TrainingCollector(trainer))
 
-    def add_engine(self, async_engine) -> None:
-        self.registry.register(_EngineCollector(async_engine))
+    def add_engine(self, async_engine, arbiter, policy: str) -> None:
+        """`arbiter`: the idle hook, or None when training is off (its counters stay 0)."""
+        self.registry.register(_EngineCollector(async_engine, arbiter, policy))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
 class _EngineCollector:
-    def __init__(self, async_engine):
+    def __init__(self, async_engine, arbiter, policy: str):
         self.async_engine = async_engine
+        self.arbiter = arbiter
+        self.policy = policy
 
     def collect(self):
-        stats, policy = self.async_engine.stats, self.async_engine.arbiter_config.policy
+        stats, policy = self.arbiter.stats if self.arbiter is not None else ArbiterStats(), self.policy
         yield CounterMetricFamily(f"{PREFIX}engine_idle_seconds", "Seconds the engine had no request to run "
                                   "(spent training or waiting); train_busy_seconds over this is the harvested "
-                                  "share.", value=stats.idle_seconds)
+                                  "share.", value=self.async_engine.idle_seconds)
         slices = CounterMetricFamily(f"{PREFIX}arbiter_slices", "Training slices the arbiter ran, by policy and gap "
                                      "(idle: nothing runnable; between_steps: between decode steps, slo policy; "
                                      "merge_between_steps: merged serving weights rebuilt after a step, any policy).",
@@ -160,45 +165,45 @@ class _EngineCollector:
 
 
 class TrainingCollector:
-    """Exports the trainer's counters at scrape time (no state of its own)."""
+    """Exports the trainer's status at scrape time (no state of its own)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
 
     def collect(self):
-        t = self.trainer
-        stats, cache = t.stats, t.cache
+        status = self.trainer.status()
+        stats, cache, mode = status.training, status.cache, status.mode
         trained = CounterMetricFamily(f"{PREFIX}trained_entries", "Cache entries trained on, by mode and by path "
                                       "(reuse: the recorded prefill; recompute: a full forward).", labels=["mode", "path"])
         for path in ("reuse", "recompute"):
-            trained.add_metric([t.mode, path], stats.trained_entries.get((t.mode, path), 0))
+            trained.add_metric([mode, path], stats.trained_entries.get((mode, path), 0))
         yield trained
         yield CounterMetricFamily(f"{PREFIX}train_tokens", "Tokens trained on (prompt, plus responses for DPO).",
                                   value=stats.train_tokens)
         yield GaugeMetricFamily(f"{PREFIX}train_loss", "Mean loss of the latest optimizer step.",
                                 value=stats.last_loss)
         yield GaugeMetricFamily(f"{PREFIX}adapter_version", "Adapter version (optimizer steps applied).",
-                                value=t.optimizer.version)
+                                value=status.adapter_version)
         yield GaugeMetricFamily(f"{PREFIX}activation_cache_bytes", "Bytes of recorded activations in the "
                                 "activation cache.", value=cache.bytes)
         entries = GaugeMetricFamily(f"{PREFIX}activation_cache_entries", "Entries in the activation cache, by "
                                     "state.", labels=["state"])
-        for state in (EntryState.WAITING_LABEL, EntryState.READY, EntryState.TRAINING):
-            entries.add_metric([state.value], cache.count(state))
+        for state, count in cache.entries.items():
+            entries.add_metric([state], count)
         yield entries
         ended = CounterMetricFamily(f"{PREFIX}activation_cache_ended_entries", "Entries that left the cache, by "
                                     "final state.", labels=["state"])
-        for state, count in cache.ended_counts.items():
+        for state, count in cache.ended.items():
             ended.add_metric([state], count)
         yield ended
         feedback = CounterMetricFamily(f"{PREFIX}feedback", "Feedback requests, by outcome.", labels=["status"])
-        for status in ("accepted", "invalid", "unknown", "conflict"):
-            feedback.add_metric([status], stats.feedback.get(status, 0))
+        for outcome in ("accepted", "invalid", "unknown", "conflict"):
+            feedback.add_metric([outcome], stats.feedback.get(outcome, 0))
         yield feedback
         yield CounterMetricFamily(f"{PREFIX}stale_entries", "Entries recorded under an older adapter version "
                                   "(recomputed, or dropped by stale_policy).", value=stats.stale_entries)
         yield CounterMetricFamily(f"{PREFIX}skipped_steps", "Optimizer steps skipped for a non-finite loss or "
-                                  "gradient.", value=t.optimizer.skipped_steps)
+                                  "gradient.", value=status.skipped_steps)
         yield CounterMetricFamily(f"{PREFIX}failed_train_jobs", "Training jobs that raised (entries dropped).",
                                   value=stats.failed_jobs)
         yield CounterMetricFamily(f"{PREFIX}recorded_prefills", "Prefills recorded into the activation cache.",
@@ -218,11 +223,10 @@ class TrainingCollector:
                                   "and resumed where it stopped.", value=stats.preemptions)
         saves = CounterMetricFamily(f"{PREFIX}adapter_saves", "Adapter versions written to the adapter directory, "
                                     "by outcome.", labels=["status"])
-        checkpointer = t.checkpointer
-        saves.add_metric(["ok"], checkpointer.saved if checkpointer else 0)
-        saves.add_metric(["failed"], checkpointer.failed if checkpointer else 0)
+        saves.add_metric(["ok"], status.saves.saved if status.saves else 0)
+        saves.add_metric(["failed"], status.saves.failed if status.saves else 0)
         yield saves
-        last = checkpointer.last_saved_version if checkpointer else None
+        last = status.saves.last_saved_version if status.saves else None
         yield GaugeMetricFamily(f"{PREFIX}adapter_saved_version", "Latest adapter version saved to disk (-1: none).",
                                 value=-1 if last is None else last)
         yield CounterMetricFamily(f"{PREFIX}memory_trims", "Idle slices that returned freed activation memory "
@@ -230,20 +234,15 @@ class TrainingCollector:
         yield CounterMetricFamily(f"{PREFIX}unrecorded_prefills", "Requests selected for training but not "
                                   "recorded (cache full, prompt too long, or no room in the offload device budget).",
                                   value=stats.not_recorded)
-        yield from _offload_metrics(t)
+        yield from _offload_metrics(status.offload)
 
 
-def _offload_metrics(trainer):
+def _offload_metrics(offload):
     """The activation offloader (offload/); without one every recorded byte is on the device."""
-    offloader = trainer.offloader
-    if offloader is None:
-        device, host, stats = trainer.cache.bytes, 0, None
-    else:
-        device, host, stats = offloader.device_bytes, offloader.host_bytes, offloader.stats
     yield GaugeMetricFamily(f"{PREFIX}activation_device_bytes", "Bytes of recorded activations on the device, "
-                            "by the offloader's accounting.", value=device)
+                            "by the offloader's accounting.", value=offload.device_bytes)
     yield GaugeMetricFamily(f"{PREFIX}activation_host_bytes", "Bytes of recorded activations copied to the host "
-                            "pool.", value=host)
+                            "pool.", value=offload.host_bytes)
     for name, text in (
             ("offloaded_layers", "Recorded layers freed from the device to their host copy."),
             ("dropped_layers", "Recorded layers freed without a host copy (recomputed later)."),
@@ -251,6 +250,6 @@ def _offload_metrics(trainer):
             ("recomputed_layers", "Freed layers recomputed from their kept input for backward."),
             ("over_budget_steps", "Serving steps before which the device budget could not be met (only "
                                   "never-freed tensors were left).")):
-        yield CounterMetricFamily(f"{PREFIX}{name}", text, value=getattr(stats, name) if stats else 0)
+        yield CounterMetricFamily(f"{PREFIX}{name}", text, value=getattr(offload, name))
     yield CounterMetricFamily(f"{PREFIX}reload_wait_seconds", "Seconds backward waited for reloads (not hidden "
-                              "behind compute), in seconds.", value=stats.reload_wait_seconds if stats else 0.0)
+                              "behind compute), in seconds.", value=offload.reload_wait_seconds)

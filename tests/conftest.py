@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 
 from offload.config import OffloadConfig
 from engine.llm_engine import LLMEngine
+from server.build import build_trainer
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -45,3 +48,18 @@ def tokenizer():
 
 def encode(text: str) -> list[int]:
     return tiny_tokenizer()(text)["input_ids"]
+
+
+# the engine each test trainer was built on (the trainer itself holds only its parts)
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def trainer_on(engine: LLMEngine, config, **kwargs):
+    """`build_trainer(engine, config, …)`, remembering the engine for `engine_of`."""
+    trainer = build_trainer(engine, config, **kwargs)
+    _ENGINES[trainer] = engine
+    return trainer
+
+
+def engine_of(trainer) -> LLMEngine:
+    return _ENGINES[trainer]

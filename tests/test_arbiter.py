@@ -18,33 +18,36 @@ from tests.conftest import encode, make_config
 from bench.launch import server_process
 from tests.tiny import tiny_model, tiny_tokenizer
 from trainer.adapter_store import AdapterStore
+from server.build import build_trainer
+from trainer.arbiter import Arbiter
 from trainer.trainer import Trainer
 
 LONG_PROMPT = ("Continuous batching lets new requests join the running batch at every step. " * 10).strip()
 
 
-def trainer_with_backlog(entries: int = 20, entries_per_step: int = 1) -> Trainer:
+def trainer_with_backlog(entries: int = 20, entries_per_step: int = 1) -> tuple[LLMEngine, Trainer]:
     engine = LLMEngine(tiny_model("llama", hidden_size=256, num_layers=6), tiny_tokenizer(),
                        make_config(max_model_len=512, kv_cache_bytes=64 << 20, max_num_batched_tokens=512))
-    trainer = Trainer(engine, TrainConfig(mode="cpt", lora_rank=4, entries_per_step=entries_per_step))
+    trainer = build_trainer(engine, TrainConfig(mode="cpt", lora_rank=4, entries_per_step=entries_per_step))
     ids = encode(LONG_PROMPT)
     for i in range(entries):
-        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=1), record=trainer.record_spec(len(ids), True))
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=1), train=True)
         while engine.has_unfinished():
-            for output in engine.step()[0]:
-                trainer.on_output(output)
-    return trainer
+            engine.step()
+    return engine, trainer
 
 
 async def serve_during(async_engine: AsyncEngine, request_id: str, params: SamplingParams) -> list[int]:
     tokens = []
-    async for output in async_engine.generate(request_id, encode("Hello, how are you?"), params):
+    async for output in async_engine.generate(async_engine.make_request(request_id, encode("Hello, how are you?"),
+                                                                        params)):
         tokens += output.outputs[0].token_ids
     return tokens
 
 
-def run_with(trainer: Trainer, arbiter: ArbiterConfig, body):
-    async_engine = AsyncEngine(trainer.engine, observers=[trainer], training=trainer, arbiter=arbiter)
+def run_with(engine: LLMEngine, trainer: Trainer, config: ArbiterConfig, body):
+    arbiter = Arbiter(trainer, config)
+    async_engine = AsyncEngine(engine, idle_hook=arbiter)
 
     async def main():
         async_engine.start()
@@ -53,29 +56,29 @@ def run_with(trainer: Trainer, arbiter: ArbiterConfig, body):
         finally:
             await async_engine.stop()
 
-    return asyncio.run(main()), async_engine
+    return asyncio.run(main()), arbiter
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def test_slo_policy_trains_between_decode_steps_and_leaves_served_tokens_unchanged():
-    trainer = trainer_with_backlog(entries=60, entries_per_step=60)  # one optimizer step at the very end
-    alone = trainer.engine.generate([encode("Hello, how are you?")], GREEDY)[0][0]
+    engine, trainer = trainer_with_backlog(entries=60, entries_per_step=60)  # one optimizer step at the very end
+    alone = engine.generate([encode("Hello, how are you?")], GREEDY)[0][0]
 
     async def body(async_engine):
         while trainer.stats.slices < 5:
             await asyncio.sleep(0.001)
         return await serve_during(async_engine, "probe", GREEDY)
 
-    served, async_engine = run_with(trainer, ArbiterConfig(policy="slo", tpot_slo_ms=80.0), body)
-    assert async_engine.stats.between_step_slices > 0  # training progressed while the request decoded
+    served, arbiter = run_with(engine, trainer, ArbiterConfig(policy="slo", tpot_slo_ms=80.0), body)
+    assert arbiter.stats.between_step_slices > 0  # training progressed while the request decoded
     assert trainer.optimizer.version == 0  # the same adapter throughout the request...
     assert served == alone  # ...so the same tokens as serving alone
 
 
 def test_idle_policy_never_trains_while_a_request_runs():
-    trainer = trainer_with_backlog(entries=10)
+    engine, trainer = trainer_with_backlog(entries=10)
 
     async def body(async_engine):
         while trainer.stats.slices < 5:
@@ -90,8 +93,8 @@ def test_idle_policy_never_trains_while_a_request_runs():
         await task
         return before, during
 
-    (before, during), async_engine = run_with(trainer, ArbiterConfig(policy="idle"), body)
-    assert async_engine.stats.between_step_slices == 0
+    (before, during), arbiter = run_with(engine, trainer, ArbiterConfig(policy="idle"), body)
+    assert arbiter.stats.between_step_slices == 0
     assert max(during) <= before + 1  # at most the slice that was already running
 
 
@@ -101,38 +104,38 @@ def test_merged_weights_are_rebuilt_between_steps_of_a_request_under_the_idle_po
     the rebuild runs between its steps, and the tokens stay those of this adapter."""
     from trainer.adapter import LeanLoraLinear
 
-    trainer = trainer_with_backlog(entries=1)
+    engine, trainer = trainer_with_backlog(entries=1)
     trainer.train_until_idle(timeout_s=60)  # the optimizer step; its idle merge slices run here too
     assert trainer.optimizer.version == 1
     layers = [m for m in trainer.peft_model.modules() if isinstance(m, LeanLoraLinear)]
     with torch.no_grad():  # an optimizer step's effect, with the rebuild still to do
         for p in trainer.optimizer.params:
             p.add_(1e-3)
-    trainer._merge_pending = True
+    trainer.invalidate_merged()
     assert not any(layer.merged_is_current() for layer in layers)
-    reference = trainer.engine.generate([encode("Hello, how are you?")], GREEDY)[0][0]  # lean and merged mixed
+    reference = engine.generate([encode("Hello, how are you?")], GREEDY)[0][0]  # lean and merged mixed
     assert not all(layer.merged_is_current() for layer in layers)
 
     async def body(async_engine):
         return await serve_during(async_engine, "probe", GREEDY)
 
-    served, async_engine = run_with(trainer, ArbiterConfig(policy="idle"), body)
-    assert async_engine.stats.maintenance_slices > 0 and async_engine.stats.idle_slices == 0
+    served, arbiter = run_with(engine, trainer, ArbiterConfig(policy="idle"), body)
+    assert arbiter.stats.maintenance_slices > 0 and arbiter.stats.idle_slices == 0
     assert all(layer.merged_is_current() for layer in layers)
     assert served == reference
 
 
 def test_slo_policy_backs_off_when_the_slo_cannot_be_met():
-    trainer = trainer_with_backlog(entries=10)
+    engine, trainer = trainer_with_backlog(entries=10)
 
     async def body(async_engine):
         while trainer.stats.slices < 3:
             await asyncio.sleep(0.001)
         return await serve_during(async_engine, "probe", GREEDY)
 
-    _, async_engine = run_with(trainer, ArbiterConfig(policy="slo", tpot_slo_ms=0.01), body)
-    assert async_engine.stats.between_step_slices == 0
-    assert async_engine.stats.slo_backoffs > 0
+    _, arbiter = run_with(engine, trainer, ArbiterConfig(policy="slo", tpot_slo_ms=0.01), body)
+    assert arbiter.stats.between_step_slices == 0
+    assert arbiter.stats.slo_backoffs > 0
 
 
 @pytest.mark.slow

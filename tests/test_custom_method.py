@@ -8,11 +8,10 @@ from trainer.config import TrainConfig
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
 from tests.test_training import PROMPT, relative_difference
-from tests.conftest import make_engine
+from tests.conftest import make_engine, trainer_on
 from tests.tiny import tiny_tokenizer
 from trainer.adapter import lora_gradients
 from trainer.cache import EntryState
-from trainer.trainer import Trainer
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_method.py"
 
@@ -40,15 +39,13 @@ def test_custom_method_trains_with_equal_gradients_on_both_paths():
     example = load_example()
     tok = tiny_tokenizer()
     engine = make_engine()
-    trainer = Trainer(engine, TrainConfig(mode="cpt", lora_rank=4), method=example.UserTurnCPT(tok),
+    trainer = trainer_on(engine, TrainConfig(mode="cpt", lora_rank=4), method=example.UserTurnCPT(tok),
                       init_lora_weights=False)
     chat = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     ids = tok(chat, add_special_tokens=False)["input_ids"]
-    engine.add_request("a", ids, SamplingParams(max_tokens=3),
-                       record=trainer.record_spec(len(ids), True))
+    engine.add_request("a", ids, SamplingParams(max_tokens=3), train=True)
     while engine.has_unfinished():
-        for out in engine.step()[0]:
-            trainer.on_output(out)
+        engine.step()
     entry = trainer.cache.get("a")
     assert isinstance(entry, example.UserTurnEntry) and 0 < sum(entry.user_mask) < len(ids)
     trainer.optimizer.zero_grad()
@@ -60,9 +57,8 @@ def test_custom_method_trains_with_equal_gradients_on_both_paths():
     trainer.optimizer.zero_grad()
     assert relative_difference(reuse, recompute) <= 1e-4
     trainer.cache.end(entry, EntryState.TRAINED)  # its graph was used above
-    engine.add_request("b", ids, SamplingParams(max_tokens=3), record=trainer.record_spec(len(ids), True))
+    engine.add_request("b", ids, SamplingParams(max_tokens=3), train=True)
     while engine.has_unfinished():
-        for out in engine.step()[0]:
-            trainer.on_output(out)
+        engine.step()
     trainer.train_until_idle()
     assert trainer.optimizer.version == 1 and trainer.stats.failed_jobs == 0

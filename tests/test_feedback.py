@@ -98,7 +98,7 @@ def test_entries_expire_while_the_engine_never_idles():
         busy = threading.Thread(target=lambda: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120))
         busy.start()
         wait_for(lambda: engine.engine.num_requests == 1)
-        idle_before = engine.stats.idle_slices
+        idle_before = engine.idle_hook.stats.idle_slices
         r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 4,
                                                                    "messages": [{"role": "user", "content": "hi"}]})
         completion = r.json()["id"]
@@ -106,7 +106,7 @@ def test_entries_expire_while_the_engine_never_idles():
         assert trainer.cache.get(completion) is not None
         wait_for(lambda: trainer.cache.get(completion) is None, timeout=10)
         assert trainer.cache.ended_state(completion).value == "expired" and trainer.cache.bytes == 0
-        assert engine.engine.num_requests == 1 and engine.stats.idle_slices == idle_before  # never idle
+        assert engine.engine.num_requests == 1 and engine.idle_hook.stats.idle_slices == idle_before  # never idle
         engine.abort(next(iter(engine.engine.request_ids())))
         busy.join(30)
 

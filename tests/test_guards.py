@@ -99,8 +99,10 @@ def test_overload_gets_429_beside_200_and_never_a_5xx():
 async def _sdk_during_burst(url: str, body: dict):
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     async with httpx.AsyncClient(timeout=60) as http:
-        holders = [asyncio.ensure_future(http.post(f"{url}/v1/completions", json=body)) for _ in range(4)]
-        await asyncio.sleep(0.3)
+        # 2 running + 2 queued: full while the longest possible answers decode
+        holders = [asyncio.ensure_future(http.post(f"{url}/v1/completions", json={**body, "max_tokens": 240}))
+                   for _ in range(4)]
+        await asyncio.sleep(0.1)
         try:
             await client.completions.create(model=TINY_NAME, prompt="hi", max_tokens=2)
         finally:

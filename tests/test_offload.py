@@ -15,38 +15,34 @@ from trainer.config import TrainConfig
 from engine.sampling_params import SamplingParams
 from offload.hedging import LOAD, RECOMPUTE, LayerCosts, Timings, plan, simulate
 from offload.host_pool import HostPool
-from tests.conftest import encode, make_engine
+from tests.conftest import encode, engine_of, make_engine, trainer_on
 from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
 from tests.test_training import PROMPT, gradients_of, label, relative_difference
 from tests.tiny import FAMILIES
-from trainer.trainer import Trainer
 
 OTHER_PROMPT = "Tell me a story about a dragon who learned to paint with fire and light."
 
 
-def make_trainer(family="llama", mode="cpt", offload=None) -> Trainer:
+def make_trainer(family="llama", mode="cpt", offload=None):
     torch.manual_seed(0)
     engine = make_engine(family, offload=offload)
-    return Trainer(engine, TrainConfig(mode=mode, lora_rank=4), init_lora_weights=False)
+    return trainer_on(engine, TrainConfig(mode=mode, lora_rank=4), offload=offload, init_lora_weights=False)
 
 
-def serve_two(trainer: Trainer) -> None:
+def serve_two(trainer) -> None:
     """Request "a" is decoding when "b"'s recorded prefill runs, so "b"'s recorded step
     carries another sequence's decode rows."""
-    engine = trainer.engine
+    engine = engine_of(trainer)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for request_id, prompt in (("a", OTHER_PROMPT), ("b", PROMPT)):
         ids = encode(prompt)
-        engine.add_request(request_id, ids, params, record=trainer.record_spec(len(ids), True))
-        outputs, _ = engine.step()
-        for out in outputs:
-            trainer.on_output(out)
+        engine.add_request(request_id, ids, params, train=True)
+        engine.step()
     while engine.has_unfinished():
-        for out in engine.step()[0]:
-            trainer.on_output(out)
+        engine.step()
 
 
-def gradients_after_serving(trainer: Trainer, mode: str) -> dict:
+def gradients_after_serving(trainer, mode: str) -> dict:
     """LoRA gradients of "b"'s reuse job; with an offloader, every layer freed first."""
     serve_two(trainer)
     if trainer.offloader is not None:
@@ -66,7 +62,7 @@ def test_gradients_equal_keeping_every_layer_on_the_device(mode, policy, copy_to
                                                             copy_to_host=copy_to_host))
     grads = gradients_after_serving(trainer, mode)
     stats = trainer.offloader.stats
-    num_layers = len(trainer.engine.runner.layers)
+    num_layers = len(engine_of(trainer).runner.layers)
     assert stats.offloaded_layers + stats.dropped_layers >= 2 * num_layers
     assert stats.reloaded_layers + stats.recomputed_layers == num_layers  # "b"'s layers came back
     if policy == "load":
@@ -152,22 +148,20 @@ def test_device_budget_holds_while_serving_and_training_continue():
     budget = tight_budget()
     trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=budget, policy="hedged"))
     offloader = trainer.offloader
-    engine = trainer.engine
+    engine = engine_of(trainer)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     rng = random.Random(0)
     finished = 0
     for i in range(24):
         ids = encode(f"{rng.choice([PROMPT, OTHER_PROMPT])} request {i}")
-        engine.add_request(f"r{i}", ids, params, record=trainer.record_spec(len(ids), True))
+        engine.add_request(f"r{i}", ids, params, train=True)
         for _ in range(rng.randint(1, 4)):
-            for out in engine.step()[0]:
-                trainer.on_output(out)
-                finished += out.finished
+            outputs, _ = engine.step()
+            finished += sum(out.finished for out in outputs)
             trainer.run_slice()
     while engine.has_unfinished():
-        for out in engine.step()[0]:
-            trainer.on_output(out)
-            finished += out.finished
+        outputs, _ = engine.step()
+        finished += sum(out.finished for out in outputs)
     trainer.train_until_idle()
     stats = offloader.stats
     assert finished == 24

@@ -10,7 +10,8 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_config
 from tests.tiny import tiny_model, tiny_tokenizer
-from trainer.trainer import Trainer
+from server.build import build_trainer
+from trainer.arbiter import Arbiter
 
 LONG_PROMPT = ("Continuous batching lets new requests join the running batch at every step. " * 12).strip()
 
@@ -18,14 +19,13 @@ LONG_PROMPT = ("Continuous batching lets new requests join the running batch at 
 def test_request_arriving_during_a_long_training_run_starts_within_one_slice():
     engine = LLMEngine(tiny_model("llama", hidden_size=256, num_layers=6), tiny_tokenizer(),
                        make_config(max_model_len=512, kv_cache_bytes=64 << 20, max_num_batched_tokens=512))
-    trainer = Trainer(engine, TrainConfig(mode="cpt", lora_rank=4))
+    trainer = build_trainer(engine, TrainConfig(mode="cpt", lora_rank=4))
     ids = encode(LONG_PROMPT)
     for i in range(30):  # a long training run: 30 recorded entries, ~10 slices each
-        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=1), record=trainer.record_spec(len(ids), True))
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=1), train=True)
         while engine.has_unfinished():
-            for output in engine.step()[0]:
-                trainer.on_output(output)
-    async_engine = AsyncEngine(engine, observers=[trainer], training=trainer)
+            engine.step()
+    async_engine = AsyncEngine(engine, idle_hook=Arbiter(trainer))
 
     async def probe() -> tuple[float, int]:
         async_engine.start()
@@ -34,7 +34,8 @@ def test_request_arriving_during_a_long_training_run_starts_within_one_slice():
                 await asyncio.sleep(0.001)
             remaining = len(trainer.cache)
             submitted = time.perf_counter()
-            async for _ in async_engine.generate("probe", encode("Hello"), SamplingParams(max_tokens=1)):
+            async for _ in async_engine.generate(async_engine.make_request("probe", encode("Hello"),
+                                                                           SamplingParams(max_tokens=1))):
                 waited = time.perf_counter() - submitted
                 break
             deadline = time.time() + 60

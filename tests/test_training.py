@@ -11,10 +11,11 @@ import torch
 from trainer.config import TrainConfig
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
-from tests.conftest import encode, make_engine
+from tests.conftest import encode, engine_of, make_engine, trainer_on
 from tests.tiny import FAMILIES
 from trainer.adapter import lora_gradients, lora_parameters
 from trainer.cache import EntryState
+from trainer.feedback import FeedbackLabel
 from trainer.trainer import Trainer
 
 PROMPT = "The quick brown fox jumps over the lazy dog. What is the capital of France?"
@@ -24,25 +25,25 @@ def make_trainer(family="llama", mode="cpt", **train_kwargs) -> Trainer:
     engine = make_engine(family)
     config = TrainConfig(mode=mode, lora_rank=4, **train_kwargs)
     # random B as well as A, so that every LoRA tensor gets a non-zero gradient
-    return Trainer(engine, config, init_lora_weights=False)
+    return trainer_on(engine, config, init_lora_weights=False)
 
 
 def serve(trainer: Trainer, request_id: str, prompt: str = PROMPT, max_tokens: int = 6) -> list[int]:
-    engine = trainer.engine
+    engine = engine_of(trainer)
     ids = encode(prompt)
     engine.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                       record=trainer.record_spec(len(ids), True))
+                       train=True)
     tokens = []
     while engine.has_unfinished():
         outputs, _ = engine.step()
         for out in outputs:
-            trainer.on_output(out)
             tokens += out.outputs[0].token_ids
     return tokens
 
 
 def label(trainer: Trainer, request_id: str, chosen="Paris is the capital.", rejected=None):
-    trainer.submit_feedback(request_id, chosen, rejected, 0)
+    result = trainer.submit_feedback(FeedbackLabel(request_id, chosen, rejected, 0))
+    assert result.accepted, result
 
 
 def relative_difference(a: dict, b: dict) -> float:
@@ -174,7 +175,7 @@ def test_served_log_prob_equals_the_training_forward():
 def test_served_tokens_are_unchanged_by_recording():
     trainer = make_trainer()
     recorded = serve(trainer, "a", max_tokens=12)
-    plain_engine = trainer.engine
+    plain_engine = engine_of(trainer)
     ids = encode(PROMPT)
     plain = plain_engine.generate([ids], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0][0]
     assert recorded == plain
@@ -182,16 +183,15 @@ def test_served_tokens_are_unchanged_by_recording():
 
 def test_sampling_edits_do_not_touch_the_recorded_logits():
     trainer = make_trainer()
-    engine = trainer.engine
+    engine = engine_of(trainer)
     ids = encode(PROMPT)
     # min_tokens bans EOS and logit_bias edits logits: both used to write into the recording
-    engine.add_request("a", ids, SamplingParams(max_tokens=3, min_tokens=3, logit_bias={5: 3.0}),
-                       record=trainer.record_spec(len(ids), True))
+    engine.add_request("a", ids, SamplingParams(max_tokens=3, min_tokens=3, logit_bias={5: 3.0}), train=True)
     while engine.has_unfinished():
         engine.step()
     entry = trainer.cache.get("a")
     with torch.inference_mode():
-        fresh = trainer.engine.model(torch.tensor([ids])).logits[0]
+        fresh = engine_of(trainer).model(torch.tensor([ids])).logits[0]
     assert torch.allclose(entry.recording.logits.detach(), fresh, atol=1e-4)
     trainer.train_until_idle()
     assert trainer.stats.trained_entries == {("cpt", "reuse"): 1}
@@ -201,7 +201,7 @@ def test_sampling_edits_do_not_touch_the_recorded_logits():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything(family, mode):
     trainer = make_trainer(family, mode.split("-")[0])
-    engine = trainer.engine
+    engine = engine_of(trainer)
     other_ids, recorded_ids = encode("Hello, how are you today?"), encode(PROMPT)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     other_alone = engine.generate([other_ids], params)[0][0]
@@ -213,13 +213,12 @@ def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything
 
     def step():
         for out in engine.step()[0]:
-            trainer.on_output(out)
             tokens[out.request_id] += out.outputs[0].token_ids
 
     engine.add_request("other", other_ids, params)
     for _ in range(3):
         step()
-    engine.add_request("rec", recorded_ids, params, record=trainer.record_spec(len(recorded_ids), True))
+    engine.add_request("rec", recorded_ids, params, train=True)
     while engine.has_unfinished():
         step()
     recorded_step = next(s for s in steps if s.recorded)
@@ -246,7 +245,7 @@ def test_an_entry_dropped_without_backward_frees_its_whole_graph(mode):
     from engine.recording import SavedTensorTracker
 
     trainer = make_trainer(mode=mode)
-    tracker = trainer.engine.runner.record_tracker = SavedTensorTracker()
+    tracker = engine_of(trainer).runner.record_tracker = SavedTensorTracker()
     serve(trainer, "a")
     entry = trainer.cache.get("a")
     assert tracker.live_bytes > 0 and tracker.live_bytes == entry.nbytes

@@ -64,8 +64,9 @@ class TrainingMethod:
     # entries wait for POST /v1/feedback
     uses_feedback = False
 
-    def record_spec(self) -> RecordSpec:
-        return RecordSpec(all_logit_rows=self.all_logit_rows)
+    def record_spec(self, adapter_version: int) -> RecordSpec:
+        """How a prefill is recorded for this method, under `adapter_version`."""
+        return RecordSpec(all_logit_rows=self.all_logit_rows, adapter_version=adapter_version)
 
     def make_entry(self, completion_id: str, recording: RecordedPrefill) -> CacheEntry:
         return CacheEntry(completion_id, list(recording.prompt_token_ids), recording, recording.adapter_version,

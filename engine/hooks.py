@@ -1,0 +1,86 @@
+"""The engine's seams: the small protocols through which other packages plug in.
+
+The engine imports nothing from `trainer/`, `offload/`, `server/` or `bench/`; the
+composition root (server/build.py) hands it objects that satisfy these protocols. All of
+them are called on the device thread, except `IdleHook`, which the async bridge calls on
+the asyncio loop and which sends its tensor work to the device thread through `DeviceGate`.
+"""
+
+from __future__ import annotations
+
+from typing import Awaitable, Callable, Protocol, TypeVar
+
+from engine.outputs import RequestOutput, StepStats
+from engine.recording import RecordedPrefill, RecordSpec
+
+T = TypeVar("T")
+
+
+class PrefillRecorder(Protocol):
+    """Decides which prefills are recorded and receives the recordings (the trainer)."""
+
+    def admit(self, request_id: str, num_prompt_tokens: int) -> RecordSpec | None:
+        """Asked once per trainable request, when its prefill is about to be scheduled:
+        how to record it, stamped with the adapter version serving runs under, or None."""
+        ...
+
+    def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None: ...
+
+
+class StepMemoryGuard(Protocol):
+    """Makes room on the device before each serving step (the activation offloader)."""
+
+    def admits(self, num_tokens: int) -> bool:
+        """Whether a recorded prefill of `num_tokens` fits the device budget now."""
+        ...
+
+    def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0,
+                    max_context: int = 0) -> None: ...
+
+    def after_step(self) -> None: ...
+
+
+class EngineObserver(Protocol):
+    """Receives what the engine produces, on the device thread (metrics, the trainer)."""
+
+    def on_step(self, stats: StepStats) -> None: ...
+
+    def on_output(self, output: RequestOutput) -> None: ...
+
+
+class DeviceGate(Protocol):
+    """What an idle hook may use of the async bridge (engine/async_engine.py)."""
+
+    def run(self, fn: Callable[..., T], *args) -> Awaitable[T]:
+        """Runs `fn(*args)` on the device thread, after the item in progress."""
+        ...
+
+    def interrupted(self) -> bool:
+        """A message (a new request, an abort, shutdown) waits: hand the device back."""
+        ...
+
+    def serving(self) -> bool:
+        """Requests are running or waiting."""
+        ...
+
+
+class IdleHook(Protocol):
+    """Decides what runs in the gaps between serving steps (the arbiter, trainer/arbiter.py);
+    the shape of mini-sglang's `run_when_idle`. Called on the asyncio loop."""
+
+    def on_serving_step(self, seconds: float, stats: StepStats) -> None:
+        """A serving step took `seconds` of wall time (measurements only)."""
+        ...
+
+    async def after_serving_step(self, device: DeviceGate) -> None:
+        """Between two serving steps: bounded work that may run while requests do."""
+        ...
+
+    async def run_when_idle(self, device: DeviceGate) -> bool:
+        """Nothing is runnable: one item of work; False if there was none."""
+        ...
+
+    def poll_seconds(self) -> float | None:
+        """How long the bridge may sleep with nothing to do before asking again
+        (deadlines such as label timeouts come due); None: until a message arrives."""
+        ...

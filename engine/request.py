@@ -1,0 +1,19 @@
+"""A request the engine accepted: validated once, when it is made (`LLMEngine.make_request`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    # time.monotonic() when the request reached the server
+    arrival_time: float
+    # the client allows training on it (whether its prefill is recorded is decided at
+    # scheduling time, by the engine's PrefillRecorder)
+    train: bool = False

@@ -1,0 +1,112 @@
+"""The composition root: the one place that builds the engine, the trainer, the
+offloader and the arbiter, and connects them through their protocols (engine/hooks.py).
+
+    LLMEngine ── recorder ─────▶ Recorder ──entries──▶ ActivationCache ◀── Trainer
+        │   ├── memory_guard ──▶ ActivationOffloader ◀── segment_sink (the runner)
+        │   └── observers ─────▶ ServingMetrics, Recorder       (on the device thread)
+    AsyncEngine ── idle_hook ──▶ Arbiter ──slices──▶ Trainer
+
+Nothing else constructs or rewires another part; tests and benchmarks build through
+`build_trainer` and `build_stack` too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from offload.build import build_offloader
+from offload.config import OffloadConfig
+from server.config import AlchemistConfig
+from server.metrics import ServingMetrics
+from trainer.adapter import attach_lora, lora_parameters
+from trainer.adapter_store import AdapterCheckpointer, AdapterStore
+from trainer.arbiter import Arbiter
+from trainer.cache import ActivationCache
+from trainer.config import TrainConfig
+from trainer.forward import recompute_segment
+from trainer.methods import CPTMethod, DPOMethod, TrainingMethod
+from trainer.optimizer import AdapterOptimizer
+from trainer.recorder import Recorder
+from trainer.status import TrainingStats
+from trainer.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+def default_method(config: TrainConfig) -> TrainingMethod:
+    if config.mode == "cpt":
+        return CPTMethod()
+    if config.mode == "dpo":
+        return DPOMethod(config.dpo_beta)
+    raise ValueError("the trainer needs train.mode cpt or dpo (or a custom method)")
+
+
+def build_trainer(engine: LLMEngine, config: TrainConfig, offload: OffloadConfig | None = None,
+                  method: TrainingMethod | None = None, init_lora_weights: bool | str = True) -> Trainer:
+    """Wraps the engine's model with LoRA and connects a trainer to the engine: the
+    recorder decides and receives recordings, the offloader (with a device budget)
+    places them; `method` overrides the mode's (a custom method)."""
+    method = method or default_method(config)
+    peft_model = attach_lora(engine.model, config, init_lora_weights)
+    optimizer = AdapterOptimizer(lora_parameters(peft_model), config.learning_rate, config.max_grad_norm)
+    cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s)
+    stats = TrainingStats()
+    trainer = Trainer(config, method, engine.runner, peft_model, optimizer, cache, stats, engine.tokenizer,
+                      engine.max_model_len, lambda: engine.num_steps)
+    trainer.merge_all()  # merged serving weights are built now, while nobody is waiting
+    # with merged serving, decode never touches the base layers' packed weights; pack
+    # them now rather than in the first recorded prefill
+    for module in engine.model.modules():
+        if hasattr(module, "ensure_packed"):
+            module.ensure_packed()
+    offloader = None
+    if offload is not None and offload.device_budget_bytes > 0:
+        offloader = build_offloader(engine.model, offload, engine.max_model_len,
+                                    functools.partial(recompute_segment, engine.runner))
+        optimizer.zero_grad()  # calibration ran a backward
+        trainer.offloader = trainer.context.offloader = offloader
+        engine.runner.segment_sink = engine.memory_guard = offloader
+    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader)
+    engine.recorder = recorder
+    engine.observers.append(recorder)
+    return trainer
+
+
+@dataclass
+class Stack:
+    """Everything the server runs, built and connected."""
+
+    name: str
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    metrics: ServingMetrics
+    # None when training is off
+    trainer: Trainer | None
+    arbiter: Arbiter | None
+
+
+def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
+    engine = LLMEngine(model, tokenizer, config)
+    metrics = ServingMetrics(name, engine.cache_info())
+    engine.observers.append(metrics)
+    trainer = arbiter = None
+    if config.train.mode != "off":
+        trainer = build_trainer(engine, config.train, config.offload)
+        logger.info("online training: %s, LoRA rank %d, learning rate %g", config.train.mode,
+                    config.train.lora_rank, config.train.learning_rate)
+        if config.adapter.dir:
+            trainer.enable_checkpoints(AdapterCheckpointer(AdapterStore(config.adapter.dir, config.adapter.keep),
+                                                           config.adapter.save_every))
+        arbiter = Arbiter(trainer, config.arbiter)
+    elif config.adapter.dir:
+        logger.warning("adapter.dir is set but training is off (train.mode = off): no adapter is loaded from or "
+                       "saved to %s", config.adapter.dir)
+    async_engine = AsyncEngine(engine, idle_hook=arbiter)
+    metrics.add_engine(async_engine, arbiter, config.arbiter.policy)
+    if trainer is not None:
+        metrics.add_trainer(trainer)
+    return Stack(name, engine, async_engine, metrics, trainer, arbiter)

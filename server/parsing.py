@@ -1,0 +1,93 @@
+"""From an HTTP body to engine requests: JSON parsing into the strict pydantic models
+(server/protocol.py), the model check, sampling parameters, the chat template, prompts,
+and the engine's validation, each failure an OpenAI-style `APIError`."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from engine.request import EngineRequest
+from engine.sampling_params import InvalidParameter, SamplingParams
+from server.errors import APIError, validation_error
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    raw = await request.body()
+    if not raw.strip():
+        raise APIError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            raise APIError(400, f"We could not parse the JSON body of your request: {first.get('msg')}.",
+                           code="invalid_json") from None
+        if first.get("type") == "model_type":
+            raise APIError(400, "The request body must be a JSON object.", code="invalid_json") from None
+        raise validation_error(exc) from None
+
+
+def check_model(served_name: str, name: str) -> None:
+    if name != served_name:
+        raise APIError(404, f"The model `{name}` does not exist. Available: `{served_name}`.", "model",
+                       "model_not_found")
+
+
+def check_unsupported(body) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true.", "stream_options")
+
+
+def build_params(body) -> SamplingParams:
+    try:
+        return body.sampling_params()
+    except InvalidParameter as exc:
+        raise APIError(400, str(exc), exc.param, exc.code) from None
+
+
+def make_request(async_engine, request_id: str, prompt_ids: list[int], params: SamplingParams, train: bool,
+                 prompt_param: str) -> EngineRequest:
+    """The engine's request, validated (once); `prompt_param` names the prompt's field."""
+    try:
+        return async_engine.make_request(request_id, prompt_ids, params, train)
+    except InvalidParameter as exc:
+        param = prompt_param if exc.param in ("prompt", "messages") else exc.param
+        raise APIError(400, str(exc), param, exc.code) from None
+
+
+def render_chat(tokenizer, body) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(400, "This model has no chat template; use /v1/completions.", "messages")
+    messages = []
+    for message in body.messages:
+        entry = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+        if message.name is not None:
+            entry["name"] = message.name
+        messages.append(entry)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the user's to fix
+        raise APIError(400, f"The chat template rejected the messages: {exc}", "messages") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def completion_prompts(tokenizer, prompt) -> list[tuple[list[int], str]]:
+    """(token ids, text) per prompt of a /v1/completions body."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty.", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]
+    result = []
+    for p in prompt:
+        if isinstance(p, str):
+            result.append((tokenizer(p)["input_ids"], p))
+        else:
+            if not p:
+                raise APIError(400, "prompt must not be empty.", "prompt")
+            if any(t < 0 for t in p):
+                raise APIError(400, "prompt token ids must be non-negative.", "prompt")
+            result.append((list(p), tokenizer.decode(p)))
+    return result

@@ -1,0 +1,139 @@
+"""Rendering engine outputs as OpenAI response bodies: pure functions and accumulators,
+no I/O (server/streams.py streams them; tests/test_responses.py checks them alone).
+
+`token_text(token_id) -> str` is how a token is shown; logprobs below the floor are
+clamped, since JSON cannot carry -inf (vLLM reports the same floor).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from engine.outputs import RequestOutput, TokenLogprob
+
+MIN_LOGPROB = -9999.0
+
+TokenText = Callable[[int], str]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI has no "abort": a choice cut short by its client or the server says "stop"."""
+    return "stop" if reason == "abort" else reason
+
+
+def clamp_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB)
+
+
+def chat_logprobs(token_text: TokenText, logprobs: list[TokenLogprob]) -> list[dict]:
+    """`choices[i].logprobs.content` of a chat completion."""
+    def entry(token_id, value):
+        text = token_text(token_id)
+        return {"token": text, "logprob": clamp_logprob(value), "bytes": list(text.encode("utf-8"))}
+
+    return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in logprobs]
+
+
+def completion_logprobs(token_text: TokenText, logprobs: list[TokenLogprob | None], token_ids: list[int],
+                        offset: int) -> dict:
+    """`choices[i].logprobs` of a text completion; `offset`: the text offset of the first token."""
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, lp in zip(token_ids, logprobs):
+        text = token_text(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if lp is None:
+            values.append(None)
+            tops.append(None)
+        else:
+            values.append(clamp_logprob(lp.logprob))
+            top = {token_text(t): clamp_logprob(v) for t, v in lp.top}
+            top.setdefault(text, clamp_logprob(lp.logprob))
+            tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+class Choices:
+    """Accumulates the incremental outputs of `count` choices (text, tokens, logprobs,
+    finish reasons); choice k of prompt p is `p * n + index`."""
+
+    def __init__(self, count: int, n: int):
+        self.n = n
+        self.texts = [""] * count
+        self.token_ids: list[list[int]] = [[] for _ in range(count)]
+        self.logprobs: list[list[TokenLogprob]] = [[] for _ in range(count)]
+        self.reasons: list[str | None] = [None] * count
+        self.stop_reasons: list = [None] * count
+        # prompt index -> its prompt logprobs (position 0 is None)
+        self.prompt_logprobs: dict[int, list] = {}
+
+    def add(self, output: RequestOutput, prompt_index: int = 0) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = output.prompt_logprobs
+        for c in output.outputs:
+            k = prompt_index * self.n + c.index
+            self.texts[k] += c.text
+            self.token_ids[k].extend(c.token_ids)
+            if c.logprobs:
+                self.logprobs[k].extend(c.logprobs)
+            if c.finish_reason:
+                self.reasons[k], self.stop_reasons[k] = c.finish_reason, c.stop_reason
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+
+def chat_completion(request_id: str, model: str, created: int, choices: Choices, num_prompt_tokens: int,
+                    token_text: TokenText, with_logprobs: bool) -> dict:
+    """A whole `chat.completion` body."""
+    rendered = [{
+        "index": i,
+        "message": {"role": "assistant", "content": choices.texts[i]},
+        "logprobs": {"content": chat_logprobs(token_text, choices.logprobs[i])} if with_logprobs else None,
+        "finish_reason": finish_reason(choices.reasons[i]),
+        "stop_reason": choices.stop_reasons[i],
+    } for i in range(len(choices.texts))]
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": rendered, "usage": usage(num_prompt_tokens, choices.completion_tokens)}
+
+
+def text_completion(request_id: str, model: str, created: int, choices: Choices,
+                    prompts: list[tuple[list[int], str]], token_text: TokenText, echo: bool,
+                    with_logprobs: bool) -> dict:
+    """A whole `text_completion` body (`echo`: each choice starts with its prompt)."""
+    n = choices.n
+    rendered = []
+    for k in range(len(choices.texts)):
+        prompt_ids, prompt_text = prompts[k // n]
+        text, lp = choices.texts[k], None
+        if echo:
+            text = prompt_text + text
+        if with_logprobs:
+            ids, values = choices.token_ids[k], choices.logprobs[k]
+            if echo:
+                ids = prompt_ids + ids
+                values = list(choices.prompt_logprobs.get(k // n) or [None] * len(prompt_ids)) + values
+            lp = completion_logprobs(token_text, values, ids, 0)
+        rendered.append({"index": k, "text": text, "logprobs": lp, "finish_reason": finish_reason(choices.reasons[k]),
+                         "stop_reason": choices.stop_reasons[k]})
+    prompt_tokens = sum(len(ids) for ids, _ in prompts)
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": rendered, "usage": usage(prompt_tokens, choices.completion_tokens)}
+
+
+def chunk(request_id: str, obj: str, model: str, created: int, choices: list[dict],
+          usage_value: dict | None = None, include_usage: bool = False) -> dict:
+    """One streamed chunk (`chat.completion.chunk` or `text_completion`); with
+    `include_usage` it carries a `usage` field (null unless given)."""
+    data = {"id": request_id, "object": obj, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        data["usage"] = usage_value
+    return data

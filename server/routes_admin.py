@@ -1,0 +1,121 @@
+"""The routes beside the OpenAI ones: `/health`, `/metrics`, `POST /v1/feedback`, and the
+adapter routes (`GET /v1/adapters`, `POST /v1/adapters/rollback`).
+
+The trainer answers in typed results (`FeedbackResult`, `TrainerStatus`); the HTTP
+statuses they become are decided here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from engine.async_engine import EngineDeadError
+from server.errors import APIError, error_body
+from server.parsing import parse_body
+from server.protocol import FeedbackRequest, RollbackRequest
+from server.state import ServerState
+from trainer.adapter_store import AdapterLoadError
+from trainer.feedback import FeedbackOutcome
+from trainer.feedback import FeedbackLabel
+from trainer.lifecycle import AdapterMismatchError
+
+_FEEDBACK_STATUS = {FeedbackOutcome.INVALID: 400, FeedbackOutcome.UNKNOWN: 404, FeedbackOutcome.CONFLICT: 409}
+
+
+def admin_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health():
+        if not state.engine.is_alive:
+            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+        return {"status": "ok"}
+
+    @router.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @router.post("/v1/feedback")
+    async def feedback(request: Request):
+        body: FeedbackRequest = await parse_body(request, FeedbackRequest)
+        if state.trainer is None:
+            raise APIError(400, "training is off on this server (start it with --train-mode dpo); feedback is "
+                                "not used", code="feedback_not_used")
+        result = state.trainer.submit_feedback(FeedbackLabel(body.id, body.chosen, body.rejected, body.choice_index))
+        if not result.accepted:
+            raise APIError(_FEEDBACK_STATUS[result.outcome], result.message, result.param, result.code)
+        state.engine.notify()
+        return {"id": body.id, "object": "feedback", "status": "accepted"}
+
+    @router.get("/v1/adapters")
+    async def adapters():
+        return adapter_status(state)
+
+    @router.post("/v1/adapters/rollback")
+    async def rollback(request: Request):
+        body: RollbackRequest = await parse_body(request, RollbackRequest)
+        trainer = saving_trainer(state)
+        try:
+            snapshot = await asyncio.to_thread(trainer.load_saved, body.version)
+        except AdapterLoadError as exc:
+            saved = [v.version for v in trainer.saved_versions()]
+            if body.version not in saved:
+                raise APIError(404, f"adapter version {body.version} is not saved; saved versions: {saved}",
+                               "version", "version_not_found") from None
+            raise APIError(409, f"saved adapter version {body.version} cannot be loaded: {exc}", "version",
+                           "version_unreadable") from None
+        try:
+            await state.engine.run_on_device(trainer.rollback, snapshot)
+        except AdapterMismatchError as exc:
+            raise APIError(409, str(exc), "version", "version_incompatible") from None
+        except EngineDeadError:
+            raise APIError(503, "the server is shutting down") from None
+        return adapter_status(state)
+
+    return router
+
+
+def training_trainer(state: ServerState):
+    if state.trainer is None:
+        raise APIError(400, "training is off on this server, so there is no adapter (start it with "
+                            "--train-mode cpt|dpo)", code="adapters_not_used")
+    return state.trainer
+
+
+def saving_trainer(state: ServerState):
+    trainer = training_trainer(state)
+    if trainer.status().saves is None:
+        raise APIError(400, "adapters are not saved on this server (start it with --adapter-dir DIR)",
+                       code="adapter_dir_not_set")
+    return trainer
+
+
+def adapter_status(state: ServerState) -> dict:
+    """GET /v1/adapters: the live version, the saved ones, and the training counters."""
+    trainer = training_trainer(state)
+    status = trainer.status()
+    stats, saves = status.training, status.saves
+    loss = stats.last_loss
+    return {
+        "object": "adapter",
+        "version": status.adapter_version,
+        "restored_from": status.restored_from,
+        "mode": status.mode,
+        "adapter_dir": saves.adapter_dir if saves else None,
+        "save_every": saves.save_every if saves else None,
+        "saved": [{"version": v.version, "path": str(v.path), "created": int(v.created)}
+                  for v in trainer.saved_versions()],
+        "training": {
+            "trained_entries": sum(stats.trained_entries.values()),
+            "train_tokens": stats.train_tokens,
+            "last_loss": loss if loss == loss else None,
+            "skipped_steps": status.skipped_steps,
+            "failed_jobs": stats.failed_jobs,
+            "stale_entries": stats.stale_entries,
+            "activation_cache_bytes": status.cache.bytes,
+        },
+    }

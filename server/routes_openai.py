@@ -1,0 +1,100 @@
+"""The OpenAI-compatible routes: `/v1/models`, `/v1/chat/completions`, `/v1/completions`.
+
+A body is parsed and validated (server/parsing.py), turned into engine requests and
+streamed back (server/streams.py) or rendered whole (server/responses.py). A client that
+disconnects — streaming or not — aborts its request within one engine step.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request, Response
+from sse_starlette.sse import EventSourceResponse
+
+from server.errors import APIError
+from server.parsing import (build_params, check_model, check_unsupported, completion_prompts, make_request,
+                            parse_body, render_chat)
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.responses import Choices, chat_completion, text_completion
+from server.streams import (STREAM_DRAIN_S, chat_events, completion_events, engine_stream, merge,
+                            until_disconnect)
+from server.state import ServerState
+
+
+def openai_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    def model_card():
+        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "alchemist",
+                "root": state.model_name, "max_model_len": state.max_model_len}
+
+    @router.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        check_model(state.model_name, model_id)
+        return model_card()
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        check_model(state.model_name, body.model)
+        check_unsupported(body)
+        params = build_params(body)
+        prompt_ids = render_chat(state.tokenizer, body)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages")
+        stream = engine_stream(state.engine, engine_request)
+        if body.stream:
+            events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
+                                 body.stream_options, state.token_text)
+            return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
+
+        async def whole():
+            choices = Choices(params.n, params.n)
+            async for output in stream:
+                choices.add(output)
+            return chat_completion(request_id, state.model_name, int(time.time()), choices, len(prompt_ids),
+                                   state.token_text, params.logprobs is not None)
+
+        result = await until_disconnect(request, whole())
+        return result if result is not None else Response(status_code=499)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        body: CompletionRequest = await parse_body(request, CompletionRequest)
+        check_model(state.model_name, body.model)
+        check_unsupported(body)
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported.", "suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
+                           "best_of")
+        params = build_params(body)
+        prompts = completion_prompts(state.tokenizer, body.prompt)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        # with one prompt, the completion id is the training entry's id (for feedback)
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt")
+                           for rid, (prompt_ids, _) in zip(ids, prompts)]
+        streams = [engine_stream(state.engine, r) for r in engine_requests]
+        if body.stream:
+            events = completion_events(request_id, state.model_name, streams, prompts, params.n, body.echo,
+                                       body.logprobs, body.stream_options, state.token_text)
+            return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
+
+        async def whole():
+            choices = Choices(len(prompts) * params.n, params.n)
+            async for prompt_index, output in merge(streams):
+                choices.add(output, prompt_index)
+            return text_completion(request_id, state.model_name, int(time.time()), choices, prompts,
+                                   state.token_text, body.echo, body.logprobs is not None)
+
+        result = await until_disconnect(request, whole())
+        return result if result is not None else Response(status_code=499)
+
+    return router

@@ -1,0 +1,185 @@
+"""Running requests over HTTP: engine streams with typed errors mapped to HTTP, client
+disconnects (which abort the request within one engine step), several streams merged
+into one, and the SSE event streams of chat and text completions."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.outputs import ErrorKind
+from engine.request import EngineRequest
+from server.errors import APIError, error_body
+from server.responses import (TokenText, chat_logprobs, chunk, completion_logprobs, finish_reason, usage)
+
+# on SIGTERM, streams in flight get this long to finish before they are cut (uvicorn's
+# graceful-shutdown timeout in serve.py is longer)
+STREAM_DRAIN_S = 8.0
+
+
+def engine_stream(async_engine: AsyncEngine, request: EngineRequest):
+    """The request's outputs; an engine error becomes an APIError (503: the engine
+    stopped, retry elsewhere; 500: a step failed)."""
+    async def stream():
+        try:
+            async for output in async_engine.generate(request):
+                if output.error is not None:
+                    if output.error.kind is ErrorKind.ENGINE_STOPPED:
+                        raise APIError(503, "the server is shutting down; retry on another replica")
+                    raise APIError(500, f"generation failed: {output.error.message}", type="server_error")
+                yield output
+        except EngineDeadError as exc:
+            raise APIError(503, str(exc)) from None
+    return stream()
+
+
+async def _listen_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, work) -> object:
+    """Runs `work` (a coroutine); if the client disconnects first, cancels it (which
+    aborts its engine requests) and returns None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_listen_for_disconnect(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return None
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Interleaves several async iterators, yielding (iterator index, item)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index, stream):
+        try:
+            async for item in stream:
+                await queue.put((index, item))
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Usage:
+    """`stream_options`: a final usage chunk, and optionally usage on every chunk."""
+
+    def __init__(self, stream_options, prompt_tokens: int):
+        self.include = bool(stream_options and stream_options.include_usage)
+        self.continuous = self.include and stream_options.continuous_usage_stats
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+
+    def now(self) -> dict:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+
+def _event(data: dict) -> dict:
+    return {"data": json.dumps(data)}
+
+
+async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_tokens: int, stream_options,
+                      token_text: TokenText):
+    """SSE events of a streamed chat completion: a role chunk per choice, content
+    deltas, finish reasons, the usage chunk, then [DONE] (an error becomes an error event)."""
+    created = int(time.time())
+    counts = _Usage(stream_options, num_prompt_tokens)
+
+    def event(choices, usage_value=None):
+        value = usage_value or (counts.now() if counts.continuous else None)
+        return _event(chunk(request_id, "chat.completion.chunk", model, created, choices, value, counts.include))
+
+    try:
+        for i in range(n):
+            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        async for output in stream:
+            for c in output.outputs:
+                counts.completion_tokens += len(c.token_ids)
+                if not c.text and not c.finish_reason and not c.logprobs:
+                    continue
+                choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                          "logprobs": {"content": chat_logprobs(token_text, c.logprobs)} if c.logprobs else None,
+                          "finish_reason": finish_reason(c.finish_reason)}
+                if c.finish_reason:
+                    choice["stop_reason"] = c.stop_reason
+                yield event([choice])
+        if counts.include:
+            yield event([], counts.now())
+    except APIError as exc:
+        yield _event(error_body(exc.status, exc.message, exc.param, exc.code, exc.type))
+    yield {"data": "[DONE]"}
+
+
+async def completion_events(request_id: str, model: str, streams, prompts: list[tuple[list[int], str]], n: int,
+                            echo: bool, logprobs: int | None, stream_options, token_text: TokenText):
+    """SSE events of a streamed text completion (several prompts merged; choice k of
+    prompt p is p * n + index)."""
+    created = int(time.time())
+    counts = _Usage(stream_options, sum(len(ids) for ids, _ in prompts))
+
+    def event(choices, usage_value=None):
+        value = usage_value or (counts.now() if counts.continuous else None)
+        return _event(chunk(request_id, "text_completion", model, created, choices, value, counts.include))
+
+    offsets = [0] * (len(prompts) * n)
+    echoed = [False] * (len(prompts) * n)
+    try:
+        async for prompt_index, output in merge(streams):
+            prompt_ids, prompt_text = prompts[prompt_index]
+            for c in output.outputs:
+                k = prompt_index * n + c.index
+                counts.completion_tokens += len(c.token_ids)
+                text, ids, values = c.text, list(c.token_ids), list(c.logprobs or [])
+                if echo and not echoed[k] and (output.prompt_logprobs is not None or logprobs is None):
+                    echoed[k] = True
+                    text = prompt_text + text
+                    ids = prompt_ids + ids
+                    values = list(output.prompt_logprobs or [None] * len(prompt_ids)) + values
+                if not text and not c.finish_reason and not ids:
+                    continue
+                lp = completion_logprobs(token_text, values, ids, offsets[k]) if logprobs is not None else None
+                offsets[k] += len(text)
+                yield event([{"index": k, "text": text, "logprobs": lp,
+                              "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])
+        if counts.include:
+            yield event([], counts.now())
+    except APIError as exc:
+        yield _event(error_body(exc.status, exc.message, exc.param, exc.code, exc.type))
+    yield {"data": "[DONE]"}

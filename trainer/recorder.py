@@ -1,0 +1,98 @@
+"""The trainer's side of serving: which prefills are recorded, and what becomes of them.
+
+`Recorder` is the engine's `PrefillRecorder` and one of its `EngineObserver`s (engine/
+hooks.py), called on the device thread:
+  - `admit` is the one place that decides whether a trainable request's prefill is
+    recorded: the record fraction, the prompt length, room in the activation cache, and
+    room on the device (the offloader's budget); the spec it returns carries the adapter
+    version serving runs under, so the recording is stamped when it is made;
+  - `on_recorded` turns a recording into a cache entry (the training method's);
+  - `on_output` collects the served responses and their log-probs, and completes the
+    entry when the request finishes; `on_step` expires entries past their label timeout.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Protocol
+
+from engine.outputs import RequestOutput, StepStats
+from engine.recording import RecordedPrefill, RecordSpec
+from trainer.cache import ActivationCache
+from trainer.config import TrainConfig
+from trainer.methods import TrainingMethod
+from trainer.status import TrainingStats
+
+# how often serving steps check label timeouts
+_EXPIRY_EVERY_S = 0.5
+
+
+class DeviceRoom(Protocol):
+    """Whether a recording's never-freed tensors fit on the device (the offloader)."""
+
+    def admits(self, num_tokens: int) -> bool: ...
+
+
+class Recorder:
+    def __init__(self, config: TrainConfig, method: TrainingMethod, cache: ActivationCache,
+                 adapter_version: Callable[[], int], stats: TrainingStats, device_room: DeviceRoom | None = None):
+        self.config = config
+        self.method = method
+        self.cache = cache
+        self.adapter_version = adapter_version
+        self.stats = stats
+        self.device_room = device_room
+        self._rng = random.Random(config.seed)
+        self._last_expiry = 0.0
+        # measured bytes per recorded prompt token (to predict whether a recording fits)
+        self._bytes_per_token: float | None = None
+        # completion id -> choice index -> served token ids, for recorded requests in flight
+        self._responses: dict[str, dict[int, list[int]]] = {}
+        # completion id -> choice index -> cumulative log-prob of the served tokens
+        self._served_logps: dict[str, dict[int, float]] = {}
+
+    # -- PrefillRecorder ------------------------------------------------------------------
+
+    def admit(self, request_id: str, num_prompt_tokens: int) -> RecordSpec | None:
+        if self._rng.random() >= self.config.record_fraction:
+            return None
+        expected = (self._bytes_per_token or 0.0) * num_prompt_tokens
+        if (num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
+                or (self.device_room is not None and not self.device_room.admits(num_prompt_tokens))):
+            self.stats.not_recorded += 1
+            return None
+        return self.method.record_spec(self.adapter_version())
+
+    def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None:
+        self._bytes_per_token = recording.saved_bytes / max(len(recording.prompt_token_ids), 1)
+        entry = self.method.make_entry(request_id, recording)
+        if self.cache.add(entry):
+            self.stats.recorded += 1
+            self._responses[request_id] = {}
+        else:
+            self.stats.not_recorded += 1
+
+    # -- EngineObserver -------------------------------------------------------------------
+
+    def on_step(self, stats: StepStats) -> None:
+        # label timeouts come due under steady load too, when no idle slice runs to expire them
+        now = time.monotonic()
+        if now - self._last_expiry >= _EXPIRY_EVERY_S:
+            self._last_expiry = now
+            self.cache.expire()
+
+    def on_output(self, output: RequestOutput) -> None:
+        responses = self._responses.get(output.request_id)
+        if responses is None:
+            return
+        logps = self._served_logps.setdefault(output.request_id, {})
+        for completion in output.outputs:
+            responses.setdefault(completion.index, []).extend(completion.token_ids)
+            if completion.cumulative_logprob is not None:
+                logps[completion.index] = completion.cumulative_logprob
+        if output.finished:
+            del self._responses[output.request_id]
+            del self._served_logps[output.request_id]
+            aborted = all(c.finish_reason == "abort" for c in output.outputs)
+            self.cache.response_finished(output.request_id, responses, aborted, logps)

@@ -1,0 +1,87 @@
+"""The trainer's counters, and the snapshot of its state that `/metrics` and
+`/v1/adapters` read (`Trainer.status()`): nothing outside the trainer reads its parts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+SLICE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
+
+
+@dataclass
+class TrainingStats:
+    # (mode, path) -> entries trained
+    trained_entries: dict[tuple[str, str], int] = field(default_factory=dict)
+    train_tokens: int = 0
+    last_loss: float = math.nan
+    stale_entries: int = 0
+    # stale entries dropped instead of recomputed (stale_policy = drop)
+    stale_dropped: int = 0
+    # feedback outcome ("accepted", "invalid", "unknown", "conflict") -> count
+    feedback: dict[str, int] = field(default_factory=dict)
+    failed_jobs: int = 0
+    # slices run, their total seconds, and a histogram of their durations (bucket upper bounds)
+    slices: int = 0
+    busy_seconds: float = 0.0
+    max_slice_seconds: float = 0.0
+    slice_buckets: dict[float, int] = field(default_factory=lambda: {b: 0 for b in SLICE_BUCKETS})
+    # times a job was interrupted by serving and resumed where it stopped
+    preemptions: int = 0
+    recorded: int = 0
+    # requests selected but not recorded: cache full, prompt too long, no room on the device
+    not_recorded: int = 0
+    # idle slices that returned freed host memory to the OS
+    memory_trims: int = 0
+
+
+@dataclass(frozen=True)
+class CacheStatus:
+    # bytes of recorded activations the activation cache holds
+    bytes: int
+    # live entries by state ("waiting_label", "ready", "training")
+    entries: dict[str, int]
+    # entries that left the cache, by final state
+    ended: dict[str, int]
+
+
+@dataclass(frozen=True)
+class SaveStatus:
+    adapter_dir: str
+    save_every: int
+    # saves that succeeded and failed, and the latest version on disk (None: none yet)
+    saved: int
+    failed: int
+    last_saved_version: int | None
+
+
+@dataclass(frozen=True)
+class OffloadStatus:
+    # recorded activation bytes on the device (by the offloader's accounting, or the
+    # cache's bytes without an offloader) and in the host pool
+    device_bytes: int
+    host_bytes: int
+    offloaded_layers: int = 0
+    dropped_layers: int = 0
+    reloaded_layers: int = 0
+    recomputed_layers: int = 0
+    over_budget_steps: int = 0
+    reload_wait_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class TrainerStatus:
+    # cpt | dpo | a custom method's name
+    mode: str
+    # the live adapter version (optimizer steps applied, rollbacks included)
+    adapter_version: int
+    # the saved version the adapter was last restored from (resume or rollback)
+    restored_from: int | None
+    # optimizer steps skipped for a non-finite loss or gradient
+    skipped_steps: int
+    # a copy of the counters
+    training: TrainingStats
+    cache: CacheStatus
+    offload: OffloadStatus
+    # None when adapters are not saved (no adapter directory)
+    saves: SaveStatus | None
