@@ -112,7 +112,11 @@ class ActivationOffloader:
             need = self.kept_bytes + int(self._kept_per_token * num_tokens) + self.layer_bytes(num_tokens)
             return need + self.map.serving_bytes(num_tokens, 1) <= self.budget_bytes
 
-    def _account(self, delta: int) -> None:
+    # -- the interface of placement.py and residency.py --------------------------------
+    # (what a recording's placement and a backward's residency change in the accounting)
+
+    def account(self, delta: int) -> None:
+        """`delta` bytes of recorded activations arrived on (or left) the device."""
         self.device_bytes += delta
         self.stats.peak_device_bytes = max(self.stats.peak_device_bytes, self.device_bytes)
         self.stats.peak_budget_bytes = max(self.stats.peak_budget_bytes, self.device_bytes + self._step_bytes)
@@ -126,18 +130,24 @@ class ActivationOffloader:
             self._recordings.append(placement)
             return placement
 
-    def _registered(self, recording: RecordingPlacement, layer: LayerPlacement) -> None:
+    def layer_registered(self, recording: RecordingPlacement, layer: LayerPlacement) -> None:
+        """A layer of `recording` finished recording: it is accounted, copied to the host
+        when copies are eager, and layers are freed if the budget is exceeded."""
         with self._lock:
             self._layer_per_token = max(self._layer_per_token, layer.nbytes / max(recording.num_tokens, 1))
-            self._account(layer.nbytes)
+            self.account(layer.nbytes)
             if self.config.policy != "recompute" and self.copy_while_recording:
                 for storage in layer.storages:
                     self._copy_to_host(storage)
             # a recording larger than the budget on its own: free its layers as they come
             self.free_to(self._allowed_bytes)
 
-    def _observe_kept(self, per_token: float) -> None:
-        self._kept_per_token = max(self._kept_per_token, per_token)
+    def recording_finished(self, recording: RecordingPlacement) -> None:
+        """A recording's kept tensors are all known: they refine the prediction of a new
+        recording's kept bytes, and its layers are freed to the step's allowance."""
+        with self._lock:
+            self._kept_per_token = max(self._kept_per_token, recording.kept_bytes / max(recording.num_tokens, 1))
+            self.free_to(self._allowed_bytes)
 
     def _copy_to_host(self, storage: StorageCopy) -> bool:
         if storage.host is None:
@@ -147,7 +157,7 @@ class ActivationOffloader:
             storage.to_host = self.copies.copy(storage.host.data, storage.device)
         return True
 
-    def _disown(self, recording: RecordingPlacement, storage: StorageCopy) -> None:
+    def disown(self, recording: RecordingPlacement, storage: StorageCopy) -> None:
         """A resident storage turned out to be saved by a later layer too: it is kept on
         the device from now on (its bytes move from the layer to the kept bytes)."""
         for layer in recording.layers:
@@ -181,7 +191,7 @@ class ActivationOffloader:
             self._allowed_bytes = max(0, self.budget_bytes - self._step_bytes - in_flight)
             if not self.free_to(self._allowed_bytes):
                 self.stats.over_budget_steps += 1
-            self._account(0)
+            self.account(0)
 
     def after_step(self) -> None:
         """The serving step's memory is free again (training reloads may use it)."""
@@ -228,7 +238,7 @@ class ActivationOffloader:
                 handle.rebind(None)
             storage.device = None
             recording.forget(storage)
-        self._account(-layer.nbytes)
+        self.account(-layer.nbytes)
         layer.residence = Residence.HOST if to_host else Residence.DROPPED
         if to_host:
             self.stats.offloaded_layers += 1
@@ -242,7 +252,7 @@ class ActivationOffloader:
             if layer.residence is not Residence.HOST or layer.loading:
                 return
             layer.loading = True
-            self._account(layer.nbytes)
+            self.account(layer.nbytes)
             for storage in layer.storages:
                 storage.loading = torch.empty(storage.nbytes, dtype=torch.uint8, device=self.device)
                 storage.to_device = self.copies.copy(storage.loading, storage.host.data[:storage.nbytes])
@@ -289,11 +299,18 @@ class ActivationOffloader:
             return None
         return Residency(self, placement)
 
-    def _release_layer(self, layer: LayerPlacement) -> None:
+    def release_layer(self, layer: LayerPlacement) -> None:
+        """A layer is done with (back-propagated, or its recording released): its device
+        and host copies are freed."""
+        with self._lock:
+            self._release_layer_locked(layer)
+
+    def _release_layer_locked(self, layer: LayerPlacement) -> None:
+        layer.segment = None
         if layer.residence is Residence.DONE:
             return
         if layer.residence is Residence.DEVICE or layer.loading:
-            self._account(-layer.nbytes)
+            self.account(-layer.nbytes)
         for storage in layer.storages:
             if storage.to_device is not None:
                 storage.to_device.wait()
@@ -303,14 +320,15 @@ class ActivationOffloader:
         layer.loading = False
         layer.residence = Residence.DONE
 
-    def _release(self, recording: RecordingPlacement) -> None:
+    def release_recording(self, recording: RecordingPlacement) -> None:
+        """The recording is trained or dropped: every byte of it is freed."""
         with self._lock:
             if recording.released:
                 return
             recording.released = True
             for layer in recording.layers:
-                self._release_layer(layer)
-            self._account(-recording.kept_bytes)
+                self._release_layer_locked(layer)
+            self.account(-recording.kept_bytes)
             recording.kept_bytes = 0
             self._recordings.remove(recording)
 

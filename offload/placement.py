@@ -90,7 +90,7 @@ class RecordingPlacement:
         if key not in self._owners:
             self._owners[key] = None
             self.kept_bytes += nbytes
-            self.offloader._account(nbytes)
+            self.offloader.account(nbytes)
 
     def add_segment(self, index: int, segment: LayerSegment, saved: list[SavedTensor]) -> None:
         for tensor in (segment.leaf, segment.out, segment.key, segment.value):
@@ -105,7 +105,7 @@ class RecordingPlacement:
             if key in self._owners:
                 owner = self._owners[key]
                 if owner is not None:  # saved by an earlier layer too: shared, so kept
-                    self.offloader._disown(self, owner)
+                    self.offloader.disown(self, owner)
                     self._owners[key] = None
                     self.kept_bytes += nbytes
                 continue
@@ -114,7 +114,7 @@ class RecordingPlacement:
             storages.append(copy)
         layer = LayerPlacement(index, segment, storages)
         self.layers.append(layer)
-        self.offloader._registered(self, layer)
+        self.offloader.layer_registered(self, layer)
 
     def keep(self, *tensors: torch.Tensor) -> None:
         """Tensors every layer uses (the rotary tables): kept on the device."""
@@ -131,8 +131,7 @@ class RecordingPlacement:
         for tensor in [recording.head_leaf, recording.logits] + [h.tensor for h in head_saved if h.tensor is not None]:
             if tensor.untyped_storage().data_ptr() not in self.offloader.param_keys:
                 self._keep(storage_key(tensor), tensor.untyped_storage().nbytes())
-        self.offloader._observe_kept(self.kept_bytes / max(self.num_tokens, 1))
-        self.offloader.free_to(self.offloader._allowed_bytes)
+        self.offloader.recording_finished(self)
 
     def release(self) -> None:
-        self.offloader._release(self)
+        self.offloader.release_recording(self)

@@ -71,10 +71,7 @@ class Residency:
 
     def after(self, index: int) -> None:
         self._observe_backward(time.perf_counter() - self._backward_started)
-        with self.offloader._lock:
-            layer = self.placement.layers[index]
-            self.offloader._release_layer(layer)
-            layer.segment = None
+        self.offloader.release_layer(self.placement.layers[index])
         if index == 0:
             self.placement.active = False
 

@@ -1,0 +1,48 @@
+"""Response rendering alone (server/responses.py): no server, no model."""
+
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from server.responses import (MIN_LOGPROB, Choices, chat_completion, chat_logprobs, completion_logprobs,
+                              finish_reason, text_completion, usage)
+
+TEXT = {1: "Hel", 2: "lo", 3: "!"}
+
+
+def output(index: int, text: str, ids: list[int], reason=None, logprobs=None, prompt_logprobs=None):
+    return RequestOutput("r", [CompletionOutput(index, text, ids, logprobs, reason)], reason is not None,
+                         RequestMetrics(0.0, None, None, 2, len(ids)), prompt_logprobs)
+
+
+def test_usage_and_finish_reasons():
+    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert finish_reason("abort") == "stop" and finish_reason("length") == "length" and finish_reason(None) is None
+
+
+def test_logprobs_are_clamped_and_carry_bytes():
+    rendered = chat_logprobs(TEXT.get, [TokenLogprob(1, float("-inf"), [(2, -0.5)])])
+    assert rendered == [{"token": "Hel", "logprob": MIN_LOGPROB, "bytes": [72, 101, 108],
+                         "top_logprobs": [{"token": "lo", "logprob": -0.5, "bytes": [108, 111]}]}]
+    legacy = completion_logprobs(TEXT.get, [None, TokenLogprob(2, -1.0, [(3, -2.0)])], [1, 2], 5)
+    assert legacy == {"tokens": ["Hel", "lo"], "token_logprobs": [None, -1.0],
+                      "top_logprobs": [None, {"!": -2.0, "lo": -1.0}], "text_offset": [5, 8]}
+
+
+def test_chat_completion_accumulates_deltas_per_choice():
+    choices = Choices(2, 2)
+    choices.add(output(0, "Hel", [1]))
+    choices.add(output(1, "!", [3], reason="stop"))
+    choices.add(output(0, "lo", [2], reason="length"))
+    body = chat_completion("chatcmpl-1", "m", 7, choices, 2, TEXT.get, with_logprobs=False)
+    assert [c["message"]["content"] for c in body["choices"]] == ["Hello", "!"]
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
+    assert body["usage"] == usage(2, 3) and body["object"] == "chat.completion" and body["created"] == 7
+
+
+def test_text_completion_echoes_the_prompt_with_its_logprobs():
+    choices = Choices(1, 1)
+    prompt_lps = [None, TokenLogprob(2, -0.25)]
+    choices.add(output(0, "!", [3], reason="stop", logprobs=[TokenLogprob(3, -1.5)], prompt_logprobs=prompt_lps))
+    body = text_completion("cmpl-1", "m", 7, choices, [([1, 2], "Hello")], TEXT.get, echo=True, with_logprobs=True)
+    choice = body["choices"][0]
+    assert choice["text"] == "Hello!"
+    assert choice["logprobs"]["token_logprobs"] == [None, -0.25, -1.5]
+    assert choice["logprobs"]["text_offset"] == [0, 3, 5]
