@@ -78,6 +78,20 @@ def _adapter_engine(config: AlchemistConfig, tokenizer, variant: str) -> LLMEngi
     return engine
 
 
+def _interleaved_rounds(paths: dict[str, Callable[[], list[list[int]]]], repeats: int):
+    """Runs every path once per round, `repeats` rounds; (tokens/s per path and round,
+    each path's tokens of the last round)."""
+    rates: dict[str, list[float]] = {key: [] for key in paths}
+    outputs: dict[str, list[list[int]]] = {}
+    for round_index in range(repeats):
+        for key, fn in paths.items():
+            seconds, tokens = _timed(fn)
+            outputs[key] = tokens
+            rates[key].append(sum(len(t) for t in tokens) / seconds)
+            print(f"round {round_index + 1}/{repeats}  {key:<20} {rates[key][-1]:8.1f} tokens/s", flush=True)
+    return rates, outputs
+
+
 def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens: int = 64, repeats: int = 3,
                       json_path: str | None = None, with_adapter: bool = False) -> dict:
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
@@ -120,14 +134,7 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     hf_static_generate(hf_model, tokenizer, prompts[:2], 2)
     hf_generate_batch(cb_model, tokenizer, prompts[:2], 2)
 
-    rates: dict[str, list[float]] = {key: [] for key in paths}
-    outputs: dict[str, list[list[int]]] = {}
-    for round_index in range(repeats):
-        for key, fn in paths.items():
-            seconds, tokens = _timed(fn)
-            outputs[key] = tokens
-            rates[key].append(sum(len(t) for t in tokens) / seconds)
-            print(f"round {round_index + 1}/{repeats}  {key:<20} {rates[key][-1]:8.1f} tokens/s", flush=True)
+    rates, outputs = _interleaved_rounds(paths, repeats)
     median = {key: statistics.median(values) for key, values in rates.items()}
     mismatches = [i for i, (a, b) in enumerate(zip(outputs["engine"], outputs["hf_generate"])) if a != b]
     sequential_mismatches = [i for i, (a, b) in enumerate(zip(outputs["engine_sequential"], outputs["engine"]))

@@ -2,6 +2,7 @@
 
 from engine.config import SchedulerConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.recording import RecordSpec
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -84,3 +85,31 @@ def test_finish_frees_blocks():
     assert scheduler.allocator.num_free == 32 - 3
     scheduler.finish(seq, "abort")
     assert scheduler.allocator.num_free == 32 and not scheduler.has_unfinished()
+
+
+def test_recording_is_decided_once_by_the_admission_callback_before_the_first_prefill():
+    asked = []
+
+    def admit(seq):
+        asked.append(seq.seq_id)
+        return RecordSpec(all_logit_rows=True, adapter_version=7) if seq.seq_id == 0 else None
+
+    scheduler = Scheduler(SchedulerConfig(4, 16), 64, 4, admit_recording=admit)
+    recorded, refused, plain = (create_sequence(i, prompt_len=40) for i in range(3))
+    recorded.awaits_admission = refused.awaits_admission = True
+    for seq in (recorded, refused, plain):
+        scheduler.add(seq)
+    out = scheduler.schedule()  # admitted: the whole prompt in a step of its own, over the token budget
+    assert out.recorded and [e.seq for e in out.scheduled] == [recorded] and out.num_tokens == 40
+    assert recorded.record.adapter_version == 7 and recorded.track_logprob
+    complete_step(scheduler, out)
+    recorded.record = None  # the engine clears it once the recording is made
+    chunks = []
+    while not (refused.output_token_ids and plain.output_token_ids):
+        out = scheduler.schedule()
+        assert not out.recorded
+        chunks += [(e.seq.seq_id, e.num_new_tokens) for e in out.scheduled if e.seq is not recorded]
+        complete_step(scheduler, out)
+    assert asked == [0, 1]  # once each, and never for a request that is not trainable
+    assert refused.record is None and not refused.track_logprob
+    assert (1, 15) in chunks  # refused: served like any other request, chunked to the budget
