@@ -41,60 +41,67 @@ def openai_router(state: ServerState) -> APIRouter:
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
-        check_model(state.model_name, body.model)
-        check_unsupported(body)
-        params = build_params(body)
-        prompt_ids = render_chat(state.tokenizer, body)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages")
-        stream = engine_stream(state.engine, engine_request)
-        if body.stream:
-            events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
-                                 body.stream_options, state.token_text)
-            return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
-
-        async def whole():
-            choices = Choices(params.n, params.n)
-            async for output in stream:
-                choices.add(output)
-            return chat_completion(request_id, state.model_name, int(time.time()), choices, len(prompt_ids),
-                                   state.token_text, params.logprobs is not None)
-
-        result = await until_disconnect(request, whole())
-        return result if result is not None else Response(status_code=499)
+        return await serve_chat_completion(state, request)
 
     @router.post("/v1/completions")
     async def completions(request: Request):
-        body: CompletionRequest = await parse_body(request, CompletionRequest)
-        check_model(state.model_name, body.model)
-        check_unsupported(body)
-        if body.suffix is not None:
-            raise APIError(400, "suffix is not supported.", "suffix")
-        if body.best_of is not None and body.best_of != body.n:
-            raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
-                           "best_of")
-        params = build_params(body)
-        prompts = completion_prompts(state.tokenizer, body.prompt)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        # with one prompt, the completion id is the training entry's id (for feedback)
-        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt")
-                           for rid, (prompt_ids, _) in zip(ids, prompts)]
-        streams = [engine_stream(state.engine, r) for r in engine_requests]
-        if body.stream:
-            events = completion_events(request_id, state.model_name, streams, prompts, params.n, body.echo,
-                                       body.logprobs, body.stream_options, state.token_text)
-            return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
-
-        async def whole():
-            choices = Choices(len(prompts) * params.n, params.n)
-            async for prompt_index, output in merge(streams):
-                choices.add(output, prompt_index)
-            return text_completion(request_id, state.model_name, int(time.time()), choices, prompts,
-                                   state.token_text, body.echo, body.logprobs is not None)
-
-        result = await until_disconnect(request, whole())
-        return result if result is not None else Response(status_code=499)
+        return await serve_completion(state, request)
 
     return router
+
+
+async def serve_chat_completion(state: ServerState, request: Request):
+    body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+    check_model(state.model_name, body.model)
+    check_unsupported(body)
+    params = build_params(body)
+    prompt_ids = render_chat(state.tokenizer, body)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages")
+    stream = engine_stream(state.engine, engine_request)
+    if body.stream:
+        events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
+                             body.stream_options, state.token_text)
+        return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
+
+    async def whole():
+        choices = Choices(params.n, params.n)
+        async for output in stream:
+            choices.add(output)
+        return chat_completion(request_id, state.model_name, int(time.time()), choices, len(prompt_ids),
+                               state.token_text, params.logprobs is not None)
+
+    result = await until_disconnect(request, whole())
+    return result if result is not None else Response(status_code=499)
+
+async def serve_completion(state: ServerState, request: Request):
+    body: CompletionRequest = await parse_body(request, CompletionRequest)
+    check_model(state.model_name, body.model)
+    check_unsupported(body)
+    if body.suffix is not None:
+        raise APIError(400, "suffix is not supported.", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
+                       "best_of")
+    params = build_params(body)
+    prompts = completion_prompts(state.tokenizer, body.prompt)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    # with one prompt, the completion id is the training entry's id (for feedback)
+    ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt")
+                       for rid, (prompt_ids, _) in zip(ids, prompts)]
+    streams = [engine_stream(state.engine, r) for r in engine_requests]
+    if body.stream:
+        events = completion_events(request_id, state.model_name, streams, prompts, params.n, body.echo,
+                                   body.logprobs, body.stream_options, state.token_text)
+        return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
+
+    async def whole():
+        choices = Choices(len(prompts) * params.n, params.n)
+        async for prompt_index, output in merge(streams):
+            choices.add(output, prompt_index)
+        return text_completion(request_id, state.model_name, int(time.time()), choices, prompts,
+                               state.token_text, body.echo, body.logprobs is not None)
+
+    result = await until_disconnect(request, whole())
+    return result if result is not None else Response(status_code=499)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -33,6 +34,12 @@ class TrainingStats:
     not_recorded: int = 0
     # idle slices that returned freed host memory to the OS
     memory_trims: int = 0
+
+    def copy(self) -> "TrainingStats":
+        """A copy safe to take while the device thread counts (each dict copied in C,
+        atomically under the GIL)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return TrainingStats(**{k: dict(v) if isinstance(v, dict) else v for k, v in values.items()})
 
 
 @dataclass(frozen=True)

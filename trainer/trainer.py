@@ -15,7 +15,6 @@ older version is never back-propagated: it goes to the recompute path, or is dro
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import time
@@ -264,7 +263,7 @@ class Trainer(AdapterLifecycle):
             c = self.checkpointer
             saves = SaveStatus(str(c.store.root), c.save_every, c.saved, c.failed, c.last_saved_version)
         return TrainerStatus(self.mode, self.optimizer.version, self.restored_from, self.optimizer.skipped_steps,
-                             copy.deepcopy(self.stats), cache, offload, saves)
+                             self.stats.copy(), cache, offload, saves)
 
     def close(self) -> None:
         """At shutdown (after the engine stopped): stops the offloader's copies and saves
