@@ -30,6 +30,8 @@ def add_bench_commands(commands, add_config_flags) -> None:
     training.add_argument("--sweep", nargs="?", const="128,256,512,1024", default=None,
                           help="comma-separated token lengths (default 128,256,512,1024); draws PNG plots")
     training.add_argument("--plot-prefix", help="PNG path prefix (default bench-training-MODE)")
+    training.add_argument("--stale", action="store_true", help="entries one adapter version old: reuse with "
+                          "the served version's weights stashed, against recompute")
     colocate = benches.add_parser("colocate", help="serving latency with training off and on, over HTTP")
     colocate.add_argument("--policy", choices=["idle", "slo"], default="idle")
     colocate.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
@@ -95,6 +97,7 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
     if args.bench == "training":
         from bench.training import run_training_bench
         sweep = [int(n) for n in args.sweep.split(",")] if args.sweep else None
-        run_training_bench(config, args.mode, args.tokens, args.repeats, args.json, sweep, args.plot_prefix)
+        run_training_bench(config, args.mode, args.tokens, args.repeats, args.json, sweep, args.plot_prefix,
+                           args.stale)
         return 0
     return 1

@@ -17,6 +17,7 @@ rejected one, and a given text of N/4 tokens the chosen one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -25,19 +26,18 @@ import time
 
 import torch
 
-from server.config import AlchemistConfig
-
-from trainer.config import TrainConfig
+from bench.report import pyplot, rel_diff, write_json
+from bench.traces import synthetic_tokens
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
 from engine.model_runner import run_to_end
 from engine.recording import SavedTensorTracker
 from engine.sampling_params import SamplingParams
-from bench.report import pyplot, rel_diff, write_json
-from bench.traces import synthetic_tokens
-from trainer.adapter import lora_gradients
-from trainer.cache import EntryState, PreferenceLabel
 from server.build import build_trainer
+from server.config import AlchemistConfig
+from trainer.adapter import lora_gradients, lora_parameters
+from trainer.cache import EntryState, PreferenceLabel
+from trainer.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,26 @@ class Bench:
         self.engine.runner.record_tracker = None
         return seconds
 
+    def make_stale(self):
+        """One adapter version passes after a recording (its weights stashed, the live ones
+        moved as a step would move them); -> (context that runs with the recording's
+        version's weights, a function that puts the live weights back)."""
+        trainer, version = self.trainer, self.trainer.optimizer.version
+        trainer.stash.keep(version)
+        params = lora_parameters(trainer.peft_model)
+        served = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn_like(p) * 1e-3)
+
+        def restore():
+            with torch.no_grad():
+                for p, value in zip(params, served):
+                    p.copy_(value)
+            trainer.stash.release_except(set())
+
+        return (lambda: trainer.stash.weights_of(version)), restore
+
     def entry(self, prompt: list[int], round_index: int, chosen: list[int] | None, response_len: int,
               tracker: SavedTensorTracker):
         """A recorded entry; for DPO, as in the paper's evaluation, the served response
@@ -86,9 +106,10 @@ class Bench:
             entry.reference_logps = run_to_end(self.method.reference_logps(entry, self.context))
         return entry, seconds
 
-    def run_job(self, job, tracker: SavedTensorTracker) -> tuple[float, dict]:
+    def run_job(self, job, tracker: SavedTensorTracker, weights=contextlib.nullcontext) -> tuple[float, dict]:
+        """(seconds, LoRA gradients) of a job run to its end with `weights()` entered."""
         self.trainer.optimizer.zero_grad()
-        with tracker.hooks():
+        with tracker.hooks(), weights():
             started = time.perf_counter()
             run_to_end(job)
             seconds = time.perf_counter() - started
@@ -97,7 +118,9 @@ class Bench:
         return seconds, grads
 
 
-def measure(bench: Bench, mode: str, tokens: int, repeats: int) -> dict:
+def measure(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool = False) -> dict:
+    """Reuse against recompute on fresh entries; with `stale`, on entries one adapter
+    version old: reuse with that version's weights stashed, recompute with them loaded."""
     if mode == "cpt":
         prompt_len, response_len = tokens, 0
     else:
@@ -111,6 +134,7 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int) -> dict:
         plain_s = bench.serve(prompt, False, f"plain-{r}-{time.monotonic_ns()}")
         reuse_tracker, recompute_tracker = SavedTensorTracker(), SavedTensorTracker()
         entry, recorded_s = bench.entry(prompt, r, chosen, response_len, reuse_tracker)
+        weights, restore = bench.make_stale() if stale else (contextlib.nullcontext, lambda: None)
         reuse_first = r % 2 == 0
         results = {}
         for path in (("reuse", "recompute") if reuse_first else ("recompute", "reuse")):
@@ -118,8 +142,9 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int) -> dict:
                 job, tracker = bench.method.reuse_job(entry, bench.context), reuse_tracker
             else:
                 job, tracker = bench.method.recompute_job(entry, bench.context), recompute_tracker
-            results[path] = bench.run_job(job, tracker)
+            results[path] = bench.run_job(job, tracker, weights)
         bench.trainer.cache.end(entry, EntryState.TRAINED)
+        restore()
         if r == 0:
             continue
         rows.append({
@@ -128,7 +153,7 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int) -> dict:
             "grad_rel_diff": rel_diff(results["reuse"][1], results["recompute"][1]),
             "recording_overhead": recorded_s / plain_s,
         })
-        print(f"  {mode} {tokens:5d} tokens  round {r}/{repeats}: reuse {rows[-1]['reuse_s']:.3f}s  "
+        print(f"  {mode} {tokens:5d} tokens  round {r}/{repeats}: {'stashed ' if stale else ''}reuse {rows[-1]['reuse_s']:.3f}s  "
               f"recompute {rows[-1]['recompute_s']:.3f}s  memory {rows[-1]['reuse_peak_bytes'] / 2**20:.0f} / "
               f"{rows[-1]['recompute_peak_bytes'] / 2**20:.0f} MiB  recording x{rows[-1]['recording_overhead']:.2f}",
               flush=True)
@@ -138,7 +163,7 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int) -> dict:
     recompute_peak = statistics.median(row["recompute_peak_bytes"] for row in rows)
     return {
         "mode": mode, "tokens": tokens, "prompt_tokens": prompt_len, "response_tokens": response_len,
-        "repeats": repeats,
+        "repeats": repeats, "stale": stale,
         "reuse_tokens_per_s": round(tokens / reuse_s, 2),
         "baseline_tokens_per_s": round(tokens / recompute_s, 2),
         "speedup": round(recompute_s / reuse_s, 3),
@@ -197,10 +222,10 @@ def plot_sweep(results: list[dict], mode: str, prefix: str) -> list[str]:
 
 def run_training_bench(config: AlchemistConfig, mode: str, tokens: int, repeats: int = 3,
                        json_path: str | None = None, sweep: list[int] | None = None,
-                       plot_prefix: str | None = None) -> dict:
+                       plot_prefix: str | None = None, stale: bool = False) -> dict:
     lengths = sweep or [tokens]
     bench = Bench(config, mode, max(lengths))
-    results = [measure(bench, mode, n, repeats) for n in lengths]
+    results = [measure(bench, mode, n, repeats, stale) for n in lengths]
     summary = {"model": bench.name, "dtype": str(next(bench.engine.model.parameters()).dtype),
                "torch_threads": torch.get_num_threads(), "lora_rank": bench.trainer.config.lora_rank,
                "results": results}

@@ -81,6 +81,9 @@ class ModelRunner:
         # when set, recorded prefills are measured by this tracker (benchmarks measure a
         # recording and the training on it together); otherwise each gets its own
         self.record_tracker: SavedTensorTracker | None = None
+        # when set (the trainer's weight stash), recordings resolve weights changed since
+        # they were recorded through it (SavedTensorTracker.resolve_stale)
+        self.stale_resolver = None
         # when set (the offloader), receives each recorded layer segment as it completes
         self.segment_sink: SegmentSink | None = None
 
@@ -191,6 +194,7 @@ class ModelRunner:
         seq = step.scheduled[0].seq
         num_prompt = step.scheduled[0].num_new_tokens
         tracker = self.record_tracker or SavedTensorTracker()
+        tracker.resolve_stale = self.stale_resolver
         bytes_before = tracker.live_bytes
         leaves: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []

@@ -24,7 +24,7 @@ import asyncio
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -128,6 +128,9 @@ class SavedTensor:
         if self.tensor is None:
             self.fetch(self)
         if self.tensor._version != self.version:
+            stashed = self.tracker.resolve_stale(self.tensor, self.version) if self.tracker.resolve_stale else None
+            if stashed is not None:
+                return stashed
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace operation: "
                 f"{tuple(self.tensor.shape)} is at version {self.tensor._version}; expected version {self.version} "
@@ -164,6 +167,10 @@ class SavedTensorTracker:
     segment: int | None = None
     # when a dict is given: segment -> weak references to its saved tensors
     collected: dict[int, list] | None = None
+    # (tensor, its version counter when saved) -> a copy of its values then, for a tensor
+    # changed in place since (the LoRA weights of an older adapter version, stashed by
+    # the trainer: trainer/stash.py); None: such a tensor raises, as in autograd
+    resolve_stale: "Callable[[torch.Tensor, int], torch.Tensor | None] | None" = None
     # storage pointer -> (references, bytes)
     _storages: dict[int, list[int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -31,6 +31,7 @@ from trainer.forward import recompute_segment
 from trainer.methods import CPTMethod, DPOMethod, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
+from trainer.stash import WeightStash
 from trainer.status import TrainingStats
 from trainer.trainer import Trainer
 
@@ -55,8 +56,10 @@ def build_trainer(engine: LLMEngine, config: TrainConfig, offload: OffloadConfig
     optimizer = AdapterOptimizer(lora_parameters(peft_model), config.learning_rate, config.max_grad_norm)
     cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s)
     stats = TrainingStats()
+    stash = WeightStash(peft_model)
+    engine.runner.stale_resolver = stash.resolve
     trainer = Trainer(config, method, engine.runner, peft_model, optimizer, cache, stats, engine.tokenizer,
-                      engine.max_model_len, lambda: engine.num_steps)
+                      engine.max_model_len, lambda: engine.num_steps, stash=stash)
     trainer.merge_all()  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack
     # them now rather than in the first recorded prefill

@@ -174,8 +174,10 @@ class TrainingCollector:
         status = self.trainer.status()
         stats, cache, mode = status.training, status.cache, status.mode
         trained = CounterMetricFamily(f"{PREFIX}trained_entries", "Cache entries trained on, by mode and by path "
-                                      "(reuse: the recorded prefill; recompute: a full forward).", labels=["mode", "path"])
-        for path in ("reuse", "recompute"):
+                                      "(reuse: the recorded prefill; stashed: the recorded prefill of an older "
+                                      "adapter version, with its weights stashed; recompute: a full forward).",
+                                      labels=["mode", "path"])
+        for path in ("reuse", "stashed", "recompute"):
             trained.add_metric([mode, path], stats.trained_entries.get((mode, path), 0))
         yield trained
         yield CounterMetricFamily(f"{PREFIX}train_tokens", "Tokens trained on (prompt, plus responses for DPO).",
@@ -184,6 +186,8 @@ class TrainingCollector:
                                 value=stats.last_loss)
         yield GaugeMetricFamily(f"{PREFIX}adapter_version", "Adapter version (optimizer steps applied).",
                                 value=status.adapter_version)
+        yield GaugeMetricFamily(f"{PREFIX}weight_stash_bytes", "Bytes of past adapter versions' LoRA weights kept "
+                                "for recordings made under them.", value=status.stash_bytes)
         yield GaugeMetricFamily(f"{PREFIX}activation_cache_bytes", "Bytes of recorded activations in the "
                                 "activation cache.", value=cache.bytes)
         entries = GaugeMetricFamily(f"{PREFIX}activation_cache_entries", "Entries in the activation cache, by "

@@ -73,6 +73,9 @@ class LeanLoraLinear(LoraLinear):
     # the (base, A, B) weights the merged pack was built from, and their versions then
     _merged_from: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _merged_key: tuple[int, int, int] | None = None
+    # an older version's LoRA weights are swapped in (trainer/stash.py): the merged copy,
+    # built from the live ones, does not stand for them
+    weights_swapped: bool = False
 
     def _weights(self):
         name = self.active_adapters[0]
@@ -98,13 +101,13 @@ class LeanLoraLinear(LoraLinear):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # the hot path of serving in training mode: a few attribute reads, then one GEMM
         if (self._merged_pack is not None and not args and not kwargs and not self._disable_adapters
-                and not torch.is_grad_enabled() and self.merged_is_current()
+                and not self.weights_swapped and not torch.is_grad_enabled() and self.merged_is_current()
                 and x.dtype == self._merged_pack.dtype):
             flat = x.reshape(-1, x.shape[-1])
             out = torch.ops.mkldnn._linear_pointwise(flat, self._merged_pack, self.base_layer.bias, "none", [], "")
             return out.view(*x.shape[:-1], out.shape[-1])
         if (self._merged_pack is not None and not args and not kwargs and not self._disable_adapters
-                and torch.is_grad_enabled() and self.merged_is_current() and x.dtype == self._merged_pack.dtype):
+                and not self.weights_swapped and torch.is_grad_enabled() and self.merged_is_current() and x.dtype == self._merged_pack.dtype):
             name = self.active_adapters[0]
             return _MergedLoraFunction.apply(x, self.lora_A[name].weight, self.lora_B[name].weight, self)
         adapters = self.active_adapters

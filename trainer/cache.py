@@ -216,18 +216,26 @@ class ActivationCache:
                 entry.state = EntryState.TRAINING
             return taken
 
-    def release_stale(self, version: int) -> None:
-        """Drops the recordings of waiting entries recorded under another adapter version:
-        they are never back-propagated (they take the recompute path or are dropped when
-        their turn comes), so their memory is freed now rather than then."""
+    def release_stale(self, version: int, max_staleness: int = 0) -> None:
+        """Drops the recordings of waiting entries recorded more than `max_staleness`
+        adapter versions before `version` (or after it: a rollback): they are never
+        back-propagated (they take the recompute path or are dropped when their turn
+        comes), so their memory is freed now rather than then."""
         with self._lock:
             for entry in self._entries.values():
-                if entry.recording is not None and entry.adapter_version != version \
+                lag = version - entry.adapter_version
+                if entry.recording is not None and not 0 <= lag <= max_staleness \
                         and entry.state is not EntryState.TRAINING:
                     self.bytes -= entry.nbytes
                     self.released_bytes += entry.nbytes
                     entry.nbytes = 0
                     entry.release()
+
+    def recorded_versions(self) -> set[int]:
+        """The adapter versions of the recordings waiting to be trained."""
+        with self._lock:
+            return {e.adapter_version for e in self._entries.values()
+                    if e.recording is not None and e.state is not EntryState.TRAINING}
 
     def requeue(self, entry: CacheEntry) -> None:
         """Puts an entry of an abandoned job back in line (it is retrained later)."""

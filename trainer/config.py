@@ -32,7 +32,11 @@ class TrainConfig:
     record_fraction: float = 1.0
     # prompts longer than this are served but not recorded
     max_record_tokens: int = 2048
-    # an entry recorded under an older adapter version: recompute it, or drop it
+    # an entry recorded under an adapter version at most this many versions old trains
+    # on its recording, with that version's weights stashed (trainer/stash.py); 0: never.
+    # 2 keeps >= 90% of strict recomputation's learning at lr <= 3e-3 (BENCHMARKS.md)
+    max_staleness: int = 2
+    # an entry recorded under an older version than that: recompute it, or drop it
     stale_policy: str = "recompute"
     # gradient clipping (max global norm over LoRA parameters)
     max_grad_norm: float = 1.0
@@ -50,6 +54,8 @@ class TrainConfig:
             raise ValueError(f"train.mode must be one of {TRAIN_MODES}, got {self.mode!r}")
         if self.cache_full_policy not in ("drop_new", "evict_oldest"):
             raise ValueError(f"train.cache_full_policy must be drop_new or evict_oldest, got {self.cache_full_policy!r}")
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"train.max_staleness must be a non-negative integer, got {self.max_staleness!r}")
         if self.stale_policy not in ("recompute", "drop"):
             raise ValueError(f"train.stale_policy must be recompute or drop, got {self.stale_policy!r}")
         if not 0.0 <= self.record_fraction <= 1.0:

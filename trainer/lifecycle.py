@@ -68,6 +68,7 @@ class AdapterLifecycle:
                 tensor.copy_(snapshot.weights[name])
         self.optimizer.load_state_dict(snapshot.optimizer_state, version)
         self.cache.release_stale(version)
+        self.release_unneeded_weights()
         self.restored_from = snapshot.version
         self.invalidate_merged()
 

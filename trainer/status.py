@@ -92,3 +92,6 @@ class TrainerStatus:
     offload: OffloadStatus
     # None when adapters are not saved (no adapter directory)
     saves: SaveStatus | None
+    # adapter versions whose weights are stashed for stale recordings, and their bytes
+    stashed_versions: list[int] = dataclasses.field(default_factory=list)
+    stash_bytes: int = 0

@@ -9,12 +9,15 @@ back the adapter is `AdapterLifecycle`'s (trainer/lifecycle.py). The trainer is 
 and wired by the composition root (server/build.py): it receives its collaborators.
 
 Adapter versions: every optimizer step bumps the version. An entry recorded under an
-older version is never back-propagated: it goes to the recompute path, or is dropped
-(`stale_policy`), and `stale_entries` counts it.
+older version `v`, at most `max_staleness` versions ago, trains on its recording with
+θ_v's weights stashed (trainer/stash.py, path "stashed"): its gradient is exactly
+∇L(θ_v), applied to the current weights. An older one is never back-propagated: it
+goes to the recompute path, or is dropped (`stale_policy`), and `stale_entries` counts it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -30,6 +33,7 @@ from trainer.feedback import FeedbackLabel, FeedbackOutcome, FeedbackResult, att
 from trainer.lifecycle import AdapterLifecycle
 from trainer.methods import JobResult, TrainContext, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
+from trainer.stash import WeightStash
 from trainer.status import (SLICE_BUCKETS, CacheStatus, OffloadStatus, SaveStatus, TrainerStatus,
                             TrainingStats)
 
@@ -45,6 +49,8 @@ class _Job:
     # the generator of the entry being worked on, and which path it takes
     current: object = None
     path: str = ""
+    # the adapter version whose stashed weights its slices run with (path "stashed")
+    stashed_version: int | None = None
     index: int = 0
     results: list[JobResult] = field(default_factory=list)
     # the path each finished entry took
@@ -54,9 +60,10 @@ class _Job:
 class Trainer(AdapterLifecycle):
     def __init__(self, config: TrainConfig, method: TrainingMethod, runner: ModelRunner, peft_model,
                  optimizer: AdapterOptimizer, cache: ActivationCache, stats: TrainingStats, tokenizer,
-                 max_model_len: int, engine_steps, offloader=None):
+                 max_model_len: int, engine_steps, offloader=None, stash: WeightStash | None = None):
         """`engine_steps()`: serving steps run so far (tells a preempted job); `offloader`:
-        the activation offloader, when a device budget is set."""
+        the activation offloader, when a device budget is set; `stash`: past versions'
+        weights, for recordings up to `max_staleness` versions old."""
         self.config = config
         self.method = method
         self.mode = method.name
@@ -67,6 +74,7 @@ class Trainer(AdapterLifecycle):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.offloader = offloader
+        self.stash = stash
         self.context = TrainContext(runner, peft_model, offloader)
         self._engine_steps = engine_steps
         self._job: _Job | None = None
@@ -165,11 +173,13 @@ class Trainer(AdapterLifecycle):
                     return True
                 entry = job.entries[job.index]
                 job.current, job.path = self._start(entry)
+                job.stashed_version = entry.adapter_version if job.path == "stashed" else None
                 if job.current is None:  # stale and dropped
                     job.index += 1
                     return True
             try:
-                next(job.current)
+                with self._weights_for(job):
+                    next(job.current)
             except StopIteration as stop:
                 job.results.append(stop.value)
                 job.paths.append(job.path)
@@ -182,6 +192,7 @@ class Trainer(AdapterLifecycle):
             for entry in job.entries:
                 self.cache.end(entry, EntryState.DROPPED)
             self._job = None
+            self.release_unneeded_weights()
         return True
 
     def _return_freed_memory(self) -> bool:
@@ -194,8 +205,19 @@ class Trainer(AdapterLifecycle):
             self.stats.memory_trims += 1
         return True
 
+    def _weights_for(self, job: _Job):
+        """The weights a slice of `job` runs with: its version's stashed ones, or the live."""
+        if job.stashed_version is None:
+            return contextlib.nullcontext()
+        return self.stash.weights_of(job.stashed_version)
+
     def _start(self, entry: CacheEntry):
-        """(job generator, path) for an entry; stale entries go to recompute or are dropped."""
+        """(job generator, path) for an entry; entries too stale for the stash go to
+        recompute or are dropped."""
+        lag = self.optimizer.version - entry.adapter_version
+        if (0 < lag <= self.config.max_staleness and entry.recording is not None and self.stash is not None
+                and self.stash.has(entry.adapter_version)):
+            return self.method.reuse_job(entry, self.context), "stashed"
         if entry.adapter_version != self.optimizer.version:
             self.stats.stale_entries += 1
             entry.release()  # never back-propagate a graph recorded under other weights
@@ -210,8 +232,11 @@ class Trainer(AdapterLifecycle):
         losses = [r.loss for r in job.results]
         finite = all(math.isfinite(v) for v in losses)
         if job.results:
+            version = self.optimizer.version
+            if self.stash is not None and self.config.max_staleness and version in self.cache.recorded_versions():
+                self.stash.keep(version)  # recordings of this version outlive its weights
             if self.optimizer.step(loss_is_finite=finite):
-                self.cache.release_stale(self.optimizer.version)
+                self.cache.release_stale(self.optimizer.version, self.config.max_staleness)
                 if self.checkpointer is not None and self.checkpointer.due(self.optimizer.version):
                     self.checkpointer.save_async(self.snapshot())
             self.invalidate_merged()
@@ -224,6 +249,12 @@ class Trainer(AdapterLifecycle):
             if entry.state is EntryState.TRAINING:
                 self.cache.end(entry, EntryState.TRAINED)
         self._job = None
+        self.release_unneeded_weights()
+
+    def release_unneeded_weights(self) -> None:
+        """Frees the stashed weights of versions no waiting recording needs."""
+        if self.stash is not None:
+            self.stash.release_except(self.cache.recorded_versions())
 
     def abandon_job(self) -> None:
         """Drops the job in progress: its gradients are discarded, its entries requeued."""
@@ -262,8 +293,9 @@ class Trainer(AdapterLifecycle):
         if self.checkpointer is not None:
             c = self.checkpointer
             saves = SaveStatus(str(c.store.root), c.save_every, c.saved, c.failed, c.last_saved_version)
+        stash = (self.stash.versions, self.stash.nbytes) if self.stash is not None else ([], 0)
         return TrainerStatus(self.mode, self.optimizer.version, self.restored_from, self.optimizer.skipped_steps,
-                             self.stats.copy(), cache, offload, saves)
+                             self.stats.copy(), cache, offload, saves, *stash)
 
     def close(self) -> None:
         """At shutdown (after the engine stopped): stops the offloader's copies and saves

@@ -1,0 +1,172 @@
+"""Weight stashing: a recording k adapter versions stale trains exactly as a fresh
+forward and backward under the version that served it (CPT and DPO, with offloaded and
+recomputed layers too), the trainer takes that path within `max_staleness`, frees the
+stashed weights with the last recording that needs them, and learns about as much as
+strict recomputation on the same requests."""
+
+import pytest
+import torch
+
+from engine.model_runner import run_to_end
+from engine.sampling_params import SamplingParams
+from offload.config import OffloadConfig
+from tests.conftest import encode, engine_of, make_engine, trainer_on
+from tests.test_training import PROMPT, label, relative_difference, serve
+from trainer.adapter import lora_gradients, lora_parameters
+from trainer.cache import EntryState
+from trainer.config import TrainConfig
+
+OTHERS = ["Tell me about the ocean and its tides.", "Why do cats purr when they are happy?",
+          "Name three rivers in Europe, please.", "What makes bread rise in the oven?"]
+
+
+def make_trainer(mode="cpt", offload=None, learning_rate=1e-2, **train_kwargs):
+    torch.manual_seed(0)
+    engine = make_engine(offload=offload)
+    return trainer_on(engine, TrainConfig(mode=mode, lora_rank=4, learning_rate=learning_rate, **train_kwargs),
+                      offload=offload, init_lora_weights=False)
+
+
+def hold(trainer, request_id):
+    """Keeps an entry out of training (as a DPO entry waiting for its label is)."""
+    trainer.cache.get(request_id).state = EntryState.WAITING_LABEL
+
+
+def advance(trainer, steps: int, mode: str) -> None:
+    """`steps` optimizer steps on other requests."""
+    for i in range(steps):
+        serve(trainer, f"other-{i}", prompt=OTHERS[i % len(OTHERS)])
+        if mode == "dpo":
+            label(trainer, f"other-{i}", chosen="A short and friendly answer.")
+        trainer.train_until_idle()
+    assert trainer.optimizer.version == steps
+
+
+def live_weights(trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in lora_parameters(trainer.peft_model)]
+
+
+def load_weights(trainer, weights) -> None:
+    with torch.no_grad():
+        for p, w in zip(lora_parameters(trainer.peft_model), weights):
+            p.copy_(w)
+
+
+def stale_and_fresh_gradients(trainer, mode: str, stale_by: int, free_layers: bool = False):
+    """(gradient of the stale entry's job with its version's weights stashed, gradient of
+    a fresh forward and backward with that version's weights loaded, and with today's)."""
+    serve(trainer, "s", max_tokens=8)
+    if free_layers:
+        trainer.offloader.free_to(0)
+    hold(trainer, "s")
+    served_weights = live_weights(trainer)
+    advance(trainer, stale_by, mode)
+    entry = trainer.cache.get("s")
+    assert entry.recording is not None and trainer.stash.has(0) and entry.adapter_version == 0
+    if mode == "dpo":
+        entry.state = EntryState.WAITING_LABEL
+        label(trainer, "s", chosen="Paris, of course. It is a lovely city.")
+    trainer.optimizer.zero_grad()
+    job = trainer.method.reuse_job(entry, trainer.context)
+    while True:  # slice by slice, each with version 0's weights swapped in, as the trainer runs it
+        with trainer.stash.weights_of(0):
+            try:
+                next(job)
+            except StopIteration:
+                break
+    stale = lora_gradients(trainer.peft_model)
+    trainer.optimizer.zero_grad()
+    today = live_weights(trainer)
+    load_weights(trainer, served_weights)
+    fresh = lora_gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+    load_weights(trainer, today)
+    current = lora_gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+    return stale, fresh, current
+
+
+def lora_gradients_of(trainer, job) -> dict:
+    trainer.optimizer.zero_grad()
+    run_to_end(job)
+    grads = lora_gradients(trainer.peft_model)
+    trainer.optimizer.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+@pytest.mark.parametrize("stale_by", [1, 3])
+def test_stale_recording_trains_as_a_fresh_pass_under_its_served_version(mode, stale_by):
+    stale, fresh, current = stale_and_fresh_gradients(make_trainer(mode, max_staleness=4), mode, stale_by)
+    assert relative_difference(stale, fresh) <= 1e-5
+    assert relative_difference(current, fresh) > 1e-3  # the versions differ: the stash is what makes it exact
+
+
+@pytest.mark.parametrize("policy", ["load", "recompute"])
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+def test_stale_recording_with_offloaded_or_recomputed_layers(mode, policy):
+    trainer = make_trainer(mode, offload=OffloadConfig(device_budget_bytes=1 << 40, policy=policy), max_staleness=4)
+    stale, fresh, _ = stale_and_fresh_gradients(trainer, mode, 2, free_layers=True)
+    stats = trainer.offloader.stats
+    assert stats.reloaded_layers + stats.recomputed_layers >= len(engine_of(trainer).runner.layers)
+    assert relative_difference(stale, fresh) <= 1e-5
+
+
+def test_trainer_takes_the_stashed_path_within_max_staleness_and_frees_the_stash():
+    trainer = make_trainer(max_staleness=2, entries_per_step=1)
+    for request_id in ("a", "b", "c", "d"):  # all recorded under version 0, trained one per step
+        serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 4
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 1, ("cpt", "stashed"): 2, ("cpt", "recompute"): 1}
+    assert trainer.stats.stale_entries == 1  # only "d", 3 versions stale
+    assert trainer.stash.versions == [] and trainer.cache.bytes == 0
+    assert trainer.status().stash_bytes == 0
+
+
+def test_stash_is_kept_only_while_a_recording_needs_it():
+    trainer = make_trainer(max_staleness=4)
+    serve(trainer, "a")
+    trainer.train_until_idle()
+    assert trainer.stash.versions == []  # nothing waited under version 0
+    serve(trainer, "s")
+    hold(trainer, "s")
+    serve(trainer, "b", prompt=OTHERS[0])
+    trainer.train_until_idle()
+    assert trainer.stash.versions == [1] and trainer.status().stash_bytes > 0
+    trainer.cache.get("s").state = EntryState.READY
+    trainer.train_until_idle()
+    assert trainer.stash.versions == [] and trainer.stats.trained_entries[("cpt", "stashed")] == 1
+
+
+def fact_logprob(trainer, fact_ids: list[int], prompt_ids: list[int]) -> float:
+    """log p(fact | prompt) under the live adapter (a held-out prompt)."""
+    engine = engine_of(trainer)
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt_ids + fact_ids])).logits[0].float()
+    rows = logits[len(prompt_ids) - 1:-1].log_softmax(-1)
+    return rows.gather(1, torch.tensor(fact_ids).unsqueeze(1)).sum().item()
+
+
+def test_learning_with_stashing_matches_strict_recomputation():
+    """Requests arrive in bursts of 3 and training catches up between bursts, so two of
+    each three are 1 and 2 versions stale when trained: with the default max_staleness
+    (2) they train on their recordings with delayed gradients; with 0, each is recomputed
+    at the current version. The gain on a held-out prompt is at least 90% of it."""
+    fact = encode(" The secret word is marmalade.")
+    held_out = encode("Tell me, what is the secret word?")
+    gains = {}
+    for max_staleness in (0, TrainConfig().max_staleness):
+        trainer = make_trainer(max_staleness=max_staleness, learning_rate=3e-3)
+        engine = engine_of(trainer)
+        before = fact_logprob(trainer, fact, held_out)
+        for burst in range(4):
+            for i in range(3):
+                engine.add_request(f"r{burst}-{i}", encode(f"Note {burst}{i}: The secret word is marmalade."),
+                                   SamplingParams(max_tokens=1), train=True)
+            while engine.has_unfinished():
+                engine.step()
+            trainer.train_until_idle()
+        paths = trainer.stats.trained_entries
+        assert paths.get(("cpt", "stashed" if max_staleness else "recompute")) == 8, paths
+        gains[max_staleness] = fact_logprob(trainer, fact, held_out) - before
+    assert gains[0] > 1.0  # it learns at all
+    assert gains[2] >= 0.9 * gains[0], gains

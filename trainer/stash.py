@@ -1,0 +1,101 @@
+"""Weight stashing: the LoRA weights of past adapter versions that live recordings need.
+
+A recording served under adapter version `v` holds a graph of θ_v. After an optimizer
+step the live LoRA weights are θ_{v+1}, changed in place: back-propagating the old graph
+as it is would mix weights (autograd's version check refuses). Instead, before each
+optimizer step the weights of the version about to be replaced are copied here if a live
+recording still needs them (a few MB: only the adapter), and a job on a stale recording
+runs against them:
+  - the recording's saved weights are resolved to the copies when backward unpacks them
+    (`resolve`, the recording's `SavedTensorTracker.resolve_stale`);
+  - every forward the job runs itself (DPO's responses, a recomputed offloaded layer)
+    runs with the copies swapped into the model (`weights_of`), slice by slice;
+  - the gradient, ∇L(θ_v), lands on the live weights and the optimizer applies it to
+    θ_now: a delayed gradient, as in asynchronous SGD and PipeDream's weight stashing.
+A version's copies are freed with the last recording that needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from trainer.adapter import LeanLoraLinear
+
+
+class WeightStash:
+    def __init__(self, peft_model):
+        # (layer, adapter name) of every adapted layer, and the live LoRA parameters
+        self._layers = [(m, m.active_adapters[0]) for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
+        self._live = [p for m, name in self._layers for p in (m.lora_A[name].weight, m.lora_B[name].weight)]
+        # version -> copies of the live parameters (same order), as nn.Parameters
+        self._versions: dict[int, list[torch.nn.Parameter]] = {}
+        # (storage pointer, version counter) of a live parameter -> its copy at that counter
+        self._by_counter: dict[tuple[int, int], torch.Tensor] = {}
+        # version -> the keys of _by_counter it added
+        self._keys: dict[int, list[tuple[int, int]]] = {}
+
+    @property
+    def versions(self) -> list[int]:
+        return sorted(self._versions)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for copies in self._versions.values() for p in copies)
+
+    def has(self, version: int) -> bool:
+        return version in self._versions
+
+    @torch.no_grad()
+    def keep(self, version: int) -> None:
+        """Copies the live weights as adapter `version` (call before they change)."""
+        if version in self._versions:
+            return
+        copies, keys = [], []
+        for live in self._live:
+            copy = torch.nn.Parameter(live.detach().clone(), requires_grad=live.requires_grad)
+            copies.append(copy)
+            key = (live.untyped_storage().data_ptr(), live._version)
+            self._by_counter[key] = copy.detach()
+            keys.append(key)
+        self._versions[version] = copies
+        self._keys[version] = keys
+
+    def release_except(self, needed: set[int]) -> None:
+        """Frees the copies of every version no live recording needs."""
+        for version in [v for v in self._versions if v not in needed]:
+            del self._versions[version]
+            for key in self._keys.pop(version):
+                self._by_counter.pop(key, None)
+
+    def resolve(self, tensor: torch.Tensor, counter: int) -> torch.Tensor | None:
+        """The values `tensor` (a live LoRA weight) had at version counter `counter`."""
+        stashed = self._by_counter.get((tensor.untyped_storage().data_ptr(), counter))
+        if stashed is None or stashed.shape != tensor.shape:
+            return None
+        return stashed
+
+    @contextlib.contextmanager
+    def weights_of(self, version: int):
+        """Swaps adapter `version`'s weights into the model (no in-place change to the live
+        ones); on exit swaps the live ones back and adds the gradients the copies received
+        to the live weights'."""
+        copies = self._versions[version]
+        pairs = list(zip(self._live, copies))
+        self._swap(copies)
+        try:
+            yield
+        finally:
+            self._swap(self._live)
+            for live, copy in pairs:
+                if copy.grad is not None:
+                    live.grad = copy.grad if live.grad is None else live.grad + copy.grad
+                    copy.grad = None
+
+    def _swap(self, params: list[torch.nn.Parameter]) -> None:
+        swapped = params is not self._live
+        for i, (layer, name) in enumerate(self._layers):
+            layer.lora_A[name].weight = params[2 * i]
+            layer.lora_B[name].weight = params[2 * i + 1]
+            layer.weights_swapped = swapped
