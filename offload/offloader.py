@@ -78,6 +78,8 @@ class ActivationOffloader:
         # what the cached activations may use during the coming serving step, and its bytes
         self._allowed_bytes = config.device_budget_bytes
         self._step_bytes = 0
+        # the largest serving step's bytes seen: what never-freed tensors must leave room for
+        self._max_step_bytes = 0
         # the most kept bytes per recorded token seen (predicts a new recording's kept bytes)
         self._kept_per_token = offloading_map.model.kept_per_token
         self._layer_per_token = 0.0
@@ -107,10 +109,24 @@ class ActivationOffloader:
     def admits(self, num_tokens: int) -> bool:
         """Whether a recorded prefill of `num_tokens` may run now: its kept tensors (which
         are never freed) and one layer fit beside everything kept now and its own step.
-        Asked when the recorded step is scheduled; if not, the prefill runs unrecorded."""
+        Asked when the recorded step is scheduled; if not, the prefill runs unrecorded.
+        Later steps must fit too: the room left is for the largest serving step seen."""
         with self._lock:
             need = self.kept_bytes + int(self._kept_per_token * num_tokens) + self.layer_bytes(num_tokens)
-            return need + self.map.serving_bytes(num_tokens, 1) <= self.budget_bytes
+            step = max(self.map.serving_bytes(num_tokens, 1), self._max_step_bytes)
+            return need + step <= self.budget_bytes
+
+    def reload_room(self) -> int:
+        """Device bytes the cached activations may use with reloads in flight: the budget
+        less the largest serving step seen (reloads cannot be freed for a step)."""
+        with self._lock:
+            return self.budget_bytes - self._max_step_bytes
+
+    def kept_fit(self) -> bool:
+        """Whether the never-freed tensors of the recordings held now leave room for the
+        largest serving step seen (else the trainer gives up its stale recordings)."""
+        with self._lock:
+            return self.kept_bytes + self._max_step_bytes <= self.budget_bytes
 
     # -- the interface of placement.py and residency.py --------------------------------
     # (what a recording's placement and a backward's residency change in the accounting)
@@ -183,6 +199,7 @@ class ActivationOffloader:
         a recorded step, one layer of the new recording before it can be freed)."""
         with self._lock:
             self._step_bytes = self.map.serving_bytes(num_tokens, batch_size)
+            self._max_step_bytes = max(self._max_step_bytes, self._step_bytes)
             in_flight = 0
             if recorded_tokens:  # the recorded graph holds every row of the step, decodes included
                 estimate = self.map.model.recording_in_flight_bytes(num_tokens, batch_size, recorded_tokens,

@@ -42,12 +42,13 @@ class Residency:
 
     def _prefetch(self, index: int) -> None:
         """Issues reloads for the planned-load layers down to `index - prefetch`, in the
-        order backward needs them, while the device budget has room."""
+        order backward needs them, while the device budget has room beside the largest
+        serving step (a reload in flight cannot be freed for a step that comes between)."""
         offloader = self.offloader
         for j in range(index, max(index - offloader.config.prefetch_layers, 0) - 1, -1):
             layer = self.placement.layers[j]
             if self.choices[j] == LOAD and layer.residence is Residence.HOST and not layer.loading:
-                if j != index and offloader.device_bytes + layer.nbytes > offloader.budget_bytes:
+                if j != index and offloader.device_bytes + layer.nbytes > offloader.reload_room():
                     break
                 offloader.start_reload(layer)
 

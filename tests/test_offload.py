@@ -23,10 +23,11 @@ from tests.tiny import FAMILIES
 OTHER_PROMPT = "Tell me a story about a dragon who learned to paint with fire and light."
 
 
-def make_trainer(family="llama", mode="cpt", offload=None):
+def make_trainer(family="llama", mode="cpt", offload=None, **train_kwargs):
     torch.manual_seed(0)
     engine = make_engine(family, offload=offload)
-    return trainer_on(engine, TrainConfig(mode=mode, lora_rank=4), offload=offload, init_lora_weights=False)
+    return trainer_on(engine, TrainConfig(mode=mode, lora_rank=4, **train_kwargs), offload=offload,
+                      init_lora_weights=False)
 
 
 def serve_two(trainer) -> None:
@@ -115,9 +116,10 @@ def test_host_pool_full_drops_layers_for_recompute_and_gradients_hold():
 
 
 def test_an_optimizer_step_frees_the_recordings_it_made_stale():
-    """Entries recorded under the old adapter are never back-propagated: their device
-    and host memory is released at the step, not when their turn comes."""
-    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40))
+    """Without weight stashing (max_staleness 0), entries recorded under the old adapter
+    are never back-propagated: their device and host memory is released at the step, not
+    when their turn comes."""
+    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40), max_staleness=0)
     serve_two(trainer)
     trainer.offloader.free_to(trainer.offloader.device_bytes // 2)  # some layers in the host pool
     assert trainer.offloader.host_bytes > 0

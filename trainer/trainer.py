@@ -236,7 +236,7 @@ class Trainer(AdapterLifecycle):
             if self.stash is not None and self.config.max_staleness and version in self.cache.recorded_versions():
                 self.stash.keep(version)  # recordings of this version outlive its weights
             if self.optimizer.step(loss_is_finite=finite):
-                self.cache.release_stale(self.optimizer.version, self.config.max_staleness)
+                self.cache.release_stale(self.optimizer.version, self._staleness_kept())
                 if self.checkpointer is not None and self.checkpointer.due(self.optimizer.version):
                     self.checkpointer.save_async(self.snapshot())
             self.invalidate_merged()
@@ -250,6 +250,13 @@ class Trainer(AdapterLifecycle):
                 self.cache.end(entry, EntryState.TRAINED)
         self._job = None
         self.release_unneeded_weights()
+
+    def _staleness_kept(self) -> int:
+        """How many versions old a recording may be and keep its activations: the
+        configured bound, unless the device budget needs its never-freed tensors' room."""
+        if self.offloader is not None and not self.offloader.kept_fit():
+            return 0
+        return self.config.max_staleness
 
     def release_unneeded_weights(self) -> None:
         """Frees the stashed weights of versions no waiting recording needs."""
