@@ -32,6 +32,14 @@ def add_bench_commands(commands, add_config_flags) -> None:
     training.add_argument("--plot-prefix", help="PNG path prefix (default bench-training-MODE)")
     training.add_argument("--stale", action="store_true", help="entries one adapter version old: reuse with "
                           "the served version's weights stashed, against recompute")
+    staleness = benches.add_parser("staleness", help="learning with delayed (stashed) gradients vs strict "
+                                   "recomputation, per learning rate")
+    add_config_flags(staleness)
+    staleness.add_argument("--learning-rates", default="1e-4,1e-3,3e-3")
+    staleness.add_argument("--max-staleness", default="1,2", help="values to compare with 0 (strict)")
+    staleness.add_argument("--bursts", type=int, default=4)
+    staleness.add_argument("--burst", type=int, default=3, help="requests per burst (stale by 0 .. burst-1)")
+    staleness.add_argument("--json", help="write the results to this JSON file")
     colocate = benches.add_parser("colocate", help="serving latency with training off and on, over HTTP")
     colocate.add_argument("--policy", choices=["idle", "slo"], default="idle")
     colocate.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
@@ -93,6 +101,11 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         from bench.offload import run_offload_bench
         run_offload_bench(config, args.tokens, args.entries, args.repeats, args.budget_fraction, args.json,
                           args.sweep, plot_path=args.plot)
+        return 0
+    if args.bench == "staleness":
+        from bench.staleness import run_staleness_bench
+        run_staleness_bench(config, [float(x) for x in args.learning_rates.split(",")],
+                            [int(x) for x in args.max_staleness.split(",")], args.bursts, args.burst, args.json)
         return 0
     if args.bench == "training":
         from bench.training import run_training_bench

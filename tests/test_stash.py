@@ -92,10 +92,14 @@ def lora_gradients_of(trainer, job) -> dict:
     return grads
 
 
+@pytest.mark.parametrize("merged", [True, False], ids=["merged", "peft"])
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])
 @pytest.mark.parametrize("stale_by", [1, 3])
-def test_stale_recording_trains_as_a_fresh_pass_under_its_served_version(mode, stale_by):
-    stale, fresh, current = stale_and_fresh_gradients(make_trainer(mode, max_staleness=4), mode, stale_by)
+def test_stale_recording_trains_as_a_fresh_pass_under_its_served_version(mode, stale_by, merged):
+    """merged: recorded through the merged GEMM (the weights saved as they are); peft:
+    through PEFT's forward, which saves views of them (weight.t())."""
+    trainer = make_trainer(mode, max_staleness=4, merged_serving=merged)
+    stale, fresh, current = stale_and_fresh_gradients(trainer, mode, stale_by)
     assert relative_difference(stale, fresh) <= 1e-5
     assert relative_difference(current, fresh) > 1e-3  # the versions differ: the stash is what makes it exact
 

@@ -31,8 +31,9 @@ class WeightStash:
         self._live = [p for m, name in self._layers for p in (m.lora_A[name].weight, m.lora_B[name].weight)]
         # version -> copies of the live parameters (same order), as nn.Parameters
         self._versions: dict[int, list[torch.nn.Parameter]] = {}
-        # (storage pointer, version counter) of a live parameter -> its copy at that counter
-        self._by_counter: dict[tuple[int, int], torch.Tensor] = {}
+        # (storage pointer, version counter) of a live parameter -> (its copy at that
+        # counter, the live parameter's storage offset)
+        self._by_counter: dict[tuple[int, int], tuple[torch.Tensor, int]] = {}
         # version -> the keys of _by_counter it added
         self._keys: dict[int, list[tuple[int, int]]] = {}
 
@@ -54,10 +55,12 @@ class WeightStash:
             return
         copies, keys = [], []
         for live in self._live:
-            copy = torch.nn.Parameter(live.detach().clone(), requires_grad=live.requires_grad)
+            # the same layout as the live weight, so that any view of it maps onto the copy
+            copy = torch.nn.Parameter(live.detach().clone(memory_format=torch.preserve_format),
+                                      requires_grad=live.requires_grad)
             copies.append(copy)
             key = (live.untyped_storage().data_ptr(), live._version)
-            self._by_counter[key] = copy.detach()
+            self._by_counter[key] = (copy.detach(), live.storage_offset())
             keys.append(key)
         self._versions[version] = copies
         self._keys[version] = keys
@@ -70,11 +73,14 @@ class WeightStash:
                 self._by_counter.pop(key, None)
 
     def resolve(self, tensor: torch.Tensor, counter: int) -> torch.Tensor | None:
-        """The values `tensor` (a live LoRA weight) had at version counter `counter`."""
-        stashed = self._by_counter.get((tensor.untyped_storage().data_ptr(), counter))
-        if stashed is None or stashed.shape != tensor.shape:
+        """The values `tensor` — a live LoRA weight, or a view of one (autograd saves
+        `weight.t()`) — had at version counter `counter`: the same view of the copy."""
+        found = self._by_counter.get((tensor.untyped_storage().data_ptr(), counter))
+        if found is None:
             return None
-        return stashed
+        copy, base_offset = found
+        offset = copy.storage_offset() + tensor.storage_offset() - base_offset
+        return copy.as_strided(tensor.shape, tensor.stride(), offset)
 
     @contextlib.contextmanager
     def weights_of(self, version: int):
