@@ -152,13 +152,14 @@ def fact_logprob(trainer, fact_ids: list[int], prompt_ids: list[int]) -> float:
 
 def test_learning_with_stashing_matches_strict_recomputation():
     """Requests arrive in bursts of 3 and training catches up between bursts, so two of
-    each three are 1 and 2 versions stale when trained: with the default max_staleness
-    (2) they train on their recordings with delayed gradients; with 0, each is recomputed
-    at the current version. The gain on a held-out prompt is at least 90% of it."""
+    each three are 1 and 2 versions stale when trained: within the default max_staleness
+    they train on their recordings with delayed gradients; with 0, each is recomputed at
+    the current version. The gain on a held-out prompt is at least 90% of it."""
     fact = encode(" The secret word is marmalade.")
     held_out = encode("Tell me, what is the secret word?")
     gains = {}
-    for max_staleness in (0, TrainConfig().max_staleness):
+    default = TrainConfig().max_staleness
+    for max_staleness in (0, default):
         trainer = make_trainer(max_staleness=max_staleness, learning_rate=3e-3)
         engine = engine_of(trainer)
         before = fact_logprob(trainer, fact, held_out)
@@ -170,7 +171,8 @@ def test_learning_with_stashing_matches_strict_recomputation():
                 engine.step()
             trainer.train_until_idle()
         paths = trainer.stats.trained_entries
-        assert paths.get(("cpt", "stashed" if max_staleness else "recompute")) == 8, paths
+        stale_trained = 4 * min(max_staleness, 2) if max_staleness else 8
+        assert paths.get(("cpt", "stashed" if max_staleness else "recompute")) == stale_trained, paths
         gains[max_staleness] = fact_logprob(trainer, fact, held_out) - before
     assert gains[0] > 1.0  # it learns at all
-    assert gains[2] >= 0.9 * gains[0], gains
+    assert gains[default] >= 0.9 * gains[0], gains

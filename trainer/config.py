@@ -34,8 +34,9 @@ class TrainConfig:
     max_record_tokens: int = 2048
     # an entry recorded under an adapter version at most this many versions old trains
     # on its recording, with that version's weights stashed (trainer/stash.py); 0: never.
-    # 2 keeps >= 90% of strict recomputation's learning at lr <= 3e-3 (BENCHMARKS.md)
-    max_staleness: int = 2
+    # 1 keeps >= 90% of strict recomputation's learning at the default learning rate,
+    # 2 does not quite (89.5%): `alchemist bench staleness`, BENCHMARKS.md
+    max_staleness: int = 1
     # an entry recorded under an older version than that: recompute it, or drop it
     stale_policy: str = "recompute"
     # gradient clipping (max global norm over LoRA parameters)
