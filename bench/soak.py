@@ -124,10 +124,10 @@ class Traffic:
                 **({"rejected": text + " no"} if side in ("rejected", "both") else {})}
         fb = await self.client.post("/v1/feedback", json=body)
         self.log.feedback[fb.status_code] += 1
-        # refusals the server explains: 404 when the prefill was not recorded (cache full,
-        # prompt too long), 400 when the label would use an empty served response
-        explained = (fb.status_code == 404 and fb.json()["error"]["code"] == "entry_not_found") or \
-            (fb.status_code == 400 and "served response is empty" in fb.json()["error"]["message"])
+        # no label of a served, trainable request is refused (whether or not its prefill was
+        # recorded); the one refusal the server explains: a label that would use an empty
+        # served response (400)
+        explained = fb.status_code == 400 and "served response is empty" in fb.json()["error"]["message"]
         if fb.status_code != 200 and not explained:
             self.log.fail(kind, f"feedback got {fb.status_code}: {fb.text[:200]}")
             return

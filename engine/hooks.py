@@ -19,7 +19,7 @@ T = TypeVar("T")
 class PrefillRecorder(Protocol):
     """Decides which prefills are recorded and receives the recordings (the trainer)."""
 
-    def admit(self, request_id: str, num_prompt_tokens: int) -> RecordSpec | None:
+    def admit(self, request_id: str, prompt_token_ids: list[int]) -> RecordSpec | None:
         """Asked once per trainable request, when its prefill is about to be scheduled:
         how to record it, stamped with the adapter version serving runs under, or None."""
         ...

@@ -129,7 +129,7 @@ class LLMEngine:
         self.add(self.make_request(request_id, prompt_token_ids, params, arrival_time, train))
 
     def _admit_recording(self, seq: Sequence) -> RecordSpec | None:
-        return self.recorder.admit(seq.request_id, seq.num_prompt_tokens) if self.recorder is not None else None
+        return self.recorder.admit(seq.request_id, seq.prompt_token_ids) if self.recorder is not None else None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request at this step boundary; returns its final output (None if unknown)."""

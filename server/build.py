@@ -54,7 +54,8 @@ def build_trainer(engine: LLMEngine, config: TrainConfig, offload: OffloadConfig
     method = method or default_method(config)
     peft_model = attach_lora(engine.model, config, init_lora_weights)
     optimizer = AdapterOptimizer(lora_parameters(peft_model), config.learning_rate, config.max_grad_norm)
-    cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s)
+    cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s,
+                            max_label_entries=config.max_label_entries)
     stats = TrainingStats()
     stash = WeightStash(peft_model)
     engine.runner.stale_resolver = stash.resolve

@@ -195,6 +195,12 @@ class TrainingCollector:
         for state, count in cache.entries.items():
             entries.add_metric([state], count)
         yield entries
+        yield GaugeMetricFamily(f"{PREFIX}label_entries", "Entries without activations (a label that trains by "
+                                "recomputation: the prefill was not recorded, or its activations were given up).",
+                                value=cache.label_entries)
+        yield CounterMetricFamily(f"{PREFIX}refused_label_entries", "Entries refused because train.max_label_entries "
+                                  "entries without activations were waiting (their feedback gets 404).",
+                                  value=cache.refused_label_entries)
         ended = CounterMetricFamily(f"{PREFIX}activation_cache_ended_entries", "Entries that left the cache, by "
                                     "final state.", labels=["state"])
         for state, count in cache.ended.items():

@@ -73,7 +73,8 @@ def test_feedback_edge_cases(dpo_client):
     r = feedback(dpo_client, id=completion, chosen="same", rejected="same")
     assert r.status_code == 400
     opted_out = chat(dpo_client, "Do not learn from this.", train=False)
-    assert feedback(dpo_client, id=opted_out, chosen="x").status_code == 404
+    r = feedback(dpo_client, id=opted_out, chosen="x")  # served with "train": false: never trained on
+    assert r.status_code == 400 and r.json()["error"]["code"] == "not_trainable"
     r = dpo_client.post("/v1/feedback", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
 

@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 class EntryState(str, enum.Enum):
     WAITING_LABEL = "waiting_label"
+    # never an entry: the request was served with "train": false (or only scored)
+    NOT_TRAINABLE = "not_trainable"
     READY = "ready"
     TRAINING = "training"
     TRAINED = "trained"
@@ -110,8 +112,13 @@ class PreferenceEntry(CacheEntry):
 
 class ActivationCache:
     def __init__(self, budget_bytes: int, full_policy: str = "drop_new", label_timeout_s: float = 300.0,
-                 clock=time.monotonic):
+                 clock=time.monotonic, max_label_entries: int = 10_000):
+        """`max_label_entries`: entries without activations (labels that train by
+        recomputation) kept at most; past it a new one is refused, counted and logged."""
         self.budget_bytes = budget_bytes
+        self.max_label_entries = max_label_entries
+        # label entries refused at the bound
+        self.refused_label_entries = 0
         self.full_policy = full_policy
         self.label_timeout_s = label_timeout_s
         self.clock = clock
@@ -147,21 +154,43 @@ class ActivationCache:
                 return self.bytes + nbytes <= self.budget_bytes
             return nbytes <= self.budget_bytes
 
-    def add(self, entry: CacheEntry) -> bool:
-        """Admits a recorded entry, applying the full-cache policy; False if dropped."""
+    @property
+    def label_entries(self) -> int:
+        """Entries without activations (they train by recomputation)."""
         with self._lock:
-            if entry.nbytes > self.budget_bytes or (self.full_policy == "drop_new" and
-                                                    self.bytes + entry.nbytes > self.budget_bytes):
+            return sum(1 for e in self._entries.values() if e.recording is None)
+
+    def add(self, entry: CacheEntry) -> bool:
+        """Admits an entry, applying the full-cache policy to its activations; False if
+        dropped. An entry that waits for a label is never dropped for want of room: it
+        stays without activations (a label entry), up to `max_label_entries`."""
+        with self._lock:
+            if entry.recording is not None and (entry.nbytes > self.budget_bytes or (
+                    self.full_policy == "drop_new" and self.bytes + entry.nbytes > self.budget_bytes)):
                 self.rejected_full += 1
-                entry.release()
-                return False
-            while self.bytes + entry.nbytes > self.budget_bytes:
-                victim = next((e for e in self._entries.values() if e.state is not EntryState.TRAINING), None)
-                if victim is None:
-                    self.rejected_full += 1
+                if not entry.needs_label:
                     entry.release()
                     return False
-                self.end(victim, EntryState.EVICTED)
+                self._strip(entry)
+            while self.bytes + entry.nbytes > self.budget_bytes:
+                victim = next((e for e in self._entries.values()
+                               if e.state is not EntryState.TRAINING and e.recording is not None), None)
+                if victim is None:
+                    self.rejected_full += 1
+                    if not entry.needs_label:
+                        entry.release()
+                        return False
+                    self._strip(entry)
+                elif victim.needs_label:
+                    self._strip(victim)  # its label may still come: it keeps its tokens
+                else:
+                    self.end(victim, EntryState.EVICTED)
+            if entry.recording is None and self.label_entries >= self.max_label_entries:
+                self.refused_label_entries += 1
+                logger.warning("label entry for %r refused: %d entries without activations are waiting (the "
+                               "bound, train.max_label_entries)", entry.completion_id, self.max_label_entries)
+                self.end(entry, EntryState.DROPPED)
+                return False
             previous = self._entries.get(entry.completion_id)
             if previous is not None:  # a bug upstream; keep the byte accounting right and say so
                 logger.error("completion %r was recorded twice; dropping the older entry", entry.completion_id)
@@ -169,6 +198,22 @@ class ActivationCache:
             self._entries[entry.completion_id] = entry
             self.bytes += entry.nbytes
             return True
+
+    def _strip(self, entry: CacheEntry) -> None:
+        """Frees an entry's activations; it stays, to train by recomputation."""
+        if entry.completion_id in self._entries:
+            self.bytes -= entry.nbytes
+            self.released_bytes += entry.nbytes
+        entry.nbytes = 0
+        entry.release()
+
+    def note_not_trainable(self, completion_id: str) -> None:
+        """A finished request that can never get an entry, so that feedback for it says why."""
+        with self._lock:
+            if completion_id not in self._entries:
+                self._ended[completion_id] = EntryState.NOT_TRAINABLE
+                while len(self._ended) > 10_000:
+                    self._ended.popitem(last=False)
 
     def end(self, entry: CacheEntry, state: EntryState) -> None:
         """Removes an entry for good, freeing its activations."""

@@ -32,6 +32,9 @@ class TrainConfig:
     record_fraction: float = 1.0
     # prompts longer than this are served but not recorded
     max_record_tokens: int = 2048
+    # entries waiting for a label without activations (they train by recomputation) kept
+    # at most; past it a new one is refused, logged and counted (refused_label_entries)
+    max_label_entries: int = 10_000
     # an entry recorded under an adapter version at most this many versions old trains
     # on its recording, with that version's weights stashed (trainer/stash.py); 0: never.
     # 1 keeps >= 90% of strict recomputation's learning at the default learning rate,
@@ -64,7 +67,8 @@ class TrainConfig:
         for name in ("learning_rate", "dpo_beta", "label_timeout_s", "max_grad_norm"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
-        for name in ("lora_rank", "lora_alpha", "cache_bytes", "max_record_tokens", "entries_per_step"):
+        for name in ("lora_rank", "lora_alpha", "cache_bytes", "max_record_tokens", "entries_per_step",
+                     "max_label_entries"):
             check_positive(self, name)
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 

@@ -83,8 +83,14 @@ def _attach(cache: ActivationCache, request: FeedbackLabel, response_ids, max_mo
             if ended is EntryState.TRAINED:
                 raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label and "
                               "was trained on", "id", "label_exists")
-            reason = "it expired (no feedback within the label timeout)" if ended is EntryState.EXPIRED \
-                else "it is unknown, was not recorded for training, or was evicted"
+            if ended is EntryState.NOT_TRAINABLE:
+                raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} cannot be trained on: it was "
+                              "served with \"train\": false (or only scored); send feedback for completions "
+                              "served with training allowed", "id", "not_trainable")
+            reason = {EntryState.EXPIRED: "it expired (no feedback within the label timeout)",
+                      EntryState.DROPPED: "it was dropped (its request was cut short, or the bound on entries "
+                                          "waiting for a label, train.max_label_entries, was reached)"}.get(
+                ended, "it is unknown (or so old that the server no longer remembers it)")
             raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: {reason}",
                           "id", "entry_not_found")
         if getattr(entry, "label", None) is not None:

@@ -72,6 +72,11 @@ class TrainingMethod:
         return CacheEntry(completion_id, list(recording.prompt_token_ids), recording, recording.adapter_version,
                           recording.saved_bytes)
 
+    def make_label_entry(self, completion_id: str, prompt_token_ids: list[int], adapter_version: int) -> CacheEntry:
+        """An entry without activations, for a request that can receive feedback but whose
+        prefill was not recorded (or was given up): it trains by recomputation."""
+        return CacheEntry(completion_id, list(prompt_token_ids), None, adapter_version, 0)
+
     def reuse_job(self, entry: CacheEntry, ctx: TrainContext):
         raise NotImplementedError
 
@@ -121,6 +126,10 @@ class DPOMethod(TrainingMethod):
     def make_entry(self, completion_id: str, recording: RecordedPrefill) -> PreferenceEntry:
         return PreferenceEntry(completion_id, list(recording.prompt_token_ids), recording,
                                recording.adapter_version, recording.saved_bytes)
+
+    def make_label_entry(self, completion_id: str, prompt_token_ids: list[int],
+                         adapter_version: int) -> PreferenceEntry:
+        return PreferenceEntry(completion_id, list(prompt_token_ids), None, adapter_version, 0)
 
     def _response_logp(self, ctx: TrainContext, prompt_len: int, response: list[int], last_logits: torch.Tensor,
                        prefix, with_grad: bool):

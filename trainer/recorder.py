@@ -9,6 +9,9 @@ hooks.py), called on the device thread:
   - `on_recorded` turns a recording into a cache entry (the training method's);
   - `on_output` collects the served responses and their log-probs, and completes the
     entry when the request finishes; `on_step` expires entries past their label timeout.
+No label is lost: with a method that takes feedback, a trainable request whose prefill is
+not recorded (not drawn, too long, no room) still gets an entry when it finishes — its
+tokens, without activations — and its label trains by recomputation.
 """
 
 from __future__ import annotations
@@ -51,10 +54,20 @@ class Recorder:
         self._responses: dict[str, dict[int, list[int]]] = {}
         # completion id -> choice index -> cumulative log-prob of the served tokens
         self._served_logps: dict[str, dict[int, float]] = {}
+        # completion id -> (prompt token ids, adapter version) of trainable requests in
+        # flight that were not recorded: they get a label entry when they finish
+        self._label_only: dict[str, tuple[list[int], int]] = {}
 
     # -- PrefillRecorder ------------------------------------------------------------------
 
-    def admit(self, request_id: str, num_prompt_tokens: int) -> RecordSpec | None:
+    def admit(self, request_id: str, prompt_token_ids: list[int]) -> RecordSpec | None:
+        spec = self._decide(len(prompt_token_ids))
+        if spec is None and self.method.uses_feedback:  # its label will train by recomputation
+            self._label_only[request_id] = (list(prompt_token_ids), self.adapter_version())
+            self._responses[request_id] = {}
+        return spec
+
+    def _decide(self, num_prompt_tokens: int) -> RecordSpec | None:
         if self._rng.random() >= self.config.record_fraction:
             return None
         expected = (self._bytes_per_token or 0.0) * num_prompt_tokens
@@ -85,6 +98,8 @@ class Recorder:
     def on_output(self, output: RequestOutput) -> None:
         responses = self._responses.get(output.request_id)
         if responses is None:
+            if output.finished and self.method.uses_feedback and not _aborted(output):
+                self.cache.note_not_trainable(output.request_id)
             return
         logps = self._served_logps.setdefault(output.request_id, {})
         for completion in output.outputs:
@@ -94,5 +109,12 @@ class Recorder:
         if output.finished:
             del self._responses[output.request_id]
             del self._served_logps[output.request_id]
-            aborted = all(c.finish_reason == "abort" for c in output.outputs)
+            aborted = _aborted(output)
+            label_only = self._label_only.pop(output.request_id, None)
+            if label_only is not None and not aborted:
+                self.cache.add(self.method.make_label_entry(output.request_id, *label_only))
             self.cache.response_finished(output.request_id, responses, aborted, logps)
+
+
+def _aborted(output: RequestOutput) -> bool:
+    return all(c.finish_reason == "abort" for c in output.outputs)

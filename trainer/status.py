@@ -50,6 +50,10 @@ class CacheStatus:
     entries: dict[str, int]
     # entries that left the cache, by final state
     ended: dict[str, int]
+    # live entries without activations (labels that train by recomputation), and those
+    # refused at train.max_label_entries
+    label_entries: int = 0
+    refused_label_entries: int = 0
 
 
 @dataclass(frozen=True)

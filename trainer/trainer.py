@@ -212,21 +212,24 @@ class Trainer(AdapterLifecycle):
         return self.stash.weights_of(job.stashed_version)
 
     def _start(self, entry: CacheEntry):
-        """(job generator, path) for an entry; entries too stale for the stash go to
-        recompute or are dropped."""
+        """(job generator, path) for an entry. Without activations (a label entry) it is
+        recomputed; stale within `max_staleness`, it trains on its recording with its
+        version's weights stashed; staler, it is recomputed or dropped (`stale_policy`)."""
         lag = self.optimizer.version - entry.adapter_version
-        if (0 < lag <= self.config.max_staleness and entry.recording is not None and self.stash is not None
+        if lag == 0:
+            if entry.recording is None:
+                return self.method.recompute_job(entry, self.context), "recompute"
+            return self.method.reuse_job(entry, self.context), "reuse"
+        if (entry.recording is not None and lag <= self.config.max_staleness and self.stash is not None
                 and self.stash.has(entry.adapter_version)):
             return self.method.reuse_job(entry, self.context), "stashed"
-        if entry.adapter_version != self.optimizer.version:
-            self.stats.stale_entries += 1
-            entry.release()  # never back-propagate a graph recorded under other weights
-            if self.config.stale_policy == "drop":
-                self.stats.stale_dropped += 1
-                self.cache.end(entry, EntryState.DROPPED)
-                return None, ""
-            return self.method.recompute_job(entry, self.context), "recompute"
-        return self.method.reuse_job(entry, self.context), "reuse"
+        self.stats.stale_entries += 1
+        entry.release()  # never back-propagate a graph recorded under other weights
+        if self.config.stale_policy == "drop":
+            self.stats.stale_dropped += 1
+            self.cache.end(entry, EntryState.DROPPED)
+            return None, ""
+        return self.method.recompute_job(entry, self.context), "recompute"
 
     def _finish_job(self, job: _Job) -> None:
         losses = [r.loss for r in job.results]
@@ -288,7 +291,8 @@ class Trainer(AdapterLifecycle):
         cache = CacheStatus(self.cache.bytes,
                             {s.value: self.cache.count(s) for s in (EntryState.WAITING_LABEL, EntryState.READY,
                                                                     EntryState.TRAINING)},
-                            dict(self.cache.ended_counts))
+                            dict(self.cache.ended_counts), self.cache.label_entries,
+                            self.cache.refused_label_entries)
         if self.offloader is None:
             offload = OffloadStatus(self.cache.bytes, 0)
         else:
