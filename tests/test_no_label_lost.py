@@ -65,6 +65,7 @@ def test_partly_full_cache_keeps_some_recordings_and_the_rest_as_label_entries()
         trained = {path: metric(client, f'alchemist:trained_entries_total{{mode="dpo",path="{path}"}}')
                    for path in ("reuse", "stashed", "recompute")}
         assert trained["recompute"] >= 3 and sum(trained.values()) == 5, trained
+        assert metric(client, "alchemist:trained_entry_staleness_count") == 5
 
 
 def test_feedback_for_a_request_served_without_training_is_a_clear_400():

@@ -122,6 +122,7 @@ def test_trainer_takes_the_stashed_path_within_max_staleness_and_frees_the_stash
     assert trainer.optimizer.version == 4
     assert trainer.stats.trained_entries == {("cpt", "reuse"): 1, ("cpt", "stashed"): 2, ("cpt", "recompute"): 1}
     assert trainer.stats.stale_entries == 1  # only "d", 3 versions stale
+    assert trainer.stats.staleness == {0: 1, 1: 1, 2: 1, 3: 1}
     assert trainer.stash.versions == [] and trainer.cache.bytes == 0
     assert trainer.status().stash_bytes == 0
 

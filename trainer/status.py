@@ -34,6 +34,8 @@ class TrainingStats:
     not_recorded: int = 0
     # idle slices that returned freed host memory to the OS
     memory_trims: int = 0
+    # versions between serving and training (current - served) -> entries trained
+    staleness: dict[int, int] = field(default_factory=dict)
 
     def copy(self) -> "TrainingStats":
         """A copy safe to take while the device thread counts (each dict copied in C,

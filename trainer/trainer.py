@@ -51,6 +51,9 @@ class _Job:
     path: str = ""
     # the adapter version whose stashed weights its slices run with (path "stashed")
     stashed_version: int | None = None
+    # versions the entry being worked on lagged when it started, and each finished one's
+    lag: int = 0
+    lags: list[int] = field(default_factory=list)
     index: int = 0
     results: list[JobResult] = field(default_factory=list)
     # the path each finished entry took
@@ -172,6 +175,7 @@ class Trainer(AdapterLifecycle):
                     self._finish_job(job)
                     return True
                 entry = job.entries[job.index]
+                job.lag = self.optimizer.version - entry.adapter_version
                 job.current, job.path = self._start(entry)
                 job.stashed_version = entry.adapter_version if job.path == "stashed" else None
                 if job.current is None:  # stale and dropped
@@ -183,6 +187,7 @@ class Trainer(AdapterLifecycle):
             except StopIteration as stop:
                 job.results.append(stop.value)
                 job.paths.append(job.path)
+                job.lags.append(job.lag)
                 job.current = None
                 job.index += 1
         except Exception:  # noqa: BLE001 - a failed job must not stop serving
@@ -248,6 +253,8 @@ class Trainer(AdapterLifecycle):
             for path in job.paths:
                 key = (self.mode, path)
                 self.stats.trained_entries[key] = self.stats.trained_entries.get(key, 0) + 1
+            for lag in job.lags:
+                self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
         for entry in job.entries:
             if entry.state is EntryState.TRAINING:
                 self.cache.end(entry, EntryState.TRAINED)
