@@ -22,7 +22,7 @@ from offload.build import build_offloader
 from offload.config import OffloadConfig
 from server.config import AlchemistConfig
 from server.metrics import ServingMetrics
-from trainer.adapter import attach_lora, lora_parameters
+from trainer.adapter import attach_lora, lora_parameters, merge_all
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.arbiter import Arbiter
 from trainer.cache import ActivationCache
@@ -57,23 +57,23 @@ def build_trainer(engine: LLMEngine, config: TrainConfig, offload: OffloadConfig
     cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s,
                             max_label_entries=config.max_label_entries)
     stats = TrainingStats()
-    stash = WeightStash(peft_model)
-    engine.runner.stale_resolver = stash.resolve
-    trainer = Trainer(config, method, engine.runner, peft_model, optimizer, cache, stats, engine.tokenizer,
-                      engine.max_model_len, lambda: engine.num_steps, stash=stash)
-    trainer.merge_all()  # merged serving weights are built now, while nobody is waiting
+    if config.merged_serving:
+        merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack
     # them now rather than in the first recorded prefill
     for module in engine.model.modules():
         if hasattr(module, "ensure_packed"):
             module.ensure_packed()
     offloader = None
-    if offload is not None and offload.device_budget_bytes > 0:
+    if offload is not None and offload.device_budget_bytes > 0:  # calibrated on the serving path just built
         offloader = build_offloader(engine.model, offload, engine.max_model_len,
                                     functools.partial(recompute_segment, engine.runner))
         optimizer.zero_grad()  # calibration ran a backward
-        trainer.offloader = trainer.context.offloader = offloader
         engine.runner.segment_sink = engine.memory_guard = offloader
+    stash = WeightStash(peft_model)
+    engine.runner.stale_resolver = stash.resolve
+    trainer = Trainer(config, method, engine.runner, peft_model, optimizer, cache, stats, engine.tokenizer,
+                      engine.max_model_len, lambda: engine.num_steps, offloader=offloader, stash=stash)
     recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader)
     engine.recorder = recorder
     engine.observers.append(recorder)

@@ -161,6 +161,12 @@ class adapters_disabled:
             layer._disable_adapters = previous
 
 
+def merge_all(peft_model: PeftModel) -> None:
+    """Rebuilds every stale merged copy now (at start or after a resume: nobody waits)."""
+    while merge_stale(peft_model, budget_s=1.0):
+        pass
+
+
 def merge_stale(peft_model: PeftModel, budget_s: float = 0.01) -> int:
     """Rebuilds stale merged copies until `budget_s` has passed (one training slice);
     returns how many were rebuilt (0: all current, or merging not possible here)."""

@@ -165,22 +165,16 @@ class ActivationCache:
         dropped. An entry that waits for a label is never dropped for want of room: it
         stays without activations (a label entry), up to `max_label_entries`."""
         with self._lock:
-            if entry.recording is not None and (entry.nbytes > self.budget_bytes or (
-                    self.full_policy == "drop_new" and self.bytes + entry.nbytes > self.budget_bytes)):
-                self.rejected_full += 1
-                if not entry.needs_label:
-                    entry.release()
+            if entry.nbytes > self.budget_bytes or (self.full_policy == "drop_new"
+                                                    and self.bytes + entry.nbytes > self.budget_bytes):
+                if not self._no_room(entry):
                     return False
-                self._strip(entry)
             while self.bytes + entry.nbytes > self.budget_bytes:
                 victim = next((e for e in self._entries.values()
                                if e.state is not EntryState.TRAINING and e.recording is not None), None)
                 if victim is None:
-                    self.rejected_full += 1
-                    if not entry.needs_label:
-                        entry.release()
+                    if not self._no_room(entry):
                         return False
-                    self._strip(entry)
                 elif victim.needs_label:
                     self._strip(victim)  # its label may still come: it keeps its tokens
                 else:
@@ -199,6 +193,16 @@ class ActivationCache:
             self.bytes += entry.nbytes
             return True
 
+    def _no_room(self, entry: CacheEntry) -> bool:
+        """A new recording does not fit: it is dropped (False), or, if it waits for a
+        label, kept without its activations (True)."""
+        self.rejected_full += 1
+        if not entry.needs_label:
+            entry.release()
+            return False
+        self._strip(entry)
+        return True
+
     def _strip(self, entry: CacheEntry) -> None:
         """Frees an entry's activations; it stays, to train by recomputation."""
         if entry.completion_id in self._entries:
@@ -211,9 +215,13 @@ class ActivationCache:
         """A finished request that can never get an entry, so that feedback for it says why."""
         with self._lock:
             if completion_id not in self._entries:
-                self._ended[completion_id] = EntryState.NOT_TRAINABLE
-                while len(self._ended) > 10_000:
-                    self._ended.popitem(last=False)
+                self._remember(completion_id, EntryState.NOT_TRAINABLE)
+
+    def _remember(self, completion_id: str, state: EntryState) -> None:
+        """How a completion's entry ended (or why it never had one), for its feedback."""
+        self._ended[completion_id] = state
+        while len(self._ended) > 10_000:
+            self._ended.popitem(last=False)
 
     def end(self, entry: CacheEntry, state: EntryState) -> None:
         """Removes an entry for good, freeing its activations."""
@@ -224,9 +232,7 @@ class ActivationCache:
             entry.state = state
             entry.release()
             self.ended_counts[state.value] += 1
-            self._ended[entry.completion_id] = state
-            while len(self._ended) > 10_000:
-                self._ended.popitem(last=False)
+            self._remember(entry.completion_id, state)
 
     def response_finished(self, completion_id: str, responses: dict[int, list[int]], aborted: bool,
                           served_logps: dict[int, float] | None = None) -> None:
@@ -271,10 +277,7 @@ class ActivationCache:
                 lag = version - entry.adapter_version
                 if entry.recording is not None and not 0 <= lag <= max_staleness \
                         and entry.state is not EntryState.TRAINING:
-                    self.bytes -= entry.nbytes
-                    self.released_bytes += entry.nbytes
-                    entry.nbytes = 0
-                    entry.release()
+                    self._strip(entry)
 
     def recorded_versions(self) -> set[int]:
         """The adapter versions of the recordings waiting to be trained."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from engine.malloc_tuning import return_freed_memory
 from engine.model_runner import ModelRunner
-from trainer.adapter import merge_stale
+from trainer.adapter import merge_all, merge_stale
 from trainer.adapter_store import AdapterCheckpointer
 from trainer.cache import ActivationCache, CacheEntry, EntryState
 from trainer.config import TrainConfig
@@ -94,8 +94,7 @@ class Trainer(AdapterLifecycle):
     def merge_all(self) -> None:
         """Rebuilds every stale merged serving weight now (at start, nobody waits)."""
         if self.config.merged_serving:
-            while merge_stale(self.peft_model, budget_s=1.0):
-                pass
+            merge_all(self.peft_model)
         self._merge_pending = False
 
     def invalidate_merged(self) -> None:
