@@ -21,6 +21,9 @@ def add_bench_commands(commands, add_config_flags) -> None:
     serving.add_argument("--json", help="write the results to this JSON file")
     serving.add_argument("--with-adapter", action="store_true",
                          help="also serve with a LoRA adapter attached (what training mode costs serving)")
+    serving.add_argument("--profile", help="after the rounds, profile one engine run and write the table here")
+    serving.add_argument("--paths", default="engine,engine_sequential,engine_plain_linear,hf_generate,"
+                         "hf_generate_batch", help="comma-separated paths to run (engine always runs)")
     training = benches.add_parser("training", help="reuse path vs recompute path on the embedded model")
     add_config_flags(training)
     training.add_argument("--mode", choices=["cpt", "dpo"], required=True)
@@ -30,6 +33,12 @@ def add_bench_commands(commands, add_config_flags) -> None:
     training.add_argument("--sweep", nargs="?", const="128,256,512,1024", default=None,
                           help="comma-separated token lengths (default 128,256,512,1024); draws PNG plots")
     training.add_argument("--plot-prefix", help="PNG path prefix (default bench-training-MODE)")
+    training.add_argument("--max-fit", nargs="?", const="2048,3072,4096,5120,6144,7168,8192,10240,12288,16384",
+                          default=None, help="also find the longest trained length each path fits on the GPU, "
+                          "trying these comma-separated lengths in order")
+    training.add_argument("--profile", help="profile one job of each path at the longest length; write the table here")
+    training.add_argument("--given-responses", action="store_true", help="DPO: both responses given (the "
+                          "served one is not decoded first)")
     training.add_argument("--stale", action="store_true", help="entries one adapter version old: reuse with "
                           "the served version's weights stashed, against recompute")
     staleness = benches.add_parser("staleness", help="learning with delayed (stashed) gradients vs strict "
@@ -82,9 +91,13 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         run_profile(config, args.out, tuple(int(n) for n in args.tokens.split(",")))
         return 0
     if args.bench == "serving":
-        from bench.serving import run_serving_bench
+        from bench.serving import PATHS as SERVING_PATHS, run_serving_bench
+        unknown = set(args.paths.split(",")) - set(SERVING_PATHS)
+        if unknown:
+            raise SystemExit(f"--paths: unknown {sorted(unknown)}; choose from {', '.join(SERVING_PATHS)}")
         run_serving_bench(config, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
-                          repeats=args.repeats, json_path=args.json, with_adapter=args.with_adapter)
+                          repeats=args.repeats, json_path=args.json, with_adapter=args.with_adapter,
+                          paths=tuple(args.paths.split(",")), profile_path=args.profile)
         return 0
     if args.bench == "colocate":
         from bench.colocate import TrainingSide, run_colocate_bench
@@ -110,7 +123,8 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
     if args.bench == "training":
         from bench.training import run_training_bench
         sweep = [int(n) for n in args.sweep.split(",")] if args.sweep else None
+        max_fit = [int(n) for n in args.max_fit.split(",")] if args.max_fit else None
         run_training_bench(config, args.mode, args.tokens, args.repeats, args.json, sweep, args.plot_prefix,
-                           args.stale)
+                           args.stale, max_fit, args.given_responses, args.profile)
         return 0
     return 1

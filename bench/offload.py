@@ -23,7 +23,7 @@ import torch
 from server.config import AlchemistConfig
 from engine.model_runner import run_to_end
 from trainer.adapter import lora_gradients
-from bench.report import pyplot, rel_diff, write_json
+from bench.report import pyplot, rel_diff, synchronized_clock, write_json
 from bench.training import Bench
 from bench.traces import synthetic_tokens
 from trainer.cache import EntryState
@@ -57,9 +57,9 @@ class _OffloadBench(Bench):
         for entry in entries:
             before = dataclasses.replace(offloader.stats)
             self.trainer.optimizer.zero_grad()
-            started = time.perf_counter()
+            started = synchronized_clock()
             run_to_end(self.method.reuse_job(entry, self.context))
-            seconds = time.perf_counter() - started
+            seconds = synchronized_clock() - started
             grads = lora_gradients(self.trainer.peft_model)
             self.trainer.optimizer.zero_grad()
             self.trainer.cache.end(entry, EntryState.TRAINED)

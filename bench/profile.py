@@ -15,12 +15,12 @@ def run_profile(config, out: str, token_lengths: tuple[int, ...]) -> dict:
     device and writes the maps. The budget is `offload.device_budget_bytes`; if unset,
     the free device memory on CUDA, and `train.cache_bytes` on CPU."""
     from engine.llm_engine import LLMEngine
-    from engine.model_loader import load_model
+    from engine.model_loader import load
     from offload.build import calibrated_model
     from trainer.adapter import attach_lora
     from trainer.forward import recompute_segment
 
-    model, tokenizer, name = load_model(config.model.model, config.model.dtype, config.model.device)
+    model, tokenizer, name = load(config.model)
     engine = LLMEngine(model, tokenizer, config)
     attach_lora(engine.model, dataclasses.replace(config.train, mode="cpt"), True)
     lengths = tuple(t for t in token_lengths if t < config.model.max_model_len)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import time
+
+import torch
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -12,6 +15,34 @@ def percentile(values: list[float], q: float) -> float:
     if not ordered:
         return math.nan
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def synchronized_clock() -> float:
+    """time.perf_counter() once the GPU (if any) has finished what was queued: CUDA kernels
+    run asynchronously, so an unsynchronized clock times only their launch."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def write_profile(path: str, runs: dict) -> None:
+    """Runs each of `runs` (title -> callable) once under torch.profiler and writes its
+    operators by host time and by device time, as text: where the time goes (kernels,
+    launches, host syncs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with open(path, "w") as f:
+        for title, run in runs.items():
+            with profile(activities=activities) as prof:
+                run()
+                synchronized_clock()
+            table = prof.key_averages()
+            f.write(f"== {title}: by host time (self)\n{table.table(sort_by='self_cpu_time_total', row_limit=30)}\n")
+            if torch.cuda.is_available():
+                f.write(f"== {title}: by device time (self)\n"
+                        f"{table.table(sort_by='self_device_time_total', row_limit=30)}\n")
+    print(f"profile written to {path}", flush=True)
 
 
 def rel_diff(a: dict, b: dict) -> float:

@@ -30,9 +30,9 @@ import torch
 
 from server.config import AlchemistConfig
 from engine.llm_engine import LLMEngine
-from engine.model_loader import load_model
+from engine.model_loader import load
 from engine.sampling_params import SamplingParams
-from bench.report import write_json
+from bench.report import write_json, write_profile
 from bench.traces import chat_prompts
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def _adapter_engine(config: AlchemistConfig, tokenizer, variant: str) -> LLMEngi
     from peft.tuners.lora.layer import Linear as LoraLinear
     from server.build import build_trainer
 
-    model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
+    model, _, _ = load(config.model)
     engine = LLMEngine(model, tokenizer, config)
     trainer = build_trainer(engine, TrainConfig(mode="cpt", merged_serving=variant == "merged"))
     if variant == "peft":
@@ -92,53 +92,60 @@ def _interleaved_rounds(paths: dict[str, Callable[[], list[list[int]]]], repeats
     return rates, outputs
 
 
+PATHS = ("engine", "engine_sequential", "engine_plain_linear", "hf_generate", "hf_generate_batch")
+RATIOS = {"ratio_engine_over_hf_generate": ("engine", "hf_generate"),
+          "ratio_engine_over_hf_generate_batch": ("engine", "hf_generate_batch"),
+          "ratio_concurrent_over_sequential": ("engine", "engine_sequential"),
+          "ratio_packed_over_plain_linear": ("engine", "engine_plain_linear")}
+
+
 def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens: int = 64, repeats: int = 3,
-                      json_path: str | None = None, with_adapter: bool = False) -> dict:
+                      json_path: str | None = None, with_adapter: bool = False,
+                      paths: tuple[str, ...] = PATHS, profile_path: str | None = None) -> dict:
+    """`paths` selects among PATHS ("engine" always runs). On a GPU the engine leaves the
+    model untouched (packing is a CPU path), so `generate` shares it and the plain-linear
+    engine, identical there, is skipped; `generate_batch` keeps its own copy."""
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
-    model, tokenizer, name = load_model(config.model.model, config.model.dtype, config.model.device)
-    hf_model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
-    cb_model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
-    plain_model, _, _ = load_model(config.model.model, config.model.dtype, config.model.device)
+    model, tokenizer, name = load(config.model)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    selected = {"engine", *paths} - (set() if on_cpu else {"engine_plain_linear"})
+    hf_model = load(config.model)[0] if on_cpu and "hf_generate" in selected else model
+    cb_model = load(config.model)[0] if "hf_generate_batch" in selected else None
     engine = LLMEngine(model, tokenizer, config)
-    plain_config = dataclasses.replace(config, model=dataclasses.replace(config.model, packed_linear=False))
-    plain_engine = LLMEngine(plain_model, tokenizer, plain_config)
+    plain_engine = None
+    if "engine_plain_linear" in selected:
+        plain_config = dataclasses.replace(config, model=dataclasses.replace(config.model, packed_linear=False))
+        plain_engine = LLMEngine(load(config.model)[0], tokenizer, plain_config)
     prompts = chat_prompts(tokenizer, num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
-
-    def engine_batched():
-        return [choices[0] for choices in engine.generate(prompts, params)]
-
-    def engine_sequential():
-        return [engine.generate([p], params)[0][0] for p in prompts]
-
-    def engine_plain_linear():
-        return [choices[0] for choices in plain_engine.generate(prompts, params)]
+    warm = SamplingParams(temperature=0.0, max_tokens=2)
 
     extra_engines = {}
     if with_adapter:
         extra_engines = {f"engine_adapter_{variant}": _adapter_engine(config, tokenizer, variant)
                          for variant in ("merged", "lean", "peft")}
-    paths = {
-        **{key: (lambda e=e: [c[0] for c in e.generate(prompts, params)]) for key, e in extra_engines.items()},
-        "engine": engine_batched,
-        "engine_sequential": engine_sequential,
-        "engine_plain_linear": engine_plain_linear,
+    candidates = {
+        "engine": lambda: [choices[0] for choices in engine.generate(prompts, params)],
+        "engine_sequential": lambda: [engine.generate([p], params)[0][0] for p in prompts],
+        "engine_plain_linear": lambda: [choices[0] for choices in plain_engine.generate(prompts, params)],
         "hf_generate": lambda: hf_static_generate(hf_model, tokenizer, prompts, max_tokens),
         "hf_generate_batch": lambda: hf_generate_batch(cb_model, tokenizer, prompts, max_tokens),
     }
+    timed = {**{key: (lambda e=e: [c[0] for c in e.generate(prompts, params)]) for key, e in extra_engines.items()},
+             **{key: fn for key, fn in candidates.items() if key in selected}}
     logger.info("warming up each path")
-    engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
-    plain_engine.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
-    for extra in extra_engines.values():
-        extra.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=2))
-    hf_static_generate(hf_model, tokenizer, prompts[:2], 2)
-    hf_generate_batch(cb_model, tokenizer, prompts[:2], 2)
+    for extra in [engine, plain_engine, *extra_engines.values()]:
+        if extra is not None:
+            extra.generate(prompts[:2], warm)
+    if "hf_generate" in selected:
+        hf_static_generate(hf_model, tokenizer, prompts[:2], 2)
+    if cb_model is not None:
+        hf_generate_batch(cb_model, tokenizer, prompts[:2], 2)
 
-    rates, outputs = _interleaved_rounds(paths, repeats)
+    rates, outputs = _interleaved_rounds(timed, repeats)
+    if profile_path:
+        write_profile(profile_path, {"engine": lambda: engine.generate(prompts, params)})
     median = {key: statistics.median(values) for key, values in rates.items()}
-    mismatches = [i for i, (a, b) in enumerate(zip(outputs["engine"], outputs["hf_generate"])) if a != b]
-    sequential_mismatches = [i for i, (a, b) in enumerate(zip(outputs["engine_sequential"], outputs["engine"]))
-                             if a != b]
     result = {
         "model": name,
         "dtype": str(next(model.parameters()).dtype),
@@ -149,20 +156,20 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
         "torch_threads": torch.get_num_threads(),
         "tokens_per_s": {key: round(value, 2) for key, value in median.items()},
         "tokens_per_s_all_rounds": {key: [round(v, 2) for v in values] for key, values in rates.items()},
-        "ratio_engine_over_hf_generate": round(median["engine"] / median["hf_generate"], 3),
-        "ratio_engine_over_hf_generate_batch": round(median["engine"] / median["hf_generate_batch"], 3),
-        "ratio_concurrent_over_sequential": round(median["engine"] / median["engine_sequential"], 3),
-        "ratio_packed_over_plain_linear": round(median["engine"] / median["engine_plain_linear"], 3),
-        "packed_equal_to_plain_linear": outputs["engine"] == outputs["engine_plain_linear"],
+        **{key: round(median[a] / median[b], 3) for key, (a, b) in RATIOS.items() if b in median},
         **({f"ratio_adapter_{v}_over_engine": round(median[f"engine_adapter_{v}"] / median["engine"], 3)
             for v in ("merged", "lean", "peft")} if with_adapter else {}),
         **({"adapter_equal_to_engine": all(outputs[f"engine_adapter_{v}"] == outputs["engine"]
                                            for v in ("merged", "lean", "peft"))} if with_adapter else {}),
-        "greedy_equal_to_generate": not mismatches,
-        "greedy_mismatched_prompts": mismatches,
-        "batched_equal_to_alone": not sequential_mismatches,
         "kv_cache_bytes_per_token": engine.kv_spec.bytes_per_token,
     }
+    for key, other in (("greedy_equal_to_generate", "hf_generate"), ("batched_equal_to_alone", "engine_sequential"),
+                       ("packed_equal_to_plain_linear", "engine_plain_linear")):
+        if other in outputs:
+            mismatched = [i for i, (a, b) in enumerate(zip(outputs["engine"], outputs[other])) if a != b]
+            result[key] = not mismatched
+            if other == "hf_generate":
+                result["greedy_mismatched_prompts"] = mismatched
     print(json.dumps(result, indent=2))
     write_json(result, json_path)
     return result

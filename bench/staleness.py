@@ -16,7 +16,7 @@ import torch
 
 from bench.report import write_json
 from engine.llm_engine import LLMEngine
-from engine.model_loader import load_model
+from engine.model_loader import load
 from engine.sampling_params import SamplingParams
 from server.build import build_trainer
 from server.config import AlchemistConfig
@@ -44,7 +44,7 @@ def learning_gain(config: AlchemistConfig, learning_rate: float, max_staleness: 
                   burst: int) -> tuple[float, dict]:
     """(gain in log p(fact | held-out prompt), entries trained by path)."""
     torch.manual_seed(0)
-    model, tokenizer, _ = load_model(config.model.model, config.model.dtype, config.model.device)
+    model, tokenizer, _ = load(config.model)
     engine = LLMEngine(model, tokenizer, config)
     trainer = build_trainer(engine, TrainConfig(mode="cpt", learning_rate=learning_rate,
                                                 max_staleness=max_staleness))

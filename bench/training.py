@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from bench.report import pyplot, rel_diff, write_json
+from bench.report import pyplot, rel_diff, synchronized_clock, write_json, write_profile
 from bench.traces import synthetic_tokens
 from engine.llm_engine import LLMEngine
-from engine.model_loader import load_model
+from engine.model_loader import load
 from engine.model_runner import run_to_end
 from engine.recording import SavedTensorTracker
 from engine.sampling_params import SamplingParams
@@ -44,12 +44,13 @@ logger = logging.getLogger(__name__)
 
 class Bench:
     def __init__(self, config: AlchemistConfig, mode: str, max_tokens: int):
-        model, self.tokenizer, self.name = load_model(config.model.model, config.model.dtype, config.model.device)
+        model, self.tokenizer, self.name = load(config.model)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=max_tokens + 64),
                                      scheduler=dataclasses.replace(config.scheduler,
                                                                    max_num_batched_tokens=max(max_tokens + 64, 2048)))
         self.engine = LLMEngine(model, self.tokenizer, config)
-        self.trainer = build_trainer(self.engine, TrainConfig(mode=mode, cache_bytes=1 << 40), config.offload)
+        train = TrainConfig(mode=mode, cache_bytes=1 << 40, max_record_tokens=max_tokens + 64)
+        self.trainer = build_trainer(self.engine, train, config.offload)
         # B starts at zero in LoRA, which makes A's gradient zero; a small random B gives
         # every LoRA tensor a gradient to compare, and keeps the model near the base
         with torch.no_grad():
@@ -57,6 +58,7 @@ class Bench:
                 if "lora_B" in name:
                     param.normal_(0.0, 1e-3)
         self.method = self.trainer.method
+        self.given_responses = False
         self.context = self.trainer.context
 
     def serve(self, prompt: list[int], record: bool, request_id: str, tracker: SavedTensorTracker | None = None,
@@ -67,9 +69,9 @@ class Bench:
         self.engine.add_request(request_id, prompt, params, train=record)
         seconds = None
         while self.engine.has_unfinished():
-            started = time.perf_counter()
+            started = synchronized_clock()
             self.engine.step()
-            seconds = seconds if seconds is not None else time.perf_counter() - started
+            seconds = seconds if seconds is not None else synchronized_clock() - started
         self.engine.runner.record_tracker = None
         return seconds
 
@@ -96,23 +98,39 @@ class Bench:
     def entry(self, prompt: list[int], round_index: int, chosen: list[int] | None, response_len: int,
               tracker: SavedTensorTracker):
         """A recorded entry; for DPO, as in the paper's evaluation, the served response
-        (response_len tokens) is the rejected one and `chosen` a given text."""
+        (response_len tokens) is the rejected one and `chosen` a given text — or, with
+        `given_responses`, both given (nothing decoded: long sweeps on a slow decoder)."""
         request_id = f"bench-{round_index}-{time.monotonic_ns()}"
-        seconds = self.serve(prompt, True, request_id, tracker, max_tokens=max(response_len, 1))
+        decoded = 1 if self.given_responses else max(response_len, 1)
+        seconds = self.serve(prompt, True, request_id, tracker, max_tokens=decoded)
         entry = self.trainer.cache.get(request_id)
-        if chosen is not None:
+        if chosen is not None and self.given_responses:
+            rejected = synthetic_tokens(self.tokenizer, response_len - 1, round_index + 80)
+            entry.label = PreferenceLabel(chosen, rejected + [self.tokenizer.eos_token_id])
+        elif chosen is not None:
             entry.label = PreferenceLabel(chosen, list(entry.responses[0]),
                                           served_logps={"rejected": entry.served_logps[0]})
             entry.reference_logps = run_to_end(self.method.reference_logps(entry, self.context))
         return entry, seconds
 
+    def tokens_only(self, entry):
+        """The recompute path's copy of `entry`: same tokens, label and reference log-probs,
+        nothing recorded."""
+        copy = self.method.make_label_entry(entry.completion_id + "-tokens", entry.prompt_token_ids,
+                                            entry.adapter_version)
+        copy.responses, copy.served_logps = dict(entry.responses), dict(entry.served_logps)
+        for name in ("label", "reference_logps"):
+            if hasattr(entry, name):
+                setattr(copy, name, getattr(entry, name))
+        return copy
+
     def run_job(self, job, tracker: SavedTensorTracker, weights=contextlib.nullcontext) -> tuple[float, dict]:
         """(seconds, LoRA gradients) of a job run to its end with `weights()` entered."""
         self.trainer.optimizer.zero_grad()
         with tracker.hooks(), weights():
-            started = time.perf_counter()
+            started = synchronized_clock()
             run_to_end(job)
-            seconds = time.perf_counter() - started
+            seconds = synchronized_clock() - started
         grads = lora_gradients(self.trainer.peft_model)
         self.trainer.optimizer.zero_grad()
         return seconds, grads
@@ -135,15 +153,18 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool = Fa
         reuse_tracker, recompute_tracker = SavedTensorTracker(), SavedTensorTracker()
         entry, recorded_s = bench.entry(prompt, r, chosen, response_len, reuse_tracker)
         weights, restore = bench.make_stale() if stale else (contextlib.nullcontext, lambda: None)
-        reuse_first = r % 2 == 0
+        tokens_only = bench.tokens_only(entry)
+        # alternating order on the CPU; on a GPU reuse first, so that the recording is gone
+        # before the recompute path runs (both at once would not fit at the longer lengths)
+        reuse_first = r % 2 == 0 or bench.engine.runner.device.type == "cuda"
         results = {}
         for path in (("reuse", "recompute") if reuse_first else ("recompute", "reuse")):
             if path == "reuse":
-                job, tracker = bench.method.reuse_job(entry, bench.context), reuse_tracker
+                results[path] = bench.run_job(bench.method.reuse_job(entry, bench.context), reuse_tracker, weights)
+                bench.trainer.cache.end(entry, EntryState.TRAINED)
             else:
-                job, tracker = bench.method.recompute_job(entry, bench.context), recompute_tracker
-            results[path] = bench.run_job(job, tracker, weights)
-        bench.trainer.cache.end(entry, EntryState.TRAINED)
+                results[path] = bench.run_job(bench.method.recompute_job(tokens_only, bench.context),
+                                              recompute_tracker, weights)
         restore()
         if r == 0:
             continue
@@ -174,6 +195,35 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool = Fa
         "recording_overhead": round(statistics.median(row["recording_overhead"] for row in rows), 3),
         "rounds": rows,
     }
+
+
+def _measure_or_note_oom(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool) -> dict:
+    """`measure`, or a row saying the length does not fit on the device (the separate
+    trainer runs out first: that is a result, not a crash)."""
+    try:
+        return measure(bench, mode, tokens, repeats, stale)
+    except torch.OutOfMemoryError:
+        bench.trainer.optimizer.zero_grad()
+        for entry in bench.trainer.cache.entries():
+            bench.trainer.cache.end(entry, EntryState.DROPPED)
+        torch.cuda.empty_cache()
+        print(f"  {mode} {tokens:5d} tokens: out of device memory", flush=True)
+        return {"mode": mode, "tokens": tokens, "out_of_memory": True}
+
+
+def profile_jobs(bench: Bench, mode: str, tokens: int, path: str) -> None:
+    """One entry of `tokens` trained tokens, each path's job run once under the profiler."""
+    prompt_len, response_len = (tokens, 0) if mode == "cpt" else (tokens // 2, tokens // 4)
+    chosen = None
+    if mode == "dpo":
+        chosen = synthetic_tokens(bench.tokenizer, response_len - 1, 99) + [bench.tokenizer.eos_token_id]
+    entry, _ = bench.entry(synthetic_tokens(bench.tokenizer, prompt_len, 99), 99, chosen, response_len,
+                           SavedTensorTracker())
+    tokens_only = bench.tokens_only(entry)
+    write_profile(path, {"reuse": lambda: run_to_end(bench.method.reuse_job(entry, bench.context)),
+                         "recompute": lambda: run_to_end(bench.method.recompute_job(tokens_only, bench.context))})
+    bench.trainer.optimizer.zero_grad()
+    bench.trainer.cache.end(entry, EntryState.TRAINED)
 
 
 def plot_sweep(results: list[dict], mode: str, prefix: str) -> list[str]:
@@ -222,15 +272,27 @@ def plot_sweep(results: list[dict], mode: str, prefix: str) -> list[str]:
 
 def run_training_bench(config: AlchemistConfig, mode: str, tokens: int, repeats: int = 3,
                        json_path: str | None = None, sweep: list[int] | None = None,
-                       plot_prefix: str | None = None, stale: bool = False) -> dict:
+                       plot_prefix: str | None = None, stale: bool = False, max_fit: list[int] | None = None,
+                       given_responses: bool = False, profile_path: str | None = None) -> dict:
     lengths = sweep or [tokens]
-    bench = Bench(config, mode, max(lengths))
-    results = [measure(bench, mode, n, repeats, stale) for n in lengths]
+    bench = Bench(config, mode, max(lengths + (max_fit or [])))
+    bench.given_responses = given_responses
+    results = [_measure_or_note_oom(bench, mode, n, repeats, stale) for n in lengths]
+    device = next(bench.engine.model.parameters()).device
     summary = {"model": bench.name, "dtype": str(next(bench.engine.model.parameters()).dtype),
+               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch_threads": torch.get_num_threads(), "lora_rank": bench.trainer.config.lora_rank,
+               "given_responses": given_responses,
                "results": results}
+    if profile_path:
+        profile_jobs(bench, mode, lengths[-1], profile_path)
+    if max_fit:
+        from bench.fit import longest_fit
+        summary["max_fit"] = longest_fit(bench, mode, max_fit)
+        print(json.dumps({"max_fit": summary["max_fit"]}))
     if sweep:
-        summary["plots"] = plot_sweep(results, mode, plot_prefix or f"bench-training-{mode}")
+        fitted = [r for r in results if not r.get("out_of_memory")]
+        summary["plots"] = plot_sweep(fitted, mode, plot_prefix or f"bench-training-{mode}")
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "rounds"}))
     write_json(summary if sweep else {**summary, **{k: v for k, v in results[0].items()}}, json_path)

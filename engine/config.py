@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+LOAD_FORMATS = ("auto", "dummy")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -25,6 +26,16 @@ class ModelConfig:
     max_model_len: int = 2048
     # on CPU, run frozen linear layers through oneDNN with prepacked weights (engine/packed_linear.py)
     packed_linear: bool = True
+    # local tokenizer directory; "" uses the model directory's own (or, for a directory
+    # holding no tokenizer, the embedded model's)
+    tokenizer: str = ""
+    # auto: the weights in the model directory; dummy: random weights from its config.json
+    # (vLLM's --load-format dummy), for speed and memory figures on a real model's shape
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"model.load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config import ModelConfig
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -91,9 +93,17 @@ def embedded_model_dir() -> Path:
     return target
 
 
-def load_model(model: str, dtype: str = "auto", device: str = "auto"):
+def load(config: ModelConfig):
+    """`load_model` with every field of the model section."""
+    return load_model(config.model, config.dtype, config.device, tokenizer=config.tokenizer,
+                      load_format=config.load_format)
+
+
+def load_model(model: str = "", dtype: str = "auto", device: str = "auto", tokenizer: str = "",
+               load_format: str = "auto"):
     """Returns (model in eval mode, tokenizer, served name) for a local directory or, with
-    an empty `model`, the embedded one."""
+    an empty `model`, the embedded one. `load_format="dummy"` builds the directory's
+    config.json with random weights, directly on the device."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = embedded_model_dir() if not model else Path(model)
@@ -105,9 +115,40 @@ def load_model(model: str, dtype: str = "auto", device: str = "auto"):
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     started = time.perf_counter()
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    if load_format == "dummy":
+        loaded = _random_weights(config, torch_dtype, torch_device)
+    elif load_format == "auto":
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation="sdpa")
+    else:
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     loaded = loaded.to(torch_device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    logger.info("loaded %s (%s, %s) in %.2f s", path, torch_dtype, torch_device, time.perf_counter() - started)
+    tokenizer_path = _tokenizer_dir(path, tokenizer)
+    loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    logger.info("loaded %s (%s, %s%s) in %.2f s", path, torch_dtype, torch_device,
+                ", random weights" if load_format == "dummy" else "", time.perf_counter() - started)
     name = EMBEDDED_MODEL_NAME if not model else path.resolve().name
-    return loaded, tokenizer, name
+    return loaded, loaded_tokenizer, name
+
+
+def _random_weights(config, dtype: torch.dtype, device: torch.device):
+    """The model of `config` with seeded random weights, allocated and initialised on
+    `device` (an 8B model initialised on the host would take minutes)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    logger.warning("model weights are RANDOM (load_format=dummy): outputs are meaningless; "
+                   "speed and memory are those of the real model")
+    return model
+
+
+def _tokenizer_dir(model_path: Path, tokenizer: str) -> Path:
+    if tokenizer:
+        path = Path(tokenizer)
+        if not path.is_dir():
+            raise FileNotFoundError(f"--tokenizer {tokenizer!r} is not a local tokenizer directory")
+        return path
+    if any((model_path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return model_path
+    return embedded_model_dir()  # a config-only directory (load_format dummy): the embedded tokenizer

@@ -18,6 +18,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file layered over configs/default.toml")
     parser.add_argument("--model", help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", help="name clients use in the 'model' field")
+    parser.add_argument("--tokenizer", help="local tokenizer directory (default: the model's own)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="dummy: random weights from the model directory's config.json (benchmarks)")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--max-model-len", type=int)
@@ -38,7 +41,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
     overrides = {
         "model": {"model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
-                  "device": args.device, "max_model_len": args.max_model_len},
+                  "device": args.device, "max_model_len": args.max_model_len,
+                  "tokenizer": args.tokenizer, "load_format": args.load_format},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None)},

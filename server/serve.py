@@ -16,7 +16,7 @@ import logging
 import uvicorn
 from fastapi import FastAPI
 
-from engine.model_loader import load_model
+from engine.model_loader import load
 from server.app import ServerState, build_app
 from server.build import build_stack
 from server.config import AlchemistConfig
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name: str | None = None) -> FastAPI:
     """The app for `config`; pass `model` and `tokenizer` to serve an in-memory model."""
     if model is None:
-        model, tokenizer, model_name = load_model(config.model.model, config.model.dtype, config.model.device)
+        model, tokenizer, model_name = load(config.model)
     name = config.model.served_model_name or model_name or "model"
     stack = build_stack(config, model, tokenizer, name)
     async_engine, trainer = stack.async_engine, stack.trainer

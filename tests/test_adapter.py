@@ -5,7 +5,10 @@ import torch
 
 from trainer.config import TrainConfig
 from tests.conftest import encode, make_engine
-from tests.tiny import FAMILIES
+from tests.tiny import FAMILIES, TEST_DEVICE
+
+# merged serving packs weights through oneDNN: a CPU path
+CPU_ONLY = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="oneDNN merged serving is a CPU path")
 from trainer.adapter import LeanLoraLinear, attach_lora
 
 
@@ -15,15 +18,15 @@ def test_lean_inference_forward_equals_peft_forward(family):
     peft_model = attach_lora(engine.model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
     layers = [m for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
     assert layers
-    x = torch.randn(1, 5, layers[0].in_features)
+    x = torch.randn(1, 5, layers[0].in_features, device=TEST_DEVICE)
     for layer in layers[:3]:
-        x = torch.randn(1, 5, layer.in_features)
+        x = torch.randn(1, 5, layer.in_features, device=TEST_DEVICE)
         with torch.inference_mode():
             lean = layer(x)
         with torch.no_grad(), torch.enable_grad():  # grad mode on: PEFT's own forward
             reference = layer(x).detach()
         assert torch.allclose(lean, reference, atol=1e-5)
-    ids = torch.tensor([encode("Hello there, how are you?")])
+    ids = torch.tensor([encode("Hello there, how are you?")], device=TEST_DEVICE)
     with torch.inference_mode():
         lean_logits = peft_model(ids).logits
     with torch.enable_grad():
@@ -34,13 +37,14 @@ def test_lean_inference_forward_equals_peft_forward(family):
     assert not torch.allclose(base_logits, lean_logits, atol=1e-3)  # the adapter really acts
 
 
+@CPU_ONLY
 def test_merged_serving_equals_lean_and_goes_stale_with_the_weights():
     from trainer.adapter import merge_stale
 
     engine = make_engine("qwen2")  # biased projections through the merged GEMM too
     peft_model = attach_lora(engine.model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
     layers = [m for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
-    ids = torch.tensor([encode("Hello there, how are you?")])
+    ids = torch.tensor([encode("Hello there, how are you?")], device=TEST_DEVICE)
     with torch.inference_mode():
         lean_logits = peft_model(ids).logits
     while merge_stale(peft_model):
@@ -72,6 +76,7 @@ def test_merged_serving_equals_lean_and_goes_stale_with_the_weights():
         assert torch.allclose(peft_model(ids).logits, updated, atol=1e-5)  # restored
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_merged_autograd_forward_gives_peft_outputs_and_gradients(family):
     """With grad enabled and a current merged copy, a layer forwards through the merged
@@ -100,3 +105,20 @@ def test_merged_autograd_forward_gives_peft_outputs_and_gradients(family):
             results.append((out.detach(), xi.grad, a.grad.clone(), b.grad.clone()))
         for fast, reference in zip(*results):
             assert torch.allclose(fast, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_lean_forward_on_a_bfloat16_model_with_its_float32_adapter_equals_peft():
+    """The GPU serving dtype: PEFT keeps the adapter in float32 beside bfloat16 weights;
+    the lean path must cast as PEFT does (it failed on the first CUDA run)."""
+    from tests.tiny import tiny_model
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    peft_model = attach_lora(model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
+    layer = next(m for m in peft_model.modules() if isinstance(m, LeanLoraLinear))
+    assert layer.lora_A["default"].weight.dtype == torch.float32 and layer.base_layer.weight.dtype == torch.bfloat16
+    x = torch.randn(1, 5, layer.in_features, dtype=torch.bfloat16, device=layer.base_layer.weight.device)
+    with torch.inference_mode():
+        lean = layer(x)
+    with torch.no_grad(), torch.enable_grad():
+        reference = layer(x).detach()
+    assert lean.dtype == reference.dtype == torch.bfloat16
+    assert torch.allclose(lean.float(), reference.float(), atol=1e-2, rtol=1e-2)

@@ -10,7 +10,7 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_config, make_engine
-from tests.tiny import FAMILIES, tiny_model, tiny_tokenizer
+from tests.tiny import FAMILIES, TEST_DEVICE, tiny_model, tiny_tokenizer
 
 PROMPTS = ["Hello, how are you today?", "The quick brown fox jumps over the lazy dog. What is the capital of France?",
            "Paris", "Continuous batching lets new requests join"]
@@ -78,6 +78,7 @@ def test_greedy_equals_generate_on_cuda():
     assert [c[0] for c in engine.generate(prompts, greedy())] == reference
 
 
+@pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="oneDNN packing is a CPU path")
 def test_packed_linear_engine_equals_plain_linear_engine():
     prompts = [encode(p) for p in PROMPTS]
     packed = make_engine("qwen2")  # qwen2: biased q/k/v projections go through the packed path too

@@ -3,13 +3,17 @@ policy, the device budget holds while serving and training go on, the hedged pla
 never predicted slower than the better pure plan, and the host pool keeps its budget."""
 
 import asyncio
+import dataclasses
 import random
+from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from engine.config import ModelConfig
 from offload.config import OffloadConfig
+from server.config import AlchemistConfig
 
 from trainer.config import TrainConfig
 from engine.sampling_params import SamplingParams
@@ -18,7 +22,7 @@ from offload.host_pool import HostPool
 from tests.conftest import encode, engine_of, make_engine, trainer_on
 from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
 from tests.test_training import PROMPT, gradients_of, label, relative_difference
-from tests.tiny import FAMILIES
+from tests.tiny import FAMILIES, tiny_tokenizer
 
 OTHER_PROMPT = "Tell me a story about a dragon who learned to paint with fire and light."
 
@@ -174,11 +178,13 @@ def test_device_budget_holds_while_serving_and_training_continue():
     assert offloader.device_bytes == 0 and offloader.host_bytes == 0
 
 
-def test_server_under_a_tight_budget_serves_every_request_and_trains():
+@pytest.mark.parametrize("copy_to_host", ["freeing", "recording"])  # recording: what "auto" picks on CUDA
+def test_server_under_a_tight_budget_serves_every_request_and_trains(copy_to_host):
     """Over HTTP: concurrent requests all succeed while the offloader frees layers and
     training brings them back; the metrics say so."""
     budget = tight_budget()
-    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4), offload=OffloadConfig(device_budget_bytes=budget))
+    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4),
+                   offload=OffloadConfig(device_budget_bytes=budget, copy_to_host=copy_to_host))
     trainer = app.state.alchemist.trainer
 
     async def traffic(url):
@@ -195,7 +201,7 @@ def test_server_under_a_tight_budget_serves_every_request_and_trains():
     assert stats.offloaded_layers > 0 and stats.reloaded_layers + stats.recomputed_layers > 0
     assert stats.peak_budget_bytes <= budget
     assert _sample(metrics, "alchemist:offloaded_layers_total") == stats.offloaded_layers
-    assert _sample(metrics, "alchemist:over_budget_steps_total") == 0
+    assert _sample(metrics, "alchemist:over_budget_steps_total") == 0, (budget, dataclasses.asdict(stats))
     assert _sample(metrics, "alchemist:activation_device_bytes") == trainer.offloader.device_bytes
 
 
@@ -273,6 +279,23 @@ def test_host_pool_allocates_within_its_budget_and_coalesces():
     assert pool.used_bytes == 0 and pool.allocate(1024) is not None
 
 
+def _embedded_shape_config(tmp_path, device: str) -> AlchemistConfig:
+    """The embedded model's shape with random weights in float32 and the tiny tokenizer
+    (the GPU machine does not have the embedded weights)."""
+    tiny_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    shape = Path(__file__).parent.parent / "configs" / "models" / "smollm2-135m"
+    return AlchemistConfig(model=ModelConfig(model=str(shape), load_format="dummy", tokenizer=str(tmp_path / "tokenizer"),
+                                             device=device, dtype="float32"))
+
+
+def test_the_offload_bench_runs_on_a_random_weight_model_shape(tmp_path):
+    """What the GPU test runs, on the CPU at a small size: gradients equal with every policy."""
+    from bench.offload import run_offload_bench
+    report = run_offload_bench(config=_embedded_shape_config(tmp_path, "cpu"), entries=1, tokens=32, repeats=1)
+    for name, result in report["policies"].items():
+        assert result["max_grad_rel_diff"] <= 1e-5, name
+
+
 @pytest.mark.gpu
 def test_cuda_copy_stream_round_trip_through_pinned_pool():
     from offload.copy_stream import CopyStream
@@ -290,11 +313,12 @@ def test_cuda_copy_stream_round_trip_through_pinned_pool():
 
 
 @pytest.mark.gpu
-def test_cuda_offload_gradients_and_hidden_loads():
+def test_cuda_offload_gradients_and_hidden_loads(tmp_path):
     """On a GPU the reloads overlap backward: gradients equal, and the wait is a small
     fraction of the backward for a one-third offloaded fraction."""
     from bench.offload import run_offload_bench
-    report = run_offload_bench(device="cuda", fractions=(1 / 3,), entries=2, tokens=512)
+    report = run_offload_bench(config=_embedded_shape_config(tmp_path, "cuda"), fractions=(1 / 3,), entries=2,
+                               tokens=512)
     for name, result in report["policies"].items():
         assert result["max_grad_rel_diff"] <= 1e-5, name
     assert report["sweep"][0]["policies"]["offload"]["reload_wait_fraction"] < 0.1

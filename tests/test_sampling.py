@@ -5,7 +5,7 @@ import torch
 
 from engine.sampling_params import InvalidParameter, SamplingParams
 from tests.conftest import encode, make_engine
-from tests.tiny import tiny_tokenizer
+from tests.tiny import TEST_DEVICE, tiny_tokenizer
 
 PROMPT = "Hello, how are you today?"
 
@@ -104,7 +104,7 @@ def test_logprobs_match_the_model_distribution():
     _, ids, lps, _, _ = collect(outputs)
     prompt = encode(PROMPT)
     with torch.inference_mode():
-        ref = engine.model(torch.tensor([prompt + ids])).logits[0].float().log_softmax(-1)
+        ref = engine.model(torch.tensor([prompt + ids], device=TEST_DEVICE)).logits[0].float().log_softmax(-1)
     for i, lp in enumerate(lps):
         row = ref[len(prompt) - 1 + i]
         assert lp.token_id == ids[i]

@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 from offload.config import OffloadConfig
 from tests.conftest import encode, engine_of, make_engine, trainer_on
 from tests.test_training import PROMPT, label, relative_difference, serve
+from tests.tiny import TEST_DEVICE
 from trainer.adapter import lora_gradients, lora_parameters
 from trainer.cache import EntryState
 from trainer.config import TrainConfig
@@ -146,9 +147,9 @@ def fact_logprob(trainer, fact_ids: list[int], prompt_ids: list[int]) -> float:
     """log p(fact | prompt) under the live adapter (a held-out prompt)."""
     engine = engine_of(trainer)
     with torch.no_grad():
-        logits = engine.model(torch.tensor([prompt_ids + fact_ids])).logits[0].float()
+        logits = engine.model(torch.tensor([prompt_ids + fact_ids], device=TEST_DEVICE)).logits[0].float()
     rows = logits[len(prompt_ids) - 1:-1].log_softmax(-1)
-    return rows.gather(1, torch.tensor(fact_ids).unsqueeze(1)).sum().item()
+    return rows.gather(1, torch.tensor(fact_ids, device=rows.device).unsqueeze(1)).sum().item()
 
 
 def test_learning_with_stashing_matches_strict_recomputation():

@@ -12,7 +12,7 @@ from trainer.config import TrainConfig
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, engine_of, make_engine, trainer_on
-from tests.tiny import FAMILIES
+from tests.tiny import FAMILIES, TEST_DEVICE
 from trainer.adapter import lora_gradients, lora_parameters
 from trainer.cache import EntryState
 from trainer.feedback import FeedbackLabel
@@ -191,7 +191,7 @@ def test_sampling_edits_do_not_touch_the_recorded_logits():
         engine.step()
     entry = trainer.cache.get("a")
     with torch.inference_mode():
-        fresh = engine_of(trainer).model(torch.tensor([ids])).logits[0]
+        fresh = engine_of(trainer).model(torch.tensor([ids], device=TEST_DEVICE)).logits[0]
     assert torch.allclose(entry.recording.logits.detach(), fresh, atol=1e-4)
     trainer.train_until_idle()
     assert trainer.stats.trained_entries == {("cpt", "reuse"): 1}

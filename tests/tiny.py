@@ -6,12 +6,17 @@ special tokens and a chat template; models are 2 layers, hidden 64, with that vo
 
 from __future__ import annotations
 
+import os
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
                           Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 FAMILIES = ("llama", "mistral", "phi3", "qwen2")
+# ALCHEMIST_TEST_DEVICE=cuda runs the tests built on tiny models on a GPU (the bring-up
+# of `bench/gpu.sh`); the default is the CPU that CI has
+TEST_DEVICE = torch.device(os.environ.get("ALCHEMIST_TEST_DEVICE", "cpu"))
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -72,4 +77,4 @@ def tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.
         for name, param in model.named_parameters():
             if param.dim() == 2:
                 param.normal_(0.0, 0.15)
-    return model
+    return model.to(TEST_DEVICE)

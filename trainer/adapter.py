@@ -118,6 +118,9 @@ class LeanLoraLinear(LoraLinear):
         a, b = self.lora_A[name].weight, self.lora_B[name].weight  # (r, in), (out, r)
         result = self.base_layer(x)
         flat = x.reshape(-1, x.shape[-1])
+        if a.dtype != flat.dtype:  # float32 adapter on a bfloat16/float16 model: peft's casts
+            delta = (flat.to(a.dtype) @ a.t()) @ b.t()
+            return result + (delta * self.scaling[name]).to(result.dtype).view(result.shape)
         out = torch.addmm(result.reshape(-1, result.shape[-1]), flat @ a.t(), b.t(), alpha=self.scaling[name])
         return out.view(result.shape)
 

@@ -140,6 +140,10 @@ class ActivationCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entries(self) -> list[CacheEntry]:
+        with self._lock:
+            return list(self._entries.values())
+
     def get(self, completion_id: str) -> CacheEntry | None:
         with self._lock:
             return self._entries.get(completion_id)

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU runs of issue 15, one phase per argument, on a machine lent through the device
+# tool (see ../shared/gpu/README.md): wheels in .whl/, the embedded model's tokenizer in
+# .gpu/tokenizer/. Every log and JSON goes to $OUT (or ./gpu-out).
+#   bench/gpu.sh bringup smoke profile training serving offload colocate
+set -uo pipefail
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+MODEL=(--model configs/models/llama-3.1-8b --load-format dummy --tokenizer .gpu/tokenizer --dtype bfloat16)
+bench() { python3 -m server.cli --log-level WARNING bench "$@"; }
+
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%T)"
+  case $phase in
+    bringup)
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+      python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -30
+      ALCHEMIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 120 -rf \
+        tests/test_engine_equivalence.py tests/test_training.py tests/test_stash.py tests/test_preemption.py \
+        tests/test_sampling.py tests/test_offload.py tests/test_losses.py tests/test_adapter.py \
+        2>&1 | tee "$OUT/cuda-tests.log" | tail -30
+      ;;
+    smoke)  # every benchmark once, short, on the 8B shape
+      bench training "${MODEL[@]}" --mode cpt --tokens 512 --repeats 1 --json "$OUT/smoke-cpt.json"
+      bench training "${MODEL[@]}" --mode dpo --tokens 512 --repeats 1 --json "$OUT/smoke-dpo.json"
+      bench serving "${MODEL[@]}" --num-prompts 4 --max-tokens 16 --repeats 1 \
+        --paths engine,hf_generate,hf_generate_batch --kv-cache-bytes 4294967296 --json "$OUT/smoke-serving.json"
+      bench offload "${MODEL[@]}" --tokens 512 --entries 2 --repeats 1 --json "$OUT/smoke-offload.json"
+      ;;
+    profile)  # where an engine step's time goes, beside generate
+      bench serving "${MODEL[@]}" --num-prompts 8 --max-tokens 32 --repeats 1 --paths engine,hf_generate \
+        --kv-cache-bytes 4294967296 --profile "$OUT/profile-serving.txt" --json "$OUT/profile-serving.json"
+      ;;
+    training)  # DPO with both responses given: nothing decoded (see --given-responses)
+      bench training "${MODEL[@]}" --mode cpt --sweep 512,1024,2048,4096 --repeats 2 \
+        --kv-cache-bytes 4294967296 --plot-prefix "$OUT/training-cpt" --json "$OUT/training-cpt.json"
+      bench training "${MODEL[@]}" --mode dpo --given-responses --sweep 512,1024,2048,4096 --repeats 2 \
+        --kv-cache-bytes 4294967296 --plot-prefix "$OUT/training-dpo" --json "$OUT/training-dpo.json" \
+        --profile "$OUT/profile-dpo.txt"
+      bench training "${MODEL[@]}" --mode dpo --given-responses --tokens 512 --repeats 1 --max-fit \
+        --kv-cache-bytes 4294967296 --json "$OUT/fit-dpo.json"
+      ;;
+    profile-dpo)  # where the DPO reuse job's time goes on the GPU
+      bench training "${MODEL[@]}" --mode dpo --given-responses --tokens 1024 --repeats 1 \
+        --kv-cache-bytes 4294967296 --profile "$OUT/profile-dpo.txt" --json "$OUT/profile-dpo.json"
+      ;;
+    serving)
+      for n in 1 8 32; do
+        bench serving "${MODEL[@]}" --num-prompts $n --max-tokens 64 --repeats 2 --max-num-seqs 32 \
+          --paths engine,hf_generate,hf_generate_batch --kv-cache-bytes 8589934592 --json "$OUT/serving-$n.json"
+      done
+      ;;
+    offload)  # a host pool large enough for every offloaded layer of the 8B model's entries
+      ALCHEMIST_OFFLOAD_HOST_BUDGET_BYTES=34359738368 bench offload "${MODEL[@]}" --tokens 1024 --entries 3 --repeats 2 --sweep --plot "$OUT/offload.png" \
+        --json "$OUT/offload.json"
+      ;;
+    colocate)
+      export ALCHEMIST_MODEL_MODEL=configs/models/llama-3.1-8b ALCHEMIST_MODEL_LOAD_FORMAT=dummy \
+        ALCHEMIST_MODEL_TOKENIZER=.gpu/tokenizer ALCHEMIST_CACHE_KV_CACHE_BYTES=8589934592
+      bench colocate --rate 1 --seconds 30 --rounds 1 --sweep 1,4 --plot "$OUT/colocate.png" --json "$OUT/colocate.json"
+      ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
