@@ -24,31 +24,7 @@ def add_bench_commands(commands, add_config_flags) -> None:
     serving.add_argument("--profile", help="after the rounds, profile one engine run and write the table here")
     serving.add_argument("--paths", default="engine,engine_sequential,engine_plain_linear,hf_generate,"
                          "hf_generate_batch", help="comma-separated paths to run (engine always runs)")
-    training = benches.add_parser("training", help="reuse path vs recompute path on the embedded model")
-    add_config_flags(training)
-    training.add_argument("--mode", choices=["cpt", "dpo"], required=True)
-    training.add_argument("--tokens", type=int, default=512, help="trained tokens per entry")
-    training.add_argument("--repeats", type=int, default=3)
-    training.add_argument("--json", help="write the results to this JSON file")
-    training.add_argument("--sweep", nargs="?", const="128,256,512,1024", default=None,
-                          help="comma-separated token lengths (default 128,256,512,1024); draws PNG plots")
-    training.add_argument("--plot-prefix", help="PNG path prefix (default bench-training-MODE)")
-    training.add_argument("--max-fit", nargs="?", const="2048,3072,4096,5120,6144,7168,8192,10240,12288,16384",
-                          default=None, help="also find the longest trained length each path fits on the GPU, "
-                          "trying these comma-separated lengths in order")
-    training.add_argument("--profile", help="profile one job of each path at the longest length; write the table here")
-    training.add_argument("--given-responses", action="store_true", help="DPO: both responses given (the "
-                          "served one is not decoded first)")
-    training.add_argument("--stale", action="store_true", help="entries one adapter version old: reuse with "
-                          "the served version's weights stashed, against recompute")
-    staleness = benches.add_parser("staleness", help="learning with delayed (stashed) gradients vs strict "
-                                   "recomputation, per learning rate")
-    add_config_flags(staleness)
-    staleness.add_argument("--learning-rates", default="1e-4,1e-3,3e-3")
-    staleness.add_argument("--max-staleness", default="1,2", help="values to compare with 0 (strict)")
-    staleness.add_argument("--bursts", type=int, default=4)
-    staleness.add_argument("--burst", type=int, default=3, help="requests per burst (stale by 0 .. burst-1)")
-    staleness.add_argument("--json", help="write the results to this JSON file")
+    _add_training_benches(benches, add_config_flags)
     colocate = benches.add_parser("colocate", help="serving latency with training off and on, over HTTP")
     colocate.add_argument("--policy", choices=["idle", "slo"], default="idle")
     colocate.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
@@ -59,6 +35,8 @@ def add_bench_commands(commands, add_config_flags) -> None:
     colocate.add_argument("--train-config", help="TOML passed to the training-on server (e.g. record_fraction)")
     colocate.add_argument("--no-feedback", action="store_true",
                           help="record but send no feedback (isolates the cost of recording)")
+    colocate.add_argument("--feedback-fraction", type=float, default=1.0,
+                          help="share of answers the client sends feedback for (the soak's mix: 0.33)")
     colocate.add_argument("--json", help="write the results to this JSON file")
     colocate.add_argument("--sweep", help="comma-separated rates; draws TPOT vs rate as PNG")
     colocate.add_argument("--plot", help="PNG path for --sweep (default bench-colocate-POLICY.png)")
@@ -84,6 +62,43 @@ def add_bench_commands(commands, add_config_flags) -> None:
     soak.add_argument("--plot", help="PNG of RSS and activation cache over time (default bench-soak.png)")
 
 
+def _add_training_benches(benches, add_config_flags) -> None:
+    """`bench training`, `bench staleness` and `bench recording`."""
+    training = benches.add_parser("training", help="reuse path vs recompute path on the embedded model")
+    add_config_flags(training)
+    training.add_argument("--mode", choices=["cpt", "dpo"], required=True)
+    training.add_argument("--tokens", type=int, default=512, help="trained tokens per entry")
+    training.add_argument("--repeats", type=int, default=3)
+    training.add_argument("--json", help="write the results to this JSON file")
+    training.add_argument("--sweep", nargs="?", const="128,256,512,1024", default=None,
+                          help="comma-separated token lengths (default 128,256,512,1024); draws PNG plots")
+    training.add_argument("--plot-prefix", help="PNG path prefix (default bench-training-MODE)")
+    training.add_argument("--max-fit", nargs="?", const="2048,3072,4096,5120,6144,7168,8192,10240,12288,16384",
+                          default=None, help="also find the longest trained length each path fits on the GPU, "
+                          "trying these comma-separated lengths in order")
+    training.add_argument("--profile", help="profile one job of each path at the longest length; write the table here")
+    training.add_argument("--given-responses", action="store_true", help="DPO: both responses given (the "
+                          "served one is not decoded first)")
+    training.add_argument("--stale", action="store_true", help="entries one adapter version old: reuse with "
+                          "the served version's weights stashed, against recompute")
+    staleness = benches.add_parser("staleness", help="learning with delayed (stashed) gradients vs strict "
+                                   "recomputation, per learning rate")
+    add_config_flags(staleness)
+    staleness.add_argument("--learning-rates", default="1e-4,1e-3,3e-3")
+    staleness.add_argument("--max-staleness", default="1,2", help="values to compare with 0 (strict)")
+    staleness.add_argument("--bursts", type=int, default=4)
+    staleness.add_argument("--burst", type=int, default=3, help="requests per burst (stale by 0 .. burst-1)")
+    staleness.add_argument("--entries-per-step", default="1", help="comma-separated maxima of entries per "
+                           "optimizer step to compare (entries of one version share a step)")
+    staleness.add_argument("--json", help="write the results to this JSON file")
+    recording = benches.add_parser("recording", help="recorded over plain prefill of a short prompt, by what happens "
+                                   "to earlier recordings (kept, freed, trained)")
+    add_config_flags(recording)
+    recording.add_argument("--tokens", type=int, default=100)
+    recording.add_argument("--repeats", type=int, default=6)
+    recording.add_argument("--json", help="write the results to this JSON file")
+
+
 def run_bench_command(args: argparse.Namespace, config) -> int:
     """Runs the parsed `bench …` or `profile` command; its exit status."""
     if args.command == "profile":
@@ -102,7 +117,8 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
     if args.bench == "colocate":
         from bench.colocate import TrainingSide, run_colocate_bench
         sweep = [float(r) for r in args.sweep.split(",")] if args.sweep else None
-        side = TrainingSide(args.policy, args.tpot_slo_ms, args.train_config, not args.no_feedback)
+        side = TrainingSide(args.policy, args.tpot_slo_ms, args.train_config, not args.no_feedback,
+                            args.feedback_fraction)
         run_colocate_bench(side, args.rate, args.seconds, args.rounds, args.seed, args.json, sweep, args.plot)
         return 0
     if args.bench == "soak":
@@ -115,10 +131,15 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         run_offload_bench(config, args.tokens, args.entries, args.repeats, args.budget_fraction, args.json,
                           args.sweep, plot_path=args.plot)
         return 0
+    if args.bench == "recording":
+        from bench.recording import run_recording_bench
+        run_recording_bench(config, args.tokens, args.repeats, args.json)
+        return 0
     if args.bench == "staleness":
         from bench.staleness import run_staleness_bench
         run_staleness_bench(config, [float(x) for x in args.learning_rates.split(",")],
-                            [int(x) for x in args.max_staleness.split(",")], args.bursts, args.burst, args.json)
+                            [int(x) for x in args.max_staleness.split(",")], args.bursts, args.burst, args.json,
+                            tuple(int(x) for x in args.entries_per_step.split(",")))
         return 0
     if args.bench == "training":
         from bench.training import run_training_bench

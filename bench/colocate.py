@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import httpx
 
 from bench.launch import running_server
-from bench.report import percentile, pyplot, read_metric, write_json
+from bench.report import TRAINING_PATHS, percentile, pyplot, read_metric, reuse_share, trained_by_path, write_json
 from bench.traces import WORDS, TraceRequest, make_trace
 
 async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, start: float, feedback: bool,
@@ -50,12 +50,15 @@ async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, sta
     return {"ttft": ttft, "tpot": tpot, "tokens": len(token_times)}
 
 
-async def _run_trace(url: str, trace: list[TraceRequest], feedback: bool, seed: int) -> list[dict]:
+async def _run_trace(url: str, trace: list[TraceRequest], feedback: bool, seed: int,
+                     feedback_fraction: float = 1.0) -> list[dict]:
     rng = random.Random(seed + 1)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         start = time.perf_counter()
-        return await asyncio.gather(*[_one(client, model, r, start, feedback, rng) for r in trace])
+        # which answers get feedback is drawn up front, so every run labels the same requests
+        labelled = [feedback and rng.random() < feedback_fraction for _ in trace]
+        return await asyncio.gather(*[_one(client, model, r, start, label, rng) for r, label in zip(trace, labelled)])
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,8 @@ class TrainingSide:
     tpot_slo_ms: float = 100.0
     config_file: str | None = None
     feedback: bool = True
+    # the share of answers that get feedback (the rest never do: their entries wait out the label timeout)
+    feedback_fraction: float = 1.0
 
 
 def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) -> dict:
@@ -80,11 +85,7 @@ def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) 
                for s in ("ready", "training")):
             break
         time.sleep(1.0)
-    paths = {}
-    for path in ("reuse", "stashed", "recompute"):
-        name = f'alchemist:trained_entries_total{{mode="dpo",path="{path}"}}'
-        paths[path] = read_metric(text, name) - read_metric(before, name)
-    total = sum(paths.values())
+    paths = trained_by_path(text, "dpo", before)
     staleness = {}
     for bound in ("0", "1", "2", "4", "8", "16", "+Inf"):
         name = f'alchemist:trained_entry_staleness_bucket{{le="{bound}"}}'
@@ -92,8 +93,15 @@ def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) 
     dropped = read_metric(text, 'alchemist:activation_cache_ended_entries_total{state="dropped"}') - read_metric(
         before, 'alchemist:activation_cache_ended_entries_total{state="dropped"}')
     return {"trained_by_path": paths, "dropped_entries": dropped,
-            "reuse_share": (paths["reuse"] + paths["stashed"]) / total if total else float("nan"),
+            "reuse_share": reuse_share(paths),
             "staleness_le": staleness}
+
+
+def _mean_delta(before: str, after: str, histogram: str) -> float:
+    """The mean of a histogram's observations between two scrapes."""
+    count = read_metric(after, f"{histogram}_count") - read_metric(before, f"{histogram}_count")
+    total = read_metric(after, f"{histogram}_sum") - read_metric(before, f"{histogram}_sum")
+    return total / count if count else math.nan
 
 
 def run_condition(training: bool, side: TrainingSide, trace: list[TraceRequest], seed: int, seconds: float) -> dict:
@@ -104,7 +112,7 @@ def run_condition(training: bool, side: TrainingSide, trace: list[TraceRequest],
     with running_server(*flags) as url:
         before = httpx.get(f"{url}/metrics").text
         started = time.perf_counter()
-        results = asyncio.run(_run_trace(url, trace, training and side.feedback, seed))
+        results = asyncio.run(_run_trace(url, trace, training and side.feedback, seed, side.feedback_fraction))
         elapsed = time.perf_counter() - started
         after = httpx.get(f"{url}/metrics").text
         trained = _trained_after_catching_up(url, before) if training else {}
@@ -118,6 +126,12 @@ def run_condition(training: bool, side: TrainingSide, trace: list[TraceRequest],
         "ttft_p50_s": percentile(ttfts, 0.50), "ttft_p99_s": percentile(ttfts, 0.99),
         "train_tokens_per_s": train_tokens / max(elapsed, seconds),
         **trained,
+        # server-side means, from the histograms: arrival to first token, arrival to first
+        # scheduled step, that step to the first token (the prefill); the client's TTFT
+        # adds the HTTP and event-loop time on top
+        **{f"server_{key}_mean_s": _mean_delta(before, after, f"alchemist:{metric}_seconds")
+           for key, metric in (("ttft", "time_to_first_token"), ("queue", "request_queue_time"),
+                               ("prefill", "request_prefill_time"))},
         "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
                                            + side.policy + '"}'),
@@ -144,37 +158,50 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
         return statistics.median(r[key] for r in runs[training])
 
     summary = {"rate": rate, "seconds": seconds, "policy": side.policy, "tpot_slo_ms": side.tpot_slo_ms,
-               "train_config": side.config_file, "feedback": side.feedback, "rounds": rounds, "requests": len(trace)}
+               "train_config": side.config_file, "feedback": side.feedback,
+               "feedback_fraction": side.feedback_fraction, "rounds": rounds, "requests": len(trace)}
     for key in ("tpot_mean_s", "tpot_p99_s", "ttft_p50_s", "ttft_p99_s"):
         summary[f"off_{key}"] = round(median(False, key), 5)
         summary[f"on_{key}"] = round(median(True, key), 5)
     summary["tpot_mean_ratio"] = round(summary["on_tpot_mean_s"] / summary["off_tpot_mean_s"], 4)
     summary["tpot_p99_ratio"] = round(summary["on_tpot_p99_s"] / summary["off_tpot_p99_s"], 4)
     summary["ttft_p99_increase_s"] = round(summary["on_ttft_p99_s"] - summary["off_ttft_p99_s"], 4)
+    for key in ("server_ttft_mean_s", "server_queue_mean_s", "server_prefill_mean_s"):
+        summary[f"off_{key}"] = round(median(False, key), 5)
+        summary[f"on_{key}"] = round(median(True, key), 5)
     summary["train_slice_max_s"] = round(max(r["train_slice_max_s"] for r in runs[True]), 4)
     summary["train_tokens_per_s"] = round(median(True, "train_tokens_per_s"), 2)
     summary["between_step_slices"] = median(True, "between_step_slices")
-    trained = {path: sum(r["trained_by_path"][path] for r in runs[True]) for path in ("reuse", "stashed", "recompute")}
+    trained = {path: sum(r["trained_by_path"][path] for r in runs[True]) for path in TRAINING_PATHS}
     summary["trained_by_path"] = trained
-    summary["reuse_share"] = round((trained["reuse"] + trained["stashed"]) / max(sum(trained.values()), 1), 3)
+    summary["reuse_share"] = round(reuse_share(trained), 3)
     summary["runs"] = {"off": runs[False], "on": runs[True]}
     return summary
 
 
 def plot(results: list[dict], path: str) -> str:
+    """Against request rate: mean TPOT and p99 TTFT with training off and on, and the
+    share of trained entries that reused the served prefill."""
     plt = pyplot()
 
     rates = [r["rate"] for r in results]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(rates, [r["off_tpot_mean_s"] * 1000 for r in results], "s-", color="tab:red", label="training off")
-    ax.plot(rates, [r["on_tpot_mean_s"] * 1000 for r in results], "o-", color="tab:blue",
-            label=f"training on ({results[0]['policy']})")
+    fig, (tpot, ttft, reuse) = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key, label in ((tpot, "tpot_mean_s", "mean time per output token (ms)"),
+                           (ttft, "ttft_p99_s", "p99 time to first token (ms)")):
+        ax.plot(rates, [r[f"off_{key}"] * 1000 for r in results], "s-", color="tab:red", label="training off")
+        ax.plot(rates, [r[f"on_{key}"] * 1000 for r in results], "o-", color="tab:blue",
+                label=f"training on ({results[0]['policy']})")
+        ax.set_xlabel("request rate (requests / s)")
+        ax.set_ylabel(label)
+        ax.legend(loc="upper left")
     if results[0]["policy"] == "slo":
-        ax.axhline(results[0]["tpot_slo_ms"], color="gray", linestyle="--", label="TPOT SLO")
-    ax.set_xlabel("request rate (requests / s)")
-    ax.set_ylabel("mean time per output token (ms)")
-    ax.set_title("Serving latency with online training (cf. paper Fig. 10)")
-    ax.legend(loc="center right")
+        tpot.axhline(results[0]["tpot_slo_ms"], color="gray", linestyle="--", label="TPOT SLO")
+    tpot.set_title("Serving latency with online training (cf. paper Fig. 10)")
+    reuse.plot(rates, [r["reuse_share"] * 100 for r in results], "o-", color="tab:green")
+    reuse.set_ylim(0, 105)
+    reuse.set_xlabel("request rate (requests / s)")
+    reuse.set_ylabel("entries trained on the served prefill (%)")
+    reuse.set_title("Reuse share")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

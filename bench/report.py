@@ -58,6 +58,22 @@ def read_metric(text: str, name: str) -> float:
     return 0.0
 
 
+TRAINING_PATHS = ("reuse", "stashed", "recompute")
+
+
+def trained_by_path(text: str, mode: str, before: str = "") -> dict[str, float]:
+    """Entries trained on each path (reuse, stashed reuse, recompute) from a scrape, less
+    those of an earlier scrape `before`."""
+    names = {path: f'alchemist:trained_entries_total{{mode="{mode}",path="{path}"}}' for path in TRAINING_PATHS}
+    return {path: read_metric(text, name) - read_metric(before, name) for path, name in names.items()}
+
+
+def reuse_share(paths: dict[str, float]) -> float:
+    """The share of trained entries that trained on their served activations (NaN: none)."""
+    total = sum(paths.values())
+    return (paths["reuse"] + paths["stashed"]) / total if total else float("nan")
+
+
 def write_json(report: dict, path: str | None) -> None:
     if path:
         with open(path, "w") as f:

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from bench.report import pyplot, read_metric, write_json
+from bench.report import pyplot, read_metric, reuse_share, trained_by_path, write_json
 from bench.traces import WORDS, make_trace
 from bench.launch import server_process
 from trainer.adapter_store import AdapterStore
@@ -276,7 +276,9 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
             "server_5xx": sum(float(line.split()[-1]) for line in final.splitlines()
                               if line.startswith("alchemist:http_requests_total") and 'status="5' in line),
             "trained_entries": sum(float(line.split()[-1]) for line in final.splitlines()
-                                   if line.startswith("alchemist:trained_entries_total"))}
+                                   if line.startswith("alchemist:trained_entries_total")),
+            "trained_by_path": (paths := trained_by_path(final, "dpo")),
+            "reuse_share": round(reuse_share(paths), 3)}
 
 
 def rss_growth(timeline: list[Sample], traffic_seconds: float, net_of_cache: bool = False) -> tuple[float, float, float]:

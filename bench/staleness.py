@@ -41,13 +41,14 @@ def _fact_logprob(engine: LLMEngine, prompt: list[int], fact: list[int]) -> floa
 
 
 def learning_gain(config: AlchemistConfig, learning_rate: float, max_staleness: int, bursts: int,
-                  burst: int) -> tuple[float, dict]:
+                  burst: int, entries_per_step: int = 1) -> tuple[float, dict]:
     """(gain in log p(fact | held-out prompt), entries trained by path)."""
     torch.manual_seed(0)
     model, tokenizer, _ = load(config.model)
     engine = LLMEngine(model, tokenizer, config)
     trainer = build_trainer(engine, TrainConfig(mode="cpt", learning_rate=learning_rate,
-                                                max_staleness=max_staleness))
+                                                max_staleness=max_staleness,
+                                                entries_per_step=entries_per_step))
     fact = tokenizer(FACT, add_special_tokens=False)["input_ids"]
     held_out = _chat(tokenizer, HELD_OUT)
     before = _fact_logprob(engine, held_out, fact)
@@ -63,18 +64,22 @@ def learning_gain(config: AlchemistConfig, learning_rate: float, max_staleness: 
 
 
 def run_staleness_bench(config: AlchemistConfig, learning_rates: list[float], staleness: list[int],
-                        bursts: int = 4, burst: int = 3, json_path: str | None = None) -> dict:
+                        bursts: int = 4, burst: int = 3, json_path: str | None = None,
+                        entries_per_step: tuple[int, ...] = (1,)) -> dict:
+    """Each (learning rate, max_staleness, entries_per_step) against strict recomputation
+    with one entry per step, on the same request sequence."""
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=512))
     rows = []
     for lr in learning_rates:
         strict, _ = learning_gain(config, lr, 0, bursts, burst)
         for max_staleness in staleness:
-            gain, paths = learning_gain(config, lr, max_staleness, bursts, burst)
-            rows.append({"learning_rate": lr, "max_staleness": max_staleness, "gain_nats": round(gain, 3),
-                         "strict_gain_nats": round(strict, 3), "ratio_to_strict": round(gain / strict, 3),
-                         "paths": paths})
-            print(f"  lr {lr:g}  max_staleness {max_staleness}: gain {gain:.2f} nats, strict {strict:.2f} "
-                  f"-> x{gain / strict:.3f}  {paths}", flush=True)
+            for per_step in entries_per_step:
+                gain, paths = learning_gain(config, lr, max_staleness, bursts, burst, per_step)
+                rows.append({"learning_rate": lr, "max_staleness": max_staleness, "entries_per_step": per_step,
+                             "gain_nats": round(gain, 3), "strict_gain_nats": round(strict, 3),
+                             "ratio_to_strict": round(gain / strict, 3), "paths": paths})
+                print(f"  lr {lr:g}  max_staleness {max_staleness}  entries_per_step {per_step}: gain {gain:.2f} "
+                      f"nats, strict {strict:.2f} -> x{gain / strict:.3f}  {paths}", flush=True)
     report = {"bursts": bursts, "burst": burst, "fact": FACT, "held_out_prompt": HELD_OUT, "rows": rows}
     write_json(report, json_path)
     return report

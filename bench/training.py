@@ -12,7 +12,9 @@ Peak activation memory is measured by counting the bytes autograd really saves
 Tokens: N trained tokens in all (CPT: an N-token prompt; DPO: N/2 prompt and N/4 for
 each response). Text is synthetic: a fixed English passage, cut to length. DPO follows
 the paper's evaluation: the served response (N/4 tokens, decoded by the engine) is the
-rejected one, and a given text of N/4 tokens the chosen one.
+rejected one, and a given text of N/4 tokens the chosen one. Each DPO job computes its
+reference log-probs itself, as the trainer's do: with `--dpo-reference base` a forward of
+the base model, with `served` none (the reference is the version that served the prompt).
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class Bench:
                                      scheduler=dataclasses.replace(config.scheduler,
                                                                    max_num_batched_tokens=max(max_tokens + 64, 2048)))
         self.engine = LLMEngine(model, self.tokenizer, config)
-        train = TrainConfig(mode=mode, cache_bytes=1 << 40, max_record_tokens=max_tokens + 64)
+        train = TrainConfig(mode=mode, cache_bytes=1 << 40, max_record_tokens=max_tokens + 64,
+                            dpo_reference=config.train.dpo_reference, head_chunk_rows=config.train.head_chunk_rows)
         self.trainer = build_trainer(self.engine, train, config.offload)
         # B starts at zero in LoRA, which makes A's gradient zero; a small random B gives
         # every LoRA tensor a gradient to compare, and keeps the model near the base
@@ -110,30 +113,37 @@ class Bench:
         elif chosen is not None:
             entry.label = PreferenceLabel(chosen, list(entry.responses[0]),
                                           served_logps={"rejected": entry.served_logps[0]})
-            entry.reference_logps = run_to_end(self.method.reference_logps(entry, self.context))
         return entry, seconds
 
     def tokens_only(self, entry):
-        """The recompute path's copy of `entry`: same tokens, label and reference log-probs,
-        nothing recorded."""
+        """The recompute path's copy of `entry`: same tokens and label, nothing recorded
+        (each path's job computes the DPO reference itself, as the trainer's jobs do)."""
         copy = self.method.make_label_entry(entry.completion_id + "-tokens", entry.prompt_token_ids,
                                             entry.adapter_version)
         copy.responses, copy.served_logps = dict(entry.responses), dict(entry.served_logps)
-        for name in ("label", "reference_logps"):
-            if hasattr(entry, name):
-                setattr(copy, name, getattr(entry, name))
+        if hasattr(entry, "label"):
+            copy.label = entry.label
         return copy
 
-    def run_job(self, job, tracker: SavedTensorTracker, weights=contextlib.nullcontext) -> tuple[float, dict]:
-        """(seconds, LoRA gradients) of a job run to its end with `weights()` entered."""
+    def run_job(self, job, tracker: SavedTensorTracker, weights=contextlib.nullcontext) -> tuple[float, dict, float]:
+        """(seconds, LoRA gradients, longest slice's seconds) of a job run to its end, slice
+        by slice as the trainer runs it, with `weights()` entered."""
         self.trainer.optimizer.zero_grad()
+        longest = 0.0
         with tracker.hooks(), weights():
-            started = synchronized_clock()
-            run_to_end(job)
-            seconds = synchronized_clock() - started
+            started = last = synchronized_clock()
+            while True:
+                try:
+                    next(job)
+                except StopIteration:
+                    break
+                finally:
+                    now = synchronized_clock()
+                    longest, last = max(longest, now - last), now
+            seconds = last - started
         grads = lora_gradients(self.trainer.peft_model)
         self.trainer.optimizer.zero_grad()
-        return seconds, grads
+        return seconds, grads, longest
 
 
 def measure(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool = False) -> dict:
@@ -172,6 +182,7 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool = Fa
             "reuse_s": results["reuse"][0], "recompute_s": results["recompute"][0],
             "reuse_peak_bytes": reuse_tracker.peak_bytes, "recompute_peak_bytes": recompute_tracker.peak_bytes,
             "grad_rel_diff": rel_diff(results["reuse"][1], results["recompute"][1]),
+            "reuse_max_slice_s": results["reuse"][2], "recompute_max_slice_s": results["recompute"][2],
             "recording_overhead": recorded_s / plain_s,
         })
         print(f"  {mode} {tokens:5d} tokens  round {r}/{repeats}: {'stashed ' if stale else ''}reuse {rows[-1]['reuse_s']:.3f}s  "
@@ -185,6 +196,7 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool = Fa
     return {
         "mode": mode, "tokens": tokens, "prompt_tokens": prompt_len, "response_tokens": response_len,
         "repeats": repeats, "stale": stale,
+        **({"dpo_reference": bench.trainer.config.dpo_reference} if mode == "dpo" else {}),
         "reuse_tokens_per_s": round(tokens / reuse_s, 2),
         "baseline_tokens_per_s": round(tokens / recompute_s, 2),
         "speedup": round(recompute_s / reuse_s, 3),
@@ -193,6 +205,9 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool = Fa
         "memory_ratio": round(reuse_peak / recompute_peak, 3),
         "max_grad_rel_diff": max(row["grad_rel_diff"] for row in rows),
         "recording_overhead": round(statistics.median(row["recording_overhead"] for row in rows), 3),
+        # the longest training slice (what a request arriving mid-job waits for, at most)
+        "reuse_max_slice_s": round(max(row["reuse_max_slice_s"] for row in rows), 4),
+        "recompute_max_slice_s": round(max(row["recompute_max_slice_s"] for row in rows), 4),
         "rounds": rows,
     }
 

@@ -162,6 +162,7 @@ class LLMEngine:
         started = time.perf_counter()
         scheduled = self.scheduler.schedule()
         touched: set[str] = {s.request_id for s in scheduled.preempted}
+        step_started = time.monotonic()
         if not scheduled.is_empty:
             self.num_steps += 1
             if self.memory_guard is not None:
@@ -178,7 +179,7 @@ class LLMEngine:
                 recorded_seq.record = None
                 if model_output.recording is not None and self.recorder is not None:
                     self.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
-            touched |= self.outputs.update(scheduled, model_output)
+            touched |= self.outputs.update(scheduled, model_output, step_started)
         outputs = [out for rid in touched if (out := self.outputs.collect(rid)) is not None]
         stats = StepStats(time.perf_counter() - started, scheduled.num_tokens, len(self.scheduler.running),
                           len(self.scheduler.waiting), self.scheduler.kv_usage, len(scheduled.preempted))

@@ -27,14 +27,15 @@ class OutputProcessor:
         self.requests[request_id] = seqs
         self.metrics[request_id] = metrics
 
-    def update(self, scheduled: SchedulerOutput, model_output: ModelOutput) -> set[str]:
-        """Applies a step's results; the ids of the requests it touched."""
+    def update(self, scheduled: SchedulerOutput, model_output: ModelOutput, step_started: float) -> set[str]:
+        """Applies a step's results; the ids of the requests it touched. `step_started`
+        (monotonic): when the step began executing, a sequence's first scheduling time."""
         now = time.monotonic()
         touched = set()
         for entry in scheduled.scheduled:
             seq = entry.seq
             if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
+                seq.first_scheduled_time = step_started
             completes_pending = entry.completes_pending
             seq.num_computed_tokens += entry.num_new_tokens
             if seq.seq_id in model_output.prompt_logprobs:

@@ -3,7 +3,7 @@
 The built-in CPT trains on every prompt token, including the chat template and the
 system prompt, which the model already knows. This method subclasses the cache entry
 (to carry a mask of the user's tokens, computed once when the prefill is recorded) and
-the training method (to mask the loss). Both of alchemist's paths use the same loss:
+the training method (to weight the loss's tokens). Both of alchemist's paths use the same loss:
 `reuse_job` from the recorded prefill, `recompute_job` from a full forward.
 
 Run it offline on the embedded model (or --model DIR, a ChatML-template model):
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -64,13 +63,11 @@ class UserTurnCPT(CPTMethod):
         return UserTurnEntry(completion_id, prompt, recording, recording.adapter_version, recording.saved_bytes,
                              user_mask=user_turn_mask(self.tokenizer, prompt))
 
-    def loss(self, logits: torch.Tensor, entry: UserTurnEntry, ctx: TrainContext):
-        """Cross-entropy of the next token, over targets inside user turns only."""
-        targets = torch.tensor(entry.prompt_token_ids[1:], device=logits.device)
-        weights = torch.tensor(entry.user_mask[1:], dtype=torch.float32, device=logits.device)
-        per_token = F.cross_entropy(logits[:-1].float(), targets, reduction="none")
-        loss = (per_token * weights).sum() / weights.sum().clamp_min(1.0)
-        return loss, {"loss": loss.item(), "tokens": int(weights.sum().item())}
+    def token_weights(self, entry: UserTurnEntry, ctx: TrainContext) -> torch.Tensor:
+        """Cross-entropy of the next token, averaged over targets inside user turns only
+        (the loss is the weighted sum of the targets' cross-entropies)."""
+        mask = torch.tensor(entry.user_mask[1:], dtype=torch.float32, device=ctx.runner.device)
+        return mask / mask.sum().clamp_min(1.0)
 
 
 def main() -> None:

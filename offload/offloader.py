@@ -108,11 +108,12 @@ class ActivationOffloader:
 
     def admits(self, num_tokens: int) -> bool:
         """Whether a recorded prefill of `num_tokens` may run now: its kept tensors (which
-        are never freed) and one layer fit beside everything kept now and its own step.
+        are never freed) and what its step holds before a layer can be freed (as
+        `before_step` will reckon it) fit beside everything kept now and its own step.
         Asked when the recorded step is scheduled; if not, the prefill runs unrecorded.
         Later steps must fit too: the room left is for the largest serving step seen."""
         with self._lock:
-            need = self.kept_bytes + int(self._kept_per_token * num_tokens) + self.layer_bytes(num_tokens)
+            need = self.kept_bytes + int(self._kept_per_token * num_tokens) + self.in_flight_bytes(num_tokens)
             step = max(self.map.serving_bytes(num_tokens, 1), self._max_step_bytes)
             return need + step <= self.budget_bytes
 
@@ -194,6 +195,11 @@ class ActivationOffloader:
         """A recorded layer's offloadable bytes: the memory model, or the most seen per token."""
         return max(self.map.model.layer_bytes(num_tokens), int(self._layer_per_token * num_tokens))
 
+    def in_flight_bytes(self, rows: int, batch: int = 1, queries: int = 0, keys: int = 0) -> int:
+        """What a recorded step of `rows` rows holds before its layers can be freed."""
+        estimate = self.map.model.recording_in_flight_bytes(rows, batch, queries, keys)
+        return int(max(self.layer_bytes(rows), estimate) * _IN_FLIGHT_MARGIN)
+
     def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0, max_context: int = 0) -> None:
         """Frees layers so that the cached activations fit beside a serving step (and, for
         a recorded step, one layer of the new recording before it can be freed)."""
@@ -202,9 +208,8 @@ class ActivationOffloader:
             self._max_step_bytes = max(self._max_step_bytes, self._step_bytes)
             in_flight = 0
             if recorded_tokens:  # the recorded graph holds every row of the step, decodes included
-                estimate = self.map.model.recording_in_flight_bytes(num_tokens, batch_size, recorded_tokens,
-                                                                    max(max_context, recorded_tokens))
-                in_flight = int(max(self.layer_bytes(num_tokens), estimate) * _IN_FLIGHT_MARGIN)
+                in_flight = self.in_flight_bytes(num_tokens, batch_size, recorded_tokens,
+                                                  max(max_context, recorded_tokens))
             self._allowed_bytes = max(0, self.budget_bytes - self._step_bytes - in_flight)
             if not self.free_to(self._allowed_bytes):
                 self.stats.over_budget_steps += 1

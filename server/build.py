@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
+from engine.malloc_tuning import HeapWarmer
 from offload.build import build_offloader
 from offload.config import OffloadConfig
 from server.config import AlchemistConfig
@@ -42,7 +43,7 @@ def default_method(config: TrainConfig) -> TrainingMethod:
     if config.mode == "cpt":
         return CPTMethod()
     if config.mode == "dpo":
-        return DPOMethod(config.dpo_beta)
+        return DPOMethod(config.dpo_beta, config.dpo_reference)
     raise ValueError("the trainer needs train.mode cpt or dpo (or a custom method)")
 
 
@@ -72,9 +73,12 @@ def build_trainer(engine: LLMEngine, config: TrainConfig, offload: OffloadConfig
         engine.runner.segment_sink = engine.memory_guard = offloader
     stash = WeightStash(peft_model)
     engine.runner.stale_resolver = stash.resolve
+    # recordings in host memory land on pre-faulted pages (engine/malloc_tuning.py)
+    warmer = HeapWarmer() if engine.runner.device.type == "cpu" else None
     trainer = Trainer(config, method, engine.runner, peft_model, optimizer, cache, stats, engine.tokenizer,
-                      engine.max_model_len, lambda: engine.num_steps, offloader=offloader, stash=stash)
-    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader)
+                      engine.max_model_len, lambda: engine.num_steps, offloader=offloader, stash=stash,
+                      warmer=warmer)
+    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader, warmer)
     engine.recorder = recorder
     engine.observers.append(recorder)
     return trainer

@@ -29,6 +29,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", type=int)
     parser.add_argument("--train-mode", choices=["off", "cpt", "dpo"], help="online training from served traffic")
     parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--dpo-reference", choices=["base", "served"],
+                        help="DPO's reference: the base model (default) or the adapter version that served the prompt")
     parser.add_argument("--arbiter-policy", choices=["idle", "slo"], help="when training runs (default idle)")
     parser.add_argument("--tpot-slo-ms", type=float, help="time-per-output-token SLO for --arbiter-policy slo")
     parser.add_argument("--offload-device-budget-bytes", type=int, help="device bytes for recorded activations and "
@@ -45,7 +47,8 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
                   "tokenizer": args.tokenizer, "load_format": args.load_format},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
-        "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None)},
+        "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None),
+                  "dpo_reference": getattr(args, "dpo_reference", None)},
         "arbiter": {"policy": getattr(args, "arbiter_policy", None), "tpot_slo_ms": getattr(args, "tpot_slo_ms", None)},
         "offload": {"device_budget_bytes": getattr(args, "offload_device_budget_bytes", None),
                     "policy": getattr(args, "offload_policy", None), "profile": getattr(args, "offload_profile", None)},

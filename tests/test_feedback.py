@@ -116,7 +116,8 @@ def test_cpt_trains_on_every_served_prompt_and_feedback_is_refused():
     with TestClient(train_app("cpt")) as client:
         for i in range(3):
             chat(client, f"Fact number {i}: the sky is green.")
-        wait_for(lambda: metric(client, "alchemist:adapter_version") >= 3)
+        wait_for(lambda: metric(client, 'alchemist:trained_entries_total{mode="cpt",path="reuse"}') == 3)
+        assert metric(client, "alchemist:adapter_version") >= 1
         assert metric(client, "alchemist:train_tokens_total") > 0
         assert metric(client, "alchemist:activation_cache_entries" + '{state="ready"}') == 0
         r = feedback(client, id="whatever", chosen="x")

@@ -1,12 +1,12 @@
 """The losses on tiny tensors against values computed by hand (as torchtune's
-test_dpo_loss.py): cross-entropy for CPT, the sigmoid DPO loss, and their gradients."""
+test_dpo_loss.py): weighted cross-entropy for CPT, the sigmoid DPO loss, and their gradients."""
 
 import math
 
 import pytest
 import torch
 
-from trainer.losses import cpt_loss, dpo_loss, token_logprobs
+from trainer.losses import cpt_weights, dpo_loss, token_logprobs, weighted_nll
 
 
 def test_token_logprobs_are_log_softmax_at_the_target():
@@ -20,10 +20,11 @@ def test_cpt_loss_is_the_mean_next_token_cross_entropy():
     logits = torch.tensor([[0.0, 0.0, 0.0], [math.log(2.0), 0.0, 0.0], [1.0, 2.0, 3.0]], requires_grad=True)
     tokens = torch.tensor([0, 1, 0])
     # row 0 predicts token 1: p = 1/3; row 1 predicts token 0: p = 2/4; the last row predicts nothing
-    loss, metrics = cpt_loss(logits, tokens)
+    weights = cpt_weights(len(tokens))
+    assert weights.tolist() == [0.5, 0.5]
+    loss = weighted_nll(logits[:-1], tokens[1:], weights)
     expected = -(math.log(1 / 3) + math.log(1 / 2)) / 2
-    assert loss.item() == pytest.approx(expected, abs=1e-6) and metrics["loss"] == pytest.approx(expected, abs=1e-6)
-    assert metrics["tokens"] == 2
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
     loss.backward()
     # d(mean CE)/d logits = (softmax - onehot) / 2 on scored rows, 0 on the last
     assert logits.grad[0].tolist() == pytest.approx([1 / 6, -1 / 3, 1 / 6], abs=1e-6)

@@ -3,6 +3,7 @@ demand (glibc; no-ops returning False elsewhere)."""
 
 import platform
 
+import pytest
 import torch
 
 from engine.malloc_tuning import keep_freed_memory, return_freed_memory
@@ -25,3 +26,21 @@ def test_return_freed_memory_gives_fragmented_pages_back_even_when_kept():
     before = rss_bytes()
     assert return_freed_memory() is True
     assert before - rss_bytes() > 100 << 20
+
+
+def test_heap_warmer_holds_pages_up_to_its_target_and_releases_them_before_a_recording():
+    from engine.malloc_tuning import HeapWarmer, keep_freed_memory
+    from tests.test_stash import make_trainer
+    from tests.test_training import serve
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    trainer = make_trainer()
+    warmer = trainer.warmer
+    assert warmer is not None and warmer.target == 0 and not trainer.has_work()
+    serve(trainer, "a")
+    assert warmer.target == trainer.cache.get("a").nbytes  # sized to the largest recording
+    trainer.train_until_idle()  # trains "a", then warms pages in the idle slices that follow
+    assert warmer.held_bytes >= warmer.target and not warmer.wants_to_grow()
+    serve(trainer, "b")  # the recording is admitted: the warm pages are freed for it
+    assert warmer.held_bytes == 0
+    assert not HeapWarmer(max_bytes=0).grow()  # nothing to hold

@@ -123,7 +123,8 @@ def test_an_optimizer_step_frees_the_recordings_it_made_stale():
     """Without weight stashing (max_staleness 0), entries recorded under the old adapter
     are never back-propagated: their device and host memory is released at the step, not
     when their turn comes."""
-    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40), max_staleness=0)
+    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40), max_staleness=0,
+                           entries_per_step=1)
     serve_two(trainer)
     trainer.offloader.free_to(trainer.offloader.device_bytes // 2)  # some layers in the host pool
     assert trainer.offloader.host_bytes > 0
@@ -138,13 +139,15 @@ def test_an_optimizer_step_frees_the_recordings_it_made_stale():
 
 
 def tight_budget() -> int:
-    """Room for a running step, the never-freed tensors of three recordings and two
-    layers: less than the cached activations of a few requests."""
+    """Room for a running step, the never-freed tensors of three recordings, what a
+    recorded step holds before its layers can be freed and one layer more: less than the
+    cached activations of a few requests."""
     probe = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40))
     serve_two(probe)
     placement = probe.cache.get("b").recording.placement
     largest_layer = max(layer.nbytes for layer in placement.layers)
-    return probe.offloader.map.serving_bytes(64, 8) + 3 * placement.kept_bytes + 2 * largest_layer
+    return (probe.offloader.map.serving_bytes(64, 8) + 3 * placement.kept_bytes
+            + probe.offloader.in_flight_bytes(placement.num_tokens) + largest_layer)
 
 
 def test_device_budget_holds_while_serving_and_training_continue():
@@ -171,7 +174,7 @@ def test_device_budget_holds_while_serving_and_training_continue():
     trainer.train_until_idle()
     stats = offloader.stats
     assert finished == 24
-    assert trainer.stats.recorded >= 10 and trainer.optimizer.version >= 10
+    assert trainer.stats.recorded >= 6 and sum(trainer.stats.trained_entries.values()) == trainer.stats.recorded
     assert trainer.stats.not_recorded > 0  # some were refused: their kept tensors would not fit
     assert stats.offloaded_layers > 0 and stats.reloaded_layers + stats.recomputed_layers > 0
     assert stats.peak_budget_bytes <= budget, (stats.peak_budget_bytes, budget)
@@ -183,7 +186,7 @@ def test_server_under_a_tight_budget_serves_every_request_and_trains(copy_to_hos
     """Over HTTP: concurrent requests all succeed while the offloader frees layers and
     training brings them back; the metrics say so."""
     budget = tight_budget()
-    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4),
+    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4, entries_per_step=1),
                    offload=OffloadConfig(device_budget_bytes=budget, copy_to_host=copy_to_host))
     trainer = app.state.alchemist.trainer
 

@@ -162,7 +162,7 @@ def test_learning_with_stashing_matches_strict_recomputation():
     gains = {}
     default = TrainConfig().max_staleness
     for max_staleness in (0, default):
-        trainer = make_trainer(max_staleness=max_staleness, learning_rate=3e-3)
+        trainer = make_trainer(max_staleness=max_staleness, learning_rate=3e-3, entries_per_step=1)
         engine = engine_of(trainer)
         before = fact_logprob(trainer, fact, held_out)
         for burst in range(4):

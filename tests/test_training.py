@@ -92,7 +92,7 @@ def test_training_steps_bump_the_adapter_version_and_change_the_model():
 
 
 def test_stale_entry_is_recomputed_never_back_propagated():
-    trainer = make_trainer(max_staleness=0)
+    trainer = make_trainer(max_staleness=0, entries_per_step=1)
     serve(trainer, "a")
     serve(trainer, "b", prompt="Hello, how are you today? I am fine.")
     stale = trainer.cache.get("b")
@@ -108,7 +108,7 @@ def test_stale_entry_is_recomputed_never_back_propagated():
 
 
 def test_stale_policy_drop_drops_the_entry():
-    trainer = make_trainer(stale_policy="drop", max_staleness=0)
+    trainer = make_trainer(stale_policy="drop", max_staleness=0, entries_per_step=1)
     serve(trainer, "a")
     serve(trainer, "b")
     trainer.train_until_idle()
@@ -120,7 +120,7 @@ def test_cache_full_drop_new_keeps_old_entries_and_evict_oldest_evicts():
     probe = make_trainer()
     serve(probe, "a")
     size = probe.cache.get("a").nbytes
-    keep_old = make_trainer(cache_bytes=int(size * 1.5))
+    keep_old = make_trainer(cache_bytes=int(size * 1.5), cache_full_policy="drop_new")
     serve(keep_old, "a")
     serve(keep_old, "b")
     assert keep_old.cache.get("a") is not None and keep_old.cache.get("b") is None
@@ -129,6 +129,31 @@ def test_cache_full_drop_new_keeps_old_entries_and_evict_oldest_evicts():
     serve(evict, "b")
     assert evict.cache.get("a") is None and evict.cache.get("b") is not None
     assert evict.cache.ended_counts["evicted"] == 1 and evict.cache.bytes <= int(size * 1.5)
+
+
+def test_unlabelled_recordings_give_way_to_new_ones_and_labelled_ones_keep_theirs():
+    probe = make_trainer(mode="dpo")
+    serve(probe, "a")
+    size = probe.cache.get("a").nbytes
+    trainer = make_trainer(mode="dpo", cache_bytes=int(size * 2.5), cache_full_policy="unlabelled_give_way")
+    cache = trainer.cache
+    serve(trainer, "a")
+    serve(trainer, "b")
+    label(trainer, "a")  # labelled: protected until trained
+    assert cache.has_room_for(size)  # b, still unlabelled, would give way
+    serve(trainer, "c")
+    assert cache.get("a").recording is not None and cache.get("c").recording is not None
+    assert cache.get("b").recording is None and cache.get("b").state is EntryState.WAITING_LABEL  # a label entry
+    label(trainer, "c")
+    assert not cache.has_room_for(size)  # both recordings are labelled now
+    serve(trainer, "d")
+    assert cache.get("d").recording is None and cache.get("a").recording is not None
+    assert cache.bytes <= int(size * 2.5) and cache.ended_counts["evicted"] == 0
+    label(trainer, "b")
+    label(trainer, "d")
+    trainer.train_until_idle()  # every label trains: a and c on their recordings, b and d recomputed
+    assert sum(trainer.stats.trained_entries.values()) == 4
+    assert trainer.stats.trained_entries[("dpo", "recompute")] == 2
 
 
 def test_label_timeout_expires_waiting_dpo_entries():
@@ -192,7 +217,7 @@ def test_sampling_edits_do_not_touch_the_recorded_logits():
     entry = trainer.cache.get("a")
     with torch.inference_mode():
         fresh = engine_of(trainer).model(torch.tensor([ids], device=TEST_DEVICE)).logits[0]
-    assert torch.allclose(entry.recording.logits.detach(), fresh, atol=1e-4)
+    assert torch.allclose(entry.recording.logits.detach(), fresh[-1:], atol=1e-4)  # the last row, kept
     trainer.train_until_idle()
     assert trainer.stats.trained_entries == {("cpt", "reuse"): 1}
 

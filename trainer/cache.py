@@ -5,8 +5,14 @@ Entries are keyed by completion id and move through
 or end as expired (no label within the label timeout, paper §4.4), evicted (the cache
 was full and the policy chose it), or dropped (stale with stale_policy=drop, an aborted
 DPO request, a failed job). The cache is bounded in bytes of recorded activations; when
-a new recording does not fit, `drop_new` (the paper's policy) keeps the old entries and
-drops the new one, `evict_oldest` evicts the oldest entries not being trained.
+a new recording does not fit, the full policy decides which activations go:
+  - `drop_new` (the paper's): the old entries keep theirs, the new one is not kept;
+  - `evict_oldest`: the oldest entries not being trained give way;
+  - `unlabelled_give_way`: the oldest recordings still waiting for a label give way;
+    labelled ones keep theirs until trained (most labels come soon after the answer, so
+    a fresh recording is likelier to be trained on than one that has waited unlabelled).
+An entry that waits for a label never loses its tokens for want of room: without its
+activations it stays as a label entry and trains by recomputation.
 
 `CacheEntry` is the paper's AlchemistCacheBase: subclass it (and `TrainingMethod`) to
 train with another method. Thread-safe: feedback arrives on the HTTP thread.
@@ -38,6 +44,9 @@ class EntryState(str, enum.Enum):
     EVICTED = "evicted"
     DROPPED = "dropped"
 
+
+# what gives way when a new recording does not fit (see the module docstring)
+FULL_POLICIES = ("drop_new", "evict_oldest", "unlabelled_give_way")
 
 TERMINAL = {EntryState.TRAINED, EntryState.EXPIRED, EntryState.EVICTED, EntryState.DROPPED}
 
@@ -131,6 +140,8 @@ class ActivationCache:
         self.ended_counts: dict[str, int] = {s.value: 0 for s in TERMINAL}
         # bytes of activations released so far (entries that ended), for memory trimming
         self.released_bytes = 0
+        # when the last entry holding a recording was added (clock time; -inf: never)
+        self.last_recorded = float("-inf")
         self.rejected_full = 0
 
     @property
@@ -153,10 +164,30 @@ class ActivationCache:
             return self._ended.get(completion_id)
 
     def has_room_for(self, nbytes: int) -> bool:
+        """Whether a new recording of `nbytes` would be kept, as the full policy decides."""
         with self._lock:
-            if self.full_policy == "drop_new":
-                return self.bytes + nbytes <= self.budget_bytes
-            return nbytes <= self.budget_bytes
+            return self.bytes - sum(e.nbytes for e in self._giving_way()) + nbytes <= self.budget_bytes
+
+    def _giving_way(self) -> list[CacheEntry]:
+        """The entries whose activations give way to a new recording, in that order."""
+        if self.full_policy == "drop_new":
+            return []
+        return [e for e in self._entries.values() if e.recording is not None and e.state is not EntryState.TRAINING
+                and (self.full_policy == "evict_oldest" or e.state is EntryState.WAITING_LABEL)]
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Frees room for a new recording as the full policy says; False if it cannot fit."""
+        if nbytes > self.budget_bytes or self.bytes - sum(e.nbytes for e in self._giving_way()) + nbytes \
+                > self.budget_bytes:
+            return False
+        for victim in self._giving_way():
+            if self.bytes + nbytes <= self.budget_bytes:
+                break
+            if victim.needs_label:
+                self._strip(victim)  # its label may still come: it keeps its tokens
+            else:
+                self.end(victim, EntryState.EVICTED)
+        return True
 
     @property
     def label_entries(self) -> int:
@@ -169,20 +200,8 @@ class ActivationCache:
         dropped. An entry that waits for a label is never dropped for want of room: it
         stays without activations (a label entry), up to `max_label_entries`."""
         with self._lock:
-            if entry.nbytes > self.budget_bytes or (self.full_policy == "drop_new"
-                                                    and self.bytes + entry.nbytes > self.budget_bytes):
-                if not self._no_room(entry):
-                    return False
-            while self.bytes + entry.nbytes > self.budget_bytes:
-                victim = next((e for e in self._entries.values()
-                               if e.state is not EntryState.TRAINING and e.recording is not None), None)
-                if victim is None:
-                    if not self._no_room(entry):
-                        return False
-                elif victim.needs_label:
-                    self._strip(victim)  # its label may still come: it keeps its tokens
-                else:
-                    self.end(victim, EntryState.EVICTED)
+            if entry.recording is not None and not self._make_room(entry.nbytes) and not self._no_room(entry):
+                return False
             if entry.recording is None and self.label_entries >= self.max_label_entries:
                 self.refused_label_entries += 1
                 logger.warning("label entry for %r refused: %d entries without activations are waiting (the "
@@ -195,6 +214,8 @@ class ActivationCache:
                 self.end(previous, EntryState.DROPPED)
             self._entries[entry.completion_id] = entry
             self.bytes += entry.nbytes
+            if entry.recording is not None:
+                self.last_recorded = self.clock()
             return True
 
     def _no_room(self, entry: CacheEntry) -> bool:
@@ -206,6 +227,12 @@ class ActivationCache:
             return False
         self._strip(entry)
         return True
+
+    def free_activations(self, entry: CacheEntry) -> None:
+        """An entry whose gradient is computed (its step still to come) gives its
+        activations' room back at once, not when the step's last entry is done."""
+        with self._lock:
+            self._strip(entry)
 
     def _strip(self, entry: CacheEntry) -> None:
         """Frees an entry's activations; it stays, to train by recomputation."""
@@ -263,10 +290,26 @@ class ActivationCache:
                 self.end(entry, EntryState.EXPIRED)
             return expired
 
-    def take_ready(self, limit: int) -> list[CacheEntry]:
-        """Up to `limit` ready entries, oldest first, marked as training."""
+    def take_ready(self, limit: int, version: int | None = None, max_staleness: int = 0) -> list[CacheEntry]:
+        """The entries of the next optimizer step (at most `limit`), marked as training.
+
+        Without `version`: the oldest ready entries. With it (the current adapter
+        version), entries whose recording can still be trained on — recorded at most
+        `max_staleness` versions before `version` — come first, one version per step:
+        the oldest such version, since its recordings are the next to go stale (training
+        the current version first would push them past the bound, to recomputation).
+        Entries of one version share one step, so none of them goes stale waiting for
+        another's. Only when no recording is usable, the oldest entries that train by
+        recomputation (they do not go staler: they are computed at the current version)."""
         with self._lock:
-            taken = [e for e in self._entries.values() if e.state is EntryState.READY][:limit]
+            ready = [e for e in self._entries.values() if e.state is EntryState.READY]
+            if version is not None:
+                usable = [e for e in ready if e.recording is not None
+                          and 0 <= version - e.adapter_version <= max_staleness]
+                if usable:
+                    oldest = min(e.adapter_version for e in usable)
+                    ready = [e for e in usable if e.adapter_version == oldest]
+            taken = ready[:limit]
             for entry in taken:
                 entry.state = EntryState.TRAINING
             return taken

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import check_positive
+from trainer.cache import FULL_POLICIES
 
 
 TRAIN_MODES = ("off", "cpt", "dpo")
@@ -22,12 +23,20 @@ class TrainConfig:
     target_modules: tuple[str, ...] = ()
     # DPO sigmoid loss temperature
     dpo_beta: float = 0.1
+    # DPO's reference model: base (the model without the adapter: an extra forward per
+    # entry) or served (the adapter version that served the prompt, TR-DPO style: no extra
+    # forward; anchored to the current policy rather than the base model)
+    dpo_reference: str = "base"
     # a DPO entry whose feedback has not arrived this many seconds after the response is evicted
     label_timeout_s: float = 300.0
     # bytes of recorded activations the activation cache may hold
     cache_bytes: int = 2 << 30
-    # when a new recording does not fit: drop_new (the paper's) or evict_oldest
-    cache_full_policy: str = "drop_new"
+    # when a new recording does not fit (trainer/cache.py): unlabelled_give_way (the oldest
+    # recordings still waiting for a label give way; labelled ones keep theirs), drop_new
+    # (the paper's: the new one is not kept), evict_oldest. At 0.25 req/s with a third of
+    # answers labelled and a small cache, unlabelled_give_way left 8 of 29 prefills
+    # unrecorded against 21 for drop_new (`alchemist bench colocate`, BENCHMARKS.md)
+    cache_full_policy: str = "unlabelled_give_way"
     # fraction of requests whose prefill is recorded (1: every request)
     record_fraction: float = 1.0
     # prompts longer than this are served but not recorded
@@ -42,10 +51,18 @@ class TrainConfig:
     max_staleness: int = 1
     # an entry recorded under an older version than that: recompute it, or drop it
     stale_policy: str = "recompute"
+    # rows of the LM head (vocabulary-wide logits) run forward and backward per training
+    # slice: bounds the longest slice a new request can wait for (a 512-token CPT head in
+    # one slice took 0.86 s on 2 CPU cores, 64 rows 75 ms and 0.55 s in all). More on a GPU.
+    head_chunk_rows: int = 64
     # gradient clipping (max global norm over LoRA parameters)
     max_grad_norm: float = 1.0
-    # entries whose gradients are accumulated into one optimizer step
-    entries_per_step: int = 1
+    # at most this many entries share one optimizer step: entries recorded under the same
+    # adapter version, so none goes stale waiting for another's step (the step's learning
+    # rate scales with the entries it holds). 4 trains 79% of entries on their recordings
+    # at 0.25 req/s against 43% for 1, for 8% less held-out learning per label
+    # (`alchemist bench colocate`, `alchemist bench staleness`; BENCHMARKS.md)
+    entries_per_step: int = 4
     # seed for the adapter's initialization and the record-fraction draw
     seed: int = 0
     # on CPU, serve through merged (base + adapter) weights, rebuilt in idle slices after
@@ -56,10 +73,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:
             raise ValueError(f"train.mode must be one of {TRAIN_MODES}, got {self.mode!r}")
-        if self.cache_full_policy not in ("drop_new", "evict_oldest"):
-            raise ValueError(f"train.cache_full_policy must be drop_new or evict_oldest, got {self.cache_full_policy!r}")
+        if self.cache_full_policy not in FULL_POLICIES:
+            raise ValueError(f"train.cache_full_policy must be one of {FULL_POLICIES}, got {self.cache_full_policy!r}")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"train.max_staleness must be a non-negative integer, got {self.max_staleness!r}")
+        if self.dpo_reference not in ("base", "served"):
+            raise ValueError(f"train.dpo_reference must be base or served, got {self.dpo_reference!r}")
         if self.stale_policy not in ("recompute", "drop"):
             raise ValueError(f"train.stale_policy must be recompute or drop, got {self.stale_policy!r}")
         if not 0.0 <= self.record_fraction <= 1.0:
@@ -68,7 +87,7 @@ class TrainConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("lora_rank", "lora_alpha", "cache_bytes", "max_record_tokens", "entries_per_step",
-                     "max_label_entries"):
+                     "max_label_entries", "head_chunk_rows"):
             check_positive(self, name)
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 

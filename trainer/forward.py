@@ -21,6 +21,7 @@ import torch
 from engine.kv_cache import AttentionMetadata
 from engine.model_runner import ModelRunner
 from engine.recording import LayerSegment
+from trainer.losses import weighted_nll
 
 
 def within(context: Callable[[], contextlib.AbstractContextManager], generator):
@@ -110,6 +111,39 @@ def forward_segments(runner: ModelRunner, token_lists: list[list[int]], starts: 
     for n in lengths:
         offsets.append(offsets[-1] + n)
     return SegmentedForward(segments, head_leaf, offsets, [past.new[i] for i in range(len(past.new))])
+
+
+def head_score(runner: ModelRunner, leaf: torch.Tensor, start: int, targets: torch.Tensor, chunk_rows: int):
+    """Generator, one slice per chunk of rows, no grad: returns the summed log p(targets)
+    of rows start .. start + len(targets) − 1 of `leaf` (1, T, hidden), through the
+    final norm and LM head."""
+    total = torch.zeros((), device=leaf.device)
+    with torch.no_grad():
+        for a in range(0, len(targets), chunk_rows):
+            rows = leaf[0, start + a:start + min(a + chunk_rows, len(targets))]
+            chunk = targets[a:a + chunk_rows]
+            total -= weighted_nll(runner.lm_head(runner.norm(rows)), chunk, torch.ones_like(chunk, dtype=torch.float))
+            yield
+    return total
+
+
+def head_backward(runner: ModelRunner, leaf: torch.Tensor, start: int, targets: torch.Tensor,
+                  weights: torch.Tensor, chunk_rows: int):
+    """Generator, one slice per chunk of rows: back-propagates sum(weights · −log p(targets))
+    over rows start .. start + len(targets) − 1 of the head segment's input `leaf` (an
+    autograd leaf, whose `.grad` accumulates), the head's forward and backward run a
+    chunk at a time: the logits of a long prompt are never all alive, and no slice runs
+    the whole (rows × vocabulary) head. Returns the loss's value."""
+    total = 0.0
+    for a in range(0, len(targets), chunk_rows):
+        b = min(a + chunk_rows, len(targets))
+        with torch.enable_grad():
+            logits = runner.lm_head(runner.norm(leaf[0, start + a:start + b]))
+            part = weighted_nll(logits, targets[a:b], weights[a:b])
+            part.backward()
+        total += part.item()
+        yield
+    return total
 
 
 def kv_leaves(segments: list[LayerSegment]) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -14,14 +14,16 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return logits.float().log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
 
 
-def cpt_loss(logits: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """Continual pre-training: mean next-token cross-entropy over a prompt.
+def weighted_nll(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """logits (N, V), targets (N,), weights (N,) -> sum of weights · −log p(target): the
+    token cross-entropy every loss is built from. Rows are independent, so it can be
+    computed over row chunks and summed (trainer/forward.py, `head_backward`)."""
+    return -(token_logprobs(logits, targets) * weights).sum()
 
-    logits (T, V): the model's output at every prompt position; token_ids (T,). Row t
-    predicts token t + 1, so T - 1 tokens are scored.
-    """
-    loss = F.cross_entropy(logits[:-1].float(), token_ids[1:])
-    return loss, {"loss": loss.item(), "tokens": int(token_ids.numel() - 1)}
+
+def cpt_weights(num_tokens: int, device=None) -> torch.Tensor:
+    """CPT's per-target weights: the mean over the T − 1 scored tokens of a T-token prompt."""
+    return torch.full((num_tokens - 1,), 1.0 / max(num_tokens - 1, 1), device=device)
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, reference_chosen: torch.Tensor,

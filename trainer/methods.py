@@ -24,8 +24,8 @@ from engine.model_runner import ModelRunner
 from engine.recording import RecordedPrefill, RecordSpec
 from trainer.adapter import adapters_disabled
 from trainer.cache import CacheEntry, PreferenceEntry
-from trainer.forward import backward_segments, forward_segments, kv_leaves, within
-from trainer.losses import cpt_loss, dpo_loss, token_logprobs
+from trainer.forward import backward_segments, forward_segments, head_backward, head_score, kv_leaves, within
+from trainer.losses import cpt_weights, dpo_loss, token_logprobs
 
 
 @dataclass
@@ -35,6 +35,8 @@ class TrainContext:
     peft_model: object
     # the activation offloader, when a device budget is set (offload/)
     offloader: object | None = None
+    # rows of the LM head run per training slice (its forward and backward)
+    head_chunk_rows: int = 64
 
     def residency(self, recording: RecordedPrefill):
         """What brings the recording's freed layers back for backward (None: all resident)."""
@@ -85,32 +87,41 @@ class TrainingMethod:
 
 
 class CPTMethod(TrainingMethod):
-    """Continual pre-training on the prompt: mean next-token cross-entropy."""
+    """Continual pre-training on the prompt: mean next-token cross-entropy.
+
+    The loss is a weighted sum of per-token cross-entropies (`token_weights`: uniform for
+    CPT; a subclass may weight or mask tokens), so the head segment runs in row chunks of
+    `head_chunk_rows`, one slice each; the recording keeps only the last row's logits."""
 
     name = "cpt"
-    all_logit_rows = True
+    all_logit_rows = False
 
-    def loss(self, logits: torch.Tensor, entry: CacheEntry, ctx: TrainContext):
-        return cpt_loss(logits, _ids(ctx, entry.prompt_token_ids))
+    def token_weights(self, entry: CacheEntry, ctx: TrainContext) -> torch.Tensor:
+        """(T - 1,) the weight of each next-token target of the T-token prompt."""
+        return cpt_weights(len(entry.prompt_token_ids), ctx.runner.device)
+
+    def _train_head(self, entry: CacheEntry, ctx: TrainContext, head_leaf: torch.Tensor):
+        """Generator: the head segment's chunks; returns the JobResult."""
+        weights = self.token_weights(entry, ctx)
+        loss = yield from head_backward(ctx.runner, head_leaf, 0, _ids(ctx, entry.prompt_token_ids[1:]), weights,
+                                        ctx.head_chunk_rows)
+        return JobResult(loss, int((weights != 0).sum().item()), {"loss": loss})
 
     def reuse_job(self, entry: CacheEntry, ctx: TrainContext):
         recording = entry.recording
-        with torch.enable_grad():
-            loss, metrics = self.loss(recording.logits, entry, ctx)
-            loss.backward()  # the head segment: fills recording.head_leaf.grad
-        yield
+        result = yield from self._train_head(entry, ctx, recording.head_leaf)
         yield from backward_segments(recording.segments, recording.head_leaf.grad,
                                      residency=ctx.residency(recording))
-        return JobResult(metrics["loss"], metrics["tokens"], metrics)
+        return result
 
     def recompute_job(self, entry: CacheEntry, ctx: TrainContext):
         fwd = yield from forward_segments(ctx.runner, [entry.prompt_token_ids])
-        with torch.enable_grad():
-            loss, metrics = self.loss(_head(ctx, fwd.head_leaf[0]), entry, ctx)
-            loss.backward()
-        yield
+        result = yield from self._train_head(entry, ctx, fwd.head_leaf)
         yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
-        return JobResult(metrics["loss"], metrics["tokens"], metrics)
+        return result
+
+
+DPO_REFERENCES = ("base", "served")
 
 
 class DPOMethod(TrainingMethod):
@@ -120,8 +131,17 @@ class DPOMethod(TrainingMethod):
     all_logit_rows = False  # only the last prompt row: it scores each response's first token
     uses_feedback = True
 
-    def __init__(self, beta: float = 0.1):
+    def __init__(self, beta: float = 0.1, reference: str = "base"):
+        """`reference`: "base", the model without the adapter (DPO as published; one
+        extra forward of prompt and both responses per entry, cached on the entry), or
+        "served", the adapter version the gradient is computed under — the one that
+        served the prompt on the reuse paths (TR-DPO with the reference synced every
+        step): its log-probs are the policy's own values, so no reference forward runs,
+        and the loss is anchored to the served policy instead of the base model."""
+        if reference not in DPO_REFERENCES:
+            raise ValueError(f"DPO reference must be one of {DPO_REFERENCES}, got {reference!r}")
         self.beta = beta
+        self.reference = reference
 
     def make_entry(self, completion_id: str, recording: RecordedPrefill) -> PreferenceEntry:
         return PreferenceEntry(completion_id, list(recording.prompt_token_ids), recording,
@@ -132,18 +152,35 @@ class DPOMethod(TrainingMethod):
         return PreferenceEntry(completion_id, list(prompt_token_ids), None, adapter_version, 0)
 
     def _response_logp(self, ctx: TrainContext, prompt_len: int, response: list[int], last_logits: torch.Tensor,
-                       prefix, with_grad: bool):
-        """Generator -> (summed log p(response | prompt), the response's SegmentedForward or None).
-        last_logits (1, V): the prompt's last row, which scores the first response token."""
-        grad_mode = torch.enable_grad if with_grad else torch.no_grad
-        with grad_mode():
-            logp = token_logprobs(last_logits, _ids(ctx, response[:1])).sum()
+                       prefix, with_grad: bool, score: bool = True):
+        """Generator -> (summed log p(response | prompt) as a value, the response's
+        SegmentedForward or None). last_logits (1, V): the prompt's last row, which scores
+        the first response token. with_grad: the forward keeps its graph (for
+        `_response_backward`); score: compute the value (else None)."""
+        value = None
+        if score:
+            with torch.no_grad():
+                value = token_logprobs(last_logits, _ids(ctx, response[:1])).sum()
         fwd = None
         if len(response) > 1:
             fwd = yield from forward_segments(ctx.runner, [response[:-1]], [prompt_len], prefix, with_grad)
-            with grad_mode():
-                logp = logp + token_logprobs(_head(ctx, fwd.head_leaf[0]), _ids(ctx, response[1:])).sum()
-        return logp, fwd
+            if score:
+                value = value + (yield from head_score(ctx.runner, fwd.head_leaf, 0, _ids(ctx, response[1:]),
+                                                       ctx.head_chunk_rows))
+        return value, fwd
+
+    def _response_backward(self, ctx: TrainContext, response: list[int], last: torch.Tensor, fwd, weight):
+        """Generator: back-propagates `weight` * log p(response | prompt) through the
+        response's head (in row chunks) and layers; the first token's share goes to
+        `last` (the prompt's last logits row, a leaf), the K/V share to the prefix leaves."""
+        with torch.enable_grad():
+            (token_logprobs(last, _ids(ctx, response[:1])).sum() * weight).backward()
+        if fwd is None:
+            return
+        targets = _ids(ctx, response[1:])
+        yield from head_backward(ctx.runner, fwd.head_leaf, 0, targets, -weight.expand(len(targets)),
+                                 ctx.head_chunk_rows)
+        yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
 
     def reference_logps(self, entry: PreferenceEntry, ctx: TrainContext):
         """Generator -> (chosen, rejected) summed log-probs under the base model, no grad."""
@@ -165,8 +202,17 @@ class DPOMethod(TrainingMethod):
 
         return (yield from within(base_model_no_grad, compute()))
 
+    def _base_reference(self, entry: PreferenceEntry, ctx: TrainContext):
+        """Generator: computes the base model's (chosen, rejected) log-probs once per entry."""
+        if self.reference == "base" and entry.reference_logps is None:
+            entry.reference_logps = yield from self.reference_logps(entry, ctx)
+
     def loss(self, policy_chosen, policy_rejected, entry: PreferenceEntry):
-        reference_chosen, reference_rejected = (torch.tensor(v) for v in entry.reference_logps)
+        if self.reference == "served":  # the reference is the policy itself, as a constant
+            reference = (policy_chosen.detach().item(), policy_rejected.detach().item())
+        else:
+            reference = entry.reference_logps
+        reference_chosen, reference_rejected = (torch.tensor(v) for v in reference)
         return dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected, self.beta)
 
     def reuse_job(self, entry: PreferenceEntry, ctx: TrainContext):
@@ -174,43 +220,34 @@ class DPOMethod(TrainingMethod):
         and accumulate gK/gV there; the prompt's backward runs once at the end.
 
         To hold as little as possible, only one response graph is alive at a time: the
-        loss needs the other response's log-prob only as a value, to give the first its
-        gradient. That value is reused from serving when the other response is the served
-        one (it was scored while decoding, under this same adapter version); otherwise the
-        shorter response is scored once without grad. Then each response is forwarded and
-        back-propagated in turn. Peak: the prompt's recording plus one response's graph."""
-        if entry.reference_logps is None:
-            entry.reference_logps = yield from self.reference_logps(entry, ctx)
+        loss needs the responses' log-probs only as values, and its gradient with respect
+        to each then weights that response's backward. The served response's value comes
+        from decoding (under this same adapter version); otherwise the shorter response is
+        scored once without grad. Then each response is forwarded and back-propagated in
+        turn, its head in row chunks. Peak: the prompt's recording plus one response's graph."""
+        yield from self._base_reference(entry, ctx)
         recording, label = entry.recording, entry.label
         prompt_len = len(entry.prompt_token_ids)
         prefix = kv_leaves(recording.segments)
         last = recording.logits[-1:].detach().requires_grad_()
         responses = {"chosen": label.chosen, "rejected": label.rejected}
+        values = {}
         if label.served_logps:
             second = next(iter(label.served_logps))
-            second_value = torch.tensor(label.served_logps[second])
+            values[second] = torch.tensor(label.served_logps[second])
         else:
             second = min(responses, key=lambda k: len(responses[k]))
             detached_prefix = [(k.detach(), v.detach()) for k, v in prefix]
-            second_value, _ = yield from self._response_logp(ctx, prompt_len, responses[second], last.detach(),
-                                                             detached_prefix, with_grad=False)
+            values[second], _ = yield from self._response_logp(ctx, prompt_len, responses[second], last.detach(),
+                                                               detached_prefix, with_grad=False)
         first = "rejected" if second == "chosen" else "chosen"
-        first_logp, first_fwd = yield from self._response_logp(ctx, prompt_len, responses[first], last, prefix, True)
-        second_leaf = second_value.detach().clone().float().requires_grad_()
-        policy = {first: first_logp, second: second_leaf}
-        with torch.enable_grad():
-            loss, metrics = self.loss(policy["chosen"], policy["rejected"], entry)
-            loss.backward()
-        yield
-        if first_fwd is not None:
-            yield from backward_segments(first_fwd.segments, first_fwd.head_leaf.grad)
-        second_logp, second_fwd = yield from self._response_logp(ctx, prompt_len, responses[second], last, prefix,
-                                                                 True)
-        with torch.enable_grad():
-            second_logp.backward(second_leaf.grad)
-        yield
-        if second_fwd is not None:
-            yield from backward_segments(second_fwd.segments, second_fwd.head_leaf.grad)
+        values[first], first_fwd = yield from self._response_logp(ctx, prompt_len, responses[first], last, prefix,
+                                                                  True)
+        metrics, weights = yield from self._loss_weights(values, entry)
+        yield from self._response_backward(ctx, responses[first], last, first_fwd, weights[first])
+        _, second_fwd = yield from self._response_logp(ctx, prompt_len, responses[second], last, prefix, True,
+                                                       score=False)
+        yield from self._response_backward(ctx, responses[second], last, second_fwd, weights[second])
         with torch.enable_grad():
             recording.logits[-1:].backward(last.grad)  # the prompt's head segment
         yield
@@ -218,19 +255,29 @@ class DPOMethod(TrainingMethod):
                                      [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
 
-    def recompute_job(self, entry: PreferenceEntry, ctx: TrainContext):
-        if entry.reference_logps is None:
-            entry.reference_logps = yield from self.reference_logps(entry, ctx)
-        prompt, label = entry.prompt_token_ids, entry.label
-        fwd = yield from forward_segments(ctx.runner, [prompt + label.chosen, prompt + label.rejected])
+    def _loss_weights(self, values: dict, entry: PreferenceEntry):
+        """Generator (one slice): the loss from the responses' log-prob values, and its
+        gradient with respect to each, which weights that response's backward."""
+        leaves = {k: v.detach().clone().float().requires_grad_() for k, v in values.items()}
         with torch.enable_grad():
-            logps = []
-            for b, response in enumerate((label.chosen, label.rejected)):
-                first = fwd.offsets[b] + len(prompt) - 1  # the row that scores the response's first token
-                rows = fwd.head_leaf[0, first:first + len(response)]
-                logps.append(token_logprobs(_head(ctx, rows), _ids(ctx, response)).sum())
-            loss, metrics = self.loss(logps[0], logps[1], entry)
+            loss, metrics = self.loss(leaves["chosen"], leaves["rejected"], entry)
             loss.backward()
         yield
+        return metrics, {k: leaf.grad for k, leaf in leaves.items()}
+
+    def recompute_job(self, entry: PreferenceEntry, ctx: TrainContext):
+        yield from self._base_reference(entry, ctx)
+        prompt, label = entry.prompt_token_ids, entry.label
+        fwd = yield from forward_segments(ctx.runner, [prompt + label.chosen, prompt + label.rejected])
+        spans = {}  # response -> (its first scoring row, its token ids)
+        for b, (name, response) in enumerate((("chosen", label.chosen), ("rejected", label.rejected))):
+            spans[name] = (fwd.offsets[b] + len(prompt) - 1, _ids(ctx, response))
+        values = {}
+        for name, (first, targets) in spans.items():
+            values[name] = yield from head_score(ctx.runner, fwd.head_leaf, first, targets, ctx.head_chunk_rows)
+        metrics, weights = yield from self._loss_weights(values, entry)
+        for name, (first, targets) in spans.items():
+            yield from head_backward(ctx.runner, fwd.head_leaf, first, targets, -weights[name].expand(len(targets)),
+                                     ctx.head_chunk_rows)
         yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)

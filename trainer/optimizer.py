@@ -21,14 +21,25 @@ class AdapterOptimizer:
         self.version = 0
         self.skipped_steps = 0
 
-    def step(self, loss_is_finite: bool = True) -> bool:
-        """Applies the accumulated gradients; returns False (and counts it) if skipped."""
+    def step(self, loss_is_finite: bool = True, entries: int = 1) -> bool:
+        """Applies the accumulated gradients of `entries` entries; returns False (and
+        counts it) if skipped. The step's learning rate is `entries` times the configured
+        one (the linear scaling rule): AdamW moves each parameter by about the learning
+        rate per step whatever the gradient's size, so a step over k entries at the plain
+        rate would teach about 1/k of what k steps of one entry teach."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm).item()
         if not loss_is_finite or not math.isfinite(grad_norm):
             self.skipped_steps += 1
             self.zero_grad()
             return False
-        self.optimizer.step()
+        rates = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * entries
+        try:
+            self.optimizer.step()
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, rates):
+                group["lr"] = lr
         self.zero_grad()
         self.version += 1
         return True

@@ -39,13 +39,17 @@ class DeviceRoom(Protocol):
 
 class Recorder:
     def __init__(self, config: TrainConfig, method: TrainingMethod, cache: ActivationCache,
-                 adapter_version: Callable[[], int], stats: TrainingStats, device_room: DeviceRoom | None = None):
+                 adapter_version: Callable[[], int], stats: TrainingStats, device_room: DeviceRoom | None = None,
+                 warmer=None):
+        """`warmer`: pre-faulted heap (engine.malloc_tuning.HeapWarmer), released just
+        before a recording and sized to the largest one."""
         self.config = config
         self.method = method
         self.cache = cache
         self.adapter_version = adapter_version
         self.stats = stats
         self.device_room = device_room
+        self.warmer = warmer
         self._rng = random.Random(config.seed)
         self._last_expiry = 0.0
         # measured bytes per recorded prompt token (to predict whether a recording fits)
@@ -62,6 +66,8 @@ class Recorder:
 
     def admit(self, request_id: str, prompt_token_ids: list[int]) -> RecordSpec | None:
         spec = self._decide(len(prompt_token_ids))
+        if spec is not None and self.warmer is not None:
+            self.warmer.release()  # the recording's activations take the warm pages
         if spec is None and self.method.uses_feedback:  # its label will train by recomputation
             self._label_only[request_id] = (list(prompt_token_ids), self.adapter_version())
             self._responses[request_id] = {}
@@ -79,6 +85,8 @@ class Recorder:
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None:
         self._bytes_per_token = recording.saved_bytes / max(len(recording.prompt_token_ids), 1)
+        if self.warmer is not None:
+            self.warmer.target = max(self.warmer.target, recording.saved_bytes)
         entry = self.method.make_entry(request_id, recording)
         if self.cache.add(entry):
             self.stats.recorded += 1

@@ -1,0 +1,106 @@
+"""Version-aware scheduling: entries recorded under one adapter version share an optimizer
+step (up to `entries_per_step`), the oldest version still trainable on its recording goes
+first, entries that train by recomputation wait for the recordings, and a step over k
+entries moves the adapter as k steps of one would (the learning rate scales with k)."""
+
+import torch
+
+from tests.test_stash import OTHERS, hold, make_trainer
+from tests.test_training import PROMPT, label, serve
+from trainer.cache import EntryState
+from trainer.optimizer import AdapterOptimizer
+
+
+def test_entries_of_one_version_share_one_step_and_all_train_on_their_recordings():
+    trainer = make_trainer(max_staleness=1, entries_per_step=4)
+    for request_id in ("a", "b", "c"):  # a burst, all recorded under version 0
+        serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 1
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 3}
+    assert trainer.stats.staleness == {0: 3}
+
+
+def test_entries_per_step_is_a_maximum():
+    trainer = make_trainer(max_staleness=1, entries_per_step=2)
+    for request_id in ("a", "b", "c"):
+        serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
+    trainer.train_until_idle()
+    # a and b in one step (version 0), then c, one version stale, on its recording
+    assert trainer.optimizer.version == 2
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 2, ("cpt", "stashed"): 1}
+
+
+def test_the_oldest_trainable_version_goes_first():
+    """v0's recording is one version stale, v1's current: training v1's first would push
+    v0's past max_staleness=1, to recomputation."""
+    trainer = make_trainer(max_staleness=1, entries_per_step=4)
+    serve(trainer, "old")
+    hold(trainer, "old")
+    serve(trainer, "step", prompt=OTHERS[0])
+    trainer.train_until_idle()  # version 1
+    serve(trainer, "new", prompt=OTHERS[1])
+    hold(trainer, "new")
+    for request_id in ("new", "old"):  # "new" is first in line
+        trainer.cache.get(request_id).state = EntryState.READY
+    taken = trainer.cache.take_ready(4, trainer.optimizer.version, 1)
+    assert [e.completion_id for e in taken] == ["old"]
+    trainer.cache.requeue(taken[0])
+    trainer.train_until_idle()  # "old" (stashed) first; "new" joins its step, on its recording
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 2, ("cpt", "stashed"): 1}
+    assert trainer.stats.stale_entries == 0 and trainer.optimizer.version == 2
+
+
+def test_entries_without_a_usable_recording_wait_for_the_recorded_ones():
+    trainer = make_trainer(max_staleness=0, entries_per_step=1)
+    serve(trainer, "stale")
+    hold(trainer, "stale")
+    serve(trainer, "step", prompt=OTHERS[0])
+    trainer.train_until_idle()  # version 1: "stale" lost its recording
+    assert trainer.cache.get("stale").recording is None
+    trainer.cache.get("stale").state = EntryState.READY
+    serve(trainer, "fresh", prompt=OTHERS[1])
+    trainer.train_until_idle()
+    # oldest first would have trained "stale" first and made "fresh" stale too
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 2, ("cpt", "recompute"): 1}
+
+
+def test_a_step_over_k_entries_scales_the_learning_rate_by_k():
+    def moved(entries: int, lr: float) -> torch.Tensor:
+        param = torch.nn.Parameter(torch.ones(4))
+        optimizer = AdapterOptimizer([param], learning_rate=lr, max_grad_norm=1e9)
+        param.grad = torch.tensor([1.0, -2.0, 0.5, 3.0])
+        assert optimizer.step(entries=entries)
+        assert optimizer.optimizer.param_groups[0]["lr"] == lr  # restored after the step
+        return param.detach() - 1.0
+
+    assert torch.allclose(moved(3, 1e-3), moved(1, 3e-3))
+    assert not torch.allclose(moved(3, 1e-3), moved(1, 1e-3))
+
+
+def test_an_entry_labelled_while_a_job_runs_joins_it_before_the_step():
+    trainer = make_trainer(mode="dpo", max_staleness=0, entries_per_step=4)
+    serve(trainer, "a")
+    serve(trainer, "b", prompt=OTHERS[0])
+    label(trainer, "a")
+    assert trainer.run_slice()  # the job on "a" starts
+    label(trainer, "b")  # b's label arrives meanwhile
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 1  # one step for both: b did not go stale waiting
+    assert trainer.stats.trained_entries == {("dpo", "reuse"): 2}
+
+
+def test_freed_memory_is_given_back_only_once_recording_has_paused(monkeypatch):
+    """Trimming after every job made the next recording pay first-touch page faults."""
+    clock = [1000.0]
+    trainer = make_trainer(max_staleness=1, entries_per_step=1)
+    trainer.cache.clock = lambda: clock[0]
+    trims = []
+    monkeypatch.setattr("trainer.trainer.return_freed_memory", lambda: trims.append(clock[0]) or True)
+    monkeypatch.setattr("trainer.trainer._TRIM_AFTER_BYTES", 1)
+    serve(trainer, "a")
+    trainer.train_until_idle()
+    assert trims == []  # recorded a moment ago
+    clock[0] += 11.0
+    trainer.run_slice()
+    assert trims == [clock[0]]
