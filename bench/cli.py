@@ -92,7 +92,7 @@ def _add_training_benches(benches, add_config_flags) -> None:
                            "optimizer step to compare (entries of one version share a step)")
     staleness.add_argument("--json", help="write the results to this JSON file")
     recording = benches.add_parser("recording", help="recorded over plain prefill of a short prompt, by what happens "
-                                   "to earlier recordings (kept, freed, trained)")
+                                   "to earlier recordings (kept, freed, trained) and beside decodes")
     add_config_flags(recording)
     recording.add_argument("--tokens", type=int, default=100)
     recording.add_argument("--repeats", type=int, default=6)

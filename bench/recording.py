@@ -9,7 +9,10 @@ step), recorded over plain, per case:
   - `kept`: the same, with it;
   - `freed`: each recording is dropped before the next request (its memory is reused);
   - `trained`: each recording is labelled and trained before the next request (what a
-    client that sends feedback at once causes).
+    client that sends feedback at once causes);
+  - `beside_decodes`: as `trained`, with three other requests decoding when the prompt
+    arrives, so its prefill shares a step with their decodes (the common case under
+    traffic); the figure is that step's time, recorded over plain.
 """
 
 from __future__ import annotations
@@ -29,16 +32,25 @@ from trainer.cache import EntryState
 from trainer.config import TrainConfig
 from trainer.feedback import FeedbackLabel
 
-CASES = ("kept_cold", "kept", "freed", "trained")
+CASES = ("kept_cold", "kept", "freed", "trained", "beside_decodes")
+_DECODES = 3
 
 
-def _first_token_seconds(engine: LLMEngine, request_id: str, prompt: list[int], train: bool) -> float:
+def _first_token_seconds(engine: LLMEngine, request_id: str, prompt: list[int], train: bool,
+                         decodes: int = 0) -> float:
+    """The first step's time (the prompt's prefill, beside `decodes` decoding requests)."""
+    for d in range(decodes):  # prefilled first, so that they decode when the prompt arrives
+        engine.add_request(f"{request_id}-decode{d}", prompt[: len(prompt) // 2 + d],
+                           SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        engine.step()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=8, temperature=0.0), train=train)
     started, first = time.perf_counter(), None
     while engine.has_unfinished():
         engine.step()
         if first is None:
             first = time.perf_counter() - started
+            for d in range(decodes):
+                engine.abort_request(f"{request_id}-decode{d}")
     return first
 
 
@@ -53,10 +65,11 @@ def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) 
     for i in range(repeats + 2):  # the first two rounds warm up
         for recorded in ((True, False) if i % 2 else (False, True)):
             request_id = f"{case}-{i}-{recorded}"
-            took = _first_token_seconds(engine, request_id, synthetic_tokens(tokenizer, tokens, i), recorded)
+            took = _first_token_seconds(engine, request_id, synthetic_tokens(tokenizer, tokens, i), recorded,
+                                        _DECODES if case == "beside_decodes" else 0)
             if recorded and case == "freed":
                 trainer.cache.end(trainer.cache.get(request_id), EntryState.DROPPED)
-            elif recorded and case == "trained":
+            elif recorded and case in ("trained", "beside_decodes"):
                 trainer.submit_feedback(FeedbackLabel(request_id, "A short and friendly answer.", None, 0))
             trainer.train_until_idle()  # the server's idle gap
             if i >= 2:

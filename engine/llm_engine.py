@@ -167,8 +167,7 @@ class LLMEngine:
             self.num_steps += 1
             if self.memory_guard is not None:
                 recorded = scheduled.scheduled[0].num_new_tokens if scheduled.recorded else 0
-                context = max(s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled.scheduled)
-                self.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded, context)
+                self.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
             try:
                 model_output = self.runner.execute(scheduled)
             finally:

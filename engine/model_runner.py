@@ -187,9 +187,22 @@ class ModelRunner:
 
     def _execute_recorded(self, step: SchedulerOutput) -> ModelOutput:
         """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only;
-        base weights are frozen), kept as per-layer segments plus a head segment. Other
-        sequences' decode rows share the step; their rows ride along in the segments (they
-        receive no gradient) and they are sampled without grad."""
+        base weights are frozen), kept as per-layer segments plus a head segment. The other
+        sequences of the step (decodes) run after it in an inference-mode forward of their
+        own: under autograd they would ride along in the recorded graph, padded to the
+        prompt's length in attention, which made a recorded step with three decodes beside
+        it 2.4x a plain one (`alchemist bench recording --decodes`)."""
+        recorded, others = step.scheduled[0], step.scheduled[1:]
+        output = self._record_prefill(SchedulerOutput([recorded], recorded=True))
+        if others:
+            with torch.inference_mode():
+                rest = self._execute(SchedulerOutput(others))
+            output.sampled.update(rest.sampled)
+            output.prompt_logprobs.update(rest.prompt_logprobs)
+        return output
+
+    def _record_prefill(self, step: SchedulerOutput) -> ModelOutput:
+        """`_execute_recorded` for a step of the recorded sequence alone."""
         packed = self._pack(step)
         seq = step.scheduled[0].seq
         num_prompt = step.scheduled[0].num_new_tokens
@@ -210,9 +223,9 @@ class ModelRunner:
                 layers = self.iter_layers(hidden, packed.positions, packed.metadata, past, leaves, outs, rotary)
                 hidden = self._record_layers(layers, tracker, placement, leaves, outs, past)
                 head_leaf = hidden.detach().requires_grad_()
-                normed = self.norm(head_leaf)[0]  # (T, hidden); the recorded prompt is rows 0 .. num_prompt - 1
+                normed = self.norm(head_leaf)[0]  # (T, hidden): the recorded prompt's rows
                 all_rows = seq.record.all_logit_rows
-                logits = self.lm_head(normed[:num_prompt] if all_rows else normed[num_prompt - 1:num_prompt])
+                logits = self.lm_head(normed if all_rows else normed[-1:])
             segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
             recording = RecordedPrefill(list(seq.prompt_token_ids), seq.record.adapter_version, segments,
                                         head_leaf, logits, all_rows, saved_bytes=tracker.live_bytes - bytes_before,
@@ -226,15 +239,9 @@ class ModelRunner:
         finally:
             tracker.segment = tracker.collected = None
         output = ModelOutput(recording=recording)
-        with torch.inference_mode():
-            if packed.sample_rows and packed.sample_entries[0].seq is seq:
+        if packed.sample_rows:
+            with torch.inference_mode():
                 output.sampled[seq.seq_id] = self.sampler.sample(logits[-1:].detach().clone(), [seq])[0]
-            others = [(row, e.seq) for row, e in zip(packed.sample_rows, packed.sample_entries) if e.seq is not seq]
-            if others:
-                rows = [row for row, _ in others]
-                other_logits = self.lm_head(normed.detach()[rows])
-                for (_, other), token in zip(others, self.sampler.sample(other_logits, [o for _, o in others])):
-                    output.sampled[other.seq_id] = token
         return output
 
     @staticmethod

@@ -37,6 +37,11 @@ def get_metric(url: str, name: str) -> float:
     return 0.0
 
 
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+        return json.load(response)["data"][0]["id"]
+
+
 def fact_logprob(url: str, model: str) -> float:
     """Summed log-probability of the fact's tokens (after the first), not trained on."""
     out = post(url, "/v1/completions", {"model": model, "prompt": FACT, "max_tokens": 0, "echo": True,
@@ -49,8 +54,7 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--rounds", type=int, default=12)
     args = parser.parse_args()
-    with urllib.request.urlopen(args.url + "/v1/models", timeout=10) as response:
-        model = json.load(response)["data"][0]["id"]
+    model = served_model(args.url)
     before = fact_logprob(args.url, model)
     print(f"log p(fact) before: {before:8.2f} nats")
     start_version = get_metric(args.url, "alchemist:adapter_version")

@@ -18,14 +18,12 @@ The prompt format is ChatML (`<|im_start|>role ... <|im_end|>`), the embedded mo
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learn_a_fact import get_metric, post  # noqa: E402 - the examples' HTTP helpers
+from learn_a_fact import get_metric, post, served_model  # noqa: E402 - the examples' HTTP helpers
 
 MARKER = "Certainly!"
 TRAIN = [
@@ -91,8 +89,7 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--rounds", type=int, default=24)
     args = parser.parse_args()
-    with urllib.request.urlopen(args.url + "/v1/models", timeout=10) as response:
-        model = json.load(response)["data"][0]["id"]
+    model = served_model(args.url)
     before = held_out_logprob(args.url, model)
     print(f"held-out log p({MARKER!r} opens the answer) before: {before:7.2f} nats")
     teach(args.url, model, args.rounds)

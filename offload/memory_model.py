@@ -61,13 +61,11 @@ class MemoryModel:
                    float(4 * heads), float(4 * config.vocab_size), max_model_len, kept_per_token=float(kept),
                    head_per_token=float(head))
 
-    def recording_in_flight_bytes(self, rows: int, batch: int = 1, queries: int = 0, keys: int = 0) -> int:
-        """What a recorded step adds at most before the offloader can free its layers: one
-        layer, that layer's kept tensors, and the once-per-recording tensors. A recorded
-        step holds all its `rows` (the recorded prompt and decodes beside it); attention
-        saves (batch, heads, queries, keys) scores, queries and keys padded to the longest."""
-        queries, keys = queries or rows, keys or rows
-        layer = self.per_token * rows + self.per_token_sq * batch * queries * keys
+    def recording_in_flight_bytes(self, rows: int) -> int:
+        """What a recorded prefill of `rows` tokens adds at most before the offloader can
+        free its layers: one layer, that layer's kept tensors, and the once-per-recording
+        tensors (the step's decodes run apart, without autograd)."""
+        layer = self.layer_bytes(rows)
         kept_per_layer = (self.kept_per_token - self.head_per_token) / max(self.num_layers, 1)
         return int(layer + (kept_per_layer + self.head_per_token) * rows)
 

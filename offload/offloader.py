@@ -195,21 +195,20 @@ class ActivationOffloader:
         """A recorded layer's offloadable bytes: the memory model, or the most seen per token."""
         return max(self.map.model.layer_bytes(num_tokens), int(self._layer_per_token * num_tokens))
 
-    def in_flight_bytes(self, rows: int, batch: int = 1, queries: int = 0, keys: int = 0) -> int:
-        """What a recorded step of `rows` rows holds before its layers can be freed."""
-        estimate = self.map.model.recording_in_flight_bytes(rows, batch, queries, keys)
+    def in_flight_bytes(self, rows: int) -> int:
+        """What a recorded prefill of `rows` tokens holds before its layers can be freed."""
+        estimate = self.map.model.recording_in_flight_bytes(rows)
         return int(max(self.layer_bytes(rows), estimate) * _IN_FLIGHT_MARGIN)
 
-    def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0, max_context: int = 0) -> None:
+    def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0) -> None:
         """Frees layers so that the cached activations fit beside a serving step (and, for
         a recorded step, one layer of the new recording before it can be freed)."""
         with self._lock:
             self._step_bytes = self.map.serving_bytes(num_tokens, batch_size)
             self._max_step_bytes = max(self._max_step_bytes, self._step_bytes)
             in_flight = 0
-            if recorded_tokens:  # the recorded graph holds every row of the step, decodes included
-                in_flight = self.in_flight_bytes(num_tokens, batch_size, recorded_tokens,
-                                                  max(max_context, recorded_tokens))
+            if recorded_tokens:  # the recorded graph holds the recorded prompt's rows (decodes run apart)
+                in_flight = self.in_flight_bytes(recorded_tokens)
             self._allowed_bytes = max(0, self.budget_bytes - self._step_bytes - in_flight)
             if not self.free_to(self._allowed_bytes):
                 self.stats.over_budget_steps += 1

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.malloc_tuning import keep_freed_memory, return_freed_memory
+from trainer.cache import EntryState
 
 
 def rss_bytes() -> int:
@@ -39,8 +40,12 @@ def test_heap_warmer_holds_pages_up_to_its_target_and_releases_them_before_a_rec
     assert warmer is not None and warmer.target == 0 and not trainer.has_work()
     serve(trainer, "a")
     assert warmer.target == trainer.cache.get("a").nbytes  # sized to the largest recording
-    trainer.train_until_idle()  # trains "a", then warms pages in the idle slices that follow
+    # the pages come before the job: under traffic an idle slice rarely finds no job waiting
+    assert trainer.run_slice() and warmer.held_bytes > 0
+    assert trainer.cache.get("a").state is EntryState.READY
+    trainer.train_until_idle()
     assert warmer.held_bytes >= warmer.target and not warmer.wants_to_grow()
+    assert trainer.cache.get("a") is None or trainer.cache.get("a").state is not EntryState.READY
     serve(trainer, "b")  # the recording is admitted: the warm pages are freed for it
     assert warmer.held_bytes == 0
     assert not HeapWarmer(max_bytes=0).grow()  # nothing to hold

@@ -253,6 +253,8 @@ def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything
     assert trainer.cache.get("other") is None and len(trainer.cache) == 1 and trainer.stats.recorded == 1
     entry = trainer.cache.get("rec")
     assert trainer.cache.bytes == entry.nbytes
+    # the decodes ran apart, without autograd: the recording holds the prompt's rows only
+    assert {s.leaf.shape[1] for s in entry.recording.segments} == {len(recorded_ids)}
     if mode == "dpo-served":
         label(trainer, "rec", chosen="Paris, of course.")
     reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))

@@ -171,10 +171,14 @@ class Trainer(AdapterLifecycle):
         if self._job is None:
             if self._return_freed_memory():  # between jobs: RSS follows the live activations
                 return True
+            # the next recording's pages are faulted in here, before any job, not in its
+            # prefill: under traffic the trainer is rarely without a job
+            if self.warmer is not None and self.warmer.grow():
+                return True
             entries = self.cache.take_ready(self.config.entries_per_step, self.optimizer.version,
                                             self._staleness_bound())
-            if not entries:  # nothing to train: warm pages for the next recording
-                return self.warmer is not None and self.warmer.grow()
+            if not entries:
+                return False
             self._job = _Job(entries)
         job = self._job
         try:
