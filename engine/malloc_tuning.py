@@ -62,9 +62,9 @@ _PIECE = 16 << 20
 
 class HeapWarmer:
     """Pre-faulted heap for the next recording: in idle slices, before any training job,
-    `grow()` touches fresh heap pages a piece at a time and holds them; `release()` (just before a recording)
-    frees them, so the recording's activations land on pages that no longer fault on
-    first touch. A recording made while earlier ones are alive otherwise takes fresh
+    `grow()` touches fresh heap pages a piece at a time and holds them; `release()` (just
+    before a recording) frees them, so the recording's activations land on pages that no
+    longer fault on first touch. A recording made while earlier ones are alive otherwise takes fresh
     pages: 4.2x a plain 100-token prefill (`alchemist bench recording`). Needs
     `keep_freed_memory()`; does nothing elsewhere than glibc."""
 

@@ -189,9 +189,9 @@ class ModelRunner:
         """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only;
         base weights are frozen), kept as per-layer segments plus a head segment. The other
         sequences of the step (decodes) run after it in an inference-mode forward of their
-        own: under autograd they would ride along in the recorded graph, padded to the
-        prompt's length in attention, which made a recorded step with three decodes beside
-        it 2.4x a plain one (`alchemist bench recording --decodes`)."""
+        own: under autograd they rode along in the recorded graph, padded to the prompt's
+        length in attention (`alchemist bench recording`, case beside_decodes: 1.28x a
+        plain step that way, 1.16x this way)."""
         recorded, others = step.scheduled[0], step.scheduled[1:]
         output = self._record_prefill(SchedulerOutput([recorded], recorded=True))
         if others:

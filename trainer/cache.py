@@ -166,7 +166,11 @@ class ActivationCache:
     def has_room_for(self, nbytes: int) -> bool:
         """Whether a new recording of `nbytes` would be kept, as the full policy decides."""
         with self._lock:
-            return self.bytes - sum(e.nbytes for e in self._giving_way()) + nbytes <= self.budget_bytes
+            return self._fits(nbytes)
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether `nbytes` fit once the entries that would give way have given theirs."""
+        return self.bytes - sum(e.nbytes for e in self._giving_way()) + nbytes <= self.budget_bytes
 
     def _giving_way(self) -> list[CacheEntry]:
         """The entries whose activations give way to a new recording, in that order."""
@@ -177,8 +181,7 @@ class ActivationCache:
 
     def _make_room(self, nbytes: int) -> bool:
         """Frees room for a new recording as the full policy says; False if it cannot fit."""
-        if nbytes > self.budget_bytes or self.bytes - sum(e.nbytes for e in self._giving_way()) + nbytes \
-                > self.budget_bytes:
+        if not self._fits(nbytes):
             return False
         for victim in self._giving_way():
             if self.bytes + nbytes <= self.budget_bytes:

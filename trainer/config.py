@@ -10,6 +10,7 @@ from trainer.cache import FULL_POLICIES
 
 
 TRAIN_MODES = ("off", "cpt", "dpo")
+DPO_REFERENCES = ("base", "served")
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,8 @@ class TrainConfig:
             raise ValueError(f"train.cache_full_policy must be one of {FULL_POLICIES}, got {self.cache_full_policy!r}")
         if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
             raise ValueError(f"train.max_staleness must be a non-negative integer, got {self.max_staleness!r}")
-        if self.dpo_reference not in ("base", "served"):
-            raise ValueError(f"train.dpo_reference must be base or served, got {self.dpo_reference!r}")
+        if self.dpo_reference not in DPO_REFERENCES:
+            raise ValueError(f"train.dpo_reference must be one of {DPO_REFERENCES}, got {self.dpo_reference!r}")
         if self.stale_policy not in ("recompute", "drop"):
             raise ValueError(f"train.stale_policy must be recompute or drop, got {self.stale_policy!r}")
         if not 0.0 <= self.record_fraction <= 1.0:

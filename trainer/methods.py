@@ -24,6 +24,7 @@ from engine.model_runner import ModelRunner
 from engine.recording import RecordedPrefill, RecordSpec
 from trainer.adapter import adapters_disabled
 from trainer.cache import CacheEntry, PreferenceEntry
+from trainer.config import DPO_REFERENCES
 from trainer.forward import backward_segments, forward_segments, head_backward, head_score, kv_leaves, within
 from trainer.losses import cpt_weights, dpo_loss, token_logprobs
 
@@ -119,9 +120,6 @@ class CPTMethod(TrainingMethod):
         result = yield from self._train_head(entry, ctx, fwd.head_leaf)
         yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
         return result
-
-
-DPO_REFERENCES = ("base", "served")
 
 
 class DPOMethod(TrainingMethod):
