@@ -22,6 +22,9 @@ def add_bench_commands(commands, add_config_flags) -> None:
     serving.add_argument("--with-adapter", action="store_true",
                          help="also serve with a LoRA adapter attached (what training mode costs serving)")
     serving.add_argument("--profile", help="after the rounds, profile one engine run and write the table here")
+    serving.add_argument("--n", type=int, help="instead: one request with n choices on a long prompt, forked "
+                         "(one prefill) vs each choice prefilling, both vs n = 1")
+    serving.add_argument("--prompt-tokens", type=int, default=1000, help="with --n: the prompt's length")
     serving.add_argument("--paths", default="engine,engine_sequential,engine_plain_linear,hf_generate,"
                          "hf_generate_batch", help="comma-separated paths to run (engine always runs)")
     _add_training_benches(benches, add_config_flags)
@@ -104,6 +107,10 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
     if args.command == "profile":
         from bench.profile import run_profile
         run_profile(config, args.out, tuple(int(n) for n in args.tokens.split(",")))
+        return 0
+    if args.bench == "serving" and args.n:
+        from bench.serving_groups import run_group_serving_bench
+        run_group_serving_bench(config, args.n, args.prompt_tokens, args.max_tokens, args.repeats, args.json)
         return 0
     if args.bench == "serving":
         from bench.serving import PATHS as SERVING_PATHS, run_serving_bench

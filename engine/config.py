@@ -52,6 +52,9 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     # tokens computed in one engine step, prefill chunks and decodes together
     max_num_batched_tokens: int = 2048
+    # a request's n choices share one prefill (they fork choice 0's KV blocks); off, each
+    # choice prefills the prompt itself (the plain path `alchemist bench serving --n` compares)
+    fork_choices: bool = True
 
 
 @dataclass(frozen=True)

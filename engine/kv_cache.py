@@ -4,7 +4,9 @@ Each layer has one K and one V tensor of shape (num_blocks * block_size, KVH, D)
 of fixed-size blocks. A sequence owns a list of blocks (its block table); token position
 `p` lives in slot `block_ids[p // block_size] * block_size + p % block_size`. Blocks are
 allocated as a sequence grows and freed when it finishes or is preempted, so memory
-follows the tokens actually held, not max_model_len per sequence.
+follows the tokens actually held, not max_model_len per sequence. Blocks are reference
+counted: the samples of one request share their prompt's full blocks (a fork, see
+engine/scheduler.py), and a block returns to the free list when its last holder lets go.
 
 Memory per token: 2 (K, V) * num_layers * num_kv_heads * head_dim * dtype bytes
 (SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes).
@@ -23,11 +25,13 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Free list of KV block ids; no tensors, so the scheduler can own it."""
+    """Free list and reference counts of KV block ids; no tensors, so the scheduler can own it."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        # holders of each block (0: free)
+        self._refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -36,10 +40,27 @@ class BlockAllocator:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise OutOfBlocks(f"need {count} KV blocks, {len(self._free)} free")
-        return [self._free.popleft() for _ in range(count)]
+        blocks = [self._free.popleft() for _ in range(count)]
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
+
+    def share(self, block_ids: list[int]) -> None:
+        """One more holder for each of `block_ids` (a forked sequence)."""
+        for block in block_ids:
+            assert self._refs[block] > 0, f"sharing free KV block {block}"
+            self._refs[block] += 1
+
+    def refs(self, block_id: int) -> int:
+        return self._refs[block_id]
 
     def free(self, block_ids: list[int]) -> None:
-        self._free.extend(block_ids)
+        """One holder fewer for each of `block_ids`; a block nobody holds is free again."""
+        for block in block_ids:
+            self._refs[block] -= 1
+            assert self._refs[block] >= 0, f"KV block {block} freed twice"
+            if self._refs[block] == 0:
+                self._free.append(block)
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,18 @@ class PagedKVCache:
     @property
     def memory_bytes(self) -> int:
         return self.num_blocks * self.spec.block_size * self.spec.bytes_per_token
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies each (source, destination) block's K/V in every layer: a forked
+        sequence's own copy of its prompt's last, partial block."""
+        if not copies:
+            return
+        size = self.spec.block_size
+        device = self.keys[0].device
+        src = torch.tensor([b * size + i for b, _ in copies for i in range(size)], device=device)
+        dst = torch.tensor([b * size + i for _, b in copies for i in range(size)], device=device)
+        for pool in (*self.keys, *self.values):
+            pool.index_copy_(0, dst, pool[src])
 
 
 @dataclass

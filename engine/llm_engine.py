@@ -103,6 +103,10 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already running")
         params, prompt = request.params, list(request.prompt_token_ids)
         max_tokens = self.max_model_len - len(prompt) if params.max_tokens is None else params.max_tokens
+        # the choices fork choice 0's prompt (one prefill for all); not when prompt
+        # logprobs or nothing but the prompt are asked for (each choice reports its own)
+        fork = (self.config.scheduler.fork_choices and params.n > 1 and params.prompt_logprobs is None
+                and max_tokens > 0)
         seqs = []
         for index in range(params.n):
             generator = None
@@ -120,7 +124,11 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
             seqs.append(seq)
-            self.scheduler.add(seq)
+            if fork and index > 0:
+                seq.fork_parent = seqs[0]
+                seqs[0].fork_children.append(seq)
+            else:
+                self.scheduler.add(seq)
         self.outputs.add(request.request_id, seqs, RequestMetrics(request.arrival_time, None, None, len(prompt), 0))
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

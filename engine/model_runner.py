@@ -33,6 +33,8 @@ class ModelOutput:
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     # the graph of a recorded prefill step
     recording: RecordedPrefill | None = None
+    # seq_id -> the sampled logits row of a sequence whose choices fork it this step
+    fork_logits: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,9 +183,24 @@ class ModelRunner:
 
     def execute(self, step: SchedulerOutput) -> ModelOutput:
         if step.recorded:
-            return self._execute_recorded(step)
-        with torch.inference_mode():
-            return self._execute(step)
+            output = self._execute_recorded(step)
+        else:
+            with torch.inference_mode():
+                output = self._execute(step)
+        if step.forks:
+            with torch.inference_mode():
+                self._fork(step, output)
+        return output
+
+    def _fork(self, step: SchedulerOutput, output: ModelOutput) -> None:
+        """The forked choices' own copies of their prompt's last block (now written), and
+        their first tokens, sampled from their parent's last prompt row."""
+        self.kv_cache.copy_blocks([copy for fork in step.forks for copy in fork.block_copies])
+        for fork in step.forks:
+            row = output.fork_logits.pop(fork.parent.seq_id)
+            rows = row.unsqueeze(0).expand(len(fork.children), -1).contiguous()
+            for child, token in zip(fork.children, self.sampler.sample(rows, fork.children)):
+                output.sampled[child.seq_id] = token
 
     def _execute_recorded(self, step: SchedulerOutput) -> ModelOutput:
         """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only;
@@ -193,12 +210,13 @@ class ModelRunner:
         length in attention (`alchemist bench recording`, case beside_decodes: 1.28x a
         plain step that way, 1.16x this way)."""
         recorded, others = step.scheduled[0], step.scheduled[1:]
-        output = self._record_prefill(SchedulerOutput([recorded], recorded=True))
+        output = self._record_prefill(SchedulerOutput([recorded], recorded=True, forks=step.forks))
         if others:
             with torch.inference_mode():
-                rest = self._execute(SchedulerOutput(others))
+                rest = self._execute(SchedulerOutput(others, forks=step.forks))
             output.sampled.update(rest.sampled)
             output.prompt_logprobs.update(rest.prompt_logprobs)
+            output.fork_logits.update(rest.fork_logits)
         return output
 
     def _record_prefill(self, step: SchedulerOutput) -> ModelOutput:
@@ -241,7 +259,10 @@ class ModelRunner:
         output = ModelOutput(recording=recording)
         if packed.sample_rows:
             with torch.inference_mode():
-                output.sampled[seq.seq_id] = self.sampler.sample(logits[-1:].detach().clone(), [seq])[0]
+                last = logits[-1:].detach().clone()
+                output.sampled[seq.seq_id] = self.sampler.sample(last, [seq])[0]
+                if any(fork.parent is seq for fork in step.forks):
+                    output.fork_logits[seq.seq_id] = last[0]
         return output
 
     @staticmethod
@@ -269,6 +290,10 @@ class ModelRunner:
             seqs = [entry.seq for entry in packed.sample_entries]
             for seq, token in zip(seqs, self.sampler.sample(logits, seqs)):
                 output.sampled[seq.seq_id] = token
+            parents = {fork.parent.seq_id for fork in step.forks}
+            for row, seq in enumerate(seqs):
+                if seq.seq_id in parents:
+                    output.fork_logits[seq.seq_id] = logits[row]
         for entry, rows, targets in packed.prompt_logprob_rows:
             seq = entry.seq
             results: list[TokenLogprob] = []

@@ -48,10 +48,19 @@ class OutputProcessor:
             if sampled is None:  # max_tokens == 0: the prompt was only scored
                 self.scheduler.finish(seq, "length")
                 continue
-            if sampled.logprob_value is not None:
-                seq.cumulative_logprob += sampled.logprob_value
-            self._append_token(seq, sampled.token_id, sampled.logprob, now)
+            self._append_sampled(seq, sampled, now)
+        for fork in scheduled.forks:  # choices that took a prompt computed in this step
+            for child in fork.children:
+                child.first_scheduled_time = step_started
+                touched.add(child.request_id)
+                self._append_sampled(child, model_output.sampled[child.seq_id], now)
         return touched
+
+    def _append_sampled(self, seq: Sequence, sampled, now: float) -> None:
+        if sampled.logprob_value is not None:
+            seq.cumulative_logprob += sampled.logprob_value
+            seq.token_logprobs.append(sampled.logprob_value)
+        self._append_token(seq, sampled.token_id, sampled.logprob, now)
 
     def _append_token(self, seq: Sequence, token_id: int, logprob, now: float) -> None:
         seq.output_token_ids.append(token_id)

@@ -7,6 +7,13 @@ order while the budget, `max_num_seqs` and free KV blocks allow; a prompt larger
 what is left of the budget is prefilled in chunks over several steps, sharing those
 steps with other sequences' decodes. When KV blocks run out, the most recently admitted
 sequence is preempted: its blocks are freed and it is recomputed later (vLLM's policy).
+
+A request's n choices share one prefill: in the step that completes choice 0's prompt,
+the other choices fork it (`Fork`): they hold its full prompt blocks too (reference
+counts) and get their own copy of its last, partial block, which they will write to
+(copy-on-write, done at the fork since the first decode writes it at once). A choice
+that cannot fork (no free block, `max_num_seqs` reached) is queued and prefilled alone.
+A forked choice is an ordinary sequence afterwards: preempted, it recomputes alone.
 """
 
 from __future__ import annotations
@@ -34,12 +41,25 @@ class ScheduledSequence:
 
 
 @dataclass
+class Fork:
+    """Choices that take `parent`'s prompt K/V in this step and sample their first token
+    from its last prompt row."""
+
+    parent: Sequence
+    children: list[Sequence]
+    # (source, destination) KV blocks to copy once the step has written the prompt
+    block_copies: list[tuple[int, int]]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     # sequences that lost their blocks this step
     preempted: list[Sequence] = field(default_factory=list)
     # a recorded prefill: exactly one sequence, its whole prompt, run with autograd
     recorded: bool = False
+    # choices forking a prompt completed in this step
+    forks: list[Fork] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -103,7 +123,8 @@ class Scheduler:
         if seq.awaits_admission:
             seq.awaits_admission = False
             seq.record = self.admit_recording(seq) if self.admit_recording is not None else None
-            seq.track_logprob = seq.record is not None
+            for member in (seq, *seq.fork_children):  # the group's samples are trained on together
+                member.track_logprob = seq.record is not None
         if seq.record is None or not self._grow(seq, seq.num_tokens):
             return None
         self.waiting.popleft()
@@ -113,10 +134,39 @@ class Scheduler:
         self.running.append(seq)
         return SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)] + decodes, recorded=True)
 
+    def _fork(self, output: SchedulerOutput) -> None:
+        """Forks the waiting choices of every prompt this step completes."""
+        for entry in output.scheduled:
+            parent = entry.seq
+            if not parent.fork_children or not entry.completes_pending:
+                continue
+            children, parent.fork_children = parent.fork_children, []
+            num_full, partial = divmod(parent.num_prompt_tokens, self.block_size)
+            fork = Fork(parent, [], [])
+            for child in children:
+                child.fork_parent = None
+                if len(self.running) >= self.config.max_num_seqs or (partial and self.allocator.num_free == 0):
+                    self.waiting.appendleft(child)  # prefilled alone, as soon as there is room
+                    continue
+                self.allocator.share(parent.block_ids[:num_full])
+                child.block_ids = parent.block_ids[:num_full]
+                if partial:
+                    own = self.allocator.allocate(1)[0]
+                    child.block_ids = child.block_ids + [own]
+                    fork.block_copies.append((parent.block_ids[num_full], own))
+                child.num_computed_tokens = parent.num_prompt_tokens
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+                fork.children.append(child)
+            if fork.children:
+                output.forks.append(fork)
+
     def schedule(self) -> SchedulerOutput:
-        recorded = self._schedule_recorded_prefill()
-        if recorded is not None:
-            return recorded
+        output = self._schedule_recorded_prefill() or self._schedule_batch()
+        self._fork(output)
+        return output
+
+    def _schedule_batch(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Running sequences first, oldest first; the newest is preempted when blocks run out.
@@ -154,6 +204,13 @@ class Scheduler:
         """Mark `seq` finished and free its blocks (it may be running or waiting)."""
         if seq.is_finished:
             return
+        if seq.fork_parent is not None:  # still waiting to fork
+            seq.fork_parent.fork_children.remove(seq)
+            seq.fork_parent = None
+        for child in seq.fork_children:  # never left without a prompt: prefilled alone
+            child.fork_parent = None
+            self.waiting.appendleft(child)
+        seq.fork_children = []
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

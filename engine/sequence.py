@@ -4,6 +4,10 @@ A request with `n` choices is `n` sequences sharing a request id. What a sequenc
 needs is `num_tokens - num_computed_tokens` tokens of forward pass: the whole prompt at
 first (possibly over several chunked steps), then one token per decode step. A
 preempted sequence resets `num_computed_tokens` to 0 and recomputes prompt + output.
+
+The choices of a request are prefilled once: choice 0 is prefilled and the others wait
+as its `fork_children` until its prompt is complete, then fork its KV blocks and sample
+their first tokens from its last prompt row (engine/scheduler.py, `Fork`).
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ class Sequence:
     # (DPO reuses it as the served response's policy log-prob)
     track_logprob: bool = False
     cumulative_logprob: float = 0.0
+    # the raw log-prob of each sampled token, when tracked (GRPO's served log-probs)
+    token_logprobs: list[float] = field(default_factory=list)
+    # choices of the same request waiting for this sequence's prompt to fork from it, and,
+    # on such a choice, the sequence it waits for
+    fork_children: list["Sequence"] = field(default_factory=list)
+    fork_parent: "Sequence | None" = None
 
     @property
     def num_prompt_tokens(self) -> int:
