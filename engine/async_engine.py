@@ -61,6 +61,7 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._inbox: collections.deque = collections.deque()
         self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._stopping = False
 
@@ -71,6 +72,7 @@ class AsyncEngine:
         if self._task is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-device")
             self._wake = asyncio.Event()
+            self._loop = asyncio.get_running_loop()
             self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="alchemist-engine")
 
     async def stop(self) -> None:
@@ -132,6 +134,11 @@ class AsyncEngine:
         """Wakes the loop: idle work may have become available (a label arrived)."""
         if self._wake is not None:
             self._wake.set()
+
+    def notify_threadsafe(self) -> None:
+        """`notify` from a thread other than the loop's (a reward function's result)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.notify)
 
     def _send(self, message) -> None:
         self._inbox.append(message)

@@ -19,9 +19,14 @@ T = TypeVar("T")
 class PrefillRecorder(Protocol):
     """Decides which prefills are recorded and receives the recordings (the trainer)."""
 
-    def admit(self, request_id: str, prompt_token_ids: list[int]) -> RecordSpec | None:
+    # trainable requests track their sampled tokens' log-probs even when not recorded
+    # (their labels train by recomputation and use the served values)
+    wants_served_logprobs: bool
+
+    def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1) -> RecordSpec | None:
         """Asked once per trainable request, when its prefill is about to be scheduled:
-        how to record it, stamped with the adapter version serving runs under, or None."""
+        how to record it, stamped with the adapter version serving runs under, or None.
+        `num_choices`: the request's n (its choices share the one recording)."""
         ...
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None: ...

@@ -137,7 +137,14 @@ class LLMEngine:
         self.add(self.make_request(request_id, prompt_token_ids, params, arrival_time, train))
 
     def _admit_recording(self, seq: Sequence) -> RecordSpec | None:
-        return self.recorder.admit(seq.request_id, seq.prompt_token_ids) if self.recorder is not None else None
+        """Asks the recorder about a trainable request (its choice 0, before its prefill);
+        its choices then track their served log-probs if the recording or label needs them."""
+        if self.recorder is None:
+            return None
+        spec = self.recorder.admit(seq.request_id, seq.prompt_token_ids, seq.params.n)
+        for member in (seq, *seq.fork_children):
+            member.track_logprob = spec is not None or self.recorder.wants_served_logprobs
+        return spec
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request at this step boundary; returns its final output (None if unknown)."""

@@ -93,11 +93,15 @@ class OutputProcessor:
         meta = self.metrics[request_id]
         completions = []
         for seq in seqs:
+            values = None
+            if seq.track_logprob:
+                values = seq.token_logprobs[len(seq.token_logprobs) - len(seq.new_token_ids):]
             completions.append(CompletionOutput(
                 index=seq.index, text=seq.detokenizer.take_new_text(seq.is_finished),
                 token_ids=seq.new_token_ids, logprobs=seq.new_logprobs if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                cumulative_logprob=seq.cumulative_logprob if seq.track_logprob else None))
+                cumulative_logprob=seq.cumulative_logprob if seq.track_logprob else None,
+                token_logprob_values=values))
             seq.new_token_ids, seq.new_logprobs = [], []
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         meta.first_token_time = min(firsts) if firsts else None

@@ -34,6 +34,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None
     # sum of the raw log-probs of all tokens generated so far (recorded sequences only)
     cumulative_logprob: float | None = None
+    # the raw log-prob of each token in `token_ids` (recorded sequences only)
+    token_logprob_values: list[float] | None = None
 
 
 @dataclass

@@ -123,8 +123,6 @@ class Scheduler:
         if seq.awaits_admission:
             seq.awaits_admission = False
             seq.record = self.admit_recording(seq) if self.admit_recording is not None else None
-            for member in (seq, *seq.fork_children):  # the group's samples are trained on together
-                member.track_logprob = seq.record is not None
         if seq.record is None or not self._grow(seq, seq.num_tokens):
             return None
         self.waiting.popleft()

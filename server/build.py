@@ -29,7 +29,9 @@ from trainer.arbiter import Arbiter
 from trainer.cache import ActivationCache
 from trainer.config import TrainConfig
 from trainer.forward import recompute_segment
+from trainer.grpo import GRPOMethod
 from trainer.methods import CPTMethod, DPOMethod, TrainingMethod
+from trainer.rewards import RewardScorer, load_reward_function
 from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
 from trainer.stash import WeightStash
@@ -44,7 +46,9 @@ def default_method(config: TrainConfig) -> TrainingMethod:
         return CPTMethod()
     if config.mode == "dpo":
         return DPOMethod(config.dpo_beta, config.dpo_reference)
-    raise ValueError("the trainer needs train.mode cpt or dpo (or a custom method)")
+    if config.mode == "grpo":
+        return GRPOMethod(config.grpo_beta, config.grpo_clip_eps)
+    raise ValueError("the trainer needs train.mode cpt, dpo or grpo (or a custom method)")
 
 
 def build_trainer(engine: LLMEngine, config: TrainConfig, offload: OffloadConfig | None = None,
@@ -78,7 +82,12 @@ def build_trainer(engine: LLMEngine, config: TrainConfig, offload: OffloadConfig
     trainer = Trainer(config, method, engine.runner, peft_model, optimizer, cache, stats, engine.tokenizer,
                       engine.max_model_len, lambda: engine.num_steps, offloader=offloader, stash=stash,
                       warmer=warmer)
-    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader, warmer)
+    if config.reward_function:
+        decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=False)
+        trainer.rewards = RewardScorer(load_reward_function(config.reward_function), config.reward_timeout_s,
+                                       cache, stats, trainer.submit_feedback, decode)
+    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader, warmer,
+                        trainer.rewards)
     engine.recorder = recorder
     engine.observers.append(recorder)
     return trainer
@@ -114,6 +123,8 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
         logger.warning("adapter.dir is set but training is off (train.mode = off): no adapter is loaded from or "
                        "saved to %s", config.adapter.dir)
     async_engine = AsyncEngine(engine, idle_hook=arbiter)
+    if trainer is not None and trainer.rewards is not None:
+        trainer.rewards.on_scored = async_engine.notify_threadsafe
     metrics.add_engine(async_engine, arbiter, config.arbiter.policy)
     if trainer is not None:
         metrics.add_trainer(trainer)

@@ -10,6 +10,7 @@ import logging
 import sys
 
 from server.config import AlchemistConfig, load_config
+from trainer.config import TRAIN_MODES
 
 logger = logging.getLogger("alchemist")
 
@@ -27,10 +28,13 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--kv-cache-bytes", type=int)
-    parser.add_argument("--train-mode", choices=["off", "cpt", "dpo"], help="online training from served traffic")
+    parser.add_argument("--train-mode", choices=list(TRAIN_MODES), help="online training from served traffic")
     parser.add_argument("--learning-rate", type=float)
     parser.add_argument("--dpo-reference", choices=["base", "served"],
                         help="DPO's reference: the base model (default) or the adapter version that served the prompt")
+    parser.add_argument("--reward-function", help="grpo: rewards computed in the server, 'package.module:function' "
+                        "called with (prompt, responses) returning one number per response")
+    parser.add_argument("--grpo-beta", type=float, help="grpo: weight of the KL to the base model (default 0)")
     parser.add_argument("--arbiter-policy", choices=["idle", "slo"], help="when training runs (default idle)")
     parser.add_argument("--tpot-slo-ms", type=float, help="time-per-output-token SLO for --arbiter-policy slo")
     parser.add_argument("--offload-device-budget-bytes", type=int, help="device bytes for recorded activations and "
@@ -48,7 +52,9 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None),
-                  "dpo_reference": getattr(args, "dpo_reference", None)},
+                  "dpo_reference": getattr(args, "dpo_reference", None),
+                  "reward_function": getattr(args, "reward_function", None),
+                  "grpo_beta": getattr(args, "grpo_beta", None)},
         "arbiter": {"policy": getattr(args, "arbiter_policy", None), "tpot_slo_ms": getattr(args, "tpot_slo_ms", None)},
         "offload": {"device_budget_bytes": getattr(args, "offload_device_budget_bytes", None),
                     "policy": getattr(args, "offload_policy", None), "profile": getattr(args, "offload_profile", None)},

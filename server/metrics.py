@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
 from trainer.arbiter import ArbiterStats
 
@@ -246,6 +246,21 @@ class TrainingCollector:
                                   "recorded (cache full, prompt too long, or no room in the offload device budget).",
                                   value=stats.not_recorded)
         yield from _offload_metrics(status.offload)
+        yield from _group_metrics(stats)
+
+
+def _group_metrics(stats):
+    """GRPO: groups and their rewards (a summary: rate(_sum) / rate(_count) is the mean reward over time)."""
+    yield CounterMetricFamily(f"{PREFIX}rewarded_groups", "Groups (requests with n >= 2) whose rewards arrived, "
+                              "posted or computed by the reward function.", value=stats.rewarded_groups)
+    yield SummaryMetricFamily(f"{PREFIX}reward", "Rewards received, one per sampled response.",
+                              count_value=stats.rewards_received, sum_value=stats.reward_sum)
+    yield GaugeMetricFamily(f"{PREFIX}group_mean_reward", "Mean reward of the latest rewarded group.",
+                            value=stats.last_group_mean_reward)
+    yield CounterMetricFamily(f"{PREFIX}zero_advantage_groups", "Groups whose rewards were all equal: no advantage, "
+                              "no gradient, not trained.", value=stats.zero_advantage_groups)
+    yield CounterMetricFamily(f"{PREFIX}reward_errors", "Reward function calls that raised, timed out or returned "
+                              "a bad value (their groups dropped).", value=stats.reward_errors)
 
 
 _STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
+from trainer.feedback import FeedbackLabel
 
 
 class _Strict(BaseModel):
@@ -140,12 +141,20 @@ class CompletionRequest(_SamplingFields):
 
 
 class FeedbackRequest(_Strict):
-    """POST /v1/feedback: a preference label for a served completion."""
+    """POST /v1/feedback: a label for a served completion — a preference (DPO: response
+    texts, or two of its choices by index) or one reward per choice (GRPO)."""
 
     id: Annotated[str, Field(min_length=1)]
     chosen: Annotated[str, Field(min_length=1)] | None = None
     rejected: Annotated[str, Field(min_length=1)] | None = None
     choice_index: Annotated[int, Field(ge=0)] = 0
+    chosen_index: Annotated[int, Field(ge=0)] | None = None
+    rejected_index: Annotated[int, Field(ge=0)] | None = None
+    rewards: Annotated[list[float], Field(min_length=1)] | None = None
+
+    def label(self) -> FeedbackLabel:
+        return FeedbackLabel(self.id, self.chosen, self.rejected, self.choice_index, self.chosen_index,
+                             self.rejected_index, self.rewards)
 
 
 class RollbackRequest(_Strict):

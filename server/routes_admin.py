@@ -20,7 +20,6 @@ from server.protocol import FeedbackRequest, RollbackRequest
 from server.state import ServerState
 from trainer.adapter_store import AdapterLoadError
 from trainer.feedback import FeedbackOutcome
-from trainer.feedback import FeedbackLabel
 from trainer.lifecycle import AdapterMismatchError
 
 _FEEDBACK_STATUS = {FeedbackOutcome.INVALID: 400, FeedbackOutcome.UNKNOWN: 404, FeedbackOutcome.CONFLICT: 409}
@@ -43,12 +42,14 @@ def admin_router(state: ServerState) -> APIRouter:
     async def feedback(request: Request):
         body: FeedbackRequest = await parse_body(request, FeedbackRequest)
         if state.trainer is None:
-            raise APIError(400, "training is off on this server (start it with --train-mode dpo); feedback is "
-                                "not used", code="feedback_not_used")
-        result = state.trainer.submit_feedback(FeedbackLabel(body.id, body.chosen, body.rejected, body.choice_index))
+            raise APIError(400, "training is off on this server (start it with --train-mode dpo or grpo); "
+                                "feedback is not used", code="feedback_not_used")
+        result = state.trainer.submit_feedback(body.label())
         if not result.accepted:
             raise APIError(_FEEDBACK_STATUS[result.outcome], result.message, result.param, result.code)
         state.engine.notify()
+        if result.skipped:  # valid, but nothing to learn from: say so
+            return {"id": body.id, "object": "feedback", "status": "skipped", "message": result.message}
         return {"id": body.id, "object": "feedback", "status": "accepted"}
 
     @router.get("/v1/adapters")

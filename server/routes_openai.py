@@ -50,6 +50,12 @@ def openai_router(state: ServerState) -> APIRouter:
     return router
 
 
+def note_prompt(state: ServerState, request_id: str, prompt) -> None:
+    """Hands a request's prompt (messages or text) to the reward function, if one is set."""
+    if state.trainer is not None and state.trainer.rewards is not None:
+        state.trainer.rewards.note_prompt(request_id, prompt)
+
+
 async def serve_chat_completion(state: ServerState, request: Request):
     body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
     check_model(state.model_name, body.model)
@@ -58,6 +64,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     prompt_ids = render_chat(state.tokenizer, body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages")
+    note_prompt(state, request_id, [m.model_dump(exclude_none=True) for m in body.messages])
     stream = engine_stream(state.engine, engine_request)
     if body.stream:
         events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
@@ -90,6 +97,8 @@ async def serve_completion(state: ServerState, request: Request):
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt")
                        for rid, (prompt_ids, _) in zip(ids, prompts)]
+    for rid, (prompt_ids, _) in zip(ids, prompts):
+        note_prompt(state, rid, state.tokenizer.decode(prompt_ids))
     streams = [engine_stream(state.engine, r) for r in engine_requests]
     if body.stream:
         events = completion_events(request_id, state.model_name, streams, prompts, params.n, body.echo,

@@ -37,18 +37,22 @@ class EntryState(str, enum.Enum):
     WAITING_LABEL = "waiting_label"
     # never an entry: the request was served with "train": false (or only scored)
     NOT_TRAINABLE = "not_trainable"
+    # never an entry: a single-choice request on a server that trains on groups (GRPO)
+    NOT_A_GROUP = "not_a_group"
     READY = "ready"
     TRAINING = "training"
     TRAINED = "trained"
     EXPIRED = "expired"
     EVICTED = "evicted"
     DROPPED = "dropped"
+    # a group whose rewards were all equal: no advantage, so no gradient; not trained
+    SKIPPED = "skipped"
 
 
 # what gives way when a new recording does not fit (see the module docstring)
 FULL_POLICIES = ("drop_new", "evict_oldest", "unlabelled_give_way")
 
-TERMINAL = {EntryState.TRAINED, EntryState.EXPIRED, EntryState.EVICTED, EntryState.DROPPED}
+TERMINAL = {EntryState.TRAINED, EntryState.EXPIRED, EntryState.EVICTED, EntryState.DROPPED, EntryState.SKIPPED}
 
 
 @dataclass(eq=False)
@@ -69,6 +73,8 @@ class CacheEntry:
     responses: dict[int, list[int]] = field(default_factory=dict)
     # their summed log-probs as serving computed them (under this entry's adapter version)
     served_logps: dict[int, float] = field(default_factory=dict)
+    # and each token's (GRPO's log π_old)
+    served_token_logps: dict[int, list[float]] = field(default_factory=dict)
     response_finished: bool = False
     # monotonic time after which an entry still waiting for its label expires
     label_deadline: float | None = None
@@ -117,6 +123,28 @@ class PreferenceEntry(CacheEntry):
     def num_tokens(self) -> int:
         extra = len(self.label.chosen) + len(self.label.rejected) if self.label else 0
         return len(self.prompt_token_ids) + extra
+
+
+@dataclass
+class GroupRewards:
+    # one finite reward per choice, by choice index
+    rewards: list[float]
+
+
+@dataclass(eq=False)
+class GroupEntry(CacheEntry):
+    """A GRPO entry: one prompt recording for a request's n sampled responses (`responses`,
+    with their per-token served log-probs), waiting for a reward per response."""
+
+    label: GroupRewards | None = None
+    # per choice, the base model's log-prob of each response token (KL term), computed once
+    reference_token_logps: dict[int, list[float]] | None = None
+
+    needs_label = True
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + sum(len(r) for r in self.responses.values())
 
 
 class ActivationCache:
@@ -245,11 +273,12 @@ class ActivationCache:
         entry.nbytes = 0
         entry.release()
 
-    def note_not_trainable(self, completion_id: str) -> None:
-        """A finished request that can never get an entry, so that feedback for it says why."""
+    def note_not_trainable(self, completion_id: str, state: EntryState = EntryState.NOT_TRAINABLE) -> None:
+        """A finished request that can never get an entry (NOT_TRAINABLE or NOT_A_GROUP),
+        so that feedback for it says why."""
         with self._lock:
             if completion_id not in self._entries:
-                self._remember(completion_id, EntryState.NOT_TRAINABLE)
+                self._remember(completion_id, state)
 
     def _remember(self, completion_id: str, state: EntryState) -> None:
         """How a completion's entry ended (or why it never had one), for its feedback."""
@@ -269,19 +298,24 @@ class ActivationCache:
             self._remember(entry.completion_id, state)
 
     def response_finished(self, completion_id: str, responses: dict[int, list[int]], aborted: bool,
-                          served_logps: dict[int, float] | None = None) -> None:
+                          served_logps: dict[int, float] | None = None,
+                          served_token_logps: dict[int, list[float]] | None = None) -> CacheEntry | None:
+        """Completes an entry with its served responses; the entry, if it still waits for its label."""
         with self._lock:
             entry = self._entries.get(completion_id)
             if entry is None:
-                return
+                return None
             entry.responses = responses
             entry.served_logps = served_logps or {}
+            entry.served_token_logps = served_token_logps or {}
             entry.response_finished = True
             if entry.needs_label:
                 if aborted and entry.state is EntryState.WAITING_LABEL:
                     self.end(entry, EntryState.DROPPED)  # no complete response to prefer or reject
                 elif entry.state is EntryState.WAITING_LABEL:
                     entry.label_deadline = self.clock() + self.label_timeout_s
+                    return entry
+            return None
 
     def expire(self) -> list[CacheEntry]:
         """Ends entries whose label did not arrive in time."""

@@ -9,13 +9,14 @@ from engine.config import check_positive
 from trainer.cache import FULL_POLICIES
 
 
-TRAIN_MODES = ("off", "cpt", "dpo")
+TRAIN_MODES = ("off", "cpt", "dpo", "grpo")
 DPO_REFERENCES = ("base", "served")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     # off | cpt (continual pre-training on prompts) | dpo (preference alignment from feedback)
+    # | grpo (groups of n >= 2 samples of a prompt, from a reward per sample)
     mode: str = "off"
     learning_rate: float = 1e-4
     # LoRA rank (the paper's 8), scale alpha, and modules; empty: every linear layer of the decoder
@@ -28,6 +29,16 @@ class TrainConfig:
     # entry) or served (the adapter version that served the prompt, TR-DPO style: no extra
     # forward; anchored to the current policy rather than the base model)
     dpo_reference: str = "base"
+    # GRPO: weight of the KL to the base model (0, as in current practice: no reference
+    # forward), and the clip range of the probability ratio to the served log-probs
+    grpo_beta: float = 0.0
+    grpo_clip_eps: float = 0.2
+    # GRPO: rewards computed in the server, "package.module:function" called with the
+    # prompt (messages or text) and the n response texts, returning n numbers
+    # (trainer/rewards.py); "" waits for POST /v1/feedback {"rewards": [...]}
+    reward_function: str = ""
+    # a reward function call that takes longer drops its group (counted as an error)
+    reward_timeout_s: float = 30.0
     # a DPO entry whose feedback has not arrived this many seconds after the response is evicted
     label_timeout_s: float = 300.0
     # bytes of recorded activations the activation cache may hold
@@ -84,7 +95,13 @@ class TrainConfig:
             raise ValueError(f"train.stale_policy must be recompute or drop, got {self.stale_policy!r}")
         if not 0.0 <= self.record_fraction <= 1.0:
             raise ValueError(f"train.record_fraction must be in [0, 1], got {self.record_fraction}")
-        for name in ("learning_rate", "dpo_beta", "label_timeout_s", "max_grad_norm"):
+        if not self.grpo_beta >= 0:
+            raise ValueError(f"train.grpo_beta must be >= 0, got {self.grpo_beta}")
+        if not 0 < self.grpo_clip_eps < 1:
+            raise ValueError(f"train.grpo_clip_eps must be in (0, 1), got {self.grpo_clip_eps}")
+        if self.reward_function and self.mode != "grpo":
+            raise ValueError(f"train.reward_function is used by train.mode grpo, not {self.mode!r}")
+        for name in ("learning_rate", "dpo_beta", "label_timeout_s", "max_grad_norm", "reward_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         for name in ("lora_rank", "lora_alpha", "cache_bytes", "max_record_tokens", "entries_per_step",

@@ -1,4 +1,6 @@
-"""Feedback: a preference label attached to a served completion's cache entry.
+"""Feedback: a label attached to a served completion's cache entry — a preference (DPO:
+`chosen`/`rejected` texts, one side defaulting to the served response, or two served
+choices by index) or a reward per choice (GRPO).
 
 `attach_label` validates a label against its entry and attaches it; it returns a typed
 `FeedbackResult` (accepted, or why not, with OpenAI's `param` and `code`), which the
@@ -9,10 +11,12 @@ tensor work: token ids only).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Callable
 
-from trainer.cache import ActivationCache, EntryState, PreferenceLabel
+from trainer.cache import ActivationCache, CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, \
+    PreferenceLabel
 
 
 class FeedbackOutcome(str, enum.Enum):
@@ -32,6 +36,8 @@ class FeedbackResult:
     # the request field at fault, and OpenAI's error code
     param: str | None = None
     code: str | None = None
+    # accepted, but the group's rewards were all equal: it gives no gradient and is not trained
+    skipped: bool = False
 
     @property
     def accepted(self) -> bool:
@@ -54,20 +60,142 @@ def _refuse(outcome: FeedbackOutcome, message: str, param: str | None, code: str
 class FeedbackLabel:
     completion_id: str
     # response texts; None means "the served response" (of `choice_index`)
-    chosen: str | None
-    rejected: str | None
+    chosen: str | None = None
+    rejected: str | None = None
     choice_index: int = 0
+    # DPO between two served choices of an n >= 2 request
+    chosen_index: int | None = None
+    rejected_index: int | None = None
+    # GRPO: one reward per choice
+    rewards: list[float] | None = None
+
+
+# which label a training method takes (TrainingMethod.label_kind)
+PREFERENCE, REWARDS = "preference", "rewards"
 
 
 def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: Callable[[str], list[int]],
-                 max_model_len: int) -> FeedbackResult:
+                 max_model_len: int, label_kind: str = PREFERENCE) -> FeedbackResult:
     """Validates `request` against its entry and attaches the label (the entry becomes
     ready for training); `response_ids` tokenizes a response text."""
     try:
-        _attach(cache, request, response_ids, max_model_len)
+        if label_kind == REWARDS:
+            return _attach_rewards(cache, request)
+        if request.rewards is not None:
+            raise _refuse(FeedbackOutcome.INVALID, "'rewards' are for group training; this server trains on "
+                          "preferences (give 'chosen'/'rejected', or 'chosen_index'/'rejected_index')", "rewards",
+                          "invalid_value")
+        if request.chosen_index is not None or request.rejected_index is not None:
+            _attach_indices(cache, request)
+        else:
+            _attach(cache, request, response_ids, max_model_len)
     except _Refused as refused:
         return refused.result
     return ACCEPTED
+
+
+def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
+    """The completion's entry, still without a label; refuses (404/409/400) otherwise.
+    The caller holds the cache's lock."""
+    entry = cache.get(completion_id)
+    if entry is None:
+        ended = cache.ended_state(completion_id)
+        if ended in (EntryState.TRAINED, EntryState.SKIPPED):
+            raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label and "
+                          f"was {'trained on' if ended is EntryState.TRAINED else 'skipped (equal rewards)'}",
+                          "id", "label_exists")
+        if ended is EntryState.NOT_TRAINABLE:
+            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} cannot be trained on: it was "
+                          "served with \"train\": false (or only scored); send feedback for completions "
+                          "served with training allowed", "id", "not_trainable")
+        if ended is EntryState.NOT_A_GROUP:
+            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group: this server "
+                          "trains on groups of samples; request them with n >= 2", "id", "not_a_group")
+        reason = {EntryState.EXPIRED: "it expired (no feedback within the label timeout)",
+                  EntryState.DROPPED: "it was dropped (its request was cut short, or the bound on entries "
+                                      "waiting for a label, train.max_label_entries, was reached)"}.get(
+            ended, "it is unknown (or so old that the server no longer remembers it)")
+        raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: {reason}",
+                      "id", "entry_not_found")
+    if getattr(entry, "label", None) is not None:
+        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
+                      "label_exists")
+    return entry
+
+
+def _finished_responses(entry: CacheEntry, completion_id: str, what: str) -> dict[int, list[int]]:
+    if not entry.response_finished:
+        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} is still being generated; send "
+                      f"{what} once it has finished", "id", "response_pending")
+    return entry.responses
+
+
+def _attach_rewards(cache: ActivationCache, request: FeedbackLabel) -> FeedbackResult:
+    completion_id, rewards = request.completion_id, request.rewards
+    if rewards is None:
+        raise _refuse(FeedbackOutcome.INVALID, "this server trains on groups of samples (GRPO): send 'rewards', "
+                      "one number per choice", "rewards", "missing_required_parameter")
+    for name in ("chosen", "rejected", "chosen_index", "rejected_index"):
+        if getattr(request, name) is not None:
+            raise _refuse(FeedbackOutcome.INVALID, f"'{name}' is for preference training; this server trains on "
+                          "groups (GRPO): send only 'rewards'", name, "invalid_value")
+    bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
+    if bad:
+        raise _refuse(FeedbackOutcome.INVALID, f"rewards must be finite numbers; rewards[{bad[0]}] is "
+                      f"{rewards[bad[0]]}", "rewards", "invalid_value")
+    with cache.lock:
+        entry = _waiting_entry(cache, completion_id)
+        if not isinstance(entry, GroupEntry):
+            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group",
+                          "id", "not_a_group")
+        responses = _finished_responses(entry, completion_id, "its rewards")
+        if len(rewards) != len(responses):
+            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} has {len(responses)} choices; "
+                          f"got {len(rewards)} rewards (one per choice, in choice order)", "rewards",
+                          "invalid_value")
+        entry.label = GroupRewards([float(r) for r in rewards])
+        if max(rewards) == min(rewards):
+            cache.end(entry, EntryState.SKIPPED)
+            return FeedbackResult(FeedbackOutcome.ACCEPTED, "all rewards are equal: the group has no advantage "
+                                  "and is not trained", skipped=True)
+        if entry.state is EntryState.WAITING_LABEL:
+            entry.state = EntryState.READY
+    return ACCEPTED
+
+
+def _attach_indices(cache: ActivationCache, request: FeedbackLabel) -> None:
+    """DPO between two served choices: both responses and their log-probs come from decoding."""
+    completion_id, chosen, rejected = request.completion_id, request.chosen_index, request.rejected_index
+    for name in ("chosen", "rejected"):
+        if getattr(request, name) is not None:
+            raise _refuse(FeedbackOutcome.INVALID, f"give either '{name}' or '{name}_index', not both", name,
+                          "invalid_value")
+    if chosen is None or rejected is None:
+        missing = "chosen_index" if chosen is None else "rejected_index"
+        raise _refuse(FeedbackOutcome.INVALID, "give both 'chosen_index' and 'rejected_index'", missing,
+                      "missing_required_parameter")
+    if chosen == rejected:
+        raise _refuse(FeedbackOutcome.INVALID, "'chosen_index' and 'rejected_index' are the same choice",
+                      "rejected_index", "invalid_value")
+    with cache.lock:
+        entry = _waiting_entry(cache, completion_id)
+        if not isinstance(entry, PreferenceEntry):
+            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} takes no preference label", "id",
+                          "invalid_value")
+        responses = _finished_responses(entry, completion_id, "its preference")
+        for name, index in (("chosen_index", chosen), ("rejected_index", rejected)):
+            if index not in responses:
+                raise _refuse(FeedbackOutcome.INVALID, f"{name} {index} does not exist; the completion has choices "
+                              f"{sorted(responses)}", name, "invalid_value")
+        if responses[chosen] == responses[rejected]:
+            raise _refuse(FeedbackOutcome.INVALID, f"choices {chosen} and {rejected} are the same response",
+                          "rejected_index", "invalid_value")
+        entry.label = PreferenceLabel(list(responses[chosen]), list(responses[rejected]))
+        for side, index in (("chosen", chosen), ("rejected", rejected)):
+            if index in entry.served_logps:
+                entry.label.served_logps[side] = entry.served_logps[index]
+        if entry.state is EntryState.WAITING_LABEL:
+            entry.state = EntryState.READY
 
 
 def _attach(cache: ActivationCache, request: FeedbackLabel, response_ids, max_model_len: int) -> None:
@@ -77,25 +205,7 @@ def _attach(cache: ActivationCache, request: FeedbackLabel, response_ids, max_mo
         raise _refuse(FeedbackOutcome.INVALID, "give at least one of 'chosen' and 'rejected'; the other defaults "
                       "to the served response", "chosen", "missing_required_parameter")
     with cache.lock:
-        entry = cache.get(completion_id)
-        if entry is None:
-            ended = cache.ended_state(completion_id)
-            if ended is EntryState.TRAINED:
-                raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label and "
-                              "was trained on", "id", "label_exists")
-            if ended is EntryState.NOT_TRAINABLE:
-                raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} cannot be trained on: it was "
-                              "served with \"train\": false (or only scored); send feedback for completions "
-                              "served with training allowed", "id", "not_trainable")
-            reason = {EntryState.EXPIRED: "it expired (no feedback within the label timeout)",
-                      EntryState.DROPPED: "it was dropped (its request was cut short, or the bound on entries "
-                                          "waiting for a label, train.max_label_entries, was reached)"}.get(
-                ended, "it is unknown (or so old that the server no longer remembers it)")
-            raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: {reason}",
-                          "id", "entry_not_found")
-        if getattr(entry, "label", None) is not None:
-            raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
-                          "label_exists")
+        entry = _waiting_entry(cache, completion_id)
         served = None
         if chosen is None or rejected is None:
             if not entry.response_finished:

@@ -134,12 +134,23 @@ def head_backward(runner: ModelRunner, leaf: torch.Tensor, start: int, targets: 
     autograd leaf, whose `.grad` accumulates), the head's forward and backward run a
     chunk at a time: the logits of a long prompt are never all alive, and no slice runs
     the whole (rows × vocabulary) head. Returns the loss's value."""
+    def nll(logits: torch.Tensor, a: int) -> torch.Tensor:
+        return weighted_nll(logits, targets[a:a + len(logits)], weights[a:a + len(logits)])
+
+    return (yield from head_token_loss(runner, leaf, start, len(targets), nll, chunk_rows))
+
+
+def head_token_loss(runner: ModelRunner, leaf: torch.Tensor, start: int, num_rows: int,
+                    loss: Callable[[torch.Tensor, int], torch.Tensor], chunk_rows: int):
+    """Generator, one slice per chunk of rows: back-propagates a loss that is a sum over
+    rows start .. start + num_rows − 1 of `leaf` — `loss(logits, a)` for the chunk of
+    rows whose first is row start + a, logits (rows, V) with grad — running the head a
+    chunk at a time (see `head_backward`). Returns the loss's value."""
     total = 0.0
-    for a in range(0, len(targets), chunk_rows):
-        b = min(a + chunk_rows, len(targets))
+    for a in range(0, num_rows, chunk_rows):
+        b = min(a + chunk_rows, num_rows)
         with torch.enable_grad():
-            logits = runner.lm_head(runner.norm(leaf[0, start + a:start + b]))
-            part = weighted_nll(logits, targets[a:b], weights[a:b])
+            part = loss(runner.lm_head(runner.norm(leaf[0, start + a:start + b])), a)
             part.backward()
         total += part.item()
         yield

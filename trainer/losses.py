@@ -37,3 +37,31 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
     loss = -F.logsigmoid(beta * margin).mean()
     return loss, {"loss": loss.item(), "reward_margin": (beta * margin).mean().item(),
                   "accuracy": (margin > 0).float().mean().item()}
+
+
+def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's advantages (Shao et al., 2024, §4.1.2, outcome supervision): each sample's
+    reward normalised by its group's mean and standard deviation (unbiased, as TRL's
+    GRPOTrainer computes it). rewards (G,) -> (G,); all equal -> all zero."""
+    rewards = rewards.float()
+    return (rewards - rewards.mean()) / (rewards.std() + eps)
+
+
+def grpo_token_loss(logps: torch.Tensor, served_logps: torch.Tensor, advantage: float, weight: float,
+                    clip_eps: float = 0.2, reference_logps: torch.Tensor | None = None,
+                    beta: float = 0.0) -> torch.Tensor:
+    """GRPO's clipped surrogate (Shao et al., 2024, eq. 3) over tokens of one sample,
+    summed with `weight` each (1 / (G · |o_i|): the mean over a sample's tokens, then over
+    the group), negated to be minimised.
+
+    logps (N,): log π_θ of the sampled tokens (with grad); served_logps (N,): log π_old,
+    the values decoding computed under the adapter version that served them; advantage:
+    the sample's group-normalised reward. With beta > 0, the KL to the reference (base)
+    model, estimated per token as exp(ref − logp) − (ref − logp) − 1 (the paper's eq. 4)."""
+    ratio = torch.exp(logps - served_logps)
+    surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantage)
+    per_token = -surrogate
+    if beta and reference_logps is not None:
+        log_ratio = reference_logps - logps
+        per_token = per_token + beta * (torch.exp(log_ratio) - log_ratio - 1)
+    return (per_token * weight).sum()

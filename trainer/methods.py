@@ -55,6 +55,14 @@ def _ids(ctx: TrainContext, tokens: list[int]) -> torch.Tensor:
     return torch.tensor(tokens, device=ctx.runner.device)
 
 
+def base_model_no_grad(ctx: TrainContext) -> contextlib.ExitStack:
+    """The base model (adapter disabled), without autograd: for reference log-probs."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(adapters_disabled(ctx.peft_model))
+    return stack
+
+
 def _head(ctx: TrainContext, hidden: torch.Tensor) -> torch.Tensor:
     """(N, hidden) last-layer outputs -> (N, V) logits."""
     return ctx.runner.lm_head(ctx.runner.norm(hidden))
@@ -64,8 +72,14 @@ class TrainingMethod:
     name = "base"
     # which prefill logits the recording keeps (RecordSpec.all_logit_rows)
     all_logit_rows = True
-    # entries wait for POST /v1/feedback
+    # entries wait for POST /v1/feedback, and which label they take there ("preference" or
+    # "rewards", trainer/feedback.py)
     uses_feedback = False
+    label_kind = "preference"
+
+    def trains_on(self, num_choices: int) -> bool:
+        """Whether a request with `num_choices` choices gets an entry (GRPO: groups only)."""
+        return True
 
     def record_spec(self, adapter_version: int) -> RecordSpec:
         """How a prefill is recorded for this method, under `adapter_version`."""
@@ -192,13 +206,7 @@ class DPOMethod(TrainingMethod):
                 results.append(logp.item())
             return tuple(results)
 
-        def base_model_no_grad():
-            stack = contextlib.ExitStack()
-            stack.enter_context(torch.no_grad())
-            stack.enter_context(adapters_disabled(ctx.peft_model))
-            return stack
-
-        return (yield from within(base_model_no_grad, compute()))
+        return (yield from within(lambda: base_model_no_grad(ctx), compute()))
 
     def _base_reference(self, entry: PreferenceEntry, ctx: TrainContext):
         """Generator: computes the base model's (chosen, rejected) log-probs once per entry."""

@@ -8,7 +8,10 @@ hooks.py), called on the device thread:
     version serving runs under, so the recording is stamped when it is made;
   - `on_recorded` turns a recording into a cache entry (the training method's);
   - `on_output` collects the served responses and their log-probs, and completes the
-    entry when the request finishes; `on_step` expires entries past their label timeout.
+    entry when the request finishes (and has a group scored by the reward function, if
+    one is set); `on_step` expires entries past their label timeout.
+A request gets an entry only if the method trains on it (GRPO: n >= 2, one entry for the
+group, whose choices share the one recording).
 No label is lost: with a method that takes feedback, a trainable request whose prefill is
 not recorded (not drawn, too long, no room) still gets an entry when it finishes — its
 tokens, without activations — and its label trains by recomputation.
@@ -22,7 +25,7 @@ from typing import Callable, Protocol
 
 from engine.outputs import RequestOutput, StepStats
 from engine.recording import RecordedPrefill, RecordSpec
-from trainer.cache import ActivationCache
+from trainer.cache import ActivationCache, EntryState, GroupEntry
 from trainer.config import TrainConfig
 from trainer.methods import TrainingMethod
 from trainer.status import TrainingStats
@@ -40,11 +43,14 @@ class DeviceRoom(Protocol):
 class Recorder:
     def __init__(self, config: TrainConfig, method: TrainingMethod, cache: ActivationCache,
                  adapter_version: Callable[[], int], stats: TrainingStats, device_room: DeviceRoom | None = None,
-                 warmer=None):
+                 warmer=None, rewards=None):
         """`warmer`: pre-faulted heap (engine.malloc_tuning.HeapWarmer), released just
-        before a recording and sized to the largest one."""
+        before a recording and sized to the largest one; `rewards`: the reward function's
+        scorer (trainer/rewards.py), which gets each finished group."""
         self.config = config
         self.method = method
+        self.wants_served_logprobs = method.uses_feedback
+        self.rewards = rewards
         self.cache = cache
         self.adapter_version = adapter_version
         self.stats = stats
@@ -56,15 +62,20 @@ class Recorder:
         self._bytes_per_token: float | None = None
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
-        # completion id -> choice index -> cumulative log-prob of the served tokens
+        # completion id -> choice index -> cumulative log-prob of the served tokens, each
+        # token's log-prob, and the response text (for the reward function)
         self._served_logps: dict[str, dict[int, float]] = {}
+        self._token_logps: dict[str, dict[int, list[float]]] = {}
+        self._texts: dict[str, dict[int, str]] = {}
         # completion id -> (prompt token ids, adapter version) of trainable requests in
         # flight that were not recorded: they get a label entry when they finish
         self._label_only: dict[str, tuple[list[int], int]] = {}
 
     # -- PrefillRecorder ------------------------------------------------------------------
 
-    def admit(self, request_id: str, prompt_token_ids: list[int]) -> RecordSpec | None:
+    def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1) -> RecordSpec | None:
+        if not self.method.trains_on(num_choices):
+            return None
         spec = self._decide(len(prompt_token_ids))
         if spec is not None and self.warmer is not None:
             self.warmer.release()  # the recording's activations take the warm pages
@@ -104,24 +115,38 @@ class Recorder:
             self.cache.expire()
 
     def on_output(self, output: RequestOutput) -> None:
-        responses = self._responses.get(output.request_id)
+        request_id = output.request_id
+        responses = self._responses.get(request_id)
         if responses is None:
             if output.finished and self.method.uses_feedback and not _aborted(output):
-                self.cache.note_not_trainable(output.request_id)
+                group = self.method.trains_on(len(output.outputs))
+                self.cache.note_not_trainable(request_id, EntryState.NOT_TRAINABLE if group else EntryState.NOT_A_GROUP)
+            if output.finished and self.rewards is not None:
+                self.rewards.forget(request_id)
             return
-        logps = self._served_logps.setdefault(output.request_id, {})
+        logps = self._served_logps.setdefault(request_id, {})
+        token_logps = self._token_logps.setdefault(request_id, {})
+        texts = self._texts.setdefault(request_id, {})
         for completion in output.outputs:
             responses.setdefault(completion.index, []).extend(completion.token_ids)
+            texts[completion.index] = texts.get(completion.index, "") + completion.text
             if completion.cumulative_logprob is not None:
                 logps[completion.index] = completion.cumulative_logprob
+            if completion.token_logprob_values is not None:
+                token_logps.setdefault(completion.index, []).extend(completion.token_logprob_values)
         if output.finished:
-            del self._responses[output.request_id]
-            del self._served_logps[output.request_id]
+            del self._responses[request_id], self._served_logps[request_id], self._token_logps[request_id]
+            del self._texts[request_id]
             aborted = _aborted(output)
-            label_only = self._label_only.pop(output.request_id, None)
+            label_only = self._label_only.pop(request_id, None)
             if label_only is not None and not aborted:
-                self.cache.add(self.method.make_label_entry(output.request_id, *label_only))
-            self.cache.response_finished(output.request_id, responses, aborted, logps)
+                self.cache.add(self.method.make_label_entry(request_id, *label_only))
+            waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps)
+            if self.rewards is not None:
+                if isinstance(waiting, GroupEntry):
+                    self.rewards.score(waiting, [texts[i] for i in sorted(texts)])
+                else:
+                    self.rewards.forget(request_id)
 
 
 def _aborted(output: RequestOutput) -> bool:

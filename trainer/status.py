@@ -36,6 +36,15 @@ class TrainingStats:
     memory_trims: int = 0
     # versions between serving and training (current - served) -> entries trained
     staleness: dict[int, int] = field(default_factory=dict)
+    # GRPO: groups whose rewards arrived (posted or computed), the rewards in them and their
+    # sum, the latest group's mean, groups whose rewards were all equal (not trained), and
+    # reward function calls that failed (their groups dropped)
+    rewarded_groups: int = 0
+    rewards_received: int = 0
+    reward_sum: float = 0.0
+    last_group_mean_reward: float = math.nan
+    zero_advantage_groups: int = 0
+    reward_errors: int = 0
 
     def copy(self) -> "TrainingStats":
         """A copy safe to take while the device thread counts (each dict copied in C,

@@ -85,6 +85,8 @@ class Trainer(AdapterLifecycle):
         self.offloader = offloader
         self.stash = stash
         self.warmer = warmer
+        # the reward function's scorer (trainer/rewards.py), when train.reward_function is set
+        self.rewards = None
         self.context = TrainContext(runner, peft_model, offloader, config.head_chunk_rows)
         self._engine_steps = engine_steps
         self._job: _Job | None = None
@@ -122,15 +124,23 @@ class Trainer(AdapterLifecycle):
     # -- feedback (HTTP thread) ----------------------------------------------------------
 
     def submit_feedback(self, request: FeedbackLabel) -> FeedbackResult:
-        """Attaches a preference label to a completion's entry; the outcome is counted."""
+        """Attaches a label (a preference, or a group's rewards) to a completion's entry;
+        the outcome is counted."""
         if not self.method.uses_feedback:
-            result = FeedbackResult(FeedbackOutcome.INVALID, f"feedback is used by preference training; this "
-                                    f"server trains in {self.mode!r} mode (start it with --train-mode dpo)", None,
-                                    "feedback_not_used")
+            result = FeedbackResult(FeedbackOutcome.INVALID, f"feedback is used by preference and group training; "
+                                    f"this server trains in {self.mode!r} mode (start it with --train-mode dpo or "
+                                    "grpo)", None, "feedback_not_used")
         else:
-            result = attach_label(self.cache, request, self._response_ids, self.max_model_len)
+            result = attach_label(self.cache, request, self._response_ids, self.max_model_len,
+                                  self.method.label_kind)
         key = result.outcome.value
         self.stats.feedback[key] = self.stats.feedback.get(key, 0) + 1
+        if result.accepted and request.rewards is not None:
+            self.stats.rewarded_groups += 1
+            self.stats.rewards_received += len(request.rewards)
+            self.stats.reward_sum += sum(request.rewards)
+            self.stats.last_group_mean_reward = sum(request.rewards) / len(request.rewards)
+            self.stats.zero_advantage_groups += result.skipped
         return result
 
     def _response_ids(self, text: str) -> list[int]:
@@ -347,4 +357,6 @@ class Trainer(AdapterLifecycle):
         the final adapter version."""
         if self.offloader is not None:
             self.offloader.close()
+        if self.rewards is not None:
+            self.rewards.close()
         self.save_final()

@@ -1,0 +1,289 @@
+"""GRPO on groups: the loss against hand-computed values; the shared-prefix schedule on
+the served recording against the dense trainer (same gradients, offloading on and off);
+group entries, rewards and their errors; DPO between two served choices."""
+
+import math
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from offload.config import OffloadConfig
+from tests.conftest import encode, engine_of, make_engine, trainer_on
+from tests.test_training import PROMPT, gradients_of, relative_difference
+from tests.tiny import FAMILIES
+from trainer.adapter import lora_parameters
+from trainer.cache import EntryState, GroupEntry
+from trainer.config import TrainConfig
+from trainer.feedback import FeedbackLabel, FeedbackOutcome
+from trainer.forward import forward_segments
+from trainer.losses import group_advantages, grpo_token_loss, token_logprobs
+from engine.model_runner import run_to_end
+
+GROUP = 4
+
+
+def make_trainer(family="llama", mode="grpo", offload=None, **train_kwargs):
+    torch.manual_seed(0)
+    engine = make_engine(family, offload=offload)
+    return trainer_on(engine, TrainConfig(mode=mode, lora_rank=4, **train_kwargs), offload=offload,
+                      init_lora_weights=False)
+
+
+def serve_group(trainer, request_id="g", n=GROUP, max_tokens=8, prompt=PROMPT, seed=1) -> list[list[int]]:
+    engine = engine_of(trainer)
+    params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(request_id, encode(prompt), params, train=True)
+    choices = [[] for _ in range(n)]
+    while engine.has_unfinished():
+        outputs, _ = engine.step()
+        for out in outputs:
+            for c in out.outputs:
+                choices[c.index] += c.token_ids
+    return choices
+
+
+def reward(trainer, request_id="g", rewards=(1.0, 0.0, 0.5, 0.0)):
+    return trainer.submit_feedback(FeedbackLabel(request_id, rewards=list(rewards)))
+
+
+# -- the loss ------------------------------------------------------------------------------
+
+def test_group_advantages_are_normalised_by_the_group():
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    std = math.sqrt(1 / 3)  # unbiased: sum of squares 1, over 3
+    assert advantages.tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 1
+                                                + [-0.5 / (std + 1e-4), 0.5 / (std + 1e-4)], rel=1e-6)
+    assert group_advantages(torch.tensor([2.0, 2.0, 2.0])).tolist() == [0.0, 0.0, 0.0]
+
+
+def test_grpo_token_loss_clips_the_ratio_as_the_paper_says():
+    logps = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    served = torch.tensor([-1.3, -2.0, -0.2])  # ratios e^0.3 (above 1.2), 1, e^-0.3 (below 0.8)
+    r = [math.exp(0.3), 1.0, math.exp(-0.3)]
+    # positive advantage: min(r·A, clip(r)·A) clips the high ratio only
+    loss = grpo_token_loss(logps, served, 2.0, 0.5)
+    assert loss.item() == pytest.approx(-0.5 * 2.0 * (1.2 + 1.0 + r[2]), rel=1e-6)
+    loss.backward()
+    # d/dlogp of −w·A·r is −w·A·r where unclipped, 0 where the clip binds
+    assert logps.grad.tolist() == pytest.approx([0.0, -1.0, -r[2]], rel=1e-6)
+    # negative advantage: the low ratio is clipped (min picks the larger magnitude)
+    loss = grpo_token_loss(logps.detach(), served, -1.0, 1.0)
+    assert loss.item() == pytest.approx(r[0] + 1.0 + 0.8, rel=1e-6)
+
+
+def test_grpo_kl_term_is_the_papers_estimator():
+    logps = torch.tensor([-1.0, -2.0])
+    reference = torch.tensor([-1.5, -1.0])
+    loss = grpo_token_loss(logps, logps, 0.0, 1.0, reference_logps=reference, beta=0.1)
+    expected = sum(math.exp(d) - d - 1 for d in (-0.5, 1.0)) * 0.1
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+
+
+# -- the shared-prefix schedule against the dense trainer ------------------------------------
+
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reuse_and_recompute_give_the_same_gradients(family, beta):
+    trainer = make_trainer(family, grpo_beta=beta)
+    served = serve_group(trainer)
+    entry = trainer.cache.get("g")
+    assert isinstance(entry, GroupEntry) and entry.recording is not None
+    assert [entry.responses[i] for i in range(GROUP)] == served
+    assert all(len(entry.served_token_logps[i]) == len(served[i]) for i in range(GROUP))
+    assert reward(trainer).accepted
+    method, context = trainer.method, trainer.context
+    reuse = gradients_of(trainer, method.reuse_job(entry, context))
+    batched = gradients_of(trainer, method.recompute_job(entry, context))
+    method.recompute_rows = 1
+    one_row = gradients_of(trainer, method.recompute_job(entry, context))
+    assert len(reuse) == len(lora_parameters(trainer.peft_model))
+    assert all(g.norm() > 0 for g in batched.values())
+    assert relative_difference(reuse, batched) <= 1e-5
+    assert relative_difference(one_row, batched) <= 1e-5
+
+
+@pytest.mark.parametrize("policy", ["load", "recompute"])
+def test_reuse_gradients_equal_with_every_layer_offloaded(policy):
+    reference_trainer = make_trainer()
+    serve_group(reference_trainer)
+    reward(reference_trainer)
+    entry = reference_trainer.cache.get("g")
+    reference = gradients_of(reference_trainer, reference_trainer.method.reuse_job(entry, reference_trainer.context))
+    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40, policy=policy))
+    serve_group(trainer)
+    trainer.offloader.free_to(0)
+    reward(trainer)
+    entry = trainer.cache.get("g")
+    grads = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    stats = trainer.offloader.stats
+    assert stats.reloaded_layers + stats.recomputed_layers == len(engine_of(trainer).runner.layers)
+    assert relative_difference(grads, reference) <= 1e-5
+
+
+def test_served_token_logprobs_equal_the_training_forward():
+    """At the serving version the ratio is 1: decoding's log-probs are the model's own."""
+    trainer = make_trainer()
+    serve_group(trainer)
+    entry = trainer.cache.get("g")
+    runner, prompt_len = engine_of(trainer).runner, len(entry.prompt_token_ids)
+    prefix = [(s.key.detach(), s.value.detach()) for s in entry.recording.segments]
+    last = entry.recording.logits[-1:].detach()
+    with torch.no_grad():
+        for i in range(GROUP):
+            response = torch.tensor(entry.responses[i])
+            fwd = run_to_end(forward_segments(runner, [entry.responses[i][:-1]], [prompt_len], prefix, False))
+            logits = torch.cat([last, runner.lm_head(runner.norm(fwd.head_leaf[0]))])
+            assert token_logprobs(logits, response).tolist() == pytest.approx(entry.served_token_logps[i], abs=1e-4)
+
+
+def test_the_group_is_prefilled_and_recorded_once():
+    trainer = make_trainer()
+    engine = engine_of(trainer)
+    prompt_len = len(encode(PROMPT))
+    computed = 0
+    engine.add_request("g", encode(PROMPT), SamplingParams(n=GROUP, temperature=1.0, seed=0, max_tokens=4,
+                                                           ignore_eos=True), train=True)
+    while engine.has_unfinished():
+        _, stats = engine.step()
+        computed += stats.num_scheduled_tokens
+    assert computed == prompt_len + GROUP * 3  # one prefill; each choice's first token sampled from it
+    assert trainer.stats.recorded == 1 and len(trainer.cache) == 1
+
+
+def test_a_group_trains_and_moves_the_adapter():
+    trainer = make_trainer()
+    serve_group(trainer)
+    assert reward(trainer).accepted
+    before = [p.detach().clone() for p in lora_parameters(trainer.peft_model)]
+    trainer.train_until_idle()
+    assert trainer.stats.trained_entries[("grpo", "reuse")] == 1
+    assert trainer.optimizer.version == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, lora_parameters(trainer.peft_model)))
+    assert trainer.stats.rewarded_groups == 1 and trainer.stats.rewards_received == GROUP
+
+
+def test_stale_group_trains_on_its_recording_with_stashed_weights():
+    trainer = make_trainer()
+    serve_group(trainer, "old")
+    serve_group(trainer, "new", seed=2)
+    reward(trainer, "new")
+    trainer.train_until_idle()  # version 1: "old" is one version stale
+    reward(trainer, "old")
+    trainer.train_until_idle()
+    assert trainer.stats.trained_entries.get(("grpo", "stashed"), 0) == 1
+
+
+# -- rewards over the feedback API ------------------------------------------------------------
+
+def test_reward_errors_are_refused_with_the_field_at_fault():
+    trainer = make_trainer()
+    serve_group(trainer)
+    cases = [([1.0, 0.0], "rewards", FeedbackOutcome.INVALID),
+             ([1.0, math.inf, 0.0, 0.0], "rewards", FeedbackOutcome.INVALID),
+             ([1.0, math.nan, 0.0, 0.0], "rewards", FeedbackOutcome.INVALID)]
+    for rewards, param, outcome in cases:
+        result = trainer.submit_feedback(FeedbackLabel("g", rewards=rewards))
+        assert (result.outcome, result.param) == (outcome, param), result
+    result = trainer.submit_feedback(FeedbackLabel("g", chosen="Paris."))
+    assert (result.outcome, result.param) == (FeedbackOutcome.INVALID, "rewards")
+    assert trainer.submit_feedback(FeedbackLabel("nope", rewards=[1.0])).outcome is FeedbackOutcome.UNKNOWN
+    assert reward(trainer).accepted
+    again = reward(trainer)
+    assert (again.outcome, again.code) == (FeedbackOutcome.CONFLICT, "label_exists")
+
+
+def test_a_single_choice_request_is_not_a_group():
+    trainer = make_trainer()
+    serve_group(trainer, "single", n=1)
+    result = trainer.submit_feedback(FeedbackLabel("single", rewards=[1.0]))
+    assert (result.outcome, result.param, result.code) == (FeedbackOutcome.INVALID, "id", "not_a_group")
+    assert trainer.stats.recorded == 0
+
+
+def test_equal_rewards_are_counted_not_trained():
+    trainer = make_trainer()
+    serve_group(trainer)
+    result = reward(trainer, rewards=[0.5] * GROUP)
+    assert result.accepted and result.skipped
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 0
+    assert trainer.stats.zero_advantage_groups == 1
+    assert trainer.cache.ended_counts["skipped"] == 1
+    assert reward(trainer).outcome is FeedbackOutcome.CONFLICT
+
+
+# -- the reward function -------------------------------------------------------------------
+
+@pytest.fixture
+def reward_module():
+    module = types.ModuleType("grpo_test_rewards")
+    module.calls = []
+
+    def by_length(prompt, responses):
+        module.calls.append((prompt, responses))
+        return [float(len(r)) for r in responses]
+
+    module.by_length = by_length
+    module.raises = lambda prompt, responses: 1 / 0
+    module.wrong_length = lambda prompt, responses: [1.0]
+    module.hangs = lambda prompt, responses: time.sleep(5) or [0.0] * len(responses)
+    sys.modules[module.__name__] = module
+    yield module
+    del sys.modules[module.__name__]
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_the_reward_function_scores_each_group(reward_module):
+    trainer = make_trainer(reward_function="grpo_test_rewards:by_length")
+    serve_group(trainer)
+    entry = trainer.cache.get("g")
+    wait_for(lambda: entry.state is not EntryState.WAITING_LABEL)
+    (prompt, responses), = reward_module.calls
+    assert "capital of France" in prompt and len(responses) == GROUP
+    assert entry.label.rewards == [float(len(r)) for r in responses]
+    assert trainer.stats.rewarded_groups == 1
+
+
+@pytest.mark.parametrize("function", ["raises", "wrong_length", "hangs"])
+def test_a_failing_reward_function_drops_the_group_and_counts_it(reward_module, function):
+    trainer = make_trainer(reward_function=f"grpo_test_rewards:{function}", reward_timeout_s=0.3)
+    serve_group(trainer)
+    wait_for(lambda: trainer.stats.reward_errors == 1)
+    assert trainer.cache.get("g") is None and trainer.cache.ended_counts["dropped"] == 1
+
+
+def test_a_reward_function_that_cannot_be_loaded_is_a_config_error():
+    with pytest.raises(ValueError, match="cannot import"):
+        make_trainer(reward_function="no_such_module_here:f")
+    with pytest.raises(ValueError, match="reward_function is used by train.mode grpo"):
+        TrainConfig(mode="dpo", reward_function="x:y")
+
+
+# -- DPO between two served choices -------------------------------------------------------------
+
+def test_dpo_between_two_served_choices_uses_both_served_logprobs():
+    trainer = make_trainer(mode="dpo")
+    served = serve_group(trainer, n=3)
+    for label, param in ((FeedbackLabel("g", chosen_index=1, rejected_index=1), "rejected_index"),
+                         (FeedbackLabel("g", chosen_index=5, rejected_index=0), "chosen_index"),
+                         (FeedbackLabel("g", chosen_index=0), "rejected_index"),
+                         (FeedbackLabel("g", rewards=[1.0, 0.0, 0.0]), "rewards")):
+        assert trainer.submit_feedback(label).param == param
+    result = trainer.submit_feedback(FeedbackLabel("g", chosen_index=2, rejected_index=0))
+    assert result.accepted, result
+    entry = trainer.cache.get("g")
+    assert (entry.label.chosen, entry.label.rejected) == (served[2], served[0])
+    assert set(entry.label.served_logps) == {"chosen", "rejected"}
+    reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    recompute = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+    assert relative_difference(reuse, recompute) <= 1e-4

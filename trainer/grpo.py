@@ -1,0 +1,151 @@
+"""GRPO on a group of samples of one prompt (`--train-mode grpo`).
+
+A request with n >= 2 choices is a group: one recording of its prompt (the choices forked
+its KV blocks in serving, engine/scheduler.py), each sample's tokens and the log-prob
+decoding gave each token (log π_old, under the adapter version that served it). When a
+reward per sample arrives (POST /v1/feedback, or `train.reward_function`), the loss is
+GRPO's (trainer/losses.py): group-normalised advantages, the clipped ratio against the
+served log-probs per token, optionally a KL term to the base model.
+
+Two jobs, as for every method (trainer/methods.py):
+  - `reuse_job`, the shared-prefix schedule (papers/shared-prefix-reuse.txt) on the
+    served recording: each sample's suffix is forwarded against the prompt's K/V as
+    detached leaves and back-propagated at once, one sample alive at a time, its gK/gV
+    accumulating in the leaves; then the prompt's backward runs once. The prompt's
+    forward is serving's: it is not computed here at all;
+  - `recompute_job`, the dense trainer the paper compares against (TRL's GRPOTrainer):
+    each sample a row `prompt + response`, `recompute_rows` rows per forward (all G by
+    default: one batch), so the prompt is computed once per row.
+A sample whose advantage is 0 gives no gradient (without the KL term) and is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.recording import RecordedPrefill
+from trainer.cache import GroupEntry
+from trainer.forward import backward_segments, forward_segments, head_token_loss, kv_leaves, within
+from trainer.losses import group_advantages, grpo_token_loss, token_logprobs
+from trainer.methods import JobResult, TrainContext, TrainingMethod, _ids, base_model_no_grad
+
+
+class GRPOMethod(TrainingMethod):
+    name = "grpo"
+    all_logit_rows = False  # the prompt's last row scores each sample's first token
+    uses_feedback = True
+    label_kind = "rewards"
+
+    def __init__(self, beta: float = 0.0, clip_eps: float = 0.2, recompute_rows: int | None = None):
+        """`beta`: weight of the KL to the base model (0, as in current practice, needs no
+        reference forward); `clip_eps`: the ratio's clip range; `recompute_rows`: samples
+        per forward on the recompute path (None: the whole group in one batch)."""
+        self.beta = beta
+        self.clip_eps = clip_eps
+        self.recompute_rows = recompute_rows
+
+    def trains_on(self, num_choices: int) -> bool:
+        return num_choices >= 2
+
+    def make_entry(self, completion_id: str, recording: RecordedPrefill) -> GroupEntry:
+        return GroupEntry(completion_id, list(recording.prompt_token_ids), recording, recording.adapter_version,
+                          recording.saved_bytes)
+
+    def make_label_entry(self, completion_id: str, prompt_token_ids: list[int], adapter_version: int) -> GroupEntry:
+        return GroupEntry(completion_id, list(prompt_token_ids), None, adapter_version, 0)
+
+    # -- the loss -------------------------------------------------------------------------
+
+    def _samples(self, entry: GroupEntry) -> list[tuple[int, list[int], float, float]]:
+        """(choice index, response, advantage, token weight) of each sample that gives a
+        gradient; the weight makes the loss the mean over a sample's tokens, then over the group."""
+        indices = sorted(entry.responses)
+        advantages = group_advantages(torch.tensor([entry.label.rewards[i] for i in indices])).tolist()
+        return [(i, entry.responses[i], a, 1.0 / (len(indices) * len(entry.responses[i])))
+                for i, a in zip(indices, advantages) if a != 0.0 or self.beta]
+
+    def _token_loss(self, entry: GroupEntry, index: int, response: list[int], advantage: float, weight: float,
+                    device: torch.device):
+        """loss(logits, a): GRPO's loss over the response's tokens a .. a + len(logits) − 1."""
+        targets = torch.tensor(response, device=device)
+        served = entry.served_token_logps.get(index)
+        reference = (entry.reference_token_logps or {}).get(index)
+
+        def loss(logits: torch.Tensor, a: int) -> torch.Tensor:
+            b = a + len(logits)
+            logps = token_logprobs(logits, targets[a:b])
+            old = torch.tensor(served[a:b], device=device) if served is not None else logps.detach()
+            ref = torch.tensor(reference[a:b], device=device) if reference is not None else None
+            return grpo_token_loss(logps, old, advantage, weight, self.clip_eps, ref, self.beta)
+
+        return loss
+
+    def _metrics(self, entry: GroupEntry, loss: float) -> dict[str, float]:
+        rewards = torch.tensor(entry.label.rewards)
+        return {"loss": loss, "mean_reward": rewards.mean().item(), "reward_std": rewards.std().item()}
+
+    def reference_token_logps(self, entry: GroupEntry, ctx: TrainContext):
+        """Generator -> per choice, the base model's log-prob of each response token (no grad)."""
+        def compute():
+            prompt = yield from forward_segments(ctx.runner, [entry.prompt_token_ids], with_grad=False)
+            last = ctx.runner.lm_head(ctx.runner.norm(prompt.head_leaf[0, -1:]))
+            result = {}
+            for index, response in entry.responses.items():
+                values = token_logprobs(last, _ids(ctx, response[:1])).tolist()
+                if len(response) > 1:
+                    fwd = yield from forward_segments(ctx.runner, [response[:-1]], [len(entry.prompt_token_ids)],
+                                                      prompt.kv, with_grad=False)
+                    logits = ctx.runner.lm_head(ctx.runner.norm(fwd.head_leaf[0]))
+                    values += token_logprobs(logits, _ids(ctx, response[1:])).tolist()
+                result[index] = values
+            return result
+
+        return (yield from within(lambda: base_model_no_grad(ctx), compute()))
+
+    def _reference(self, entry: GroupEntry, ctx: TrainContext):
+        if self.beta and entry.reference_token_logps is None:
+            entry.reference_token_logps = yield from self.reference_token_logps(entry, ctx)
+
+    # -- the two jobs ---------------------------------------------------------------------
+
+    def reuse_job(self, entry: GroupEntry, ctx: TrainContext):
+        yield from self._reference(entry, ctx)
+        recording = entry.recording
+        prompt_len = len(entry.prompt_token_ids)
+        prefix = kv_leaves(recording.segments)
+        last = recording.logits[-1:].detach().requires_grad_()  # scores every sample's first token
+        total = 0.0
+        for index, response, advantage, weight in self._samples(entry):
+            loss = self._token_loss(entry, index, response, advantage, weight, last.device)
+            with torch.enable_grad():
+                first = loss(last, 0)
+                first.backward()
+            total += first.item()
+            if len(response) > 1:
+                fwd = yield from forward_segments(ctx.runner, [response[:-1]], [prompt_len], prefix)
+                total += yield from head_token_loss(ctx.runner, fwd.head_leaf, 0, len(response) - 1,
+                                                    lambda logits, a, loss=loss: loss(logits, a + 1),
+                                                    ctx.head_chunk_rows)
+                yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+        with torch.enable_grad():
+            recording.logits[-1:].backward(last.grad)  # the prompt's head segment
+        yield
+        yield from backward_segments(recording.segments, recording.head_leaf.grad,
+                                     [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
+        return JobResult(total, entry.num_tokens, self._metrics(entry, total))
+
+    def recompute_job(self, entry: GroupEntry, ctx: TrainContext):
+        yield from self._reference(entry, ctx)
+        prompt = entry.prompt_token_ids
+        samples = self._samples(entry)
+        rows = self.recompute_rows or max(len(samples), 1)
+        total = 0.0
+        for start in range(0, len(samples), rows):
+            batch = samples[start:start + rows]
+            fwd = yield from forward_segments(ctx.runner, [prompt + response[:-1] for _, response, _, _ in batch])
+            for b, (index, response, advantage, weight) in enumerate(batch):
+                loss = self._token_loss(entry, index, response, advantage, weight, fwd.head_leaf.device)
+                total += yield from head_token_loss(ctx.runner, fwd.head_leaf, fwd.offsets[b] + len(prompt) - 1,
+                                                    len(response), loss, ctx.head_chunk_rows)
+            yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+        return JobResult(total, entry.num_tokens, self._metrics(entry, total))

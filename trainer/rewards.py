@@ -1,0 +1,112 @@
+"""Rewards computed in the server: `train.reward_function = "module:callable"` (GRPO).
+
+The function is called as `fn(prompt, responses)` — `prompt` the request's messages (a
+list of {"role", "content"} dicts) for a chat completion or its text for a completion,
+`responses` the n response texts in choice order — and returns n finite numbers. It runs
+on worker threads, never on the device thread or the event loop, under
+`train.reward_timeout_s`. The rewards are attached exactly as if a client had posted
+them (trainer/feedback.py). An exception, a timeout or a bad return drops the group,
+logged and counted (`reward_errors`, `alchemist:reward_errors_total`). A call that never
+returns keeps its worker thread; the group is dropped at the timeout all the same.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import logging
+import math
+import threading
+from typing import Callable
+
+from trainer.cache import ActivationCache, EntryState, GroupEntry
+from trainer.feedback import FeedbackLabel, FeedbackResult
+from trainer.status import TrainingStats
+
+logger = logging.getLogger(__name__)
+
+# calls that may run (or hang) at once
+_WORKERS = 4
+
+
+def load_reward_function(spec: str) -> Callable:
+    """"package.module:callable" -> the callable; ValueError naming what is wrong."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"train.reward_function must look like 'package.module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"train.reward_function: cannot import {module_name!r}: {exc}") from exc
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(f"train.reward_function: {module_name!r} has no callable {attribute!r}")
+    return function
+
+
+def checked_rewards(value, count: int) -> list[float]:
+    """The function's return as `count` finite floats; ValueError otherwise."""
+    try:
+        rewards = [float(r) for r in value]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"the reward function must return {count} numbers, returned {value!r}") from exc
+    if len(rewards) != count or not all(math.isfinite(r) for r in rewards):
+        raise ValueError(f"the reward function must return {count} finite numbers, returned {value!r}")
+    return rewards
+
+
+class RewardScorer:
+    def __init__(self, function: Callable, timeout_s: float, cache: ActivationCache, stats: TrainingStats,
+                 submit: Callable[[FeedbackLabel], FeedbackResult], decode: Callable[[list[int]], str]):
+        """`submit`: attaches rewards as feedback does (the trainer's `submit_feedback`);
+        `decode`: prompt token ids -> text, for requests whose prompt was not noted."""
+        self.function = function
+        self.timeout_s = timeout_s
+        self.cache = cache
+        self.stats = stats
+        self.submit = submit
+        self.decode = decode
+        # called after rewards are attached (wakes the engine's loop to train)
+        self.on_scored: Callable[[], None] = lambda: None
+        self._calls = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="reward")
+        self._waits = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="reward-wait")
+        self._prompts: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def note_prompt(self, completion_id: str, prompt) -> None:
+        """The request's messages or text, as the client sent them (HTTP thread)."""
+        with self._lock:
+            self._prompts[completion_id] = prompt
+
+    def forget(self, completion_id: str) -> None:
+        with self._lock:
+            self._prompts.pop(completion_id, None)
+
+    def score(self, entry: GroupEntry, texts: list[str]) -> None:
+        """Scores a finished group off this thread; its rewards are attached when they come."""
+        with self._lock:
+            prompt = self._prompts.pop(entry.completion_id, None)
+        if prompt is None:
+            prompt = self.decode(entry.prompt_token_ids)
+        self._waits.submit(self._run, entry, prompt, texts)
+
+    def _run(self, entry: GroupEntry, prompt, texts: list[str]) -> None:
+        try:
+            call = self._calls.submit(self.function, prompt, list(texts))
+            rewards = checked_rewards(call.result(timeout=self.timeout_s), len(texts))
+        except Exception as exc:  # noqa: BLE001 - the user's function may raise anything
+            reason = f"timed out after {self.timeout_s:g} s" if isinstance(exc, TimeoutError) else repr(exc)
+            logger.error("reward function failed for %s (%s); the group is dropped", entry.completion_id, reason)
+            self.stats.reward_errors += 1
+            with self.cache.lock:
+                if entry.state is EntryState.WAITING_LABEL:
+                    self.cache.end(entry, EntryState.DROPPED)
+            return
+        result = self.submit(FeedbackLabel(entry.completion_id, rewards=rewards))
+        if not result.accepted:
+            logger.warning("rewards for %s not attached: %s", entry.completion_id, result.message)
+        self.on_scored()
+
+    def close(self) -> None:
+        self._waits.shutdown(wait=False, cancel_futures=True)
+        self._calls.shutdown(wait=False, cancel_futures=True)
