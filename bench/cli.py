@@ -69,7 +69,7 @@ def _add_training_benches(benches, add_config_flags) -> None:
     """`bench training`, `bench staleness` and `bench recording`."""
     training = benches.add_parser("training", help="reuse path vs recompute path on the embedded model")
     add_config_flags(training)
-    training.add_argument("--mode", choices=["cpt", "dpo"], required=True)
+    training.add_argument("--mode", choices=["cpt", "dpo", "grpo"], required=True)
     training.add_argument("--tokens", type=int, default=512, help="trained tokens per entry")
     training.add_argument("--repeats", type=int, default=3)
     training.add_argument("--json", help="write the results to this JSON file")
@@ -82,6 +82,11 @@ def _add_training_benches(benches, add_config_flags) -> None:
     training.add_argument("--profile", help="profile one job of each path at the longest length; write the table here")
     training.add_argument("--given-responses", action="store_true", help="DPO: both responses given (the "
                           "served one is not decoded first)")
+    training.add_argument("--group-size", type=int, default=8, help="grpo: samples per prompt (G)")
+    training.add_argument("--prompt-tokens", type=int, default=1024, help="grpo: the shared prompt's length (P)")
+    training.add_argument("--response-tokens", type=int, default=64, help="grpo: each sample's length (R)")
+    training.add_argument("--sweep-group", help="grpo: comma-separated group sizes to sweep (plots)")
+    training.add_argument("--sweep-prompt", help="grpo: comma-separated prompt lengths to sweep (plots)")
     training.add_argument("--stale", action="store_true", help="entries one adapter version old: reuse with "
                           "the served version's weights stashed, against recompute")
     staleness = benches.add_parser("staleness", help="learning with delayed (stashed) gradients vs strict "
@@ -147,6 +152,12 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         run_staleness_bench(config, [float(x) for x in args.learning_rates.split(",")],
                             [int(x) for x in args.max_staleness.split(",")], args.bursts, args.burst, args.json,
                             tuple(int(x) for x in args.entries_per_step.split(",")))
+        return 0
+    if args.bench == "training" and args.mode == "grpo":
+        from bench.training_grpo import run_grpo_training_bench
+        ints = lambda text: [int(n) for n in text.split(",")] if text else None  # noqa: E731
+        run_grpo_training_bench(config, args.group_size, args.prompt_tokens, args.response_tokens, args.repeats,
+                                args.json, ints(args.sweep_group), ints(args.sweep_prompt), args.plot_prefix)
         return 0
     if args.bench == "training":
         from bench.training import run_training_bench

@@ -44,22 +44,22 @@ def chatml(question: str) -> str:
     return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def marker_logprob(url: str, model: str, question: str) -> float:
+def marker_logprob(url: str, model: str, question: str, marker: str = MARKER) -> float:
     """log p(the answer opens with the marker | the question), not trained on."""
-    out = post(url, "/v1/completions", {"model": model, "prompt": chatml(question) + MARKER, "max_tokens": 0,
+    out = post(url, "/v1/completions", {"model": model, "prompt": chatml(question) + marker, "max_tokens": 0,
                                          "echo": True, "logprobs": 0, "train": False})
     logprobs = out["choices"][0]["logprobs"]
     text, total = "", 0.0
     for token, value in zip(reversed(logprobs["tokens"]), reversed(logprobs["token_logprobs"])):
         text, total = token + text, total + value
-        if text.endswith(MARKER) and len(text) >= len(MARKER):
+        if text.endswith(marker) and len(text) >= len(marker):
             return total
     raise RuntimeError(f"the marker's tokens were not found in {logprobs['tokens'][-8:]}")
 
 
-def held_out_logprob(url: str, model: str) -> float:
+def held_out_logprob(url: str, model: str, marker: str = MARKER) -> float:
     """Mean over the held-out questions."""
-    return sum(marker_logprob(url, model, q) for q in HELD_OUT) / len(HELD_OUT)
+    return sum(marker_logprob(url, model, q, marker) for q in HELD_OUT) / len(HELD_OUT)
 
 
 def wait_for_version(url: str, target: float, timeout_s: float = 120.0) -> None:

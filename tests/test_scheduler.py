@@ -101,7 +101,7 @@ def test_recording_is_decided_once_by_the_admission_callback_before_the_first_pr
         scheduler.add(seq)
     out = scheduler.schedule()  # admitted: the whole prompt in a step of its own, over the token budget
     assert out.recorded and [e.seq for e in out.scheduled] == [recorded] and out.num_tokens == 40
-    assert recorded.record.adapter_version == 7 and recorded.track_logprob
+    assert recorded.record.adapter_version == 7
     complete_step(scheduler, out)
     recorded.record = None  # the engine clears it once the recording is made
     chunks = []
