@@ -171,6 +171,9 @@ class ActivationCache:
         # when the last entry holding a recording was added (clock time; -inf: never)
         self.last_recorded = float("-inf")
         self.rejected_full = 0
+        # entries ended off the device thread (a label that skips its group, a failed reward
+        # function): their recordings are released by the device thread, in `expire`
+        self._pending_release: list[CacheEntry] = []
 
     @property
     def lock(self) -> threading.RLock:
@@ -286,16 +289,24 @@ class ActivationCache:
         while len(self._ended) > 10_000:
             self._ended.popitem(last=False)
 
-    def end(self, entry: CacheEntry, state: EntryState) -> None:
-        """Removes an entry for good, freeing its activations."""
+    def end(self, entry: CacheEntry, state: EntryState, off_device_thread: bool = False) -> None:
+        """Removes an entry for good, freeing its activations — at once on the device
+        thread, or (`off_device_thread`) at the device thread's next `expire`, since
+        freeing a graph is tensor work (DESIGN.md invariant)."""
         with self._lock:
             if self._entries.pop(entry.completion_id, None) is not None:
                 self.bytes -= entry.nbytes
                 self.released_bytes += entry.nbytes
             entry.state = state
-            entry.release()
+            if off_device_thread:
+                self._pending_release.append(entry)
+            else:
+                entry.release()
             self.ended_counts[state.value] += 1
             self._remember(entry.completion_id, state)
+
+    def has_pending_release(self) -> bool:
+        return bool(self._pending_release)
 
     def response_finished(self, completion_id: str, responses: dict[int, list[int]], aborted: bool,
                           served_logps: dict[int, float] | None = None,
@@ -318,9 +329,13 @@ class ActivationCache:
             return None
 
     def expire(self) -> list[CacheEntry]:
-        """Ends entries whose label did not arrive in time."""
+        """Ends entries whose label did not arrive in time, and releases the recordings of
+        entries ended off the device thread (device thread)."""
         now = self.clock()
         with self._lock:
+            pending, self._pending_release = self._pending_release, []
+            for entry in pending:
+                entry.release()
             expired = [e for e in self._entries.values() if e.state is EntryState.WAITING_LABEL
                        and e.label_deadline is not None and now > e.label_deadline]
             for entry in expired:

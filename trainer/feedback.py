@@ -155,7 +155,7 @@ def _attach_rewards(cache: ActivationCache, request: FeedbackLabel) -> FeedbackR
                           "invalid_value")
         entry.label = GroupRewards([float(r) for r in rewards])
         if max(rewards) == min(rewards):
-            cache.end(entry, EntryState.SKIPPED)
+            cache.end(entry, EntryState.SKIPPED, off_device_thread=True)
             return FeedbackResult(FeedbackOutcome.ACCEPTED, "all rewards are equal: the group has no advantage "
                                   "and is not trained", skipped=True)
         if entry.state is EntryState.WAITING_LABEL:

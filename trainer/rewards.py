@@ -100,7 +100,7 @@ class RewardScorer:
             self.stats.reward_errors += 1
             with self.cache.lock:
                 if entry.state is EntryState.WAITING_LABEL:
-                    self.cache.end(entry, EntryState.DROPPED)
+                    self.cache.end(entry, EntryState.DROPPED, off_device_thread=True)
             return
         result = self.submit(FeedbackLabel(entry.completion_id, rewards=rewards))
         if not result.accepted:

@@ -152,6 +152,7 @@ class Trainer(AdapterLifecycle):
 
     def has_work(self) -> bool:
         return (self._job is not None or self._merge_pending or self.cache.count(EntryState.READY) > 0
+                or self.cache.has_pending_release()
                 or (self.warmer is not None and self.warmer.wants_to_grow()))
 
     def run_slice(self) -> bool:
