@@ -90,3 +90,15 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, ax, x_label: str, y_label: str, title: str, path: str) -> str:
+    """Labels `ax`, writes `fig` to `path` (PNG) and closes it; returns the path."""
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from bench.report import pyplot, rel_diff, synchronized_clock, write_json, write_profile
+from bench.report import pyplot, rel_diff, save_figure, synchronized_clock, write_json, write_profile
 from bench.traces import synthetic_tokens
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load
@@ -257,14 +257,8 @@ def plot_sweep(results: list[dict], mode: str, prefix: str) -> list[str]:
         ax.annotate(f"{r['speedup']:.2f}x", (i - width / 2, r["reuse_tokens_per_s"]), ha="center", va="bottom",
                     fontsize=9)
     ax.set_xticks(list(x), [str(n) for n in lengths])
-    ax.set_xlabel("trained tokens")
-    ax.set_ylabel("training tokens / s")
-    ax.set_title(f"Training throughput, {mode.upper()} (cf. paper Fig. 8)")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(f"{prefix}-throughput.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, ax, "trained tokens", "training tokens / s",
+                             f"Training throughput, {mode.upper()} (cf. paper Fig. 8)", f"{prefix}-throughput.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(lengths, [r["reuse_peak_activation_bytes"] / 2**20 for r in results], "o-", label="alchemist (reuse)",
@@ -274,14 +268,9 @@ def plot_sweep(results: list[dict], mode: str, prefix: str) -> list[str]:
     for r in results:
         ax.annotate(f"{r['memory_ratio']:.2f}", (r["tokens"], r["reuse_peak_activation_bytes"] / 2**20),
                     textcoords="offset points", xytext=(0, -14), ha="center", fontsize=9)
-    ax.set_xlabel("trained tokens")
-    ax.set_ylabel("peak activation memory (MiB, measured)")
-    ax.set_title(f"Peak activation memory, {mode.upper()} (cf. paper's memory-saving figure)")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(f"{prefix}-memory.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, ax, "trained tokens", "peak activation memory (MiB, measured)",
+                             f"Peak activation memory, {mode.upper()} (cf. paper's memory-saving figure)",
+                             f"{prefix}-memory.png"))
     return paths
 
 

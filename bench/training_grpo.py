@@ -22,7 +22,7 @@ import random
 import statistics
 import time
 
-from bench.report import pyplot, rel_diff, write_json
+from bench.report import pyplot, rel_diff, save_figure, write_json
 from bench.traces import synthetic_tokens
 from bench.training import Bench
 from engine.recording import SavedTensorTracker
@@ -126,27 +126,15 @@ def plot_sweep(results: list[dict], x_key: str, x_label: str, path_prefix: str) 
         ax.annotate(f"{r['speedup']:.1f}x", (x, r["speedup"]), textcoords="offset points", xytext=(0, 6),
                     ha="center", fontsize=9)
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel(x_label)
-    ax.set_ylabel("training speedup of the shared-prefix reuse")
-    ax.set_title("GRPO on the served recording vs the dense trainer")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(f"{path_prefix}-speedup.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, ax, x_label, "training speedup of the shared-prefix reuse",
+                             "GRPO on the served recording vs the dense trainer", f"{path_prefix}-speedup.png"))
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, label, style, color in (("reuse_peak_activation_bytes", "reuse (recording included)", "o-", "tab:blue"),
                                      ("baseline_peak_activation_bytes", "batched (TRL)", "s-", "tab:red"),
                                      ("one_row_peak_activation_bytes", "one row at a time", "^-", "tab:orange")):
         ax.plot(xs, [r[key] / 2**20 for r in results], style, label=label, color=color)
-    ax.set_xlabel(x_label)
-    ax.set_ylabel("peak activation memory (MiB, measured)")
-    ax.set_title("GRPO peak activation memory")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(f"{path_prefix}-memory.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(save_figure(fig, ax, x_label, "peak activation memory (MiB, measured)",
+                             "GRPO peak activation memory", f"{path_prefix}-memory.png"))
     return paths
 
 

@@ -2,9 +2,9 @@
 
 Start a server that trains on groups (`--train-mode grpo`):
 
-    .venv/bin/alchemist serve --train-mode grpo --learning-rate 5e-4
+    .venv/bin/alchemist serve --train-mode grpo --learning-rate 1e-3
 
-then run this script. For each training question it asks the server for n = 4 answers
+then run this script. For each training question it asks the server for n = 8 answers
 at temperature 1 and rewards each one by a rule it can check itself: 1 if the answer
 opens with the word "The", else 0 (`POST /v1/feedback {"id", "rewards": [...]}`). A
 group whose answers all score the same teaches nothing and is skipped by the server.
@@ -25,20 +25,20 @@ from learn_a_fact import get_metric, post, served_model  # noqa: E402 - the exam
 from learn_a_preference import TRAIN, held_out_logprob, wait_for_version  # noqa: E402
 
 OPENING = "The"
-GROUP = 4
+GROUP = 8
 
 
 def reward(answer: str) -> float:
     """The verifiable rule: does the answer open with the word?"""
     words = answer.strip().split()
-    return 1.0 if words and words[0].strip("\\"'*,.:") == OPENING else 0.0
+    return 1.0 if words and words[0].strip("\"'*,.:") == OPENING else 0.0
 
 
-def teach(url: str, model: str, rounds: int) -> dict[str, int]:
+def teach(url: str, model: str, rounds: int, group: int = GROUP) -> dict[str, int]:
     counts = {"accepted": 0, "skipped": 0}
     for i in range(rounds):
         question = TRAIN[i % len(TRAIN)]
-        reply = post(url, "/v1/chat/completions", {"model": model, "n": GROUP, "temperature": 1.0, "max_tokens": 8,
+        reply = post(url, "/v1/chat/completions", {"model": model, "n": group, "temperature": 1.0, "max_tokens": 8,
                                                     "messages": [{"role": "user", "content": question}]})
         answers = [choice["message"]["content"] for choice in sorted(reply["choices"], key=lambda c: c["index"])]
         rewards = [reward(a) for a in answers]
@@ -56,11 +56,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--rounds", type=int, default=24)
+    parser.add_argument("--group", type=int, default=GROUP, help="answers per question (n)")
     args = parser.parse_args()
     model = served_model(args.url)
     before = held_out_logprob(args.url, model, OPENING)
     print(f"held-out log p({OPENING!r} opens the answer) before: {before:7.2f} nats")
-    counts = teach(args.url, model, args.rounds)
+    counts = teach(args.url, model, args.rounds, args.group)
     after = held_out_logprob(args.url, model, OPENING)
     print(f"groups trained {counts['accepted']}, skipped (equal rewards) {counts['skipped']}")
     print(f"held-out log p({OPENING!r} opens the answer) after:  {after:7.2f} nats  ({after - before:+.2f})")

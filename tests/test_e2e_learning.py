@@ -69,3 +69,20 @@ def test_dpo_feedback_shifts_a_held_out_preference(reference):
         example.teach(url, MODEL, 12)
         after = example.held_out_logprob(url, MODEL)
     assert after - before >= 1.5, (reference, before, after)
+
+
+def test_grpo_rewards_raise_the_rewarded_opening_on_held_out_questions():
+    """examples/learn_from_rewards.py: groups of 8 answers at temperature 1, reward 1 for
+    an answer that opens with "The"; the opening's log-probability rises on questions
+    never trained on (BENCHMARKS.md)."""
+    spec = importlib.util.spec_from_file_location("learn_from_rewards", EXAMPLE.with_name("learn_from_rewards.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    with running_server("--train-mode", "grpo", "--learning-rate", "1e-3") as url:
+        before = example.held_out_logprob(url, MODEL, example.OPENING)
+        counts = example.teach(url, MODEL, 12)
+        after = example.held_out_logprob(url, MODEL, example.OPENING)
+        metrics = httpx.get(url + "/metrics").text
+    assert counts["accepted"] >= 4, counts
+    assert f'alchemist:trained_entries_total{{mode="grpo",path="reuse"}}' in metrics
+    assert after - before >= 0.5, (before, after, counts)
