@@ -75,7 +75,7 @@ def measure(bench: Bench, group: int, prompt_tokens: int, response_tokens: int, 
                 results[path] = bench.run_job(method.reuse_job(entry, bench.context), trackers[path])
                 bench.trainer.cache.end(entry, EntryState.TRAINED)
             else:
-                method.recompute_rows = 1 if path == "one_row" else None
+                method.recompute_rows = 1 if path == "one_row" else group
                 results[path] = bench.run_job(method.recompute_job(copy, bench.context), trackers[path])
         method.recompute_rows = None
         if r == 0:

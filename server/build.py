@@ -47,7 +47,7 @@ def default_method(config: TrainConfig) -> TrainingMethod:
     if config.mode == "dpo":
         return DPOMethod(config.dpo_beta, config.dpo_reference)
     if config.mode == "grpo":
-        return GRPOMethod(config.grpo_beta, config.grpo_clip_eps)
+        return GRPOMethod(config.grpo_beta, config.grpo_clip_eps, recompute_tokens=config.max_record_tokens)
     raise ValueError("the trainer needs train.mode cpt, dpo or grpo (or a custom method)")
 
 

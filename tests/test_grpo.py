@@ -97,13 +97,18 @@ def test_reuse_and_recompute_give_the_same_gradients(family, beta):
     assert reward(trainer).accepted
     method, context = trainer.method, trainer.context
     reuse = gradients_of(trainer, method.reuse_job(entry, context))
+    method.recompute_rows = GROUP
     batched = gradients_of(trainer, method.recompute_job(entry, context))
     method.recompute_rows = 1
     one_row = gradients_of(trainer, method.recompute_job(entry, context))
+    method.recompute_rows = None  # micro-batches of as many rows as fit the token bound
+    method.recompute_tokens = 2 * (len(entry.prompt_token_ids) + max(map(len, served)))
+    assert method._rows_per_forward(len(entry.prompt_token_ids), method._samples(entry)) == 2
+    micro = gradients_of(trainer, method.recompute_job(entry, context))
     assert len(reuse) == len(lora_parameters(trainer.peft_model))
     assert all(g.norm() > 0 for g in batched.values())
-    assert relative_difference(reuse, batched) <= 1e-5
-    assert relative_difference(one_row, batched) <= 1e-5
+    for other in (reuse, one_row, micro):
+        assert relative_difference(other, batched) <= 1e-5
 
 
 @pytest.mark.parametrize("policy", ["load", "recompute"])

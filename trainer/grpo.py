@@ -14,8 +14,9 @@ Two jobs, as for every method (trainer/methods.py):
     accumulating in the leaves; then the prompt's backward runs once. The prompt's
     forward is serving's: it is not computed here at all;
   - `recompute_job`, the dense trainer the paper compares against (TRL's GRPOTrainer):
-    each sample a row `prompt + response`, `recompute_rows` rows per forward (all G by
-    default: one batch), so the prompt is computed once per row.
+    each sample a row `prompt + response`, the group in one batch where it fits in
+    `recompute_tokens` (the server's `train.max_record_tokens`), else in micro-batches
+    of as many rows as fit; the prompt is computed once per row.
 A sample whose advantage is 0 gives no gradient (without the KL term) and is skipped.
 """
 
@@ -36,13 +37,23 @@ class GRPOMethod(TrainingMethod):
     uses_feedback = True
     label_kind = "rewards"
 
-    def __init__(self, beta: float = 0.0, clip_eps: float = 0.2, recompute_rows: int | None = None):
+    def __init__(self, beta: float = 0.0, clip_eps: float = 0.2, recompute_tokens: int | None = None):
         """`beta`: weight of the KL to the base model (0, as in current practice, needs no
-        reference forward); `clip_eps`: the ratio's clip range; `recompute_rows`: samples
+        reference forward); `clip_eps`: the ratio's clip range; `recompute_tokens`: tokens
         per forward on the recompute path (None: the whole group in one batch)."""
         self.beta = beta
         self.clip_eps = clip_eps
-        self.recompute_rows = recompute_rows
+        self.recompute_tokens = recompute_tokens
+        # rows per forward on the recompute path, when set (benchmarks: 1, or the group)
+        self.recompute_rows: int | None = None
+
+    def _rows_per_forward(self, prompt_len: int, samples: list) -> int:
+        if self.recompute_rows is not None:
+            return self.recompute_rows
+        if self.recompute_tokens is None or not samples:
+            return max(len(samples), 1)
+        longest = prompt_len + max(len(response) for _, response, _, _ in samples)
+        return max(1, self.recompute_tokens // longest)
 
     def trains_on(self, num_choices: int) -> bool:
         return num_choices >= 2
@@ -138,7 +149,7 @@ class GRPOMethod(TrainingMethod):
         yield from self._reference(entry, ctx)
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
-        rows = self.recompute_rows or max(len(samples), 1)
+        rows = self._rows_per_forward(len(prompt), samples)
         total = 0.0
         for start in range(0, len(samples), rows):
             batch = samples[start:start + rows]
