@@ -20,8 +20,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# online learning on: DPO from POST /v1/feedback (nothing trains until a label arrives);
+# ARGS="--train-mode off" serves without it
 serve: $(STAMP)
-	$(VENV)/bin/alchemist serve $(ARGS)
+	$(VENV)/bin/alchemist serve --train-mode dpo $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -130,6 +130,7 @@ class LLMEngine:
             else:
                 self.scheduler.add(seq)
         self.outputs.add(request.request_id, seqs, RequestMetrics(request.arrival_time, None, None, len(prompt), 0))
+        self._publish([], self._state())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, train: bool = False) -> None:
@@ -154,7 +155,7 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.finish(seq, "abort")
         output = self.outputs.collect(request_id)
-        self._publish([output], None)
+        self._publish([output], self._state())  # the gauges drop now, not at the next step
         return output
 
     def has_unfinished(self) -> bool:
@@ -195,10 +196,17 @@ class LLMEngine:
                     self.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
             touched |= self.outputs.update(scheduled, model_output, step_started)
         outputs = [out for rid in touched if (out := self.outputs.collect(rid)) is not None]
-        stats = StepStats(time.perf_counter() - started, scheduled.num_tokens, len(self.scheduler.running),
-                          len(self.scheduler.waiting), self.scheduler.kv_usage, len(scheduled.preempted))
+        stats = self._state(time.perf_counter() - started, scheduled.num_tokens, len(scheduled.preempted))
         self._publish(outputs, stats)
         return outputs, stats
+
+    def _state(self, seconds: float = 0.0, num_tokens: int = 0, num_preempted: int = 0) -> StepStats:
+        """The scheduler's state as StepStats: after each step, and after a request is
+        added or aborted (a step of nothing, so that the gauges follow at once)."""
+        scheduler = self.scheduler
+        # choices waiting to fork their prompt wait too
+        waiting = len(scheduler.waiting) + sum(len(s.fork_children) for s in (*scheduler.waiting, *scheduler.running))
+        return StepStats(seconds, num_tokens, len(scheduler.running), waiting, scheduler.kv_usage, num_preempted)
 
     def _publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         for observer in self.observers:

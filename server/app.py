@@ -1,15 +1,17 @@
 """The HTTP app: the OpenAI routes (server/routes_openai.py), the admin routes
-(server/routes_admin.py), OpenAI-style errors (server/errors.py) and the request guard
+(server/routes_admin.py), vLLM's tokenizer routes (server/routes_tokens.py), OpenAI-style errors (server/errors.py) and the request guard
 (authentication, body size, capacity: server/guards.py)."""
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
+from fastapi.routing import APIRoute
 
 from server.errors import install_error_handlers
 from server.guards import GuardConfig, RequestGuard
 from server.routes_admin import admin_router
 from server.routes_openai import openai_router
+from server.routes_tokens import tokens_router
 from server.state import ServerState
 
 __all__ = ["ServerState", "build_app"]
@@ -20,6 +22,19 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestGuard, config=guard or GuardConfig(), count_response=state.metrics.count_response)
     app.state.alchemist = state
-    app.include_router(admin_router(state))
-    app.include_router(openai_router(state))
+    routers = [admin_router(state), openai_router(state), tokens_router(state)]
+    for router in routers:
+        _add_head_routes(router)
+        app.include_router(router)
+    # every route, for the Allow header of a 405 (server/errors.py)
+    app.state.api_routes = [route for router in routers for route in router.routes if isinstance(route, APIRoute)]
     return app
+
+
+def _add_head_routes(router: APIRouter) -> None:
+    """HEAD wherever GET is (RFC 9110), answered by the GET handler (servers drop the body);
+    kept out of the schema, where it would repeat the GET operations."""
+    for route in list(router.routes):
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            router.add_api_route(route.path, route.endpoint, methods=["HEAD"], include_in_schema=False,
+                                 response_class=route.response_class)

@@ -29,6 +29,7 @@ from trainer.arbiter import Arbiter
 from trainer.cache import ActivationCache
 from trainer.config import TrainConfig
 from trainer.forward import recompute_segment
+from trainer.frozen import ServedAdapter, merge_frozen_adapter
 from trainer.grpo import GRPOMethod
 from trainer.methods import CPTMethod, DPOMethod, TrainingMethod
 from trainer.rewards import RewardScorer, load_reward_function
@@ -104,9 +105,19 @@ class Stack:
     # None when training is off
     trainer: Trainer | None
     arbiter: Arbiter | None
+    # the saved adapter served frozen (training off), if any
+    served_adapter: ServedAdapter | None = None
 
 
 def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
+    served_adapter = None
+    if config.train.mode == "off":  # a saved adapter, if one is named, is served frozen
+        model, served_adapter = merge_frozen_adapter(model, config.adapter)
+        if served_adapter is not None and served_adapter.name:
+            name = served_adapter.name
+    elif config.adapter.lora_module:
+        raise ValueError("adapter.lora_module (--lora-modules) serves an adapter frozen, with training off; "
+                         "to train from a saved adapter, resume with --adapter-dir")
     engine = LLMEngine(model, tokenizer, config)
     metrics = ServingMetrics(name, engine.cache_info())
     engine.observers.append(metrics)
@@ -119,13 +130,10 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
             trainer.enable_checkpoints(AdapterCheckpointer(AdapterStore(config.adapter.dir, config.adapter.keep),
                                                            config.adapter.save_every))
         arbiter = Arbiter(trainer, config.arbiter)
-    elif config.adapter.dir:
-        logger.warning("adapter.dir is set but training is off (train.mode = off): no adapter is loaded from or "
-                       "saved to %s", config.adapter.dir)
     async_engine = AsyncEngine(engine, idle_hook=arbiter)
     if trainer is not None and trainer.rewards is not None:
         trainer.rewards.on_scored = async_engine.notify_threadsafe
     metrics.add_engine(async_engine, arbiter, config.arbiter.policy)
     if trainer is not None:
         metrics.add_trainer(trainer)
-    return Stack(name, engine, async_engine, metrics, trainer, arbiter)
+    return Stack(name, engine, async_engine, metrics, trainer, arbiter, served_adapter)

@@ -58,7 +58,9 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
         "arbiter": {"policy": getattr(args, "arbiter_policy", None), "tpot_slo_ms": getattr(args, "tpot_slo_ms", None)},
         "offload": {"device_budget_bytes": getattr(args, "offload_device_budget_bytes", None),
                     "policy": getattr(args, "offload_policy", None), "profile": getattr(args, "offload_profile", None)},
-        "adapter": {"dir": getattr(args, "adapter_dir", None), "save_every": getattr(args, "adapter_save_every", None)},
+        "adapter": {"dir": getattr(args, "adapter_dir", None), "save_every": getattr(args, "adapter_save_every", None),
+                    "version": getattr(args, "adapter_version", None),
+                    "lora_module": getattr(args, "lora_modules", None)},
         "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None),
                    "api_key": getattr(args, "api_key", None), "admin_key": getattr(args, "admin_key", None),
                    "max_queued_requests": getattr(args, "max_queued_requests", None),
@@ -83,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queued-requests", type=int,
                        help="requests waiting beyond --max-num-seqs running; more get 429 (default 256)")
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
-    serve.add_argument("--adapter-dir", help="save the adapter here (PEFT format) and resume from it on start")
+    serve.add_argument("--adapter-dir", help="save the adapter here (PEFT format) and resume from it on start; "
+                       "with training off, serve its newest version frozen")
+    serve.add_argument("--adapter-version", type=int, help="with training off: the saved version to serve")
+    serve.add_argument("--lora-modules", help="with training off: name=DIR, a PEFT adapter directory served "
+                       "frozen under name")
     serve.add_argument("--adapter-save-every", type=int, help="save every N adapter versions (default 10)")
 
     from bench.cli import add_bench_commands

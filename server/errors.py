@@ -67,6 +67,15 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     return APIError(400, f"Invalid value for '{param}': {first.get('msg')} (got {shown}).", param, "invalid_value")
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods of every route whose path matches the request's (server/app.py lists them)."""
+    methods: set[str] = set()
+    for route in getattr(request.app.state, "api_routes", []):
+        if route.path_regex.match(request.url.path):
+            methods |= route.methods
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -77,14 +86,17 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException):
+    async def _http(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = "Not found: no such route. Routes: /v1/chat/completions, /v1/completions, /v1/models, " \
-                      "/v1/feedback, /v1/adapters, /v1/adapters/rollback, /health, /metrics."
+                      "/v1/feedback, /v1/adapters, /v1/adapters/rollback, /tokenize, /detokenize, /health, /metrics."
         elif exc.status_code == 405:
             message = "Method not allowed for this route."
-        return error_response(APIError(exc.status_code, message))
+        response = error_response(APIError(exc.status_code, message))
+        if exc.status_code == 405:  # the methods the path takes, over all its routes (RFC 9110)
+            response.headers["Allow"] = ", ".join(_allowed_methods(request))
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception):

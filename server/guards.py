@@ -26,7 +26,8 @@ GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ADMIN_PREFIX = "/v1/adapters"
 # routes counted under their own label; anything else is counted as "other"
 KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/feedback",
-                          "/v1/adapters", "/v1/adapters/rollback", "/health", "/metrics"})
+                          "/v1/adapters", "/v1/adapters/rollback", "/health", "/metrics", "/tokenize",
+                          "/detokenize"})
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,12 @@ class ServingMetrics:
                                     "Time from request arrival to its first generated token, in seconds.",
                                     labels, registry=r, buckets=_LATENCY_BUCKETS))
         self.tpot = child(Histogram(f"{PREFIX}time_per_output_token_seconds",
-                                    "Time between consecutive generated tokens of a request, in seconds.",
+                                    "Mean time per generated token after the first, per finished request: "
+                                    "(last token - first token) / (tokens - 1) of its longest choice, in seconds.",
                                     labels, registry=r, buckets=_LATENCY_BUCKETS))
+        self.itl = child(Histogram(f"{PREFIX}inter_token_latency_seconds",
+                                   "Time between consecutive outputs carrying new tokens of a request, in seconds.",
+                                   labels, registry=r, buckets=_LATENCY_BUCKETS))
         self.e2e = child(Histogram(f"{PREFIX}e2e_request_latency_seconds",
                                    "Time from request arrival to its last token, in seconds.",
                                    labels, registry=r, buckets=_E2E_BUCKETS))
@@ -83,6 +87,8 @@ class ServingMetrics:
         self._model_name = model_name
         self._started: set[str] = set()
         self._last_token_time: dict[str, float] = {}
+        # request id -> choice index -> tokens generated so far
+        self._choice_tokens: dict[str, dict[int, int]] = {}
 
     # EngineObserver
     def on_step(self, stats: StepStats) -> None:
@@ -107,15 +113,21 @@ class ServingMetrics:
                 if meta.first_token_time is not None:
                     self.prefill_time.observe(meta.first_token_time - meta.first_scheduled_time)
         elif new_tokens and rid in self._last_token_time:
-            self.tpot.observe(now - self._last_token_time[rid])
+            self.itl.observe(now - self._last_token_time[rid])
         if new_tokens:
             self._last_token_time[rid] = now
             self.generation_tokens.inc(new_tokens)
+            counts = self._choice_tokens.setdefault(rid, {})
+            for c in output.outputs:
+                counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
         if output.finished:
+            longest = max(self._choice_tokens.pop(rid, {}).values(), default=0)
             if meta.finish_time is not None:
                 self.e2e.observe(meta.finish_time - meta.arrival_time)
                 if meta.first_token_time is not None:
                     self.decode_time.observe(meta.finish_time - meta.first_token_time)
+                    if longest > 1:
+                        self.tpot.observe((meta.finish_time - meta.first_token_time) / (longest - 1))
             self.prompt_len.observe(meta.num_prompt_tokens)
             self.gen_len.observe(meta.num_generation_tokens)
             reasons = {c.finish_reason for c in output.outputs if c.finish_reason}

@@ -56,7 +56,7 @@ def make_request(async_engine, request_id: str, prompt_ids: list[int], params: S
         raise APIError(400, str(exc), param, exc.code) from None
 
 
-def render_chat(tokenizer, body) -> list[int]:
+def render_chat(tokenizer, body, add_generation_prompt: bool = True) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "This model has no chat template; use /v1/completions.", "messages")
     messages = []
@@ -66,7 +66,7 @@ def render_chat(tokenizer, body) -> list[int]:
             entry["name"] = message.name
         messages.append(entry)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the user's to fix
         raise APIError(400, f"The chat template rejected the messages: {exc}", "messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -115,6 +115,11 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
 
     def sampling_params(self) -> SamplingParams:
+        # both limits are checked, each under its own name, before the one that applies is taken
+        for name in ("max_completion_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidParameter(name, f"{name} must be at least 0, got {value}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         top = None
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -161,3 +166,22 @@ class RollbackRequest(_Strict):
     """POST /v1/adapters/rollback: make a saved adapter version the live one."""
 
     version: Annotated[int, Field(ge=0)]
+
+
+class TokenizeRequest(_Strict):
+    """POST /tokenize (vLLM's): a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    # prompt: add the tokenizer's special tokens (BOS); messages: end with the assistant's turn opening
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]

@@ -34,7 +34,9 @@ def admin_router(state: ServerState) -> APIRouter:
             return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
         return {"status": "ok"}
 
-    @router.get("/metrics")
+    @router.get("/metrics", response_class=Response,
+                responses={200: {"description": "Prometheus text exposition format",
+                                 "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -54,6 +56,10 @@ def admin_router(state: ServerState) -> APIRouter:
 
     @router.get("/v1/adapters")
     async def adapters():
+        if state.trainer is None and state.served_adapter is not None:
+            adapter = state.served_adapter
+            return {"object": "adapter", "version": adapter.version, "mode": "off", "frozen": True,
+                    "path": adapter.path, "name": adapter.name or state.model_name}
         return adapter_status(state)
 
     @router.post("/v1/adapters/rollback")

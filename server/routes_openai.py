@@ -27,8 +27,12 @@ def openai_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
     def model_card():
-        return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "alchemist",
+        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "alchemist",
                 "root": state.model_name, "max_model_len": state.max_model_len}
+        adapter = served_adapter_card(state)
+        if adapter is not None:
+            card["adapter"] = adapter
+        return card
 
     @router.get("/v1/models")
     async def list_models():
@@ -48,6 +52,16 @@ def openai_router(state: ServerState) -> APIRouter:
         return await serve_completion(state, request)
 
     return router
+
+
+def served_adapter_card(state: ServerState) -> dict | None:
+    """Which adapter the served weights hold: the live, trained one, or one served frozen."""
+    if state.trainer is not None:
+        return {"version": state.trainer.status().adapter_version, "frozen": False}
+    adapter = state.served_adapter
+    if adapter is None:
+        return None
+    return {"version": adapter.version, "path": adapter.path, "frozen": True}
 
 
 def note_prompt(state: ServerState, request_id: str, prompt) -> None:

@@ -31,8 +31,9 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
         model, tokenizer, model_name = load(config.model)
     name = config.model.served_model_name or model_name or "model"
     stack = build_stack(config, model, tokenizer, name)
-    async_engine, trainer = stack.async_engine, stack.trainer
-    state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, trainer)
+    async_engine, trainer, name = stack.async_engine, stack.trainer, stack.name
+    state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, trainer,
+                        stack.served_adapter)
     server = config.server
     app = build_app(state, GuardConfig(server.api_key, server.admin_key,
                                        config.scheduler.max_num_seqs + server.max_queued_requests,

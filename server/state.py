@@ -19,6 +19,8 @@ class ServerState:
     metrics: ServingMetrics
     # the online trainer, when training is on
     trainer: object | None = None
+    # the saved adapter served frozen, when training is off (trainer/frozen.py)
+    served_adapter: object | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
 

@@ -135,6 +135,20 @@ class AdapterConfig:
     save_every: int = 10
     # saved versions kept on disk (older ones are deleted)
     keep: int = 5
+    # with training off: the saved version in `dir` to serve (merged into the weights,
+    # frozen); -1 the newest that loads
+    version: int = -1
+    # with training off: "name=DIR", a PEFT adapter directory made elsewhere, served frozen
+    # under `name` (vLLM's --lora-modules, one adapter)
+    lora_module: str = ""
 
     def __post_init__(self) -> None:
         check_positive(self, "save_every", "keep")
+        if not isinstance(self.version, int) or self.version < -1:
+            raise ValueError(f"adapter.version must be a version number or -1 (the newest), got {self.version!r}")
+        if self.lora_module:
+            name, _, path = self.lora_module.partition("=")
+            if not name or not path:
+                raise ValueError(f"adapter.lora_module must be name=DIR, got {self.lora_module!r}")
+            if self.dir:
+                raise ValueError("adapter.lora_module and adapter.dir serve one adapter each; give one")

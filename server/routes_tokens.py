@@ -1,0 +1,48 @@
+"""vLLM's `/tokenize` and `/detokenize`: the served model's tokenizer over HTTP.
+
+`/tokenize` takes `prompt` (text, as `/v1/completions` tokenizes it) or `messages`
+(rendered with the chat template, as `/v1/chat/completions` does) and returns `tokens`,
+`count` and `max_model_len`; `/detokenize` takes `tokens` and returns `prompt`.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from server.errors import APIError
+from server.parsing import check_model, parse_body, render_chat
+from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.state import ServerState
+
+
+def tokens_router(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request):
+        body: TokenizeRequest = await parse_body(request, TokenizeRequest)
+        if body.model is not None:
+            check_model(state.model_name, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' and 'messages'.", "prompt", "invalid_value")
+        if body.messages is not None:
+            tokens = render_chat(state.tokenizer, body, body.add_generation_prompt)
+        else:
+            tokens = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        result = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            result["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)
+        return result
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request):
+        body: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
+        if body.model is not None:
+            check_model(state.model_name, body.model)
+        vocab = len(state.tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad}.", "tokens", "invalid_value")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    return router

@@ -1,0 +1,64 @@
+"""A saved adapter served frozen: `--adapter-dir` with training off serves the newest good
+version (or `--adapter-version N`) merged into the weights; `--lora-modules name=DIR`
+serves a PEFT directory made elsewhere; /v1/models and /v1/adapters say which."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.servers import TINY_NAME, tiny_app
+from tests.test_adapter_lifecycle import TRAIN, complete, serve_and_train
+from trainer.config import AdapterConfig, TrainConfig
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """An adapter directory with versions 0 (untrained), 2 and 3, and what each served."""
+    root = tmp_path_factory.mktemp("adapter")
+    adapter = AdapterConfig(dir=str(root), save_every=2, keep=10)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        base = complete(client)
+        serve_and_train(client, [f"prompt number {i} about cats" for i in range(3)])
+        final = complete(client)
+    assert base != final  # training changed what is served
+    return root, base, final
+
+
+def test_training_off_serves_the_newest_version_frozen(trained):
+    root, base, final = trained
+    with TestClient(tiny_app(adapter=AdapterConfig(dir=str(root)))) as client:
+        assert client.app.state.alchemist.trainer is None
+        assert complete(client) == final
+        card = client.get(f"/v1/models/{TINY_NAME}").json()
+        assert card["adapter"] == {"version": 3, "path": str(root / "v00000003"), "frozen": True}
+        status = client.get("/v1/adapters").json()
+        assert status["version"] == 3 and status["frozen"] and status["mode"] == "off"
+        r = client.post("/v1/feedback", json={"id": "x", "chosen": "y"})
+        assert r.status_code == 400  # frozen: nothing trains
+
+
+def test_adapter_version_picks_an_older_one(trained):
+    root, base, _ = trained
+    with TestClient(tiny_app(adapter=AdapterConfig(dir=str(root), version=0))) as client:
+        assert complete(client) == base  # version 0 is the untrained (zero) adapter
+        assert client.get("/v1/adapters").json()["version"] == 0
+
+
+def test_lora_modules_serves_a_peft_directory_under_its_name(trained):
+    root, _, final = trained
+    with TestClient(tiny_app(adapter=AdapterConfig(lora_module=f"cats={root / 'v00000003'}"))) as client:
+        assert client.get("/v1/models").json()["data"][0]["id"] == "cats"
+        r = client.post("/v1/completions", json={"model": "cats", "prompt": "the quick brown fox", "max_tokens": 8,
+                                                 "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == final
+        assert client.get("/v1/adapters").json()["name"] == "cats"
+
+
+def test_bad_frozen_adapters_are_clear_startup_errors(tmp_path):
+    with pytest.raises(ValueError, match="no saved adapter version loads"):
+        tiny_app(adapter=AdapterConfig(dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="no PEFT adapter there"):
+        tiny_app(adapter=AdapterConfig(lora_module=f"x={tmp_path}"))
+    with pytest.raises(ValueError, match="name=DIR"):
+        AdapterConfig(lora_module="nodir")
+    with pytest.raises(ValueError, match="training off"):
+        tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(lora_module=f"x={tmp_path}"))

@@ -1,0 +1,54 @@
+"""Metrics that tell the truth: gauges follow requests added and aborted (not only
+steps), prefill time is measured, and vLLM's inter-token latency sits beside the
+per-request time per output token."""
+
+from engine.sampling_params import SamplingParams
+from server.metrics import ServingMetrics
+from tests.conftest import encode, make_engine
+from tests.servers import TINY_NAME, tiny_app
+from tests.test_feedback import metric
+from fastapi.testclient import TestClient
+
+
+def observed_engine():
+    engine = make_engine()
+    metrics = ServingMetrics(TINY_NAME)
+    engine.observers.append(metrics)
+    return engine, metrics
+
+
+def value(gauge) -> float:
+    return gauge._value.get()
+
+
+def test_gauges_follow_adds_and_aborts_with_no_step_in_between():
+    engine, metrics = observed_engine()
+    engine.add_request("a", encode("Hello there"), SamplingParams(max_tokens=20, n=3))
+    assert value(metrics.waiting) == 3  # choice 0 queued, two choices waiting to fork it
+    engine.step()
+    assert value(metrics.running) == 3 and value(metrics.waiting) == 0
+    engine.abort_request("a")  # a client gone, nothing else running: no step follows
+    assert value(metrics.running) == 0 and value(metrics.waiting) == 0 and value(metrics.kv_usage) == 0
+
+
+def test_inter_token_latency_per_output_and_time_per_output_token_per_request():
+    engine, metrics = observed_engine()
+    engine.add_request("a", encode("Hello there"), SamplingParams(max_tokens=5, min_tokens=5))
+    while engine.has_unfinished():
+        engine.step()
+    assert metrics.itl._sum.get() > 0 and _count(metrics.itl) == 4  # between 5 tokens
+    assert _count(metrics.tpot) == 1  # one finished request
+
+
+def _count(histogram) -> int:
+    return int(sum(bucket.get() for bucket in histogram._buckets))
+
+
+def test_prefill_time_is_measured_over_http():
+    with TestClient(tiny_app()) as client:
+        r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 3,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+        assert metric(client, "alchemist:request_prefill_time_seconds_count") == 1
+        assert metric(client, "alchemist:request_prefill_time_seconds_sum") > 0
+        assert metric(client, "alchemist:inter_token_latency_seconds_count") >= 1

@@ -1,0 +1,53 @@
+"""vLLM's /tokenize and /detokenize over the real app, on a tiny model."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.servers import TINY_NAME, tiny_app
+from tests.tiny import tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(tiny_app()) as c:
+        yield c
+
+
+def test_tokenize_a_prompt_and_detokenize_it_back(client):
+    text = "The quick brown fox"
+    r = client.post("/tokenize", json={"model": TINY_NAME, "prompt": text, "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    expected = tiny_tokenizer()(text)["input_ids"]
+    assert body["tokens"] == expected and body["count"] == len(expected) and body["max_model_len"] > 0
+    assert len(body["token_strs"]) == len(expected)
+    r = client.post("/detokenize", json={"model": TINY_NAME, "tokens": body["tokens"]})
+    assert r.status_code == 200 and text in r.json()["prompt"]
+
+
+def test_tokenize_messages_as_chat_completions_renders_them(client):
+    messages = [{"role": "user", "content": "hi"}]
+    tokens = client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    tokenizer = tiny_tokenizer()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tokens == tokenizer(text, add_special_tokens=False)["input_ids"]
+    without = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert without["count"] < len(tokens)
+    # the count is what a chat completion is charged for its prompt
+    r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "messages": messages, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == len(tokens)
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-9"}, 404, "model"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+])
+def test_bad_bodies_get_openai_errors(client, path, body, status, param):
+    r = client.post(path, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param

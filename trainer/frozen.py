@@ -1,0 +1,63 @@
+"""A saved adapter served frozen: merged into the base weights once, at start.
+
+With training off, `adapter.dir` (`--adapter-dir`) serves a version the trainer saved
+there — the newest that loads, or `adapter.version` — and `adapter.lora_module`
+(`--lora-modules name=DIR`) a PEFT adapter directory made elsewhere. Either is merged
+into the model's weights (W + B·A·scale, PEFT's `merge_and_unload`) before the engine is
+built, so serving runs as fast as the base model: a canary, a rollback, another node.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.adapter_store import AdapterLoadError, AdapterStore
+from trainer.config import AdapterConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServedAdapter:
+    # the directory the weights came from
+    path: str
+    # the saved version (adapter.dir), or None (a PEFT directory)
+    version: int | None
+    # the model name it is served under (lora_module), or None (the served model name)
+    name: str | None = None
+
+
+def merge_frozen_adapter(model, config: AdapterConfig):
+    """(model with the adapter merged, ServedAdapter), or (model, None) when none is set.
+    Raises ValueError when the adapter cannot be loaded or does not fit the model."""
+    from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+
+    if config.lora_module:
+        name, _, path = config.lora_module.partition("=")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(f"--lora-modules {name}={path}: no PEFT adapter there (adapter_config.json missing)")
+        try:
+            merged = PeftModel.from_pretrained(model, path).merge_and_unload()
+        except Exception as exc:  # noqa: BLE001 - a foreign directory may fail in many ways
+            raise ValueError(f"--lora-modules {name}={path}: cannot load it onto this model: {exc}") from exc
+        logger.info("serving PEFT adapter %s frozen as %r", path, name)
+        return merged, ServedAdapter(path, None, name)
+    if not config.dir:
+        return model, None
+    store = AdapterStore(config.dir, config.keep)
+    try:
+        snapshot = store.load(config.version) if config.version >= 0 else store.latest()
+    except AdapterLoadError as exc:
+        raise ValueError(f"adapter version {config.version} in {config.dir} cannot be served: {exc}") from exc
+    if snapshot is None:
+        raise ValueError(f"--adapter-dir {config.dir}: no saved adapter version loads there")
+    peft_model = get_peft_model(model, snapshot.peft_config)
+    result = set_peft_model_state_dict(peft_model, snapshot.weights)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"adapter version {snapshot.version} in {config.dir} does not fit this model "
+                         f"(missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})")
+    logger.info("serving adapter version %d from %s frozen (merged into the weights)", snapshot.version, config.dir)
+    return peft_model.merge_and_unload(), ServedAdapter(str(store.path_of(snapshot.version)), snapshot.version)
