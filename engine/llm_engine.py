@@ -28,6 +28,7 @@ from engine.request import EngineRequest
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured import GrammarCompiler
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -62,12 +63,20 @@ class LLMEngine:
         self.recorder: PrefillRecorder | None = None
         self.memory_guard: StepMemoryGuard | None = None
         self.observers: list[EngineObserver] = []
+        self._grammars: GrammarCompiler | None = None
         # steps executed so far (the trainer tells from it that serving ran between its slices)
         self.num_steps = 0
         logger.info("KV cache: %d blocks x %d tokens, %d bytes per token, %.1f MiB", num_blocks,
                     spec.block_size, spec.bytes_per_token, self.runner.kv_cache.memory_bytes / 2**20)
 
     # -- requests ---------------------------------------------------------------------
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler, made at the first request that needs it."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raises InvalidParameter for a request this engine can never serve."""
@@ -79,6 +88,8 @@ class LLMEngine:
             raise InvalidParameter("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in params.logit_bias):
             raise InvalidParameter("logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size})")
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
         requested = len(prompt_token_ids) + (params.max_tokens or 0)
         if len(prompt_token_ids) >= self.max_model_len or requested > self.max_model_len:
             raise InvalidParameter(
@@ -123,6 +134,8 @@ class LLMEngine:
             )
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
+            if params.grammar is not None:
+                seq.matcher = self.grammars.matcher(params.grammar)
             seqs.append(seq)
             if fork and index > 0:
                 seq.fork_parent = seqs[0]

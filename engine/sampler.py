@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.structured import mask_disallowed
 from engine.sequence import Sequence
 
 
@@ -80,7 +81,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """logits: (N, V), one row per sequence, in the model's dtype; never modified."""
         logits = logits.float()
-        if any(s.params.uses_penalties or len(s.output_token_ids) < s.params.min_tokens for s in seqs):
+        if any(s.params.uses_penalties or len(s.output_token_ids) < s.params.min_tokens or s.matcher is not None
+               for s in seqs):
             logits = logits.clone()  # the rows are edited below
         raw_logprobs = None
         if any(s.params.logprobs is not None or s.track_logprob for s in seqs):
@@ -96,6 +98,8 @@ class Sampler:
                 if needs_min_tokens:
                     banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
                     logits[row, list(banned)] = float("-inf")
+            if seq.matcher is not None:  # after the log-probs are taken: they stay the model's own
+                mask_disallowed(seq.matcher, logits[row])
             if params.greedy:
                 greedy_rows.append(row)
             else:
@@ -105,6 +109,9 @@ class Sampler:
             rows = torch.tensor(greedy_rows, device=logits.device)
             token_ids[rows] = logits[rows].argmax(-1)
         results = [SampledToken(t, None) for t in token_ids.tolist()]
+        for seq, result in zip(seqs, results):
+            if seq.matcher is not None:
+                seq.matcher.consume_token(result.token_id)
         if raw_logprobs is not None:
             for row, seq in enumerate(seqs):
                 if seq.track_logprob:

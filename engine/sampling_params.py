@@ -42,6 +42,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # OpenAI logit_bias: token id -> value in [-100, 100] added to that token's logit
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # structured outputs: an llguidance grammar the output must follow (engine/structured.py)
+    grammar: str | None = None
     # makes sampling reproducible for this request alone, whatever else is batched with it
     seed: int | None = None
     # generation stops before any of these strings (not included unless include_stop_str_in_output)

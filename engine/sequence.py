@@ -79,6 +79,8 @@ class Sequence:
     # on such a choice, the sequence it waits for
     fork_children: list["Sequence"] = field(default_factory=list)
     fork_parent: "Sequence | None" = None
+    # structured outputs: the grammar's state for this sequence (engine/structured.py)
+    matcher: object | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

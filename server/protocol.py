@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
+from engine.structured import json_schema_grammar
 from trainer.feedback import FeedbackLabel
 
 
@@ -49,8 +50,32 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: Literal["text"]
+    """OpenAI's `response_format`: free text, any JSON object, or JSON valid against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def grammar(self) -> str | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return json_schema_grammar({"type": "object"})
+        if self.json_schema is None:
+            raise InvalidParameter("response_format", "response_format of type json_schema needs 'json_schema'")
+        try:
+            return json_schema_grammar(self.json_schema.schema_)
+        except Exception as exc:  # noqa: BLE001 - the schema is the client's; say what is wrong with it
+            raise InvalidParameter("response_format", f"the JSON schema cannot be enforced: {exc}") from None
 
 
 class _SamplingFields(_Strict):
@@ -129,7 +154,10 @@ class ChatCompletionRequest(_SamplingFields):
             top = self.top_logprobs or 0
         elif self.top_logprobs is not None:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
-        return self._sampling_params(max_tokens, top)
+        params = self._sampling_params(max_tokens, top)
+        if self.response_format is not None:
+            params.grammar = self.response_format.grammar()
+        return params
 
 
 class CompletionRequest(_SamplingFields):
