@@ -58,7 +58,6 @@ class OutputProcessor:
 
     def _append_sampled(self, seq: Sequence, sampled, now: float) -> None:
         if sampled.logprob_value is not None:
-            seq.cumulative_logprob += sampled.logprob_value
             seq.token_logprobs.append(sampled.logprob_value)
         self._append_token(seq, sampled.token_id, sampled.logprob, now)
 
@@ -100,7 +99,6 @@ class OutputProcessor:
                 index=seq.index, text=seq.detokenizer.take_new_text(seq.is_finished),
                 token_ids=seq.new_token_ids, logprobs=seq.new_logprobs if seq.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                cumulative_logprob=seq.cumulative_logprob if seq.track_logprob else None,
                 token_logprob_values=values))
             seq.new_token_ids, seq.new_logprobs = [], []
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]

@@ -32,9 +32,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     # the stop string or stop token id that ended the choice, if any
     stop_reason: str | int | None = None
-    # sum of the raw log-probs of all tokens generated so far (recorded sequences only)
-    cumulative_logprob: float | None = None
-    # the raw log-prob of each token in `token_ids` (recorded sequences only)
+    # the raw log-prob of each token in `token_ids` (sequences that track them: trainable ones)
     token_logprob_values: list[float] | None = None
 
 

@@ -69,11 +69,10 @@ class Sequence:
     awaits_admission: bool = False
     # set by the scheduler's admission when this prefill is to be recorded; cleared once done
     record: RecordSpec | None = None
-    # sum of the raw log-probs of the sampled tokens; tracked for recorded sequences only
-    # (DPO reuses it as the served response's policy log-prob)
+    # record the raw log-prob of each sampled token: set for trainable requests when the
+    # recording or the label needs them (DPO's served response, GRPO's log π_old)
     track_logprob: bool = False
-    cumulative_logprob: float = 0.0
-    # the raw log-prob of each sampled token, when tracked (GRPO's served log-probs)
+    # the raw log-prob of each sampled token, when tracked (GRPO's per token, DPO's summed)
     token_logprobs: list[float] = field(default_factory=list)
     # choices of the same request waiting for this sequence's prompt to fork from it, and,
     # on such a choice, the sequence it waits for

@@ -51,11 +51,10 @@ class ChatMessage(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
-    schema_: Annotated[dict[str, Any], Field(alias="schema")] = Field(default_factory=dict, alias="schema")
+    # "schema" itself would shadow pydantic's BaseModel.schema
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 

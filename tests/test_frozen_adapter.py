@@ -25,7 +25,10 @@ def trained(tmp_path_factory):
 
 def test_training_off_serves_the_newest_version_frozen(trained):
     root, base, final = trained
+    in_progress = root / ".tmp-another-process-saving"  # a trainer elsewhere writing a version
+    in_progress.mkdir()
     with TestClient(tiny_app(adapter=AdapterConfig(dir=str(root)))) as client:
+        assert in_progress.is_dir()  # a frozen server only reads the directory
         assert client.app.state.alchemist.trainer is None
         assert complete(client) == final
         card = client.get(f"/v1/models/{TINY_NAME}").json()
@@ -56,6 +59,8 @@ def test_lora_modules_serves_a_peft_directory_under_its_name(trained):
 def test_bad_frozen_adapters_are_clear_startup_errors(tmp_path):
     with pytest.raises(ValueError, match="no saved adapter version loads"):
         tiny_app(adapter=AdapterConfig(dir=str(tmp_path)))
+    with pytest.raises(ValueError, match="no such directory"):
+        tiny_app(adapter=AdapterConfig(dir=str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="no PEFT adapter there"):
         tiny_app(adapter=AdapterConfig(lora_module=f"x={tmp_path}"))
     with pytest.raises(ValueError, match="name=DIR"):

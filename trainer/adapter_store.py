@@ -66,9 +66,13 @@ class SavedVersion:
 
 
 class AdapterStore:
-    def __init__(self, root: str | Path, keep: int = 5):
+    def __init__(self, root: str | Path, keep: int = 5, read_only: bool = False):
+        """`read_only`: only load (a server serving a version frozen): it neither creates the
+        directory nor clears the temporary directories of saves another process may be writing."""
         self.root = Path(root)
         self.keep = keep
+        if read_only:
+            return
         self.root.mkdir(parents=True, exist_ok=True)
         for leftover in self.root.glob(_TMP_PREFIX + "*"):  # a save interrupted by a crash
             logger.warning("removing an interrupted adapter save: %s", leftover)

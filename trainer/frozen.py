@@ -32,6 +32,8 @@ class ServedAdapter:
 def merge_frozen_adapter(model, config: AdapterConfig):
     """(model with the adapter merged, ServedAdapter), or (model, None) when none is set.
     Raises ValueError when the adapter cannot be loaded or does not fit the model."""
+    if not config.lora_module and not config.dir:
+        return model, None
     from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 
     if config.lora_module:
@@ -44,9 +46,9 @@ def merge_frozen_adapter(model, config: AdapterConfig):
             raise ValueError(f"--lora-modules {name}={path}: cannot load it onto this model: {exc}") from exc
         logger.info("serving PEFT adapter %s frozen as %r", path, name)
         return merged, ServedAdapter(path, None, name)
-    if not config.dir:
-        return model, None
-    store = AdapterStore(config.dir, config.keep)
+    if not Path(config.dir).is_dir():
+        raise ValueError(f"--adapter-dir {config.dir}: no such directory")
+    store = AdapterStore(config.dir, read_only=True)  # another process may be saving there
     try:
         snapshot = store.load(config.version) if config.version >= 0 else store.latest()
     except AdapterLoadError as exc:

@@ -62,9 +62,8 @@ class Recorder:
         self._bytes_per_token: float | None = None
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
-        # completion id -> choice index -> cumulative log-prob of the served tokens, each
-        # token's log-prob, and the response text (for the reward function)
-        self._served_logps: dict[str, dict[int, float]] = {}
+        # completion id -> choice index -> each served token's log-prob, and the response
+        # text (kept for the reward function only)
         self._token_logps: dict[str, dict[int, list[float]]] = {}
         self._texts: dict[str, dict[int, str]] = {}
         # completion id -> (prompt token ids, adapter version) of trainable requests in
@@ -124,19 +123,17 @@ class Recorder:
             if output.finished and self.rewards is not None:
                 self.rewards.forget(request_id)
             return
-        logps = self._served_logps.setdefault(request_id, {})
         token_logps = self._token_logps.setdefault(request_id, {})
         texts = self._texts.setdefault(request_id, {})
         for completion in output.outputs:
             responses.setdefault(completion.index, []).extend(completion.token_ids)
-            texts[completion.index] = texts.get(completion.index, "") + completion.text
-            if completion.cumulative_logprob is not None:
-                logps[completion.index] = completion.cumulative_logprob
+            if self.rewards is not None:
+                texts[completion.index] = texts.get(completion.index, "") + completion.text
             if completion.token_logprob_values is not None:
                 token_logps.setdefault(completion.index, []).extend(completion.token_logprob_values)
         if output.finished:
-            del self._responses[request_id], self._served_logps[request_id], self._token_logps[request_id]
-            del self._texts[request_id]
+            del self._responses[request_id], self._token_logps[request_id], self._texts[request_id]
+            logps = {index: sum(values) for index, values in token_logps.items()}
             aborted = _aborted(output)
             label_only = self._label_only.pop(request_id, None)
             if label_only is not None and not aborted:
