@@ -8,6 +8,10 @@ OpenAI error code, so the server can fill OpenAI's `param` and `code` fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.structured import Grammar
 
 MAX_LOGPROBS = 20
 # temperatures below this are treated as greedy (dividing by them overflows), as in vLLM
@@ -42,8 +46,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # OpenAI logit_bias: token id -> value in [-100, 100] added to that token's logit
     logit_bias: dict[int, float] = field(default_factory=dict)
-    # structured outputs: an llguidance grammar the output must follow (engine/structured.py)
-    grammar: str | None = None
+    # structured outputs: the grammar the output must follow (engine/structured.Grammar)
+    grammar: Grammar | None = None
     # makes sampling reproducible for this request alone, whatever else is batched with it
     seed: int | None = None
     # generation stops before any of these strings (not included unless include_stop_str_in_output)

@@ -1,8 +1,9 @@
 """Structured outputs: grammar-constrained decoding with llguidance.
 
-A request's grammar (llguidance's format: JSON schemas, regexes, Lark grammars) is checked
-once when the request is made (`InvalidParameter` naming `response_format` if it does not
-compile) and gives each of its sequences a matcher. Before a token is drawn, the matcher's
+A request's `Grammar` (llguidance's format, built here from a JSON schema, a regex, a list
+of choices or a Lark/GBNF grammar) is checked once when the request is made
+(`InvalidParameter` naming the request field it came from, if it does not compile) and
+gives each of its sequences a matcher. Before a token is drawn, the matcher's
 mask of allowed next tokens sets every other logit to −inf; after, the drawn token advances
 the matcher. The mask applies to the sampling distribution only: the log-probs reported
 and recorded for training are the model's own (engine/sampler.py). llguidance was chosen
@@ -12,19 +13,65 @@ by measured per-token cost on this CPU (BENCHMARKS.md, "Structured outputs").
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import torch
 
 from engine.sampling_params import InvalidParameter
 
+# JSON's usual single spaces and no free whitespace: a model left to pad with newlines can
+# run out of tokens before the document closes
+JSON_LAYOUT = {"whitespace_flexible": False}
 
-def json_schema_grammar(schema: dict) -> str:
-    """An llguidance grammar for JSON documents that validate against `schema`, with
-    JSON's usual single spaces and no free whitespace (a model left to pad with newlines
-    can run out of tokens before the document closes)."""
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must follow: an llguidance grammar, and the request field
+    that asked for it (named in the error if it cannot be enforced)."""
+
+    text: str
+    param: str = "response_format"
+
+
+def _built(param: str, build) -> Grammar:
+    try:
+        return Grammar(build(), param)
+    except InvalidParameter:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the spec is the client's; say what is wrong with it
+        raise InvalidParameter(param, f"{param} cannot be enforced: {exc}") from None
+
+
+def json_schema_grammar(schema: dict, param: str = "response_format") -> Grammar:
+    """JSON documents that validate against `schema`."""
     import llguidance
 
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+    return _built(param, lambda: llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                                               defaults=JSON_LAYOUT))
+
+
+def regex_grammar(pattern: str, param: str) -> Grammar:
+    """Text that matches `pattern` whole (Rust's regex syntax, close to Python's)."""
+    import llguidance
+
+    return _built(param, lambda: llguidance.LLMatcher.grammar_from_regex(pattern))
+
+
+def choice_grammar(choices: list[str], param: str) -> Grammar:
+    """Exactly one of `choices`."""
+    import llguidance
+
+    if not choices:
+        raise InvalidParameter(param, f"{param} must list at least one choice")
+    return _built(param, lambda: llguidance.grammar_from("choice", choices))
+
+
+def lark_grammar(text: str, param: str) -> Grammar:
+    """A context-free grammar in Lark syntax (llguidance's dialect, which can embed
+    `%json {schema}`) or in llama.cpp's GBNF; its start rule is `start` (Lark) or `root` (GBNF)."""
+    import llguidance
+
+    return _built(param, lambda: llguidance.grammar_from("grammar", text))
 
 
 class GrammarCompiler:
@@ -36,20 +83,19 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
-    def check(self, grammar: str) -> None:
+    def check(self, grammar: Grammar) -> None:
         import llguidance
 
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        error = llguidance.LLMatcher.validate_grammar(grammar.text, self.tokenizer)
         if error:
-            raise InvalidParameter("response_format", f"the response format cannot be enforced: {error}")
+            raise InvalidParameter(grammar.param, f"{grammar.param} cannot be enforced: {error}")
 
-    def matcher(self, grammar: str):
+    def matcher(self, grammar: Grammar):
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar)
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar.text)
         if matcher.is_error():
-            raise InvalidParameter("response_format", f"the response format cannot be enforced: "
-                                   f"{matcher.get_error()}")
+            raise InvalidParameter(grammar.param, f"{grammar.param} cannot be enforced: {matcher.get_error()}")
         return matcher
 
 

@@ -6,17 +6,19 @@ are rejected with OpenAI's "Unrecognized request argument supplied" so that a ty
 `max_token` does not pass silently. Fields the OpenAI API defines but that do not change
 generation here (user, metadata, store, service_tier) are accepted and ignored.
 vLLM's extra sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, ...) are accepted under vLLM's names.
+stop_token_ids, ...) are accepted under vLLM's names, and so are its structured outputs
+(`structured_outputs`, and the `guided_*` fields vLLM had before 0.12).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
-from engine.structured import json_schema_grammar
+from engine.structured import Grammar, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
 from trainer.feedback import FeedbackLabel
 
 
@@ -64,17 +66,47 @@ class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
-    def grammar(self) -> str | None:
+    def grammar(self) -> Grammar | None:
         if self.type == "text":
             return None
         if self.type == "json_object":
             return json_schema_grammar({"type": "object"})
         if self.json_schema is None:
             raise InvalidParameter("response_format", "response_format of type json_schema needs 'json_schema'")
-        try:
-            return json_schema_grammar(self.json_schema.schema_)
-        except Exception as exc:  # noqa: BLE001 - the schema is the client's; say what is wrong with it
-            raise InvalidParameter("response_format", f"the JSON schema cannot be enforced: {exc}") from None
+        return json_schema_grammar(self.json_schema.schema_)
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a list of
+    choices or a grammar (Lark, or llama.cpp's GBNF)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def build(self, param: str = "structured_outputs") -> Grammar:
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise InvalidParameter(param, f"{param} takes exactly one of json, regex, choice and grammar")
+        return _build_grammar(given[0].rstrip("_"), getattr(self, given[0]), f"{param}.{given[0].rstrip('_')}")
+
+
+def _build_grammar(kind: str, spec, param: str) -> Grammar:
+    if kind == "json":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except ValueError as exc:
+                raise InvalidParameter(param, f"{param} is not valid JSON: {exc}") from None
+        if not isinstance(spec, dict):
+            raise InvalidParameter(param, f"{param} must be a JSON schema (an object)")
+        return json_schema_grammar(spec, param)
+    if kind == "regex":
+        return regex_grammar(spec, param)
+    if kind == "choice":
+        return choice_grammar(spec, param)
+    return lark_grammar(spec, param)
 
 
 class _SamplingFields(_Strict):
@@ -104,8 +136,31 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's structured outputs, and their names before vLLM 0.12
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # alchemist: false keeps this request out of online training
     train: bool = True
+
+    def _grammar(self, response_format: ResponseFormat | None = None) -> Grammar | None:
+        """The one constraint on the output this request asks for, if any."""
+        asked = []
+        if response_format is not None and response_format.type != "text":
+            asked.append(("response_format", response_format.grammar))
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", self.structured_outputs.build))
+        for kind in ("json", "regex", "choice", "grammar"):
+            spec = getattr(self, f"guided_{kind}")
+            if spec is not None:
+                asked.append((f"guided_{kind}", lambda kind=kind, spec=spec: _build_grammar(kind, spec,
+                                                                                             f"guided_{kind}")))
+        if len(asked) > 1:
+            raise InvalidParameter(asked[1][0], f"{asked[0][0]} and {asked[1][0]} both constrain the output; "
+                                   "send one")
+        return asked[0][1]() if asked else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -154,8 +209,7 @@ class ChatCompletionRequest(_SamplingFields):
         elif self.top_logprobs is not None:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         params = self._sampling_params(max_tokens, top)
-        if self.response_format is not None:
-            params.grammar = self.response_format.grammar()
+        params.grammar = self._grammar(self.response_format)
         return params
 
 
@@ -169,7 +223,9 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        params.grammar = self._grammar()
+        return params
 
 
 class FeedbackRequest(_Strict):

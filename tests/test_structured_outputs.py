@@ -98,3 +98,64 @@ def test_the_openai_sdk_parses_a_structured_output():
             model=TINY_NAME, messages=[{"role": "user", "content": "Answer in JSON."}], response_format=Verdict,
             max_tokens=40, temperature=0)
     assert isinstance(completion.choices[0].message.parsed, Verdict)
+
+
+# -- vLLM's extras: regex, choice, grammar, json -------------------------------------------
+
+def _content(r) -> str:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("field", ["structured_outputs", "guided"])
+def test_choice_regex_and_grammar_hold_at_temperature_one(client, field):
+    specs = {"choice": ["positive", "negative", "neutral"], "regex": r"[A-Z][a-z]{2,5}-\d{3}",
+             "grammar": 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,2}/'}
+    checks = {"choice": lambda text: text in specs["choice"],
+              "regex": lambda text: __import__("re").fullmatch(specs["regex"], text) is not None,
+              "grammar": lambda text: __import__("re").fullmatch(r"\(\d{1,2}(\+\d{1,2})*\)", text) is not None}
+    for kind, spec in specs.items():
+        extra = {"structured_outputs": {kind: spec}} if field == "structured_outputs" else {f"guided_{kind}": spec}
+        r = client.post("/v1/chat/completions", json={
+            "model": TINY_NAME, "max_tokens": 30, "temperature": 1.0, "seed": 3, "n": 4,
+            "messages": [{"role": "user", "content": "Go."}], **extra})
+        assert r.status_code == 200, r.text
+        for choice in r.json()["choices"]:
+            if choice["finish_reason"] == "stop":
+                assert checks[kind](choice["message"]["content"]), (kind, choice["message"]["content"])
+        assert any(c["finish_reason"] == "stop" for c in r.json()["choices"]), kind
+
+
+def test_a_gbnf_grammar_is_accepted(client):
+    r = chat(client, None, structured_outputs={"grammar": 'root ::= "yes" | "no"'})
+    assert _content(r) in ("yes", "no")
+
+
+def test_json_extras_on_text_completions(client):
+    for extra in ({"structured_outputs": {"json": SCHEMA}}, {"guided_json": json.dumps(SCHEMA)}):
+        r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "JSON:", "max_tokens": 40,
+                                                 "temperature": 0.7, "seed": 5, **extra})
+        assert r.status_code == 200, r.text
+        value = json.loads(r.json()["choices"][0]["text"])
+        assert set(value) == {"answer", "level"}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_json": [1, 2]}, "guided_json"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
+])
+def test_bad_or_conflicting_constraints_are_400_naming_the_field(client, extra, param):
+    r = client.post("/v1/chat/completions", json={
+        "model": TINY_NAME, "max_tokens": 5, "messages": [{"role": "user", "content": "Go."}], **extra})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error"
