@@ -19,9 +19,10 @@ import torch
 
 from engine.sampling_params import InvalidParameter
 
-# JSON's usual single spaces and no free whitespace: a model left to pad with newlines can
-# run out of tokens before the document closes
-JSON_LAYOUT = {"whitespace_flexible": False}
+# JSON's usual single spaces (as Python's json.dumps writes it, and as models saw it in
+# training) and no free whitespace: a model left to pad with newlines can run out of
+# tokens before the document closes
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ValidationError
 from engine.request import EngineRequest
 from engine.sampling_params import InvalidParameter, SamplingParams
 from server.errors import APIError, validation_error
+from server.tool_calls import ToolUse
+from server.tool_prompt import fallback_messages, native_messages, openai_tools, template_has_tools
 
 
 async def parse_body(request: Request, model: type[BaseModel]):
@@ -39,9 +41,9 @@ def check_unsupported(body) -> None:
         raise APIError(400, "stream_options is only allowed when stream is true.", "stream_options")
 
 
-def build_params(body) -> SamplingParams:
+def build_params(body, **options) -> SamplingParams:
     try:
-        return body.sampling_params()
+        return body.sampling_params(**options)
     except InvalidParameter as exc:
         raise APIError(400, str(exc), exc.param, exc.code) from None
 
@@ -56,17 +58,32 @@ def make_request(async_engine, request_id: str, prompt_ids: list[int], params: S
         raise APIError(400, str(exc), param, exc.code) from None
 
 
-def render_chat(tokenizer, body, add_generation_prompt: bool = True) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise APIError(400, "This model has no chat template; use /v1/completions.", "messages")
-    messages = []
-    for message in body.messages:
-        entry = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
-        if message.name is not None:
-            entry["name"] = message.name
-        messages.append(entry)
+def tool_use(body) -> ToolUse | None:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        return body.tool_use() if hasattr(body, "tool_use") else None
+    except InvalidParameter as exc:
+        raise APIError(400, str(exc), exc.param, exc.code) from None
+
+
+def render_chat(tokenizer, body, add_generation_prompt: bool = True, tools: ToolUse | None = None) -> list[int]:
+    """The prompt's token ids: the messages (and the tools offered) through the chat
+    template, or through the fallback tool prompt (server/tool_prompt.py) where the
+    template has no tool section."""
+    template = getattr(tokenizer, "chat_template", None)
+    if template is None:
+        raise APIError(400, "This model has no chat template; use /v1/completions.", "messages")
+    messages = [message.template_dict() for message in body.messages]
+    functions = tools.functions if tools is not None else None
+    extra = {}
+    if template_has_tools(template):
+        messages = native_messages(messages)
+        if functions:
+            extra["tools"] = openai_tools(functions)
+    else:
+        messages = fallback_messages(messages, functions)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **extra)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the user's to fix
         raise APIError(400, f"The chat template rejected the messages: {exc}", "messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
+from server.tool_calls import NAME_PATTERN, ToolUse
 from trainer.feedback import FeedbackLabel
 
 
@@ -36,13 +37,41 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class MessageToolCall(_Strict):
+    """A tool call of an earlier assistant turn, as the API returned it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     refusal: str | None = None
+    # what the SDK sends back when a returned message is appended as is; not used here
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    def template_dict(self) -> dict:
+        """This turn as a chat template reads it (OpenAI's developer role is a system turn)."""
+        entry: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            entry["name"] = self.name
+        if self.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            entry["tool_call_id"] = self.tool_call_id
+        return entry
 
     def text(self) -> str:
         if self.content is None:
@@ -50,6 +79,27 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(_Strict):
@@ -191,9 +241,37 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def tool_use(self) -> ToolUse | None:
+        """What this request allows of tools; None when it offers none (or `tool_choice` is "none")."""
+        for message in self.messages:
+            if message.role == "tool" and message.tool_call_id is None:
+                raise InvalidParameter("messages", "a message with role 'tool' needs 'tool_call_id'")
+        if not self.tools:
+            for name in ("tool_choice", "parallel_tool_calls"):
+                if getattr(self, name) not in (None, "none"):
+                    raise InvalidParameter(name, f"{name} is only allowed when 'tools' are specified")
+            return None
+        names = [tool.function.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise InvalidParameter("tools", "tools must have distinct function names")
+        choice = self.tool_choice or "auto"
+        if choice == "none":
+            return None
+        named = None
+        if isinstance(choice, NamedToolChoice):
+            named = choice.function.name
+            if named not in names:
+                raise InvalidParameter("tool_choice", f"tool_choice names `{named}`, which is not in tools")
+            choice = "named"
+        functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
+        return ToolUse(functions, choice, named, self.parallel_tool_calls is not False)
+
+    def sampling_params(self, tool_call_token: int | None = None) -> SamplingParams:
+        """`tool_call_token`: the id of `<tool_call>` where the tokenizer has it as one token."""
         # both limits are checked, each under its own name, before the one that applies is taken
         for name in ("max_completion_tokens", "max_tokens"):
             value = getattr(self, name)
@@ -210,6 +288,14 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         params = self._sampling_params(max_tokens, top)
         params.grammar = self._grammar(self.response_format)
+        tool_use = self.tool_use()
+        if tool_use is not None and tool_use.forced:
+            if params.grammar is not None:
+                raise InvalidParameter(params.grammar.param, f"{params.grammar.param} cannot be combined with a "
+                                       "tool_choice that forces a tool call")
+            params.grammar = tool_use.grammar(tool_call_token)
+        if tool_use is not None and tool_call_token is not None:
+            params.skip_special_tokens = False  # the parser reads the <tool_call> tags
         return params
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from engine.outputs import RequestOutput, TokenLogprob
+from server.tool_calls import ToolCall, ToolCallParser
 
 MIN_LOGPROB = -9999.0
 
@@ -21,9 +22,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def finish_reason(reason: str | None) -> str | None:
-    """OpenAI has no "abort": a choice cut short by its client or the server says "stop"."""
+def finish_reason(reason: str | None, called_tools: bool = False) -> str | None:
+    """OpenAI has no "abort": a choice cut short by its client or the server says "stop";
+    one that ended on its own after calling tools says "tool_calls"."""
+    if reason == "stop" and called_tools:
+        return "tool_calls"
     return "stop" if reason == "abort" else reason
+
+
+def assistant_message(text: str, parse_tools: bool) -> tuple[dict, list[ToolCall]]:
+    """A whole choice's `message`, its tool calls split from its text when tools were offered."""
+    if not parse_tools:
+        return {"role": "assistant", "content": text}, []
+    parser = ToolCallParser()
+    content, _ = parser.feed(text)
+    rest, _ = parser.finish()
+    content += rest
+    message = {"role": "assistant", "content": content if content or not parser.calls else None}
+    if parser.calls:
+        message["tool_calls"] = [call.as_openai() for call in parser.calls]
+    return message, parser.calls
 
 
 def clamp_logprob(value: float) -> float:
@@ -92,15 +110,18 @@ class Choices:
 
 
 def chat_completion(request_id: str, model: str, created: int, choices: Choices, num_prompt_tokens: int,
-                    token_text: TokenText, with_logprobs: bool) -> dict:
+                    token_text: TokenText, with_logprobs: bool, parse_tools: bool = False) -> dict:
     """A whole `chat.completion` body."""
-    rendered = [{
-        "index": i,
-        "message": {"role": "assistant", "content": choices.texts[i]},
-        "logprobs": {"content": chat_logprobs(token_text, choices.logprobs[i])} if with_logprobs else None,
-        "finish_reason": finish_reason(choices.reasons[i]),
-        "stop_reason": choices.stop_reasons[i],
-    } for i in range(len(choices.texts))]
+    rendered = []
+    for i, text in enumerate(choices.texts):
+        message, calls = assistant_message(text, parse_tools)
+        rendered.append({
+            "index": i,
+            "message": message,
+            "logprobs": {"content": chat_logprobs(token_text, choices.logprobs[i])} if with_logprobs else None,
+            "finish_reason": finish_reason(choices.reasons[i], bool(calls)),
+            "stop_reason": choices.stop_reasons[i],
+        })
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": rendered, "usage": usage(num_prompt_tokens, choices.completion_tokens)}
 

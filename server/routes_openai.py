@@ -15,7 +15,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from server.errors import APIError
 from server.parsing import (build_params, check_model, check_unsupported, completion_prompts, make_request,
-                            parse_body, render_chat)
+                            parse_body, render_chat, tool_use)
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Choices, chat_completion, text_completion
 from server.streams import (STREAM_DRAIN_S, chat_events, completion_events, engine_stream, merge,
@@ -74,15 +74,16 @@ async def serve_chat_completion(state: ServerState, request: Request):
     body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
     check_model(state.model_name, body.model)
     check_unsupported(body)
-    params = build_params(body)
-    prompt_ids = render_chat(state.tokenizer, body)
+    tools = tool_use(body)
+    params = build_params(body, tool_call_token=state.tool_call_token)
+    prompt_ids = render_chat(state.tokenizer, body, tools=tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages")
     note_prompt(state, request_id, [m.model_dump(exclude_none=True) for m in body.messages])
     stream = engine_stream(state.engine, engine_request)
     if body.stream:
         events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
-                             body.stream_options, state.token_text)
+                             body.stream_options, state.token_text, tools is not None)
         return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
 
     async def whole():
@@ -90,7 +91,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
         async for output in stream:
             choices.add(output)
         return chat_completion(request_id, state.model_name, int(time.time()), choices, len(prompt_ids),
-                               state.token_text, params.logprobs is not None)
+                               state.token_text, params.logprobs is not None, tools is not None)
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
 from server.metrics import ServingMetrics
+from server.tool_calls import TOOL_CALL_OPEN
 
 
 @dataclass
@@ -23,6 +24,12 @@ class ServerState:
     served_adapter: object | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
+    # `<tool_call>` as one special token (Qwen's), or None where the tokenizer spells it in text
+    tool_call_token: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        added = getattr(self.tokenizer, "get_added_vocab", dict)()
+        self.tool_call_token = added.get(TOOL_CALL_OPEN)
 
     def token_text(self, token_id: int) -> str:
         """A token as shown in logprobs (decoded once, then cached)."""

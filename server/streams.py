@@ -16,6 +16,7 @@ from engine.outputs import ErrorKind
 from engine.request import EngineRequest
 from server.errors import APIError, error_body
 from server.responses import (TokenText, chat_logprobs, chunk, completion_logprobs, finish_reason, usage)
+from server.tool_calls import ToolCallParser
 
 # on SIGTERM, streams in flight get this long to finish before they are cut (uvicorn's
 # graceful-shutdown timeout in serve.py is longer)
@@ -114,12 +115,30 @@ def _event(data: dict) -> dict:
     return {"data": json.dumps(data)}
 
 
+def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tuple[dict, bool]:
+    """A choice's delta for its new text — content, and tool calls (each whole, once it
+    closes) when tools were offered — and whether the choice has called a tool."""
+    if parser is None:
+        return ({"content": text} if text else {}), False
+    content, calls = parser.feed(text)
+    if finished:
+        rest, more = parser.finish()
+        content, calls = content + rest, calls + more
+    delta: dict = {"content": content} if content else {}
+    if calls:
+        first = len(parser.calls) - len(calls)
+        delta["tool_calls"] = [{"index": first + k, **call.as_openai()} for k, call in enumerate(calls)]
+    return delta, bool(parser.calls)
+
+
 async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_tokens: int, stream_options,
-                      token_text: TokenText):
-    """SSE events of a streamed chat completion: a role chunk per choice, content
-    deltas, finish reasons, the usage chunk, then [DONE] (an error becomes an error event)."""
+                      token_text: TokenText, parse_tools: bool = False):
+    """SSE events of a streamed chat completion: a role chunk per choice, content (and
+    tool-call) deltas, finish reasons, the usage chunk, then [DONE] (an error becomes an
+    error event)."""
     created = int(time.time())
     counts = _Usage(stream_options, num_prompt_tokens)
+    parsers = [ToolCallParser() if parse_tools else None for _ in range(n)]
 
     def event(choices, usage_value=None):
         value = usage_value or (counts.now() if counts.continuous else None)
@@ -132,11 +151,12 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
         async for output in stream:
             for c in output.outputs:
                 counts.completion_tokens += len(c.token_ids)
-                if not c.text and not c.finish_reason and not c.logprobs:
+                delta, called_tools = _chat_delta(parsers[c.index], c.text, c.finish_reason is not None)
+                if not delta and not c.finish_reason and not c.logprobs:
                     continue
-                choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                choice = {"index": c.index, "delta": delta,
                           "logprobs": {"content": chat_logprobs(token_text, c.logprobs)} if c.logprobs else None,
-                          "finish_reason": finish_reason(c.finish_reason)}
+                          "finish_reason": finish_reason(c.finish_reason, called_tools)}
                 if c.finish_reason:
                     choice["stop_reason"] = c.stop_reason
                 yield event([choice])

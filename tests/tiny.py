@@ -54,11 +54,11 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, hidden_size: int = 64,
-               num_layers: int = 2):
+               num_layers: int = 2, max_positions: int = 512):
     tok = tiny_tokenizer()
     common = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                   eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
                   tie_word_embeddings=False)
     config_cls, model_cls = {

@@ -1,0 +1,276 @@
+"""Tool calling over the real app, on a tiny random model (whose template has no tool
+section, so the fallback prompt is used): forced calls always name an offered function
+and validate against its parameters; `auto` parses the calls a model writes; streaming
+sends OpenAI's tool-call deltas; the OpenAI SDK and LangChain use it as they use OpenAI."""
+
+import json
+
+import jsonschema
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.structured import GrammarCompiler
+from server.tool_calls import ToolCallParser, ToolUse
+from server.tool_prompt import FALLBACK_PROMPT, fallback_messages, native_messages
+from tests.servers import TINY_NAME, ServerThread, tiny_app
+from tests.tiny import tiny_model, tiny_tokenizer
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}
+TIME = {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"], "additionalProperties": False}}
+TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
+SCHEMAS = {f["name"]: f["parameters"] for f in (WEATHER, TIME)}
+QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def long_context_app(**kwargs):
+    """The fallback tool prompt is ~700 tokens of the tiny tokenizer's."""
+    return tiny_app(model=tiny_model(max_positions=2048), max_model_len=2048, kv_cache_bytes=16 << 20,
+                    max_num_batched_tokens=1024, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(long_context_app()) as c:
+        yield c
+
+
+def chat(client, **body):
+    return client.post("/v1/chat/completions", json={"model": TINY_NAME, "messages": QUESTION, "tools": TOOLS,
+                                                     "max_tokens": 160, **body})
+
+
+def assert_valid_call(call: dict, names=("get_weather", "get_time")) -> None:
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] in names
+    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMAS[call["function"]["name"]])
+
+
+# -- forced calls --------------------------------------------------------------------------
+
+def test_required_gives_one_valid_call_without_parallel_calls(client):
+    r = chat(client, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=2, n=3)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["content"] is None
+        assert len(choice["message"]["tool_calls"]) == 1
+        assert_valid_call(choice["message"]["tool_calls"][0])
+
+
+def test_required_with_parallel_calls_validates_every_call(client):
+    r = chat(client, tool_choice="required", temperature=1.0, seed=7, n=3, max_tokens=200)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        calls = choice["message"].get("tool_calls") or []
+        assert calls, choice
+        for call in calls:
+            assert_valid_call(call)
+        if choice["finish_reason"] == "tool_calls":
+            assert choice["message"]["content"] is None
+
+
+def test_a_named_function_is_the_one_called(client):
+    r = chat(client, tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=1.0, seed=4,
+             n=2)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        (call,) = choice["message"]["tool_calls"]
+        assert_valid_call(call, names=("get_time",))
+        assert choice["finish_reason"] == "tool_calls"
+
+
+def test_none_offers_no_tools(client):
+    with_none = chat(client, tool_choice="none", temperature=0.0, max_tokens=5)
+    without = client.post("/v1/chat/completions", json={"model": TINY_NAME, "messages": QUESTION,
+                                                         "temperature": 0.0, "max_tokens": 5})
+    assert with_none.status_code == 200, with_none.text
+    assert with_none.json()["usage"]["prompt_tokens"] == without.json()["usage"]["prompt_tokens"]
+    assert "tool_calls" not in with_none.json()["choices"][0]["message"]
+    assert with_none.json()["choices"][0]["message"]["content"] == without.json()["choices"][0]["message"]["content"]
+
+
+# -- auto: calls the model writes -------------------------------------------------------------
+
+WRITTEN = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+# the text as a regex that matches it alone (Rust's syntax)
+WRITTEN_REGEX = "".join("\\" + ch if ch in ".^$|?*+()[]{}\\" else ("\\n" if ch == "\n" else ch) for ch in WRITTEN)
+
+
+def test_auto_parses_the_calls_the_model_writes(client):
+    # the model is made to write a call in the Hermes convention (a regex holds it to this text)
+    r = chat(client, tool_choice="auto", temperature=0.0, max_tokens=200,
+             structured_outputs={"regex": WRITTEN_REGEX})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == "Let me check."
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "unit": "celsius"}
+    assert choice["finish_reason"] == "tool_calls"
+
+
+def test_without_tools_the_same_text_is_content(client):
+    r = client.post("/v1/chat/completions", json={
+        "model": TINY_NAME, "messages": QUESTION, "max_tokens": 200, "temperature": 0.0,
+        "structured_outputs": {"regex": WRITTEN_REGEX}})
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == WRITTEN and "tool_calls" not in choice["message"]
+    assert choice["finish_reason"] == "stop"
+
+
+# -- streaming and the SDKs -------------------------------------------------------------------
+
+def test_streamed_tool_calls_equal_the_whole_response():
+    import openai
+
+    with ServerThread(long_context_app()) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        args = dict(model=TINY_NAME, messages=QUESTION, tools=TOOLS, tool_choice="required", temperature=0,
+                    max_tokens=120)
+        whole = client.chat.completions.create(**args)
+        calls: dict[int, dict] = {}
+        finish = None
+        for chunk in client.chat.completions.create(stream=True, **args):
+            for delta_call in chunk.choices[0].delta.tool_calls or []:
+                entry = calls.setdefault(delta_call.index, {"name": "", "arguments": ""})
+                entry["name"] += delta_call.function.name or ""
+                entry["arguments"] += delta_call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+    expected = [{"name": c.function.name, "arguments": c.function.arguments}
+                for c in whole.choices[0].message.tool_calls]
+    assert [calls[i] for i in sorted(calls)] == expected
+    assert finish == whole.choices[0].finish_reason
+
+
+def test_a_tool_round_trip_with_the_openai_sdk():
+    """Call, run the tool, hand the result back, get the answer: the SDK's own objects go back in."""
+    import openai
+
+    with ServerThread(long_context_app()) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        messages = list(QUESTION)
+        first = client.chat.completions.create(model=TINY_NAME, messages=messages, tools=TOOLS, max_tokens=150,
+                                               temperature=0,
+                                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        message = first.choices[0].message
+        (call,) = message.tool_calls
+        messages.append(message)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"})
+        second = client.chat.completions.create(model=TINY_NAME, messages=messages, tools=TOOLS, max_tokens=5)
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_langchain_binds_tools_and_structures_outputs():
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        answer: bool
+
+    with ServerThread(long_context_app()) as server:
+        llm = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=TINY_NAME, temperature=0,
+                         max_tokens=200)
+        reply = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Paris?")
+        (call,) = reply.tool_calls
+        assert call["name"] == "get_weather"
+        jsonschema.validate(call["args"], WEATHER["parameters"])
+        for method in ("json_schema", "function_calling"):
+            verdict = llm.with_structured_output(Verdict, method=method).invoke("Is water wet?")
+            assert isinstance(verdict, Verdict), method
+
+
+# -- bad requests ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": None, "tool_choice": "required"}, "tool_choice"),
+    ({"tools": None, "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": QUESTION + [{"role": "tool", "content": "18"}]}, "messages"),
+    ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}]},
+     "messages"),
+])
+def test_bad_tool_requests_are_400_naming_the_field(client, body, param):
+    r = chat(client, **body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].split(".")[0].split("[")[0] == param, r.json()
+
+
+# -- the parser and the prompt, alone ---------------------------------------------------------
+
+CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, content, names", [
+    ("Hello there.", "Hello there.", []),
+    (CALL, "", ["f"]),
+    ("Sure.\n" + CALL + "\n" + CALL + "\n", "Sure.", ["f", "f"]),
+    ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
+    ('<tool_call>\n{"name": "f", "arguments": {}}', "", ["f"]),  # left open when the output ended
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_c', "", ["f"]),
+    ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),  # cut by max_tokens
+    ("a <tool_ca", "a <tool_ca", []),
+    ("1 < 2 and <b>", "1 < 2 and <b>", []),
+])
+def test_the_parser_gives_the_same_split_whatever_the_chunks(text, content, names):
+    for size in range(1, len(text) + 1):
+        parser = ToolCallParser()
+        pieces = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+        assert "".join(p[0] for p in pieces) == content, size
+        assert [c.name for p in pieces for c in p[1]] == names, size
+        assert [c.name for c in parser.calls] == names
+
+
+def test_the_fallback_prompt_writes_tool_turns_in_the_hermes_convention():
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "a", "type": "function", "function": {"name": "get_weather",
+                                                                 "arguments": '{"city": "Paris"}'}},
+                    {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": '{"utc": true}'}}]},
+                {"role": "tool", "tool_call_id": "a", "content": "18 C"},
+                {"role": "tool", "tool_call_id": "b", "content": "noon"}]
+    rendered = fallback_messages(messages, [WEATHER])
+    assert rendered[0]["role"] == "system" and rendered[0]["content"].startswith("Be brief.\n\n# Tools")
+    assert json.dumps({"type": "function", "function": WEATHER}) in rendered[0]["content"]
+    assert rendered[2] == {"role": "assistant", "content":
+                           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                           '<tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>'}
+    assert rendered[3] == {"role": "user", "content":
+                           "<tool_response>\n18 C\n</tool_response>\n<tool_response>\nnoon\n</tool_response>"}
+    assert len(rendered) == 4
+    assert fallback_messages(messages[1:2], [WEATHER])[0]["content"].startswith(FALLBACK_PROMPT[:20])
+
+
+def test_a_template_with_a_tool_section_gets_tools_and_argument_objects():
+    template = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+                "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments | tojson }}]"
+                "{% endfor %}\n{% endfor %}")
+    tokenizer = tiny_tokenizer()
+    messages = native_messages([{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}])
+    text = tokenizer.apply_chat_template(messages, tools=[{"type": "function", "function": WEATHER}],
+                                         chat_template=template, tokenize=False)
+    assert text == 'TOOLS:get_weather;assistant:[f {"x": 1}]'
+
+
+def test_a_special_tool_call_token_opens_a_forced_call():
+    tokenizer = tiny_tokenizer()
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")  # stands in for Qwen's <tool_call>
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    matcher = compiler.matcher(ToolUse([WEATHER], "required").grammar(special))
+    import llguidance.torch as llt
+    bitmask = llt.allocate_token_bitmask(1, len(tokenizer))
+    llt.fill_next_token_bitmask(matcher, bitmask, 0)
+    allowed = [t for t in range(len(tokenizer)) if bitmask[0, t // 32] >> (t % 32) & 1]
+    assert allowed == [special]
