@@ -27,27 +27,29 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 @dataclass(frozen=True)
 class Grammar:
-    """What a request's output must follow: an llguidance grammar, and the request field
-    that asked for it (named in the error if it cannot be enforced)."""
+    """What a request's output must follow: an llguidance grammar, the request field that
+    asked for it (named in the error if it cannot be enforced), and what kind of
+    constraint it is (counted in the metrics: json_schema, regex, choice, grammar, ...)."""
 
     text: str
     param: str = "response_format"
+    kind: str = "json_schema"
 
 
-def _built(param: str, build) -> Grammar:
+def _built(param: str, kind: str, build) -> Grammar:
     try:
-        return Grammar(build(), param)
+        return Grammar(build(), param, kind)
     except InvalidParameter:
         raise
     except Exception as exc:  # noqa: BLE001 - the spec is the client's; say what is wrong with it
         raise InvalidParameter(param, f"{param} cannot be enforced: {exc}") from None
 
 
-def json_schema_grammar(schema: dict, param: str = "response_format") -> Grammar:
+def json_schema_grammar(schema: dict, param: str = "response_format", kind: str = "json_schema") -> Grammar:
     """JSON documents that validate against `schema`."""
     import llguidance
 
-    return _built(param, lambda: llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+    return _built(param, kind, lambda: llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
                                                                                defaults=JSON_LAYOUT))
 
 
@@ -55,7 +57,7 @@ def regex_grammar(pattern: str, param: str) -> Grammar:
     """Text that matches `pattern` whole (Rust's regex syntax, close to Python's)."""
     import llguidance
 
-    return _built(param, lambda: llguidance.LLMatcher.grammar_from_regex(pattern))
+    return _built(param, "regex", lambda: llguidance.LLMatcher.grammar_from_regex(pattern))
 
 
 def choice_grammar(choices: list[str], param: str) -> Grammar:
@@ -64,15 +66,15 @@ def choice_grammar(choices: list[str], param: str) -> Grammar:
 
     if not choices:
         raise InvalidParameter(param, f"{param} must list at least one choice")
-    return _built(param, lambda: llguidance.grammar_from("choice", choices))
+    return _built(param, "choice", lambda: llguidance.grammar_from("choice", choices))
 
 
-def lark_grammar(text: str, param: str) -> Grammar:
+def lark_grammar(text: str, param: str, kind: str = "grammar") -> Grammar:
     """A context-free grammar in Lark syntax (llguidance's dialect, which can embed
     `%json {schema}`) or in llama.cpp's GBNF; its start rule is `start` (Lark) or `root` (GBNF)."""
     import llguidance
 
-    return _built(param, lambda: llguidance.grammar_from("grammar", text))
+    return _built(param, kind, lambda: llguidance.grammar_from("grammar", text))
 
 
 class GrammarCompiler:

@@ -25,6 +25,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 _E2E_BUCKETS_SHORT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + _E2E_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+CONSTRAINTS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call")
 
 
 class ServingMetrics:
@@ -80,6 +81,20 @@ class ServingMetrics:
                                       "client gone).", ["handler", "status"], registry=r)
         self.success = Counter(f"{PREFIX}request_success", "Finished requests, by finish reason.",
                                labels + ["finished_reason"], registry=r)
+        self.constrained = Counter(f"{PREFIX}constrained_requests", "Requests whose output a grammar constrained, "
+                                   "by constraint (json_object, json_schema, regex, choice, grammar, tool_call: a "
+                                   "forced tool call).", ["constraint"], registry=r)
+        self.tool_requests = Counter(f"{PREFIX}tool_requests", "Chat requests that offered tools, by tool_choice "
+                                     "(auto, required, named).", ["tool_choice"], registry=r)
+        self.tool_calls = Counter(f"{PREFIX}tool_calls", "Tool calls parsed from outputs (parsed), and <tool_call> "
+                                  "blocks that did not parse and were left in the content (invalid).", ["outcome"],
+                                  registry=r)
+        for kind in CONSTRAINTS:
+            self.constrained.labels(constraint=kind)
+        for choice in ("auto", "required", "named"):
+            self.tool_requests.labels(tool_choice=choice)
+        for outcome in ("parsed", "invalid"):
+            self.tool_calls.labels(outcome=outcome)
         if cache_info:
             info = Gauge(f"{PREFIX}cache_config_info", "KV cache configuration (block_size, num_blocks, "
                          "bytes_per_token, dtype); the value is always 1.", sorted(cache_info), registry=r)
@@ -135,6 +150,19 @@ class ServingMetrics:
                 self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
             self._started.discard(rid)
             self._last_token_time.pop(rid, None)
+
+    def count_constraints(self, grammar, tool_use) -> None:
+        """A request accepted: what constrains its output (engine/structured.Grammar) and
+        the tools it offers (server/tool_calls.ToolUse), either None."""
+        if grammar is not None:
+            self.constrained.labels(constraint=grammar.kind).inc()
+        if tool_use is not None:
+            self.tool_requests.labels(tool_choice=tool_use.choice).inc()
+
+    def count_tool_calls(self, parser) -> None:
+        """A choice's output, parsed (server/tool_calls.ToolCallParser)."""
+        self.tool_calls.labels(outcome="parsed").inc(len(parser.calls))
+        self.tool_calls.labels(outcome="invalid").inc(parser.invalid_blocks)
 
     def count_response(self, handler: str, status: int) -> None:
         self.http_responses.labels(handler=handler, status=str(status)).inc()

@@ -120,7 +120,7 @@ class ResponseFormat(_Strict):
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return json_schema_grammar({"type": "object"})
+            return json_schema_grammar({"type": "object"}, kind="json_object")
         if self.json_schema is None:
             raise InvalidParameter("response_format", "response_format of type json_schema needs 'json_schema'")
         return json_schema_grammar(self.json_schema.schema_)

@@ -30,11 +30,10 @@ def finish_reason(reason: str | None, called_tools: bool = False) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def assistant_message(text: str, parse_tools: bool) -> tuple[dict, list[ToolCall]]:
-    """A whole choice's `message`, its tool calls split from its text when tools were offered."""
-    if not parse_tools:
+def assistant_message(text: str, parser: ToolCallParser | None) -> tuple[dict, list[ToolCall]]:
+    """A whole choice's `message`; with a parser (tools were offered), its tool calls split from its text."""
+    if parser is None:
         return {"role": "assistant", "content": text}, []
-    parser = ToolCallParser()
     content, _ = parser.feed(text)
     rest, _ = parser.finish()
     content += rest
@@ -110,11 +109,11 @@ class Choices:
 
 
 def chat_completion(request_id: str, model: str, created: int, choices: Choices, num_prompt_tokens: int,
-                    token_text: TokenText, with_logprobs: bool, parse_tools: bool = False) -> dict:
-    """A whole `chat.completion` body."""
+                    token_text: TokenText, with_logprobs: bool, parsers: list[ToolCallParser] | None = None) -> dict:
+    """A whole `chat.completion` body; `parsers`: one per choice when tools were offered."""
     rendered = []
     for i, text in enumerate(choices.texts):
-        message, calls = assistant_message(text, parse_tools)
+        message, calls = assistant_message(text, parsers[i] if parsers else None)
         rendered.append({
             "index": i,
             "message": message,

@@ -21,6 +21,7 @@ from server.responses import Choices, chat_completion, text_completion
 from server.streams import (STREAM_DRAIN_S, chat_events, completion_events, engine_stream, merge,
                             until_disconnect)
 from server.state import ServerState
+from server.tool_calls import ToolCallParser
 
 
 def openai_router(state: ServerState) -> APIRouter:
@@ -79,11 +80,13 @@ async def serve_chat_completion(state: ServerState, request: Request):
     prompt_ids = render_chat(state.tokenizer, body, tools=tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages")
+    state.metrics.count_constraints(params.grammar, tools)
     note_prompt(state, request_id, [m.model_dump(exclude_none=True) for m in body.messages])
     stream = engine_stream(state.engine, engine_request)
+    parsers = [ToolCallParser(on_finish=state.metrics.count_tool_calls) for _ in range(params.n)] if tools is not None else None
     if body.stream:
         events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
-                             body.stream_options, state.token_text, tools is not None)
+                             body.stream_options, state.token_text, parsers)
         return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
 
     async def whole():
@@ -91,7 +94,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
         async for output in stream:
             choices.add(output)
         return chat_completion(request_id, state.model_name, int(time.time()), choices, len(prompt_ids),
-                               state.token_text, params.logprobs is not None, tools is not None)
+                               state.token_text, params.logprobs is not None, parsers)
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)
@@ -112,6 +115,7 @@ async def serve_completion(state: ServerState, request: Request):
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt")
                        for rid, (prompt_ids, _) in zip(ids, prompts)]
+    state.metrics.count_constraints(params.grammar, None)
     for rid, (prompt_ids, _) in zip(ids, prompts):
         note_prompt(state, rid, state.tokenizer.decode(prompt_ids))
     streams = [engine_stream(state.engine, r) for r in engine_requests]

@@ -132,13 +132,13 @@ def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tup
 
 
 async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_tokens: int, stream_options,
-                      token_text: TokenText, parse_tools: bool = False):
-    """SSE events of a streamed chat completion: a role chunk per choice, content (and
-    tool-call) deltas, finish reasons, the usage chunk, then [DONE] (an error becomes an
-    error event)."""
+                      token_text: TokenText, parsers: list[ToolCallParser] | None = None):
+    """SSE events of a streamed chat completion: a role chunk per choice, content (and,
+    with `parsers`, one per choice, tool-call) deltas, finish reasons, the usage chunk,
+    then [DONE] (an error becomes an error event)."""
     created = int(time.time())
     counts = _Usage(stream_options, num_prompt_tokens)
-    parsers = [ToolCallParser() if parse_tools else None for _ in range(n)]
+    parsers = parsers or [None] * n
 
     def event(choices, usage_value=None):
         value = usage_value or (counts.now() if counts.continuous else None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.structured import JSON_LAYOUT, Grammar, lark_grammar
 
@@ -63,7 +64,7 @@ class ToolUse:
         calls = 'call ("\\n" call)*' if self.choice == "required" and self.parallel else "call"
         text = (f"start: {calls}\n"
                 f"call: {opening} \"\\n\" %json {json.dumps(schema)} \"\\n{TOOL_CALL_CLOSE}\"")
-        return lark_grammar(text, "tools")
+        return lark_grammar(text, "tools", "tool_call")
 
 
 def _call_schema(function: dict) -> dict:
@@ -94,16 +95,20 @@ class ToolCallParser:
     """Splits one choice's text into content and tool calls, fed as it streams.
 
     Text that might still open a call is held back; a call is handed out when its closing
-    tag arrives (a call left open when the output ends is parsed at `finish`). Whitespace
+    tag arrives (a call left open when the output ends is parsed at `finish`, which then
+    calls `on_finish` with the parser, e.g. to count its calls). Whitespace
     is handed out only once text follows it, so the blank lines around calls are not
     content. Feeding the whole text at once gives what streaming it gives.
     """
 
-    def __init__(self):
+    def __init__(self, on_finish: Callable[[ToolCallParser], None] | None = None):
+        self._on_finish = on_finish
         self._pending = ""
         self._inside = False
         self._held_space = ""
         self.calls: list[ToolCall] = []
+        # <tool_call> blocks that did not parse as a call (left in the content)
+        self.invalid_blocks = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._pending += text
@@ -139,6 +144,8 @@ class ToolCallParser:
             content.append(self._text(self._pending))
         self._pending, self._inside = "", False
         self.calls += calls
+        if self._on_finish is not None:
+            self._on_finish(self)
         return "".join(content), calls
 
     def _close(self, body: str, closed: bool, content: list[str], calls: list[ToolCall]) -> None:
@@ -148,6 +155,7 @@ class ToolCallParser:
         if call is not None:
             calls.append(call)
         else:
+            self.invalid_blocks += 1
             content.append(self._text(TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else "")))
 
     def _text(self, text: str) -> str:

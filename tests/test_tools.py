@@ -274,3 +274,28 @@ def test_a_special_tool_call_token_opens_a_forced_call():
     llt.fill_next_token_bitmask(matcher, bitmask, 0)
     allowed = [t for t in range(len(tokenizer)) if bitmask[0, t // 32] >> (t % 32) & 1]
     assert allowed == [special]
+
+
+def test_constrained_and_tool_requests_are_counted(client):
+    import re
+
+    def counts():
+        text = client.get("/metrics").text
+        return {f"{name}{{{labels}}}": float(value)
+                for name, labels, value in re.findall(r"^alchemist:(\w+_total)\{([^}]*)\} (\S+)$", text, re.M)}
+
+    before = counts()
+    chat(client, tool_choice="required", parallel_tool_calls=False, temperature=0.0)
+    chat(client, tool_choice="auto", temperature=0.0, max_tokens=200, structured_outputs={"regex": WRITTEN_REGEX})
+    chat(client, tool_choice="auto", temperature=0.0, max_tokens=200,
+         structured_outputs={"regex": "<tool_call>\\nnot a call\\n</tool_call>"})
+    after = counts()
+
+    def grew(key):
+        return after[key] - before.get(key, 0.0)
+    assert grew('constrained_requests_total{constraint="tool_call"}') == 1
+    assert grew('constrained_requests_total{constraint="regex"}') == 2
+    assert grew('tool_requests_total{tool_choice="required"}') == 1
+    assert grew('tool_requests_total{tool_choice="auto"}') == 2
+    assert grew('tool_calls_total{outcome="parsed"}') == 2
+    assert grew('tool_calls_total{outcome="invalid"}') == 1
