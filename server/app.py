@@ -1,6 +1,7 @@
 """The HTTP app: the OpenAI routes (server/routes_openai.py), the admin routes
-(server/routes_admin.py), vLLM's tokenizer routes (server/routes_tokens.py), OpenAI-style errors (server/errors.py) and the request guard
-(authentication, body size, capacity: server/guards.py)."""
+(server/routes_admin.py), vLLM's tokenizer routes (server/routes_tokens.py), OpenAI-style
+errors (server/errors.py), the request guard (authentication, body size, capacity:
+server/guards.py) and the OpenAPI document (server/openapi.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from fastapi.routing import APIRoute
 
 from server.errors import install_error_handlers
 from server.guards import GuardConfig, RequestGuard
+from server.openapi import openapi_document
 from server.routes_admin import admin_router
 from server.routes_openai import openai_router
 from server.routes_tokens import tokens_router
@@ -20,7 +22,8 @@ __all__ = ["ServerState", "build_app"]
 def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     app = FastAPI(title="alchemist", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, config=guard or GuardConfig(), count_response=state.metrics.count_response)
+    guard = guard or GuardConfig()
+    app.add_middleware(RequestGuard, config=guard, count_response=state.metrics.count_response)
     app.state.alchemist = state
     routers = [admin_router(state), openai_router(state), tokens_router(state)]
     for router in routers:
@@ -28,6 +31,14 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
         app.include_router(router)
     # every route, for the Allow header of a 405 (server/errors.py)
     app.state.api_routes = [route for router in routers for route in router.routes if isinstance(route, APIRoute)]
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app.routes, app.title, app.version,
+                                                  secured=bool(guard.api_key or guard.admin_key))
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

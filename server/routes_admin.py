@@ -34,9 +34,7 @@ def admin_router(state: ServerState) -> APIRouter:
             return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
         return {"status": "ok"}
 
-    @router.get("/metrics", response_class=Response,
-                responses={200: {"description": "Prometheus text exposition format",
-                                 "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
+    @router.get("/metrics", response_class=Response)
     async def metrics():
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -1,0 +1,191 @@
+"""The response bodies as pydantic models: what the OpenAPI document (server/openapi.py)
+says each route returns.
+
+The handlers build their bodies as dicts (server/responses.py); these models describe
+them, and the schema fuzzer (tests/test_openapi.py) checks every response it provokes
+against them, so the two cannot drift apart unnoticed. Optional fields are ones a body
+may leave out; `X | None` fields are always present and may be null.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, for every status that is not a success."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AdapterCard(BaseModel):
+    version: int
+    frozen: bool
+    path: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+    # which adapter the served weights hold, where one does
+    adapter: AdapterCard | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: FinishReason | None
+    # vLLM's: the stop string or stop token id that ended the choice
+    stop_reason: int | str | None
+
+
+class ChatCompletion(BaseModel):
+    """A whole chat completion; with `"stream": true` the body is instead a
+    text/event-stream of `chat.completion.chunk` objects, ended by `data: [DONE]`."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+
+
+class Completion(BaseModel):
+    """A whole text completion (streamed like a chat completion, as `text_completion` chunks)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class FeedbackAccepted(BaseModel):
+    id: str
+    object: Literal["feedback"]
+    # skipped: valid, but nothing to learn from (a group whose rewards are all equal)
+    status: Literal["accepted", "skipped"]
+    message: str | None = None
+
+
+class SavedAdapter(BaseModel):
+    version: int
+    path: str
+    created: int
+
+
+class TrainingSummary(BaseModel):
+    trained_entries: int
+    train_tokens: int
+    last_loss: float | None
+    skipped_steps: int
+    failed_jobs: int
+    stale_entries: int
+    activation_cache_bytes: int
+
+
+class AdapterStatus(BaseModel):
+    """The live adapter: trained online (version, saved versions, training counters), or
+    served frozen from a saved directory (`frozen`, `path`, `name`)."""
+
+    object: Literal["adapter"]
+    version: int | None
+    mode: str
+    restored_from: int | None = None
+    adapter_dir: str | None = None
+    save_every: int | None = None
+    saved: list[SavedAdapter] | None = None
+    training: TrainingSummary | None = None
+    frozen: bool | None = None
+    path: str | None = None
+    name: str | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
