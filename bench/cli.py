@@ -27,6 +27,12 @@ def add_bench_commands(commands, add_config_flags) -> None:
     serving.add_argument("--prompt-tokens", type=int, default=1000, help="with --n: the prompt's length")
     serving.add_argument("--paths", default="engine,engine_sequential,engine_plain_linear,hf_generate,"
                          "hf_generate_batch", help="comma-separated paths to run (engine always runs)")
+    structured = benches.add_parser("structured", help="grammar-constrained decoding vs unconstrained, per token")
+    add_config_flags(structured)
+    structured.add_argument("--num-prompts", type=int, default=8)
+    structured.add_argument("--max-tokens", type=int, default=64)
+    structured.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
+    structured.add_argument("--json", help="write the results to this JSON file")
     _add_training_benches(benches, add_config_flags)
     colocate = benches.add_parser("colocate", help="serving latency with training off and on, over HTTP")
     colocate.add_argument("--policy", choices=["idle", "slo"], default="idle")
@@ -125,6 +131,10 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         run_serving_bench(config, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                           repeats=args.repeats, json_path=args.json, with_adapter=args.with_adapter,
                           paths=tuple(args.paths.split(",")), profile_path=args.profile)
+        return 0
+    if args.bench == "structured":
+        from bench.structured import run_structured_bench
+        run_structured_bench(config, args.num_prompts, args.max_tokens, args.repeats, args.json)
         return 0
     if args.bench == "colocate":
         from bench.colocate import TrainingSide, run_colocate_bench

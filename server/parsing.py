@@ -60,7 +60,7 @@ def make_request(async_engine, request_id: str, prompt_ids: list[int], params: S
 
 def tool_use(body) -> ToolUse | None:
     try:
-        return body.tool_use() if hasattr(body, "tool_use") else None
+        return body.tool_use()
     except InvalidParameter as exc:
         raise APIError(400, str(exc), exc.param, exc.code) from None
 

@@ -102,6 +102,10 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+def _functions(tools: list[Tool]) -> list[dict]:
+    return [tool.function.model_dump(exclude_none=True) for tool in tools]
+
+
 class JsonSchemaFormat(_Strict):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
@@ -267,8 +271,7 @@ class ChatCompletionRequest(_SamplingFields):
             if named not in names:
                 raise InvalidParameter("tool_choice", f"tool_choice names `{named}`, which is not in tools")
             choice = "named"
-        functions = [tool.function.model_dump(exclude_none=True) for tool in self.tools]
-        return ToolUse(functions, choice, named, self.parallel_tool_calls is not False)
+        return ToolUse(_functions(self.tools), choice, named, self.parallel_tool_calls is not False)
 
     def sampling_params(self, tool_call_token: int | None = None) -> SamplingParams:
         """`tool_call_token`: the id of `<tool_call>` where the tokenizer has it as one token."""
@@ -343,10 +346,15 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    # with messages: the tools offered, rendered as a chat completion renders them
+    tools: list[Tool] | None = None
     # prompt: add the tokenizer's special tokens (BOS); messages: end with the assistant's turn opening
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+    def tool_use(self) -> ToolUse | None:
+        return ToolUse(_functions(self.tools)) if self.tools else None
 
 
 class DetokenizeRequest(_Strict):

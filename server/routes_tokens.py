@@ -1,7 +1,7 @@
 """vLLM's `/tokenize` and `/detokenize`: the served model's tokenizer over HTTP.
 
-`/tokenize` takes `prompt` (text, as `/v1/completions` tokenizes it) or `messages`
-(rendered with the chat template, as `/v1/chat/completions` does) and returns `tokens`,
+`/tokenize` takes `prompt` (text, as `/v1/completions` tokenizes it) or `messages` (and
+`tools`, rendered with the chat template as `/v1/chat/completions` does) and returns `tokens`,
 `count` and `max_model_len`; `/detokenize` takes `tokens` and returns `prompt`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from server.errors import APIError
-from server.parsing import check_model, parse_body, render_chat
+from server.parsing import check_model, parse_body, render_chat, tool_use
 from server.protocol import DetokenizeRequest, TokenizeRequest
 from server.state import ServerState
 
@@ -26,7 +26,7 @@ def tokens_router(state: ServerState) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' and 'messages'.", "prompt", "invalid_value")
         if body.messages is not None:
-            tokens = render_chat(state.tokenizer, body, body.add_generation_prompt)
+            tokens = render_chat(state.tokenizer, body, body.add_generation_prompt, tool_use(body))
         else:
             tokens = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
         result = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}

@@ -299,3 +299,11 @@ def test_constrained_and_tool_requests_are_counted(client):
     assert grew('tool_requests_total{tool_choice="auto"}') == 2
     assert grew('tool_calls_total{outcome="parsed"}') == 2
     assert grew('tool_calls_total{outcome="invalid"}') == 1
+
+
+def test_tokenize_counts_the_tools_as_a_chat_completion_renders_them(client):
+    counted = client.post("/tokenize", json={"model": TINY_NAME, "messages": QUESTION, "tools": TOOLS}).json()
+    served = chat(client, max_tokens=1, temperature=0.0).json()
+    assert counted["count"] == served["usage"]["prompt_tokens"]
+    plain = client.post("/tokenize", json={"model": TINY_NAME, "messages": QUESTION}).json()
+    assert plain["count"] < counted["count"]
