@@ -1,5 +1,5 @@
 """OpenAI request bodies, validated strictly at the HTTP edge, and their conversion to
-engine `SamplingParams`. Pydantic lives here and nowhere else.
+engine `SamplingParams`. Pydantic lives here and in server/response_schemas.py only.
 
 Strict: wrong types are rejected, not coerced ("5" is not a number), and unknown fields
 are rejected with OpenAI's "Unrecognized request argument supplied" so that a typo like
