@@ -42,13 +42,13 @@ def test_json_schema_output_validates(client, temperature):
         assert choice["finish_reason"] == "stop"
 
 
-def test_json_object_output_is_an_object(client):
-    r = chat(client, {"type": "json_object"}, temperature=0.0, max_tokens=60)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_object_output_is_an_object(client, temperature):
+    r = chat(client, {"type": "json_object"}, temperature=temperature, seed=1, n=4, max_tokens=120)
     assert r.status_code == 200, r.text
-    content = r.json()["choices"][0]["message"]["content"]
-    assert content.lstrip().startswith("{")
-    if r.json()["choices"][0]["finish_reason"] == "stop":
-        assert isinstance(json.loads(content), dict)
+    for choice in r.json()["choices"]:
+        assert choice["finish_reason"] == "stop", choice
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
 
 
 @pytest.mark.parametrize("response_format", [
