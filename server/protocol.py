@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
@@ -25,6 +25,19 @@ from trainer.feedback import FeedbackLabel
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _integral(value):
+    """22.0 is the integer 22 in JSON (and in JSON Schema's `integer`); 22.5 stays a float, and is refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# an integer field: strict (no "5", no true), but a JSON number with no fraction is accepted;
+# with bounds, INTEGRAL goes after the Field so that the schema keeps minimum/maximum
+INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[int, INTEGRAL]
 
 
 class StreamOptions(_Strict):
@@ -167,11 +180,11 @@ class _SamplingFields(_Strict):
     """Fields shared by chat and text completions."""
 
     model: str
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+    n: Annotated[int, Field(ge=1, le=128), INTEGRAL] = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -182,12 +195,12 @@ class _SamplingFields(_Strict):
     store: bool | None = None
     service_tier: str | None = None
     # vLLM's extra sampling parameters
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's structured outputs, and their names before vLLM 0.12
@@ -240,10 +253,10 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -303,11 +316,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    max_tokens: Int | None = 16
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
     def sampling_params(self) -> SamplingParams:
@@ -324,9 +337,9 @@ class FeedbackRequest(_Strict):
     id: Annotated[str, Field(min_length=1)]
     chosen: Annotated[str, Field(min_length=1)] | None = None
     rejected: Annotated[str, Field(min_length=1)] | None = None
-    choice_index: Annotated[int, Field(ge=0)] = 0
-    chosen_index: Annotated[int, Field(ge=0)] | None = None
-    rejected_index: Annotated[int, Field(ge=0)] | None = None
+    choice_index: Annotated[int, Field(ge=0), INTEGRAL] = 0
+    chosen_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
+    rejected_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
     rewards: Annotated[list[float], Field(min_length=1)] | None = None
 
     def label(self) -> FeedbackLabel:
@@ -337,7 +350,7 @@ class FeedbackRequest(_Strict):
 class RollbackRequest(_Strict):
     """POST /v1/adapters/rollback: make a saved adapter version the live one."""
 
-    version: Annotated[int, Field(ge=0)]
+    version: Annotated[int, Field(ge=0), INTEGRAL]
 
 
 class TokenizeRequest(_Strict):
@@ -361,4 +374,4 @@ class DetokenizeRequest(_Strict):
     """POST /detokenize (vLLM's): token ids back to text."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]

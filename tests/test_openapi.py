@@ -91,3 +91,19 @@ def test_every_post_route_documents_its_body_and_errors(live_server):
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False  # unknown fields are refused, and the schema says so
     assert {"messages", "model"} <= set(chat["required"])
+
+
+def test_an_integer_may_be_written_without_a_fraction_only(live_server):
+    """JSON (and JSON Schema's `integer`) does not tell 2 from 2.0; 2.5 and "2" stay refused."""
+    import httpx
+
+    def ask(**fields):
+        return httpx.post(live_server.url + "/v1/completions",
+                          json={"model": TINY_NAME, "prompt": "Hi", "max_tokens": 2, **fields}, timeout=60)
+
+    accepted = ask(n=2.0, max_tokens=3.0, seed=7.0)
+    assert accepted.status_code == 200, accepted.text
+    assert len(accepted.json()["choices"]) == 2
+    for bad in ({"n": 2.5}, {"n": "2"}, {"n": True}, {"max_tokens": 1.5}):
+        refused = ask(**bad)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == next(iter(bad)), refused.text
