@@ -88,6 +88,11 @@ class AsyncEngine:
             self._executor = None
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids this engine accepts are in [0, vocab_size)."""
+        return self.engine.vocab_size
+
+    @property
     def is_alive(self) -> bool:
         return self._task is not None and not self._task.done() and not self._stopping
 

@@ -34,7 +34,7 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_document(app.routes, app.title, app.version,
+            app.openapi_schema = openapi_document(app.routes, app.title, app.version, state.engine.vocab_size,
                                                   secured=bool(guard.api_key or guard.admin_key))
         return app.openapi_schema
 

@@ -54,10 +54,11 @@ def _loc_to_param(loc: tuple) -> str:
     return out or "body"
 
 
-def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+def validation_error(exc: ValidationError | RequestValidationError, tagged: bool = False) -> APIError:
+    """`tagged`: a tagged union's error, whose location starts with the member's tag."""
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    param = _loc_to_param(tuple(first.get("loc", ())))
+    param = _loc_to_param(tuple(first.get("loc", ()))[1 if tagged else 0:])
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"Unrecognized request argument supplied: {param}", param, "unrecognized_argument")
     if first.get("type") == "missing":

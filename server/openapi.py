@@ -33,7 +33,8 @@ _COMMON_ERRORS = (401, 500)
 class Operation:
     summary: str
     response: type[BaseModel] | None  # None: Prometheus text
-    request: type[BaseModel] | None = None
+    # the body's model, or the models of a body that takes one of several shapes
+    request: type[BaseModel] | tuple[type[BaseModel], ...] | None = None
     errors: tuple[int, ...] = ()
     streams: bool = False  # `"stream": true` answers text/event-stream
 
@@ -54,25 +55,26 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/adapters/rollback"): Operation("Make a saved adapter version the live one", out.AdapterStatus,
                                                  protocol.RollbackRequest, (400, 404, 409, 413, 503)),
     ("post", "/tokenize"): Operation("Tokenize a prompt or chat messages (vLLM's)", out.TokenizeResponse,
-                                     protocol.TokenizeRequest, (400, 404, 413)),
+                                     (protocol.TokenizePromptRequest, protocol.TokenizeChatRequest), (400, 404, 413)),
     ("post", "/detokenize"): Operation("Token ids back to text (vLLM's)", out.DetokenizeResponse,
                                        protocol.DetokenizeRequest, (400, 404, 413)),
 }
 
 
-def openapi_document(routes: list, title: str, version: str, secured: bool = False) -> dict:
-    """The document for `routes` (the app's); `secured`: `/v1/*` takes a bearer API key."""
+def openapi_document(routes: list, title: str, version: str, vocab_size: int, secured: bool = False) -> dict:
+    """The document for `routes` (the app's); token ids are below `vocab_size`;
+    `secured`: `/v1/*` takes a bearer API key."""
     document = get_openapi(title=title, version=version, routes=routes,
                            description="An OpenAI-compatible server that trains a LoRA adapter online on what "
                                        "it serves.")
-    requests = {op.request for op in OPERATIONS.values() if op.request}
+    requests = {model for op in OPERATIONS.values() for model in _request_models(op)}
     responses = {op.response for op in OPERATIONS.values() if op.response} | {out.ErrorResponse}
     by_name = lambda model: model.__name__  # noqa: E731 - a deterministic order
     _, definitions = models_json_schema([(m, "validation") for m in sorted(requests, key=by_name)]
                                         + [(m, "serialization") for m in sorted(responses, key=by_name)],
                                         ref_template="#/components/schemas/{model}")
     components = document.setdefault("components", {})
-    components["schemas"] = definitions.get("$defs", {})
+    components["schemas"] = _bound_token_ids(definitions.get("$defs", {}), vocab_size)
     if secured:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     documented = set()
@@ -89,6 +91,23 @@ def openapi_document(routes: list, title: str, version: str, secured: bool = Fal
     return document
 
 
+def _request_models(operation: Operation) -> tuple[type[BaseModel], ...]:
+    request = operation.request
+    return () if request is None else request if isinstance(request, tuple) else (request,)
+
+
+def _bound_token_ids(schema, vocab_size: int):
+    """The schema with every token id (protocol.TokenId) bounded by the served vocabulary."""
+    if isinstance(schema, dict):
+        bounded = {key: _bound_token_ids(value, vocab_size) for key, value in schema.items() if key != "x-token-id"}
+        if schema.get("x-token-id"):
+            bounded["maximum"] = vocab_size - 1
+        return bounded
+    if isinstance(schema, list):
+        return [_bound_token_ids(item, vocab_size) for item in schema]
+    return schema
+
+
 def _ref(model: type[BaseModel]) -> dict:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
@@ -97,8 +116,10 @@ def _operation(generated: dict, spec: Operation, secured: bool) -> dict:
     operation = {"summary": spec.summary, "operationId": generated["operationId"]}
     if "parameters" in generated:
         operation["parameters"] = generated["parameters"]
-    if spec.request is not None:
-        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(spec.request)}}}
+    models = _request_models(spec)
+    if models:
+        schema = _ref(models[0]) if len(models) == 1 else {"oneOf": [_ref(m) for m in models]}
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": schema}}}
     if spec.response is None:
         content = {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}
     else:

@@ -5,7 +5,7 @@ and the engine's validation, each failure an OpenAI-style `APIError`."""
 from __future__ import annotations
 
 from fastapi import Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from engine.request import EngineRequest
 from engine.sampling_params import InvalidParameter, SamplingParams
@@ -14,12 +14,14 @@ from server.tool_calls import ToolUse
 from server.tool_prompt import fallback_messages, native_messages, openai_tools, template_has_tools
 
 
-async def parse_body(request: Request, model: type[BaseModel]):
+async def parse_body(request: Request, model: type[BaseModel] | TypeAdapter):
+    """The body, validated by `model` (or by a TypeAdapter of a tagged union of models)."""
     raw = await request.body()
     if not raw.strip():
         raise APIError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    tagged = isinstance(model, TypeAdapter)
     try:
-        return model.model_validate_json(raw)
+        return model.validate_json(raw) if tagged else model.model_validate_json(raw)
     except ValidationError as exc:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
@@ -27,7 +29,7 @@ async def parse_body(request: Request, model: type[BaseModel]):
                            code="invalid_json") from None
         if first.get("type") == "model_type":
             raise APIError(400, "The request body must be a JSON object.", code="invalid_json") from None
-        raise validation_error(exc) from None
+        raise validation_error(exc, tagged) from None
 
 
 def check_model(served_name: str, name: str) -> None:

@@ -13,9 +13,9 @@ stop_token_ids, ...) are accepted under vLLM's names, and so are its structured 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
@@ -38,6 +38,9 @@ def _integral(value):
 # with bounds, INTEGRAL goes after the Field so that the schema keeps minimum/maximum
 INTEGRAL = BeforeValidator(_integral)
 Int = Annotated[int, INTEGRAL]
+# a token id: the served vocabulary's size bounds it in the OpenAPI document (server/openapi.py)
+# and in the engine's checks
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True}), INTEGRAL]
 
 
 class StreamOptions(_Strict):
@@ -200,7 +203,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: float | None = None
     min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's structured outputs, and their names before vLLM 0.12
@@ -316,7 +319,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[Int] | list[list[Int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: Int | None = 16
     echo: bool = False
     logprobs: Int | None = None
@@ -353,25 +356,44 @@ class RollbackRequest(_Strict):
     version: Annotated[int, Field(ge=0), INTEGRAL]
 
 
-class TokenizeRequest(_Strict):
-    """POST /tokenize (vLLM's): a prompt, or chat messages rendered with the chat template."""
-
+class _TokenizeFields(_Strict):
     model: str | None = None
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    # with messages: the tools offered, rendered as a chat completion renders them
-    tools: list[Tool] | None = None
-    # prompt: add the tokenizer's special tokens (BOS); messages: end with the assistant's turn opening
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+
+class TokenizePromptRequest(_TokenizeFields):
+    """POST /tokenize (vLLM's) with a prompt, tokenized as /v1/completions tokenizes it."""
+
+    prompt: str
+    # add the tokenizer's special tokens (BOS)
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_TokenizeFields):
+    """POST /tokenize (vLLM's) with chat messages (and tools), rendered as
+    /v1/chat/completions renders them."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    # end with the assistant's turn opening
+    add_generation_prompt: bool = True
 
     def tool_use(self) -> ToolUse | None:
         return ToolUse(_functions(self.tools)) if self.tools else None
+
+
+def _tokenize_kind(value) -> str:
+    return "chat" if isinstance(value, dict) and "messages" in value else "prompt"
+
+
+# a body with `messages` is a chat request, any other a prompt request (vLLM's two shapes)
+TokenizeRequest = TypeAdapter(Annotated[Union[Annotated[TokenizePromptRequest, Tag("prompt")],
+                                              Annotated[TokenizeChatRequest, Tag("chat")]],
+                                        Discriminator(_tokenize_kind)])
 
 
 class DetokenizeRequest(_Strict):
     """POST /detokenize (vLLM's): token ids back to text."""
 
     model: str | None = None
-    tokens: list[Int]
+    tokens: list[TokenId]

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 
 from server.errors import APIError
 from server.parsing import check_model, parse_body, render_chat, tool_use
-from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from server.state import ServerState
 
 
@@ -20,12 +20,10 @@ def tokens_router(state: ServerState) -> APIRouter:
 
     @router.post("/tokenize")
     async def tokenize(request: Request):
-        body: TokenizeRequest = await parse_body(request, TokenizeRequest)
+        body = await parse_body(request, TokenizeRequest)
         if body.model is not None:
             check_model(state.model_name, body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of 'prompt' and 'messages'.", "prompt", "invalid_value")
-        if body.messages is not None:
+        if isinstance(body, TokenizeChatRequest):
             tokens = render_chat(state.tokenizer, body, body.add_generation_prompt, tool_use(body))
         else:
             tokens = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
@@ -39,7 +37,7 @@ def tokens_router(state: ServerState) -> APIRouter:
         body: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
         if body.model is not None:
             check_model(state.model_name, body.model)
-        vocab = len(state.tokenizer)
+        vocab = state.engine.vocab_size  # the model's ids; those past the tokenizer's decode to ""
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad}.", "tokens", "invalid_value")

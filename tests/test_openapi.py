@@ -12,6 +12,7 @@ from schemathesis.generation import GenerationMode
 
 from server.openapi import OPERATIONS
 from tests.servers import TINY_NAME, ServerThread, tiny_app
+from tests.tiny import tiny_tokenizer
 from trainer.config import TrainConfig
 
 
@@ -81,8 +82,10 @@ def test_every_post_route_documents_its_body_and_errors(live_server):
     for (method, path), spec in OPERATIONS.items():
         operation = document["paths"][path][method]
         if method == "post":
-            assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith(
-                spec.request.__name__)
+            body = operation["requestBody"]["content"]["application/json"]["schema"]
+            models = spec.request if isinstance(spec.request, tuple) else (spec.request,)
+            refs = [ref["$ref"] for ref in body.get("oneOf", [body])]
+            assert refs == [f"#/components/schemas/{model.__name__}" for model in models], path
         for status in map(str, spec.errors):
             error = operation["responses"][status]["content"]["application/json"]["schema"]
             assert error["$ref"].endswith("ErrorResponse"), (path, status)
@@ -91,6 +94,8 @@ def test_every_post_route_documents_its_body_and_errors(live_server):
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False  # unknown fields are refused, and the schema says so
     assert {"messages", "model"} <= set(chat["required"])
+    token_id = document["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert token_id == {"type": "integer", "minimum": 0, "maximum": len(tiny_tokenizer()) - 1}
 
 
 def test_an_integer_may_be_written_without_a_fraction_only(live_server):
