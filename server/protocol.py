@@ -64,6 +64,8 @@ class MessageToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    # streamed tool calls carry their position; clients (litellm) pass it back with the message
+    index: Int | None = None
 
 
 class ChatMessage(_Strict):
@@ -84,7 +86,7 @@ class ChatMessage(_Strict):
         if self.name is not None:
             entry["name"] = self.name
         if self.tool_calls:
-            entry["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+            entry["tool_calls"] = [call.model_dump(exclude={"index"}) for call in self.tool_calls]
         if self.tool_call_id is not None:
             entry["tool_call_id"] = self.tool_call_id
         return entry

@@ -94,6 +94,7 @@ def test_every_post_route_documents_its_body_and_errors(live_server):
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False  # unknown fields are refused, and the schema says so
     assert {"messages", "model"} <= set(chat["required"])
+    assert (chat["properties"]["n"]["minimum"], chat["properties"]["n"]["maximum"]) == (1, 128)
     token_id = document["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert token_id == {"type": "integer", "minimum": 0, "maximum": len(tiny_tokenizer()) - 1}
 

@@ -160,6 +160,11 @@ def test_a_tool_round_trip_with_the_openai_sdk():
         (call,) = message.tool_calls
         messages.append(message)
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"})
+        # as litellm passes a streamed call back: with its index
+        messages.append({"role": "assistant", "content": None, "tool_calls": [
+            {"index": 0, "id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": call.function.arguments}}]})
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "still sunny"})
         second = client.chat.completions.create(model=TINY_NAME, messages=messages, tools=TOOLS, max_tokens=5)
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
