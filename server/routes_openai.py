@@ -83,7 +83,9 @@ async def serve_chat_completion(state: ServerState, request: Request):
     state.metrics.count_constraints(params.grammar, tools)
     note_prompt(state, request_id, [m.model_dump(exclude_none=True) for m in body.messages])
     stream = engine_stream(state.engine, engine_request)
-    parsers = [ToolCallParser(on_finish=state.metrics.count_tool_calls) for _ in range(params.n)] if tools is not None else None
+    parsers = None
+    if tools is not None:  # a forced call's layout is the grammar's, so its arguments can stream as decoded
+        parsers = [ToolCallParser(tools.forced, state.metrics.count_tool_calls) for _ in range(params.n)]
     if body.stream:
         events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
                              body.stream_options, state.token_text, parsers)

@@ -116,8 +116,8 @@ def _event(data: dict) -> dict:
 
 
 def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tuple[dict, bool]:
-    """A choice's delta for its new text — content, and tool calls (each whole, once it
-    closes) when tools were offered — and whether the choice has called a tool."""
+    """A choice's delta for its new text — content, and, when tools were offered, tool-call
+    deltas (server/tool_calls.py) — and whether the choice has called a tool."""
     if parser is None:
         return ({"content": text} if text else {}), False
     content, calls = parser.feed(text)
@@ -126,8 +126,7 @@ def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tup
         content, calls = content + rest, calls + more
     delta: dict = {"content": content} if content else {}
     if calls:
-        first = len(parser.calls) - len(calls)
-        delta["tool_calls"] = [{"index": first + k, **call.as_openai()} for k, call in enumerate(calls)]
+        delta["tool_calls"] = [call.as_openai() for call in calls]
     return delta, bool(parser.calls)
 
 

@@ -13,6 +13,7 @@ stays in the text.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,14 +26,46 @@ TOOL_CALL_CLOSE = "</tool_call>"
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 
 
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # a JSON object, as text (OpenAI's shape)
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=new_call_id)
 
     def as_openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a choice's `index`-th tool call, as a stream sends it: the first piece
+    carries the call's id and name, the next ones more of its arguments."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+    def as_openai(self) -> dict:
+        delta: dict = {"index": self.index, "function": {"arguments": self.arguments}}
+        if self.id is not None:
+            delta.update(id=self.id, type="function")
+            delta["function"] = {"name": self.name, "arguments": self.arguments}
+        return delta
+
+
+@dataclass
+class _OpenCall:
+    """A call whose name is known and whose arguments are being streamed."""
+
+    id: str
+    name: str
+    arguments_start: int  # where the arguments begin in the call's body
+    sent: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,6 +106,10 @@ def _call_schema(function: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
+# a call's body in the layout the fallback prompt and the forced grammar write
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+
+
 def _parse_call(body: str) -> ToolCall | None:
     try:
         value = json.loads(body)
@@ -88,39 +125,75 @@ def _parse_call(body: str) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
+    raw = _raw_arguments(body)
+    if raw is not None and json.loads(raw) == arguments:
+        return ToolCall(value["name"], raw)  # as written (and as streamed)
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _raw_arguments(body: str) -> str | None:
+    """The arguments' text in a body laid out `{"name": ..., "arguments": {...}}`."""
+    head = _CALL_HEAD.match(body)
+    if head is None:
+        return None
+    tail = body[head.end():].rstrip()
+    if not tail.endswith("}"):
+        return None
+    raw = tail[:-1].rstrip()
+    try:
+        json.loads(raw)
+    except ValueError:
+        return None
+    return raw
+
+
+def _sendable_arguments(text: str) -> str:
+    """Of arguments streaming in, what cannot change: without the end that may still be
+    the object's closing brace (with its spaces) or the start of the closing tag."""
+    text = text[:len(text) - _partial_open_length(text, TOOL_CALL_CLOSE)].strip()
+    if text.endswith("}"):
+        text = text[:-1].rstrip()
+    return text
 
 
 class ToolCallParser:
     """Splits one choice's text into content and tool calls, fed as it streams.
 
-    Text that might still open a call is held back; a call is handed out when its closing
-    tag arrives (a call left open when the output ends is parsed at `finish`, which then
-    calls `on_finish` with the parser, e.g. to count its calls). Whitespace
-    is handed out only once text follows it, so the blank lines around calls are not
-    content. Feeding the whole text at once gives what streaming it gives.
+    `feed` and `finish` return the new content and the new `ToolCallDelta`s. Text that
+    might still open a call is held back. A call is handed out whole when its closing tag
+    arrives, or, with `stream_arguments` (forced calls, whose layout the grammar fixes),
+    as soon as its name is decoded and then argument by argument; a call left open when
+    the output ends is parsed at `finish` (a streamed one is then handed out as far as it
+    got, as OpenAI does when `max_tokens` cuts a call). `finish` calls `on_finish` with the
+    parser, e.g. to count its calls. Whitespace is handed out only once text follows it,
+    so the blank lines around calls are not content. Feeding the whole text at once gives
+    what streaming it gives: `calls` and the concatenated deltas are the same.
     """
 
-    def __init__(self, on_finish: Callable[[ToolCallParser], None] | None = None):
+    def __init__(self, stream_arguments: bool = False, on_finish: Callable[[ToolCallParser], None] | None = None):
+        self._stream_arguments = stream_arguments
         self._on_finish = on_finish
         self._pending = ""
         self._inside = False
+        self._open: _OpenCall | None = None
         self._held_space = ""
         self.calls: list[ToolCall] = []
-        # <tool_call> blocks that did not parse as a call (left in the content)
+        # <tool_call> blocks that did not parse as a call (left in the content, or cut short)
         self.invalid_blocks = 0
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._pending += text
-        content, calls = [], []
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
         while True:
             if self._inside:
                 end = self._pending.find(TOOL_CALL_CLOSE)
                 if end == -1:
+                    self._stream_open_call(deltas)
                     break
                 body, self._pending = self._pending[:end], self._pending[end + len(TOOL_CALL_CLOSE):]
                 self._inside = False
-                self._close(body, True, content, calls)
+                self._close(body, True, content, deltas)
             else:
                 start = self._pending.find(TOOL_CALL_OPEN)
                 if start == -1:
@@ -132,28 +205,62 @@ class ToolCallParser:
                 self._held_space = ""
                 self._pending = self._pending[start + len(TOOL_CALL_OPEN):]
                 self._inside = True
-        self.calls += calls
-        return "".join(content), calls
+        return "".join(content), deltas
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """What is left when the output ends."""
-        content, calls = [], []
+        content: list[str] = []
+        deltas: list[ToolCallDelta] = []
         if self._inside:
-            self._close(self._pending, False, content, calls)
+            self._close(self._pending, False, content, deltas)
         else:
             content.append(self._text(self._pending))
         self._pending, self._inside = "", False
-        self.calls += calls
         if self._on_finish is not None:
             self._on_finish(self)
-        return "".join(content), calls
+        return "".join(content), deltas
 
-    def _close(self, body: str, closed: bool, content: list[str], calls: list[ToolCall]) -> None:
-        """A call's body, as a call if it parses, else as the text it was (an unclosed
-        body may end in part of the closing tag)."""
-        call = _parse_call(body.strip() if closed else _without_partial_close(body).strip())
-        if call is not None:
-            calls.append(call)
+    def _stream_open_call(self, deltas: list[ToolCallDelta]) -> None:
+        if self._open is None and self._stream_arguments:
+            self._open = self._start(self._pending, deltas)
+        if self._open is not None:
+            self._send(self._open, _sendable_arguments(self._pending[self._open.arguments_start:]), deltas)
+
+    def _start(self, body: str, deltas: list[ToolCallDelta]) -> _OpenCall | None:
+        """Opens a streamed call once its body shows the name (None until then)."""
+        head = _CALL_HEAD.match(body)
+        if head is None:
+            return None
+        call = _OpenCall(new_call_id(), head.group(1), head.end())
+        deltas.append(ToolCallDelta(len(self.calls), "", call.id, call.name))
+        return call
+
+    def _send(self, call: _OpenCall, arguments: str, deltas: list[ToolCallDelta]) -> None:
+        """Sends what of `arguments` the call has not sent yet (it extends what was sent)."""
+        new = arguments[len(call.sent):]
+        if new:
+            deltas.append(ToolCallDelta(len(self.calls), new))
+            call.sent = arguments
+
+    def _close(self, body: str, closed: bool, content: list[str], deltas: list[ToolCallDelta]) -> None:
+        """A call's body: a call if it parses, else the text it was (an unclosed body may
+        end in part of the closing tag). A streamed call is a call either way: its
+        arguments are what was streamed, whole or as far as they got."""
+        if not closed:
+            body = _without_partial_close(body)
+        call = _parse_call(body.strip())
+        opened, self._open = self._open, None
+        if opened is None and self._stream_arguments:
+            opened = self._start(body, deltas)  # all of it came at once
+        if opened is not None:
+            arguments = _sendable_arguments(body[opened.arguments_start:])
+            self._send(opened, arguments, deltas)
+            self.calls.append(ToolCall(opened.name, arguments, opened.id))
+            if call is None or call.arguments != arguments:
+                self.invalid_blocks += 1
+        elif call is not None:
+            deltas.append(ToolCallDelta(len(self.calls), call.arguments, call.id, call.name))
+            self.calls.append(call)
         else:
             self.invalid_blocks += 1
             content.append(self._text(TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else "")))

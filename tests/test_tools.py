@@ -67,7 +67,8 @@ def test_required_with_parallel_calls_validates_every_call(client):
     for choice in r.json()["choices"]:
         calls = choice["message"].get("tool_calls") or []
         assert calls, choice
-        for call in calls:
+        complete = calls if choice["finish_reason"] == "tool_calls" else calls[:-1]  # the last one may be cut
+        for call in complete:
             assert_valid_call(call)
         if choice["finish_reason"] == "tool_calls":
             assert choice["message"]["content"] is None
@@ -95,7 +96,8 @@ def test_none_offers_no_tools(client):
 
 # -- auto: calls the model writes -------------------------------------------------------------
 
-WRITTEN = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+WRITTEN = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+           '\n</tool_call>')
 # the text as a regex that matches it alone (Rust's syntax)
 WRITTEN_REGEX = "".join("\\" + ch if ch in ".^$|?*+()[]{}\\" else ("\\n" if ch == "\n" else ch) for ch in WRITTEN)
 
@@ -133,17 +135,19 @@ def test_streamed_tool_calls_equal_the_whole_response():
                     max_tokens=120)
         whole = client.chat.completions.create(**args)
         calls: dict[int, dict] = {}
-        finish = None
+        finish, fragments = None, 0
         for chunk in client.chat.completions.create(stream=True, **args):
             for delta_call in chunk.choices[0].delta.tool_calls or []:
                 entry = calls.setdefault(delta_call.index, {"name": "", "arguments": ""})
                 entry["name"] += delta_call.function.name or ""
                 entry["arguments"] += delta_call.function.arguments or ""
+                fragments += bool(delta_call.function.arguments)
             finish = chunk.choices[0].finish_reason or finish
     expected = [{"name": c.function.name, "arguments": c.function.arguments}
                 for c in whole.choices[0].message.tool_calls]
     assert [calls[i] for i in sorted(calls)] == expected
     assert finish == whole.choices[0].finish_reason
+    assert fragments > 2 * len(expected)  # a forced call's arguments stream as they are decoded
 
 
 def test_a_tool_round_trip_with_the_openai_sdk():
@@ -232,8 +236,38 @@ def test_the_parser_gives_the_same_split_whatever_the_chunks(text, content, name
         parser = ToolCallParser()
         pieces = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
         assert "".join(p[0] for p in pieces) == content, size
-        assert [c.name for p in pieces for c in p[1]] == names, size
+        assert [d.name for p in pieces for d in p[1]] == names, size
         assert [c.name for c in parser.calls] == names
+
+
+FORCED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "unit": "celsius"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("text, arguments, invalid", [
+    (FORCED, '{"city": "Pa}ris", "unit": "celsius"}', 0),
+    (FORCED + "\n" + FORCED.replace("Pa}ris", "Rome"), None, 0),
+    (FORCED[:FORCED.index("ris") + 1], '{"city": "Pa}r', 1),  # cut by max_tokens: the call as far as it got
+])
+def test_streamed_arguments_add_up_to_the_whole_call_whatever_the_chunks(text, arguments, invalid):
+    whole = ToolCallParser(stream_arguments=True)
+    whole.feed(text)
+    whole.finish()
+    expected = [(c.name, c.arguments) for c in whole.calls]
+    if arguments is not None:
+        assert expected == [("get_weather", arguments)]
+    assert whole.invalid_blocks == invalid
+    for size in range(1, len(text) + 1):
+        parser = ToolCallParser(stream_arguments=True)
+        pieces = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+        assert "".join(p[0] for p in pieces) == "", size
+        streamed: dict[int, list] = {}
+        for delta in (d for p in pieces for d in p[1]):
+            if delta.id is not None:
+                assert delta.index not in streamed and delta.arguments == ""
+                streamed[delta.index] = [delta.name, ""]
+            streamed[delta.index][1] += delta.arguments
+        assert [tuple(streamed[i]) for i in sorted(streamed)] == expected, size
+        assert [(c.name, c.arguments) for c in parser.calls] == expected
 
 
 def test_the_fallback_prompt_writes_tool_turns_in_the_hermes_convention():
