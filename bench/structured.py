@@ -5,8 +5,9 @@ A batch of `--num-prompts` chat prompts decodes `--max-tokens` tokens each, gree
 unconstrained (EOS ignored, so every sequence runs the full length), under a JSON schema
 whose documents cannot close before the limit (an array of at least 1000 strings), and
 under a regex over free text (EOS held back until the limit). The token counts are
-equal, so the ratio of the runs' times is the ratio of their per-token costs: the grammar's mask on every sequence at every
-step, and the sampler's per-row path that a constrained sequence takes.
+equal, so the ratio of the runs' times is the ratio of their per-token costs: the
+grammar's mask on every sequence at every step, and the sampler's per-row path that a
+constrained sequence takes.
 """
 
 from __future__ import annotations
