@@ -40,7 +40,7 @@ def test_tokenize_messages_as_chat_completions_renders_them(client):
 
 @pytest.mark.parametrize("path, body, status, param", [
     ("/tokenize", {}, 400, "prompt"),
-    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),  # one shape or the other
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "model": "gpt-9"}, 404, "model"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
