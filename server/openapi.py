@@ -97,7 +97,7 @@ def _request_models(operation: Operation) -> tuple[type[BaseModel], ...]:
 
 
 def _bound_token_ids(schema, vocab_size: int):
-    """The schema with every token id (protocol.TokenId) bounded by the served vocabulary."""
+    """The schema with every token id (protocol_fields.TokenId) bounded by the served vocabulary."""
     if isinstance(schema, dict):
         bounded = {key: _bound_token_ids(value, vocab_size) for key, value in schema.items() if key != "x-token-id"}
         if schema.get("x-token-id"):

@@ -1,5 +1,7 @@
 """OpenAI request bodies, validated strictly at the HTTP edge, and their conversion to
-engine `SamplingParams`. Pydantic lives here and in server/response_schemas.py only.
+engine `SamplingParams`. Pydantic lives in server/ only: here, in the parts these bodies
+are built from (server/protocol_fields.py, server/protocol_formats.py), and in the
+response models (server/response_schemas.py).
 
 Strict: wrong types are rejected, not coerced ("5" is not a number), and unknown fields
 are rejected with OpenAI's "Unrecognized request argument supplied" so that a typo like
@@ -12,176 +14,20 @@ stop_token_ids, ...) are accepted under vLLM's names, and so are its structured 
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
-from engine.structured import Grammar, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
-from server.tool_calls import NAME_PATTERN, ToolUse
+from engine.structured import Grammar
+from server.protocol_fields import INTEGRAL, ChatMessage, Int, StreamOptions, Strict, TokenId
+from server.protocol_formats import (NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, build_grammar,
+                                     functions)
+from server.tool_calls import ToolUse
 from trainer.feedback import FeedbackLabel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-def _integral(value):
-    """22.0 is the integer 22 in JSON (and in JSON Schema's `integer`); 22.5 stays a float, and is refused."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
-# an integer field: strict (no "5", no true), but a JSON number with no fraction is accepted;
-# with bounds, INTEGRAL goes after the Field so that the schema keeps minimum/maximum
-INTEGRAL = BeforeValidator(_integral)
-Int = Annotated[int, INTEGRAL]
-# a token id: the served vocabulary's size bounds it in the OpenAPI document (server/openapi.py)
-# and in the engine's checks
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True}), INTEGRAL]
-
-
-class StreamOptions(_Strict):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class FunctionCall(_Strict):
-    name: str
-    arguments: str  # a JSON object, as text
-
-
-class MessageToolCall(_Strict):
-    """A tool call of an earlier assistant turn, as the API returned it."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-    # streamed tool calls carry their position; clients (litellm) pass it back with the message
-    index: Int | None = None
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-    tool_calls: list[MessageToolCall] | None = None
-    refusal: str | None = None
-    # what the SDK sends back when a returned message is appended as is; not used here
-    annotations: list[dict[str, Any]] | None = None
-    audio: dict[str, Any] | None = None
-    function_call: dict[str, Any] | None = None
-
-    def template_dict(self) -> dict:
-        """This turn as a chat template reads it (OpenAI's developer role is a system turn)."""
-        entry: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.name is not None:
-            entry["name"] = self.name
-        if self.tool_calls:
-            entry["tool_calls"] = [call.model_dump(exclude={"index"}) for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            entry["tool_call_id"] = self.tool_call_id
-        return entry
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class FunctionDefinition(_Strict):
-    name: Annotated[str, Field(pattern=NAME_PATTERN)]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema for the arguments
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-def _functions(tools: list[Tool]) -> list[dict]:
-    return [tool.function.model_dump(exclude_none=True) for tool in tools]
-
-
-class JsonSchemaFormat(_Strict):
-    name: Annotated[str, Field(min_length=1, max_length=64)]
-    description: str | None = None
-    # "schema" itself would shadow pydantic's BaseModel.schema
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    """OpenAI's `response_format`: free text, any JSON object, or JSON valid against a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    def grammar(self) -> Grammar | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return json_schema_grammar({"type": "object"}, kind="json_object")
-        if self.json_schema is None:
-            raise InvalidParameter("response_format", "response_format of type json_schema needs 'json_schema'")
-        return json_schema_grammar(self.json_schema.schema_)
-
-
-class StructuredOutputs(_Strict):
-    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a list of
-    choices or a grammar (Lark, or llama.cpp's GBNF)."""
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-
-    def build(self, param: str = "structured_outputs") -> Grammar:
-        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        if len(given) != 1:
-            raise InvalidParameter(param, f"{param} takes exactly one of json, regex, choice and grammar")
-        return _build_grammar(given[0].rstrip("_"), getattr(self, given[0]), f"{param}.{given[0].rstrip('_')}")
-
-
-def _build_grammar(kind: str, spec, param: str) -> Grammar:
-    if kind == "json":
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except ValueError as exc:
-                raise InvalidParameter(param, f"{param} is not valid JSON: {exc}") from None
-        if not isinstance(spec, dict):
-            raise InvalidParameter(param, f"{param} must be a JSON schema (an object)")
-        return json_schema_grammar(spec, param)
-    if kind == "regex":
-        return regex_grammar(spec, param)
-    if kind == "choice":
-        return choice_grammar(spec, param)
-    return lark_grammar(spec, param)
-
-
-class _SamplingFields(_Strict):
+class _SamplingFields(Strict):
     """Fields shared by chat and text completions."""
 
     model: str
@@ -227,7 +73,7 @@ class _SamplingFields(_Strict):
         for kind in ("json", "regex", "choice", "grammar"):
             spec = getattr(self, f"guided_{kind}")
             if spec is not None:
-                asked.append((f"guided_{kind}", lambda kind=kind, spec=spec: _build_grammar(kind, spec,
+                asked.append((f"guided_{kind}", lambda kind=kind, spec=spec: build_grammar(kind, spec,
                                                                                              f"guided_{kind}")))
         if len(asked) > 1:
             raise InvalidParameter(asked[1][0], f"{asked[0][0]} and {asked[1][0]} both constrain the output; "
@@ -289,7 +135,7 @@ class ChatCompletionRequest(_SamplingFields):
             if named not in names:
                 raise InvalidParameter("tool_choice", f"tool_choice names `{named}`, which is not in tools")
             choice = "named"
-        return ToolUse(_functions(self.tools), choice, named, self.parallel_tool_calls is not False)
+        return ToolUse(functions(self.tools), choice, named, self.parallel_tool_calls is not False)
 
     def sampling_params(self, tool_call_token: int | None = None) -> SamplingParams:
         """`tool_call_token`: the id of `<tool_call>` where the tokenizer has it as one token."""
@@ -335,7 +181,7 @@ class CompletionRequest(_SamplingFields):
         return params
 
 
-class FeedbackRequest(_Strict):
+class FeedbackRequest(Strict):
     """POST /v1/feedback: a label for a served completion — a preference (DPO: response
     texts, or two of its choices by index) or one reward per choice (GRPO)."""
 
@@ -352,13 +198,13 @@ class FeedbackRequest(_Strict):
                              self.rejected_index, self.rewards)
 
 
-class RollbackRequest(_Strict):
+class RollbackRequest(Strict):
     """POST /v1/adapters/rollback: make a saved adapter version the live one."""
 
     version: Annotated[int, Field(ge=0), INTEGRAL]
 
 
-class _TokenizeFields(_Strict):
+class _TokenizeFields(Strict):
     model: str | None = None
     return_token_strs: bool = False
 
@@ -381,7 +227,7 @@ class TokenizeChatRequest(_TokenizeFields):
     add_generation_prompt: bool = True
 
     def tool_use(self) -> ToolUse | None:
-        return ToolUse(_functions(self.tools)) if self.tools else None
+        return ToolUse(functions(self.tools)) if self.tools else None
 
 
 def _tokenize_kind(value) -> str:
@@ -394,7 +240,7 @@ TokenizeRequest = TypeAdapter(Annotated[Union[Annotated[TokenizePromptRequest, T
                                         Discriminator(_tokenize_kind)])
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(Strict):
     """POST /detokenize (vLLM's): token ids back to text."""
 
     model: str | None = None

@@ -1,0 +1,88 @@
+"""The building blocks of the request bodies (server/protocol.py): strict objects,
+integers, token ids and chat messages.
+
+Strict: wrong types are rejected, not coerced ("5" is not a number), and unknown fields
+are rejected, so that a typo does not pass silently.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _integral(value):
+    """22.0 is the integer 22 in JSON (and in JSON Schema's `integer`); 22.5 stays a float, and is refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# an integer field: strict (no "5", no true), but a JSON number with no fraction is accepted;
+# with bounds, INTEGRAL goes after the Field so that the schema keeps minimum/maximum
+INTEGRAL = BeforeValidator(_integral)
+Int = Annotated[int, INTEGRAL]
+# a token id: the served vocabulary's size bounds it in the OpenAPI document (server/openapi.py)
+# and in the engine's checks
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True}), INTEGRAL]
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class MessageToolCall(Strict):
+    """A tool call of an earlier assistant turn, as the API returned it."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    # streamed tool calls carry their position; clients (litellm) pass it back with the message
+    index: Int | None = None
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    refusal: str | None = None
+    # what the SDK sends back when a returned message is appended as is; not used here
+    annotations: list[dict[str, Any]] | None = None
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    def template_dict(self) -> dict:
+        """This turn as a chat template reads it (OpenAI's developer role is a system turn)."""
+        entry: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            entry["name"] = self.name
+        if self.tool_calls:
+            entry["tool_calls"] = [call.model_dump(exclude={"index"}) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            entry["tool_call_id"] = self.tool_call_id
+        return entry
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
