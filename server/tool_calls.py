@@ -136,10 +136,7 @@ def _raw_arguments(body: str) -> str | None:
     head = _CALL_HEAD.match(body)
     if head is None:
         return None
-    tail = body[head.end():].rstrip()
-    if not tail.endswith("}"):
-        return None
-    raw = tail[:-1].rstrip()
+    raw = _sendable_arguments(body[head.end():])
     try:
         json.loads(raw)
     except ValueError:
