@@ -38,8 +38,9 @@ def teach(url: str, model: str, rounds: int, group: int = GROUP) -> dict[str, in
     counts = {"accepted": 0, "skipped": 0}
     for i in range(rounds):
         question = TRAIN[i % len(TRAIN)]
+        # seeded: the adapter moves only between rounds (each waits for its training), so a run repeats exactly
         reply = post(url, "/v1/chat/completions", {"model": model, "n": group, "temperature": 1.0, "max_tokens": 8,
-                                                    "messages": [{"role": "user", "content": question}]})
+                                                    "seed": i, "messages": [{"role": "user", "content": question}]})
         answers = [choice["message"]["content"] for choice in sorted(reply["choices"], key=lambda c: c["index"])]
         rewards = [reward(a) for a in answers]
         version = get_metric(url, "alchemist:adapter_version")
