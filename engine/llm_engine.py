@@ -134,8 +134,8 @@ class LLMEngine:
             )
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
-            if params.grammar is not None:
-                seq.matcher = self.grammars.matcher(params.grammar)
+            if params.grammar is not None:  # compiled once per request, copied for the other choices
+                seq.matcher = self.grammars.matcher(params.grammar) if index == 0 else seqs[0].matcher.deep_copy()
             seqs.append(seq)
             if fork and index > 0:
                 seq.fork_parent = seqs[0]

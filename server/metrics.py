@@ -86,8 +86,9 @@ class ServingMetrics:
                                    "forced tool call).", ["constraint"], registry=r)
         self.tool_requests = Counter(f"{PREFIX}tool_requests", "Chat requests that offered tools, by tool_choice "
                                      "(auto, required, named).", ["tool_choice"], registry=r)
-        self.tool_calls = Counter(f"{PREFIX}tool_calls", "Tool calls parsed from outputs (parsed), and <tool_call> "
-                                  "blocks that did not parse and were left in the content (invalid).", ["outcome"],
+        self.tool_calls = Counter(f"{PREFIX}tool_calls", "Tool calls returned (parsed; a forced call cut by "
+                                  "max_tokens is returned as far as it got), and <tool_call> blocks that did not "
+                                  "parse and were left in the content (invalid).", ["outcome"],
                                   registry=r)
         for kind in CONSTRAINTS:
             self.constrained.labels(constraint=kind)

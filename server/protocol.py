@@ -137,8 +137,9 @@ class ChatCompletionRequest(_SamplingFields):
             choice = "named"
         return ToolUse(functions(self.tools), choice, named, self.parallel_tool_calls is not False)
 
-    def sampling_params(self, tool_call_token: int | None = None) -> SamplingParams:
-        """`tool_call_token`: the id of `<tool_call>` where the tokenizer has it as one token."""
+    def sampling_params(self, tools: ToolUse | None = None, tool_call_token: int | None = None) -> SamplingParams:
+        """`tools`: this request's `tool_use()`; `tool_call_token`: the id of `<tool_call>`
+        where the tokenizer has it as one token."""
         # both limits are checked, each under its own name, before the one that applies is taken
         for name in ("max_completion_tokens", "max_tokens"):
             value = getattr(self, name)
@@ -155,13 +156,12 @@ class ChatCompletionRequest(_SamplingFields):
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         params = self._sampling_params(max_tokens, top)
         params.grammar = self._grammar(self.response_format)
-        tool_use = self.tool_use()
-        if tool_use is not None and tool_use.forced:
+        if tools is not None and tools.forced:
             if params.grammar is not None:
                 raise InvalidParameter(params.grammar.param, f"{params.grammar.param} cannot be combined with a "
                                        "tool_choice that forces a tool call")
-            params.grammar = tool_use.grammar(tool_call_token)
-        if tool_use is not None and tool_call_token is not None:
+            params.grammar = tools.grammar(tool_call_token)
+        if tools is not None and tool_call_token is not None:
             params.skip_special_tokens = False  # the parser reads the <tool_call> tags
         return params
 

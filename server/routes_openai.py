@@ -76,7 +76,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     check_model(state.model_name, body.model)
     check_unsupported(body)
     tools = tool_use(body)
-    params = build_params(body, tool_call_token=state.tool_call_token)
+    params = build_params(body, tools=tools, tool_call_token=state.tool_call_token)
     prompt_ids = render_chat(state.tokenizer, body, tools=tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages")

@@ -175,7 +175,7 @@ class ToolCallParser:
         self._open: _OpenCall | None = None
         self._held_space = ""
         self.calls: list[ToolCall] = []
-        # <tool_call> blocks that did not parse as a call (left in the content, or cut short)
+        # <tool_call> blocks that did not parse as a call (left in the content)
         self.invalid_blocks = 0
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -245,7 +245,6 @@ class ToolCallParser:
         arguments are what was streamed, whole or as far as they got."""
         if not closed:
             body = _without_partial_close(body)
-        call = _parse_call(body.strip())
         opened, self._open = self._open, None
         if opened is None and self._stream_arguments:
             opened = self._start(body, deltas)  # all of it came at once
@@ -253,9 +252,7 @@ class ToolCallParser:
             arguments = _sendable_arguments(body[opened.arguments_start:])
             self._send(opened, arguments, deltas)
             self.calls.append(ToolCall(opened.name, arguments, opened.id))
-            if call is None or call.arguments != arguments:
-                self.invalid_blocks += 1
-        elif call is not None:
+        elif (call := _parse_call(body.strip())) is not None:
             deltas.append(ToolCallDelta(len(self.calls), call.arguments, call.id, call.name))
             self.calls.append(call)
         else:

@@ -56,6 +56,7 @@ def native_messages(messages: list[dict]) -> list[dict]:
 def fallback_messages(messages: list[dict], functions: list[dict] | None) -> list[dict]:
     """Messages for a template without a tool section, every turn plain text."""
     rendered: list[dict] = []
+    previous_role = None
     for message in messages:
         role = message["role"]
         if role == "assistant" and message.get("tool_calls"):
@@ -67,16 +68,14 @@ def fallback_messages(messages: list[dict], functions: list[dict] | None) -> lis
             rendered.append({"role": "assistant", "content": text})
         elif role == "tool":
             response = f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"
-            previous = rendered[-1] if rendered else None
-            if previous is not None and previous.get("tool_results"):
-                previous["content"] += "\n" + response  # several results answer one turn of calls
+            if previous_role == "tool":
+                rendered[-1]["content"] += "\n" + response  # several results answer one turn of calls
             else:
-                rendered.append({"role": "user", "content": response, "tool_results": True})
+                rendered.append({"role": "user", "content": response})
         else:
             rendered.append({"role": role, "content": message.get("content") or "",
                              **({"name": message["name"]} if "name" in message else {})})
-    for message in rendered:
-        message.pop("tool_results", None)
+        previous_role = role
     if functions:
         preamble = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False)
                                                           for t in openai_tools(functions)))
