@@ -19,7 +19,7 @@ import torch
 
 from bench.traces import synthetic_tokens
 from engine.model_runner import run_to_end
-from trainer.cache import EntryState, PreferenceLabel
+from trainer.entries import EntryState, PreferenceLabel
 
 PATHS = ("reuse", "recompute")
 

@@ -21,12 +21,13 @@ import time
 import torch
 
 from server.config import AlchemistConfig
+from engine.llm_engine import LLMEngine
 from engine.model_runner import run_to_end
 from trainer.adapter import lora_gradients
 from bench.report import pyplot, rel_diff, synchronized_clock, write_json
 from bench.training import Bench
 from bench.traces import synthetic_tokens
-from trainer.cache import EntryState
+from trainer.entries import EntryState
 
 POLICIES = {"keep": None, "offload": "load", "recompute": "recompute", "hedged": "hedged"}
 
@@ -77,16 +78,19 @@ class _OffloadBench(Bench):
 def recording_cost(bench: _OffloadBench, prompts: list[list[int]], repeats: int, copy_to_host: str) -> float:
     """A recorded prefill with the offloader taking its segments over one without, median
     of alternating pairs; copy_to_host "recording" copies each to the host pool as it comes."""
-    runner, ratios = bench.engine.runner, []
+    engine, ratios = bench.engine, []
+    # the same runner and hooks, but no offloader taking the recorded segments (run one at
+    # a time, the two engines never hold KV blocks at once)
+    plain = LLMEngine(engine.runner, engine.tokenizer, engine.config, dataclasses.replace(engine.hooks,
+                                                                                          segment_sink=None))
     bench.offloader.config = dataclasses.replace(bench.base_config, copy_to_host=copy_to_host)
     for r in range(repeats + 1):
         seconds = {}
         for with_offloader in ((True, False) if r % 2 else (False, True)):
-            runner.segment_sink = bench.offloader if with_offloader else None
             request_id = f"record-{with_offloader}-{r}-{time.monotonic_ns()}"
-            seconds[with_offloader] = bench.serve(prompts[r % len(prompts)], True, request_id)
+            seconds[with_offloader] = bench.serve(prompts[r % len(prompts)], True, request_id,
+                                                  engine=engine if with_offloader else plain)
             bench.trainer.cache.end(bench.trainer.cache.get(request_id), EntryState.DROPPED)
-        runner.segment_sink = bench.offloader
         if r:
             ratios.append(seconds[True] / seconds[False])
     bench.offloader.config = bench.base_config

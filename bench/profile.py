@@ -21,7 +21,7 @@ def run_profile(config, out: str, token_lengths: tuple[int, ...]) -> dict:
     from trainer.forward import recompute_segment
 
     model, tokenizer, name = load(config.model)
-    engine = LLMEngine(model, tokenizer, config)
+    engine = LLMEngine.for_model(model, tokenizer, config)
     attach_lora(engine.model, dataclasses.replace(config.train, mode="cpt"), True)
     lengths = tuple(t for t in token_lengths if t < config.model.max_model_len)
     print(f"profiling {name} on {engine.runner.device}: layer at {lengths} tokens, host<->device bandwidth",

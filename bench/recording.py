@@ -26,9 +26,9 @@ from engine.llm_engine import LLMEngine
 from engine.malloc_tuning import keep_freed_memory
 from engine.model_loader import load
 from engine.sampling_params import SamplingParams
-from server.build import build_trainer
+from server.build import build_training_engine
 from server.config import AlchemistConfig
-from trainer.cache import EntryState
+from trainer.entries import EntryState
 from trainer.config import TrainConfig
 from trainer.feedback import FeedbackLabel
 
@@ -56,11 +56,9 @@ def _first_token_seconds(engine: LLMEngine, request_id: str, prompt: list[int], 
 
 def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) -> dict:
     model, tokenizer, _ = load(config.model)
-    engine = LLMEngine(model, tokenizer, config)
-    trainer = build_trainer(engine, TrainConfig(mode="dpo"))
-    trainer.merge_all()
-    if case == "kept_cold":
-        trainer.warmer = engine.recorder.warmer = None
+    engine, trainer = build_training_engine(model, tokenizer, config, TrainConfig(mode="dpo"),
+                                            heap_warming=case != "kept_cold")
+    trainer.maintenance.merge_all()
     seconds = {True: [], False: []}
     for i in range(repeats + 2):  # the first two rounds warm up
         for recorded in ((True, False) if i % 2 else (False, True)):
@@ -70,7 +68,7 @@ def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) 
             if recorded and case == "freed":
                 trainer.cache.end(trainer.cache.get(request_id), EntryState.DROPPED)
             elif recorded and case in ("trained", "beside_decodes"):
-                trainer.submit_feedback(FeedbackLabel(request_id, "A short and friendly answer.", None, 0))
+                trainer.feedback.submit(FeedbackLabel(request_id, "A short and friendly answer.", None, 0))
             trainer.train_until_idle()  # the server's idle gap
             if i >= 2:
                 seconds[recorded].append(took)

@@ -66,11 +66,11 @@ def _adapter_engine(config: AlchemistConfig, tokenizer, variant: str) -> LLMEngi
     """variant: merged | lean | peft"""
     from trainer.config import TrainConfig
     from peft.tuners.lora.layer import Linear as LoraLinear
-    from server.build import build_trainer
+    from server.build import build_training_engine
 
     model, _, _ = load(config.model)
-    engine = LLMEngine(model, tokenizer, config)
-    trainer = build_trainer(engine, TrainConfig(mode="cpt", merged_serving=variant == "merged"))
+    engine, trainer = build_training_engine(model, tokenizer, config,
+                                            TrainConfig(mode="cpt", merged_serving=variant == "merged"))
     if variant == "peft":
         for module in trainer.peft_model.modules():
             if isinstance(module, LoraLinear):
@@ -111,11 +111,11 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     selected = {"engine", *paths} - (set() if on_cpu else {"engine_plain_linear"})
     hf_model = load(config.model)[0] if on_cpu and "hf_generate" in selected else model
     cb_model = load(config.model)[0] if "hf_generate_batch" in selected else None
-    engine = LLMEngine(model, tokenizer, config)
+    engine = LLMEngine.for_model(model, tokenizer, config)
     plain_engine = None
     if "engine_plain_linear" in selected:
         plain_config = dataclasses.replace(config, model=dataclasses.replace(config.model, packed_linear=False))
-        plain_engine = LLMEngine(load(config.model)[0], tokenizer, plain_config)
+        plain_engine = LLMEngine.for_model(load(config.model)[0], tokenizer, plain_config)
     prompts = chat_prompts(tokenizer, num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=2)

@@ -25,9 +25,9 @@ from server.config import AlchemistConfig
 def run_group_serving_bench(config: AlchemistConfig, n: int, prompt_tokens: int = 1000, max_tokens: int = 16,
                             repeats: int = 3, json_path: str | None = None) -> dict:
     model, tokenizer, name = load(config.model)
-    engine = LLMEngine(model, tokenizer, config)
+    engine = LLMEngine.for_model(model, tokenizer, config)
     plain_config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, fork_choices=False))
-    plain = LLMEngine(model, tokenizer, plain_config)  # the same weights: only the scheduling differs
+    plain = LLMEngine.for_model(model, tokenizer, plain_config)  # the same weights: only the scheduling differs
     prompt = synthetic_tokens(tokenizer, prompt_tokens, 0)
     group = SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=max_tokens, min_tokens=max_tokens)
     single = dataclasses.replace(group, n=1)

@@ -18,7 +18,7 @@ from bench.report import write_json
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load
 from engine.sampling_params import SamplingParams
-from server.build import build_trainer
+from server.build import build_training_engine
 from server.config import AlchemistConfig
 from trainer.config import TrainConfig
 
@@ -45,10 +45,10 @@ def learning_gain(config: AlchemistConfig, learning_rate: float, max_staleness: 
     """(gain in log p(fact | held-out prompt), entries trained by path)."""
     torch.manual_seed(0)
     model, tokenizer, _ = load(config.model)
-    engine = LLMEngine(model, tokenizer, config)
-    trainer = build_trainer(engine, TrainConfig(mode="cpt", learning_rate=learning_rate,
-                                                max_staleness=max_staleness,
-                                                entries_per_step=entries_per_step))
+    engine, trainer = build_training_engine(model, tokenizer, config,
+                                            TrainConfig(mode="cpt", learning_rate=learning_rate,
+                                                        max_staleness=max_staleness,
+                                                        entries_per_step=entries_per_step))
     fact = tokenizer(FACT, add_special_tokens=False)["input_ids"]
     held_out = _chat(tokenizer, HELD_OUT)
     before = _fact_logprob(engine, held_out, fact)

@@ -36,7 +36,7 @@ QUESTIONS = ["List facts about the Moon.", "Describe a city you like.", "Write n
 def run_structured_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens: int = 64, repeats: int = 3,
                          json_path: str | None = None) -> dict:
     model, tokenizer, name = load(config.model)
-    engine = LLMEngine(model, tokenizer, config)
+    engine = LLMEngine.for_model(model, tokenizer, config)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
                                              add_generation_prompt=True, tokenize=True, return_dict=False)
                for i in range(num_prompts)]

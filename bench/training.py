@@ -30,15 +30,15 @@ import torch
 
 from bench.report import pyplot, rel_diff, save_figure, synchronized_clock, write_json, write_profile
 from bench.traces import synthetic_tokens
-from engine.llm_engine import LLMEngine
 from engine.model_loader import load
 from engine.model_runner import run_to_end
 from engine.recording import SavedTensorTracker
+from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from server.build import build_trainer
+from server.build import build_training_engine
 from server.config import AlchemistConfig
 from trainer.adapter import lora_gradients, lora_parameters
-from trainer.cache import EntryState, PreferenceLabel
+from trainer.entries import EntryState, PreferenceLabel
 from trainer.config import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -50,10 +50,10 @@ class Bench:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=max_tokens + 64),
                                      scheduler=dataclasses.replace(config.scheduler,
                                                                    max_num_batched_tokens=max(max_tokens + 64, 2048)))
-        self.engine = LLMEngine(model, self.tokenizer, config)
         train = TrainConfig(mode=mode, cache_bytes=1 << 40, max_record_tokens=max_tokens + 64,
                             dpo_reference=config.train.dpo_reference, head_chunk_rows=config.train.head_chunk_rows)
-        self.trainer = build_trainer(self.engine, train, config.offload)
+        self.engine, self.trainer = build_training_engine(model, self.tokenizer, config, train,
+                                                          offload=config.offload)
         # B starts at zero in LoRA, which makes A's gradient zero; a small random B gives
         # every LoRA tensor a gradient to compare, and keeps the model near the base
         with torch.no_grad():
@@ -65,17 +65,19 @@ class Bench:
         self.context = self.trainer.context
 
     def serve(self, prompt: list[int], record: bool, request_id: str, tracker: SavedTensorTracker | None = None,
-              max_tokens: int = 1) -> float:
-        """Serves `prompt` (greedy, exactly `max_tokens` tokens); returns the prefill step's seconds."""
-        self.engine.runner.record_tracker = tracker
+              max_tokens: int = 1, engine: LLMEngine | None = None) -> float:
+        """Serves `prompt` (greedy, exactly `max_tokens` tokens) on `engine` (the bench's
+        by default); returns the prefill step's seconds."""
+        engine = engine or self.engine
+        engine.runner.record_tracker = tracker
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
-        self.engine.add_request(request_id, prompt, params, train=record)
+        engine.add_request(request_id, prompt, params, train=record)
         seconds = None
-        while self.engine.has_unfinished():
+        while engine.has_unfinished():
             started = synchronized_clock()
-            self.engine.step()
+            engine.step()
             seconds = seconds if seconds is not None else synchronized_clock() - started
-        self.engine.runner.record_tracker = None
+        engine.runner.record_tracker = None
         return seconds
 
     def make_stale(self):

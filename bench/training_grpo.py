@@ -28,7 +28,7 @@ from bench.training import Bench
 from engine.recording import SavedTensorTracker
 from engine.sampling_params import SamplingParams
 from server.config import AlchemistConfig
-from trainer.cache import EntryState, GroupEntry, GroupRewards
+from trainer.entries import EntryState, GroupEntry, GroupRewards
 
 PATHS = ("reuse", "batched", "one_row")
 
@@ -45,8 +45,7 @@ def serve_group(bench: Bench, prompt: list[int], group: int, response_tokens: in
     bench.engine.runner.record_tracker = None
     entry = bench.trainer.cache.get(request_id)
     rewards = random.Random(request_id).sample(range(1000), group)  # distinct: every sample has an advantage
-    entry.label = GroupRewards([float(r) for r in rewards])
-    entry.state = EntryState.READY
+    bench.trainer.cache.attach_label(entry, GroupRewards([float(r) for r in rewards]))
     return entry
 
 

@@ -51,17 +51,35 @@ class _Shutdown:
     pass
 
 
+class Wakeup:
+    """Wakes the bridge's loop from any thread: idle work became available (a reward
+    function's result). Made before the bridge, so that parts built earlier can hold it;
+    it does nothing until the bridge starts."""
+
+    def __init__(self):
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._notify = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop, notify) -> None:
+        self._loop, self._notify = loop, notify
+
+    def __call__(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._notify)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_hook: IdleHook | None = None):
+    def __init__(self, engine: LLMEngine, idle_hook: IdleHook | None = None, wakeup: Wakeup | None = None):
+        """`wakeup`: how other threads wake the loop (see `Wakeup`)."""
         self.engine = engine
         self.idle_hook = idle_hook
+        self.wakeup = wakeup or Wakeup()
         # seconds the engine had nothing runnable (spent in the idle hook or waiting)
         self.idle_seconds = 0.0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._inbox: collections.deque = collections.deque()
         self._wake: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, asyncio.Queue] = {}
         self._stopping = False
 
@@ -72,12 +90,13 @@ class AsyncEngine:
         if self._task is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-device")
             self._wake = asyncio.Event()
-            self._loop = asyncio.get_running_loop()
+            self.wakeup.bind(asyncio.get_running_loop(), self.notify)
             self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="alchemist-engine")
 
     async def stop(self) -> None:
         """Sends the shutdown message: the item in progress (a step or a slice) finishes,
-        a training job in progress is parked, and requests still running get an error."""
+        the idle hook runs no further slice (a training job in progress stays unfinished),
+        and requests still running get an error."""
         self._stopping = True
         self._send(_Shutdown())
         if self._task is not None:
@@ -99,9 +118,10 @@ class AsyncEngine:
     # -- requests (on the asyncio loop) -----------------------------------------------
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     train: bool = False) -> EngineRequest:
+                     train: bool = False, client_prompt: object = None) -> EngineRequest:
         """Validates a request (no tensor work); raises InvalidParameter."""
-        return self.engine.make_request(request_id, prompt_token_ids, params, time.monotonic(), train)
+        return self.engine.make_request(request_id, prompt_token_ids, params, time.monotonic(), train,
+                                        client_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs. Leaving the iteration early aborts it."""
@@ -122,7 +142,7 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self._send(_Abort(request.request_id))
+                self.abort(request.request_id)
             self._streams.pop(request.request_id, None)
 
     async def run_on_device(self, fn, *args):
@@ -133,17 +153,13 @@ class AsyncEngine:
         return await self.run(fn, *args)
 
     def abort(self, request_id: str) -> None:
+        """Stops a request at the next step boundary (its stream gets its final output)."""
         self._send(_Abort(request_id))
 
     def notify(self) -> None:
         """Wakes the loop: idle work may have become available (a label arrived)."""
         if self._wake is not None:
             self._wake.set()
-
-    def notify_threadsafe(self) -> None:
-        """`notify` from a thread other than the loop's (a reward function's result)."""
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self.notify)
 
     def _send(self, message) -> None:
         self._inbox.append(message)

@@ -32,10 +32,16 @@ class ModelConfig:
     # auto: the weights in the model directory; dummy: random weights from its config.json
     # (vLLM's --load-format dummy), for speed and memory figures on a real model's shape
     load_format: str = "auto"
+    # defaults for the sampling fields a request leaves out (vLLM's --generation-config):
+    # auto, the model's generation config (server/generation_config.py); vllm, OpenAI's
+    # (temperature 1, top_p 1); or a folder holding a generation_config.json
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"model.load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"model.generation_config must be auto, vllm or a folder; got {self.generation_config!r}")
 
 
 @dataclass(frozen=True)

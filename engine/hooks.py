@@ -1,17 +1,19 @@
 """The engine's seams: the small protocols through which other packages plug in.
 
 The engine imports nothing from `trainer/`, `offload/`, `server/` or `bench/`; the
-composition root (server/build.py) hands it objects that satisfy these protocols. All of
-them are called on the device thread, except `IdleHook`, which the async bridge calls on
-the asyncio loop and which sends its tensor work to the device thread through `DeviceGate`.
+composition root (server/build.py) hands it objects that satisfy these protocols, at
+construction: `EngineHooks` to `LLMEngine`, an `IdleHook` to `AsyncEngine`. All of them
+are called on the device thread, except `IdleHook`, which the async bridge calls on the
+asyncio loop and which sends its tensor work to the device thread through `DeviceGate`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, TypeVar
 
 from engine.outputs import RequestOutput, StepStats
-from engine.recording import RecordedPrefill, RecordSpec
+from engine.recording import RecordedPrefill, RecordSpec, SegmentSink
 
 T = TypeVar("T")
 
@@ -23,10 +25,12 @@ class PrefillRecorder(Protocol):
     # (their labels train by recomputation and use the served values)
     wants_served_logprobs: bool
 
-    def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1) -> RecordSpec | None:
+    def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,
+              client_prompt: object = None) -> RecordSpec | None:
         """Asked once per trainable request, when its prefill is about to be scheduled:
         how to record it, stamped with the adapter version serving runs under, or None.
-        `num_choices`: the request's n (its choices share the one recording)."""
+        `num_choices`: the request's n (its choices share the one recording);
+        `client_prompt`: the request's `EngineRequest.client_prompt`."""
         ...
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None: ...
@@ -34,10 +38,6 @@ class PrefillRecorder(Protocol):
 
 class StepMemoryGuard(Protocol):
     """Makes room on the device before each serving step (the activation offloader)."""
-
-    def admits(self, num_tokens: int) -> bool:
-        """Whether a recorded prefill of `num_tokens` fits the device budget now."""
-        ...
 
     def before_step(self, num_tokens: int, batch_size: int, recorded_tokens: int = 0) -> None: ...
 
@@ -50,6 +50,23 @@ class EngineObserver(Protocol):
     def on_step(self, stats: StepStats) -> None: ...
 
     def on_output(self, output: RequestOutput) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """What plugs into the engine; every field is optional (serving alone needs none)."""
+
+    # decides which prefills are recorded and receives the recordings (the trainer's recorder)
+    recorder: PrefillRecorder | None = None
+    # makes room on the device before each step (the activation offloader)
+    memory_guard: StepMemoryGuard | None = None
+    # receives each recorded layer segment as it completes (the activation offloader)
+    segment_sink: SegmentSink | None = None
+    # resolves weights changed since a recording was made (the trainer's weight stash;
+    # engine.recording.SavedTensorTracker.resolve_stale)
+    stale_resolver: Callable | None = None
+    # receive every step's stats and outputs (metrics, the recorder)
+    observers: tuple[EngineObserver, ...] = field(default_factory=tuple)
 
 
 class DeviceGate(Protocol):

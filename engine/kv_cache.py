@@ -155,6 +155,28 @@ class AttentionMetadata:
             self._masks[sliding_window] = allowed.unsqueeze(1)
         return self._masks[sliding_window]
 
+    @classmethod
+    def packed(cls, lengths: list[int], starts: list[int], device: torch.device,
+               slot_mapping: torch.Tensor | None = None, key_slots: torch.Tensor | None = None) -> AttentionMetadata:
+        """The one builder: B sequences packed along one axis, sequence b's queries being
+        positions starts[b] .. starts[b] + lengths[b] - 1 and its keys positions 0 .. that
+        end. `slot_mapping`, `key_slots` (host tensors): where a serving step's K/V live
+        in the pool; a training forward keeps its K/V itself and gives none."""
+        batch, q_max = len(lengths), max(lengths)
+        query_index = torch.zeros(batch, q_max, dtype=torch.long)
+        query_positions = torch.full((batch, q_max), -1, dtype=torch.long)
+        output_index = torch.empty(sum(lengths), dtype=torch.long)
+        offset = 0
+        for b, (n, start) in enumerate(zip(lengths, starts)):
+            query_index[b, :n] = torch.arange(offset, offset + n)
+            query_positions[b, :n] = torch.arange(start, start + n)
+            output_index[offset:offset + n] = torch.arange(b * q_max, b * q_max + n)
+            offset += n
+        return cls(query_index=query_index.to(device), output_index=output_index.to(device),
+                   query_positions=query_positions.to(device), num_keys=max(s + n for s, n in zip(starts, lengths)),
+                   slot_mapping=None if slot_mapping is None else slot_mapping.to(device),
+                   key_slots=None if key_slots is None else key_slots.to(device))
+
 
 class StepKV:
     """The `past_key_values` a decoder layer sees during one engine step: `update()`

@@ -18,7 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.hooks import EngineObserver, PrefillRecorder, StepMemoryGuard
+from engine.hooks import EngineHooks
 from engine.kv_cache import KVCacheSpec, blocks_needed
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
@@ -34,40 +34,52 @@ from engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
+def build_runner(model, tokenizer, config: EngineConfig) -> ModelRunner:
+    """The model's runner and its KV cache, sized by `config`: built before the engine,
+    since the parts plugged into the engine (the trainer, the offloader) run the model
+    through it first."""
+    max_model_len = config.model.max_model_len
+    dtype = next(model.parameters()).dtype
+    spec = KVCacheSpec.from_model_config(model.config, dtype, config.cache.block_size)
+    num_blocks = spec.num_blocks_for(config.cache.kv_cache_bytes)
+    min_blocks = blocks_needed(max_model_len, spec.block_size)
+    if num_blocks < min_blocks:
+        raise ValueError(
+            f"cache.kv_cache_bytes={config.cache.kv_cache_bytes} holds {num_blocks * spec.block_size} tokens "
+            f"({spec.bytes_per_token} bytes per token); max_model_len={max_model_len} needs at least "
+            f"{min_blocks * spec.block_size * spec.bytes_per_token} bytes")
+    runner = ModelRunner(model, spec, num_blocks, Sampler(_eos_token_ids(model, tokenizer)),
+                         packed_linear=config.model.packed_linear)
+    logger.info("KV cache: %d blocks x %d tokens, %d bytes per token, %.1f MiB", num_blocks,
+                spec.block_size, spec.bytes_per_token, runner.kv_cache.memory_bytes / 2**20)
+    return runner
+
+
 class LLMEngine:
-    def __init__(self, model, tokenizer, config: EngineConfig):
-        self.model = model
+    def __init__(self, runner: ModelRunner, tokenizer, config: EngineConfig, hooks: EngineHooks | None = None):
+        """`runner`: the model's (`build_runner`); `hooks`: the parts plugged in by the
+        composition root (server/build.py), when training is on (engine/hooks.py)."""
+        self.runner = runner
+        self.model = runner.model
         self.tokenizer = tokenizer
         self.config = config
+        self.hooks = hooks or EngineHooks()
         self.max_model_len = config.model.max_model_len
-        dtype = next(model.parameters()).dtype
-        spec = KVCacheSpec.from_model_config(model.config, dtype, config.cache.block_size)
-        num_blocks = spec.num_blocks_for(config.cache.kv_cache_bytes)
-        min_blocks = blocks_needed(self.max_model_len, spec.block_size)
-        if num_blocks < min_blocks:
-            raise ValueError(
-                f"cache.kv_cache_bytes={config.cache.kv_cache_bytes} holds {num_blocks * spec.block_size} tokens "
-                f"({spec.bytes_per_token} bytes per token); max_model_len={self.max_model_len} needs at least "
-                f"{min_blocks * spec.block_size * spec.bytes_per_token} bytes")
-        self.kv_spec = spec
-        self.eos_token_ids = _eos_token_ids(model, tokenizer)
-        self.vocab_size = model.config.vocab_size
-        self.runner = ModelRunner(model, spec, num_blocks, Sampler(self.eos_token_ids),
-                                  packed_linear=config.model.packed_linear)
-        self.scheduler = Scheduler(config.scheduler, num_blocks, spec.block_size, self._admit_recording)
+        self.kv_spec = runner.kv_cache.spec
+        self.eos_token_ids = runner.sampler.eos_token_ids
+        self.vocab_size = self.model.config.vocab_size
+        self.scheduler = Scheduler(config.scheduler, runner.kv_cache.num_blocks, self.kv_spec.block_size,
+                                   self._admit_recording)
         self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids)
         self._seq_ids = itertools.count()
-        # the parts plugged in by the composition root (server/build.py), when training is on:
-        # who decides and receives recordings, who makes room on the device before a step,
-        # and who receives every step's stats and outputs (on this thread)
-        self.recorder: PrefillRecorder | None = None
-        self.memory_guard: StepMemoryGuard | None = None
-        self.observers: list[EngineObserver] = []
         self._grammars: GrammarCompiler | None = None
-        # steps executed so far (the trainer tells from it that serving ran between its slices)
+        # steps executed so far
         self.num_steps = 0
-        logger.info("KV cache: %d blocks x %d tokens, %d bytes per token, %.1f MiB", num_blocks,
-                    spec.block_size, spec.bytes_per_token, self.runner.kv_cache.memory_bytes / 2**20)
+
+    @classmethod
+    def for_model(cls, model, tokenizer, config: EngineConfig, hooks: EngineHooks | None = None) -> LLMEngine:
+        """An engine on `model` with a runner of its own (serving without training)."""
+        return cls(build_runner(model, tokenizer, config), tokenizer, config, hooks)
 
     # -- requests ---------------------------------------------------------------------
 
@@ -99,14 +111,18 @@ class LLMEngine:
                 f"completion). Please reduce the length of the messages or completion.", "context_length_exceeded")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     arrival_time: float | None = None, train: bool = False) -> EngineRequest:
+                     arrival_time: float | None = None, train: bool = False,
+                     client_prompt: object = None) -> EngineRequest:
         """Validates a request (the only place it is validated); raises InvalidParameter
-        for one this engine can never serve. `train`: the client allows training on it.
-        Scoring requests (prompt logprobs, max_tokens 0) are never trained on."""
+        for one this engine can never serve. `train`: the client allows training on it;
+        `client_prompt`: its prompt as the client wrote it, for the recorder (a reward
+        function is shown it). Scoring requests (prompt logprobs, max_tokens 0) are never
+        trained on."""
         self._validate(prompt_token_ids, params)
         scoring = params.prompt_logprobs is not None or params.max_tokens == 0
         return EngineRequest(request_id, tuple(prompt_token_ids), params,
-                             time.monotonic() if arrival_time is None else arrival_time, train and not scoring)
+                             time.monotonic() if arrival_time is None else arrival_time, train and not scoring,
+                             client_prompt)
 
     def add(self, request: EngineRequest) -> None:
         """Queues a request made by `make_request`; it joins at the next step."""
@@ -131,6 +147,7 @@ class LLMEngine:
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.stop,
                                                    params.include_stop_str_in_output, params.skip_special_tokens),
                 awaits_admission=request.train and index == 0,  # choice 0's prefill may be recorded
+                client_prompt=request.client_prompt if request.train and index == 0 else None,
             )
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
@@ -153,11 +170,12 @@ class LLMEngine:
     def _admit_recording(self, seq: Sequence) -> RecordSpec | None:
         """Asks the recorder about a trainable request (its choice 0, before its prefill);
         its choices then track their served log-probs if the recording or label needs them."""
-        if self.recorder is None:
+        recorder = self.hooks.recorder
+        if recorder is None:
             return None
-        spec = self.recorder.admit(seq.request_id, seq.prompt_token_ids, seq.params.n)
+        spec = recorder.admit(seq.request_id, seq.prompt_token_ids, seq.params.n, seq.client_prompt)
         for member in (seq, *seq.fork_children):
-            member.track_logprob = spec is not None or self.recorder.wants_served_logprobs
+            member.track_logprob = spec is not None or recorder.wants_served_logprobs
         return spec
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -179,8 +197,7 @@ class LLMEngine:
         return len(self.outputs.requests)
 
     def cache_info(self) -> dict[str, str]:
-        return {"block_size": str(self.kv_spec.block_size), "num_blocks": str(self.runner.kv_cache.num_blocks),
-                "bytes_per_token": str(self.kv_spec.bytes_per_token), "dtype": str(self.kv_spec.dtype)}
+        return self.runner.cache_info()
 
     def request_ids(self) -> list[str]:
         return list(self.outputs.requests)
@@ -194,19 +211,20 @@ class LLMEngine:
         step_started = time.monotonic()
         if not scheduled.is_empty:
             self.num_steps += 1
-            if self.memory_guard is not None:
+            hooks = self.hooks
+            if hooks.memory_guard is not None:
                 recorded = scheduled.scheduled[0].num_new_tokens if scheduled.recorded else 0
-                self.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
+                hooks.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
             try:
-                model_output = self.runner.execute(scheduled)
+                model_output = self.runner.execute(scheduled, hooks.segment_sink, hooks.stale_resolver)
             finally:
-                if self.memory_guard is not None:
-                    self.memory_guard.after_step()
+                if hooks.memory_guard is not None:
+                    hooks.memory_guard.after_step()
             if scheduled.recorded:  # the recorded sequence is the step's first; decodes may follow it
                 recorded_seq = scheduled.scheduled[0].seq
                 recorded_seq.record = None
-                if model_output.recording is not None and self.recorder is not None:
-                    self.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
+                if model_output.recording is not None and hooks.recorder is not None:
+                    hooks.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
             touched |= self.outputs.update(scheduled, model_output, step_started)
         outputs = [out for rid in touched if (out := self.outputs.collect(rid)) is not None]
         stats = self._state(time.perf_counter() - started, scheduled.num_tokens, len(scheduled.preempted))
@@ -222,7 +240,7 @@ class LLMEngine:
         return StepStats(seconds, num_tokens, len(scheduler.running), waiting, scheduler.kv_usage, num_preempted)
 
     def _publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
-        for observer in self.observers:
+        for observer in self.hooks.observers:
             if stats is not None:
                 observer.on_step(stats)
             for output in outputs:

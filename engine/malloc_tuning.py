@@ -3,16 +3,15 @@ between training jobs (glibc).
 
 Recorded prefills and training jobs allocate hundreds of MB of activations of every
 size and free them soon after. With glibc's defaults, blocks above the (dynamic) mmap
-threshold are mapped fresh each time, so every recording pays first-touch page faults.
-Under autograd that made elementwise ops 5-8x slower than in inference in a profile of a
-300-token recorded prefill.
+threshold are mapped fresh each time, so every recording pays first-touch page faults
+(a profile of a recorded prefill showed its elementwise ops slowed by them).
   - `keep_freed_memory()` raises the mmap threshold to its maximum (32 MiB) and keeps up
-    to 1 GiB of freed heap. `alchemist bench training --mode dpo --tokens 512`: reuse
-    speedup 1.40x against 1.28x without it, recording overhead 1.17x against 1.23x.
-  - `return_freed_memory()` (`malloc_trim(0)`, 15-35 ms for 500 MB) gives free heap
-    pages back to the OS. The trainer calls it as an idle slice between jobs once 64 MiB
-    of activations have been released, so RSS follows the live activations
-    (`alchemist bench soak`).
+    to 1 GiB of freed heap (what it gains DPO training, `alchemist bench training --mode
+    dpo`, is measured in BENCHMARKS.md, History, "Production: soak", fix 4).
+  - `return_freed_memory()` (`malloc_trim(0)`) gives free heap pages back to the OS. The
+    trainer calls it as an idle slice between jobs once 64 MiB of activations have been
+    released, so RSS follows the live activations (`alchemist bench soak`; measured in
+    BENCHMARKS.md, "Co-location" and History, "Production: soak").
 Elsewhere than glibc both do nothing and return False.
 """
 
@@ -65,8 +64,9 @@ class HeapWarmer:
     `grow()` touches fresh heap pages a piece at a time and holds them; `release()` (just
     before a recording) frees them, so the recording's activations land on pages that no
     longer fault on first touch. A recording made while earlier ones are alive otherwise takes fresh
-    pages: 4.2x a plain 100-token prefill (`alchemist bench recording`). Needs
-    `keep_freed_memory()`; does nothing elsewhere than glibc."""
+    pages (`alchemist bench recording`, cases kept and kept_cold; measured in
+    BENCHMARKS.md, "Recording"). Needs `keep_freed_memory()`; does nothing elsewhere than
+    glibc."""
 
     def __init__(self, max_bytes: int = 512 << 20):
         self.max_bytes = max_bytes

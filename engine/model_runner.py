@@ -83,11 +83,6 @@ class ModelRunner:
         # when set, recorded prefills are measured by this tracker (benchmarks measure a
         # recording and the training on it together); otherwise each gets its own
         self.record_tracker: SavedTensorTracker | None = None
-        # when set (the trainer's weight stash), recordings resolve weights changed since
-        # they were recorded through it (SavedTensorTracker.resolve_stale)
-        self.stale_resolver = None
-        # when set (the offloader), receives each recorded layer segment as it completes
-        self.segment_sink: SegmentSink | None = None
 
     def _pack(self, step: SchedulerOutput) -> _PackedStep:
         ids: list[int] = []
@@ -110,21 +105,10 @@ class ModelRunner:
                 if targets:
                     prompt_rows.append((entry, [first_row + t - 1 - start for t in targets], targets))
         device = self.device
-        batch = len(query_rows)
-        q_max = max(len(r) for r in query_rows)
-        query_index = torch.zeros(batch, q_max, dtype=torch.long)
-        query_positions = torch.full((batch, q_max), -1, dtype=torch.long)
-        output_index = torch.empty(len(ids), dtype=torch.long)
-        context_lens = []
-        block_tables = []
-        for b, (rows, entry) in enumerate(zip(query_rows, step.scheduled)):
-            n = len(rows)
-            query_index[b, :n] = torch.tensor(rows)
-            query_positions[b, :n] = torch.tensor(positions[rows[0]:rows[0] + n])
-            output_index[rows[0]:rows[0] + n] = torch.arange(b * q_max, b * q_max + n)
-            context_lens.append(entry.seq.num_computed_tokens + n)
-            block_tables.append(entry.seq.block_ids)
-        max_ctx = max(context_lens)
+        lengths = [len(rows) for rows in query_rows]
+        starts = [entry.seq.num_computed_tokens for entry in step.scheduled]
+        block_tables = [entry.seq.block_ids for entry in step.scheduled]
+        max_ctx = max(s + n for s, n in zip(starts, lengths))
         max_blocks = max(len(t) for t in block_tables)
         table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
         key_pos = torch.arange(max_ctx)
@@ -135,13 +119,19 @@ class ModelRunner:
             row_pos = pos_tensor[rows[0]:rows[-1] + 1]
             slot_mapping[rows[0]:rows[-1] + 1] = table_row[row_pos // self.block_size] * self.block_size \
                 + row_pos % self.block_size
-        metadata = AttentionMetadata(
-            query_index=query_index.to(device), output_index=output_index.to(device),
-            query_positions=query_positions.to(device), num_keys=max_ctx,
-            slot_mapping=slot_mapping.to(device), key_slots=key_slots.to(device),
-        )
+        metadata = AttentionMetadata.packed(lengths, starts, device, slot_mapping, key_slots)
         return _PackedStep(torch.tensor(ids, device=device), pos_tensor.to(device), metadata,
                            sample_rows, sample_entries, prompt_rows)
+
+    def cache_info(self) -> dict[str, str]:
+        """The KV cache's shape, as vLLM's `cache_config_info` metric labels it."""
+        spec = self.kv_cache.spec
+        return {"block_size": str(spec.block_size), "num_blocks": str(self.kv_cache.num_blocks),
+                "bytes_per_token": str(spec.bytes_per_token), "dtype": str(spec.dtype)}
+
+    def attention_metadata(self, lengths: list[int], starts: list[int]) -> AttentionMetadata:
+        """Packed sequences' metadata for a forward outside a serving step (LayerwiseModel)."""
+        return AttentionMetadata.packed(lengths, starts, self.device)
 
     def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
                     leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
@@ -181,9 +171,13 @@ class ModelRunner:
         hidden = self.run_layers(hidden, packed.positions, packed.metadata, StepKV(self.kv_cache, packed.metadata))
         return self.norm(hidden)[0]
 
-    def execute(self, step: SchedulerOutput) -> ModelOutput:
+    def execute(self, step: SchedulerOutput, segment_sink: SegmentSink | None = None,
+                stale_resolver=None) -> ModelOutput:
+        """`segment_sink` receives a recorded prefill's layer segments as they complete
+        (the offloader); `stale_resolver` resolves weights changed since a recording was
+        made (SavedTensorTracker.resolve_stale)."""
         if step.recorded:
-            output = self._execute_recorded(step)
+            output = self._execute_recorded(step, segment_sink, stale_resolver)
         else:
             with torch.inference_mode():
                 output = self._execute(step)
@@ -202,15 +196,17 @@ class ModelRunner:
             for child, token in zip(fork.children, self.sampler.sample(rows, fork.children)):
                 output.sampled[child.seq_id] = token
 
-    def _execute_recorded(self, step: SchedulerOutput) -> ModelOutput:
+    def _execute_recorded(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
+                          stale_resolver) -> ModelOutput:
         """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only;
         base weights are frozen), kept as per-layer segments plus a head segment. The other
         sequences of the step (decodes) run after it in an inference-mode forward of their
         own: under autograd they rode along in the recorded graph, padded to the prompt's
-        length in attention (`alchemist bench recording`, case beside_decodes: 1.28x a
-        plain step that way, 1.16x this way)."""
+        length in attention (measured in BENCHMARKS.md, "Recording": `alchemist bench
+        recording`, case beside_decodes)."""
         recorded, others = step.scheduled[0], step.scheduled[1:]
-        output = self._record_prefill(SchedulerOutput([recorded], recorded=True, forks=step.forks))
+        output = self._record_prefill(SchedulerOutput([recorded], recorded=True, forks=step.forks), segment_sink,
+                                      stale_resolver)
         if others:
             with torch.inference_mode():
                 rest = self._execute(SchedulerOutput(others, forks=step.forks))
@@ -219,18 +215,19 @@ class ModelRunner:
             output.fork_logits.update(rest.fork_logits)
         return output
 
-    def _record_prefill(self, step: SchedulerOutput) -> ModelOutput:
+    def _record_prefill(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
+                        stale_resolver) -> ModelOutput:
         """`_execute_recorded` for a step of the recorded sequence alone."""
         packed = self._pack(step)
         seq = step.scheduled[0].seq
         num_prompt = step.scheduled[0].num_new_tokens
         tracker = self.record_tracker or SavedTensorTracker()
-        tracker.resolve_stale = self.stale_resolver
+        tracker.resolve_stale = stale_resolver
         bytes_before = tracker.live_bytes
         leaves: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         past = StepKV(self.kv_cache, packed.metadata, record=True)
-        placement = self.segment_sink.begin_recording(num_prompt) if self.segment_sink is not None else None
+        placement = segment_sink.begin_recording(num_prompt) if segment_sink is not None else None
         try:
             with torch.enable_grad(), tracker.hooks():
                 with torch.no_grad():

@@ -1,10 +1,10 @@
 """Linear layers that run inference through oneDNN with a prepacked weight on CPU.
 
-At decode batch sizes MKL's sgemm streams the weights at ~10 GB/s on this machine; oneDNN
-with the weight reordered once into its blocked layout reaches 2-5x that (measured per
-shape and row count while building this; `alchemist bench serving` compares the engine
-against plain Hugging Face end to end). The weights are frozen (only LoRA adapters
-train), so the packed copy also serves forwards that autograd records: a recorded
+At decode batch sizes MKL's sgemm is bound by streaming the weights; oneDNN with the
+weight reordered once into its blocked layout streams them faster (`alchemist bench
+serving` compares the engine with and without packing, and against plain Hugging Face,
+end to end: measured in BENCHMARKS.md, "Serving"). The weights are frozen (only LoRA
+adapters train), so the packed copy also serves forwards that autograd records: a recorded
 prefill or a training forward needs the gradient with respect to the input only, which
 `_PackedLinearFunction` computes as `grad @ W` from the original weight. A weight that
 itself requires grad goes through plain `F.linear`. If a weight is modified in place,

@@ -17,3 +17,6 @@ class EngineRequest:
     # the client allows training on it (whether its prefill is recorded is decided at
     # scheduling time, by the engine's PrefillRecorder)
     train: bool = False
+    # the prompt as the client wrote it (chat messages, or text), kept only when a reward
+    # function will be shown it; it travels to the recorder with the request
+    client_prompt: object = None

@@ -80,7 +80,6 @@ class Scheduler:
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -107,7 +106,6 @@ class Scheduler:
         self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         output.preempted.append(seq)
 

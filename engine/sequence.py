@@ -67,6 +67,8 @@ class Sequence:
     last_token_time: float | None = None
     # a trainable request's first choice, before the scheduler asked whether to record it
     awaits_admission: bool = False
+    # on that choice, the request's EngineRequest.client_prompt, handed to the recorder
+    client_prompt: object = None
     # set by the scheduler's admission when this prefill is to be recorded; cleared once done
     record: RecordSpec | None = None
     # record the raw log-prob of each sampled token: set for trainable requests when the

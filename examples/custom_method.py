@@ -10,7 +10,8 @@ Run it offline on the embedded model (or --model DIR, a ChatML-template model):
 
     .venv/bin/python examples/custom_method.py
 
-In a server: `build_trainer(engine, config.train, method=UserTurnCPT(tokenizer))`.
+In a server: `build_training(runner, tokenizer, max_model_len, config.train, method=UserTurnCPT(tokenizer))`
+(server/build.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.recording import RecordedPrefill  # noqa: E402
-from trainer.cache import CacheEntry  # noqa: E402
+from trainer.entries import CacheEntry  # noqa: E402
 from trainer.methods import CPTMethod, TrainContext  # noqa: E402
 
 
@@ -76,17 +77,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
 
-    from engine.llm_engine import LLMEngine
     from engine.model_loader import load_model
     from engine.sampling_params import SamplingParams
-    from server.build import build_trainer
+    from server.build import build_training_engine
     from server.config import load_config
     from trainer.config import TrainConfig
 
     config = load_config()
     model, tokenizer, _ = load_model(args.model)
-    engine = LLMEngine(model, tokenizer, config)
-    trainer = build_trainer(engine, TrainConfig(mode="cpt", learning_rate=3e-4), method=UserTurnCPT(tokenizer))
+    engine, trainer = build_training_engine(model, tokenizer, config, TrainConfig(mode="cpt", learning_rate=3e-4),
+                                            method=UserTurnCPT(tokenizer))
     fact = "My cat is called Bartholomew Whiskerton and he is seven years old."
     text = tokenizer.apply_chat_template([{"role": "user", "content": fact}], add_generation_prompt=True,
                                          tokenize=False)

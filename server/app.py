@@ -10,7 +10,7 @@ from fastapi.routing import APIRoute
 
 from server.errors import install_error_handlers
 from server.guards import GuardConfig, RequestGuard
-from server.openapi import openapi_document
+from server.openapi import Offered, openapi_document
 from server.routes_admin import admin_router
 from server.routes_openai import openai_router
 from server.routes_tokens import tokens_router
@@ -35,11 +35,21 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     def openapi() -> dict:
         if app.openapi_schema is None:
             app.openapi_schema = openapi_document(app.routes, app.title, app.version, state.engine.vocab_size,
-                                                  secured=bool(guard.api_key or guard.admin_key))
+                                                  offered(state), secured=bool(guard.api_key or guard.admin_key))
         return app.openapi_schema
 
     app.openapi = openapi
     return app
+
+
+def offered(state: ServerState) -> Offered:
+    """What this server's configuration takes, for its OpenAPI document."""
+    training = state.training
+    if training is None:  # feedback and rollback answer 400; an adapter only if one is served frozen
+        return Offered(feedback=None, rollback=False, adapters=state.served_adapter is not None)
+    method = training.method
+    return Offered(feedback=method.label_kind if method.uses_feedback else None,
+                   rollback=training.status().saves is not None, adapters=True)
 
 
 def _add_head_routes(router: APIRouter) -> None:

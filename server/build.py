@@ -1,13 +1,20 @@
 """The composition root: the one place that builds the engine, the trainer, the
 offloader and the arbiter, and connects them through their protocols (engine/hooks.py).
+Every part is handed its collaborators at construction; nothing is assigned into a built
+part. The order is forced by who runs the model first:
+
+    model ─▶ ModelRunner ─▶ LoRA (PEFT) ─▶ offloader, calibrated by running the model
+          ─▶ training parts (stash, cache, trainer, recorder, …) ─▶ LLMEngine(runner, hooks)
+          ─▶ Arbiter ─▶ AsyncEngine(engine, idle_hook=arbiter)
 
     LLMEngine ── recorder ─────▶ Recorder ──entries──▶ ActivationCache ◀── Trainer
-        │   ├── memory_guard ──▶ ActivationOffloader ◀── segment_sink (the runner)
+        │   ├── memory_guard, segment_sink ──▶ ActivationOffloader
+        │   ├── stale_resolver ──────────────▶ WeightStash
         │   └── observers ─────▶ ServingMetrics, Recorder       (on the device thread)
-    AsyncEngine ── idle_hook ──▶ Arbiter ──slices──▶ Trainer
+    AsyncEngine ── idle_hook ──▶ Arbiter ──items──▶ OnlineTraining (Maintenance, Trainer)
 
 Nothing else constructs or rewires another part; tests and benchmarks build through
-`build_trainer` and `build_stack` too.
+`build_training_engine` and `build_stack` too.
 """
 
 from __future__ import annotations
@@ -16,8 +23,12 @@ import functools
 import logging
 from dataclasses import dataclass
 
-from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
+from engine.async_engine import AsyncEngine, Wakeup
+from engine.config import EngineConfig
+from engine.hooks import EngineHooks, EngineObserver
+from engine.llm_engine import LLMEngine, build_runner
+from engine.model_runner import ModelRunner
+from engine.packed_linear import PackedLinear
 from engine.malloc_tuning import HeapWarmer
 from offload.build import build_offloader
 from offload.config import OffloadConfig
@@ -28,10 +39,14 @@ from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.arbiter import Arbiter
 from trainer.cache import ActivationCache
 from trainer.config import TrainConfig
+from trainer.feedback import FeedbackIntake
 from trainer.forward import recompute_segment
 from trainer.frozen import ServedAdapter, merge_frozen_adapter
 from trainer.grpo import GRPOMethod
-from trainer.methods import CPTMethod, DPOMethod, TrainingMethod
+from trainer.lifecycle import AdapterLifecycle
+from trainer.maintenance import Maintenance
+from trainer.methods import CPTMethod, DPOMethod, TrainContext, TrainingMethod
+from trainer.online import OnlineTraining
 from trainer.rewards import RewardScorer, load_reward_function
 from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
@@ -52,13 +67,20 @@ def default_method(config: TrainConfig) -> TrainingMethod:
     raise ValueError("the trainer needs train.mode cpt, dpo or grpo (or a custom method)")
 
 
-def build_trainer(engine: LLMEngine, config: TrainConfig, offload: OffloadConfig | None = None,
-                  method: TrainingMethod | None = None, init_lora_weights: bool | str = True) -> Trainer:
-    """Wraps the engine's model with LoRA and connects a trainer to the engine: the
+def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: TrainConfig,
+                   offload: OffloadConfig | None = None, method: TrainingMethod | None = None,
+                   init_lora_weights: bool | str = True, checkpointer: AdapterCheckpointer | None = None,
+                   wakeup: Wakeup | None = None, heap_warming: bool = True) -> OnlineTraining:
+    """Wraps the runner's model with LoRA and builds online training around it: the
     recorder decides and receives recordings, the offloader (with a device budget)
-    places them; `method` overrides the mode's (a custom method)."""
+    places them; `method` overrides the mode's (a custom method); `checkpointer` saves
+    versions (an adapter directory); `wakeup` wakes the serving loop when a reward
+    function's rewards arrive; `heap_warming`: pre-fault the heap for recordings (on the
+    CPU; a benchmark turns it off to measure what it saves). The engine is built after,
+    with `OnlineTraining.engine_hooks()`."""
     method = method or default_method(config)
-    peft_model = attach_lora(engine.model, config, init_lora_weights)
+    model = runner.model
+    peft_model = attach_lora(model, config, init_lora_weights)
     optimizer = AdapterOptimizer(lora_parameters(peft_model), config.learning_rate, config.max_grad_norm)
     cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s,
                             max_label_entries=config.max_label_entries)
@@ -67,31 +89,39 @@ def build_trainer(engine: LLMEngine, config: TrainConfig, offload: OffloadConfig
         merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack
     # them now rather than in the first recorded prefill
-    for module in engine.model.modules():
-        if hasattr(module, "ensure_packed"):
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
             module.ensure_packed()
     offloader = None
     if offload is not None and offload.device_budget_bytes > 0:  # calibrated on the serving path just built
-        offloader = build_offloader(engine.model, offload, engine.max_model_len,
-                                    functools.partial(recompute_segment, engine.runner))
+        offloader = build_offloader(model, offload, max_model_len, functools.partial(recompute_segment, runner))
         optimizer.zero_grad()  # calibration ran a backward
-        engine.runner.segment_sink = engine.memory_guard = offloader
     stash = WeightStash(peft_model)
-    engine.runner.stale_resolver = stash.resolve
     # recordings in host memory land on pre-faulted pages (engine/malloc_tuning.py)
-    warmer = HeapWarmer() if engine.runner.device.type == "cpu" else None
-    trainer = Trainer(config, method, engine.runner, peft_model, optimizer, cache, stats, engine.tokenizer,
-                      engine.max_model_len, lambda: engine.num_steps, offloader=offloader, stash=stash,
-                      warmer=warmer)
+    warmer = HeapWarmer() if heap_warming and runner.device.type == "cpu" else None
+    maintenance = Maintenance(cache, peft_model, config.merged_serving, stats, warmer)
+    lifecycle = AdapterLifecycle(peft_model, optimizer, cache, stash, maintenance, stats, method.name, checkpointer)
+    context = TrainContext(runner, peft_model, offloader, config.head_chunk_rows)
+    trainer = Trainer(config, method, context, optimizer, cache, stats, stash, lifecycle, offloader)
+    feedback = FeedbackIntake(method, cache, stats, tokenizer, max_model_len)
+    rewards = None
     if config.reward_function:
-        decode = functools.partial(engine.tokenizer.decode, skip_special_tokens=False)
-        trainer.rewards = RewardScorer(load_reward_function(config.reward_function), config.reward_timeout_s,
-                                       cache, stats, trainer.submit_feedback, decode)
-    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader, warmer,
-                        trainer.rewards)
-    engine.recorder = recorder
-    engine.observers.append(recorder)
-    return trainer
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+        rewards = RewardScorer(load_reward_function(config.reward_function), config.reward_timeout_s, cache, stats,
+                               feedback.submit, decode, wakeup or (lambda: None))
+    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader, warmer, rewards)
+    return OnlineTraining(config, method, peft_model, optimizer, cache, stats, stash, context, trainer, maintenance,
+                          lifecycle, feedback, recorder, offloader, rewards)
+
+
+def build_training_engine(model, tokenizer, config: EngineConfig, train: TrainConfig,
+                          observers: tuple[EngineObserver, ...] = (), **training_options
+                          ) -> tuple[LLMEngine, OnlineTraining]:
+    """The engine on `model` with online training plugged in (`build_training`'s options);
+    `observers` also receive the engine's outputs (metrics)."""
+    runner = build_runner(model, tokenizer, config)
+    training = build_training(runner, tokenizer, config.model.max_model_len, train, **training_options)
+    return LLMEngine(runner, tokenizer, config, training.engine_hooks(observers)), training
 
 
 @dataclass
@@ -103,7 +133,7 @@ class Stack:
     async_engine: AsyncEngine
     metrics: ServingMetrics
     # None when training is off
-    trainer: Trainer | None
+    training: OnlineTraining | None
     arbiter: Arbiter | None
     # the saved adapter served frozen (training off), if any
     served_adapter: ServedAdapter | None = None
@@ -118,22 +148,26 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
     elif config.adapter.lora_module:
         raise ValueError("adapter.lora_module (--lora-modules) serves an adapter frozen, with training off; "
                          "to train from a saved adapter, resume with --adapter-dir")
-    engine = LLMEngine(model, tokenizer, config)
-    metrics = ServingMetrics(name, engine.cache_info())
-    engine.observers.append(metrics)
-    trainer = arbiter = None
+    runner = build_runner(model, tokenizer, config)
+    metrics = ServingMetrics(name, runner.cache_info())
+    training = arbiter = None
+    wakeup = Wakeup()
+    hooks = EngineHooks(observers=(metrics,))
     if config.train.mode != "off":
-        trainer = build_trainer(engine, config.train, config.offload)
+        checkpointer = None
+        if config.adapter.dir:
+            checkpointer = AdapterCheckpointer(AdapterStore(config.adapter.dir, config.adapter.keep),
+                                               config.adapter.save_every)
+        training = build_training(runner, tokenizer, config.model.max_model_len, config.train, config.offload,
+                                  checkpointer=checkpointer, wakeup=wakeup)
+        training.lifecycle.start()  # resumes from the adapter directory, before serving starts
         logger.info("online training: %s, LoRA rank %d, learning rate %g", config.train.mode,
                     config.train.lora_rank, config.train.learning_rate)
-        if config.adapter.dir:
-            trainer.enable_checkpoints(AdapterCheckpointer(AdapterStore(config.adapter.dir, config.adapter.keep),
-                                                           config.adapter.save_every))
-        arbiter = Arbiter(trainer, config.arbiter)
-    async_engine = AsyncEngine(engine, idle_hook=arbiter)
-    if trainer is not None and trainer.rewards is not None:
-        trainer.rewards.on_scored = async_engine.notify_threadsafe
+        hooks = training.engine_hooks(hooks.observers)
+        arbiter = Arbiter(training, config.arbiter)
+    engine = LLMEngine(runner, tokenizer, config, hooks)
+    async_engine = AsyncEngine(engine, idle_hook=arbiter, wakeup=wakeup)
     metrics.add_engine(async_engine, arbiter, config.arbiter.policy)
-    if trainer is not None:
-        metrics.add_trainer(trainer)
-    return Stack(name, engine, async_engine, metrics, trainer, arbiter, served_adapter)
+    if training is not None:
+        metrics.add_trainer(training)
+    return Stack(name, engine, async_engine, metrics, training, arbiter, served_adapter)

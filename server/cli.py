@@ -22,6 +22,10 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", help="local tokenizer directory (default: the model's own)")
     parser.add_argument("--load-format", choices=["auto", "dummy"],
                         help="dummy: random weights from the model directory's config.json (benchmarks)")
+    parser.add_argument("--generation-config", metavar="{auto,vllm,FOLDER}",
+                        help="sampling defaults for what a request leaves out: auto, the model's generation config "
+                        "(default; the embedded model's: temperature 0.2, top_p 0.9); vllm, OpenAI's (temperature 1, "
+                        "top_p 1); or a folder holding a generation_config.json")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--max-model-len", type=int)
@@ -48,7 +52,8 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
     overrides = {
         "model": {"model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
                   "device": args.device, "max_model_len": args.max_model_len,
-                  "tokenizer": args.tokenizer, "load_format": args.load_format},
+                  "tokenizer": args.tokenizer, "load_format": args.load_format,
+                  "generation_config": args.generation_config},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None),

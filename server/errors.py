@@ -1,8 +1,9 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every failure.
 
 Every path out of the server that is not a success goes through here — validation
-errors become 400 (never FastAPI's 422), unknown routes 404, and an unexpected
-exception a 500 whose body still has OpenAI's shape.
+errors (pydantic's, and the engine's `InvalidParameter`) become 400 (never FastAPI's
+422), unknown routes 404, and an unexpected exception a 500 whose body still has
+OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.sampling_params import InvalidParameter
+from server.route_table import PLAIN_PATHS
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +86,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _api_error(_: Request, exc: APIError):
         return error_response(exc)
 
+    @app.exception_handler(InvalidParameter)
+    async def _invalid_parameter(_: Request, exc: InvalidParameter):
+        return error_response(APIError(400, str(exc), exc.param, exc.code))
+
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError):
         return error_response(validation_error(exc))
@@ -90,8 +98,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException):
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
-            message = "Not found: no such route. Routes: /v1/chat/completions, /v1/completions, /v1/models, " \
-                      "/v1/feedback, /v1/adapters, /v1/adapters/rollback, /tokenize, /detokenize, /health, /metrics."
+            message = f"Not found: no such route. Routes: {', '.join(PLAIN_PATHS)}."
         elif exc.status_code == 405:
             message = "Method not allowed for this route."
         response = error_response(APIError(exc.status_code, message))

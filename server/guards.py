@@ -21,13 +21,12 @@ import json
 from dataclasses import dataclass
 
 from server.errors import APIError, error_body
+from server.route_table import PLAIN_PATHS
 
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ADMIN_PREFIX = "/v1/adapters"
 # routes counted under their own label; anything else is counted as "other"
-KNOWN_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/feedback",
-                          "/v1/adapters", "/v1/adapters/rollback", "/health", "/metrics", "/tokenize",
-                          "/detokenize"})
+KNOWN_ROUTES = frozenset(PLAIN_PATHS)
 
 
 @dataclass(frozen=True)

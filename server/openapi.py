@@ -3,13 +3,16 @@ server/protocol.py, which the handlers parse by hand to keep OpenAI's error mess
 its response body (server/response_schemas.py), OpenAI's error body for each error
 status it can answer, streams as text/event-stream and `/metrics` as Prometheus text.
 
-`OPERATIONS` is the one table of what each route takes and gives; a route missing from
-it is an error when the document is built, so none goes undocumented.
+What each route takes and gives is server/route_table.py's; a route of the app missing
+from that table, or one in it that the app lacks, is an error when the document is
+built. The document describes this server as configured (`Offered`): a route that would
+refuse every valid request here is left out, and feedback shows the one label its
+training method takes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -17,6 +20,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from server import protocol, response_schemas as out
+from server.route_table import OPERATIONS, Operation
 
 _REASONS = {400: "Invalid request: OpenAI's error body names the parameter (`param`) and why (`code`).",
             401: "Missing or wrong API key (only when the server has one).",
@@ -28,47 +32,54 @@ _REASONS = {400: "Invalid request: OpenAI's error body names the parameter (`par
             503: "The engine is not running (shutting down, or failed): retry on another replica."}
 _COMMON_ERRORS = (401, 500)
 
+_FEEDBACK, _ADAPTERS, _ROLLBACK = ("post", "/v1/feedback"), ("get", "/v1/adapters"), ("post", "/v1/adapters/rollback")
+# the feedback body, by the label the training method takes (trainer/feedback.py)
+_FEEDBACK_BODIES = {"preference": ("A preference between responses of a served completion (DPO)",
+                                   protocol.PreferenceFeedback),
+                    "rewards": ("One reward per choice of a served group of samples (GRPO)",
+                                protocol.RewardsFeedback)}
+
 
 @dataclass(frozen=True)
-class Operation:
-    summary: str
-    response: type[BaseModel] | None  # None: Prometheus text
-    # the body's model, or the models of a body that takes one of several shapes
-    request: type[BaseModel] | tuple[type[BaseModel], ...] | None = None
-    errors: tuple[int, ...] = ()
-    streams: bool = False  # `"stream": true` answers text/event-stream
+class Offered:
+    """What this server's configuration lets a client do."""
+
+    # the label POST /v1/feedback takes ("preference" or "rewards"); None: it refuses every label
+    feedback: str | None
+    # adapters are saved (--adapter-dir), so POST /v1/adapters/rollback can make one live
+    rollback: bool
+    # there is an adapter for GET /v1/adapters to describe (trained, or served frozen)
+    adapters: bool
 
 
-_GENERATION_ERRORS = (400, 404, 413, 429, 503)
-OPERATIONS: dict[tuple[str, str], Operation] = {
-    ("get", "/health"): Operation("Liveness: 200 while the engine runs", out.Health, errors=(503,)),
-    ("get", "/metrics"): Operation("Prometheus metrics", None),
-    ("get", "/v1/models"): Operation("The served model", out.ModelList),
-    ("get", "/v1/models/{model_id}"): Operation("One model", out.ModelCard, errors=(404,)),
-    ("post", "/v1/chat/completions"): Operation("Chat completion (OpenAI's)", out.ChatCompletion,
-                                                protocol.ChatCompletionRequest, _GENERATION_ERRORS, streams=True),
-    ("post", "/v1/completions"): Operation("Text completion (OpenAI's)", out.Completion, protocol.CompletionRequest,
-                                           _GENERATION_ERRORS, streams=True),
-    ("post", "/v1/feedback"): Operation("A label for a served completion: preference or rewards",
-                                        out.FeedbackAccepted, protocol.FeedbackRequest, (400, 404, 409, 413)),
-    ("get", "/v1/adapters"): Operation("The live adapter and the saved versions", out.AdapterStatus, errors=(400,)),
-    ("post", "/v1/adapters/rollback"): Operation("Make a saved adapter version the live one", out.AdapterStatus,
-                                                 protocol.RollbackRequest, (400, 404, 409, 413, 503)),
-    ("post", "/tokenize"): Operation("Tokenize a prompt or chat messages (vLLM's)", out.TokenizeResponse,
-                                     (protocol.TokenizePromptRequest, protocol.TokenizeChatRequest), (400, 404, 413)),
-    ("post", "/detokenize"): Operation("Token ids back to text (vLLM's)", out.DetokenizeResponse,
-                                       protocol.DetokenizeRequest, (400, 404, 413)),
-}
+def served_operations(offered: Offered) -> dict[tuple[str, str], Operation]:
+    """The table's operations that can succeed on this server, feedback with its own body.
+    The others answer 400 to every valid request here: offering them would promise a
+    success the server never gives (schemathesis' positive_data_acceptance holds a
+    document to that)."""
+    operations = dict(OPERATIONS)
+    if offered.feedback is None:
+        del operations[_FEEDBACK]
+    else:
+        summary, body = _FEEDBACK_BODIES[offered.feedback]
+        operations[_FEEDBACK] = replace(operations[_FEEDBACK], summary=summary, request=body)
+    if not offered.adapters:
+        del operations[_ADAPTERS]
+    if not offered.rollback:
+        del operations[_ROLLBACK]
+    return operations
 
 
-def openapi_document(routes: list, title: str, version: str, vocab_size: int, secured: bool = False) -> dict:
-    """The document for `routes` (the app's); token ids are below `vocab_size`;
-    `secured`: `/v1/*` takes a bearer API key."""
+def openapi_document(routes: list, title: str, version: str, vocab_size: int, offered: Offered,
+                     secured: bool = False) -> dict:
+    """The document for `routes` (the app's) on a server that offers `offered`; token ids
+    are below `vocab_size`; `secured`: `/v1/*` takes a bearer API key."""
     document = get_openapi(title=title, version=version, routes=routes,
                            description="An OpenAI-compatible server that trains a LoRA adapter online on what "
                                        "it serves.")
-    requests = {model for op in OPERATIONS.values() for model in _request_models(op)}
-    responses = {op.response for op in OPERATIONS.values() if op.response} | {out.ErrorResponse}
+    served = served_operations(offered)
+    requests = {model for op in served.values() for model in _request_models(op)}
+    responses = {op.response for op in served.values() if op.response} | {out.ErrorResponse}
     by_name = lambda model: model.__name__  # noqa: E731 - a deterministic order
     _, definitions = models_json_schema([(m, "validation") for m in sorted(requests, key=by_name)]
                                         + [(m, "serialization") for m in sorted(responses, key=by_name)],
@@ -77,15 +88,19 @@ def openapi_document(routes: list, title: str, version: str, vocab_size: int, se
     components["schemas"] = _bound_token_ids(definitions.get("$defs", {}), vocab_size)
     if secured:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-    documented = set()
-    for path, methods in document["paths"].items():
-        for method, operation in methods.items():
-            spec = OPERATIONS.get((method, path))
-            if spec is None:
-                raise KeyError(f"{method.upper()} {path} is not in server/openapi.py's OPERATIONS")
-            documented.add((method, path))
-            methods[method] = _operation(operation, spec, secured and path.startswith("/v1/"))
-    missing = set(OPERATIONS) - documented
+    routed = set()
+    for path, methods in list(document["paths"].items()):
+        for method, operation in list(methods.items()):
+            if (method, path) not in OPERATIONS:
+                raise KeyError(f"{method.upper()} {path} is not in server/route_table.py's OPERATIONS")
+            routed.add((method, path))
+            if (method, path) in served:
+                methods[method] = _operation(operation, served[method, path], secured and path.startswith("/v1/"))
+            else:
+                del methods[method]
+        if not methods:
+            del document["paths"][path]
+    missing = set(OPERATIONS) - routed
     if missing:
         raise KeyError(f"OPERATIONS lists routes the app does not have: {sorted(missing)}")
     return document

@@ -1,6 +1,7 @@
 """From an HTTP body to engine requests: JSON parsing into the strict pydantic models
-(server/protocol.py), the model check, sampling parameters, the chat template, prompts,
-and the engine's validation, each failure an OpenAI-style `APIError`."""
+(server/protocol.py), the model check, the chat template, prompts, and the engine's
+validation. Each failure is an OpenAI-style `APIError`, or the engine's `InvalidParameter`,
+which server/errors.py answers as a 400."""
 
 from __future__ import annotations
 
@@ -43,28 +44,17 @@ def check_unsupported(body) -> None:
         raise APIError(400, "stream_options is only allowed when stream is true.", "stream_options")
 
 
-def build_params(body, **options) -> SamplingParams:
-    try:
-        return body.sampling_params(**options)
-    except InvalidParameter as exc:
-        raise APIError(400, str(exc), exc.param, exc.code) from None
-
-
 def make_request(async_engine, request_id: str, prompt_ids: list[int], params: SamplingParams, train: bool,
-                 prompt_param: str) -> EngineRequest:
-    """The engine's request, validated (once); `prompt_param` names the prompt's field."""
+                 prompt_param: str, client_prompt: object = None) -> EngineRequest:
+    """The engine's request, validated (once); `prompt_param` names the prompt's field,
+    which the engine's errors call `prompt`; `client_prompt`: the prompt as the client
+    wrote it, when a reward function will be shown it."""
     try:
-        return async_engine.make_request(request_id, prompt_ids, params, train)
+        return async_engine.make_request(request_id, prompt_ids, params, train, client_prompt)
     except InvalidParameter as exc:
-        param = prompt_param if exc.param in ("prompt", "messages") else exc.param
-        raise APIError(400, str(exc), param, exc.code) from None
-
-
-def tool_use(body) -> ToolUse | None:
-    try:
-        return body.tool_use()
-    except InvalidParameter as exc:
-        raise APIError(400, str(exc), exc.param, exc.code) from None
+        if exc.param in ("prompt", "messages"):
+            exc.param = prompt_param
+        raise
 
 
 def render_chat(tokenizer, body, add_generation_prompt: bool = True, tools: ToolUse | None = None) -> list[int]:

@@ -14,6 +14,7 @@ stop_token_ids, ...) are accepted under vLLM's names, and so are its structured 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter
@@ -80,8 +81,9 @@ class _SamplingFields(Strict):
                                    "send one")
         return asked[0][1]() if asked else None
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: for the sampling fields the body leaves out (server/generation_config.py)."""
         optional = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -98,7 +100,7 @@ class _SamplingFields(Strict):
             logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            **{k: v for k, v in optional.items() if v is not None},
+            **{**(defaults or {}), **{k: v for k, v in optional.items() if v is not None}},
         )
 
 
@@ -137,9 +139,10 @@ class ChatCompletionRequest(_SamplingFields):
             choice = "named"
         return ToolUse(functions(self.tools), choice, named, self.parallel_tool_calls is not False)
 
-    def sampling_params(self, tools: ToolUse | None = None, tool_call_token: int | None = None) -> SamplingParams:
+    def sampling_params(self, tools: ToolUse | None = None, tool_call_token: int | None = None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """`tools`: this request's `tool_use()`; `tool_call_token`: the id of `<tool_call>`
-        where the tokenizer has it as one token."""
+        where the tokenizer has it as one token; `defaults`: the model's sampling defaults."""
         # both limits are checked, each under its own name, before the one that applies is taken
         for name in ("max_completion_tokens", "max_tokens"):
             value = getattr(self, name)
@@ -154,7 +157,7 @@ class ChatCompletionRequest(_SamplingFields):
             top = self.top_logprobs or 0
         elif self.top_logprobs is not None:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
-        params = self._sampling_params(max_tokens, top)
+        params = self._sampling_params(max_tokens, top, defaults=defaults)
         params.grammar = self._grammar(self.response_format)
         if tools is not None and tools.forced:
             if params.grammar is not None:
@@ -174,24 +177,43 @@ class CompletionRequest(_SamplingFields):
     best_of: Int | None = None
     suffix: str | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        params = self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        params = self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, defaults)
         params.grammar = self._grammar()
         return params
 
 
-class FeedbackRequest(Strict):
-    """POST /v1/feedback: a label for a served completion — a preference (DPO: response
-    texts, or two of its choices by index) or one reward per choice (GRPO)."""
+Rewards = Annotated[list[float], Field(min_length=1)]
 
+
+class _FeedbackId(Strict):
     id: Annotated[str, Field(min_length=1)]
+
+
+class PreferenceFeedback(_FeedbackId):
+    """POST /v1/feedback on a server that trains on preferences (DPO): response texts, or
+    two of the completion's choices by index."""
+
     chosen: Annotated[str, Field(min_length=1)] | None = None
     rejected: Annotated[str, Field(min_length=1)] | None = None
     choice_index: Annotated[int, Field(ge=0), INTEGRAL] = 0
     chosen_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
     rejected_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
-    rewards: Annotated[list[float], Field(min_length=1)] | None = None
+
+
+class RewardsFeedback(_FeedbackId):
+    """POST /v1/feedback on a server that trains on groups (GRPO): one reward per choice."""
+
+    rewards: Rewards
+
+
+class FeedbackRequest(PreferenceFeedback):
+    """POST /v1/feedback as parsed on every server: either label, a preference or rewards;
+    the trainer refuses the kind its method does not take, naming the one it does. The
+    OpenAPI document shows the server's own kind (PreferenceFeedback or RewardsFeedback)."""
+
+    rewards: Rewards | None = None
 
     def label(self) -> FeedbackLabel:
         return FeedbackLabel(self.id, self.chosen, self.rejected, self.choice_index, self.chosen_index,

@@ -17,7 +17,7 @@ from engine.async_engine import EngineDeadError
 from server.errors import APIError, error_body
 from server.parsing import parse_body
 from server.protocol import FeedbackRequest, RollbackRequest
-from server.state import ServerState
+from server.state import ServerState, Training
 from trainer.adapter_store import AdapterLoadError
 from trainer.feedback import FeedbackOutcome
 from trainer.lifecycle import AdapterMismatchError
@@ -41,10 +41,11 @@ def admin_router(state: ServerState) -> APIRouter:
     @router.post("/v1/feedback")
     async def feedback(request: Request):
         body: FeedbackRequest = await parse_body(request, FeedbackRequest)
-        if state.trainer is None:
+        if state.training is None:
             raise APIError(400, "training is off on this server (start it with --train-mode dpo or grpo); "
                                 "feedback is not used", code="feedback_not_used")
-        result = state.trainer.submit_feedback(body.label())
+        # a label's texts are tokenized on a worker thread, never on the event loop
+        result = await asyncio.to_thread(state.training.feedback.submit, body.label())
         if not result.accepted:
             raise APIError(_FEEDBACK_STATUS[result.outcome], result.message, result.param, result.code)
         state.engine.notify()
@@ -54,7 +55,7 @@ def admin_router(state: ServerState) -> APIRouter:
 
     @router.get("/v1/adapters")
     async def adapters():
-        if state.trainer is None and state.served_adapter is not None:
+        if state.training is None and state.served_adapter is not None:
             adapter = state.served_adapter
             return {"object": "adapter", "version": adapter.version, "mode": "off", "frozen": True,
                     "path": adapter.path, "name": adapter.name or state.model_name}
@@ -63,18 +64,18 @@ def admin_router(state: ServerState) -> APIRouter:
     @router.post("/v1/adapters/rollback")
     async def rollback(request: Request):
         body: RollbackRequest = await parse_body(request, RollbackRequest)
-        trainer = saving_trainer(state)
+        training = saving_training(state)
         try:
-            snapshot = await asyncio.to_thread(trainer.load_saved, body.version)
+            snapshot = await asyncio.to_thread(training.lifecycle.load_saved, body.version)
         except AdapterLoadError as exc:
-            saved = [v.version for v in trainer.saved_versions()]
+            saved = [v.version for v in training.lifecycle.saved_versions()]
             if body.version not in saved:
                 raise APIError(404, f"adapter version {body.version} is not saved; saved versions: {saved}",
                                "version", "version_not_found") from None
             raise APIError(409, f"saved adapter version {body.version} cannot be loaded: {exc}", "version",
                            "version_unreadable") from None
         try:
-            await state.engine.run_on_device(trainer.rollback, snapshot)
+            await state.engine.run_on_device(training.rollback, snapshot)
         except AdapterMismatchError as exc:
             raise APIError(409, str(exc), "version", "version_incompatible") from None
         except EngineDeadError:
@@ -84,25 +85,25 @@ def admin_router(state: ServerState) -> APIRouter:
     return router
 
 
-def training_trainer(state: ServerState):
-    if state.trainer is None:
+def live_training(state: ServerState) -> Training:
+    if state.training is None:
         raise APIError(400, "training is off on this server, so there is no adapter (start it with "
-                            "--train-mode cpt|dpo)", code="adapters_not_used")
-    return state.trainer
+                            "--train-mode cpt|dpo|grpo)", code="adapters_not_used")
+    return state.training
 
 
-def saving_trainer(state: ServerState):
-    trainer = training_trainer(state)
-    if trainer.status().saves is None:
+def saving_training(state: ServerState) -> Training:
+    training = live_training(state)
+    if training.status().saves is None:
         raise APIError(400, "adapters are not saved on this server (start it with --adapter-dir DIR)",
                        code="adapter_dir_not_set")
-    return trainer
+    return training
 
 
 def adapter_status(state: ServerState) -> dict:
     """GET /v1/adapters: the live version, the saved ones, and the training counters."""
-    trainer = training_trainer(state)
-    status = trainer.status()
+    training = live_training(state)
+    status = training.status()
     stats, saves = status.training, status.saves
     loss = stats.last_loss
     return {
@@ -113,7 +114,7 @@ def adapter_status(state: ServerState) -> dict:
         "adapter_dir": saves.adapter_dir if saves else None,
         "save_every": saves.save_every if saves else None,
         "saved": [{"version": v.version, "path": str(v.path), "created": int(v.created)}
-                  for v in trainer.saved_versions()],
+                  for v in training.lifecycle.saved_versions()],
         "training": {
             "trained_entries": sum(stats.trained_entries.values()),
             "train_tokens": stats.train_tokens,

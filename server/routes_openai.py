@@ -14,8 +14,7 @@ from fastapi import APIRouter, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
 from server.errors import APIError
-from server.parsing import (build_params, check_model, check_unsupported, completion_prompts, make_request,
-                            parse_body, render_chat, tool_use)
+from server.parsing import check_model, check_unsupported, completion_prompts, make_request, parse_body, render_chat
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Choices, chat_completion, text_completion
 from server.streams import (STREAM_DRAIN_S, chat_events, completion_events, engine_stream, merge,
@@ -57,35 +56,31 @@ def openai_router(state: ServerState) -> APIRouter:
 
 def served_adapter_card(state: ServerState) -> dict | None:
     """Which adapter the served weights hold: the live, trained one, or one served frozen."""
-    if state.trainer is not None:
-        return {"version": state.trainer.status().adapter_version, "frozen": False}
+    if state.training is not None:
+        return {"version": state.training.status().adapter_version, "frozen": False}
     adapter = state.served_adapter
     if adapter is None:
         return None
     return {"version": adapter.version, "path": adapter.path, "frozen": True}
 
 
-def note_prompt(state: ServerState, request_id: str, prompt) -> None:
-    """Hands a request's prompt (messages or text) to the reward function, if one is set."""
-    if state.trainer is not None and state.trainer.rewards is not None:
-        state.trainer.rewards.note_prompt(request_id, prompt)
-
-
 async def serve_chat_completion(state: ServerState, request: Request):
     body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
     check_model(state.model_name, body.model)
     check_unsupported(body)
-    tools = tool_use(body)
-    params = build_params(body, tools=tools, tool_call_token=state.tool_call_token)
+    tools = body.tool_use()
+    params = body.sampling_params(tools=tools, tool_call_token=state.tool_call_token, defaults=state.sampling_defaults)
     prompt_ids = render_chat(state.tokenizer, body, tools=tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages")
+    client_prompt = [m.model_dump(exclude_none=True) for m in body.messages] if state.keeps_client_prompt else None
+    engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages",
+                                  client_prompt)
     state.metrics.count_constraints(params.grammar, tools)
-    note_prompt(state, request_id, [m.model_dump(exclude_none=True) for m in body.messages])
     stream = engine_stream(state.engine, engine_request)
     parsers = None
     if tools is not None:  # a forced call's layout is the grammar's, so its arguments can stream as decoded
-        parsers = [ToolCallParser(tools.forced, state.metrics.count_tool_calls) for _ in range(params.n)]
+        parsers = [ToolCallParser(tools.forced, state.metrics.count_tool_calls, tools.forced_names)
+                   for _ in range(params.n)]
     if body.stream:
         events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
                              body.stream_options, state.token_text, parsers)
@@ -110,16 +105,15 @@ async def serve_completion(state: ServerState, request: Request):
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
                        "best_of")
-    params = build_params(body)
+    params = body.sampling_params(defaults=state.sampling_defaults)
     prompts = completion_prompts(state.tokenizer, body.prompt)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     # with one prompt, the completion id is the training entry's id (for feedback)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-    engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt")
-                       for rid, (prompt_ids, _) in zip(ids, prompts)]
+    engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt",
+                                    text if state.keeps_client_prompt else None)
+                       for rid, (prompt_ids, text) in zip(ids, prompts)]
     state.metrics.count_constraints(params.grammar, None)
-    for rid, (prompt_ids, _) in zip(ids, prompts):
-        note_prompt(state, rid, state.tokenizer.decode(prompt_ids))
     streams = [engine_stream(state.engine, r) for r in engine_requests]
     if body.stream:
         events = completion_events(request_id, state.model_name, streams, prompts, params.n, body.echo,

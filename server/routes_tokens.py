@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from server.errors import APIError
-from server.parsing import check_model, parse_body, render_chat, tool_use
+from server.parsing import check_model, parse_body, render_chat
 from server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from server.state import ServerState
 
@@ -24,7 +24,7 @@ def tokens_router(state: ServerState) -> APIRouter:
         if body.model is not None:
             check_model(state.model_name, body.model)
         if isinstance(body, TokenizeChatRequest):
-            tokens = render_chat(state.tokenizer, body, body.add_generation_prompt, tool_use(body))
+            tokens = render_chat(state.tokenizer, body, body.add_generation_prompt, body.tool_use())
         else:
             tokens = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
         result = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}

@@ -20,6 +20,7 @@ from engine.model_loader import load
 from server.app import ServerState, build_app
 from server.build import build_stack
 from server.config import AlchemistConfig
+from server.generation_config import log_defaults, sampling_defaults
 from server.guards import GuardConfig
 
 logger = logging.getLogger(__name__)
@@ -27,13 +28,18 @@ logger = logging.getLogger(__name__)
 
 def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name: str | None = None) -> FastAPI:
     """The app for `config`; pass `model` and `tokenizer` to serve an in-memory model."""
+    embedded = model is None and not config.model.model
     if model is None:
         model, tokenizer, model_name = load(config.model)
+    setting = config.model.generation_config
+    defaults = sampling_defaults(setting, model, embedded)
+    log_defaults(defaults, setting)
     name = config.model.served_model_name or model_name or "model"
     stack = build_stack(config, model, tokenizer, name)
-    async_engine, trainer, name = stack.async_engine, stack.trainer, stack.name
-    state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, trainer,
-                        stack.served_adapter)
+    async_engine, training, name = stack.async_engine, stack.training, stack.name
+    state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, training,
+                        stack.served_adapter, keeps_client_prompt=training is not None and training.rewards is not None,
+                        sampling_defaults=defaults)
     server = config.server
     app = build_app(state, GuardConfig(server.api_key, server.admin_key,
                                        config.scheduler.max_num_seqs + server.max_queued_requests,
@@ -46,8 +52,8 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
                     config.scheduler.max_num_seqs)
         yield
         await async_engine.stop()
-        if trainer is not None:
-            await asyncio.to_thread(trainer.close)  # the final adapter version, when saving is on
+        if training is not None:
+            await asyncio.to_thread(training.close)  # the final adapter version, when saving is on
         logger.info("shutdown complete")
 
     app.router.lifespan_context = lifespan

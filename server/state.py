@@ -1,14 +1,51 @@
 """What the routes share: the async engine, the tokenizer, the served model's name and
-limits, the metrics, and the trainer (None when training is off)."""
+limits, the metrics, and online training (None when training is off), typed by what the
+routes use of it."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.async_engine import AsyncEngine
 from server.metrics import ServingMetrics
 from server.tool_calls import TOOL_CALL_OPEN
+from trainer.adapter_store import AdapterSnapshot, SavedVersion
+from trainer.feedback import FeedbackLabel, FeedbackResult
+from trainer.frozen import ServedAdapter
+from trainer.methods import TrainingMethod
+from trainer.status import TrainerStatus
+
+
+class FeedbackSink(Protocol):
+    def submit(self, label: FeedbackLabel) -> FeedbackResult:
+        """Attaches a label to its completion's entry (blocking: call on a worker thread)."""
+        ...
+
+
+class SavedAdapters(Protocol):
+    def saved_versions(self) -> list[SavedVersion]: ...
+
+    def load_saved(self, version: int) -> AdapterSnapshot:
+        """Disk I/O: call on a worker thread; raises AdapterLoadError."""
+        ...
+
+
+class Training(Protocol):
+    """What the routes use of online training (trainer/online.py)."""
+
+    method: TrainingMethod
+    feedback: FeedbackSink
+    lifecycle: SavedAdapters
+
+    def status(self) -> TrainerStatus: ...
+
+    def rollback(self, snapshot: AdapterSnapshot) -> int:
+        """On the device thread (`AsyncEngine.run_on_device`)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -18,10 +55,14 @@ class ServerState:
     model_name: str
     max_model_len: int
     metrics: ServingMetrics
-    # the online trainer, when training is on
-    trainer: object | None = None
+    # online training, when it is on
+    training: Training | None = None
     # the saved adapter served frozen, when training is off (trainer/frozen.py)
-    served_adapter: object | None = None
+    served_adapter: ServedAdapter | None = None
+    # a reward function will be shown each request's prompt as the client wrote it
+    keeps_client_prompt: bool = False
+    # the sampling fields a request leaves out take these values (server/generation_config.py)
+    sampling_defaults: dict = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
     # `<tool_call>` as one special token (Qwen's), or None where the tokenizer spells it in text

@@ -86,6 +86,13 @@ class ToolUse:
     def forced(self) -> bool:
         return self.choice in ("required", "named")
 
+    @property
+    def forced_names(self) -> tuple[str, ...]:
+        """The functions a forced call may name (none unless a call is forced)."""
+        if not self.forced:
+            return ()
+        return tuple(f["name"] for f in self.functions if self.choice == "required" or f["name"] == self.named)
+
     def grammar(self, open_token_id: int | None = None) -> Grammar | None:
         """For a forced choice, calls and nothing else, each valid against its function's
         parameters; `open_token_id`: `<tool_call>` is this one special token (as in Qwen)."""
@@ -108,6 +115,8 @@ def _call_schema(function: dict) -> dict:
 
 # a call's body in the layout the fallback prompt and the forced grammar write
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+# the name in a body cut before its arguments: as much of it as was written, and its closing quote if written
+_CUT_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]*)(")?')
 
 
 def _parse_call(body: str) -> ToolCall | None:
@@ -161,14 +170,20 @@ class ToolCallParser:
     arrives, or, with `stream_arguments` (forced calls, whose layout the grammar fixes),
     as soon as its name is decoded and then argument by argument; a call left open when
     the output ends is parsed at `finish` (a streamed one is then handed out as far as it
-    got, as OpenAI does when `max_tokens` cuts a call). `finish` calls `on_finish` with the
-    parser, e.g. to count its calls. Whitespace is handed out only once text follows it,
-    so the blank lines around calls are not content. Feeding the whole text at once gives
-    what streaming it gives: `calls` and the concatenated deltas are the same.
+    got, as OpenAI does when `max_tokens` cuts a call). `forced_names`: the output is a
+    forced call's (its grammar wrote every character), naming one of these functions; none
+    of it is content, and a call cut before its arguments began is still handed out, with
+    empty arguments, once its name is certain (always, for a named `tool_choice`).
+    `finish` calls `on_finish` with the parser, e.g. to count its calls. Whitespace is
+    handed out only once text follows it, so the blank lines around calls are not content.
+    Feeding the whole text at once gives what streaming it gives: `calls` and the
+    concatenated deltas are the same.
     """
 
-    def __init__(self, stream_arguments: bool = False, on_finish: Callable[[ToolCallParser], None] | None = None):
-        self._stream_arguments = stream_arguments
+    def __init__(self, stream_arguments: bool = False, on_finish: Callable[[ToolCallParser], None] | None = None,
+                 forced_names: tuple[str, ...] = ()):
+        self._forced_names = tuple(forced_names)
+        self._stream_arguments = stream_arguments or bool(self._forced_names)
         self._on_finish = on_finish
         self._pending = ""
         self._inside = False
@@ -210,6 +225,8 @@ class ToolCallParser:
         deltas: list[ToolCallDelta] = []
         if self._inside:
             self._close(self._pending, False, content, deltas)
+        elif self._forced_names and self._pending.strip():  # a forced call cut inside its opening tag
+            self._close("", False, content, deltas)
         else:
             content.append(self._text(self._pending))
         self._pending, self._inside = "", False
@@ -248,6 +265,12 @@ class ToolCallParser:
         opened, self._open = self._open, None
         if opened is None and self._stream_arguments:
             opened = self._start(body, deltas)  # all of it came at once
+        if opened is None and not closed and self._forced_names:
+            name = self._cut_name(body)
+            if name is None:
+                return  # cut before its name was certain: no call, and no text (the grammar wrote it)
+            opened = _OpenCall(new_call_id(), name, len(body))
+            deltas.append(ToolCallDelta(len(self.calls), "", opened.id, opened.name))
         if opened is not None:
             arguments = _sendable_arguments(body[opened.arguments_start:])
             self._send(opened, arguments, deltas)
@@ -258,6 +281,16 @@ class ToolCallParser:
         else:
             self.invalid_blocks += 1
             content.append(self._text(TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else "")))
+
+    def _cut_name(self, body: str) -> str | None:
+        """The function a forced call cut before its arguments names: the one offered
+        name that what was written of the name begins (or equals, once closed), if one."""
+        written = _CUT_NAME.match(body)
+        names = self._forced_names
+        if written is not None:
+            prefix, closed = written.group(1), written.group(2) is not None
+            names = tuple(n for n in names if (n == prefix if closed else n.startswith(prefix)))
+        return names[0] if len(names) == 1 else None
 
     def _text(self, text: str) -> str:
         """`text` preceded by the whitespace held so far, minus its own trailing whitespace (held)."""

@@ -13,7 +13,8 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 
 from offload.config import OffloadConfig
 from engine.llm_engine import LLMEngine
-from server.build import build_trainer
+from engine.hooks import EngineHooks
+from server.build import build_training_engine
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -38,8 +39,10 @@ def make_config(max_model_len: int = 256, block_size: int = 4, kv_cache_bytes: i
     )
 
 
-def make_engine(family: str = "llama", **config_kwargs) -> LLMEngine:
-    return LLMEngine(tiny_model(family), tiny_tokenizer(), make_config(**config_kwargs))
+def make_engine(family: str = "llama", observers: tuple = (), **config_kwargs) -> LLMEngine:
+    """A tiny engine; `observers` receive its steps and outputs."""
+    return LLMEngine.for_model(tiny_model(family), tiny_tokenizer(), make_config(**config_kwargs),
+                               EngineHooks(observers=tuple(observers)))
 
 
 @pytest.fixture
@@ -55,11 +58,13 @@ def encode(text: str) -> list[int]:
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def trainer_on(engine: LLMEngine, config, **kwargs):
-    """`build_trainer(engine, config, …)`, remembering the engine for `engine_of`."""
-    trainer = build_trainer(engine, config, **kwargs)
-    _ENGINES[trainer] = engine
-    return trainer
+def make_training(config, family: str = "llama", offload: OffloadConfig | None = None, **training_options):
+    """A tiny engine with online training (`build_training_engine`); the training's
+    engine is remembered for `engine_of`."""
+    engine, training = build_training_engine(tiny_model(family), tiny_tokenizer(), make_config(offload=offload),
+                                             config, offload=offload, **training_options)
+    _ENGINES[training] = engine
+    return training
 
 
 def engine_of(trainer) -> LLMEngine:

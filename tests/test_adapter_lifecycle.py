@@ -51,7 +51,7 @@ def test_restart_resumes_the_version_and_the_saved_adapter_loads_in_peft(tmp_pat
         serve_and_train(client, [f"prompt number {i} about cats" for i in range(3)])
         reference = complete(client)
         state = client.app.state.alchemist
-        live = {k: v.detach().clone() for k, v in state.trainer.peft_model.named_parameters() if "lora_" in k}
+        live = {k: v.detach().clone() for k, v in state.training.peft_model.named_parameters() if "lora_" in k}
     # shutdown saved the final version (3), beside the periodic one (2) and the initial one (0)
     assert [v.version for v in AdapterStore(tmp_path).versions()] == [0, 2, 3]
 
@@ -59,7 +59,7 @@ def test_restart_resumes_the_version_and_the_saved_adapter_loads_in_peft(tmp_pat
         status = client.get("/v1/adapters").json()
         assert status["version"] == 3 and status["restored_from"] == 3
         assert complete(client) == reference  # the same adapter serves the same tokens
-        resumed = client.app.state.alchemist.trainer
+        resumed = client.app.state.alchemist.training
         assert resumed.optimizer.optimizer.state  # AdamW's moments came back too
         serve_and_train(client, ["one more prompt"])
         assert client.get("/v1/adapters").json()["version"] == 4
@@ -86,7 +86,7 @@ def test_rollback_restores_a_saved_version_as_a_new_version(tmp_path):
         status = r.json()
         assert status["version"] == 4 and status["restored_from"] == 1
         assert complete(client) == at_v1
-        client.app.state.alchemist.trainer.checkpointer.wait()
+        client.app.state.alchemist.training.lifecycle.checkpointer.wait()
         saved = [v["version"] for v in client.get("/v1/adapters").json()["saved"]]
         assert saved == [0, 1, 2, 3, 4]  # the rolled-back adapter is saved as version 4
 
@@ -141,6 +141,7 @@ _SAVE_LOOP = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # four processes, each saving until it is killed
 def test_sigkill_mid_save_never_leaves_a_version_that_fails_to_load(tmp_path):
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     rng = random.Random(0)
@@ -172,13 +173,13 @@ def test_rollback_in_the_middle_of_a_job_requeues_its_entry_on_the_recompute_pat
     trainer = make_trainer()
     serve(trainer, "a")
     trainer.train_until_idle()
-    snapshot_v1 = trainer.snapshot()
+    snapshot_v1 = trainer.lifecycle.snapshot()
     serve(trainer, "b", prompt="Hello, how are you today? I am fine.")
     for _ in range(3):  # the job for "b" is under way
         assert trainer.run_slice()
-    assert trainer._job is not None
+    assert trainer.trainer.in_job()
     assert trainer.rollback(snapshot_v1) == 2
-    assert trainer._job is None and trainer.cache.get("b").state.value == "ready"
+    assert not trainer.trainer.in_job() and trainer.cache.get("b").state.value == "ready"
     assert all(p.grad is None for p in trainer.optimizer.params)  # the half-done job's gradients are gone
     live = get_peft_model_state_dict(trainer.peft_model)
     for name, tensor in snapshot_v1.weights.items():

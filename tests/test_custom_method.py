@@ -8,10 +8,10 @@ from trainer.config import TrainConfig
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
 from tests.test_training import PROMPT, relative_difference
-from tests.conftest import make_engine, trainer_on
+from tests.conftest import engine_of, make_training
 from tests.tiny import tiny_tokenizer
 from trainer.adapter import lora_gradients
-from trainer.cache import EntryState
+from trainer.entries import EntryState
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_method.py"
 
@@ -38,9 +38,9 @@ def test_user_turn_mask_marks_only_the_users_words():
 def test_custom_method_trains_with_equal_gradients_on_both_paths():
     example = load_example()
     tok = tiny_tokenizer()
-    engine = make_engine()
-    trainer = trainer_on(engine, TrainConfig(mode="cpt", lora_rank=4), method=example.UserTurnCPT(tok),
-                      init_lora_weights=False)
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4), method=example.UserTurnCPT(tok),
+                            init_lora_weights=False)
+    engine = engine_of(trainer)
     chat = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False)
     ids = tok(chat, add_special_tokens=False)["input_ids"]
     engine.add_request("a", ids, SamplingParams(max_tokens=3), train=True)

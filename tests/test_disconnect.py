@@ -1,4 +1,5 @@
-"""A client that goes away stops its request at once (real HTTP, tiny model)."""
+"""A client that goes away stops its request at once (real HTTP, tiny model): long before
+it would have finished, counted in engine steps, not in seconds (CI machines are slow)."""
 
 import socket
 
@@ -18,14 +19,15 @@ def test_streaming_client_disconnect_aborts_the_request():
     app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20)
     engine = engine_of(app)
     with ServerThread(app) as server:
-        with httpx.Client(base_url=server.url, timeout=30) as client:
+        with httpx.Client(base_url=server.url, timeout=300) as client:
             with client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as r:
                 for line in r.iter_lines():
                     if '"content"' in line and '""' not in line:
                         break
                 assert engine.engine.num_requests == 1
-        waited = wait_for(lambda: engine.engine.num_requests == 0, timeout=2.0)
-    assert waited < 2.0
+                steps_before = engine.engine.num_steps
+        wait_for(lambda: engine.engine.num_requests == 0)
+        assert engine.engine.num_steps - steps_before < 2900  # stopped long before max_tokens
 
 
 def test_non_streaming_client_disconnect_aborts_the_request():
@@ -36,8 +38,8 @@ def test_non_streaming_client_disconnect_aborts_the_request():
         sock = socket.create_connection(("127.0.0.1", server.port))
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        wait_for(lambda: engine.engine.num_requests == 1, timeout=5.0)
+        wait_for(lambda: engine.engine.num_requests == 1)
         steps_before = engine.engine.num_steps
         sock.close()
-        wait_for(lambda: engine.engine.num_requests == 0, timeout=2.0)
+        wait_for(lambda: engine.engine.num_requests == 0)
         assert engine.engine.num_steps - steps_before < 2900  # stopped long before max_tokens

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tests.conftest import make_engine, trainer_on
+from tests.conftest import make_training
 from tests.test_stash import stale_and_fresh_gradients
 from tests.test_training import gradients_of, label, relative_difference, serve
 from trainer.config import TrainConfig
@@ -18,7 +18,7 @@ def dpo_trainer(reference: str, zero_adapter: bool = False, **train_kwargs):
     torch.manual_seed(0)
     config = TrainConfig(mode="dpo", lora_rank=4, dpo_reference=reference, **train_kwargs)
     # a zero adapter (B = 0, PEFT's default) makes the policy equal the base model
-    return trainer_on(make_engine(), config, init_lora_weights=zero_adapter)
+    return make_training(config, init_lora_weights=zero_adapter)
 
 
 def labelled_entry(trainer, both_given: bool):
@@ -69,7 +69,7 @@ def test_served_reference_is_the_base_reference_while_the_adapter_is_zero(zero_a
 def test_stale_recording_with_served_reference_trains_as_under_its_version():
     torch.manual_seed(0)
     config = TrainConfig(mode="dpo", lora_rank=4, learning_rate=1e-2, max_staleness=4, dpo_reference="served")
-    trainer = trainer_on(make_engine(), config, init_lora_weights=False)
+    trainer = make_training(config, init_lora_weights=False)
     stale, fresh, current = stale_and_fresh_gradients(trainer, "dpo", 2)
     assert relative_difference(stale, fresh) <= 1e-5
     assert relative_difference(current, fresh) > 1e-3

@@ -47,6 +47,15 @@ def test_sdk_chat_streaming_and_completions(client):
     assert lp.token_logprobs[0] is None and all(v < 0 for v in lp.token_logprobs[1:])
 
 
+def test_the_quick_start_question_without_a_temperature_gets_a_sensible_answer(client):
+    """The README's first request leaves temperature out: the embedded model's defaults
+    (its model card's temperature 0.2, top_p 0.9) apply, not OpenAI's temperature 1."""
+    for seed in range(3):
+        reply = client.chat.completions.create(model=MODEL, max_tokens=20, seed=seed, messages=[
+            {"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in reply.choices[0].message.content, reply.choices[0].message.content
+
+
 def test_sdk_errors_are_typed(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=9)

@@ -48,7 +48,7 @@ def test_dpo_feedback_is_trained_on():
         assert r.status_code == 200, r.text
         example = load_example()
         import time
-        deadline = time.time() + 120
+        deadline = time.time() + 600  # generous: a loaded CI machine is slow
         while example.get_metric(url, "alchemist:adapter_version") < 1:
             assert time.time() < deadline
             time.sleep(0.1)
@@ -82,7 +82,7 @@ def test_grpo_rewards_raise_the_rewarded_opening_on_held_out_questions():
         before = example.held_out_logprob(url, MODEL, example.OPENING)
         counts = example.teach(url, MODEL, 12)
         after = example.held_out_logprob(url, MODEL, example.OPENING)
-        metrics = httpx.get(url + "/metrics").text
+        metrics = httpx.get(url + "/metrics", timeout=300).text
     assert counts["accepted"] >= 4, counts
     assert f'alchemist:trained_entries_total{{mode="grpo",path="reuse"}}' in metrics
     assert after - before >= 0.5, (before, after, counts)

@@ -44,8 +44,15 @@ def test_greedy_equals_generate_under_preemption():
     engine = make_engine("llama", kv_cache_bytes=12 * 4 * 2 * 2 * 2 * 16 * 4, max_model_len=48)
     prompts = [encode(p)[:16] for p in PROMPTS]
     reference = [hf_greedy(engine.model, p, MAX_TOKENS) for p in prompts]
-    outputs = [choices[0] for choices in engine.generate(prompts, greedy())]
-    assert engine.scheduler.num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy())
+    outputs, preempted = [[] for _ in prompts], 0
+    while engine.has_unfinished():
+        step_outputs, stats = engine.step()
+        preempted += stats.num_preempted
+        for out in step_outputs:
+            outputs[int(out.request_id[1:])] += out.outputs[0].token_ids
+    assert preempted > 0
     assert outputs == reference
 
 
@@ -69,7 +76,7 @@ def test_requests_join_a_running_batch_at_step_boundaries():
 @pytest.mark.gpu
 def test_greedy_equals_generate_on_cuda():
     model = tiny_model("llama").to("cuda")
-    engine = LLMEngine(model, tiny_tokenizer(), make_config())
+    engine = LLMEngine.for_model(model, tiny_tokenizer(), make_config())
     prompts = [encode(p) for p in PROMPTS]
     with torch.inference_mode():
         reference = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=MAX_TOKENS,
@@ -85,7 +92,7 @@ def test_packed_linear_engine_equals_plain_linear_engine():
     plain_config = make_config()
     plain_config = dataclasses.replace(plain_config, model=dataclasses.replace(plain_config.model,
                                                                                packed_linear=False))
-    plain = LLMEngine(tiny_model("qwen2"), tiny_tokenizer(), plain_config)
+    plain = LLMEngine.for_model(tiny_model("qwen2"), tiny_tokenizer(), plain_config)
     assert any(type(m).__name__ == "PackedLinear" for m in packed.model.modules())
     assert not any(type(m).__name__ == "PackedLinear" for m in plain.model.modules())
     assert packed.generate(prompts, greedy()) == plain.generate(prompts, greedy())

@@ -96,16 +96,15 @@ def test_entries_expire_while_the_engine_never_idles():
     engine = app.state.alchemist.engine
     with ServerThread(app) as server:
         body = {"model": TINY_NAME, "prompt": "keep busy", "max_tokens": 3000, "ignore_eos": True, "train": False}
-        busy = threading.Thread(target=lambda: httpx.post(f"{server.url}/v1/completions", json=body, timeout=120))
+        busy = threading.Thread(target=lambda: httpx.post(f"{server.url}/v1/completions", json=body, timeout=300))
         busy.start()
         wait_for(lambda: engine.engine.num_requests == 1)
         idle_before = engine.idle_hook.stats.idle_slices
-        r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 4,
-                                                                   "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=300,
+                       json={"model": TINY_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         completion = r.json()["id"]
-        trainer = app.state.alchemist.trainer
-        assert trainer.cache.get(completion) is not None
-        wait_for(lambda: trainer.cache.get(completion) is None, timeout=10)
+        trainer = app.state.alchemist.training
+        wait_for(lambda: trainer.cache.get(completion) is None)  # it may be gone already on a slow machine
         assert trainer.cache.ended_state(completion).value == "expired" and trainer.cache.bytes == 0
         assert engine.engine.num_requests == 1 and engine.idle_hook.stats.idle_slices == idle_before  # never idle
         engine.abort(next(iter(engine.engine.request_ids())))

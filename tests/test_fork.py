@@ -4,6 +4,8 @@ Against the plain path (`fork_choices=False`: every choice prefills the prompt i
 the same tokens for greedy and seeded sampling, alone, batched, chunked and under
 preemption; the prompt is computed once; every block is free again at the end."""
 
+from dataclasses import dataclass
+
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -15,20 +17,28 @@ def seeded(n: int, max_tokens: int = 12, seed: int = 7) -> SamplingParams:
     return SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, min_tokens=max_tokens)
 
 
+@dataclass
+class Totals:
+    # tokens the engine computed, and sequences it preempted, in all
+    computed: int = 0
+    preempted: int = 0
+
+
 def run(engine, prompts, params):
-    """generate(), and the tokens the engine computed in all."""
-    computed = 0
+    """generate(), and what the engine did to produce it (Totals)."""
+    totals = Totals()
     ids = [f"r{i}" for i in range(len(prompts))]
     results = {rid: [[] for _ in range(params.n)] for rid in ids}
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
     while engine.has_unfinished():
         outputs, stats = engine.step()
-        computed += stats.num_scheduled_tokens
+        totals.computed += stats.num_scheduled_tokens
+        totals.preempted += stats.num_preempted
         for out in outputs:
             for c in out.outputs:
                 results[out.request_id][c.index].extend(c.token_ids)
-    return [results[rid] for rid in ids], computed
+    return [results[rid] for rid in ids], totals
 
 
 def assert_all_blocks_free(engine):
@@ -41,12 +51,12 @@ def assert_all_blocks_free(engine):
 def test_seeded_choices_equal_the_per_choice_path_and_prefill_once(prompt_len):
     prompt = (encode(PROMPTS[1]) * 2)[:prompt_len]
     forked_engine, plain_engine = make_engine(), make_engine(fork_choices=False)
-    forked, forked_computed = run(forked_engine, [prompt], seeded(4))
-    plain, plain_computed = run(plain_engine, [prompt], seeded(4))
+    forked, forked_totals = run(forked_engine, [prompt], seeded(4))
+    plain, plain_totals = run(plain_engine, [prompt], seeded(4))
     assert forked == plain
     assert len({tuple(c) for c in forked[0]}) > 1  # the choices differ: each has its own generator
     # the plain path computes the prompt 4 times; the forked one once (decodes are equal)
-    assert plain_computed - forked_computed == 3 * prompt_len
+    assert plain_totals.computed - forked_totals.computed == 3 * prompt_len
     assert_all_blocks_free(forked_engine)
 
 
@@ -83,9 +93,9 @@ def test_forked_choices_under_preemption_equal_the_per_choice_path():
     kwargs = dict(kv_cache_bytes=14 * 4 * 2 * 2 * 2 * 16 * 4, max_model_len=48)
     forked_engine, plain_engine = make_engine(**kwargs), make_engine(fork_choices=False, **kwargs)
     prompts = [encode(p)[:16] for p in PROMPTS[:2]]
-    forked, _ = run(forked_engine, prompts, seeded(3, max_tokens=20))
+    forked, totals = run(forked_engine, prompts, seeded(3, max_tokens=20))
     plain, _ = run(plain_engine, prompts, seeded(3, max_tokens=20))
-    assert forked_engine.scheduler.num_preemptions > 0
+    assert totals.preempted > 0
     assert forked == plain
     assert_all_blocks_free(forked_engine)
 
@@ -107,7 +117,7 @@ def test_abort_frees_forked_and_waiting_choices(steps_before_abort):
 
 def test_choices_that_cannot_fork_are_prefilled_alone():
     engine = make_engine(max_num_seqs=2)  # room for the parent and one forked choice
-    forked, computed = run(engine, [encode(PROMPTS[0])], seeded(4))
+    forked, _ = run(engine, [encode(PROMPTS[0])], seeded(4))
     plain, _ = run(make_engine(fork_choices=False, max_num_seqs=2), [encode(PROMPTS[0])], seeded(4))
     assert forked == plain
     assert_all_blocks_free(engine)

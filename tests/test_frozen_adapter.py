@@ -29,7 +29,7 @@ def test_training_off_serves_the_newest_version_frozen(trained):
     in_progress.mkdir()
     with TestClient(tiny_app(adapter=AdapterConfig(dir=str(root)))) as client:
         assert in_progress.is_dir()  # a frozen server only reads the directory
-        assert client.app.state.alchemist.trainer is None
+        assert client.app.state.alchemist.training is None
         assert complete(client) == final
         card = client.get(f"/v1/models/{TINY_NAME}").json()
         assert card["adapter"] == {"version": 3, "path": str(root / "v00000003"), "frozen": True}

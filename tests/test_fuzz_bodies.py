@@ -10,6 +10,8 @@ from fastapi.testclient import TestClient
 from trainer.config import AdapterConfig, TrainConfig
 from tests.servers import TINY_NAME, tiny_app
 
+pytestmark = pytest.mark.slow  # hundreds of requests
+
 VALUES = [None, True, False, 0, -1, 1, 2.5, -1e9, 1e308, 10**30, "", "x", "hot", [], [1], ["a"], [[1, 2]], {},
           {"type": "text"}, {"include_usage": True}, [{"role": "user"}], [{"role": "user", "content": 5}],
           [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], [{"role": "system", "content": None}],

@@ -12,11 +12,11 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from offload.config import OffloadConfig
-from tests.conftest import encode, engine_of, make_engine, trainer_on
+from tests.conftest import encode, engine_of, make_training
 from tests.test_training import PROMPT, gradients_of, relative_difference
 from tests.tiny import FAMILIES
 from trainer.adapter import lora_parameters
-from trainer.cache import EntryState, GroupEntry
+from trainer.entries import EntryState, GroupEntry
 from trainer.config import TrainConfig
 from trainer.feedback import FeedbackLabel, FeedbackOutcome
 from trainer.forward import forward_segments
@@ -28,9 +28,8 @@ GROUP = 4
 
 def make_trainer(family="llama", mode="grpo", offload=None, **train_kwargs):
     torch.manual_seed(0)
-    engine = make_engine(family, offload=offload)
-    return trainer_on(engine, TrainConfig(mode=mode, lora_rank=4, **train_kwargs), offload=offload,
-                      init_lora_weights=False)
+    return make_training(TrainConfig(mode=mode, lora_rank=4, **train_kwargs), family, offload,
+                         init_lora_weights=False)
 
 
 def serve_group(trainer, request_id="g", n=GROUP, max_tokens=8, prompt=PROMPT, seed=1) -> list[list[int]]:
@@ -47,7 +46,7 @@ def serve_group(trainer, request_id="g", n=GROUP, max_tokens=8, prompt=PROMPT, s
 
 
 def reward(trainer, request_id="g", rewards=(1.0, 0.0, 0.5, 0.0)):
-    return trainer.submit_feedback(FeedbackLabel(request_id, rewards=list(rewards)))
+    return trainer.feedback.submit(FeedbackLabel(request_id, rewards=list(rewards)))
 
 
 # -- the loss ------------------------------------------------------------------------------
@@ -191,11 +190,11 @@ def test_reward_errors_are_refused_with_the_field_at_fault():
              ([1.0, math.inf, 0.0, 0.0], "rewards", FeedbackOutcome.INVALID),
              ([1.0, math.nan, 0.0, 0.0], "rewards", FeedbackOutcome.INVALID)]
     for rewards, param, outcome in cases:
-        result = trainer.submit_feedback(FeedbackLabel("g", rewards=rewards))
+        result = trainer.feedback.submit(FeedbackLabel("g", rewards=rewards))
         assert (result.outcome, result.param) == (outcome, param), result
-    result = trainer.submit_feedback(FeedbackLabel("g", chosen="Paris."))
+    result = trainer.feedback.submit(FeedbackLabel("g", chosen="Paris."))
     assert (result.outcome, result.param) == (FeedbackOutcome.INVALID, "rewards")
-    assert trainer.submit_feedback(FeedbackLabel("nope", rewards=[1.0])).outcome is FeedbackOutcome.UNKNOWN
+    assert trainer.feedback.submit(FeedbackLabel("nope", rewards=[1.0])).outcome is FeedbackOutcome.UNKNOWN
     assert reward(trainer).accepted
     again = reward(trainer)
     assert (again.outcome, again.code) == (FeedbackOutcome.CONFLICT, "label_exists")
@@ -204,7 +203,7 @@ def test_reward_errors_are_refused_with_the_field_at_fault():
 def test_a_single_choice_request_is_not_a_group():
     trainer = make_trainer()
     serve_group(trainer, "single", n=1)
-    result = trainer.submit_feedback(FeedbackLabel("single", rewards=[1.0]))
+    result = trainer.feedback.submit(FeedbackLabel("single", rewards=[1.0]))
     assert (result.outcome, result.param, result.code) == (FeedbackOutcome.INVALID, "id", "not_a_group")
     assert trainer.stats.recorded == 0
 
@@ -241,7 +240,7 @@ def reward_module():
     del sys.modules[module.__name__]
 
 
-def wait_for(condition, timeout=10.0):
+def wait_for(condition, timeout=120.0):  # generous: a loaded CI machine is slow
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "timed out"
@@ -283,8 +282,8 @@ def test_dpo_between_two_served_choices_uses_both_served_logprobs():
                          (FeedbackLabel("g", chosen_index=5, rejected_index=0), "chosen_index"),
                          (FeedbackLabel("g", chosen_index=0), "rejected_index"),
                          (FeedbackLabel("g", rewards=[1.0, 0.0, 0.0]), "rewards")):
-        assert trainer.submit_feedback(label).param == param
-    result = trainer.submit_feedback(FeedbackLabel("g", chosen_index=2, rejected_index=0))
+        assert trainer.feedback.submit(label).param == param
+    result = trainer.feedback.submit(FeedbackLabel("g", chosen_index=2, rejected_index=0))
     assert result.accepted, result
     entry = trainer.cache.get("g")
     assert (entry.label.chosen, entry.label.rejected) == (served[2], served[0])

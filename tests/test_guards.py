@@ -1,7 +1,9 @@
 """The front door over real HTTP: API keys (with the OpenAI SDK), body limits, 429 on overload."""
 
 import asyncio
+import functools
 import json
+import time
 
 import httpx
 import openai
@@ -11,6 +13,9 @@ from server.config import ServerConfig
 from tests.servers import TINY_NAME, ServerThread, tiny_app
 
 KEY = "sk-test-key"
+# a request here takes milliseconds; a loaded CI machine may take seconds (httpx's default is 5)
+get = functools.partial(httpx.get, timeout=300)
+post = functools.partial(httpx.post, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +43,10 @@ def test_missing_key_gets_401_with_openai_body_and_probes_stay_open(keyed_server
         r = httpx.request(method, keyed_server.url + path, json={})
         assert r.status_code == 401, (path, r.text)
         assert r.json()["error"]["code"] == "missing_api_key" and r.headers["www-authenticate"] == "Bearer"
-    r = httpx.get(f"{keyed_server.url}/v1/models", headers={"Authorization": f"Basic {KEY}"})
+    r = get(f"{keyed_server.url}/v1/models", headers={"Authorization": f"Basic {KEY}"})
     assert r.status_code == 401  # only Bearer
-    assert httpx.get(f"{keyed_server.url}/health").status_code == 200
-    metrics = httpx.get(f"{keyed_server.url}/metrics")
+    assert get(f"{keyed_server.url}/health").status_code == 200
+    metrics = get(f"{keyed_server.url}/metrics")
     assert metrics.status_code == 200
     assert 'alchemist:http_requests_total{handler="/v1/chat/completions",status="401"}' in metrics.text
 
@@ -49,15 +54,15 @@ def test_missing_key_gets_401_with_openai_body_and_probes_stay_open(keyed_server
 def test_bodies_over_the_limit_get_413(keyed_server):
     headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     big = json.dumps({"model": TINY_NAME, "prompt": "x " * (40 << 10), "max_tokens": 1})
-    r = httpx.post(f"{keyed_server.url}/v1/completions", content=big, headers=headers)
+    r = post(f"{keyed_server.url}/v1/completions", content=big, headers=headers)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
     def chunks():  # no Content-Length: the limit is enforced while reading
         for _ in range(80):
             yield b" " * 1024
-    r = httpx.post(f"{keyed_server.url}/v1/completions", content=chunks(), headers=headers)
+    r = post(f"{keyed_server.url}/v1/completions", content=chunks(), headers=headers)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
-    r = httpx.post(f"{keyed_server.url}/v1/completions", headers=headers,
+    r = post(f"{keyed_server.url}/v1/completions", headers=headers,
                    json={"model": TINY_NAME, "prompt": "hi", "max_tokens": 1})
     assert r.status_code == 200  # the server is fine afterwards
 
@@ -66,12 +71,12 @@ def test_admin_key_guards_the_adapter_routes_only():
     config = ServerConfig(api_key=KEY, admin_key="sk-admin")
     with ServerThread(tiny_app(server=config)) as server:
         user, admin = {"Authorization": f"Bearer {KEY}"}, {"Authorization": "Bearer sk-admin"}
-        assert httpx.get(f"{server.url}/v1/adapters", headers=user).status_code == 401
+        assert get(f"{server.url}/v1/adapters", headers=user).status_code == 401
         # training is off here: the admin gets through to the route's own explanation
-        r = httpx.get(f"{server.url}/v1/adapters", headers=admin)
+        r = get(f"{server.url}/v1/adapters", headers=admin)
         assert r.status_code == 400 and r.json()["error"]["code"] == "adapters_not_used"
-        assert httpx.get(f"{server.url}/v1/models", headers=user).status_code == 200
-        assert httpx.get(f"{server.url}/v1/models", headers=admin).status_code == 401
+        assert get(f"{server.url}/v1/models", headers=user).status_code == 200
+        assert get(f"{server.url}/v1/models", headers=admin).status_code == 401
 
 
 def test_overload_gets_429_beside_200_and_never_a_5xx():
@@ -80,7 +85,7 @@ def test_overload_gets_429_beside_200_and_never_a_5xx():
         body = {"model": TINY_NAME, "prompt": "hello", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
 
         async def burst():
-            async with httpx.AsyncClient(timeout=60) as client:
+            async with httpx.AsyncClient(timeout=300) as client:
                 return await asyncio.gather(*[client.post(f"{server.url}/v1/completions", json=body)
                                               for _ in range(16)])
 
@@ -91,18 +96,21 @@ def test_overload_gets_429_beside_200_and_never_a_5xx():
         rejected = next(r for r in responses if r.status_code == 429)
         assert rejected.json()["error"]["code"] == "rate_limit_exceeded" and rejected.headers["retry-after"] == "1"
         with pytest.raises(openai.RateLimitError):  # what the SDK makes of it (checked while full)
-            asyncio.run(_sdk_during_burst(server.url, body))
+            asyncio.run(_sdk_during_burst(server.url, body, app.state.alchemist.engine.engine))
         # capacity comes back once the burst is over
-        assert httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+        assert post(f"{server.url}/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
 
 
-async def _sdk_during_burst(url: str, body: dict):
+async def _sdk_during_burst(url: str, body: dict, engine):
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=300) as http:
         # 2 running + 2 queued: full while the longest possible answers decode
         holders = [asyncio.ensure_future(http.post(f"{url}/v1/completions", json={**body, "max_tokens": 240}))
                    for _ in range(4)]
-        await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 120
+        while engine.num_requests < 4:  # all four admitted (however slow this machine is today)
+            assert time.monotonic() < deadline, engine.num_requests
+            await asyncio.sleep(0.005)
         try:
             await client.completions.create(model=TINY_NAME, prompt="hi", max_tokens=2)
         finally:

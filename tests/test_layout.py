@@ -1,5 +1,6 @@
 """The house rules, checked: the engine imports nothing from the other packages, no
-library package imports the benchmarks, and modules and functions stay small."""
+library package imports the benchmarks, modules and functions stay small, no module
+imports another's private names, and only the activation cache moves an entry's state."""
 
 import ast
 from pathlib import Path
@@ -8,6 +9,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "server", "trainer", "offload", "bench")
+# every Python file of the project, tests and examples included
+ALL_SOURCES = sorted(p for folder in (*PACKAGES, "tests", "examples", "docs") for p in (ROOT / folder).rglob("*.py"))
+# the cache's package: the cache, and the entries it holds (which set their first state)
+ENTRY_STATE_OWNERS = {ROOT / "trainer" / "cache.py", ROOT / "trainer" / "entries.py"}
 
 
 def modules(package: str):
@@ -44,3 +49,23 @@ def test_modules_and_functions_stay_small(path):
     for node in ast.walk(ast.parse(text)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             assert node.end_lineno - node.lineno + 1 <= 80, f"{path}:{node.lineno} {node.name}"
+
+
+@pytest.mark.parametrize("path", ALL_SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_imports_another_modules_private_names(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            private = [alias.name for alias in node.names if alias.name.startswith("_")]
+            assert not private, f"{path}:{node.lineno} imports {private} from {node.module}"
+
+
+@pytest.mark.parametrize("path", [p for p in ALL_SOURCES if p not in ENTRY_STATE_OWNERS],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_activation_cache_moves_an_entrys_state(path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for target in targets:
+            assert not (isinstance(target, ast.Attribute) and target.attr == "state"
+                        and not (isinstance(target.value, ast.Name) and target.value.id == "app")), \
+                f"{path}:{node.lineno} assigns an entry's state: use the cache's methods (trainer/cache.py)"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.malloc_tuning import keep_freed_memory, return_freed_memory
-from trainer.cache import EntryState
+from trainer.entries import EntryState
 
 
 def rss_bytes() -> int:
@@ -36,7 +36,7 @@ def test_heap_warmer_holds_pages_up_to_its_target_and_releases_them_before_a_rec
     if not keep_freed_memory():
         pytest.skip("not glibc")
     trainer = make_trainer()
-    warmer = trainer.warmer
+    warmer = trainer.maintenance.warmer
     assert warmer is not None and warmer.target == 0 and not trainer.has_work()
     serve(trainer, "a")
     assert warmer.target == trainer.cache.get("a").nbytes  # sized to the largest recording

@@ -11,10 +11,8 @@ from fastapi.testclient import TestClient
 
 
 def observed_engine():
-    engine = make_engine()
     metrics = ServingMetrics(TINY_NAME)
-    engine.observers.append(metrics)
-    return engine, metrics
+    return make_engine(observers=(metrics,)), metrics
 
 
 def value(gauge) -> float:

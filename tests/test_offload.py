@@ -19,7 +19,7 @@ from trainer.config import TrainConfig
 from engine.sampling_params import SamplingParams
 from offload.hedging import LOAD, RECOMPUTE, LayerCosts, Timings, plan, simulate
 from offload.host_pool import HostPool
-from tests.conftest import encode, engine_of, make_engine, trainer_on
+from tests.conftest import encode, engine_of, make_training
 from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
 from tests.test_training import PROMPT, gradients_of, label, relative_difference
 from tests.tiny import FAMILIES, tiny_tokenizer
@@ -29,9 +29,8 @@ OTHER_PROMPT = "Tell me a story about a dragon who learned to paint with fire an
 
 def make_trainer(family="llama", mode="cpt", offload=None, **train_kwargs):
     torch.manual_seed(0)
-    engine = make_engine(family, offload=offload)
-    return trainer_on(engine, TrainConfig(mode=mode, lora_rank=4, **train_kwargs), offload=offload,
-                      init_lora_weights=False)
+    return make_training(TrainConfig(mode=mode, lora_rank=4, **train_kwargs), family, offload,
+                         init_lora_weights=False)
 
 
 def serve_two(trainer) -> None:
@@ -189,18 +188,18 @@ def test_server_under_a_tight_budget_serves_every_request_and_trains(copy_to_hos
     budget = tight_budget()
     app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4, entries_per_step=1),
                    offload=OffloadConfig(device_budget_bytes=budget, copy_to_host=copy_to_host))
-    trainer = app.state.alchemist.trainer
+    trainer = app.state.alchemist.training
 
     async def traffic(url):
-        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
             bodies = [{"model": TINY_NAME, "prompt": f"{PROMPT} number {i}", "max_tokens": 8} for i in range(16)]
             return await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
 
     with ServerThread(app) as server:
         responses = asyncio.run(traffic(server.url))
         assert [r.status_code for r in responses] == [200] * 16
-        wait_for(lambda: trainer.optimizer.version >= 3 and not trainer.has_work(), timeout=60)
-        metrics = httpx.get(f"{server.url}/metrics").text
+        wait_for(lambda: trainer.optimizer.version >= 3 and not trainer.has_work())
+        metrics = httpx.get(f"{server.url}/metrics", timeout=300).text
     stats = trainer.offloader.stats
     assert stats.offloaded_layers > 0 and stats.reloaded_layers + stats.recomputed_layers > 0
     assert stats.peak_budget_bytes <= budget
@@ -292,6 +291,7 @@ def _embedded_shape_config(tmp_path, device: str) -> AlchemistConfig:
                                              device=device, dtype="float32"))
 
 
+@pytest.mark.slow  # the embedded model's shape
 def test_the_offload_bench_runs_on_a_random_weight_model_shape(tmp_path):
     """What the GPU test runs, on the CPU at a small size: gradients equal with every policy."""
     from bench.offload import run_offload_bench

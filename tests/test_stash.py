@@ -10,11 +10,10 @@ import torch
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
 from offload.config import OffloadConfig
-from tests.conftest import encode, engine_of, make_engine, trainer_on
+from tests.conftest import encode, engine_of, make_training
 from tests.test_training import PROMPT, label, relative_difference, serve
 from tests.tiny import TEST_DEVICE
 from trainer.adapter import lora_gradients, lora_parameters
-from trainer.cache import EntryState
 from trainer.config import TrainConfig
 
 OTHERS = ["Tell me about the ocean and its tides.", "Why do cats purr when they are happy?",
@@ -23,14 +22,13 @@ OTHERS = ["Tell me about the ocean and its tides.", "Why do cats purr when they 
 
 def make_trainer(mode="cpt", offload=None, learning_rate=1e-2, **train_kwargs):
     torch.manual_seed(0)
-    engine = make_engine(offload=offload)
-    return trainer_on(engine, TrainConfig(mode=mode, lora_rank=4, learning_rate=learning_rate, **train_kwargs),
-                      offload=offload, init_lora_weights=False)
+    return make_training(TrainConfig(mode=mode, lora_rank=4, learning_rate=learning_rate, **train_kwargs),
+                         offload=offload, init_lora_weights=False)
 
 
 def hold(trainer, request_id):
     """Keeps an entry out of training (as a DPO entry waiting for its label is)."""
-    trainer.cache.get(request_id).state = EntryState.WAITING_LABEL
+    trainer.cache.hold(trainer.cache.get(request_id))
 
 
 def advance(trainer, steps: int, mode: str) -> None:
@@ -65,7 +63,6 @@ def stale_and_fresh_gradients(trainer, mode: str, stale_by: int, free_layers: bo
     entry = trainer.cache.get("s")
     assert entry.recording is not None and trainer.stash.has(0) and entry.adapter_version == 0
     if mode == "dpo":
-        entry.state = EntryState.WAITING_LABEL
         label(trainer, "s", chosen="Paris, of course. It is a lovely city.")
     trainer.optimizer.zero_grad()
     job = trainer.method.reuse_job(entry, trainer.context)
@@ -138,7 +135,7 @@ def test_stash_is_kept_only_while_a_recording_needs_it():
     serve(trainer, "b", prompt=OTHERS[0])
     trainer.train_until_idle()
     assert trainer.stash.versions == [1] and trainer.status().stash_bytes > 0
-    trainer.cache.get("s").state = EntryState.READY
+    trainer.cache.attach_label(trainer.cache.get("s"), None)
     trainer.train_until_idle()
     assert trainer.stash.versions == [] and trainer.stats.trained_entries[("cpt", "stashed")] == 1
 

@@ -84,6 +84,46 @@ def test_a_named_function_is_the_one_called(client):
         assert choice["finish_reason"] == "tool_calls"
 
 
+def streamed_choice(client, **body) -> tuple[str, list[dict], str | None]:
+    """A streamed chat completion's first choice put together: content, calls, finish reason."""
+    content, calls, finish = "", {}, None
+    body = {"model": TINY_NAME, "messages": QUESTION, "tools": TOOLS, **body, "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        for line in r.iter_lines():
+            for choice in json.loads(line[6:])["choices"] if line.startswith("data: {") else []:
+                content += choice["delta"].get("content") or ""
+                for call in choice["delta"].get("tool_calls") or []:
+                    entry = calls.setdefault(call["index"], {"name": "", "arguments": ""})
+                    entry["name"] += call["function"].get("name") or ""
+                    entry["arguments"] += call["function"]["arguments"]
+                finish = choice["finish_reason"] or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("max_tokens", [4, 16, 60])
+def test_a_forced_call_cut_by_max_tokens_is_returned_as_far_as_it_got(client, max_tokens):
+    """Never its markup as content: the named call, with the arguments decoded so far
+    (none while the limit falls before them), streamed or whole."""
+    body = {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "temperature": 0.0}
+    (full,) = chat(client, **body).json()["choices"][0]["message"]["tool_calls"]
+    whole = chat(client, **body, max_tokens=max_tokens).json()["choices"][0]
+    assert whole["finish_reason"] == "length" and whole["message"]["content"] is None, whole
+    (call,) = whole["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert full["function"]["arguments"].startswith(call["function"]["arguments"])
+    assert (max_tokens > 16) == bool(call["function"]["arguments"])  # at 60 tokens the arguments have begun
+    content, calls, finish = streamed_choice(client, **body, max_tokens=max_tokens)
+    assert (content, finish) == ("", "length")
+    assert calls == [{"name": "get_weather", "arguments": call["function"]["arguments"]}]
+
+
+def test_a_required_call_cut_before_its_name_is_certain_is_no_call_and_no_markup(client):
+    whole = chat(client, tool_choice="required", temperature=0.0, max_tokens=16).json()["choices"][0]
+    assert whole["finish_reason"] == "length" and not whole["message"]["content"], whole
+    assert "tool_calls" not in whole["message"]
+    assert streamed_choice(client, tool_choice="required", temperature=0.0, max_tokens=16) == ("", [], "length")
+
+
 def test_none_offers_no_tools(client):
     with_none = chat(client, tool_choice="none", temperature=0.0, max_tokens=5)
     without = client.post("/v1/chat/completions", json={"model": TINY_NAME, "messages": QUESTION,
@@ -268,6 +308,29 @@ def test_streamed_arguments_add_up_to_the_whole_call_whatever_the_chunks(text, a
             streamed[delta.index][1] += delta.arguments
         assert [tuple(streamed[i]) for i in sorted(streamed)] == expected, size
         assert [(c.name, c.arguments) for c in parser.calls] == expected
+
+
+BOTH = ("get_weather", "get_time")
+
+
+@pytest.mark.parametrize("text, names, expected", [
+    ("<too", ("get_weather",), [("get_weather", "")]),  # a named call: its name is known from the start
+    ('<tool_call>\n{"name": "get_', BOTH, []),  # either function: no call yet
+    ('<tool_call>\n{"name": "get_w', BOTH, [("get_weather", "")]),
+    ('<tool_call>\n{"name": "get_time", "argu', BOTH, [("get_time", "")]),
+    (FORCED[:FORCED.index("ris") + 1], BOTH, [("get_weather", '{"city": "Pa}r')]),
+    (FORCED + "\n<tool_", BOTH, [("get_weather", '{"city": "Pa}ris", "unit": "celsius"}')]),
+])
+def test_a_forced_call_cut_short_is_a_call_once_its_name_is_certain(text, names, expected):
+    for size in range(1, len(text) + 1):
+        parser = ToolCallParser(forced_names=names)
+        pieces = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+        assert "".join(p[0] for p in pieces) == "", size  # the grammar's markup is never content
+        streamed: dict[int, list] = {}
+        for delta in (d for p in pieces for d in p[1]):
+            streamed.setdefault(delta.index, [delta.name, ""])[1] += delta.arguments
+        assert [tuple(streamed[i]) for i in sorted(streamed)] == expected, size
+        assert [(c.name, c.arguments) for c in parser.calls] == expected, size
 
 
 def test_the_fallback_prompt_writes_tool_turns_in_the_hermes_convention():

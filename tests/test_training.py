@@ -11,24 +11,23 @@ import torch
 from trainer.config import TrainConfig
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
-from tests.conftest import encode, engine_of, make_engine, trainer_on
+from tests.conftest import encode, engine_of, make_training
 from tests.tiny import FAMILIES, TEST_DEVICE
 from trainer.adapter import lora_gradients, lora_parameters
-from trainer.cache import EntryState
+from trainer.entries import EntryState
 from trainer.feedback import FeedbackLabel
-from trainer.trainer import Trainer
+from trainer.online import OnlineTraining
 
 PROMPT = "The quick brown fox jumps over the lazy dog. What is the capital of France?"
 
 
-def make_trainer(family="llama", mode="cpt", **train_kwargs) -> Trainer:
-    engine = make_engine(family)
+def make_trainer(family="llama", mode="cpt", **train_kwargs) -> OnlineTraining:
     config = TrainConfig(mode=mode, lora_rank=4, **train_kwargs)
     # random B as well as A, so that every LoRA tensor gets a non-zero gradient
-    return trainer_on(engine, config, init_lora_weights=False)
+    return make_training(config, family, init_lora_weights=False)
 
 
-def serve(trainer: Trainer, request_id: str, prompt: str = PROMPT, max_tokens: int = 6) -> list[int]:
+def serve(trainer: OnlineTraining, request_id: str, prompt: str = PROMPT, max_tokens: int = 6) -> list[int]:
     engine = engine_of(trainer)
     ids = encode(prompt)
     engine.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
@@ -41,8 +40,8 @@ def serve(trainer: Trainer, request_id: str, prompt: str = PROMPT, max_tokens: i
     return tokens
 
 
-def label(trainer: Trainer, request_id: str, chosen="Paris is the capital.", rejected=None):
-    result = trainer.submit_feedback(FeedbackLabel(request_id, chosen, rejected, 0))
+def label(trainer: OnlineTraining, request_id: str, chosen="Paris is the capital.", rejected=None):
+    result = trainer.feedback.submit(FeedbackLabel(request_id, chosen, rejected, 0))
     assert result.accepted, result
 
 
@@ -50,7 +49,7 @@ def relative_difference(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
 
 
-def gradients_of(trainer: Trainer, job) -> dict:
+def gradients_of(trainer: OnlineTraining, job) -> dict:
     trainer.optimizer.zero_grad()
     run_to_end(job)
     grads = lora_gradients(trainer.peft_model)

@@ -11,7 +11,7 @@ from tests.servers import TINY_NAME, tiny_app, wait_for
 
 def test_a_failing_training_slice_drops_its_entry_and_serving_goes_on(caplog):
     with TestClient(tiny_app(train=TrainConfig(mode="cpt", lora_rank=4))) as client:
-        trainer = client.app.state.alchemist.trainer
+        trainer = client.app.state.alchemist.training
         real_job, calls = trainer.method.reuse_job, []
 
         def failing_once(entry, ctx):

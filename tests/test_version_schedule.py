@@ -7,7 +7,6 @@ import torch
 
 from tests.test_stash import OTHERS, hold, make_trainer
 from tests.test_training import PROMPT, label, serve
-from trainer.cache import EntryState
 from trainer.optimizer import AdapterOptimizer
 
 
@@ -42,7 +41,7 @@ def test_the_oldest_trainable_version_goes_first():
     serve(trainer, "new", prompt=OTHERS[1])
     hold(trainer, "new")
     for request_id in ("new", "old"):  # "new" is first in line
-        trainer.cache.get(request_id).state = EntryState.READY
+        trainer.cache.attach_label(trainer.cache.get(request_id), None)
     taken = trainer.cache.take_ready(4, trainer.optimizer.version, 1)
     assert [e.completion_id for e in taken] == ["old"]
     trainer.cache.requeue(taken[0])
@@ -58,7 +57,7 @@ def test_entries_without_a_usable_recording_wait_for_the_recorded_ones():
     serve(trainer, "step", prompt=OTHERS[0])
     trainer.train_until_idle()  # version 1: "stale" lost its recording
     assert trainer.cache.get("stale").recording is None
-    trainer.cache.get("stale").state = EntryState.READY
+    trainer.cache.attach_label(trainer.cache.get("stale"), None)
     serve(trainer, "fresh", prompt=OTHERS[1])
     trainer.train_until_idle()
     # oldest first would have trained "stale" first and made "fresh" stale too
@@ -96,8 +95,8 @@ def test_freed_memory_is_given_back_only_once_recording_has_paused(monkeypatch):
     trainer = make_trainer(max_staleness=1, entries_per_step=1)
     trainer.cache.clock = lambda: clock[0]
     trims = []
-    monkeypatch.setattr("trainer.trainer.return_freed_memory", lambda: trims.append(clock[0]) or True)
-    monkeypatch.setattr("trainer.trainer._TRIM_AFTER_BYTES", 1)
+    monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(clock[0]) or True)
+    monkeypatch.setattr("trainer.maintenance.TRIM_AFTER_BYTES", 1)
     serve(trainer, "a")
     trainer.train_until_idle()
     assert trims == []  # recorded a moment ago

@@ -26,8 +26,8 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from trainer.config import TrainConfig
 
 # every linear layer of the decoder, as QLoRA recommends and PEFT's "all-linear" does
-# (Phi-3 fuses q/k/v and gate/up). Measured with examples/learn_a_fact.py on the embedded
-# model at lr 1e-4: +9.7 nats after 12 servings, against +2.4 with attention only.
+# (Phi-3 fuses q/k/v and gate/up). Against attention projections only: measured with
+# examples/learn_a_fact.py in BENCHMARKS.md, "Training: CPT".
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DEFAULT_TARGETS = {
     "llama": _LLAMA_LIKE,

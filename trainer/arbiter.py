@@ -2,12 +2,14 @@
 
 The async bridge (engine/async_engine.py) calls it as its idle hook (engine/hooks.py):
 
-  - when nothing is runnable, one training slice (`Trainer.run_slice`) — policy `idle`,
-    the paper's; a request that arrives meanwhile waits for at most that slice;
+  - when nothing is runnable, one item of training work (`OnlineTraining.run_slice`:
+    housekeeping between jobs, else a slice of the job) — policy `idle`, the paper's; a
+    request that arrives meanwhile waits for at most that item;
   - with policy `slo`, also training slices between decode steps, while the measured time
     per output token stays under `tpot_slo_ms` (it backs off, doubling, when it does not);
-  - under either policy, after a serving step, a bounded piece of serving maintenance
-    while the merged serving weights are stale (`Trainer.run_serving_maintenance`).
+  - under either policy, after a serving step: label expiry when it is due (under steady
+    traffic no idle gap comes), and a bounded piece of the rebuild of merged serving
+    weights while they are stale (trainer/maintenance.py).
 """
 
 from __future__ import annotations
@@ -32,20 +34,31 @@ _MAINTENANCE_SHARE = 0.3
 _MAINTENANCE_MIN_S = 0.005
 
 
+class ServingMaintenance(Protocol):
+    """What must run between serving steps (trainer/maintenance.py)."""
+
+    def expiry_due(self) -> bool: ...
+
+    def expire(self) -> None: ...
+
+    def merged_stale(self) -> bool:
+        """Whether serving runs on stale merged weights (a cheap check, on the loop)."""
+        ...
+
+    def rebuild_merged(self, budget_s: float) -> bool:
+        """Does about `budget_s` of the rebuild; False if there was none to do."""
+        ...
+
+
 class TrainingWork(Protocol):
-    """What the arbiter schedules in the gaps (the trainer)."""
+    """What the arbiter schedules in the gaps (trainer/online.py)."""
+
+    maintenance: ServingMaintenance
 
     def has_work(self) -> bool: ...
 
-    def run_slice(self) -> bool: ...
-
-    def serving_maintenance_pending(self) -> bool:
-        """Whether there is work that makes serving itself faster (rebuilding merged
-        serving weights after an optimizer step); a cheap check, on the asyncio loop."""
-        ...
-
-    def run_serving_maintenance(self, budget_s: float) -> bool:
-        """Does about `budget_s` of that work; False if there was none."""
+    def run_slice(self, serving_ran: bool = False) -> bool:
+        """One bounded item of work; `serving_ran`: serving steps ran since the last."""
         ...
 
 
@@ -78,6 +91,8 @@ class Arbiter:
         self._backoff_steps = 0
         self._backoff_length = 1
         self._last_decode_done: float | None = None
+        # serving steps ran since the last training item (a job in progress was preempted)
+        self._serving_ran = False
 
     # -- IdleHook -------------------------------------------------------------------------
 
@@ -86,6 +101,7 @@ class Arbiter:
 
     def on_serving_step(self, seconds: float, stats: StepStats) -> None:
         done = time.perf_counter()
+        self._serving_ran = True
         self.stats.step_ema = _ema(self.stats.step_ema, seconds)
         if stats.num_running and self._last_decode_done is not None:
             self.stats.tpot_ema = _ema(self.stats.tpot_ema, done - self._last_decode_done)
@@ -101,6 +117,9 @@ class Arbiter:
         return worked
 
     async def after_serving_step(self, device: DeviceGate) -> None:
+        maintenance = self.training.maintenance
+        if maintenance.expiry_due():  # label timeouts come due under steady traffic too
+            await device.run(maintenance.expire)
         spent = await self._serving_maintenance(device)
         if self.config.policy == "slo":
             await self._slices_between_steps(device, spent)
@@ -110,8 +129,9 @@ class Arbiter:
     def _slice_item(self) -> tuple[bool, float]:
         """One training slice, on the device thread; (worked, seconds)."""
         started = time.perf_counter()
+        serving_ran, self._serving_ran = self._serving_ran, False
         try:
-            worked = self.training.run_slice()
+            worked = self.training.run_slice(serving_ran)
         except Exception:  # noqa: BLE001 - training must never stop serving
             logger.exception("training slice failed")
             worked = False
@@ -123,11 +143,12 @@ class Arbiter:
         would leave a request that arrived meanwhile on that path for its whole life, so
         a bounded part of the rebuild (a fraction of a step) runs between serving steps.
         Returns the seconds it took."""
-        if device.interrupted() or not device.serving() or not self.training.serving_maintenance_pending():
+        maintenance = self.training.maintenance
+        if device.interrupted() or not device.serving() or not maintenance.merged_stale():
             return 0.0  # no executor round trip after the steps where nothing is stale
         budget = max(_MAINTENANCE_MIN_S, _MAINTENANCE_SHARE * self.stats.step_ema)
         started = time.perf_counter()
-        if not await device.run(self.training.run_serving_maintenance, budget):
+        if not await device.run(maintenance.rebuild_merged, budget):
             return 0.0
         self.stats.maintenance_slices += 1
         return time.perf_counter() - started

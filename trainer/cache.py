@@ -14,138 +14,29 @@ a new recording does not fit, the full policy decides which activations go:
 An entry that waits for a label never loses its tokens for want of room: without its
 activations it stays as a label entry and trains by recomputation.
 
-`CacheEntry` is the paper's AlchemistCacheBase: subclass it (and `TrainingMethod`) to
-train with another method. Thread-safe: feedback arrives on the HTTP thread.
+The entries and their states are in trainer/entries.py. Thread-safe: labels arrive on worker threads.
+
+The cache alone moves an entry from state to state: every transition is one of its
+methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
+`expire`); nobody else assigns `entry.state`. Its lock is its own, held only around its
+own bookkeeping.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
-from engine.recording import RecordedPrefill
+from trainer.entries import TERMINAL, CacheEntry, EntryState
 
 
 logger = logging.getLogger(__name__)
 
 
-class EntryState(str, enum.Enum):
-    WAITING_LABEL = "waiting_label"
-    # never an entry: the request was served with "train": false (or only scored)
-    NOT_TRAINABLE = "not_trainable"
-    # never an entry: a single-choice request on a server that trains on groups (GRPO)
-    NOT_A_GROUP = "not_a_group"
-    READY = "ready"
-    TRAINING = "training"
-    TRAINED = "trained"
-    EXPIRED = "expired"
-    EVICTED = "evicted"
-    DROPPED = "dropped"
-    # a group whose rewards were all equal: no advantage, so no gradient; not trained
-    SKIPPED = "skipped"
-
-
 # what gives way when a new recording does not fit (see the module docstring)
 FULL_POLICIES = ("drop_new", "evict_oldest", "unlabelled_give_way")
-
-TERMINAL = {EntryState.TRAINED, EntryState.EXPIRED, EntryState.EVICTED, EntryState.DROPPED, EntryState.SKIPPED}
-
-
-@dataclass(eq=False)
-class CacheEntry:
-    """One recorded request. Ready for training as soon as it is recorded; subclasses
-    that need a label override `needs_label`."""
-
-    completion_id: str
-    prompt_token_ids: list[int]
-    # the recorded prefill; None once trained, evicted or released
-    recording: RecordedPrefill | None
-    adapter_version: int
-    # bytes of activations the recording holds (measured)
-    nbytes: int
-    created: float = field(default_factory=time.monotonic)
-    state: EntryState = EntryState.READY
-    # served responses by choice index (token ids), filled when the request finishes
-    responses: dict[int, list[int]] = field(default_factory=dict)
-    # their summed log-probs as serving computed them (under this entry's adapter version)
-    served_logps: dict[int, float] = field(default_factory=dict)
-    # and each token's (GRPO's log π_old)
-    served_token_logps: dict[int, list[float]] = field(default_factory=dict)
-    response_finished: bool = False
-    # monotonic time after which an entry still waiting for its label expires
-    label_deadline: float | None = None
-
-    needs_label = False
-
-    def __post_init__(self) -> None:
-        if self.needs_label:
-            self.state = EntryState.WAITING_LABEL
-
-    def is_ready(self) -> bool:
-        return self.state is EntryState.READY
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens trained on (for throughput)."""
-        return len(self.prompt_token_ids)
-
-    def release(self) -> None:
-        if self.recording is not None:
-            self.recording.release()
-            self.recording = None
-
-
-@dataclass
-class PreferenceLabel:
-    # response token ids (each ends with the end-of-turn token)
-    chosen: list[int]
-    rejected: list[int]
-    # policy log-probs already known from serving: "chosen"/"rejected" -> value (a side
-    # that is the served response, scored while it was decoded)
-    served_logps: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class PreferenceEntry(CacheEntry):
-    """A DPO entry: waits for feedback; caches the reference model's log-probs."""
-
-    label: PreferenceLabel | None = None
-    # summed log-probs of (chosen, rejected) under the base model, computed once
-    reference_logps: tuple[float, float] | None = None
-
-    needs_label = True
-
-    @property
-    def num_tokens(self) -> int:
-        extra = len(self.label.chosen) + len(self.label.rejected) if self.label else 0
-        return len(self.prompt_token_ids) + extra
-
-
-@dataclass
-class GroupRewards:
-    # one finite reward per choice, by choice index
-    rewards: list[float]
-
-
-@dataclass(eq=False)
-class GroupEntry(CacheEntry):
-    """A GRPO entry: one prompt recording for a request's n sampled responses (`responses`,
-    with their per-token served log-probs), waiting for a reward per response."""
-
-    label: GroupRewards | None = None
-    # per choice, the base model's log-prob of each response token (KL term), computed once
-    reference_token_logps: dict[int, list[float]] | None = None
-
-    needs_label = True
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + sum(len(r) for r in self.responses.values())
-
 
 class ActivationCache:
     def __init__(self, budget_bytes: int, full_policy: str = "drop_new", label_timeout_s: float = 300.0,
@@ -170,14 +61,9 @@ class ActivationCache:
         self.released_bytes = 0
         # when the last entry holding a recording was added (clock time; -inf: never)
         self.last_recorded = float("-inf")
-        self.rejected_full = 0
         # entries ended off the device thread (a label that skips its group, a failed reward
         # function): their recordings are released by the device thread, in `expire`
         self._pending_release: list[CacheEntry] = []
-
-    @property
-    def lock(self) -> threading.RLock:
-        return self._lock
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -255,7 +141,6 @@ class ActivationCache:
     def _no_room(self, entry: CacheEntry) -> bool:
         """A new recording does not fit: it is dropped (False), or, if it waits for a
         label, kept without its activations (True)."""
-        self.rejected_full += 1
         if not entry.needs_label:
             entry.release()
             return False
@@ -288,6 +173,36 @@ class ActivationCache:
         self._ended[completion_id] = state
         while len(self._ended) > 10_000:
             self._ended.popitem(last=False)
+
+    def hold(self, entry: CacheEntry) -> None:
+        """Keeps a ready entry out of training until `attach_label` (a method whose
+        entries need labels starts them so; a custom method or a test may hold any)."""
+        with self._lock:
+            if entry.state is EntryState.READY:
+                entry.state = EntryState.WAITING_LABEL
+
+    def attach_label(self, entry: CacheEntry, label, skip: bool = False) -> bool:
+        """Attaches `label` to an entry still waiting for one; the entry becomes ready for
+        training, or (`skip`: the label gives no gradient) ends as skipped. False if the
+        entry has ended or already has its label (another label won the race)."""
+        with self._lock:
+            if self._entries.get(entry.completion_id) is not entry or entry.state is not EntryState.WAITING_LABEL \
+                    or getattr(entry, "label", None) is not None:
+                return False
+            if label is not None:
+                entry.label = label
+            if skip:
+                self.end(entry, EntryState.SKIPPED, off_device_thread=True)
+            else:
+                entry.state = EntryState.READY
+            return True
+
+    def drop_unlabelled(self, entry: CacheEntry) -> None:
+        """Ends an entry whose label can never come (its reward function failed); off the
+        device thread, so its recording is released at the next `expire`."""
+        with self._lock:
+            if entry.state is EntryState.WAITING_LABEL:
+                self.end(entry, EntryState.DROPPED, off_device_thread=True)
 
     def end(self, entry: CacheEntry, state: EntryState, off_device_thread: bool = False) -> None:
         """Removes an entry for good, freeing its activations — at once on the device

@@ -39,15 +39,15 @@ class TrainConfig:
     reward_function: str = ""
     # a reward function call that takes longer drops its group (counted as an error)
     reward_timeout_s: float = 30.0
-    # a DPO entry whose feedback has not arrived this many seconds after the response is evicted
+    # an entry waiting for feedback (dpo: a preference, grpo: rewards) whose label has not
+    # arrived this many seconds after the response is evicted
     label_timeout_s: float = 300.0
     # bytes of recorded activations the activation cache may hold
     cache_bytes: int = 2 << 30
     # when a new recording does not fit (trainer/cache.py): unlabelled_give_way (the oldest
     # recordings still waiting for a label give way; labelled ones keep theirs), drop_new
-    # (the paper's: the new one is not kept), evict_oldest. At 0.25 req/s with a third of
-    # answers labelled and a small cache, unlabelled_give_way left 8 of 29 prefills
-    # unrecorded against 21 for drop_new (`alchemist bench colocate`, BENCHMARKS.md)
+    # (the paper's: the new one is not kept), evict_oldest. Measured in BENCHMARKS.md,
+    # "Training: delayed gradients and grouped steps" (`alchemist bench colocate`)
     cache_full_policy: str = "unlabelled_give_way"
     # fraction of requests whose prefill is recorded (1: every request)
     record_fraction: float = 1.0
@@ -58,22 +58,22 @@ class TrainConfig:
     max_label_entries: int = 10_000
     # an entry recorded under an adapter version at most this many versions old trains
     # on its recording, with that version's weights stashed (trainer/stash.py); 0: never.
-    # 1 keeps >= 90% of strict recomputation's learning at the default learning rate,
-    # 2 does not quite (89.5%): `alchemist bench staleness`, BENCHMARKS.md
+    # What the delay costs learning is measured in BENCHMARKS.md, "Training: delayed
+    # gradients and grouped steps" (`alchemist bench staleness`)
     max_staleness: int = 1
     # an entry recorded under an older version than that: recompute it, or drop it
     stale_policy: str = "recompute"
     # rows of the LM head (vocabulary-wide logits) run forward and backward per training
-    # slice: bounds the longest slice a new request can wait for (a 512-token CPT head in
-    # one slice took 0.86 s on 2 CPU cores, 64 rows 75 ms and 0.55 s in all). More on a GPU.
+    # slice: bounds the longest slice a new request can wait for (measured in
+    # BENCHMARKS.md, "Training: CPT" and "Training: DPO"). More on a GPU.
     head_chunk_rows: int = 64
     # gradient clipping (max global norm over LoRA parameters)
     max_grad_norm: float = 1.0
     # at most this many entries share one optimizer step: entries recorded under the same
     # adapter version, so none goes stale waiting for another's step (the step's learning
-    # rate scales with the entries it holds). 4 trains 79% of entries on their recordings
-    # at 0.25 req/s against 43% for 1, for 8% less held-out learning per label
-    # (`alchemist bench colocate`, `alchemist bench staleness`; BENCHMARKS.md)
+    # rate scales with the entries it holds). Its reuse share and learning per label are
+    # measured in BENCHMARKS.md, "Training: delayed gradients and grouped steps"
+    # (`alchemist bench colocate`, `alchemist bench staleness`)
     entries_per_step: int = 4
     # seed for the adapter's initialization and the record-fraction draw
     seed: int = 0

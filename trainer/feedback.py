@@ -2,10 +2,12 @@
 `chosen`/`rejected` texts, one side defaulting to the served response, or two served
 choices by index) or a reward per choice (GRPO).
 
-`attach_label` validates a label against its entry and attaches it; it returns a typed
-`FeedbackResult` (accepted, or why not, with OpenAI's `param` and `code`), which the
-server maps to 200/400/404/409. Runs on the HTTP thread under the cache's lock (no
-tensor work: token ids only).
+`attach_label` validates a label against its entry and has the cache attach it; it
+returns a typed `FeedbackResult` (accepted, or why not, with OpenAI's `param` and
+`code`), which the server maps to 200/400/404/409. `FeedbackIntake` is what the server
+calls: it counts the outcomes. Both run on a worker thread, never on the event loop: a
+label's texts are tokenized before the cache is consulted, and no lock is held meanwhile
+(the cache attaches the label only if the entry still waits for one).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from trainer.cache import ActivationCache, CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, \
-    PreferenceLabel
+from trainer.cache import ActivationCache
+from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, PreferenceLabel
+from trainer.methods import TrainingMethod
+from trainer.status import TrainingStats
 
 
 class FeedbackOutcome(str, enum.Enum):
@@ -95,8 +99,7 @@ def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: C
 
 
 def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
-    """The completion's entry, still without a label; refuses (404/409/400) otherwise.
-    The caller holds the cache's lock."""
+    """The completion's entry, still without a label; refuses (404/409/400) otherwise."""
     entry = cache.get(completion_id)
     if entry is None:
         ended = cache.ended_state(completion_id)
@@ -123,6 +126,15 @@ def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
     return entry
 
 
+def _commit(cache: ActivationCache, entry: CacheEntry, label, skip: bool = False) -> None:
+    """Has the cache attach `label`; refuses as `_waiting_entry` does if the entry ended
+    or was labelled since it was looked up."""
+    if not cache.attach_label(entry, label, skip):
+        _waiting_entry(cache, entry.completion_id)
+        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {entry.completion_id!r} already has its label", "id",
+                      "label_exists")
+
+
 def _finished_responses(entry: CacheEntry, completion_id: str, what: str) -> dict[int, list[int]]:
     if not entry.response_finished:
         raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} is still being generated; send "
@@ -143,23 +155,20 @@ def _attach_rewards(cache: ActivationCache, request: FeedbackLabel) -> FeedbackR
     if bad:
         raise _refuse(FeedbackOutcome.INVALID, f"rewards must be finite numbers; rewards[{bad[0]}] is "
                       f"{rewards[bad[0]]}", "rewards", "invalid_value")
-    with cache.lock:
-        entry = _waiting_entry(cache, completion_id)
-        if not isinstance(entry, GroupEntry):
-            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group",
-                          "id", "not_a_group")
-        responses = _finished_responses(entry, completion_id, "its rewards")
-        if len(rewards) != len(responses):
-            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} has {len(responses)} choices; "
-                          f"got {len(rewards)} rewards (one per choice, in choice order)", "rewards",
-                          "invalid_value")
-        entry.label = GroupRewards([float(r) for r in rewards])
-        if max(rewards) == min(rewards):
-            cache.end(entry, EntryState.SKIPPED, off_device_thread=True)
-            return FeedbackResult(FeedbackOutcome.ACCEPTED, "all rewards are equal: the group has no advantage "
-                                  "and is not trained", skipped=True)
-        if entry.state is EntryState.WAITING_LABEL:
-            entry.state = EntryState.READY
+    entry = _waiting_entry(cache, completion_id)
+    if not isinstance(entry, GroupEntry):
+        raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group",
+                      "id", "not_a_group")
+    responses = _finished_responses(entry, completion_id, "its rewards")
+    if len(rewards) != len(responses):
+        raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} has {len(responses)} choices; "
+                      f"got {len(rewards)} rewards (one per choice, in choice order)", "rewards",
+                      "invalid_value")
+    skip = max(rewards) == min(rewards)
+    _commit(cache, entry, GroupRewards([float(r) for r in rewards]), skip)
+    if skip:
+        return FeedbackResult(FeedbackOutcome.ACCEPTED, "all rewards are equal: the group has no advantage "
+                              "and is not trained", skipped=True)
     return ACCEPTED
 
 
@@ -177,25 +186,23 @@ def _attach_indices(cache: ActivationCache, request: FeedbackLabel) -> None:
     if chosen == rejected:
         raise _refuse(FeedbackOutcome.INVALID, "'chosen_index' and 'rejected_index' are the same choice",
                       "rejected_index", "invalid_value")
-    with cache.lock:
-        entry = _waiting_entry(cache, completion_id)
-        if not isinstance(entry, PreferenceEntry):
-            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} takes no preference label", "id",
-                          "invalid_value")
-        responses = _finished_responses(entry, completion_id, "its preference")
-        for name, index in (("chosen_index", chosen), ("rejected_index", rejected)):
-            if index not in responses:
-                raise _refuse(FeedbackOutcome.INVALID, f"{name} {index} does not exist; the completion has choices "
-                              f"{sorted(responses)}", name, "invalid_value")
-        if responses[chosen] == responses[rejected]:
-            raise _refuse(FeedbackOutcome.INVALID, f"choices {chosen} and {rejected} are the same response",
-                          "rejected_index", "invalid_value")
-        entry.label = PreferenceLabel(list(responses[chosen]), list(responses[rejected]))
-        for side, index in (("chosen", chosen), ("rejected", rejected)):
-            if index in entry.served_logps:
-                entry.label.served_logps[side] = entry.served_logps[index]
-        if entry.state is EntryState.WAITING_LABEL:
-            entry.state = EntryState.READY
+    entry = _waiting_entry(cache, completion_id)
+    if not isinstance(entry, PreferenceEntry):
+        raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} takes no preference label", "id",
+                      "invalid_value")
+    responses = _finished_responses(entry, completion_id, "its preference")
+    for name, index in (("chosen_index", chosen), ("rejected_index", rejected)):
+        if index not in responses:
+            raise _refuse(FeedbackOutcome.INVALID, f"{name} {index} does not exist; the completion has choices "
+                          f"{sorted(responses)}", name, "invalid_value")
+    if responses[chosen] == responses[rejected]:
+        raise _refuse(FeedbackOutcome.INVALID, f"choices {chosen} and {rejected} are the same response",
+                      "rejected_index", "invalid_value")
+    label = PreferenceLabel(list(responses[chosen]), list(responses[rejected]))
+    for side, index in (("chosen", chosen), ("rejected", rejected)):
+        if index in entry.served_logps:
+            label.served_logps[side] = entry.served_logps[index]
+    _commit(cache, entry, label)
 
 
 def _attach(cache: ActivationCache, request: FeedbackLabel, response_ids, max_model_len: int) -> None:
@@ -204,34 +211,73 @@ def _attach(cache: ActivationCache, request: FeedbackLabel, response_ids, max_mo
     if chosen is None and rejected is None:
         raise _refuse(FeedbackOutcome.INVALID, "give at least one of 'chosen' and 'rejected'; the other defaults "
                       "to the served response", "chosen", "missing_required_parameter")
-    with cache.lock:
-        entry = _waiting_entry(cache, completion_id)
-        served = None
-        if chosen is None or rejected is None:
-            if not entry.response_finished:
-                raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} is still being generated; "
-                              "send both 'chosen' and 'rejected', or wait for it to finish", "id",
-                              "response_pending")
-            if choice_index not in entry.responses:
-                raise _refuse(FeedbackOutcome.INVALID, f"choice_index {choice_index} does not exist; the "
-                              f"completion has choices {sorted(entry.responses)}", "choice_index", "invalid_value")
-            served = list(entry.responses[choice_index])
-            if not served:
-                raise _refuse(FeedbackOutcome.INVALID, "the served response is empty; give both 'chosen' and "
-                              "'rejected'", "id", "invalid_value")
-        chosen_ids = response_ids(chosen) if chosen is not None else served
-        rejected_ids = response_ids(rejected) if rejected is not None else served
-        if chosen_ids == rejected_ids:
-            raise _refuse(FeedbackOutcome.INVALID, "'chosen' and 'rejected' are the same response", "chosen",
-                          "invalid_value")
-        limit = max_model_len - len(entry.prompt_token_ids)
-        for name, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
-            if len(ids) > limit:
-                raise _refuse(FeedbackOutcome.INVALID, f"'{name}' is {len(ids)} tokens; at most {limit} fit after "
-                              "the prompt", name, "context_length_exceeded")
-        entry.label = PreferenceLabel(chosen_ids, rejected_ids)
-        if served is not None and choice_index in entry.served_logps:
-            side = "rejected" if rejected is None else "chosen"
-            entry.label.served_logps[side] = entry.served_logps[choice_index]
-        if entry.state is EntryState.WAITING_LABEL:
-            entry.state = EntryState.READY
+    # the texts are tokenized first, with nothing locked: a large label stalls no one
+    texts_ids = {name: response_ids(text) for name, text in (("chosen", chosen), ("rejected", rejected))
+                 if text is not None}
+    entry = _waiting_entry(cache, completion_id)
+    served = None
+    if chosen is None or rejected is None:
+        if not entry.response_finished:
+            raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} is still being generated; "
+                          "send both 'chosen' and 'rejected', or wait for it to finish", "id",
+                          "response_pending")
+        if choice_index not in entry.responses:
+            raise _refuse(FeedbackOutcome.INVALID, f"choice_index {choice_index} does not exist; the "
+                          f"completion has choices {sorted(entry.responses)}", "choice_index", "invalid_value")
+        served = list(entry.responses[choice_index])
+        if not served:
+            raise _refuse(FeedbackOutcome.INVALID, "the served response is empty; give both 'chosen' and "
+                          "'rejected'", "id", "invalid_value")
+    chosen_ids = texts_ids.get("chosen", served)
+    rejected_ids = texts_ids.get("rejected", served)
+    if chosen_ids == rejected_ids:
+        raise _refuse(FeedbackOutcome.INVALID, "'chosen' and 'rejected' are the same response", "chosen",
+                      "invalid_value")
+    limit = max_model_len - len(entry.prompt_token_ids)
+    for name, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
+        if len(ids) > limit:
+            raise _refuse(FeedbackOutcome.INVALID, f"'{name}' is {len(ids)} tokens; at most {limit} fit after "
+                          "the prompt", name, "context_length_exceeded")
+    label = PreferenceLabel(chosen_ids, rejected_ids)
+    if served is not None and choice_index in entry.served_logps:
+        side = "rejected" if rejected is None else "chosen"
+        label.served_logps[side] = entry.served_logps[choice_index]
+    _commit(cache, entry, label)
+
+
+class FeedbackIntake:
+    """Where labels come in (`POST /v1/feedback`, the reward function): attaches each to
+    its entry and counts the outcomes. Call it on a worker thread."""
+
+    def __init__(self, method: TrainingMethod, cache: ActivationCache, stats: TrainingStats, tokenizer,
+                 max_model_len: int):
+        self.method = method
+        self.cache = cache
+        self.stats = stats
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def submit(self, request: FeedbackLabel) -> FeedbackResult:
+        """Attaches a label (a preference, or a group's rewards) to a completion's entry."""
+        if not self.method.uses_feedback:
+            result = FeedbackResult(FeedbackOutcome.INVALID, f"feedback is used by preference and group training; "
+                                    f"this server trains in {self.method.name!r} mode (start it with --train-mode "
+                                    "dpo or grpo)", None, "feedback_not_used")
+        else:
+            result = attach_label(self.cache, request, self._response_ids, self.max_model_len,
+                                  self.method.label_kind)
+        with self.stats.lock:
+            key = result.outcome.value
+            self.stats.feedback[key] = self.stats.feedback.get(key, 0) + 1
+            if result.accepted and request.rewards is not None:
+                self.stats.rewarded_groups += 1
+                self.stats.rewards_received += len(request.rewards)
+                self.stats.reward_sum += sum(request.rewards)
+                self.stats.last_group_mean_reward = sum(request.rewards) / len(request.rewards)
+                self.stats.zero_advantage_groups += result.skipped
+        return result
+
+    def _response_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        return ids + ([eos] if eos is not None else [])

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from engine.kv_cache import AttentionMetadata
-from engine.model_runner import ModelRunner
+from engine.layerwise import LayerwiseModel
 from engine.recording import LayerSegment
 from trainer.losses import weighted_nll
 
@@ -35,24 +35,6 @@ def within(context: Callable[[], contextlib.AbstractContextManager], generator):
             except StopIteration as stop:
                 return stop.value
         yield
-
-
-def packed_metadata(lengths: list[int], starts: list[int], device: torch.device) -> AttentionMetadata:
-    """B sequences packed along one axis; sequence b's queries are positions
-    starts[b] .. starts[b] + lengths[b] - 1 and its keys positions 0 .. that end."""
-    batch, q_max = len(lengths), max(lengths)
-    query_index = torch.zeros(batch, q_max, dtype=torch.long)
-    query_positions = torch.full((batch, q_max), -1, dtype=torch.long)
-    output_index = torch.empty(sum(lengths), dtype=torch.long)
-    offset = 0
-    for b, (n, start) in enumerate(zip(lengths, starts)):
-        query_index[b, :n] = torch.arange(offset, offset + n)
-        query_positions[b, :n] = torch.arange(start, start + n)
-        output_index[offset:offset + n] = torch.arange(b * q_max, b * q_max + n)
-        offset += n
-    return AttentionMetadata(query_index=query_index.to(device), output_index=output_index.to(device),
-                             query_positions=query_positions.to(device),
-                             num_keys=max(s + n for s, n in zip(starts, lengths)))
 
 
 class SequenceKV:
@@ -89,13 +71,13 @@ class SegmentedForward:
     kv: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def forward_segments(runner: ModelRunner, token_lists: list[list[int]], starts: list[int] | None = None,
+def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], starts: list[int] | None = None,
                      prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None, with_grad: bool = True):
     """Generator: one slice per layer; returns a SegmentedForward (segments empty without grad)."""
     device = runner.device
     starts = starts or [0] * len(token_lists)
     lengths = [len(t) for t in token_lists]
-    metadata = packed_metadata(lengths, starts, device)
+    metadata = runner.attention_metadata(lengths, starts)
     ids = torch.tensor([t for tokens in token_lists for t in tokens], device=device)
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
     past = SequenceKV(metadata, prefix)
@@ -113,7 +95,7 @@ def forward_segments(runner: ModelRunner, token_lists: list[list[int]], starts: 
     return SegmentedForward(segments, head_leaf, offsets, [past.new[i] for i in range(len(past.new))])
 
 
-def head_score(runner: ModelRunner, leaf: torch.Tensor, start: int, targets: torch.Tensor, chunk_rows: int):
+def head_score(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor, chunk_rows: int):
     """Generator, one slice per chunk of rows, no grad: returns the summed log p(targets)
     of rows start .. start + len(targets) − 1 of `leaf` (1, T, hidden), through the
     final norm and LM head."""
@@ -127,7 +109,7 @@ def head_score(runner: ModelRunner, leaf: torch.Tensor, start: int, targets: tor
     return total
 
 
-def head_backward(runner: ModelRunner, leaf: torch.Tensor, start: int, targets: torch.Tensor,
+def head_backward(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor,
                   weights: torch.Tensor, chunk_rows: int):
     """Generator, one slice per chunk of rows: back-propagates sum(weights · −log p(targets))
     over rows start .. start + len(targets) − 1 of the head segment's input `leaf` (an
@@ -140,7 +122,7 @@ def head_backward(runner: ModelRunner, leaf: torch.Tensor, start: int, targets: 
     return (yield from head_token_loss(runner, leaf, start, len(targets), nll, chunk_rows))
 
 
-def head_token_loss(runner: ModelRunner, leaf: torch.Tensor, start: int, num_rows: int,
+def head_token_loss(runner: LayerwiseModel, leaf: torch.Tensor, start: int, num_rows: int,
                     loss: Callable[[torch.Tensor, int], torch.Tensor], chunk_rows: int):
     """Generator, one slice per chunk of rows: back-propagates a loss that is a sum over
     rows start .. start + num_rows − 1 of `leaf` — `loss(logits, a)` for the chunk of
@@ -162,13 +144,13 @@ def kv_leaves(segments: list[LayerSegment]) -> list[tuple[torch.Tensor, torch.Te
     return [(s.key.detach().requires_grad_(), s.value.detach().requires_grad_()) for s in segments]
 
 
-def recompute_segment(runner: ModelRunner, index: int, leaf_rows: torch.Tensor) -> LayerSegment:
+def recompute_segment(runner: LayerwiseModel, index: int, leaf_rows: torch.Tensor) -> LayerSegment:
     """Decoder layer `index` run again under grad from its kept input, `leaf_rows`
     (1, P, hidden): the recorded prompt's rows, positions 0 .. P-1. The fresh segment
     equals the recorded one on those rows (a recorded step's other rows are decodes of
     other sequences, which get no gradient)."""
     num = leaf_rows.shape[1]
-    metadata = packed_metadata([num], [0], runner.device)
+    metadata = runner.attention_metadata([num], [0])
     past = SequenceKV(metadata)
     leaf = leaf_rows.detach().requires_grad_()
     position_ids = torch.arange(num, device=runner.device).unsqueeze(0)

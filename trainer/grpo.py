@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 
 from engine.recording import RecordedPrefill
-from trainer.cache import GroupEntry
+from trainer.entries import GroupEntry
 from trainer.forward import backward_segments, forward_segments, head_token_loss, kv_leaves, within
 from trainer.losses import group_advantages, grpo_token_loss, token_logprobs
-from trainer.methods import JobResult, TrainContext, TrainingMethod, _ids, base_model_no_grad
+from trainer.methods import JobResult, TrainContext, TrainingMethod, base_model_no_grad
 
 
 class GRPOMethod(TrainingMethod):
@@ -102,12 +102,12 @@ class GRPOMethod(TrainingMethod):
             last = ctx.runner.lm_head(ctx.runner.norm(prompt.head_leaf[0, -1:]))
             result = {}
             for index, response in entry.responses.items():
-                values = token_logprobs(last, _ids(ctx, response[:1])).tolist()
+                values = token_logprobs(last, ctx.ids(response[:1])).tolist()
                 if len(response) > 1:
                     fwd = yield from forward_segments(ctx.runner, [response[:-1]], [len(entry.prompt_token_ids)],
                                                       prompt.kv, with_grad=False)
                     logits = ctx.runner.lm_head(ctx.runner.norm(fwd.head_leaf[0]))
-                    values += token_logprobs(logits, _ids(ctx, response[1:])).tolist()
+                    values += token_logprobs(logits, ctx.ids(response[1:])).tolist()
                 result[index] = values
             return result
 

@@ -1,10 +1,10 @@
-"""The adapter's lifecycle on disk: snapshot, resume, rollback, and the compatibility
-check between a saved adapter and the configured one.
+"""The adapter's lifecycle: what becomes of a new version (merged serving weights
+rebuilt, saved every `save_every` versions), and the adapter on disk — resume, snapshot,
+rollback, and the compatibility check between a saved adapter and the configured one.
 
-`AdapterLifecycle` is a part of `Trainer` (trainer/trainer.py), kept in its own file: it
-uses the trainer's `peft_model`, `optimizer`, `cache`, `stats`, `mode`, `checkpointer`
-and `restored_from`, and its `abandon_job()` and `invalidate_merged()`. Everything here
-runs on the device thread (weights change between steps, never under one).
+Everything here runs on the device thread (weights change between steps, never under
+one). A rollback abandons the job in progress first; that is the caller's
+(`OnlineTraining.rollback`), since the job belongs to the trainer.
 """
 
 from __future__ import annotations
@@ -14,6 +14,11 @@ import logging
 import torch
 
 from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot, SavedVersion
+from trainer.cache import ActivationCache
+from trainer.maintenance import Maintenance
+from trainer.optimizer import AdapterOptimizer
+from trainer.stash import WeightStash
+from trainer.status import TrainingStats
 
 logger = logging.getLogger(__name__)
 
@@ -23,18 +28,40 @@ class AdapterMismatchError(ValueError):
 
 
 class AdapterLifecycle:
-    def enable_checkpoints(self, checkpointer: AdapterCheckpointer) -> None:
+    def __init__(self, peft_model, optimizer: AdapterOptimizer, cache: ActivationCache, stash: WeightStash,
+                 maintenance: Maintenance, stats: TrainingStats, mode: str,
+                 checkpointer: AdapterCheckpointer | None = None):
+        """`checkpointer`: saves versions to the adapter directory (None: none is set)."""
+        self.peft_model = peft_model
+        self.optimizer = optimizer
+        self.cache = cache
+        self.stash = stash
+        self.maintenance = maintenance
+        self.stats = stats
+        self.mode = mode
+        self.checkpointer = checkpointer
+        # the saved version the adapter was last restored from (resume or rollback)
+        self.restored_from: int | None = None
+
+    def start(self) -> None:
         """Resumes from the latest good saved version, if any (else saves version 0, so
-        there is always a version to roll back to); from then on saves every
-        `save_every` versions. Call before serving starts."""
-        snapshot = checkpointer.store.latest()
+        there is always a version to roll back to). Call before serving starts."""
+        if self.checkpointer is None:
+            return
+        snapshot = self.checkpointer.store.latest()
         if snapshot is not None:
             self.restore(snapshot, snapshot.version)
-            self.merge_all()
-            logger.info("resumed adapter version %d from %s", snapshot.version, checkpointer.store.root)
+            self.maintenance.merge_all()
+            logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
         else:
-            checkpointer.save_async(self.snapshot()).result()
-        self.checkpointer = checkpointer
+            self.checkpointer.save_async(self.snapshot()).result()
+
+    def after_step(self, stepped: bool) -> None:
+        """An optimizer step ran (`stepped`: it changed the weights): merged serving
+        weights go stale, and the version is saved if one is due."""
+        if stepped and self.checkpointer is not None and self.checkpointer.due(self.optimizer.version):
+            self.checkpointer.save_async(self.snapshot())
+        self.maintenance.invalidate_merged()
 
     def saved_versions(self) -> list[SavedVersion]:
         """The versions on disk, oldest first (none without an adapter directory)."""
@@ -48,29 +75,29 @@ class AdapterLifecycle:
         from peft import get_peft_model_state_dict
 
         weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.peft_model).items()}
-        trained = sum(self.stats.trained_entries.values())
+        stats = self.stats.copy()
         return AdapterSnapshot(self.optimizer.version, weights, self.peft_model.peft_config["default"],
                                self.optimizer.state_dict(),
                                {"mode": self.mode, "restored_from": self.restored_from,
-                                "trained_entries": trained, "train_tokens": self.stats.train_tokens})
+                                "trained_entries": sum(stats.trained_entries.values()),
+                                "train_tokens": stats.train_tokens})
 
     def restore(self, snapshot: AdapterSnapshot, version: int) -> None:
-        """Loads `snapshot` into the live adapter as adapter `version`. A job in progress is
-        abandoned: its gradients are discarded and its entries go back in line (recorded
-        under other weights, they take the recompute path)."""
+        """Loads `snapshot` into the live adapter as adapter `version` (no job may be in
+        progress). Recordings made under other weights lose their activations: they take
+        the recompute path."""
         from peft import get_peft_model_state_dict
 
         live = get_peft_model_state_dict(self.peft_model)
         check_compatible(self.peft_model.peft_config["default"], snapshot, live)
-        self.abandon_job()
         with torch.no_grad():
             for name, tensor in live.items():
                 tensor.copy_(snapshot.weights[name])
         self.optimizer.load_state_dict(snapshot.optimizer_state, version)
         self.cache.release_stale(version)
-        self.release_unneeded_weights()
+        self.stash.release_except(self.cache.recorded_versions())
         self.restored_from = snapshot.version
-        self.invalidate_merged()
+        self.maintenance.invalidate_merged()
 
     def rollback(self, snapshot: AdapterSnapshot) -> int:
         """Makes the saved `snapshot` the live adapter. Versions only go forward: the

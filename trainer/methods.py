@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.model_runner import ModelRunner
+from engine.layerwise import LayerwiseModel
 from engine.recording import RecordedPrefill, RecordSpec
 from trainer.adapter import adapters_disabled
-from trainer.cache import CacheEntry, PreferenceEntry
+from trainer.entries import CacheEntry, PreferenceEntry
 from trainer.config import DPO_REFERENCES
 from trainer.forward import backward_segments, forward_segments, head_backward, head_score, kv_leaves, within
 from trainer.losses import cpt_weights, dpo_loss, token_logprobs
@@ -31,7 +31,8 @@ from trainer.losses import cpt_weights, dpo_loss, token_logprobs
 
 @dataclass
 class TrainContext:
-    runner: ModelRunner
+    # the served model, layer by layer (the engine's runner)
+    runner: LayerwiseModel
     # the PeftModel (for disable_adapter when computing reference log-probs)
     peft_model: object
     # the activation offloader, when a device budget is set (offload/)
@@ -43,16 +44,16 @@ class TrainContext:
         """What brings the recording's freed layers back for backward (None: all resident)."""
         return None if self.offloader is None else self.offloader.residency(recording)
 
+    def ids(self, tokens: list[int]) -> torch.Tensor:
+        """Token ids as a tensor on the model's device."""
+        return torch.tensor(tokens, device=self.runner.device)
+
 
 @dataclass
 class JobResult:
     loss: float
     tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def _ids(ctx: TrainContext, tokens: list[int]) -> torch.Tensor:
-    return torch.tensor(tokens, device=ctx.runner.device)
 
 
 def base_model_no_grad(ctx: TrainContext) -> contextlib.ExitStack:
@@ -118,7 +119,7 @@ class CPTMethod(TrainingMethod):
     def _train_head(self, entry: CacheEntry, ctx: TrainContext, head_leaf: torch.Tensor):
         """Generator: the head segment's chunks; returns the JobResult."""
         weights = self.token_weights(entry, ctx)
-        loss = yield from head_backward(ctx.runner, head_leaf, 0, _ids(ctx, entry.prompt_token_ids[1:]), weights,
+        loss = yield from head_backward(ctx.runner, head_leaf, 0, ctx.ids(entry.prompt_token_ids[1:]), weights,
                                         ctx.head_chunk_rows)
         return JobResult(loss, int((weights != 0).sum().item()), {"loss": loss})
 
@@ -172,12 +173,12 @@ class DPOMethod(TrainingMethod):
         value = None
         if score:
             with torch.no_grad():
-                value = token_logprobs(last_logits, _ids(ctx, response[:1])).sum()
+                value = token_logprobs(last_logits, ctx.ids(response[:1])).sum()
         fwd = None
         if len(response) > 1:
             fwd = yield from forward_segments(ctx.runner, [response[:-1]], [prompt_len], prefix, with_grad)
             if score:
-                value = value + (yield from head_score(ctx.runner, fwd.head_leaf, 0, _ids(ctx, response[1:]),
+                value = value + (yield from head_score(ctx.runner, fwd.head_leaf, 0, ctx.ids(response[1:]),
                                                        ctx.head_chunk_rows))
         return value, fwd
 
@@ -186,10 +187,10 @@ class DPOMethod(TrainingMethod):
         response's head (in row chunks) and layers; the first token's share goes to
         `last` (the prompt's last logits row, a leaf), the K/V share to the prefix leaves."""
         with torch.enable_grad():
-            (token_logprobs(last, _ids(ctx, response[:1])).sum() * weight).backward()
+            (token_logprobs(last, ctx.ids(response[:1])).sum() * weight).backward()
         if fwd is None:
             return
-        targets = _ids(ctx, response[1:])
+        targets = ctx.ids(response[1:])
         yield from head_backward(ctx.runner, fwd.head_leaf, 0, targets, -weight.expand(len(targets)),
                                  ctx.head_chunk_rows)
         yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
@@ -277,7 +278,7 @@ class DPOMethod(TrainingMethod):
         fwd = yield from forward_segments(ctx.runner, [prompt + label.chosen, prompt + label.rejected])
         spans = {}  # response -> (its first scoring row, its token ids)
         for b, (name, response) in enumerate((("chosen", label.chosen), ("rejected", label.rejected))):
-            spans[name] = (fwd.offsets[b] + len(prompt) - 1, _ids(ctx, response))
+            spans[name] = (fwd.offsets[b] + len(prompt) - 1, ctx.ids(response))
         values = {}
         for name, (first, targets) in spans.items():
             values[name] = yield from head_score(ctx.runner, fwd.head_leaf, first, targets, ctx.head_chunk_rows)

@@ -9,7 +9,9 @@ hooks.py), called on the device thread:
   - `on_recorded` turns a recording into a cache entry (the training method's);
   - `on_output` collects the served responses and their log-probs, and completes the
     entry when the request finishes (and has a group scored by the reward function, if
-    one is set); `on_step` expires entries past their label timeout.
+    one is set, shown the prompt the client wrote, which came with the request).
+What it keeps about a request in flight lives here, on the device thread, from its
+admission to its last output; label expiry is the arbiter's (trainer/maintenance.py).
 A request gets an entry only if the method trains on it (GRPO: n >= 2, one entry for the
 group, whose choices share the one recording).
 No label is lost: with a method that takes feedback, a trainable request whose prefill is
@@ -20,18 +22,17 @@ tokens, without activations — and its label trains by recomputation.
 from __future__ import annotations
 
 import random
-import time
 from typing import Callable, Protocol
 
+from engine.malloc_tuning import HeapWarmer
 from engine.outputs import RequestOutput, StepStats
 from engine.recording import RecordedPrefill, RecordSpec
-from trainer.cache import ActivationCache, EntryState, GroupEntry
+from trainer.cache import ActivationCache
+from trainer.entries import EntryState, GroupEntry
 from trainer.config import TrainConfig
 from trainer.methods import TrainingMethod
+from trainer.rewards import RewardScorer
 from trainer.status import TrainingStats
-
-# how often serving steps check label timeouts
-_EXPIRY_EVERY_S = 0.5
 
 
 class DeviceRoom(Protocol):
@@ -43,7 +44,7 @@ class DeviceRoom(Protocol):
 class Recorder:
     def __init__(self, config: TrainConfig, method: TrainingMethod, cache: ActivationCache,
                  adapter_version: Callable[[], int], stats: TrainingStats, device_room: DeviceRoom | None = None,
-                 warmer=None, rewards=None):
+                 warmer: HeapWarmer | None = None, rewards: RewardScorer | None = None):
         """`warmer`: pre-faulted heap (engine.malloc_tuning.HeapWarmer), released just
         before a recording and sized to the largest one; `rewards`: the reward function's
         scorer (trainer/rewards.py), which gets each finished group."""
@@ -57,7 +58,6 @@ class Recorder:
         self.device_room = device_room
         self.warmer = warmer
         self._rng = random.Random(config.seed)
-        self._last_expiry = 0.0
         # measured bytes per recorded prompt token (to predict whether a recording fits)
         self._bytes_per_token: float | None = None
         # completion id -> choice index -> served token ids, for recorded requests in flight
@@ -66,15 +66,20 @@ class Recorder:
         # text (kept for the reward function only)
         self._token_logps: dict[str, dict[int, list[float]]] = {}
         self._texts: dict[str, dict[int, str]] = {}
+        # completion id -> the prompt as the client wrote it (kept for the reward function only)
+        self._client_prompts: dict[str, object] = {}
         # completion id -> (prompt token ids, adapter version) of trainable requests in
         # flight that were not recorded: they get a label entry when they finish
         self._label_only: dict[str, tuple[list[int], int]] = {}
 
     # -- PrefillRecorder ------------------------------------------------------------------
 
-    def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1) -> RecordSpec | None:
+    def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,
+              client_prompt: object = None) -> RecordSpec | None:
         if not self.method.trains_on(num_choices):
             return None
+        if self.rewards is not None and client_prompt is not None:
+            self._client_prompts[request_id] = client_prompt
         spec = self._decide(len(prompt_token_ids))
         if spec is not None and self.warmer is not None:
             self.warmer.release()  # the recording's activations take the warm pages
@@ -89,7 +94,8 @@ class Recorder:
         expected = (self._bytes_per_token or 0.0) * num_prompt_tokens
         if (num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
                 or (self.device_room is not None and not self.device_room.admits(num_prompt_tokens))):
-            self.stats.not_recorded += 1
+            with self.stats.lock:
+                self.stats.not_recorded += 1
             return None
         return self.method.record_spec(self.adapter_version())
 
@@ -98,20 +104,19 @@ class Recorder:
         if self.warmer is not None:
             self.warmer.target = max(self.warmer.target, recording.saved_bytes)
         entry = self.method.make_entry(request_id, recording)
-        if self.cache.add(entry):
-            self.stats.recorded += 1
+        added = self.cache.add(entry)
+        if added:
             self._responses[request_id] = {}
-        else:
-            self.stats.not_recorded += 1
+        with self.stats.lock:
+            if added:
+                self.stats.recorded += 1
+            else:
+                self.stats.not_recorded += 1
 
     # -- EngineObserver -------------------------------------------------------------------
 
     def on_step(self, stats: StepStats) -> None:
-        # label timeouts come due under steady load too, when no idle slice runs to expire them
-        now = time.monotonic()
-        if now - self._last_expiry >= _EXPIRY_EVERY_S:
-            self._last_expiry = now
-            self.cache.expire()
+        """Nothing per step: a request's outputs are all it needs."""
 
     def on_output(self, output: RequestOutput) -> None:
         request_id = output.request_id
@@ -120,8 +125,7 @@ class Recorder:
             if output.finished and self.method.uses_feedback and not _aborted(output):
                 group = self.method.trains_on(len(output.outputs))
                 self.cache.note_not_trainable(request_id, EntryState.NOT_TRAINABLE if group else EntryState.NOT_A_GROUP)
-            if output.finished and self.rewards is not None:
-                self.rewards.forget(request_id)
+            self._client_prompts.pop(request_id, None)
             return
         token_logps = self._token_logps.setdefault(request_id, {})
         texts = self._texts.setdefault(request_id, {})
@@ -139,11 +143,9 @@ class Recorder:
             if label_only is not None and not aborted:
                 self.cache.add(self.method.make_label_entry(request_id, *label_only))
             waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps)
-            if self.rewards is not None:
-                if isinstance(waiting, GroupEntry):
-                    self.rewards.score(waiting, [texts[i] for i in sorted(texts)])
-                else:
-                    self.rewards.forget(request_id)
+            client_prompt = self._client_prompts.pop(request_id, None)
+            if self.rewards is not None and isinstance(waiting, GroupEntry):
+                self.rewards.score(waiting, client_prompt, [texts[i] for i in sorted(texts)])
 
 
 def _aborted(output: RequestOutput) -> bool:

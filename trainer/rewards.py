@@ -16,10 +16,10 @@ import concurrent.futures
 import importlib
 import logging
 import math
-import threading
 from typing import Callable
 
-from trainer.cache import ActivationCache, EntryState, GroupEntry
+from trainer.cache import ActivationCache
+from trainer.entries import GroupEntry
 from trainer.feedback import FeedbackLabel, FeedbackResult
 from trainer.status import TrainingStats
 
@@ -57,35 +57,24 @@ def checked_rewards(value, count: int) -> list[float]:
 
 class RewardScorer:
     def __init__(self, function: Callable, timeout_s: float, cache: ActivationCache, stats: TrainingStats,
-                 submit: Callable[[FeedbackLabel], FeedbackResult], decode: Callable[[list[int]], str]):
-        """`submit`: attaches rewards as feedback does (the trainer's `submit_feedback`);
-        `decode`: prompt token ids -> text, for requests whose prompt was not noted."""
+                 submit: Callable[[FeedbackLabel], FeedbackResult], decode: Callable[[list[int]], str],
+                 on_scored: Callable[[], None] = lambda: None):
+        """`submit`: attaches rewards as feedback does (`FeedbackIntake.submit`);
+        `decode`: prompt token ids -> text, for requests that came without the client's
+        prompt; `on_scored`: called after rewards are attached (wakes the engine's loop)."""
         self.function = function
         self.timeout_s = timeout_s
         self.cache = cache
         self.stats = stats
         self.submit = submit
         self.decode = decode
-        # called after rewards are attached (wakes the engine's loop to train)
-        self.on_scored: Callable[[], None] = lambda: None
+        self.on_scored = on_scored
         self._calls = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="reward")
         self._waits = concurrent.futures.ThreadPoolExecutor(_WORKERS, thread_name_prefix="reward-wait")
-        self._prompts: dict[str, object] = {}
-        self._lock = threading.Lock()
 
-    def note_prompt(self, completion_id: str, prompt) -> None:
-        """The request's messages or text, as the client sent them (HTTP thread)."""
-        with self._lock:
-            self._prompts[completion_id] = prompt
-
-    def forget(self, completion_id: str) -> None:
-        with self._lock:
-            self._prompts.pop(completion_id, None)
-
-    def score(self, entry: GroupEntry, texts: list[str]) -> None:
-        """Scores a finished group off this thread; its rewards are attached when they come."""
-        with self._lock:
-            prompt = self._prompts.pop(entry.completion_id, None)
+    def score(self, entry: GroupEntry, prompt, texts: list[str]) -> None:
+        """Scores a finished group off this thread; its rewards are attached when they
+        come. `prompt`: the client's messages or text (None: decoded from the entry)."""
         if prompt is None:
             prompt = self.decode(entry.prompt_token_ids)
         self._waits.submit(self._run, entry, prompt, texts)
@@ -97,10 +86,9 @@ class RewardScorer:
         except Exception as exc:  # noqa: BLE001 - the user's function may raise anything
             reason = f"timed out after {self.timeout_s:g} s" if isinstance(exc, TimeoutError) else repr(exc)
             logger.error("reward function failed for %s (%s); the group is dropped", entry.completion_id, reason)
-            self.stats.reward_errors += 1
-            with self.cache.lock:
-                if entry.state is EntryState.WAITING_LABEL:
-                    self.cache.end(entry, EntryState.DROPPED, off_device_thread=True)
+            with self.stats.lock:
+                self.stats.reward_errors += 1
+            self.cache.drop_unlabelled(entry)
             return
         result = self.submit(FeedbackLabel(entry.completion_id, rewards=rewards))
         if not result.accepted:

@@ -1,10 +1,15 @@
 """The trainer's counters, and the snapshot of its state that `/metrics` and
-`/v1/adapters` read (`Trainer.status()`): nothing outside the trainer reads its parts."""
+`/v1/adapters` read: nothing outside the trainer reads its parts.
+
+`TrainingStats` is written on the device thread (jobs, recordings), on feedback worker
+threads and on reward threads: every writer holds its `lock`, and `copy()` takes it, so a
+copy is consistent."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass, field
 
 SLICE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, math.inf)
@@ -45,12 +50,14 @@ class TrainingStats:
     last_group_mean_reward: float = math.nan
     zero_advantage_groups: int = 0
     reward_errors: int = 0
+    # held by every writer (and by `copy`)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def copy(self) -> "TrainingStats":
-        """A copy safe to take while the device thread counts (each dict copied in C,
-        atomically under the GIL)."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return TrainingStats(**{k: dict(v) if isinstance(v, dict) else v for k, v in values.items()})
+        """A consistent copy: no writer is half-way through an update."""
+        with self.lock:
+            values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "lock"}
+            return TrainingStats(**{k: dict(v) if isinstance(v, dict) else v for k, v in values.items()})
 
 
 @dataclass(frozen=True)

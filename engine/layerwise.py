@@ -1,0 +1,44 @@
+"""The served model, layer by layer: the interface the engine's runner offers to work that
+runs the model outside a serving step — training forwards and backwards
+(trainer/forward.py) and the offloader's recomputation of a freed layer.
+
+`ModelRunner` (engine/model_runner.py) implements it. Attention metadata for packed
+sequences has one builder, `AttentionMetadata.packed` (engine/kv_cache.py), reached here
+through `attention_metadata`.
+"""
+
+from __future__ import annotations
+
+from typing import Generator, Protocol
+
+import torch
+
+from engine.kv_cache import AttentionMetadata
+
+
+class LayerwiseModel(Protocol):
+    device: torch.device
+    # the model's parts: token embedding (1, T) -> (1, T, hidden); final norm; LM head
+    # (rows, hidden) -> (rows, V); rotary embedding (hidden, position_ids) -> (cos, sin)
+    embed: torch.nn.Module
+    norm: torch.nn.Module
+    lm_head: torch.nn.Module
+    rotary: torch.nn.Module
+
+    def attention_metadata(self, lengths: list[int], starts: list[int]) -> AttentionMetadata:
+        """B sequences packed along one axis, sequence b's queries at positions
+        starts[b] .. starts[b] + lengths[b] - 1, attending to positions 0 .. that end."""
+        ...
+
+    def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
+                    leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
+                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> Generator[None, None, torch.Tensor]:
+        """The decoder layers one at a time (yielding after each), on (1, T, hidden);
+        with `leaves`/`outputs`, each layer's input is made a fresh autograd leaf."""
+        ...
+
+    def run_layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
+                  past, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Decoder layer `index` on (1, T, hidden)."""
+        ...

@@ -1,0 +1,50 @@
+"""The server's routes, in one table: what each takes and gives.
+
+The routers (server/routes_*.py) serve exactly these (tests/test_openapi.py checks);
+the request guard's route labels (server/guards.py), the 404 message (server/errors.py)
+and the OpenAPI document (server/openapi.py) are read off this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from server import protocol, response_schemas as out
+
+
+@dataclass(frozen=True)
+class Operation:
+    summary: str
+    response: type[BaseModel] | None  # None: Prometheus text
+    # the body's model, or the models of a body that takes one of several shapes
+    request: type[BaseModel] | tuple[type[BaseModel], ...] | None = None
+    errors: tuple[int, ...] = ()
+    streams: bool = False  # `"stream": true` answers text/event-stream
+
+
+_GENERATION_ERRORS = (400, 404, 413, 429, 503)
+# in the order the 404 message names them
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("post", "/v1/chat/completions"): Operation("Chat completion (OpenAI's)", out.ChatCompletion,
+                                                protocol.ChatCompletionRequest, _GENERATION_ERRORS, streams=True),
+    ("post", "/v1/completions"): Operation("Text completion (OpenAI's)", out.Completion, protocol.CompletionRequest,
+                                           _GENERATION_ERRORS, streams=True),
+    ("get", "/v1/models"): Operation("The served model", out.ModelList),
+    ("get", "/v1/models/{model_id}"): Operation("One model", out.ModelCard, errors=(404,)),
+    ("post", "/v1/feedback"): Operation("A label for a served completion: preference or rewards",
+                                        out.FeedbackAccepted, protocol.FeedbackRequest, (400, 404, 409, 413)),
+    ("get", "/v1/adapters"): Operation("The live adapter and the saved versions", out.AdapterStatus, errors=(400,)),
+    ("post", "/v1/adapters/rollback"): Operation("Make a saved adapter version the live one", out.AdapterStatus,
+                                                 protocol.RollbackRequest, (400, 404, 409, 413, 503)),
+    ("post", "/tokenize"): Operation("Tokenize a prompt or chat messages (vLLM's)", out.TokenizeResponse,
+                                     (protocol.TokenizePromptRequest, protocol.TokenizeChatRequest), (400, 404, 413)),
+    ("post", "/detokenize"): Operation("Token ids back to text (vLLM's)", out.DetokenizeResponse,
+                                       protocol.DetokenizeRequest, (400, 404, 413)),
+    ("get", "/health"): Operation("Liveness: 200 while the engine runs", out.Health, errors=(503,)),
+    ("get", "/metrics"): Operation("Prometheus metrics", None),
+}
+
+# the paths without a path parameter, once each, in the table's order
+PLAIN_PATHS: tuple[str, ...] = tuple(dict.fromkeys(path for _, path in OPERATIONS if "{" not in path))

@@ -1,0 +1,106 @@
+"""The device's housekeeping around training jobs: label expiry, merged serving weights,
+returning freed memory, and warming the heap for the next recording.
+
+The arbiter (trainer/arbiter.py) is its only caller, on the device thread:
+  - `expire()` before every idle item, and after serving steps once `expiry_due()` —
+    label timeouts come due under steady traffic too, when no idle gap comes;
+  - `run_item()` in an idle gap before the next job: one bounded piece of the work that
+    makes serving faster or the next recording cheaper;
+  - `rebuild_merged(budget_s)` between serving steps, while merged weights are stale.
+"""
+
+from __future__ import annotations
+
+from engine.malloc_tuning import HeapWarmer, return_freed_memory
+from trainer.adapter import merge_all, merge_stale
+from trainer.cache import ActivationCache
+from trainer.status import TrainingStats
+
+# released activation bytes after which an idle item returns freed memory to the OS, once
+# no prefill has been recorded for a while: a recording into pages just given back pays
+# first-touch page faults (`alchemist bench recording`, BENCHMARKS.md)
+TRIM_AFTER_BYTES = 64 << 20
+TRIM_QUIET_S = 10.0
+# how often serving steps check label timeouts
+EXPIRY_EVERY_S = 0.5
+
+
+class Maintenance:
+    def __init__(self, cache: ActivationCache, peft_model, merged_serving: bool, stats: TrainingStats,
+                 warmer: HeapWarmer | None = None):
+        """`merged_serving`: serving runs on LoRA merged into the base weights, rebuilt
+        after every change of the adapter; `warmer`: pre-faulted heap for the next
+        recording (engine.malloc_tuning.HeapWarmer), None where it does not help."""
+        self.cache = cache
+        self.peft_model = peft_model
+        self.merged_serving = merged_serving
+        self.stats = stats
+        self.warmer = warmer
+        self._merge_pending = False
+        self._released_at_last_trim = 0
+        self._last_expiry = float("-inf")
+
+    # -- merged serving weights -------------------------------------------------------
+
+    def merge_all(self) -> None:
+        """Rebuilds every stale merged serving weight now (at start, nobody waits)."""
+        if self.merged_serving:
+            merge_all(self.peft_model)
+        self._merge_pending = False
+
+    def invalidate_merged(self) -> None:
+        """The adapter changed: merged serving weights are rebuilt in the next items."""
+        self._merge_pending = self.merged_serving
+
+    def merged_stale(self) -> bool:
+        """A cheap check, safe on the asyncio loop."""
+        return self._merge_pending
+
+    def rebuild_merged(self, budget_s: float) -> bool:
+        """Rebuilds stale merged serving weights for about `budget_s`; False when they
+        are all current."""
+        if self._merge_pending and merge_stale(self.peft_model, budget_s):
+            return True
+        self._merge_pending = False
+        return False
+
+    # -- label expiry -----------------------------------------------------------------
+
+    def expiry_due(self) -> bool:
+        """Whether `expire` should run after this serving step (a cheap check)."""
+        return self.cache.clock() - self._last_expiry >= EXPIRY_EVERY_S or self.cache.has_pending_release()
+
+    def expire(self) -> None:
+        """Ends entries past their label timeout and frees recordings ended elsewhere."""
+        self._last_expiry = self.cache.clock()
+        self.cache.expire()
+
+    # -- idle items before a job ------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return (self._merge_pending or self.cache.has_pending_release()
+                or (self.warmer is not None and self.warmer.wants_to_grow()))
+
+    def run_item(self) -> bool:
+        """One bounded item of housekeeping (between jobs); False if none was due."""
+        if self._merge_pending:
+            if merge_stale(self.peft_model):
+                return True  # serving speed first: merged weights are rebuilt before the next job
+            self._merge_pending = False
+        if self._return_freed_memory():  # between jobs: RSS follows the live activations
+            return True
+        # the next recording's pages are faulted in here, before any job, not in its
+        # prefill: under traffic the trainer is rarely without a job
+        return self.warmer is not None and self.warmer.grow()
+
+    def _return_freed_memory(self) -> bool:
+        """Gives freed activation memory back to the OS, once enough was released since
+        the last time and recording has paused (engine/malloc_tuning.py)."""
+        if (self.cache.released_bytes - self._released_at_last_trim < TRIM_AFTER_BYTES
+                or self.cache.clock() - self.cache.last_recorded < TRIM_QUIET_S):
+            return False
+        self._released_at_last_trim = self.cache.released_bytes
+        if return_freed_memory():
+            with self.stats.lock:
+                self.stats.memory_trims += 1
+        return True

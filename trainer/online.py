@@ -1,0 +1,139 @@
+"""Online training, assembled: the parts the composition root (server/build.py) builds and
+hands to each other, and the few things done across them.
+
+  - `run_slice()` is one item of device work in a gap between serving steps, as the
+    arbiter runs it: due label expiries, then, between jobs, a piece of housekeeping
+    (trainer/maintenance.py), else a slice of the trainer's job (trainer/trainer.py);
+    every item is timed into the training counters;
+  - `status()` is the consistent snapshot `/metrics` and `/v1/adapters` read;
+  - `rollback()` abandons the job in progress before the lifecycle swaps the weights;
+  - `close()` stops the offloader's copies and the reward workers and saves the final
+    version.
+Each part keeps its own role; this object only holds them and orders those steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.hooks import EngineHooks, EngineObserver
+from offload.offloader import ActivationOffloader
+from trainer.adapter_store import AdapterSnapshot
+from trainer.cache import ActivationCache
+from trainer.entries import EntryState
+from trainer.config import TrainConfig
+from trainer.feedback import FeedbackIntake
+from trainer.lifecycle import AdapterLifecycle
+from trainer.maintenance import Maintenance
+from trainer.methods import TrainContext, TrainingMethod
+from trainer.optimizer import AdapterOptimizer
+from trainer.recorder import Recorder
+from trainer.rewards import RewardScorer
+from trainer.stash import WeightStash
+from trainer.status import SLICE_BUCKETS, CacheStatus, OffloadStatus, SaveStatus, TrainerStatus, TrainingStats
+from trainer.trainer import Trainer
+
+
+@dataclass(eq=False)
+class OnlineTraining:
+    config: TrainConfig
+    method: TrainingMethod
+    peft_model: object
+    optimizer: AdapterOptimizer
+    cache: ActivationCache
+    stats: TrainingStats
+    stash: WeightStash
+    # what a method's jobs run on (the runner, the PEFT model, the offloader)
+    context: TrainContext
+    trainer: Trainer
+    maintenance: Maintenance
+    lifecycle: AdapterLifecycle
+    feedback: FeedbackIntake
+    # the engine's recorder and observer
+    recorder: Recorder
+    # the activation offloader (a device budget is set) and the reward function's scorer
+    offloader: ActivationOffloader | None = None
+    rewards: RewardScorer | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.method.name
+
+    def engine_hooks(self, observers: tuple[EngineObserver, ...] = ()) -> EngineHooks:
+        """What the engine is built with: the recorder, the offloader (room on the device,
+        recorded segments), the stash (stale weights), and `observers` besides the recorder."""
+        return EngineHooks(recorder=self.recorder, memory_guard=self.offloader, segment_sink=self.offloader,
+                           stale_resolver=self.stash.resolve, observers=(*observers, self.recorder))
+
+    # -- device work in the gaps (device thread) -------------------------------------
+
+    def has_work(self) -> bool:
+        return self.trainer.has_work() or self.maintenance.has_work()
+
+    def in_progress(self) -> bool:
+        """A job, or a rebuild of merged serving weights, has begun and not finished."""
+        return self.trainer.in_job() or self.maintenance.merged_stale()
+
+    def run_slice(self, serving_ran: bool = False) -> bool:
+        """One bounded item of work; False if there was nothing to do. `serving_ran`:
+        serving steps ran since the last item (a job in progress was preempted)."""
+        started = time.perf_counter()
+        if serving_ran and self.in_progress():
+            with self.stats.lock:
+                self.stats.preemptions += 1  # the job resumes here
+        self.maintenance.expire()
+        worked = (not self.trainer.in_job() and self.maintenance.run_item()) or self.trainer.run_slice()
+        if worked:
+            seconds = time.perf_counter() - started
+            with self.stats.lock:
+                self.stats.slices += 1
+                self.stats.busy_seconds += seconds
+                self.stats.max_slice_seconds = max(self.stats.max_slice_seconds, seconds)
+                self.stats.slice_buckets[next(b for b in SLICE_BUCKETS if seconds <= b)] += 1
+        return worked
+
+    def train_until_idle(self, timeout_s: float = 600.0) -> None:
+        """Runs items until nothing is left (tests, benchmarks, offline use)."""
+        deadline = time.monotonic() + timeout_s
+        while self.run_slice():
+            if time.monotonic() > deadline:
+                raise TimeoutError("training did not finish in time")
+
+    def rollback(self, snapshot: AdapterSnapshot) -> int:
+        """Makes a saved version the live adapter (device thread); the new version."""
+        self.trainer.abandon_job()  # its gradients were computed under the weights being replaced
+        return self.lifecycle.rollback(snapshot)
+
+    # -- status and shutdown ----------------------------------------------------------
+
+    def status(self) -> TrainerStatus:
+        """A consistent copy of the training state, for `/metrics` and `/v1/adapters`."""
+        cache = self.cache
+        cache_status = CacheStatus(cache.bytes, {s.value: cache.count(s) for s in (
+            EntryState.WAITING_LABEL, EntryState.READY, EntryState.TRAINING)}, dict(cache.ended_counts),
+            cache.label_entries, cache.refused_label_entries)
+        if self.offloader is None:
+            offload = OffloadStatus(cache.bytes, 0)
+        else:
+            o = self.offloader.stats
+            offload = OffloadStatus(self.offloader.device_bytes, self.offloader.host_bytes, o.offloaded_layers,
+                                    o.dropped_layers, o.reloaded_layers, o.recomputed_layers, o.over_budget_steps,
+                                    o.reload_wait_seconds)
+        saves = None
+        checkpointer = self.lifecycle.checkpointer
+        if checkpointer is not None:
+            saves = SaveStatus(str(checkpointer.store.root), checkpointer.save_every, checkpointer.saved,
+                               checkpointer.failed, checkpointer.last_saved_version)
+        return TrainerStatus(self.mode, self.optimizer.version, self.lifecycle.restored_from,
+                             self.optimizer.skipped_steps, self.stats.copy(), cache_status, offload, saves,
+                             self.stash.versions, self.stash.nbytes)
+
+    def close(self) -> None:
+        """At shutdown (after the engine stopped): stops the offloader's copies and the
+        reward workers, and saves the final adapter version."""
+        if self.offloader is not None:
+            self.offloader.close()
+        if self.rewards is not None:
+            self.rewards.close()
+        self.lifecycle.save_final()
