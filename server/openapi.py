@@ -35,7 +35,7 @@ _COMMON_ERRORS = (401, 500)
 _FEEDBACK, _ADAPTERS, _ROLLBACK = ("post", "/v1/feedback"), ("get", "/v1/adapters"), ("post", "/v1/adapters/rollback")
 # the feedback body, by the label the training method takes (trainer/feedback.py)
 _FEEDBACK_BODIES = {"preference": ("A preference between responses of a served completion (DPO)",
-                                   protocol.PreferenceFeedback),
+                                   (protocol.PreferenceTexts, protocol.PreferenceIndices)),
                     "rewards": ("One reward per choice of a served group of samples (GRPO)",
                                 protocol.RewardsFeedback)}
 

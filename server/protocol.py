@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, TypeAdapter
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar
@@ -191,15 +192,26 @@ class _FeedbackId(Strict):
     id: Annotated[str, Field(min_length=1)]
 
 
-class PreferenceFeedback(_FeedbackId):
-    """POST /v1/feedback on a server that trains on preferences (DPO): response texts, or
-    two of the completion's choices by index."""
+class PreferenceTexts(_FeedbackId):
+    """POST /v1/feedback on a server that trains on preferences (DPO), with response
+    texts: at least one of `chosen` and `rejected`; the other is the served response (of
+    choice `choice_index`)."""
 
-    chosen: Annotated[str, Field(min_length=1)] | None = None
-    rejected: Annotated[str, Field(min_length=1)] | None = None
+    model_config = ConfigDict(**Strict.model_config,
+                              json_schema_extra={"anyOf": [{"required": ["chosen"]}, {"required": ["rejected"]}]})
+
+    # (null is taken as absent, but not offered: the document shows what a label needs)
+    chosen: Annotated[str, Field(min_length=1)] | SkipJsonSchema[None] = None
+    rejected: Annotated[str, Field(min_length=1)] | SkipJsonSchema[None] = None
     choice_index: Annotated[int, Field(ge=0), INTEGRAL] = 0
-    chosen_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
-    rejected_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
+
+
+class PreferenceIndices(_FeedbackId):
+    """POST /v1/feedback on a server that trains on preferences (DPO), between two of the
+    completion's choices (n >= 2), by index."""
+
+    chosen_index: Annotated[int, Field(ge=0), INTEGRAL]
+    rejected_index: Annotated[int, Field(ge=0), INTEGRAL]
 
 
 class RewardsFeedback(_FeedbackId):
@@ -208,11 +220,17 @@ class RewardsFeedback(_FeedbackId):
     rewards: Rewards
 
 
-class FeedbackRequest(PreferenceFeedback):
-    """POST /v1/feedback as parsed on every server: either label, a preference or rewards;
-    the trainer refuses the kind its method does not take, naming the one it does. The
-    OpenAPI document shows the server's own kind (PreferenceFeedback or RewardsFeedback)."""
+class FeedbackRequest(_FeedbackId):
+    """POST /v1/feedback as parsed on every server: any label, a preference (texts or
+    indices) or rewards; the trainer refuses what its method does not take, naming what it
+    does. The OpenAPI document shows the server's own kinds (PreferenceTexts or
+    PreferenceIndices, or RewardsFeedback)."""
 
+    chosen: Annotated[str, Field(min_length=1)] | None = None
+    rejected: Annotated[str, Field(min_length=1)] | None = None
+    choice_index: Annotated[int, Field(ge=0), INTEGRAL] = 0
+    chosen_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
+    rejected_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
     rewards: Rewards | None = None
 
     def label(self) -> FeedbackLabel:

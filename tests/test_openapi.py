@@ -157,8 +157,13 @@ def test_the_document_offers_only_what_this_server_takes(tmp_path, mode, saves, 
     assert documented == set(served_operations(offered))
     if offered.feedback is not None:
         body = document["paths"]["/v1/feedback"]["post"]["requestBody"]["content"]["application/json"]["schema"]
-        schema = document["components"]["schemas"][body["$ref"].rsplit("/", 1)[-1]]
-        if offered.feedback == "preference":
-            assert "rewards" not in schema["properties"] and schema["required"] == ["id"]
+        refs = [choice["$ref"] for choice in body.get("oneOf", [body])]
+        schemas = [document["components"]["schemas"][ref.rsplit("/", 1)[-1]] for ref in refs]
+        if offered.feedback == "preference":  # texts (at least one side), or two choices by index
+            texts, indices = schemas
+            assert "rewards" not in texts["properties"] and texts["required"] == ["id"]
+            assert texts["anyOf"] == [{"required": ["chosen"]}, {"required": ["rejected"]}]
+            assert set(indices["required"]) == {"id", "chosen_index", "rejected_index"}
         else:
-            assert set(schema["properties"]) == {"id", "rewards"} and set(schema["required"]) == {"id", "rewards"}
+            [rewards] = schemas
+            assert set(rewards["properties"]) == {"id", "rewards"} and set(rewards["required"]) == {"id", "rewards"}

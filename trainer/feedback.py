@@ -183,10 +183,10 @@ def _attach_indices(cache: ActivationCache, request: FeedbackLabel) -> None:
         missing = "chosen_index" if chosen is None else "rejected_index"
         raise _refuse(FeedbackOutcome.INVALID, "give both 'chosen_index' and 'rejected_index'", missing,
                       "missing_required_parameter")
+    entry = _waiting_entry(cache, completion_id)  # an unknown id is a 404 before anything else
     if chosen == rejected:
         raise _refuse(FeedbackOutcome.INVALID, "'chosen_index' and 'rejected_index' are the same choice",
                       "rejected_index", "invalid_value")
-    entry = _waiting_entry(cache, completion_id)
     if not isinstance(entry, PreferenceEntry):
         raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} takes no preference label", "id",
                       "invalid_value")
