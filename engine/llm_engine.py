@@ -73,8 +73,6 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids)
         self._seq_ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
-        # steps executed so far
-        self.num_steps = 0
 
     @classmethod
     def for_model(cls, model, tokenizer, config: EngineConfig, hooks: EngineHooks | None = None) -> LLMEngine:
@@ -196,9 +194,6 @@ class LLMEngine:
     def num_requests(self) -> int:
         return len(self.outputs.requests)
 
-    def cache_info(self) -> dict[str, str]:
-        return self.runner.cache_info()
-
     def request_ids(self) -> list[str]:
         return list(self.outputs.requests)
 
@@ -210,7 +205,6 @@ class LLMEngine:
         touched: set[str] = {s.request_id for s in scheduled.preempted}
         step_started = time.monotonic()
         if not scheduled.is_empty:
-            self.num_steps += 1
             hooks = self.hooks
             if hooks.memory_guard is not None:
                 recorded = scheduled.scheduled[0].num_new_tokens if scheduled.recorded else 0

@@ -13,8 +13,10 @@ part. The order is forced by who runs the model first:
         │   └── observers ─────▶ ServingMetrics, Recorder       (on the device thread)
     AsyncEngine ── idle_hook ──▶ Arbiter ──items──▶ OnlineTraining (Maintenance, Trainer)
 
-Nothing else constructs or rewires another part; tests and benchmarks build through
-`build_training_engine` and `build_stack` too.
+Nothing in the library packages constructs or rewires another part; tests and
+benchmarks build through `build_training_engine` and `build_stack` too (a benchmark may
+swap a measurement tracker or the offloader's policy between its rounds). The metrics
+register their collectors of the async engine and of training once those exist.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
         rewards = RewardScorer(load_reward_function(config.reward_function), config.reward_timeout_s, cache, stats,
                                feedback.submit, decode, wakeup or (lambda: None))
     recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader, warmer, rewards)
+    lifecycle.start()  # resumes from the adapter directory (or saves version 0), before anything is served
     return OnlineTraining(config, method, peft_model, optimizer, cache, stats, stash, context, trainer, maintenance,
                           lifecycle, feedback, recorder, offloader, rewards)
 
@@ -160,7 +163,6 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
                                                config.adapter.save_every)
         training = build_training(runner, tokenizer, config.model.max_model_len, config.train, config.offload,
                                   checkpointer=checkpointer, wakeup=wakeup)
-        training.lifecycle.start()  # resumes from the adapter directory, before serving starts
         logger.info("online training: %s, LoRA rank %d, learning rate %g", config.train.mode,
                     config.train.lora_rank, config.train.learning_rate)
         hooks = training.engine_hooks(hooks.observers)

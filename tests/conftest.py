@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import pytest
@@ -16,6 +17,12 @@ from engine.llm_engine import LLMEngine
 from engine.hooks import EngineHooks
 from server.build import build_training_engine
 from tests.tiny import tiny_model, tiny_tokenizer
+
+# One intra-op thread unless OMP_NUM_THREADS says otherwise: the models here are tiny, so a
+# second thread buys little, and on a shared 2-core CI machine whose other core is busy it
+# makes every op wait for a descheduled thread (the suite ran 7-20x slower so).
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,7 @@
 """Saved adapter versions: PEFT's format, atomic saves, resume on restart, rollback, and
 a SIGKILL in the middle of a save."""
 
+import dataclasses
 import os
 import random
 import signal
@@ -19,6 +20,7 @@ from tests.servers import TINY_NAME, tiny_app, wait_for
 from tests.test_training import make_trainer, serve
 from tests.tiny import tiny_model
 from trainer.adapter_store import AdapterStore
+from trainer.lifecycle import AdapterMismatchError
 
 TRAIN = TrainConfig(mode="cpt", lora_rank=4, learning_rate=1e-2)
 
@@ -187,3 +189,19 @@ def test_rollback_in_the_middle_of_a_job_requeues_its_entry_on_the_recompute_pat
     trainer.train_until_idle()
     assert trainer.optimizer.version == 3
     assert trainer.stats.trained_entries == {("cpt", "reuse"): 1, ("cpt", "recompute"): 1}
+
+
+def test_a_rollback_refused_as_incompatible_leaves_the_job_in_progress():
+    trainer = make_trainer()
+    serve(trainer, "a")
+    trainer.train_until_idle()
+    snapshot = trainer.lifecycle.snapshot()
+    wrong_rank = dataclasses.replace(snapshot, peft_config=dataclasses.replace(snapshot.peft_config, r=2))
+    serve(trainer, "b", prompt="Hello, how are you today? I am fine.")
+    for _ in range(3):
+        assert trainer.run_slice()
+    with pytest.raises(AdapterMismatchError):
+        trainer.rollback(wrong_rank)
+    assert trainer.trainer.in_job() and trainer.cache.get("b").state.value == "training"
+    trainer.train_until_idle()  # the job finishes where it was
+    assert trainer.optimizer.version == 2 and trainer.stats.trained_entries == {("cpt", "reuse"): 2}

@@ -9,7 +9,8 @@ from bench.soak import SoakConfig, run_soak_bench
 
 @pytest.mark.slow
 def test_short_soak_has_no_errors_and_drains(tmp_path):
-    report = run_soak_bench(SoakConfig(seconds=25, rate=0.5, label_timeout_s=5, drain_timeout_s=120,
+    # a label follows its reply by one round trip; 15 s leaves room for a loaded machine
+    report = run_soak_bench(SoakConfig(seconds=25, rate=0.5, label_timeout_s=15, drain_timeout_s=300,
                                        sample_every_s=2), json_path=str(tmp_path / "soak.json"),
                             plot_path=str(tmp_path / "soak.png"))
     assert report["errors"] == 0, report["error_samples"]

@@ -94,6 +94,17 @@ def test_a_reward_function_in_the_server_rewards_each_group():
             group_chat(client)
             wait_for(lambda: metric(client, "alchemist:rewarded_groups_total") >= 1)
             assert module.seen == [[{"role": "user", "content": "Hi there"}]]  # the messages, as sent
+            r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Once upon a time", "n": 2,
+                                                     "max_tokens": 4, "temperature": 1.0, "seed": 1})
+            assert r.status_code == 200, r.text
+            wait_for(lambda: metric(client, "alchemist:rewarded_groups_total") >= 2)
+            assert module.seen[1] == "Once upon a time"  # the text, as sent
+            for body in ({"max_tokens": 4, "n": 2, "train": False}, {"max_tokens": 4, "n": 1}):  # never scored
+                r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hello", **body})
+                assert r.status_code == 200, r.text
+            recorder = client.app.state.alchemist.training.recorder
+            # what the recorder keeps of a request lives from its admission to its last output
+            assert not recorder._client_prompts and not recorder._responses and len(module.seen) == 2
             assert metric(client, "alchemist:reward_errors_total") == 0
     finally:
         del sys.modules[module.__name__]

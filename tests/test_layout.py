@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "server", "trainer", "offload", "bench")
 # every Python file of the project, tests and examples included
 ALL_SOURCES = sorted(p for folder in (*PACKAGES, "tests", "examples", "docs") for p in (ROOT / folder).rglob("*.py"))
-# the cache's package: the cache, and the entries it holds (which set their first state)
-ENTRY_STATE_OWNERS = {ROOT / "trainer" / "cache.py", ROOT / "trainer" / "entries.py"}
+# the activation cache, the one mover of an entry's state
+ENTRY_STATE_OWNERS = {ROOT / "trainer" / "cache.py"}
 
 
 def modules(package: str):

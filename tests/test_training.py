@@ -1,8 +1,10 @@
 """Online learning on tiny models: the reuse path gives the recompute path's gradients,
 stale graphs are never back-propagated, the cache keeps its bounds and timeouts."""
 
+import concurrent.futures
 import dataclasses
 import math
+import threading
 import time
 
 import pytest
@@ -279,3 +281,22 @@ def test_an_entry_dropped_without_backward_frees_its_whole_graph(mode):
     trainer.cache.end(entry, EntryState.EXPIRED)
     gc.collect()
     assert output() is None and tracker.live_bytes == 0 and trainer.cache.bytes == 0
+
+
+def test_labels_racing_for_one_completion_attach_exactly_one():
+    """Labels are validated with no lock held: of many sent at once, the cache attaches one;
+    the others learn that the completion already has its label."""
+    trainer = make_trainer(mode="dpo")
+    serve(trainer, "a")
+    barrier = threading.Barrier(8)
+
+    def send(i: int):
+        barrier.wait()
+        return trainer.feedback.submit(FeedbackLabel("a", f"Answer number {i} is the one.", None, 0))
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(send, range(8)))
+    assert sum(r.accepted for r in results) == 1
+    assert {r.code for r in results if not r.accepted} == {"label_exists"}
+    assert trainer.cache.get("a").state is EntryState.READY and trainer.stats.feedback == {"accepted": 1,
+                                                                                            "conflict": 7}

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from engine.recording import RecordedPrefill
 from trainer.entries import TERMINAL, CacheEntry, EntryState
 
 
@@ -61,9 +62,10 @@ class ActivationCache:
         self.released_bytes = 0
         # when the last entry holding a recording was added (clock time; -inf: never)
         self.last_recorded = float("-inf")
-        # entries ended off the device thread (a label that skips its group, a failed reward
-        # function): their recordings are released by the device thread, in `expire`
-        self._pending_release: list[CacheEntry] = []
+        # recordings taken off their entries under the lock, freed once it is dropped, on
+        # the device thread (freeing a graph is tensor work, and not the lock's business);
+        # those of entries ended off the device thread wait for its next call
+        self._detached: list[RecordedPrefill] = []
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -106,7 +108,7 @@ class ActivationCache:
             if victim.needs_label:
                 self._strip(victim)  # its label may still come: it keeps its tokens
             else:
-                self.end(victim, EntryState.EVICTED)
+                self._end(victim, EntryState.EVICTED)
         return True
 
     @property
@@ -121,28 +123,33 @@ class ActivationCache:
         stays without activations (a label entry), up to `max_label_entries`."""
         with self._lock:
             if entry.recording is not None and not self._make_room(entry.nbytes) and not self._no_room(entry):
-                return False
-            if entry.recording is None and self.label_entries >= self.max_label_entries:
+                admitted = False
+            elif entry.recording is None and self.label_entries >= self.max_label_entries:
                 self.refused_label_entries += 1
                 logger.warning("label entry for %r refused: %d entries without activations are waiting (the "
                                "bound, train.max_label_entries)", entry.completion_id, self.max_label_entries)
-                self.end(entry, EntryState.DROPPED)
-                return False
-            previous = self._entries.get(entry.completion_id)
-            if previous is not None:  # a bug upstream; keep the byte accounting right and say so
-                logger.error("completion %r was recorded twice; dropping the older entry", entry.completion_id)
-                self.end(previous, EntryState.DROPPED)
-            self._entries[entry.completion_id] = entry
-            self.bytes += entry.nbytes
-            if entry.recording is not None:
-                self.last_recorded = self.clock()
-            return True
+                self._end(entry, EntryState.DROPPED)
+                admitted = False
+            else:
+                previous = self._entries.get(entry.completion_id)
+                if previous is not None:  # a bug upstream; keep the byte accounting right and say so
+                    logger.error("completion %r was recorded twice; dropping the older entry", entry.completion_id)
+                    self._end(previous, EntryState.DROPPED)
+                self._entries[entry.completion_id] = entry
+                if entry.needs_label:
+                    self._hold(entry)
+                self.bytes += entry.nbytes
+                if entry.recording is not None:
+                    self.last_recorded = self.clock()
+                admitted = True
+        self._free_detached()
+        return admitted
 
     def _no_room(self, entry: CacheEntry) -> bool:
         """A new recording does not fit: it is dropped (False), or, if it waits for a
         label, kept without its activations (True)."""
         if not entry.needs_label:
-            entry.release()
+            self._detach(entry)
             return False
         self._strip(entry)
         return True
@@ -152,6 +159,7 @@ class ActivationCache:
         activations' room back at once, not when the step's last entry is done."""
         with self._lock:
             self._strip(entry)
+        self._free_detached()
 
     def _strip(self, entry: CacheEntry) -> None:
         """Frees an entry's activations; it stays, to train by recomputation."""
@@ -159,7 +167,20 @@ class ActivationCache:
             self.bytes -= entry.nbytes
             self.released_bytes += entry.nbytes
         entry.nbytes = 0
-        entry.release()
+        self._detach(entry)
+
+    def _detach(self, entry: CacheEntry) -> None:
+        """Takes an entry's recording off it (under the lock); `_free_detached` frees it."""
+        if entry.recording is not None:
+            self._detached.append(entry.recording)
+            entry.recording = None
+
+    def _free_detached(self) -> None:
+        """Frees the recordings taken off their entries, with the lock dropped (device thread)."""
+        with self._lock:
+            recordings, self._detached = self._detached, []
+        for recording in recordings:
+            recording.release()
 
     def note_not_trainable(self, completion_id: str, state: EntryState = EntryState.NOT_TRAINABLE) -> None:
         """A finished request that can never get an entry (NOT_TRAINABLE or NOT_A_GROUP),
@@ -175,11 +196,15 @@ class ActivationCache:
             self._ended.popitem(last=False)
 
     def hold(self, entry: CacheEntry) -> None:
-        """Keeps a ready entry out of training until `attach_label` (a method whose
-        entries need labels starts them so; a custom method or a test may hold any)."""
+        """Keeps a ready entry out of training until `attach_label`, as an entry that
+        needs a label is held from its admission (a custom method may hold any entry)."""
         with self._lock:
-            if entry.state is EntryState.READY:
-                entry.state = EntryState.WAITING_LABEL
+            self._hold(entry)
+
+    @staticmethod
+    def _hold(entry: CacheEntry) -> None:
+        if entry.state is EntryState.READY:
+            entry.state = EntryState.WAITING_LABEL
 
     def attach_label(self, entry: CacheEntry, label, skip: bool = False) -> bool:
         """Attaches `label` to an entry still waiting for one; the entry becomes ready for
@@ -192,41 +217,43 @@ class ActivationCache:
             if label is not None:
                 entry.label = label
             if skip:
-                self.end(entry, EntryState.SKIPPED, off_device_thread=True)
+                self._end(entry, EntryState.SKIPPED)  # its recording is freed by the device thread
             else:
                 entry.state = EntryState.READY
             return True
 
     def drop_unlabelled(self, entry: CacheEntry) -> None:
         """Ends an entry whose label can never come (its reward function failed); off the
-        device thread, so its recording is released at the next `expire`."""
+        device thread, so its recording is freed at the device thread's next call."""
         with self._lock:
             if entry.state is EntryState.WAITING_LABEL:
-                self.end(entry, EntryState.DROPPED, off_device_thread=True)
+                self._end(entry, EntryState.DROPPED)
 
-    def end(self, entry: CacheEntry, state: EntryState, off_device_thread: bool = False) -> None:
-        """Removes an entry for good, freeing its activations — at once on the device
-        thread, or (`off_device_thread`) at the device thread's next `expire`, since
-        freeing a graph is tensor work (DESIGN.md invariant)."""
+    def end(self, entry: CacheEntry, state: EntryState) -> None:
+        """Removes an entry for good and frees its activations (device thread: freeing a
+        graph is tensor work, DESIGN.md invariant)."""
         with self._lock:
-            if self._entries.pop(entry.completion_id, None) is not None:
-                self.bytes -= entry.nbytes
-                self.released_bytes += entry.nbytes
-            entry.state = state
-            if off_device_thread:
-                self._pending_release.append(entry)
-            else:
-                entry.release()
-            self.ended_counts[state.value] += 1
-            self._remember(entry.completion_id, state)
+            self._end(entry, state)
+        self._free_detached()
+
+    def _end(self, entry: CacheEntry, state: EntryState) -> None:
+        if self._entries.pop(entry.completion_id, None) is not None:
+            self.bytes -= entry.nbytes
+            self.released_bytes += entry.nbytes
+        entry.state = state
+        self._detach(entry)
+        self.ended_counts[state.value] += 1
+        self._remember(entry.completion_id, state)
 
     def has_pending_release(self) -> bool:
-        return bool(self._pending_release)
+        """Recordings of entries ended off the device thread wait to be freed."""
+        return bool(self._detached)
 
     def response_finished(self, completion_id: str, responses: dict[int, list[int]], aborted: bool,
                           served_logps: dict[int, float] | None = None,
                           served_token_logps: dict[int, list[float]] | None = None) -> CacheEntry | None:
         """Completes an entry with its served responses; the entry, if it still waits for its label."""
+        waiting = None
         with self._lock:
             entry = self._entries.get(completion_id)
             if entry is None:
@@ -237,25 +264,24 @@ class ActivationCache:
             entry.response_finished = True
             if entry.needs_label:
                 if aborted and entry.state is EntryState.WAITING_LABEL:
-                    self.end(entry, EntryState.DROPPED)  # no complete response to prefer or reject
+                    self._end(entry, EntryState.DROPPED)  # no complete response to prefer or reject
                 elif entry.state is EntryState.WAITING_LABEL:
                     entry.label_deadline = self.clock() + self.label_timeout_s
-                    return entry
-            return None
+                    waiting = entry
+        self._free_detached()
+        return waiting
 
     def expire(self) -> list[CacheEntry]:
-        """Ends entries whose label did not arrive in time, and releases the recordings of
+        """Ends entries whose label did not arrive in time, and frees the recordings of
         entries ended off the device thread (device thread)."""
         now = self.clock()
         with self._lock:
-            pending, self._pending_release = self._pending_release, []
-            for entry in pending:
-                entry.release()
             expired = [e for e in self._entries.values() if e.state is EntryState.WAITING_LABEL
                        and e.label_deadline is not None and now > e.label_deadline]
             for entry in expired:
-                self.end(entry, EntryState.EXPIRED)
-            return expired
+                self._end(entry, EntryState.EXPIRED)
+        self._free_detached()
+        return expired
 
     def take_ready(self, limit: int, version: int | None = None, max_staleness: int = 0) -> list[CacheEntry]:
         """The entries of the next optimizer step (at most `limit`), marked as training.
@@ -292,6 +318,7 @@ class ActivationCache:
                 if entry.recording is not None and not 0 <= lag <= max_staleness \
                         and entry.state is not EntryState.TRAINING:
                     self._strip(entry)
+        self._free_detached()
 
     def recorded_versions(self) -> set[int]:
         """The adapter versions of the recordings waiting to be trained."""

@@ -2,8 +2,8 @@
 label types, and the states an entry moves through.
 
 `CacheEntry` is the paper's AlchemistCacheBase: subclass it (and `TrainingMethod`) to
-train with another method. An entry's `state` is set here at creation and afterwards only
-by the cache (trainer/cache.py), which owns every transition.
+train with another method. An entry's `state` is moved only by the cache
+(trainer/cache.py), which owns every transition, from its admission on.
 """
 
 from __future__ import annotations
@@ -58,11 +58,8 @@ class CacheEntry:
     # monotonic time after which an entry still waiting for its label expires
     label_deadline: float | None = None
 
+    # the cache holds an entry that needs a label (WAITING_LABEL) from its admission until it comes
     needs_label = False
-
-    def __post_init__(self) -> None:
-        if self.needs_label:
-            self.state = EntryState.WAITING_LABEL
 
     @property
     def num_tokens(self) -> int:

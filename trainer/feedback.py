@@ -183,7 +183,7 @@ def _attach_indices(cache: ActivationCache, request: FeedbackLabel) -> None:
         missing = "chosen_index" if chosen is None else "rejected_index"
         raise _refuse(FeedbackOutcome.INVALID, "give both 'chosen_index' and 'rejected_index'", missing,
                       "missing_required_parameter")
-    entry = _waiting_entry(cache, completion_id)  # an unknown id is a 404 before anything else
+    entry = _waiting_entry(cache, completion_id)  # an unknown id is a 404 before the pair is compared
     if chosen == rejected:
         raise _refuse(FeedbackOutcome.INVALID, "'chosen_index' and 'rejected_index' are the same choice",
                       "rejected_index", "invalid_value")

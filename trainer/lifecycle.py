@@ -82,14 +82,21 @@ class AdapterLifecycle:
                                 "trained_entries": sum(stats.trained_entries.values()),
                                 "train_tokens": stats.train_tokens})
 
+    def check(self, snapshot: AdapterSnapshot) -> None:
+        """Raises AdapterMismatchError if `snapshot` cannot be loaded into the live adapter."""
+        from peft import get_peft_model_state_dict
+
+        check_compatible(self.peft_model.peft_config["default"], snapshot,
+                         get_peft_model_state_dict(self.peft_model))
+
     def restore(self, snapshot: AdapterSnapshot, version: int) -> None:
         """Loads `snapshot` into the live adapter as adapter `version` (no job may be in
         progress). Recordings made under other weights lose their activations: they take
         the recompute path."""
         from peft import get_peft_model_state_dict
 
+        self.check(snapshot)
         live = get_peft_model_state_dict(self.peft_model)
-        check_compatible(self.peft_model.peft_config["default"], snapshot, live)
         with torch.no_grad():
             for name, tensor in live.items():
                 tensor.copy_(snapshot.weights[name])

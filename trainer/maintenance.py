@@ -1,12 +1,15 @@
 """The device's housekeeping around training jobs: label expiry, merged serving weights,
 returning freed memory, and warming the heap for the next recording.
 
-The arbiter (trainer/arbiter.py) is its only caller, on the device thread:
-  - `expire()` before every idle item, and after serving steps once `expiry_due()` —
-    label timeouts come due under steady traffic too, when no idle gap comes;
-  - `run_item()` in an idle gap before the next job: one bounded piece of the work that
-    makes serving faster or the next recording cheaper;
-  - `rebuild_merged(budget_s)` between serving steps, while merged weights are stale.
+The arbiter (trainer/arbiter.py) triggers all of it, on the device thread:
+  - in a gap, the item it runs (`OnlineTraining.run_slice`) first calls `expire()`, and
+    between jobs `run_item()`: one bounded piece of the work that makes serving faster or
+    the next recording cheaper, before the next job starts;
+  - after serving steps, `expire()` once `expiry_due()` — label timeouts come due under
+    steady traffic too, when no gap comes — and `rebuild_merged(budget_s)` while merged
+    weights are stale.
+The adapter's lifecycle marks merged weights stale when the adapter changes
+(`invalidate_merged`) and rebuilds them all at a resume (`merge_all`).
 """
 
 from __future__ import annotations

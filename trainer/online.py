@@ -101,7 +101,10 @@ class OnlineTraining:
                 raise TimeoutError("training did not finish in time")
 
     def rollback(self, snapshot: AdapterSnapshot) -> int:
-        """Makes a saved version the live adapter (device thread); the new version."""
+        """Makes a saved version the live adapter (device thread); the new version. A
+        snapshot that does not fit is refused (AdapterMismatchError) with the job in
+        progress untouched."""
+        self.lifecycle.check(snapshot)
         self.trainer.abandon_job()  # its gradients were computed under the weights being replaced
         return self.lifecycle.rollback(snapshot)
 
