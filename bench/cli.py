@@ -9,7 +9,8 @@ import argparse
 
 
 def add_bench_commands(commands, add_config_flags) -> None:
-    """Adds `bench {serving,training,colocate,offload,soak}` and `profile` to the CLI;
+    """Adds `bench {serving,structured,training,staleness,recording,colocate,offload,soak}`
+    and `profile` to the CLI;
     `add_config_flags` adds the server's config flags to a parser."""
     bench = commands.add_parser("bench", help="benchmarks, each a side-by-side ratio in one run")
     benches = bench.add_subparsers(dest="bench", required=True)

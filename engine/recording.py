@@ -97,8 +97,9 @@ class SegmentSink(Protocol):
 class RecordSpec:
     """How to record one prefill; decided when it is admitted (engine/hooks.py)."""
 
-    # keep logits for every prompt row (CPT) or only the last one (DPO: it scores the
-    # first response token)
+    # keep logits for every prompt row (a method that reads them), or only the last one
+    # (CPT, DPO, GRPO: CPT re-runs the head over the recorded last layer's output in row
+    # chunks; the last row scores the first response token)
     all_logit_rows: bool
     # the adapter version serving runs under: the recording's graph is of these weights
     adapter_version: int

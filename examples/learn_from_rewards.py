@@ -5,7 +5,8 @@ Start a server that trains on groups (`--train-mode grpo`):
     .venv/bin/alchemist serve --train-mode grpo --learning-rate 1e-3
 
 then run this script. For each training question it asks the server for n = 8 answers
-at temperature 1 and rewards each one by a rule it can check itself: 1 if the answer
+at temperature 1 over the whole distribution (top_p 1, whatever the model's generation
+config recommends: diverse answers are what GRPO compares) and rewards each one by a rule it can check itself: 1 if the answer
 opens with the word "The", else 0 (`POST /v1/feedback {"id", "rewards": [...]}`). A
 group whose answers all score the same teaches nothing and is skipped by the server.
 It measures how likely the model is to open its answer with "The" on questions it never
@@ -39,8 +40,9 @@ def teach(url: str, model: str, rounds: int, group: int = GROUP) -> dict[str, in
     for i in range(rounds):
         question = TRAIN[i % len(TRAIN)]
         # seeded: the adapter moves only between rounds (each waits for its training), so a run repeats exactly
-        reply = post(url, "/v1/chat/completions", {"model": model, "n": group, "temperature": 1.0, "max_tokens": 8,
-                                                    "seed": i, "messages": [{"role": "user", "content": question}]})
+        reply = post(url, "/v1/chat/completions", {"model": model, "n": group, "temperature": 1.0, "top_p": 1.0,
+                                                    "max_tokens": 8, "seed": i,
+                                                    "messages": [{"role": "user", "content": question}]})
         answers = [choice["message"]["content"] for choice in sorted(reply["choices"], key=lambda c: c["index"])]
         rewards = [reward(a) for a in answers]
         version = get_metric(url, "alchemist:adapter_version")

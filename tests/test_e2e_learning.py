@@ -84,5 +84,5 @@ def test_grpo_rewards_raise_the_rewarded_opening_on_held_out_questions():
         after = example.held_out_logprob(url, MODEL, example.OPENING)
         metrics = httpx.get(url + "/metrics", timeout=300).text
     assert counts["accepted"] >= 4, counts
-    assert f'alchemist:trained_entries_total{{mode="grpo",path="reuse"}}' in metrics
+    assert 'alchemist:trained_entries_total{mode="grpo",path="reuse"}' in metrics
     assert after - before >= 0.5, (before, after, counts)

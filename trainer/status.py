@@ -100,7 +100,7 @@ class OffloadStatus:
 
 @dataclass(frozen=True)
 class TrainerStatus:
-    # cpt | dpo | a custom method's name
+    # cpt | dpo | grpo | a custom method's name
     mode: str
     # the live adapter version (optimizer steps applied, rollbacks included)
     adapter_version: int
