@@ -40,6 +40,14 @@ _FEEDBACK_BODIES = {"preference": ("A preference between responses of a served c
                                 protocol.RewardsFeedback)}
 
 
+# one server-sent event of a stream (the schema a client validates each event against)
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "description": "A server-sent event: `data` is one chunk as JSON (the response's "
+                             "`*.chunk` object, or an error body), and the last event's is `[DONE]`.",
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer"}}}
+
+
 @dataclass(frozen=True)
 class Offered:
     """What this server's configuration lets a client do."""
@@ -140,9 +148,7 @@ def _operation(generated: dict, spec: Operation, secured: bool) -> dict:
     else:
         content = {"application/json": {"schema": _ref(spec.response)}}
         if spec.streams:
-            content["text/event-stream"] = {"schema": {
-                "type": "string", "description": "Server-sent events: one `data: {chunk}` per delta, then "
-                                                 "`data: [DONE]`."}}
+            content["text/event-stream"] = {"schema": _SSE_EVENT}
     responses = {"200": {"description": "Success", "content": content}}
     errors = set(spec.errors) | set(_COMMON_ERRORS)
     if not secured:
