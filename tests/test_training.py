@@ -288,7 +288,7 @@ def test_labels_racing_for_one_completion_attach_exactly_one():
     the others learn that the completion already has its label."""
     trainer = make_trainer(mode="dpo")
     serve(trainer, "a")
-    barrier = threading.Barrier(8)
+    barrier = threading.Barrier(8, timeout=300)
 
     def send(i: int):
         barrier.wait()

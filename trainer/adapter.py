@@ -170,8 +170,8 @@ def merge_all(peft_model: PeftModel) -> None:
         pass
 
 
-def merge_stale(peft_model: PeftModel, budget_s: float = 0.01) -> int:
-    """Rebuilds stale merged copies until `budget_s` has passed (one training slice);
+def merge_stale(peft_model: PeftModel, budget_s: float) -> int:
+    """Rebuilds stale merged copies until `budget_s` has passed (about a slice, between jobs);
     returns how many were rebuilt (0: all current, or merging not possible here)."""
     import time
 

@@ -26,6 +26,8 @@ TRIM_AFTER_BYTES = 64 << 20
 TRIM_QUIET_S = 10.0
 # how often serving steps check label timeouts
 EXPIRY_EVERY_S = 0.5
+# how long an idle item may rebuild merged weights (about one training slice)
+MERGE_ITEM_S = 0.01
 
 
 class Maintenance:
@@ -86,10 +88,8 @@ class Maintenance:
 
     def run_item(self) -> bool:
         """One bounded item of housekeeping (between jobs); False if none was due."""
-        if self._merge_pending:
-            if merge_stale(self.peft_model):
-                return True  # serving speed first: merged weights are rebuilt before the next job
-            self._merge_pending = False
+        if self.rebuild_merged(MERGE_ITEM_S):
+            return True  # serving speed first: merged weights are rebuilt before the next job
         if self._return_freed_memory():  # between jobs: RSS follows the live activations
             return True
         # the next recording's pages are faulted in here, before any job, not in its

@@ -125,7 +125,8 @@ class Recorder:
             if output.finished and self.method.uses_feedback and not _aborted(output):
                 group = self.method.trains_on(len(output.outputs))
                 self.cache.note_not_trainable(request_id, EntryState.NOT_TRAINABLE if group else EntryState.NOT_A_GROUP)
-            self._client_prompts.pop(request_id, None)
+            if output.finished:
+                self._client_prompts.pop(request_id, None)
             return
         token_logps = self._token_logps.setdefault(request_id, {})
         texts = self._texts.setdefault(request_id, {})
