@@ -49,7 +49,7 @@ def offered(state: ServerState) -> Offered:
         return Offered(feedback=None, rollback=False, adapters=state.served_adapter is not None)
     method = training.method
     return Offered(feedback=method.label_kind if method.uses_feedback else None,
-                   rollback=training.status().saves is not None, adapters=True)
+                   rollback=training.status().saves is not None, adapters=True, stores=True)
 
 
 def _add_head_routes(router: APIRouter) -> None:

@@ -45,6 +45,8 @@ from trainer.feedback import FeedbackIntake
 from trainer.forward import recompute_segment
 from trainer.frozen import ServedAdapter, merge_frozen_adapter
 from trainer.grpo import GRPOMethod
+from trainer.ledger import Ledger
+from trainer.ledger_db import LEDGER_FILE
 from trainer.lifecycle import AdapterLifecycle
 from trainer.maintenance import Maintenance
 from trainer.methods import CPTMethod, DPOMethod, TrainContext, TrainingMethod
@@ -52,6 +54,7 @@ from trainer.online import OnlineTraining
 from trainer.rewards import RewardScorer, load_reward_function
 from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
+from trainer.replay import replay_ledger
 from trainer.stash import WeightStash
 from trainer.status import TrainingStats
 from trainer.trainer import Trainer
@@ -72,20 +75,22 @@ def default_method(config: TrainConfig) -> TrainingMethod:
 def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: TrainConfig,
                    offload: OffloadConfig | None = None, method: TrainingMethod | None = None,
                    init_lora_weights: bool | str = True, checkpointer: AdapterCheckpointer | None = None,
-                   wakeup: Wakeup | None = None, heap_warming: bool = True) -> OnlineTraining:
+                   wakeup: Wakeup | None = None, heap_warming: bool = True,
+                   ledger: Ledger | None = None) -> OnlineTraining:
     """Wraps the runner's model with LoRA and builds online training around it: the
     recorder decides and receives recordings, the offloader (with a device budget)
     places them; `method` overrides the mode's (a custom method); `checkpointer` saves
     versions (an adapter directory); `wakeup` wakes the serving loop when a reward
     function's rewards arrive; `heap_warming`: pre-fault the heap for recordings (on the
-    CPU; a benchmark turns it off to measure what it saves). The engine is built after,
-    with `OnlineTraining.engine_hooks()`."""
+    CPU; a benchmark turns it off to measure what it saves); `ledger`: the feedback
+    ledger (an adapter directory), whose unfinished labels are taken back before serving.
+    The engine is built after, with `OnlineTraining.engine_hooks()`."""
     method = method or default_method(config)
     model = runner.model
     peft_model = attach_lora(model, config, init_lora_weights)
     optimizer = AdapterOptimizer(lora_parameters(peft_model), config.learning_rate, config.max_grad_norm)
     cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s,
-                            max_label_entries=config.max_label_entries)
+                            max_label_entries=config.max_label_entries, journal=ledger)
     stats = TrainingStats()
     if config.merged_serving:
         merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
@@ -105,16 +110,19 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     lifecycle = AdapterLifecycle(peft_model, optimizer, cache, stash, maintenance, stats, method.name, checkpointer)
     context = TrainContext(runner, peft_model, offloader, config.head_chunk_rows)
     trainer = Trainer(config, method, context, optimizer, cache, stats, stash, lifecycle, offloader)
-    feedback = FeedbackIntake(method, cache, stats, tokenizer, max_model_len)
+    feedback = FeedbackIntake(method, cache, stats, tokenizer, max_model_len, ledger)
     rewards = None
     if config.reward_function:
         decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
         rewards = RewardScorer(load_reward_function(config.reward_function), config.reward_timeout_s, cache, stats,
                                feedback.submit, decode, wakeup or (lambda: None))
-    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader, warmer, rewards)
+    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader, warmer, rewards, ledger)
     lifecycle.start()  # resumes from the adapter directory (or saves version 0), before anything is served
+    if ledger is not None:  # labels not in the resumed version train again; recent requests take feedback
+        replay_ledger(ledger, method, cache, optimizer.version, lifecycle.restored_from, config.label_timeout_s,
+                      rewards)
     return OnlineTraining(config, method, peft_model, optimizer, cache, stats, stash, context, trainer, maintenance,
-                          lifecycle, feedback, recorder, offloader, rewards)
+                          lifecycle, feedback, recorder, offloader, rewards, ledger)
 
 
 def build_training_engine(model, tokenizer, config: EngineConfig, train: TrainConfig,
@@ -157,12 +165,14 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
     wakeup = Wakeup()
     hooks = EngineHooks(observers=(metrics,))
     if config.train.mode != "off":
-        checkpointer = None
+        checkpointer = ledger = None
         if config.adapter.dir:
-            checkpointer = AdapterCheckpointer(AdapterStore(config.adapter.dir, config.adapter.keep),
-                                               config.adapter.save_every)
+            store = AdapterStore(config.adapter.dir, config.adapter.keep)
+            checkpointer = AdapterCheckpointer(store, config.adapter.save_every)
+            if config.ledger.enabled:
+                ledger = Ledger(store.root / LEDGER_FILE, config.ledger)
         training = build_training(runner, tokenizer, config.model.max_model_len, config.train, config.offload,
-                                  checkpointer=checkpointer, wakeup=wakeup)
+                                  checkpointer=checkpointer, wakeup=wakeup, ledger=ledger)
         logger.info("online training: %s, LoRA rank %d, learning rate %g", config.train.mode,
                     config.train.lora_rank, config.train.learning_rate)
         hooks = training.engine_hooks(hooks.observers)

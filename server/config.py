@@ -18,7 +18,7 @@ from typing import Any
 
 from engine.config import EngineConfig, check_positive
 from offload.config import OffloadConfig
-from trainer.config import AdapterConfig, ArbiterConfig, TrainConfig
+from trainer.config import AdapterConfig, ArbiterConfig, LedgerConfig, TrainConfig
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
 
@@ -52,6 +52,7 @@ class AlchemistConfig(EngineConfig):
     train: TrainConfig = field(default_factory=TrainConfig)
     arbiter: ArbiterConfig = field(default_factory=ArbiterConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 

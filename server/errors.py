@@ -29,8 +29,9 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -45,7 +46,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code, err.type), status_code=err.status)
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code, err.type), status_code=err.status,
+                        headers=err.headers)
 
 
 def _loc_to_param(loc: tuple) -> str:

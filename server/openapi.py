@@ -29,10 +29,13 @@ _REASONS = {400: "Invalid request: OpenAI's error body names the parameter (`par
             413: "Request body too large.",
             429: "Over capacity: retry after the Retry-After header's seconds.",
             500: "Internal error.",
-            503: "The engine is not running (shutting down, or failed): retry on another replica."}
+            503: "The engine is not running (shutting down, or failed), or the feedback ledger cannot be written "
+                 "now: retry after the Retry-After header's seconds, or on another replica."}
 _COMMON_ERRORS = (401, 500)
 
 _FEEDBACK, _ADAPTERS, _ROLLBACK = ("post", "/v1/feedback"), ("get", "/v1/adapters"), ("post", "/v1/adapters/rollback")
+_DELETE_LABEL = ("delete", "/v1/feedback/{completion_id}")
+_DELETE_STORED = ("delete", "/v1/chat/completions/{completion_id}")
 # the feedback body, by the label the training method takes (trainer/feedback.py)
 _FEEDBACK_BODIES = {"preference": ("A preference between responses of a served completion (DPO)",
                                    (protocol.PreferenceTexts, protocol.PreferenceIndices)),
@@ -58,6 +61,8 @@ class Offered:
     rollback: bool
     # there is an adapter for GET /v1/adapters to describe (trained, or served frozen)
     adapters: bool
+    # training is on: the server keeps completions (and labels) that a client may delete
+    stores: bool = False
 
 
 def served_operations(offered: Offered) -> dict[tuple[str, str], Operation]:
@@ -67,7 +72,7 @@ def served_operations(offered: Offered) -> dict[tuple[str, str], Operation]:
     document to that)."""
     operations = dict(OPERATIONS)
     if offered.feedback is None:
-        del operations[_FEEDBACK]
+        del operations[_FEEDBACK], operations[_DELETE_LABEL]
     else:
         summary, body = _FEEDBACK_BODIES[offered.feedback]
         operations[_FEEDBACK] = replace(operations[_FEEDBACK], summary=summary, request=body)
@@ -75,6 +80,9 @@ def served_operations(offered: Offered) -> dict[tuple[str, str], Operation]:
         del operations[_ADAPTERS]
     if not offered.rollback:
         del operations[_ROLLBACK]
+    if not offered.stores:
+        operations.pop(_DELETE_LABEL, None)
+        del operations[_DELETE_STORED]
     return operations
 
 

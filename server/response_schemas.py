@@ -143,6 +143,20 @@ class FeedbackAccepted(BaseModel):
     message: str | None = None
 
 
+class FeedbackDeleted(BaseModel):
+    id: str
+    object: Literal["feedback.deleted"]
+    deleted: Literal[True]
+
+
+class CompletionDeleted(BaseModel):
+    """OpenAI's answer to deleting a stored chat completion."""
+
+    id: str
+    object: Literal["chat.completion.deleted"]
+    deleted: Literal[True]
+
+
 class SavedAdapter(BaseModel):
     version: int
     path: str

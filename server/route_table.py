@@ -34,7 +34,13 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/models"): Operation("The served model", out.ModelList),
     ("get", "/v1/models/{model_id}"): Operation("One model", out.ModelCard, errors=(404,)),
     ("post", "/v1/feedback"): Operation("A label for a served completion: preference or rewards",
-                                        out.FeedbackAccepted, protocol.FeedbackRequest, (400, 404, 409, 413)),
+                                        out.FeedbackAccepted, protocol.FeedbackRequest, (400, 404, 409, 413, 503)),
+    ("delete", "/v1/feedback/{completion_id}"): Operation(
+        "Delete a completion's label (it is no longer trained on, nor kept)", out.FeedbackDeleted,
+        errors=(400, 404, 503)),
+    ("delete", "/v1/chat/completions/{completion_id}"): Operation(
+        "Delete what the server keeps of a completion: its request and label (OpenAI's stored completions)",
+        out.CompletionDeleted, errors=(400, 404, 503)),
     ("get", "/v1/adapters"): Operation("The live adapter and the saved versions", out.AdapterStatus, errors=(400,)),
     ("post", "/v1/adapters/rollback"): Operation("Make a saved adapter version the live one", out.AdapterStatus,
                                                  protocol.RollbackRequest, (400, 404, 409, 413, 503)),

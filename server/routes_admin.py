@@ -1,5 +1,8 @@
-"""The routes beside the OpenAI ones: `/health`, `/metrics`, `POST /v1/feedback`, and the
-adapter routes (`GET /v1/adapters`, `POST /v1/adapters/rollback`).
+"""The routes beside the OpenAI ones: `/health`, `/metrics`, `POST /v1/feedback`, the
+deletion of what the server keeps of a completion (`DELETE /v1/feedback/{id}`, its label;
+`DELETE /v1/chat/completions/{id}`, the request and its label, as OpenAI's stored
+completions are deleted), and the adapter routes (`GET /v1/adapters`,
+`POST /v1/adapters/rollback`).
 
 The trainer answers in typed results (`FeedbackResult`, `TrainerStatus`); the HTTP
 statuses they become are decided here.
@@ -20,9 +23,13 @@ from server.protocol import FeedbackRequest, RollbackRequest
 from server.state import ServerState, Training
 from trainer.adapter_store import AdapterLoadError
 from trainer.feedback import FeedbackOutcome
+from trainer.ledger import LedgerUnavailable
 from trainer.lifecycle import AdapterMismatchError
 
-_FEEDBACK_STATUS = {FeedbackOutcome.INVALID: 400, FeedbackOutcome.UNKNOWN: 404, FeedbackOutcome.CONFLICT: 409}
+_FEEDBACK_STATUS = {FeedbackOutcome.INVALID: 400, FeedbackOutcome.UNKNOWN: 404, FeedbackOutcome.CONFLICT: 409,
+                    FeedbackOutcome.UNAVAILABLE: 503}
+# seconds a client waits before sending again what the feedback ledger could not write
+LEDGER_RETRY_AFTER_S = 1
 
 
 def admin_router(state: ServerState) -> APIRouter:
@@ -47,11 +54,24 @@ def admin_router(state: ServerState) -> APIRouter:
         # a label's texts are tokenized on a worker thread, never on the event loop
         result = await asyncio.to_thread(state.training.feedback.submit, body.label())
         if not result.accepted:
-            raise APIError(_FEEDBACK_STATUS[result.outcome], result.message, result.param, result.code)
+            retry = {"Retry-After": str(LEDGER_RETRY_AFTER_S)} if result.outcome is FeedbackOutcome.UNAVAILABLE \
+                else None
+            raise APIError(_FEEDBACK_STATUS[result.outcome], result.message, result.param, result.code,
+                           headers=retry)
         state.engine.notify()
         if result.skipped:  # valid, but nothing to learn from: say so
             return {"id": body.id, "object": "feedback", "status": "skipped", "message": result.message}
         return {"id": body.id, "object": "feedback", "status": "accepted"}
+
+    @router.delete("/v1/feedback/{completion_id}")
+    async def delete_feedback(completion_id: str):
+        await forget(state, completion_id, label_only=True)
+        return {"id": completion_id, "object": "feedback.deleted", "deleted": True}
+
+    @router.delete("/v1/chat/completions/{completion_id}")
+    async def delete_completion(completion_id: str):
+        await forget(state, completion_id, label_only=False)
+        return {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
 
     @router.get("/v1/adapters")
     async def adapters():
@@ -83,6 +103,20 @@ def admin_router(state: ServerState) -> APIRouter:
         return adapter_status(state)
 
     return router
+
+
+async def forget(state: ServerState, completion_id: str, label_only: bool) -> None:
+    """Deletes what the server keeps of a completion (404 if it keeps nothing; 503 if the
+    feedback ledger cannot be written now)."""
+    training = live_training(state)
+    try:
+        found = await asyncio.to_thread(training.forget, completion_id, label_only)
+    except LedgerUnavailable as exc:
+        raise APIError(503, f"nothing was deleted: {exc}; send it again later", code="ledger_unavailable",
+                       headers={"Retry-After": str(LEDGER_RETRY_AFTER_S)}) from None
+    if not found:
+        what = "label" if label_only else "stored request"
+        raise APIError(404, f"no {what} for completion {completion_id!r}", "id", "not_found")
 
 
 def live_training(state: ServerState) -> Training:

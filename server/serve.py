@@ -37,8 +37,9 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
     name = config.model.served_model_name or model_name or "model"
     stack = build_stack(config, model, tokenizer, name)
     async_engine, training, name = stack.async_engine, stack.training, stack.name
+    keeps_client_prompt = training is not None and training.recorder.keeps_client_prompt
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, training,
-                        stack.served_adapter, keeps_client_prompt=training is not None and training.rewards is not None,
+                        stack.served_adapter, keeps_client_prompt=keeps_client_prompt,
                         sampling_defaults=defaults)
     server = config.server
     app = build_app(state, GuardConfig(server.api_key, server.admin_key,

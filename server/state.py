@@ -45,6 +45,11 @@ class Training(Protocol):
         """On the device thread (`AsyncEngine.run_on_device`)."""
         ...
 
+    def forget(self, completion_id: str, label_only: bool = False) -> bool:
+        """Deletes a completion's label, or its request and label (a worker thread's call;
+        LedgerUnavailable)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -59,7 +64,8 @@ class ServerState:
     training: Training | None = None
     # the saved adapter served frozen, when training is off (trainer/frozen.py)
     served_adapter: ServedAdapter | None = None
-    # a reward function will be shown each request's prompt as the client wrote it
+    # each request's prompt as the client wrote it goes to the recorder (for a reward
+    # function, and the feedback ledger)
     keeps_client_prompt: bool = False
     # the sampling fields a request leaves out take these values (server/generation_config.py)
     sampling_defaults: dict = field(default_factory=dict)

@@ -18,7 +18,7 @@ from tests.tiny import tiny_tokenizer
 from trainer.config import AdapterConfig, TrainConfig
 
 # the live server takes preferences and saves adapters, so every route can succeed
-LIVE_OPERATIONS = served_operations(Offered(feedback="preference", rollback=True, adapters=True))
+LIVE_OPERATIONS = served_operations(Offered(feedback="preference", rollback=True, adapters=True, stores=True))
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # an acceptance); the others also refuse what a schema cannot say (a tool message without
 # its call's id, an empty prompt, a preference that gives neither side)
 ACCEPTING = {("post", "/v1/adapters/rollback"), ("post", "/detokenize")} | {
-    key for key in LIVE_OPERATIONS if key[0] == "get"}
+    key for key in LIVE_OPERATIONS if key[0] in ("get", "delete")}
 
 
 FUZZED = [(method, path, mode) for method, path in sorted(LIVE_OPERATIONS) for mode in GenerationMode
@@ -157,9 +157,9 @@ def test_the_app_serves_exactly_the_route_table():
 
 @pytest.mark.parametrize("mode, saves, offered", [
     ("off", False, Offered(feedback=None, rollback=False, adapters=False)),
-    ("cpt", True, Offered(feedback=None, rollback=True, adapters=True)),
-    ("dpo", False, Offered(feedback="preference", rollback=False, adapters=True)),
-    ("grpo", True, Offered(feedback="rewards", rollback=True, adapters=True)),
+    ("cpt", True, Offered(feedback=None, rollback=True, adapters=True, stores=True)),
+    ("dpo", False, Offered(feedback="preference", rollback=False, adapters=True, stores=True)),
+    ("grpo", True, Offered(feedback="rewards", rollback=True, adapters=True, stores=True)),
 ])
 def test_the_document_offers_only_what_this_server_takes(tmp_path, mode, saves, offered):
     """A route that answers 400 to every valid request on this server is left out (feedback

@@ -15,6 +15,8 @@ An entry that waits for a label never loses its tokens for want of room: without
 activations it stays as a label entry and trains by recomputation.
 
 The entries and their states are in trainer/entries.py. Thread-safe: labels arrive on worker threads.
+With a feedback ledger (trainer/ledger.py) every ending is written there too, with the
+version and path of a trained entry.
 
 The cache alone moves an entry from state to state: every transition is one of its
 methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
@@ -28,6 +30,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from typing import Protocol
 
 from engine.recording import RecordedPrefill
 from trainer.entries import TERMINAL, CacheEntry, EntryState
@@ -39,11 +42,22 @@ logger = logging.getLogger(__name__)
 # what gives way when a new recording does not fit (see the module docstring)
 FULL_POLICIES = ("drop_new", "evict_oldest", "unlabelled_give_way")
 
+
+class FateJournal(Protocol):
+    """Where the cache writes how each entry ended (the feedback ledger, trainer/ledger.py):
+    called under the cache's lock, so it must only queue the write."""
+
+    def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
+                    reason: str | None = None) -> None: ...
+
+
 class ActivationCache:
     def __init__(self, budget_bytes: int, full_policy: str = "drop_new", label_timeout_s: float = 300.0,
-                 clock=time.monotonic, max_label_entries: int = 10_000):
+                 clock=time.monotonic, max_label_entries: int = 10_000, journal: FateJournal | None = None):
         """`max_label_entries`: entries without activations (labels that train by
-        recomputation) kept at most; past it a new one is refused, counted and logged."""
+        recomputation) kept at most; past it a new one is refused, counted and logged;
+        `journal`: told how every entry ends (the feedback ledger)."""
+        self.journal = journal
         self.budget_bytes = budget_bytes
         self.max_label_entries = max_label_entries
         # label entries refused at the bound
@@ -128,7 +142,7 @@ class ActivationCache:
                 self.refused_label_entries += 1
                 logger.warning("label entry for %r refused: %d entries without activations are waiting (the "
                                "bound, train.max_label_entries)", entry.completion_id, self.max_label_entries)
-                self._end(entry, EntryState.DROPPED)
+                self._end(entry, EntryState.DROPPED, reason="max_label_entries")
                 admitted = False
             else:
                 previous = self._entries.get(entry.completion_id)
@@ -150,6 +164,8 @@ class ActivationCache:
         label, kept without its activations (True)."""
         if not entry.needs_label:
             self._detach(entry)
+            if self.journal is not None:
+                self.journal.record_fate(entry.completion_id, EntryState.DROPPED.value, reason="cache_full")
             return False
         self._strip(entry)
         return True
@@ -227,16 +243,30 @@ class ActivationCache:
         device thread, so its recording is freed at the device thread's next call."""
         with self._lock:
             if entry.state is EntryState.WAITING_LABEL:
-                self._end(entry, EntryState.DROPPED)
+                self._end(entry, EntryState.DROPPED, reason="reward_function_failed")
 
-    def end(self, entry: CacheEntry, state: EntryState) -> None:
+    def end(self, entry: CacheEntry, state: EntryState, version: int | None = None, path: str | None = None,
+            reason: str | None = None) -> None:
         """Removes an entry for good and frees its activations (device thread: freeing a
-        graph is tensor work, DESIGN.md invariant)."""
+        graph is tensor work, DESIGN.md invariant). A trained entry says into which
+        adapter `version` (None: its step was skipped) and by which `path`."""
         with self._lock:
-            self._end(entry, state)
+            self._end(entry, state, version, path, reason)
         self._free_detached()
 
-    def _end(self, entry: CacheEntry, state: EntryState) -> None:
+    def withdraw(self, completion_id: str) -> bool:
+        """Ends the entry of a completion whose data was deleted, unless it is being
+        trained (off the device thread: its recording is freed at the device thread's
+        next call); whether it was withdrawn."""
+        with self._lock:
+            entry = self._entries.get(completion_id)
+            if entry is None or entry.state is EntryState.TRAINING:
+                return False
+            self._end(entry, EntryState.DROPPED, reason="deleted")
+            return True
+
+    def _end(self, entry: CacheEntry, state: EntryState, version: int | None = None, path: str | None = None,
+             reason: str | None = None) -> None:
         if self._entries.pop(entry.completion_id, None) is not None:
             self.bytes -= entry.nbytes
             self.released_bytes += entry.nbytes
@@ -244,6 +274,8 @@ class ActivationCache:
         self._detach(entry)
         self.ended_counts[state.value] += 1
         self._remember(entry.completion_id, state)
+        if self.journal is not None:
+            self.journal.record_fate(entry.completion_id, state.value, version, path, reason)
 
     def has_pending_release(self) -> bool:
         """Recordings of entries ended off the device thread wait to be freed."""
@@ -251,8 +283,10 @@ class ActivationCache:
 
     def response_finished(self, completion_id: str, responses: dict[int, list[int]], aborted: bool,
                           served_logps: dict[int, float] | None = None,
-                          served_token_logps: dict[int, list[float]] | None = None) -> CacheEntry | None:
-        """Completes an entry with its served responses; the entry, if it still waits for its label."""
+                          served_token_logps: dict[int, list[float]] | None = None,
+                          label_deadline: float | None = None) -> CacheEntry | None:
+        """Completes an entry with its served responses; the entry, if it still waits for
+        its label (until `label_deadline`, clock time; default: the label timeout from now)."""
         waiting = None
         with self._lock:
             entry = self._entries.get(completion_id)
@@ -264,9 +298,10 @@ class ActivationCache:
             entry.response_finished = True
             if entry.needs_label:
                 if aborted and entry.state is EntryState.WAITING_LABEL:
-                    self._end(entry, EntryState.DROPPED)  # no complete response to prefer or reject
+                    self._end(entry, EntryState.DROPPED, reason="aborted")  # no complete response to prefer or reject
                 elif entry.state is EntryState.WAITING_LABEL:
-                    entry.label_deadline = self.clock() + self.label_timeout_s
+                    entry.label_deadline = (self.clock() + self.label_timeout_s if label_deadline is None
+                                            else label_deadline)
                     waiting = entry
         self._free_detached()
         return waiting

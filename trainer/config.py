@@ -1,5 +1,6 @@
-"""The trainer's configuration: training (`[train]`), the arbiter (`[arbiter]`) and the
-adapter's directory (`[adapter]`), one frozen dataclass each (assembled in server/config.py)."""
+"""The trainer's configuration: training (`[train]`), the arbiter (`[arbiter]`), the
+adapter's directory (`[adapter]`) and the feedback ledger (`[ledger]`), one frozen
+dataclass each (assembled in server/config.py)."""
 
 from __future__ import annotations
 
@@ -152,3 +153,19 @@ class AdapterConfig:
                 raise ValueError(f"adapter.lora_module must be name=DIR, got {self.lora_module!r}")
             if self.dir:
                 raise ValueError("adapter.lora_module and adapter.dir serve one adapter each; give one")
+
+
+@dataclass(frozen=True)
+class LedgerConfig:
+    # keep a ledger in the adapter directory (adapter.dir); without one, labels live in memory only
+    enabled: bool = True
+    # requests older than this are pruned (with their labels), unless still to be trained
+    retention_days: float = 30.0
+    # the file is pruned, oldest first, to stay under this; it never grows past it
+    max_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if not self.retention_days > 0:
+            raise ValueError(f"ledger.retention_days must be positive, got {self.retention_days}")
+        if not isinstance(self.max_bytes, int) or self.max_bytes < 1 << 20:
+            raise ValueError(f"ledger.max_bytes must be an integer of at least 1 MiB, got {self.max_bytes!r}")

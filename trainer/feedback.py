@@ -4,7 +4,10 @@ choices by index) or a reward per choice (GRPO).
 
 `attach_label` validates a label against its entry and has the cache attach it; it
 returns a typed `FeedbackResult` (accepted, or why not, with OpenAI's `param` and
-`code`), which the server maps to 200/400/404/409. `FeedbackIntake` is what the server
+`code`), which the server maps to 200/400/404/409/503. With a feedback ledger
+(trainer/ledger.py) a label is committed there before the cache attaches it: 200 means
+it survives a crash; a ledger that cannot be written refuses it (503), changing nothing.
+`FeedbackIntake` is what the server
 calls: it counts the outcomes. Both run on a worker thread, never on the event loop: a
 label's texts are tokenized before the cache is consulted, and no lock is held meanwhile
 (the cache attaches the label only if the entry still waits for one).
@@ -19,6 +22,8 @@ from typing import Callable
 
 from trainer.cache import ActivationCache
 from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, PreferenceLabel
+from trainer.ledger import LabelExists, Ledger, LedgerUnavailable
+from trainer.ledger_db import LabelRecord
 from trainer.methods import TrainingMethod
 from trainer.status import TrainingStats
 
@@ -31,6 +36,8 @@ class FeedbackOutcome(str, enum.Enum):
     UNKNOWN = "unknown"
     # the entry already has its label, or its response is still being generated
     CONFLICT = "conflict"
+    # the feedback ledger cannot be written now: nothing was accepted, try again later
+    UNAVAILABLE = "unavailable"
 
 
 @dataclass(frozen=True)
@@ -72,27 +79,40 @@ class FeedbackLabel:
     rejected_index: int | None = None
     # GRPO: one reward per choice
     rewards: list[float] | None = None
+    # who sent it: "api" (POST /v1/feedback) or "reward_function"
+    source: str = "api"
 
 
 # which label a training method takes (TrainingMethod.label_kind)
 PREFERENCE, REWARDS = "preference", "rewards"
 
 
+@dataclass(frozen=True)
+class _Labels:
+    """Where a label goes once validated: the ledger first (when there is one), then the cache."""
+
+    cache: ActivationCache
+    ledger: Ledger | None
+    request: FeedbackLabel
+
+
 def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: Callable[[str], list[int]],
-                 max_model_len: int, label_kind: str = PREFERENCE) -> FeedbackResult:
+                 max_model_len: int, label_kind: str = PREFERENCE, ledger: Ledger | None = None) -> FeedbackResult:
     """Validates `request` against its entry and attaches the label (the entry becomes
-    ready for training); `response_ids` tokenizes a response text."""
+    ready for training); `response_ids` tokenizes a response text. With a `ledger`, the
+    label is committed there before it is attached: accepted means on disk."""
+    to = _Labels(cache, ledger, request)
     try:
         if label_kind == REWARDS:
-            return _attach_rewards(cache, request)
+            return _attach_rewards(to, request)
         if request.rewards is not None:
             raise _refuse(FeedbackOutcome.INVALID, "'rewards' are for group training; this server trains on "
                           "preferences (give 'chosen'/'rejected', or 'chosen_index'/'rejected_index')", "rewards",
                           "invalid_value")
         if request.chosen_index is not None or request.rejected_index is not None:
-            _attach_indices(cache, request)
+            _attach_indices(to, request)
         else:
-            _attach(cache, request, response_ids, max_model_len)
+            _attach(to, request, response_ids, max_model_len)
     except _Refused as refused:
         return refused.result
     return ACCEPTED
@@ -126,13 +146,37 @@ def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
     return entry
 
 
-def _commit(cache: ActivationCache, entry: CacheEntry, label, skip: bool = False) -> None:
-    """Has the cache attach `label`; refuses as `_waiting_entry` does if the entry ended
-    or was labelled since it was looked up."""
-    if not cache.attach_label(entry, label, skip):
-        _waiting_entry(cache, entry.completion_id)
-        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {entry.completion_id!r} already has its label", "id",
+def _commit(to: _Labels, entry: CacheEntry, label, skip: bool = False) -> None:
+    """Commits `label` to the ledger, then has the cache attach it; refuses as
+    `_waiting_entry` does if the entry ended or was labelled since it was looked up, and
+    with 503 if the ledger cannot be written (nothing is attached then)."""
+    completion_id = entry.completion_id
+    if to.ledger is not None:
+        try:
+            to.ledger.commit_label(completion_id, _label_record(to.request, label))
+        except LabelExists:
+            raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
+                          "label_exists") from None
+        except LedgerUnavailable as exc:
+            raise _refuse(FeedbackOutcome.UNAVAILABLE, f"the label was not accepted: {exc}; nothing was changed, "
+                          "send it again later", None, "ledger_unavailable") from None
+    if not to.cache.attach_label(entry, label, skip):
+        if to.ledger is not None:
+            to.ledger.withdraw_label(completion_id)  # answered as refused: it must not train after a restart
+        _waiting_entry(to.cache, completion_id)
+        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
                       "label_exists")
+
+
+def _label_record(request: FeedbackLabel, label) -> LabelRecord:
+    """The ledger's row for a label: as sent, and as the trainer trains on it."""
+    if isinstance(label, GroupRewards):
+        return LabelRecord("rewards", request.source, rewards=list(label.rewards))
+    served_side = request.chosen is None or request.rejected is None
+    return LabelRecord("preference", request.source, request.chosen, request.rejected,
+                       request.choice_index if served_side and request.chosen_index is None else None,
+                       request.chosen_index, request.rejected_index, list(label.chosen), list(label.rejected),
+                       dict(label.served_logps))
 
 
 def _finished_responses(entry: CacheEntry, completion_id: str, what: str) -> dict[int, list[int]]:
@@ -142,7 +186,7 @@ def _finished_responses(entry: CacheEntry, completion_id: str, what: str) -> dic
     return entry.responses
 
 
-def _attach_rewards(cache: ActivationCache, request: FeedbackLabel) -> FeedbackResult:
+def _attach_rewards(to: _Labels, request: FeedbackLabel) -> FeedbackResult:
     completion_id, rewards = request.completion_id, request.rewards
     if rewards is None:
         raise _refuse(FeedbackOutcome.INVALID, "this server trains on groups of samples (GRPO): send 'rewards', "
@@ -155,7 +199,7 @@ def _attach_rewards(cache: ActivationCache, request: FeedbackLabel) -> FeedbackR
     if bad:
         raise _refuse(FeedbackOutcome.INVALID, f"rewards must be finite numbers; rewards[{bad[0]}] is "
                       f"{rewards[bad[0]]}", "rewards", "invalid_value")
-    entry = _waiting_entry(cache, completion_id)
+    entry = _waiting_entry(to.cache, completion_id)
     if not isinstance(entry, GroupEntry):
         raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group",
                       "id", "not_a_group")
@@ -165,14 +209,14 @@ def _attach_rewards(cache: ActivationCache, request: FeedbackLabel) -> FeedbackR
                       f"got {len(rewards)} rewards (one per choice, in choice order)", "rewards",
                       "invalid_value")
     skip = max(rewards) == min(rewards)
-    _commit(cache, entry, GroupRewards([float(r) for r in rewards]), skip)
+    _commit(to, entry, GroupRewards([float(r) for r in rewards]), skip)
     if skip:
         return FeedbackResult(FeedbackOutcome.ACCEPTED, "all rewards are equal: the group has no advantage "
                               "and is not trained", skipped=True)
     return ACCEPTED
 
 
-def _attach_indices(cache: ActivationCache, request: FeedbackLabel) -> None:
+def _attach_indices(to: _Labels, request: FeedbackLabel) -> None:
     """DPO between two served choices: both responses and their log-probs come from decoding."""
     completion_id, chosen, rejected = request.completion_id, request.chosen_index, request.rejected_index
     for name in ("chosen", "rejected"):
@@ -183,7 +227,7 @@ def _attach_indices(cache: ActivationCache, request: FeedbackLabel) -> None:
         missing = "chosen_index" if chosen is None else "rejected_index"
         raise _refuse(FeedbackOutcome.INVALID, "give both 'chosen_index' and 'rejected_index'", missing,
                       "missing_required_parameter")
-    entry = _waiting_entry(cache, completion_id)  # an unknown id is a 404 before the pair is compared
+    entry = _waiting_entry(to.cache, completion_id)  # an unknown id is a 404 before the pair is compared
     if chosen == rejected:
         raise _refuse(FeedbackOutcome.INVALID, "'chosen_index' and 'rejected_index' are the same choice",
                       "rejected_index", "invalid_value")
@@ -202,10 +246,10 @@ def _attach_indices(cache: ActivationCache, request: FeedbackLabel) -> None:
     for side, index in (("chosen", chosen), ("rejected", rejected)):
         if index in entry.served_logps:
             label.served_logps[side] = entry.served_logps[index]
-    _commit(cache, entry, label)
+    _commit(to, entry, label)
 
 
-def _attach(cache: ActivationCache, request: FeedbackLabel, response_ids, max_model_len: int) -> None:
+def _attach(to: _Labels, request: FeedbackLabel, response_ids, max_model_len: int) -> None:
     completion_id, chosen, rejected, choice_index = (request.completion_id, request.chosen, request.rejected,
                                                      request.choice_index)
     if chosen is None and rejected is None:
@@ -214,7 +258,7 @@ def _attach(cache: ActivationCache, request: FeedbackLabel, response_ids, max_mo
     # the texts are tokenized first, with nothing locked: a large label stalls no one
     texts_ids = {name: response_ids(text) for name, text in (("chosen", chosen), ("rejected", rejected))
                  if text is not None}
-    entry = _waiting_entry(cache, completion_id)
+    entry = _waiting_entry(to.cache, completion_id)
     served = None
     if chosen is None or rejected is None:
         if not entry.response_finished:
@@ -242,7 +286,7 @@ def _attach(cache: ActivationCache, request: FeedbackLabel, response_ids, max_mo
     if served is not None and choice_index in entry.served_logps:
         side = "rejected" if rejected is None else "chosen"
         label.served_logps[side] = entry.served_logps[choice_index]
-    _commit(cache, entry, label)
+    _commit(to, entry, label)
 
 
 class FeedbackIntake:
@@ -250,7 +294,9 @@ class FeedbackIntake:
     its entry and counts the outcomes. Call it on a worker thread."""
 
     def __init__(self, method: TrainingMethod, cache: ActivationCache, stats: TrainingStats, tokenizer,
-                 max_model_len: int):
+                 max_model_len: int, ledger: Ledger | None = None):
+        """`ledger`: the feedback ledger, where a label is committed before it is accepted."""
+        self.ledger = ledger
         self.method = method
         self.cache = cache
         self.stats = stats
@@ -265,7 +311,7 @@ class FeedbackIntake:
                                     "dpo or grpo)", None, "feedback_not_used")
         else:
             result = attach_label(self.cache, request, self._response_ids, self.max_model_len,
-                                  self.method.label_kind)
+                                  self.method.label_kind, self.ledger)
         with self.stats.lock:
             key = result.outcome.value
             self.stats.feedback[key] = self.stats.feedback.get(key, 0) + 1

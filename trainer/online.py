@@ -7,8 +7,8 @@ hands to each other, and the few things done across them.
     every item is timed into the training counters;
   - `status()` is the consistent snapshot `/metrics` and `/v1/adapters` read;
   - `rollback()` abandons the job in progress before the lifecycle swaps the weights;
-  - `close()` stops the offloader's copies and the reward workers and saves the final
-    version.
+  - `close()` stops the offloader's copies and the reward workers, saves the final
+    version and closes the feedback ledger.
 Each part keeps its own role; this object only holds them and orders those steps.
 """
 
@@ -24,6 +24,7 @@ from trainer.cache import ActivationCache
 from trainer.entries import EntryState
 from trainer.config import TrainConfig
 from trainer.feedback import FeedbackIntake
+from trainer.ledger import Ledger
 from trainer.lifecycle import AdapterLifecycle
 from trainer.maintenance import Maintenance
 from trainer.methods import TrainContext, TrainingMethod
@@ -55,6 +56,8 @@ class OnlineTraining:
     # the activation offloader (a device budget is set) and the reward function's scorer
     offloader: ActivationOffloader | None = None
     rewards: RewardScorer | None = None
+    # the feedback ledger (with an adapter directory)
+    ledger: Ledger | None = None
 
     @property
     def mode(self) -> str:
@@ -108,6 +111,17 @@ class OnlineTraining:
         self.trainer.abandon_job()  # its gradients were computed under the weights being replaced
         return self.lifecycle.rollback(snapshot)
 
+    def forget(self, completion_id: str, label_only: bool = False) -> bool:
+        """Deletes what the server keeps of a completion — its label, or its request and
+        label (users' data): the rows leave the ledger first (LedgerUnavailable if it
+        cannot be written, with nothing changed), then its entry leaves the cache, unless
+        it is being trained. Whether there was anything. A worker thread's call."""
+        deleted = self.ledger.delete(completion_id, label_only) if self.ledger is not None else False
+        entry = self.cache.get(completion_id)
+        labelled = entry is not None and getattr(entry, "label", None) is not None
+        withdrawn = (labelled or not label_only) and self.cache.withdraw(completion_id)
+        return deleted or withdrawn
+
     # -- status and shutdown ----------------------------------------------------------
 
     def status(self) -> TrainerStatus:
@@ -140,3 +154,5 @@ class OnlineTraining:
         if self.rewards is not None:
             self.rewards.close()
         self.lifecycle.save_final()
+        if self.ledger is not None:
+            self.ledger.close()

@@ -14,6 +14,8 @@ What it keeps about a request in flight lives here, on the device thread, from i
 admission to its last output; label expiry is the arbiter's (trainer/maintenance.py).
 A request gets an entry only if the method trains on it (GRPO: n >= 2, one entry for the
 group, whose choices share the one recording).
+With a feedback ledger, each request that gets an entry is written there (its prompt as
+the client wrote it and as tokens, the served choices and log-probs when it finishes).
 No label is lost: with a method that takes feedback, a trainable request whose prefill is
 not recorded (not drawn, too long, no room) still gets an entry when it finishes — its
 tokens, without activations — and its label trains by recomputation.
@@ -22,6 +24,7 @@ tokens, without activations — and its label trains by recomputation.
 from __future__ import annotations
 
 import random
+import time
 from typing import Callable, Protocol
 
 from engine.malloc_tuning import HeapWarmer
@@ -30,6 +33,8 @@ from engine.recording import RecordedPrefill, RecordSpec
 from trainer.cache import ActivationCache
 from trainer.entries import EntryState, GroupEntry
 from trainer.config import TrainConfig
+from trainer.ledger import Ledger
+from trainer.ledger_db import ChoiceRecord, RequestRecord
 from trainer.methods import TrainingMethod
 from trainer.rewards import RewardScorer
 from trainer.status import TrainingStats
@@ -44,10 +49,15 @@ class DeviceRoom(Protocol):
 class Recorder:
     def __init__(self, config: TrainConfig, method: TrainingMethod, cache: ActivationCache,
                  adapter_version: Callable[[], int], stats: TrainingStats, device_room: DeviceRoom | None = None,
-                 warmer: HeapWarmer | None = None, rewards: RewardScorer | None = None):
+                 warmer: HeapWarmer | None = None, rewards: RewardScorer | None = None,
+                 ledger: Ledger | None = None):
         """`warmer`: pre-faulted heap (engine.malloc_tuning.HeapWarmer), released just
         before a recording and sized to the largest one; `rewards`: the reward function's
-        scorer (trainer/rewards.py), which gets each finished group."""
+        scorer (trainer/rewards.py), which gets each finished group; `ledger`: the feedback
+        ledger, where every request that gets an entry is written (queued, not waited for)."""
+        self.ledger = ledger
+        # what is kept of a request only for the reward function and the ledger
+        self.keeps_client_prompt = rewards is not None or ledger is not None
         self.config = config
         self.method = method
         self.wants_served_logprobs = method.uses_feedback
@@ -63,10 +73,10 @@ class Recorder:
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
         # completion id -> choice index -> each served token's log-prob, and the response
-        # text (kept for the reward function only)
+        # text (kept for the reward function and the ledger only)
         self._token_logps: dict[str, dict[int, list[float]]] = {}
         self._texts: dict[str, dict[int, str]] = {}
-        # completion id -> the prompt as the client wrote it (kept for the reward function only)
+        # completion id -> the prompt as the client wrote it (kept for the reward function and the ledger)
         self._client_prompts: dict[str, object] = {}
         # completion id -> (prompt token ids, adapter version) of trainable requests in
         # flight that were not recorded: they get a label entry when they finish
@@ -78,7 +88,7 @@ class Recorder:
               client_prompt: object = None) -> RecordSpec | None:
         if not self.method.trains_on(num_choices):
             return None
-        if self.rewards is not None and client_prompt is not None:
+        if self.keeps_client_prompt and client_prompt is not None:
             self._client_prompts[request_id] = client_prompt
         spec = self._decide(len(prompt_token_ids))
         if spec is not None and self.warmer is not None:
@@ -104,6 +114,7 @@ class Recorder:
         if self.warmer is not None:
             self.warmer.target = max(self.warmer.target, recording.saved_bytes)
         entry = self.method.make_entry(request_id, recording)
+        self._write_request(request_id, entry.prompt_token_ids, entry.adapter_version)
         added = self.cache.add(entry)
         if added:
             self._responses[request_id] = {}
@@ -132,7 +143,7 @@ class Recorder:
         texts = self._texts.setdefault(request_id, {})
         for completion in output.outputs:
             responses.setdefault(completion.index, []).extend(completion.token_ids)
-            if self.rewards is not None:
+            if self.keeps_client_prompt:
                 texts[completion.index] = texts.get(completion.index, "") + completion.text
             if completion.token_logprob_values is not None:
                 token_logps.setdefault(completion.index, []).extend(completion.token_logprob_values)
@@ -142,11 +153,24 @@ class Recorder:
             aborted = _aborted(output)
             label_only = self._label_only.pop(request_id, None)
             if label_only is not None and not aborted:
+                self._write_request(request_id, *label_only)
                 self.cache.add(self.method.make_label_entry(request_id, *label_only))
+            if self.ledger is not None and (label_only is None or not aborted):
+                self.ledger.record_finished(request_id, [
+                    ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i)) for i in sorted(responses)],
+                    aborted)
             waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps)
             client_prompt = self._client_prompts.pop(request_id, None)
             if self.rewards is not None and isinstance(waiting, GroupEntry):
                 self.rewards.score(waiting, client_prompt, [texts[i] for i in sorted(texts)])
+
+
+    def _write_request(self, request_id: str, prompt_token_ids: list[int], adapter_version: int) -> None:
+        """Writes a request to the ledger before its entry exists, so a label never
+        reaches the ledger before its request."""
+        if self.ledger is not None:
+            self.ledger.record_request(RequestRecord(request_id, time.time(), adapter_version, self.method.name,
+                                                     list(prompt_token_ids), self._client_prompts.get(request_id)))
 
 
 def _aborted(output: RequestOutput) -> bool:

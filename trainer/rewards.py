@@ -90,7 +90,7 @@ class RewardScorer:
                 self.stats.reward_errors += 1
             self.cache.drop_unlabelled(entry)
             return
-        result = self.submit(FeedbackLabel(entry.completion_id, rewards=rewards))
+        result = self.submit(FeedbackLabel(entry.completion_id, rewards=rewards, source="reward_function"))
         if not result.accepted:
             logger.warning("rewards for %s not attached: %s", entry.completion_id, result.message)
         self.on_scored()

@@ -49,8 +49,9 @@ class _Job:
     lags: list[int] = field(default_factory=list)
     index: int = 0
     results: list[JobResult] = field(default_factory=list)
-    # the path each finished entry took
+    # the path each finished entry took, in order and by completion id
     paths: list[str] = field(default_factory=list)
+    path_of: dict[str, str] = field(default_factory=dict)
 
 
 class Trainer:
@@ -108,6 +109,7 @@ class Trainer:
                 self.cache.free_activations(job.entries[job.index])
                 job.results.append(stop.value)
                 job.paths.append(job.path)
+                job.path_of[job.entries[job.index].completion_id] = job.path
                 job.lags.append(job.lag)
                 job.current = None
                 job.index += 1
@@ -117,7 +119,7 @@ class Trainer:
                 self.stats.failed_jobs += 1
             self.optimizer.zero_grad()
             for entry in job.entries:
-                self.cache.end(entry, EntryState.DROPPED)
+                self.cache.end(entry, EntryState.DROPPED, reason="job_failed")
             self._job = None
             self.release_unneeded_weights()
         return True
@@ -155,13 +157,14 @@ class Trainer:
             self.stats.stale_dropped += drop
         self.cache.free_activations(entry)  # never back-propagate a graph recorded under other weights
         if drop:
-            self.cache.end(entry, EntryState.DROPPED)
+            self.cache.end(entry, EntryState.DROPPED, reason="stale")
             return None, ""
         return self.method.recompute_job(entry, self.context), "recompute"
 
     def _finish_job(self, job: _Job) -> None:
         losses = [r.loss for r in job.results]
         finite = all(math.isfinite(v) for v in losses)
+        stepped = False
         if job.results:
             version = self.optimizer.version
             if self.config.max_staleness and version in self.cache.recorded_versions():
@@ -178,9 +181,11 @@ class Trainer:
                     self.stats.trained_entries[key] = self.stats.trained_entries.get(key, 0) + 1
                 for lag in job.lags:
                     self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
+        version = self.optimizer.version if stepped else None
         for entry in job.entries:
             if entry.state is EntryState.TRAINING:
-                self.cache.end(entry, EntryState.TRAINED)
+                self.cache.end(entry, EntryState.TRAINED, version, job.path_of.get(entry.completion_id),
+                               None if stepped else "step_skipped")
         self._job = None
         self.release_unneeded_weights()
 

@@ -1,0 +1,221 @@
+"""The feedback ledger: a label is on disk before feedback answers 200; a ledger that cannot
+be written answers 503 and loses nothing it held; retention by age and size never drops
+a label still to be trained; the file is its owner's; what the server keeps of a
+completion can be deleted; a restart trains every label not in the resumed version and
+still takes feedback for recent requests."""
+
+import sqlite3
+import stat
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.conftest import engine_of, make_training
+from tests.servers import TINY_NAME, tiny_app
+from tests.test_training import label, serve
+from trainer.adapter_store import AdapterCheckpointer, AdapterStore
+from trainer.config import AdapterConfig, LedgerConfig, TrainConfig
+from trainer.ledger import Ledger, LabelExists, LedgerUnavailable
+from trainer.ledger_db import LEDGER_FILE, LabelRecord, RequestRecord, read_ledger
+
+DPO = TrainConfig(mode="dpo", lora_rank=4)
+CHAT = {"model": TINY_NAME, "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+
+
+def chat(client) -> str:
+    r = client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text
+    return r.json()["id"]
+
+
+def rows_by_id(path) -> dict:
+    return {row.request.id: row for row in read_ledger(path)}
+
+
+def test_a_label_is_on_disk_before_feedback_answers_200(tmp_path):
+    app = tiny_app(train=DPO, adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        completion = chat(client)
+        r = client.post("/v1/feedback", json={"id": completion, "chosen": "Paris."})
+        assert r.status_code == 200, r.text
+        row = rows_by_id(tmp_path / LEDGER_FILE)[completion]  # another connection, at once
+        assert row.label.kind == "preference" and row.label.chosen == "Paris." and row.label.rejected is None
+        assert row.label.source == "api" and row.label.choice_index == 0
+        assert row.label.rejected_token_ids == row.choices[0].token_ids  # the served response is the rejected side
+        assert row.request.prompt == CHAT["messages"] and row.request.method == "dpo"
+        assert row.request.adapter_version == 0 and len(row.request.prompt_token_ids) > 5
+        assert len(row.choices[0].token_logprobs) == len(row.choices[0].token_ids) and row.choices[0].text
+        assert row.finished_at >= row.request.served_at > time.time() - 600
+    for name in (LEDGER_FILE, LEDGER_FILE + "-wal"):
+        path = tmp_path / name
+        if path.exists():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
+
+
+def test_feedback_answers_503_while_the_ledger_cannot_be_written_and_loses_nothing(tmp_path):
+    app = tiny_app(train=DPO, adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        first, second = chat(client), chat(client)
+        assert client.post("/v1/feedback", json={"id": first, "chosen": "Paris."}).status_code == 200
+        app.state.alchemist.training.ledger.flush()
+        blocker = sqlite3.connect(tmp_path / LEDGER_FILE, isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")  # another writer holds the database
+        try:
+            r = client.post("/v1/feedback", json={"id": second, "chosen": "Paris!"})
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "ledger_unavailable"
+            assert client.delete(f"/v1/feedback/{first}").status_code == 503  # nor is anything deleted
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        rows = rows_by_id(tmp_path / LEDGER_FILE)
+        assert rows[first].label.chosen == "Paris." and rows[second].label is None
+        # the refused label was not attached: sent again, it is accepted
+        assert client.post("/v1/feedback", json={"id": second, "chosen": "Paris!"}).status_code == 200
+        assert rows_by_id(tmp_path / LEDGER_FILE)[second].label.chosen == "Paris!"
+
+
+def _request(i: int, served_at: float, tokens: int = 400) -> RequestRecord:
+    return RequestRecord(f"req-{i}", served_at, 0, "dpo", list(range(tokens)), [{"role": "user", "content": "hi"}])
+
+
+def test_a_full_ledger_refuses_labels_keeps_what_it_holds_and_makes_room_from_what_retention_may_drop(tmp_path):
+    ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(max_bytes=1 << 20))
+    try:
+        committed, refused = [], None
+        for i in range(2000):
+            ledger.record_request(_request(i, time.time()))
+            try:
+                ledger.commit_label(f"req-{i}", LabelRecord("preference", chosen="yes", chosen_token_ids=[1],
+                                                            rejected_token_ids=[2]))
+            except LedgerUnavailable as exc:
+                refused = exc
+                break
+            committed.append(f"req-{i}")
+        assert refused is not None and "full" in str(refused), "the ledger never filled"
+        labelled = {row.request.id for row in read_ledger(tmp_path / LEDGER_FILE) if row.label is not None}
+        assert labelled == set(committed)  # nothing committed before was touched
+        assert (tmp_path / LEDGER_FILE).stat().st_size <= (1 << 20) + 65536
+        for request_id in committed[: len(committed) // 2]:  # trained: retention may now drop them
+            ledger.record_fate(request_id, "trained", version=1, path="reuse")
+        ledger.record_request(_request(9999, time.time()))
+        ledger.commit_label("req-9999", LabelRecord("preference", chosen="yes", chosen_token_ids=[1],
+                                                    rejected_token_ids=[2]))
+        kept = {row.request.id for row in read_ledger(tmp_path / LEDGER_FILE)}
+        assert set(committed[len(committed) // 2:]) | {"req-9999"} <= kept  # labels still to be trained stay
+        assert ledger.stats.pruned_requests > 0
+    finally:
+        ledger.close()
+
+
+def test_retention_drops_old_requests_oldest_first_but_never_a_label_still_to_be_trained(tmp_path):
+    now = [time.time()]
+    ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(retention_days=1), clock=lambda: now[0])
+    try:
+        start = now[0]
+        for i in range(3):
+            ledger.record_request(_request(i, start, tokens=4))
+        ledger.record_request(_request(3, start + 1.5 * 86400, tokens=4))
+        ledger.commit_label("req-1", LabelRecord("rewards", rewards=[1.0, 0.0]))  # to be trained
+        ledger.commit_label("req-2", LabelRecord("rewards", rewards=[1.0, 0.0]))
+        ledger.record_fate("req-2", "trained", version=3, path="recompute")
+        now[0] = start + 2 * 86400  # two days on: requests 0-2 are past the retention of one
+        ledger.prune()
+        assert sorted(rows_by_id(tmp_path / LEDGER_FILE)) == ["req-1", "req-3"]
+        with pytest.raises(LabelExists):
+            ledger.commit_label("req-1", LabelRecord("rewards", rewards=[0.0, 1.0]))
+    finally:
+        ledger.close()
+
+
+def test_deleting_a_label_or_a_stored_completion_over_http(tmp_path):
+    app = tiny_app(train=DPO, adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        labelled, stored = chat(client), chat(client)
+        training = app.state.alchemist.training
+        assert client.delete(f"/v1/feedback/{stored}").status_code == 404  # it has no label
+        r = client.delete(f"/v1/chat/completions/{stored}")
+        assert r.status_code == 200 and r.json() == {"id": stored, "object": "chat.completion.deleted",
+                                                     "deleted": True}
+        assert training.cache.get(stored) is None  # it can no longer be trained on
+        assert client.post("/v1/feedback", json={"id": labelled, "chosen": "Paris."}).status_code == 200
+        r = client.delete(f"/v1/feedback/{labelled}")
+        assert r.status_code == 200 and r.json() == {"id": labelled, "object": "feedback.deleted", "deleted": True}
+        training.ledger.flush()
+        rows = rows_by_id(tmp_path / LEDGER_FILE)
+        assert stored not in rows and rows[labelled].label is None
+        for path in (f"/v1/feedback/{labelled}", f"/v1/chat/completions/{stored}", "/v1/feedback/nope"):
+            r = client.delete(path)
+            assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", path
+
+
+def test_a_deleted_label_is_not_trained_on(tmp_path):
+    training = _training(tmp_path)
+    serve(training, "r0")
+    label(training, "r0")
+    assert training.forget("r0", label_only=True)
+    assert training.cache.get("r0") is None
+    training.train_until_idle()
+    assert training.stats.copy().trained_entries == {}
+    training.ledger.flush()
+    row = rows_by_id(tmp_path / LEDGER_FILE)["r0"]
+    assert row.label is None and (row.fate, row.fate_reason) == ("dropped", "deleted")
+    training.close()
+
+
+def _training(root, save_every: int = 10):
+    """DPO training on `root` as a server builds it: versions saved there, and the ledger."""
+    checkpointer = AdapterCheckpointer(AdapterStore(root), save_every)
+    return make_training(DPO, checkpointer=checkpointer, ledger=Ledger(root / LEDGER_FILE))
+
+
+def _crash(training) -> None:
+    """What a kill leaves: queued ledger writes may be lost, but here they have landed
+    (labels are committed before they are accepted); nothing is saved at exit."""
+    training.ledger.flush()
+    training.ledger.close()
+    training.lifecycle.checkpointer.wait()
+
+
+@pytest.mark.parametrize("trained_before", [False, True], ids=["pending", "trained-not-saved"])
+def test_after_a_restart_every_label_not_in_the_resumed_version_trains_and_recent_requests_take_labels(
+        tmp_path, trained_before):
+    first = _training(tmp_path)
+    for i in range(4):
+        serve(first, f"r{i}")
+    for i in range(2):
+        label(first, f"r{i}")
+    if trained_before:
+        first.train_until_idle()
+        assert first.optimizer.version >= 1 and first.lifecycle.checkpointer.last_saved_version == 0
+    _crash(first)
+
+    second = _training(tmp_path)
+    assert second.optimizer.version == 0 and second.lifecycle.restored_from == 0
+    states = {f"r{i}": second.cache.get(f"r{i}").state.value for i in range(4)}
+    assert states == {"r0": "ready", "r1": "ready", "r2": "waiting_label", "r3": "waiting_label"}
+    label(second, "r2")  # served before the crash, labelled after it
+    second.train_until_idle()
+    assert second.stats.copy().trained_entries == {("dpo", "recompute"): 3}
+    second.ledger.flush()
+    rows = rows_by_id(tmp_path / LEDGER_FILE)
+    assert {i: (rows[i].fate, rows[i].fate_path) for i in ("r0", "r1", "r2")} == {
+        i: ("trained", "recompute") for i in ("r0", "r1", "r2")}
+    assert rows["r3"].fate is None and rows["r3"].label is None
+    second.close()
+
+
+def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):
+    first = _training(tmp_path, save_every=1)
+    serve(first, "r0")
+    label(first, "r0")
+    first.train_until_idle()
+    _crash(first)
+    second = _training(tmp_path, save_every=1)
+    assert second.lifecycle.restored_from == 1 and second.cache.get("r0") is None
+    assert not second.has_work() or not engine_of(second).has_unfinished()
+    second.train_until_idle()
+    assert second.stats.copy().trained_entries == {}
+    second.close()

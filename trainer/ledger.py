@@ -1,0 +1,330 @@
+"""The feedback ledger: every request that can receive feedback, its label and its fate,
+in an embedded SQLite database in the adapter directory (`DIR/ledger.sqlite3`), so that a
+label answered 200 survives `kill -9`, and what was collected can be read out
+(trainer/export.py, `alchemist feedback export`). The schema and the rows are in trainer/ledger_db.py.
+
+    requests  one row per request that got a cache entry: when it was served (wall clock),
+              the adapter version that served it, its prompt as the client wrote it (chat
+              messages or text) and as tokens, and once it finished each choice's tokens,
+              text and served log-probs; then its fate (trained into version v by path,
+              expired, dropped, skipped, evicted) and when
+    labels    at most one per request: a preference (texts or choice indices, with the
+              token ids the trainer uses) or a group's rewards, from the API or the
+              reward function
+
+Writes run on a thread of their own, never on the event loop or the device thread, one
+transaction per drain of its queue. A request's rows and fates are queued and forgotten
+(the device thread must not wait for a disk); a label is acknowledged only once its
+transaction has committed: `commit_label` blocks its caller (a worker thread) until then,
+and raises `LedgerUnavailable` if the database cannot be written (disk full, locked,
+read-only) — the transaction is rolled back, so nothing committed before is touched.
+
+The file is its owner's alone (mode 0600; SQLite gives its WAL the same mode). Retention
+is bounded by age and by size, oldest first, on the writer thread; labels that are still
+to be trained are never pruned. The file never grows past `max_bytes`: a write that
+would (everything left is still to be trained) fails as a full disk does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import LedgerConfig
+from trainer.ledger_db import ChoiceRecord, LabelRecord, RequestRecord, open_database, to_json
+
+logger = logging.getLogger(__name__)
+
+# how long a label waits for its commit before feedback gives up (503)
+COMMIT_TIMEOUT_S = 10.0
+# how often the writer applies retention
+PRUNE_EVERY_S = 60.0
+# retention prunes to this share of max_bytes, so that it does not run on every write
+PRUNE_TO = 0.9
+# queued writes (requests' rows, fates) kept for retry while the ledger cannot be written
+MAX_RETRY_BACKLOG = 100_000
+
+class LedgerUnavailable(Exception):
+    """The ledger cannot be written now (disk full, locked, read-only, closed)."""
+
+
+class LabelExists(Exception):
+    """The request already has a label in the ledger."""
+
+
+@dataclass
+class LedgerStats:
+    commits: int = 0
+    rows_written: int = 0
+    write_errors: int = 0
+    labels_refused: int = 0
+    pruned_requests: int = 0
+    commit_seconds: float = 0.0
+    # writes that failed and wait to be retried (requests' rows and fates)
+    retry_backlog: int = 0
+
+
+def _is_full(exc: sqlite3.Error) -> bool:
+    return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+
+
+class _Write:
+    """One queued write: `apply(conn)` inside the writer's transaction; `done` is set
+    for writes whose caller waits (labels)."""
+
+    def __init__(self, apply, done: concurrent.futures.Future | None = None):
+        self.apply = apply
+        self.done = done
+
+
+class Ledger:
+    def __init__(self, path: str | Path, config: LedgerConfig = LedgerConfig(), clock=time.time):
+        self.path = Path(path)
+        self.config = config
+        self.clock = clock
+        self.stats = LedgerStats()
+        self._conn = open_database(self.path, config.max_bytes)
+        self._queue: queue.Queue[_Write | None] = queue.Queue()
+        # writes that failed for want of room or a lock: retried before the next ones
+        self._retry: list[_Write] = []
+        self._last_error: sqlite3.Error | None = None
+        self._last_prune = float("-inf")
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="alchemist-ledger", daemon=True)
+        self._thread.start()
+
+    # -- writes (queued; only labels wait) ---------------------------------------------
+
+    def record_request(self, record: RequestRecord) -> None:
+        """A request got a cache entry (device thread: queued, not waited for)."""
+        self._put(_Write(lambda c: c.execute(  # encoded on the writer thread
+            "INSERT OR REPLACE INTO requests (id, served_at, adapter_version, method, prompt, prompt_token_ids) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (record.id, record.served_at, record.adapter_version, record.method, to_json(record.prompt),
+             to_json(record.prompt_token_ids)))))
+
+    def record_finished(self, request_id: str, choices: list[ChoiceRecord], aborted: bool) -> None:
+        """A request's responses, when it finished (device thread: queued)."""
+        finished_at = self.clock()
+        self._put(_Write(lambda c: c.execute(
+            "UPDATE requests SET finished_at = ?, choices = ?, aborted = ? WHERE id = ?",
+            (finished_at, to_json([{"index": x.index, "token_ids": x.token_ids, "text": x.text,
+                                  "token_logprobs": x.token_logprobs} for x in choices]), int(aborted),
+             request_id))))
+
+    def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
+                    reason: str | None = None) -> None:
+        """How a request's entry ended (queued; called under the cache's lock)."""
+        at = self.clock()
+        self._put(_Write(lambda c: c.execute(
+            "UPDATE requests SET fate = ?, fate_version = ?, fate_path = ?, fate_reason = ?, fate_at = ? "
+            "WHERE id = ?", (fate, version, path, reason, at, request_id))))
+
+    def commit_label(self, request_id: str, label: LabelRecord, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
+        """Writes a label and returns once it is committed (call on a worker thread).
+        LabelExists if the request has one; LedgerUnavailable if it cannot be written."""
+        created = self.clock()
+
+        def apply(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "INSERT INTO labels (request_id, created_at, source, kind, chosen, rejected, choice_index, "
+                "chosen_index, rejected_index, chosen_token_ids, rejected_token_ids, served_logps, rewards) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (request_id, created, label.source, label.kind, label.chosen, label.rejected, label.choice_index,
+                 label.chosen_index, label.rejected_index, to_json(label.chosen_token_ids),
+                 to_json(label.rejected_token_ids), to_json(label.served_logps), to_json(label.rewards)))
+
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(_Write(apply, done))
+        try:
+            done.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise LedgerUnavailable(f"the feedback ledger did not commit within {timeout_s:g} s") from None
+
+    def withdraw_label(self, request_id: str) -> None:
+        """Removes a label whose entry ended before it could be attached (queued)."""
+        self._put(_Write(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))
+
+    def delete(self, request_id: str, label_only: bool = False) -> bool:
+        """Deletes a request (with its label), or only its label; whether there was one
+        (blocks until committed; LedgerUnavailable)."""
+        table, column = ("labels", "request_id") if label_only else ("requests", "id")
+        found = []
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(_Write(lambda c: found.append(
+            c.execute(f"DELETE FROM {table} WHERE {column} = ?", (request_id,)).rowcount > 0), done))
+        try:
+            done.result(COMMIT_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise LedgerUnavailable(f"the feedback ledger did not commit within {COMMIT_TIMEOUT_S:g} s") from None
+        return bool(found and found[0])
+
+    def flush(self, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
+        """Waits until every write queued so far has been tried."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(_Write(lambda c: None, done))
+        done.result(timeout_s)
+
+    def _put(self, write: _Write) -> None:
+        if self._closed:
+            if write.done is not None:
+                write.done.set_exception(LedgerUnavailable("the feedback ledger is closed"))
+            return
+        self._queue.put(write)
+
+    # -- the writer thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [*self._retry, first]
+            self._retry = []
+            while len(batch) < 512:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._commit(batch)
+                    return
+                batch.append(item)
+            self._commit(batch)
+            if self.clock() - self._last_prune >= PRUNE_EVERY_S:
+                self._prune_quietly()
+
+    def _commit(self, batch: list[_Write]) -> None:
+        """One transaction for the batch. If the ledger is full, retention makes room and
+        each write is tried alone, so that one that cannot be written fails by itself;
+        if it cannot be written at all (locked, read-only, I/O), every waiting caller
+        hears it at once and the rest is kept to be retried."""
+        started = time.perf_counter()
+        try:
+            self._transaction(batch)
+        except sqlite3.IntegrityError:
+            for write in batch:
+                self._commit_one(write)
+        except sqlite3.Error as exc:
+            if _is_full(exc):
+                for write in batch:
+                    self._commit_one(write)
+            else:
+                for write in batch:
+                    self._failed(write, exc)
+        else:
+            for write in batch:
+                if write.done is not None:
+                    write.done.set_result(None)
+            self.stats.rows_written += len(batch)
+        self.stats.commits += 1
+        self.stats.commit_seconds += time.perf_counter() - started
+        self.stats.retry_backlog = len(self._retry)
+
+    def _failed(self, write: _Write, exc: sqlite3.Error) -> None:
+        """A write that could not be made: its waiting caller hears it (a label, refused
+        with nothing changed); a queued one is retried with the next writes."""
+        self.stats.write_errors += 1
+        self._last_error = exc
+        if write.done is not None:
+            self.stats.labels_refused += 1
+            write.done.set_exception(LedgerUnavailable(f"the feedback ledger cannot be written: {exc}"))
+        else:
+            logger.warning("feedback ledger write failed (%s); it is retried with the next writes", exc)
+            self._retry.append(write)
+            if len(self._retry) > MAX_RETRY_BACKLOG:
+                self._retry.pop(0)
+                logger.error("feedback ledger: more than %d writes wait to be retried; the oldest is given up",
+                             MAX_RETRY_BACKLOG)
+
+    def _commit_one(self, write: _Write) -> None:
+        try:
+            try:
+                self._transaction([write])
+            except sqlite3.Error as exc:
+                if not _is_full(exc):
+                    raise
+                self._prune_quietly()  # room from what retention may drop, then once more
+                self._transaction([write])
+        except sqlite3.IntegrityError as exc:
+            if write.done is not None and "FOREIGN KEY" in str(exc):  # its request's row is not written yet
+                why = f"it cannot be written: {self._last_error}" if self._retry else "its request is not in it yet"
+                write.done.set_exception(LedgerUnavailable(f"the feedback ledger does not hold the label: {why}"))
+            elif write.done is not None:
+                write.done.set_exception(LabelExists(str(exc)))
+            else:  # a row for a request the ledger no longer holds (deleted): nothing to do
+                logger.debug("ledger write skipped: %s", exc)
+        except sqlite3.Error as exc:
+            self._failed(write, exc)
+        else:
+            self.stats.rows_written += 1
+            if write.done is not None:
+                write.done.set_result(None)
+
+    def _transaction(self, batch: list[_Write]) -> None:
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")  # waits up to BUSY_TIMEOUT_S for another writer's lock
+        try:
+            for write in batch:
+                write.apply(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+
+    # -- retention ---------------------------------------------------------------------
+
+    def _prune_quietly(self) -> None:
+        self._last_prune = self.clock()
+        try:
+            self._transaction([_Write(self._prune)])
+        except sqlite3.Error as exc:
+            logger.warning("feedback ledger retention failed: %s", exc)
+
+    def prune(self) -> None:
+        """Applies retention now (it runs on its own every minute and when the file is full)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(_Write(self._prune, done))
+        done.result(COMMIT_TIMEOUT_S)
+
+    def _prune(self, conn: sqlite3.Connection) -> None:
+        """Deletes requests past `retention_days`, then the oldest until the file is under
+        `PRUNE_TO` of `max_bytes` — never one whose label is still to be trained (writer thread)."""
+        cutoff = self.clock() - self.config.retention_days * 86400
+        prunable = "NOT (fate IS NULL AND id IN (SELECT request_id FROM labels))"
+        deleted = conn.execute(f"DELETE FROM requests WHERE served_at < ? AND {prunable}", (cutoff,)).rowcount
+        target = int(self.config.max_bytes * PRUNE_TO)
+        while self.used_bytes() > target:
+            ids = [r[0] for r in conn.execute(f"SELECT id FROM requests WHERE {prunable} ORDER BY served_at "
+                                              "LIMIT 256")]
+            if not ids:
+                break
+            deleted += conn.execute(f"DELETE FROM requests WHERE id IN ({','.join('?' * len(ids))})",
+                                    ids).rowcount
+        if deleted:
+            conn.execute("PRAGMA incremental_vacuum")
+            self.stats.pruned_requests += deleted
+            logger.info("feedback ledger: pruned %d old requests", deleted)
+
+    def used_bytes(self) -> int:
+        """Bytes of the database's pages in use (what retention bounds)."""
+        page_size, pages, free = (self._conn.execute(f"PRAGMA {p}").fetchone()[0]
+                                  for p in ("page_size", "page_count", "freelist_count"))
+        return (pages - free) * page_size
+
+    def close(self) -> None:
+        """Writes what is queued and closes the database."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(30)
+        self._conn.close()
+
+

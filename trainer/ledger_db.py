@@ -1,0 +1,184 @@
+"""The feedback ledger's database: its schema, its rows as dataclasses, and reading them.
+
+The writer is trainer/ledger.py; replay at start (trainer/replay.py) and export
+(trainer/export.py, which may run in another process while the server writes) read
+through `read_ledger`, on connections of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+
+LEDGER_FILE = "ledger.sqlite3"
+# how long a write waits for a lock held by another connection before it fails
+BUSY_TIMEOUT_S = 2.0
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests (
+    id TEXT PRIMARY KEY,
+    served_at REAL NOT NULL,
+    finished_at REAL,
+    adapter_version INTEGER NOT NULL,
+    method TEXT NOT NULL,
+    prompt TEXT,
+    prompt_token_ids TEXT NOT NULL,
+    choices TEXT,
+    aborted INTEGER NOT NULL DEFAULT 0,
+    fate TEXT,
+    fate_version INTEGER,
+    fate_path TEXT,
+    fate_reason TEXT,
+    fate_at REAL
+);
+CREATE INDEX IF NOT EXISTS requests_served_at ON requests (served_at);
+CREATE TABLE IF NOT EXISTS labels (
+    request_id TEXT PRIMARY KEY REFERENCES requests (id) ON DELETE CASCADE,
+    created_at REAL NOT NULL,
+    source TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    chosen TEXT,
+    rejected TEXT,
+    choice_index INTEGER,
+    chosen_index INTEGER,
+    rejected_index INTEGER,
+    chosen_token_ids TEXT,
+    rejected_token_ids TEXT,
+    served_logps TEXT,
+    rewards TEXT
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+SCHEMA_VERSION = "1"
+
+
+
+@dataclass(frozen=True)
+class ChoiceRecord:
+    index: int
+    token_ids: list[int]
+    text: str
+    # each token's log-prob as serving computed it (None: not computed)
+    token_logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    id: str
+    # unix time
+    served_at: float
+    adapter_version: int
+    # the training method's name (cpt, dpo, grpo)
+    method: str
+    prompt_token_ids: list[int]
+    # the prompt as the client wrote it: chat messages (a list) or text; None if not known
+    prompt: object = None
+
+
+@dataclass(frozen=True)
+class LabelRecord:
+    # "preference" or "rewards"
+    kind: str
+    # "api" (POST /v1/feedback) or "reward_function"
+    source: str = "api"
+    # preference texts as sent (None: the served response of `choice_index`)
+    chosen: str | None = None
+    rejected: str | None = None
+    choice_index: int | None = None
+    chosen_index: int | None = None
+    rejected_index: int | None = None
+    # what the trainer trains on: both responses' token ids, and the served log-probs of
+    # a side that is a served response
+    chosen_token_ids: list[int] | None = None
+    rejected_token_ids: list[int] | None = None
+    served_logps: dict[str, float] = field(default_factory=dict)
+    rewards: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    """A request as the ledger holds it, with its label (if any): what replay and export read."""
+
+    request: RequestRecord
+    finished_at: float | None
+    choices: list[ChoiceRecord]
+    aborted: bool
+    fate: str | None
+    fate_version: int | None
+    fate_path: str | None
+    fate_reason: str | None
+    label: LabelRecord | None
+    label_created_at: float | None
+
+
+def to_json(value) -> str | None:
+    return None if value is None else json.dumps(value, separators=(",", ":"))
+
+
+def from_json(text: str | None):
+    return None if text is None else json.loads(text)
+
+
+def open_database(path: Path, max_bytes: int | None = None, read_only: bool = False) -> sqlite3.Connection:
+    """A connection to the ledger at `path` (created owner-only, WAL, schema applied
+    unless `read_only`)."""
+    if read_only:
+        if not path.is_file():
+            raise FileNotFoundError(f"no feedback ledger at {path}")
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+        conn.execute("PRAGMA foreign_keys = ON")
+        return conn
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect on a new file: pruning shrinks it
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = FULL")  # a commit is on disk before its label is acknowledged
+    conn.execute("PRAGMA foreign_keys = ON")
+    conn.executescript(SCHEMA)
+    conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+    if max_bytes is not None:
+        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {max(max_bytes // page_size, 64)}")
+    return conn
+
+
+# -- reading (replay at start, export, other processes) --------------------------------
+
+_ROW_COLUMNS = ("r.id, r.served_at, r.finished_at, r.adapter_version, r.method, r.prompt, r.prompt_token_ids, "
+                "r.choices, r.aborted, r.fate, r.fate_version, r.fate_path, r.fate_reason, l.created_at, "
+                "l.source, l.kind, l.chosen, l.rejected, l.choice_index, l.chosen_index, l.rejected_index, "
+                "l.chosen_token_ids, l.rejected_token_ids, l.served_logps, l.rewards")
+
+
+def read_rows(conn: sqlite3.Connection, where: str = "1", params: tuple = ()) -> list[LedgerRow]:
+    """Requests with their labels, oldest first, filtered by an SQL condition on `r`
+    (requests) and `l` (labels)."""
+    rows = conn.execute(f"SELECT {_ROW_COLUMNS} FROM requests r LEFT JOIN labels l ON l.request_id = r.id "
+                        f"WHERE {where} ORDER BY r.served_at, r.id", params).fetchall()
+    return [_row(r) for r in rows]
+
+
+def _row(r: tuple) -> LedgerRow:
+    request = RequestRecord(r[0], r[1], r[3], r[4], from_json(r[6]), from_json(r[5]))
+    choices = [ChoiceRecord(c["index"], c["token_ids"], c["text"], c.get("token_logprobs"))
+               for c in from_json(r[7]) or []]
+    label = None
+    if r[13] is not None:
+        label = LabelRecord(r[15], r[14], r[16], r[17], r[18], r[19], r[20], from_json(r[21]),
+                            from_json(r[22]), from_json(r[23]) or {}, from_json(r[24]))
+    return LedgerRow(request, r[2], choices, bool(r[8]), r[9], r[10], r[11], r[12], label, r[13])
+
+
+def read_ledger(path: str | Path, where: str = "1", params: tuple = ()) -> list[LedgerRow]:
+    """`read_rows` on a read-only connection of its own (WAL lets it run beside the
+    writer, in this process or another)."""
+    conn = open_database(Path(path), read_only=True)
+    try:
+        return read_rows(conn, where, params)
+    finally:
+        conn.close()
