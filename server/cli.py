@@ -1,4 +1,5 @@
-"""The `alchemist` command: `serve`, `profile` and the benchmarks (`bench ...`).
+"""The `alchemist` command: `serve`, `profile`, the benchmarks (`bench ...`) and the
+feedback ledger's export (`feedback export`).
 
 Configuration comes from configs/default.toml, then `--config FILE`, then flags.
 """
@@ -97,10 +98,52 @@ def build_parser() -> argparse.ArgumentParser:
                        "frozen under name")
     serve.add_argument("--adapter-save-every", type=int, help="save every N adapter versions (default 10)")
 
+    feedback = commands.add_parser("feedback", help="the feedback a server collected (its ledger)")
+    feedback_commands = feedback.add_subparsers(dest="feedback_command", required=True)
+    export = feedback_commands.add_parser("export", help="write the ledger's labels as JSONL in TRL's dataset formats")
+    export.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
+    export.add_argument("--format", default="preference", choices=["preference", "unpaired", "prompt-completion"],
+                        help="preference: {prompt, chosen, rejected} (DPO); unpaired: {prompt, completion, label} "
+                        "(KTO); prompt-completion: {prompt, completion[, reward]} (SFT, rewards as data)")
+    export.add_argument("--since", help="only labels given (or, unlabelled, requests served) at or after this "
+                        "ISO-8601 date or time (naive: UTC)")
+    export.add_argument("--out", help="file to write (default: standard output)")
+    export.add_argument("--style", default="auto", choices=["auto", "conversational", "standard"],
+                        help="conversational rows (chat requests) or standard rows (text completions); auto: the "
+                        "ledger's one style")
+    export.add_argument("--include-quarantined", action="store_true",
+                        help="also the labels the eval gate quarantined")
+
     from bench.cli import add_bench_commands
 
     add_bench_commands(commands, _add_config_flags)
     return parser
+
+
+def export_feedback(args: argparse.Namespace) -> int:
+    """`alchemist feedback export`: the ledger's rows as JSONL (the server may be running)."""
+    import json
+    from pathlib import Path
+
+    from trainer.export import ExportError, export_rows, parse_since
+    from trainer.ledger_db import LEDGER_FILE, read_ledger
+
+    try:
+        rows = read_ledger(Path(args.adapter_dir) / LEDGER_FILE)
+        dataset, counts = export_rows(rows, args.format, parse_since(args.since), args.style,
+                                      args.include_quarantined)
+    except (ExportError, FileNotFoundError) as exc:
+        print(f"alchemist: {exc}", file=sys.stderr)
+        return 2
+    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in dataset)
+    if args.out:
+        Path(args.out).write_text(lines)
+    else:
+        sys.stdout.write(lines)
+    skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
+    print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{skipped}",
+          file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.malloc_tuning import keep_freed_memory
     keep_freed_memory()
+    if args.command == "feedback":
+        return export_feedback(args)
     if args.command == "bench" and args.bench in ("colocate", "soak"):
         config = None  # the bench starts its own servers
     else:

@@ -288,6 +288,28 @@ class TrainingCollector:
                                   value=stats.not_recorded)
         yield from _offload_metrics(status.offload)
         yield from _group_metrics(stats)
+        if status.ledger is not None:
+            yield from _ledger_metrics(status.ledger)
+
+
+def _ledger_metrics(ledger):
+    """The feedback ledger (trainer/ledger.py), with an adapter directory."""
+    for name, text, value in (
+            ("ledger_commits", "Transactions the feedback ledger committed (each holds every write queued "
+                               "meanwhile).", ledger.commits),
+            ("ledger_rows_written", "Rows written to the feedback ledger (requests, labels, fates).",
+             ledger.rows_written),
+            ("ledger_write_errors", "Writes the feedback ledger could not make (full, locked, read-only).",
+             ledger.write_errors),
+            ("ledger_refused_writes", "Labels and deletions refused with 503 because the feedback ledger could not "
+                                      "be written.", ledger.refused_writes),
+            ("ledger_pruned_requests", "Requests pruned from the feedback ledger by retention (age, size).",
+             ledger.pruned_requests),
+            ("ledger_commit_seconds", "Seconds the feedback ledger's writer spent committing.",
+             ledger.commit_seconds)):
+        yield CounterMetricFamily(f"{PREFIX}{name}", text, value=value)
+    yield GaugeMetricFamily(f"{PREFIX}ledger_retry_backlog", "Queued feedback ledger writes waiting to be retried.",
+                            value=ledger.retry_backlog)
 
 
 def _group_metrics(stats):

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from tests.conftest import engine_of, make_training
 from tests.servers import TINY_NAME, tiny_app
+from tests.test_no_label_lost import metric
 from tests.test_training import label, serve
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.config import AdapterConfig, LedgerConfig, TrainConfig
@@ -75,6 +76,8 @@ def test_feedback_answers_503_while_the_ledger_cannot_be_written_and_loses_nothi
         # the refused label was not attached: sent again, it is accepted
         assert client.post("/v1/feedback", json={"id": second, "chosen": "Paris!"}).status_code == 200
         assert rows_by_id(tmp_path / LEDGER_FILE)[second].label.chosen == "Paris!"
+        assert metric(client, "alchemist:ledger_refused_writes_total") == 2  # the label and the deletion
+        assert metric(client, "alchemist:ledger_rows_written_total") >= 6  # 2 requests, 2 finishes, 2 labels
 
 
 def _request(i: int, served_at: float, tokens: int = 400) -> RequestRecord:

@@ -63,7 +63,7 @@ class LedgerStats:
     commits: int = 0
     rows_written: int = 0
     write_errors: int = 0
-    labels_refused: int = 0
+    refused_writes: int = 0
     pruned_requests: int = 0
     commit_seconds: float = 0.0
     # writes that failed and wait to be retried (requests' rows and fates)
@@ -233,7 +233,7 @@ class Ledger:
         self.stats.write_errors += 1
         self._last_error = exc
         if write.done is not None:
-            self.stats.labels_refused += 1
+            self.stats.refused_writes += 1
             write.done.set_exception(LedgerUnavailable(f"the feedback ledger cannot be written: {exc}"))
         else:
             logger.warning("feedback ledger write failed (%s); it is retried with the next writes", exc)

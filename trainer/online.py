@@ -32,7 +32,8 @@ from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
 from trainer.rewards import RewardScorer
 from trainer.stash import WeightStash
-from trainer.status import SLICE_BUCKETS, CacheStatus, OffloadStatus, SaveStatus, TrainerStatus, TrainingStats
+from trainer.status import (SLICE_BUCKETS, CacheStatus, LedgerStatus, OffloadStatus, SaveStatus, TrainerStatus,
+                            TrainingStats)
 from trainer.trainer import Trainer
 
 
@@ -142,9 +143,14 @@ class OnlineTraining:
         if checkpointer is not None:
             saves = SaveStatus(str(checkpointer.store.root), checkpointer.save_every, checkpointer.saved,
                                checkpointer.failed, checkpointer.last_saved_version)
+        ledger = None
+        if self.ledger is not None:
+            s = self.ledger.stats
+            ledger = LedgerStatus(str(self.ledger.path), s.commits, s.rows_written, s.write_errors, s.refused_writes,
+                                  s.pruned_requests, s.commit_seconds, s.retry_backlog)
         return TrainerStatus(self.mode, self.optimizer.version, self.lifecycle.restored_from,
                              self.optimizer.skipped_steps, self.stats.copy(), cache_status, offload, saves,
-                             self.stash.versions, self.stash.nbytes)
+                             self.stash.versions, self.stash.nbytes, ledger)
 
     def close(self) -> None:
         """At shutdown (after the engine stopped): stops the offloader's copies and the

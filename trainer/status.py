@@ -99,6 +99,20 @@ class OffloadStatus:
 
 
 @dataclass(frozen=True)
+class LedgerStatus:
+    path: str
+    # transactions, rows written, writes that failed, labels and deletions refused (503) for it
+    commits: int
+    rows_written: int
+    write_errors: int
+    refused_writes: int
+    pruned_requests: int
+    commit_seconds: float
+    # queued writes (requests' rows, fates) waiting to be retried
+    retry_backlog: int
+
+
+@dataclass(frozen=True)
 class TrainerStatus:
     # cpt | dpo | grpo | a custom method's name
     mode: str
@@ -117,3 +131,5 @@ class TrainerStatus:
     # adapter versions whose weights are stashed for stale recordings, and their bytes
     stashed_versions: list[int] = dataclasses.field(default_factory=list)
     stash_bytes: int = 0
+    # None without a feedback ledger
+    ledger: LedgerStatus | None = None

@@ -1,0 +1,100 @@
+"""`alchemist feedback export`: the ledger's labels as JSONL in TRL's dataset formats, loaded
+with `datasets` and checked with TRL's own format helpers, from a real server's ledger
+(DPO texts and indices over HTTP) and from a ledger holding every kind of label."""
+
+import json
+import time
+
+import pytest
+from datasets import load_dataset
+from fastapi.testclient import TestClient
+from trl.data_utils import is_conversational, maybe_apply_chat_template
+
+from server.cli import main
+from tests.servers import TINY_NAME, tiny_app
+from tests.tiny import tiny_tokenizer
+from trainer.config import AdapterConfig, TrainConfig
+from trainer.export import ExportError, export_rows, parse_since
+from trainer.ledger import Ledger
+from trainer.ledger_db import LEDGER_FILE, ChoiceRecord, LabelRecord, RequestRecord, read_ledger
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def export(tmp_path, capsys, *flags) -> list[dict]:
+    out = tmp_path / f"export-{len(list(tmp_path.glob('export-*')))}.jsonl"
+    assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out), *flags]) == 0
+    assert "rows to" in capsys.readouterr().err
+    return list(load_dataset("json", data_files=str(out), split="train")) if out.read_text() else []
+
+
+def test_a_dpo_servers_feedback_exports_as_trl_preference_and_unpaired_datasets(tmp_path, capsys):
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        base = {"model": TINY_NAME, "max_tokens": 4, "temperature": 1.0, "seed": 1, "messages": MESSAGES}
+        texts_id = client.post("/v1/chat/completions", json=base).json()["id"]
+        pair = client.post("/v1/chat/completions", json={**base, "n": 2, "ignore_eos": True}).json()
+        served = [c["message"]["content"] for c in pair["choices"]]
+        assert client.post("/v1/feedback", json={"id": texts_id, "chosen": "Paris."}).status_code == 200
+        r = client.post("/v1/feedback", json={"id": pair["id"], "chosen_index": 1, "rejected_index": 0})
+        assert r.status_code == 200, r.text
+    preference = export(tmp_path, capsys, "--format", "preference")
+    assert len(preference) == 2 and all(is_conversational(row) for row in preference)
+    assert preference[0]["prompt"] == MESSAGES and preference[0]["chosen"] == [
+        {"role": "assistant", "content": "Paris."}]
+    assert [preference[1]["chosen"][0]["content"], preference[1]["rejected"][0]["content"]] == served[::-1]
+    tokenizer = tiny_tokenizer()
+    for row in preference:  # TRL renders the rows as DPOTrainer does
+        rendered = maybe_apply_chat_template(row, tokenizer)
+        assert set(rendered) == {"prompt", "chosen", "rejected"} and "France" in rendered["prompt"]
+    unpaired = export(tmp_path, capsys, "--format", "unpaired")
+    assert [row["label"] for row in unpaired] == [True, False, True, False]
+    assert export(tmp_path, capsys, "--format", "preference", "--since", "2999-01-01") == []
+
+
+def _ledger_with_every_kind(root) -> None:
+    ledger = Ledger(root / LEDGER_FILE)
+    now = time.time()
+    group = [ChoiceRecord(i, [10 + i], f"answer {i}", [-0.5]) for i in range(3)]
+    for request_id, method, prompt in (("g", "grpo", MESSAGES), ("c", "cpt", MESSAGES), ("q", "dpo", MESSAGES),
+                                       ("t", "dpo", "The capital of France is")):
+        ledger.record_request(RequestRecord(request_id, now, 0, method, [1, 2, 3], prompt))
+        ledger.record_finished(request_id, group if request_id == "g" else group[:1], False)
+    ledger.commit_label("g", LabelRecord("rewards", "reward_function", rewards=[1.0, 0.0, 0.5]))
+    ledger.commit_label("q", LabelRecord("preference", chosen="Lyon.", choice_index=0, chosen_token_ids=[5],
+                                         rejected_token_ids=[10]))
+    ledger.record_fate("q", "quarantined", reason="eval_gate")
+    ledger.commit_label("t", LabelRecord("preference", chosen=" Paris.", choice_index=0, chosen_token_ids=[5],
+                                         rejected_token_ids=[10]))
+    ledger.close()
+
+
+def test_every_kind_of_label_exports_in_its_format_and_styles_are_never_mixed(tmp_path, capsys):
+    _ledger_with_every_kind(tmp_path)
+    rows = read_ledger(tmp_path / LEDGER_FILE)
+    with pytest.raises(ExportError, match="--style"):
+        export_rows(rows, "preference")  # chat and text requests: one style per file
+    preference = export(tmp_path, capsys, "--format", "preference", "--style", "conversational")
+    assert [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in preference] == [
+        ("answer 0", "answer 1"), ("answer 0", "answer 2")]  # the group's best against each worse sample
+    unpaired = export(tmp_path, capsys, "--format", "unpaired", "--style", "conversational")
+    assert [(r["completion"][0]["content"], r["label"]) for r in unpaired] == [("answer 0", True),
+                                                                              ("answer 1", False)]
+    completions = export(tmp_path, capsys, "--format", "prompt-completion", "--style", "conversational")
+    assert [(r["completion"][0]["content"], r["reward"]) for r in completions] == [
+        ("answer 0", None), ("answer 0", 1.0), ("answer 1", 0.0), ("answer 2", 0.5)]  # CPT's, then the group's
+    quarantined = export(tmp_path, capsys, "--format", "preference", "--style", "conversational",
+                         "--include-quarantined")
+    assert ("Lyon.", "answer 0") in [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in quarantined]
+    standard = export(tmp_path, capsys, "--format", "preference", "--style", "standard")
+    assert standard == [{"prompt": "The capital of France is", "chosen": " Paris.", "rejected": "answer 0"}]
+    assert not is_conversational(standard[0])
+
+
+def test_bad_export_arguments_get_a_clear_error(tmp_path, capsys):
+    assert main(["feedback", "export", "--adapter-dir", str(tmp_path)]) == 2
+    assert "no feedback ledger" in capsys.readouterr().err
+    with pytest.raises(ExportError, match="ISO-8601"):
+        parse_since("last tuesday")
+    assert parse_since("1970-01-02") == 86400.0
+    json.dumps(parse_since("2026-11-24T09:30:00+01:00"))

@@ -1,0 +1,159 @@
+"""The feedback ledger as datasets: JSONL rows in TRL's dataset formats
+(`alchemist feedback export`), which `datasets.load_dataset("json", data_files=…)` feeds
+to TRL's trainers unchanged.
+
+  preference         {prompt, chosen, rejected}: every DPO label; and for a rewarded group,
+                     its best sample against each sample rewarded lower
+                     (DPOTrainer, RewardTrainer)
+  unpaired           {prompt, completion, label}: a rewarded sample by the sign of its
+                     advantage (its reward minus the group's mean; zero: left out), and
+                     each side of a DPO label (KTOTrainer)
+  prompt-completion  {prompt, completion}: what a CPT server served; a rewarded sample
+                     with its `reward` as an extra column (SFTTrainer; TRL's GRPOTrainer
+                     samples its own completions, so rewards travel as data)
+
+A request from `/v1/chat/completions` gives conversational rows (`prompt` its message
+list, each completion one assistant message); one from `/v1/completions` gives standard
+rows (plain text). One file holds one style: `style` picks it when the ledger holds both.
+Quarantined labels are left out unless asked for.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Iterator
+
+from trainer.ledger_db import LedgerRow
+
+FORMATS = ("preference", "unpaired", "prompt-completion")
+STYLES = ("auto", "conversational", "standard")
+
+
+class ExportError(ValueError):
+    """The selection cannot be written as one dataset (say how to narrow it)."""
+
+
+@dataclass(frozen=True)
+class ExportCounts:
+    rows: int = 0
+    # requests left out: no prompt as the client wrote it, or of the other style
+    skipped: int = 0
+
+
+def parse_since(text: str | None) -> float | None:
+    """An ISO-8601 date or time (naive: UTC) as a unix time; ExportError if malformed."""
+    if text is None:
+        return None
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise ExportError(f"--since {text!r} is not an ISO-8601 date or time (e.g. 2026-11-24 or "
+                          "2026-11-24T09:30:00+01:00)") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.timezone.utc)
+    return moment.timestamp()
+
+
+def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, style: str = "auto",
+                include_quarantined: bool = False) -> tuple[list[dict], ExportCounts]:
+    """The dataset rows of `format` made from the ledger's `rows` (labelled or served
+    after `since`, a unix time)."""
+    if format not in FORMATS:
+        raise ExportError(f"format must be one of {FORMATS}, got {format!r}")
+    if style not in STYLES:
+        raise ExportError(f"style must be one of {STYLES}, got {style!r}")
+    chosen = [row for row in rows if _selected(row, since, include_quarantined)]
+    styles = {_style(row) for row in chosen} - {None}
+    if style == "auto" and len(styles) > 1:
+        raise ExportError("the ledger holds chat requests (conversational rows) and text completions (standard "
+                          "rows); one dataset holds one style: pass --style conversational or --style standard")
+    wanted = style if style != "auto" else next(iter(styles), "conversational")
+    out, skipped = [], 0
+    for row in chosen:
+        if _style(row) != wanted:
+            skipped += 1
+            continue
+        out.extend(_FORMATTERS[format](row))
+    return out, ExportCounts(len(out), skipped)
+
+
+def _selected(row: LedgerRow, since: float | None, include_quarantined: bool) -> bool:
+    if row.fate == "quarantined" and not include_quarantined:
+        return False
+    moment = row.label_created_at if row.label is not None else row.request.served_at
+    return since is None or moment >= since
+
+
+def _style(row: LedgerRow) -> str | None:
+    prompt = row.request.prompt
+    if isinstance(prompt, list):
+        return "conversational"
+    return "standard" if isinstance(prompt, str) else None
+
+
+def _completion(row: LedgerRow, text: str):
+    return [{"role": "assistant", "content": text}] if _style(row) == "conversational" else text
+
+
+def _served_text(row: LedgerRow, index: int | None) -> str | None:
+    return next((c.text for c in row.choices if c.index == (index or 0)), None)
+
+
+def _preference_texts(row: LedgerRow) -> tuple[str, str] | None:
+    """(chosen, rejected) texts of a DPO label: as sent, or the served choices named."""
+    label = row.label
+    if label.chosen_index is not None:
+        return _served_text(row, label.chosen_index), _served_text(row, label.rejected_index)
+    chosen = label.chosen if label.chosen is not None else _served_text(row, label.choice_index)
+    rejected = label.rejected if label.rejected is not None else _served_text(row, label.choice_index)
+    return chosen, rejected
+
+
+def _rewarded(row: LedgerRow) -> list[tuple[str, float]]:
+    """(text, reward) of each sample of a rewarded group, in choice order."""
+    if row.label is None or row.label.kind != "rewards":
+        return []
+    texts = {c.index: c.text for c in row.choices}
+    return [(texts[i], r) for i, r in enumerate(row.label.rewards) if i in texts]
+
+
+def _preference(row: LedgerRow) -> Iterator[dict]:
+    if row.label is not None and row.label.kind == "preference":
+        pair = _preference_texts(row)
+        if pair is not None and None not in pair:
+            yield {"prompt": row.request.prompt, "chosen": _completion(row, pair[0]),
+                   "rejected": _completion(row, pair[1])}
+    samples = _rewarded(row)
+    if samples:
+        best_text, best = max(samples, key=lambda s: s[1])
+        for text, reward in samples:
+            if reward < best:
+                yield {"prompt": row.request.prompt, "chosen": _completion(row, best_text),
+                       "rejected": _completion(row, text)}
+
+
+def _unpaired(row: LedgerRow) -> Iterator[dict]:
+    if row.label is not None and row.label.kind == "preference":
+        pair = _preference_texts(row)
+        if pair is not None:
+            for text, desirable in zip(pair, (True, False)):
+                if text is not None:
+                    yield {"prompt": row.request.prompt, "completion": _completion(row, text), "label": desirable}
+    samples = _rewarded(row)
+    if samples:
+        mean = sum(r for _, r in samples) / len(samples)
+        for text, reward in samples:
+            if reward != mean:
+                yield {"prompt": row.request.prompt, "completion": _completion(row, text), "label": reward > mean}
+
+
+def _prompt_completion(row: LedgerRow) -> Iterator[dict]:
+    if row.request.method == "cpt":
+        for choice in row.choices:
+            yield {"prompt": row.request.prompt, "completion": _completion(row, choice.text)}
+    for text, reward in _rewarded(row):
+        yield {"prompt": row.request.prompt, "completion": _completion(row, text), "reward": reward}
+
+
+_FORMATTERS = {"preference": _preference, "unpaired": _unpaired, "prompt-completion": _prompt_completion}
