@@ -17,6 +17,7 @@ import json
 import math
 import random
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -72,6 +73,15 @@ class TrainingSide:
     feedback: bool = True
     # the share of answers that get feedback (the rest never do: their entries wait out the label timeout)
     feedback_fraction: float = 1.0
+    # what the two conditions differ in: "training" (off, on) or "ledger" (training on, with
+    # an adapter directory, without and with the feedback ledger)
+    compare: str = "training"
+
+    def condition(self, variant: bool) -> tuple[bool, dict[str, str]]:
+        """(training on, extra environment) of the baseline (False) or the variant (True)."""
+        if self.compare == "ledger":
+            return True, {"ALCHEMIST_LEDGER_ENABLED": "true" if variant else "false"}
+        return variant, {}
 
 
 def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) -> dict:
@@ -104,24 +114,30 @@ def _mean_delta(before: str, after: str, histogram: str) -> float:
     return total / count if count else math.nan
 
 
-def run_condition(training: bool, side: TrainingSide, trace: list[TraceRequest], seed: int, seconds: float) -> dict:
+def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], seed: int, seconds: float) -> dict:
+    training, env = side.condition(variant)
     flags = ["--train-mode", "dpo", "--arbiter-policy", side.policy, "--tpot-slo-ms", str(side.tpot_slo_ms)] \
         if training else ["--train-mode", "off"]
     if training and side.config_file:
         flags += ["--config", side.config_file]
-    with running_server(*flags) as url:
+    adapter_dir = tempfile.TemporaryDirectory(prefix="alchemist-colocate-") if side.compare == "ledger" else None
+    if adapter_dir is not None:
+        flags += ["--adapter-dir", adapter_dir.name]
+    with running_server(*flags, env=env) as url:
         before = httpx.get(f"{url}/metrics").text
         started = time.perf_counter()
         results = asyncio.run(_run_trace(url, trace, training and side.feedback, seed, side.feedback_fraction))
         elapsed = time.perf_counter() - started
         after = httpx.get(f"{url}/metrics").text
         trained = _trained_after_catching_up(url, before) if training else {}
+    if adapter_dir is not None:
+        adapter_dir.cleanup()
     tpots = [r["tpot"] for r in results if not math.isnan(r["tpot"])]
     ttfts = [r["ttft"] for r in results if not math.isnan(r["ttft"])]
     train_tokens = read_metric(after, "alchemist:train_tokens_total") - read_metric(before,
                                                                                  "alchemist:train_tokens_total")
     return {
-        "training": training, "requests": len(results), "elapsed_s": round(elapsed, 2),
+        "training": training, "variant": variant, "requests": len(results), "elapsed_s": round(elapsed, 2),
         "tpot_mean_s": statistics.mean(tpots), "tpot_p99_s": percentile(tpots, 0.99),
         "ttft_p50_s": percentile(ttfts, 0.50), "ttft_p99_s": percentile(ttfts, 0.99),
         "train_tokens_per_s": train_tokens / max(elapsed, seconds),
@@ -131,7 +147,7 @@ def run_condition(training: bool, side: TrainingSide, trace: list[TraceRequest],
         # adds the HTTP and event-loop time on top
         **{f"server_{key}_mean_s": _mean_delta(before, after, f"alchemist:{metric}_seconds")
            for key, metric in (("ttft", "time_to_first_token"), ("queue", "request_queue_time"),
-                               ("prefill", "request_prefill_time"))},
+                               ("prefill", "request_prefill_time"), ("tpot", "time_per_output_token"))},
         "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
                                            + side.policy + '"}'),
@@ -145,19 +161,21 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
     trace = make_trace(rate, seconds, seed)
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for round_index in range(rounds):
-        for training in ((False, True) if round_index % 2 == 0 else (True, False)):
-            result = run_condition(training, side, trace, seed, seconds)
-            runs[training].append(result)
-            print(f"  rate {rate:.2f}/s round {round_index + 1}/{rounds} training {'on ' if training else 'off'}: "
+        for variant in ((False, True) if round_index % 2 == 0 else (True, False)):
+            result = run_condition(variant, side, trace, seed, seconds)
+            runs[variant].append(result)
+            name = side.compare + (" on " if variant else " off")
+            print(f"  rate {rate:.2f}/s round {round_index + 1}/{rounds} {name}: "
                   f"TPOT mean {result['tpot_mean_s'] * 1000:.1f} ms p99 {result['tpot_p99_s'] * 1000:.1f} ms, "
                   f"TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms p99 {result['ttft_p99_s'] * 1000:.0f} ms, "
                   f"trained {result['train_tokens_per_s']:.1f} tok/s"
-                  + (f", by path {result['trained_by_path']}" if training else ""), flush=True)
+                  + (f", by path {result['trained_by_path']}" if result["training"] else ""), flush=True)
 
-    def median(training: bool, key: str) -> float:
-        return statistics.median(r[key] for r in runs[training])
+    def median(variant: bool, key: str) -> float:
+        return statistics.median(r[key] for r in runs[variant])
 
-    summary = {"rate": rate, "seconds": seconds, "policy": side.policy, "tpot_slo_ms": side.tpot_slo_ms,
+    summary = {"compare": side.compare, "rate": rate, "seconds": seconds, "policy": side.policy,
+               "tpot_slo_ms": side.tpot_slo_ms,
                "train_config": side.config_file, "feedback": side.feedback,
                "feedback_fraction": side.feedback_fraction, "rounds": rounds, "requests": len(trace)}
     for key in ("tpot_mean_s", "tpot_p99_s", "ttft_p50_s", "ttft_p99_s"):
@@ -166,9 +184,10 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
     summary["tpot_mean_ratio"] = round(summary["on_tpot_mean_s"] / summary["off_tpot_mean_s"], 4)
     summary["tpot_p99_ratio"] = round(summary["on_tpot_p99_s"] / summary["off_tpot_p99_s"], 4)
     summary["ttft_p99_increase_s"] = round(summary["on_ttft_p99_s"] - summary["off_ttft_p99_s"], 4)
-    for key in ("server_ttft_mean_s", "server_queue_mean_s", "server_prefill_mean_s"):
+    for key in ("server_ttft_mean_s", "server_queue_mean_s", "server_prefill_mean_s", "server_tpot_mean_s"):
         summary[f"off_{key}"] = round(median(False, key), 5)
         summary[f"on_{key}"] = round(median(True, key), 5)
+    summary["server_tpot_mean_ratio"] = round(summary["on_server_tpot_mean_s"] / summary["off_server_tpot_mean_s"], 4)
     summary["train_slice_max_s"] = round(max(r["train_slice_max_s"] for r in runs[True]), 4)
     summary["train_tokens_per_s"] = round(median(True, "train_tokens_per_s"), 2)
     summary["between_step_slices"] = median(True, "between_step_slices")

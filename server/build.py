@@ -40,6 +40,8 @@ from trainer.adapter import attach_lora, lora_parameters, merge_all
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.arbiter import Arbiter
 from trainer.cache import ActivationCache
+from trainer.eval_gate import EvalGate
+from trainer.eval_set import load_eval_set
 from trainer.config import TrainConfig
 from trainer.feedback import FeedbackIntake
 from trainer.forward import recompute_segment
@@ -107,7 +109,9 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     # recordings in host memory land on pre-faulted pages (engine/malloc_tuning.py)
     warmer = HeapWarmer() if heap_warming and runner.device.type == "cpu" else None
     maintenance = Maintenance(cache, peft_model, config.merged_serving, stats, warmer)
-    lifecycle = AdapterLifecycle(peft_model, optimizer, cache, stash, maintenance, stats, method.name, checkpointer)
+    gate = build_gate(runner, peft_model, tokenizer, max_model_len, config)
+    lifecycle = AdapterLifecycle(peft_model, optimizer, cache, stash, maintenance, stats, method.name, checkpointer,
+                                 gate, ledger)
     context = TrainContext(runner, peft_model, offloader, config.head_chunk_rows)
     trainer = Trainer(config, method, context, optimizer, cache, stats, stash, lifecycle, offloader)
     feedback = FeedbackIntake(method, cache, stats, tokenizer, max_model_len, ledger)
@@ -116,13 +120,28 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
         decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
         rewards = RewardScorer(load_reward_function(config.reward_function), config.reward_timeout_s, cache, stats,
                                feedback.submit, decode, wakeup or (lambda: None))
-    recorder = Recorder(config, method, cache, lambda: optimizer.version, stats, offloader, warmer, rewards, ledger)
+    recorder = Recorder(config, method, cache, lifecycle.serving_version, stats, offloader, warmer, rewards, ledger,
+                        recording_paused=(lambda: gate.pending) if gate is not None else (lambda: False))
     lifecycle.start()  # resumes from the adapter directory (or saves version 0), before anything is served
     if ledger is not None:  # labels not in the resumed version train again; recent requests take feedback
         replay_ledger(ledger, method, cache, optimizer.version, lifecycle.restored_from, config.label_timeout_s,
                       rewards)
     return OnlineTraining(config, method, peft_model, optimizer, cache, stats, stash, context, trainer, maintenance,
                           lifecycle, feedback, recorder, offloader, rewards, ledger)
+
+
+def build_gate(runner: ModelRunner, peft_model, tokenizer, max_model_len: int, config: TrainConfig) -> EvalGate | None:
+    """The eval gate on `config.eval_set`'s probes (None without one). It holds serving on
+    the promoted version through the merged serving weights, so it needs them (CPU)."""
+    if not config.eval_set:
+        return None
+    if not config.merged_serving or runner.device.type != "cpu":
+        raise ValueError("train.eval_set holds serving on the promoted version through merged serving weights, "
+                         "which this version builds on the CPU only (train.merged_serving = true); on a GPU the "
+                         "serving copy of the adapter is still to come")
+    probes = load_eval_set(config.eval_set, tokenizer, max_model_len)
+    return EvalGate(probes, runner, peft_model, config.eval_tolerance, config.eval_max_kl or None,
+                    config.eval_kl_prompts, config.head_chunk_rows)
 
 
 def build_training_engine(model, tokenizer, config: EngineConfig, train: TrainConfig,

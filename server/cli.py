@@ -40,6 +40,12 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reward-function", help="grpo: rewards computed in the server, 'package.module:function' "
                         "called with (prompt, responses) returning one number per response")
     parser.add_argument("--grpo-beta", type=float, help="grpo: weight of the KL to the base model (default 0)")
+    parser.add_argument("--eval-set", help="JSONL probes: each new adapter version serves only once scored on them "
+                        "without regressing (the eval gate; its labels are quarantined if it does)")
+    parser.add_argument("--eval-tolerance", type=float, help="nats a probe kind's mean score may fall below the "
+                        "last promoted version's (default 1.0)")
+    parser.add_argument("--eval-max-kl", type=float, help="largest KL to the base model over recently trained "
+                        "prompts a version may have (default 0: no bound)")
     parser.add_argument("--arbiter-policy", choices=["idle", "slo"], help="when training runs (default idle)")
     parser.add_argument("--tpot-slo-ms", type=float, help="time-per-output-token SLO for --arbiter-policy slo")
     parser.add_argument("--offload-device-budget-bytes", type=int, help="device bytes for recorded activations and "
@@ -60,7 +66,9 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None),
                   "dpo_reference": getattr(args, "dpo_reference", None),
                   "reward_function": getattr(args, "reward_function", None),
-                  "grpo_beta": getattr(args, "grpo_beta", None)},
+                  "grpo_beta": getattr(args, "grpo_beta", None), "eval_set": getattr(args, "eval_set", None),
+                  "eval_tolerance": getattr(args, "eval_tolerance", None),
+                  "eval_max_kl": getattr(args, "eval_max_kl", None)},
         "arbiter": {"policy": getattr(args, "arbiter_policy", None), "tpot_slo_ms": getattr(args, "tpot_slo_ms", None)},
         "offload": {"device_budget_bytes": getattr(args, "offload_device_budget_bytes", None),
                     "policy": getattr(args, "offload_policy", None), "profile": getattr(args, "offload_profile", None)},

@@ -225,7 +225,8 @@ class TrainingCollector:
                                   value=stats.train_tokens)
         yield GaugeMetricFamily(f"{PREFIX}train_loss", "Mean loss of the latest optimizer step.",
                                 value=stats.last_loss)
-        yield GaugeMetricFamily(f"{PREFIX}adapter_version", "Adapter version (optimizer steps applied).",
+        yield GaugeMetricFamily(f"{PREFIX}adapter_version", "Adapter version serving (optimizer steps applied; with "
+                                "an eval gate, the last promoted).",
                                 value=status.adapter_version)
         yield GaugeMetricFamily(f"{PREFIX}weight_stash_bytes", "Bytes of past adapter versions' LoRA weights kept "
                                 "for recordings made under them.", value=status.stash_bytes)
@@ -273,14 +274,7 @@ class TrainingCollector:
                                 "(what a request arriving during training may wait).", value=stats.max_slice_seconds)
         yield CounterMetricFamily(f"{PREFIX}train_preemptions", "Times a training job was interrupted by serving "
                                   "and resumed where it stopped.", value=stats.preemptions)
-        saves = CounterMetricFamily(f"{PREFIX}adapter_saves", "Adapter versions written to the adapter directory, "
-                                    "by outcome.", labels=["status"])
-        saves.add_metric(["ok"], status.saves.saved if status.saves else 0)
-        saves.add_metric(["failed"], status.saves.failed if status.saves else 0)
-        yield saves
-        last = status.saves.last_saved_version if status.saves else None
-        yield GaugeMetricFamily(f"{PREFIX}adapter_saved_version", "Latest adapter version saved to disk (-1: none).",
-                                value=-1 if last is None else last)
+        yield from _save_metrics(status.saves)
         yield CounterMetricFamily(f"{PREFIX}memory_trims", "Idle slices that returned freed activation memory "
                                   "to the OS (glibc malloc_trim).", value=stats.memory_trims)
         yield CounterMetricFamily(f"{PREFIX}unrecorded_prefills", "Requests selected for training but not "
@@ -290,6 +284,53 @@ class TrainingCollector:
         yield from _group_metrics(stats)
         if status.ledger is not None:
             yield from _ledger_metrics(status.ledger)
+        yield from _gate_metrics(stats, status.gate)
+
+
+def _save_metrics(saves):
+    """Adapter versions saved to the adapter directory (none without one)."""
+    family = CounterMetricFamily(f"{PREFIX}adapter_saves", "Adapter versions written to the adapter directory, "
+                                 "by outcome.", labels=["status"])
+    family.add_metric(["ok"], saves.saved if saves else 0)
+    family.add_metric(["failed"], saves.failed if saves else 0)
+    yield family
+    last = saves.last_saved_version if saves else None
+    yield GaugeMetricFamily(f"{PREFIX}adapter_saved_version", "Latest adapter version saved to disk (-1: none).",
+                            value=-1 if last is None else last)
+
+
+def _gate_metrics(stats, gate):
+    """Rollbacks and quarantined labels, and the eval gate (trainer/eval_gate.py, when there
+    is one): its verdicts and the scores of the promoted and the last rejected version."""
+    rollbacks = CounterMetricFamily(f"{PREFIX}adapter_rollbacks", "Adapter rollbacks, by reason (manual: the "
+                                    "rollback route; eval_gate: a candidate version the eval gate rejected).",
+                                    labels=["reason"])
+    for reason, count in sorted(stats.rollbacks.items()):
+        rollbacks.add_metric([reason], count)
+    yield rollbacks
+    yield CounterMetricFamily(f"{PREFIX}quarantined_labels", "Labels of versions the eval gate rejected, kept "
+                              "out of training.", value=stats.quarantined_labels)
+    if gate is None:
+        return
+    yield CounterMetricFamily(f"{PREFIX}eval_runs", "Versions the eval gate scored (baselines included).",
+                              value=gate.evaluations)
+    yield CounterMetricFamily(f"{PREFIX}eval_seconds", "Seconds the eval gate spent scoring versions.",
+                              value=gate.eval_seconds)
+    verdicts = CounterMetricFamily(f"{PREFIX}eval_verdicts", "Candidate versions the eval gate judged, by verdict.",
+                                   labels=["verdict"])
+    verdicts.add_metric(["promoted"], gate.promoted)
+    verdicts.add_metric(["rejected"], gate.rejected)
+    yield verdicts
+    scores = GaugeMetricFamily(f"{PREFIX}eval_score", "A version's score on the eval set, in nats, by kind "
+                               "(preference_margin, completion_logprob, kl to the base model) and version (promoted, "
+                               "last_rejected).", labels=["kind", "version"])
+    for which, values in (("promoted", gate.last_promoted), ("last_rejected", gate.last_rejected)):
+        for kind in ("preference_margin", "completion_logprob", "kl"):
+            if values is not None and values.get(kind) is not None:
+                scores.add_metric([kind, which], values[kind])
+    yield scores
+    yield GaugeMetricFamily(f"{PREFIX}eval_candidate_version", "The adapter version the eval gate is scoring (-1: "
+                            "none).", value=-1 if gate.candidate_version is None else gate.candidate_version)
 
 
 def _ledger_metrics(ledger):

@@ -173,6 +173,35 @@ class TrainingSummary(BaseModel):
     activation_cache_bytes: int
 
 
+class GateScores(BaseModel):
+    """A version's scores on the eval set (nats; None: no probe of that kind, no KL sample yet)."""
+
+    version: int
+    preference_margin: float | None
+    completion_logprob: float | None
+    kl: float | None
+    seconds: float
+
+
+class RejectedScores(GateScores):
+    # why the version was not served
+    failures: list[str]
+
+
+class GateSummary(BaseModel):
+    """The eval gate: the version being scored, and the last promoted and rejected ones."""
+
+    candidate_version: int | None
+    last_promoted: GateScores | None
+    last_rejected: RejectedScores | None
+    evaluations: int
+    eval_seconds: float
+    promoted: int
+    rejected: int
+    # labels of rejected versions, kept out of training (release with `alchemist feedback release`)
+    quarantined_labels: int
+
+
 class AdapterStatus(BaseModel):
     """The live adapter: trained online (version, saved versions, training counters), or
     served frozen from a saved directory (`frozen`, `path`, `name`)."""
@@ -185,6 +214,10 @@ class AdapterStatus(BaseModel):
     save_every: int | None = None
     saved: list[SavedAdapter] | None = None
     training: TrainingSummary | None = None
+    # rollbacks by reason: "manual" (POST /v1/adapters/rollback) and "eval_gate"
+    rollbacks: dict[str, int] | None = None
+    # the eval gate (None without --eval-set); `version` is then the last promoted version
+    gate: GateSummary | None = None
     frozen: bool | None = None
     path: str | None = None
     name: str | None = None

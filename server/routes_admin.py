@@ -135,7 +135,8 @@ def saving_training(state: ServerState) -> Training:
 
 
 def adapter_status(state: ServerState) -> dict:
-    """GET /v1/adapters: the live version, the saved ones, and the training counters."""
+    """GET /v1/adapters: the version serving, the saved ones, the training counters, the
+    rollbacks, and the eval gate's last verdicts."""
     training = live_training(state)
     status = training.status()
     stats, saves = status.training, status.saves
@@ -158,4 +159,10 @@ def adapter_status(state: ServerState) -> dict:
             "stale_entries": stats.stale_entries,
             "activation_cache_bytes": status.cache.bytes,
         },
+        "rollbacks": dict(stats.rollbacks),
+        "gate": None if status.gate is None else {
+            "candidate_version": status.gate.candidate_version, "last_promoted": status.gate.last_promoted,
+            "last_rejected": status.gate.last_rejected, "evaluations": status.gate.evaluations,
+            "eval_seconds": round(status.gate.eval_seconds, 4), "promoted": status.gate.promoted,
+            "rejected": status.gate.rejected, "quarantined_labels": stats.quarantined_labels},
     }

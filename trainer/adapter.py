@@ -11,7 +11,9 @@ without autograd in one of two ways, both computing `x (W + s B A)^T`:
     an optimizer step invalidates it by itself; the trainer rebuilds copies in idle slices
     (`merge_stale`). This makes serving in training mode as fast as without an adapter.
   - lean: `base(x) + s (x A^T) B^T` in three ops, while its merged copy is stale.
-A step may mix merged and lean layers: both stand for the same, current adapter. With
+A step may mix merged and lean layers: both stand for the same, current adapter. While
+the eval gate scores a candidate (trainer/eval_gate.py), serving is pinned to the merged
+copies of the promoted version, whatever the live weights. With
 autograd (a recorded prefill, a training forward) and a current merged copy, the forward
 is the same single GEMM and `_MergedLoraFunction` forms the LoRA products in backward;
 otherwise, and with disabled or several adapters, PEFT's own forward runs.
@@ -76,6 +78,9 @@ class LeanLoraLinear(LoraLinear):
     # an older version's LoRA weights are swapped in (trainer/stash.py): the merged copy,
     # built from the live ones, does not stand for them
     weights_swapped: bool = False
+    # the eval gate holds serving on the promoted version (trainer/eval_gate.py): serving
+    # keeps the merged copy while the live LoRA weights are a candidate
+    serving_pinned: bool = False
 
     def _weights(self):
         name = self.active_adapters[0]
@@ -101,8 +106,8 @@ class LeanLoraLinear(LoraLinear):
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # the hot path of serving in training mode: a few attribute reads, then one GEMM
         if (self._merged_pack is not None and not args and not kwargs and not self._disable_adapters
-                and not self.weights_swapped and not torch.is_grad_enabled() and self.merged_is_current()
-                and x.dtype == self._merged_pack.dtype):
+                and not self.weights_swapped and not torch.is_grad_enabled()
+                and (self.serving_pinned or self.merged_is_current()) and x.dtype == self._merged_pack.dtype):
             flat = x.reshape(-1, x.shape[-1])
             out = torch.ops.mkldnn._linear_pointwise(flat, self._merged_pack, self.base_layer.bias, "none", [], "")
             return out.view(*x.shape[:-1], out.shape[-1])

@@ -82,6 +82,15 @@ class TrainConfig:
     # each optimizer step: training mode then serves as fast as no adapter, for one more
     # copy of the adapted weights in memory
     merged_serving: bool = True
+    # the eval gate (trainer/eval_gate.py): a JSONL file of probes; each new adapter version
+    # serves only once scored on them without a probe kind's mean score falling more than
+    # eval_tolerance nats below the last promoted version's (and, when eval_max_kl > 0, with
+    # its KL to the base model over recently trained prompts under eval_max_kl). "": no gate
+    eval_set: str = ""
+    eval_tolerance: float = 1.0
+    eval_max_kl: float = 0.0
+    # recently trained prompts (with their served responses) the KL is measured on
+    eval_kl_prompts: int = 8
 
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:
@@ -105,8 +114,12 @@ class TrainConfig:
         for name in ("learning_rate", "dpo_beta", "label_timeout_s", "max_grad_norm", "reward_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+        if not self.eval_tolerance >= 0 or not self.eval_max_kl >= 0:
+            raise ValueError("train.eval_tolerance and train.eval_max_kl must be >= 0")
+        if self.eval_set and self.mode == "off":
+            raise ValueError("train.eval_set gates the versions training makes; training is off")
         for name in ("lora_rank", "lora_alpha", "cache_bytes", "max_record_tokens", "entries_per_step",
-                     "max_label_entries", "head_chunk_rows"):
+                     "max_label_entries", "head_chunk_rows", "eval_kl_prompts"):
             check_positive(self, name)
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 

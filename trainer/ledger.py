@@ -147,6 +147,14 @@ class Ledger:
         except concurrent.futures.TimeoutError:
             raise LedgerUnavailable(f"the feedback ledger did not commit within {timeout_s:g} s") from None
 
+    def quarantine(self, request_ids: list[str], reason: str) -> None:
+        """The eval gate rejected the version these requests' labels trained into (queued)."""
+        at = self.clock()
+        marks = ",".join("?" * len(request_ids))
+        self._put(_Write(lambda c: c.execute(
+            f"UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? WHERE id IN ({marks})",
+            (reason, at, *request_ids))))
+
     def withdraw_label(self, request_id: str) -> None:
         """Removes a label whose entry ended before it could be attached (queued)."""
         self._put(_Write(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))

@@ -182,3 +182,18 @@ def read_ledger(path: str | Path, where: str = "1", params: tuple = ()) -> list[
         return read_rows(conn, where, params)
     finally:
         conn.close()
+
+
+def release_quarantined(path: str | Path, request_ids: list[str] | None = None) -> int:
+    """Releases labels the eval gate quarantined (all, or those of `request_ids`): they
+    train when the server next starts. The number released."""
+    conn = open_database(Path(path))
+    try:
+        where, params = "fate = 'quarantined'", ()
+        if request_ids is not None:
+            where += f" AND id IN ({','.join('?' * len(request_ids))})"
+            params = tuple(request_ids)
+        return conn.execute(f"UPDATE requests SET fate = NULL, fate_reason = NULL, fate_version = NULL "
+                            f"WHERE {where}", params).rowcount
+    finally:
+        conn.close()

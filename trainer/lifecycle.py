@@ -2,6 +2,12 @@
 rebuilt, saved every `save_every` versions), and the adapter on disk — resume, snapshot,
 rollback, and the compatibility check between a saved adapter and the configured one.
 
+With an eval gate (trainer/eval_gate.py) a new version is a candidate until its verdict:
+`settle` promotes it (serving moves to it; only promoted versions are saved, with their
+scores, so a restart serves the last promoted one) or rejects it (the promoted weights and
+optimizer state come back as a new version number, the step's labels are quarantined in
+the ledger, and the rollback is counted with reason "eval_gate").
+
 Everything here runs on the device thread (weights change between steps, never under
 one). A rollback abandons the job in progress first; that is the caller's
 (`OnlineTraining.rollback`), since the job belongs to the trainer.
@@ -15,6 +21,8 @@ import torch
 
 from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot, SavedVersion
 from trainer.cache import ActivationCache
+from trainer.eval_gate import EvalGate, Verdict
+from trainer.ledger import Ledger
 from trainer.maintenance import Maintenance
 from trainer.optimizer import AdapterOptimizer
 from trainer.stash import WeightStash
@@ -30,8 +38,15 @@ class AdapterMismatchError(ValueError):
 class AdapterLifecycle:
     def __init__(self, peft_model, optimizer: AdapterOptimizer, cache: ActivationCache, stash: WeightStash,
                  maintenance: Maintenance, stats: TrainingStats, mode: str,
-                 checkpointer: AdapterCheckpointer | None = None):
-        """`checkpointer`: saves versions to the adapter directory (None: none is set)."""
+                 checkpointer: AdapterCheckpointer | None = None, gate: EvalGate | None = None,
+                 ledger: Ledger | None = None):
+        """`checkpointer`: saves versions to the adapter directory (None: none is set);
+        `gate`: the eval gate (None: every version serves at once); `ledger`: where
+        rejected labels are quarantined."""
+        self.gate = gate
+        self.ledger = ledger
+        # the promoted version's weights and optimizer state, to return to (with a gate)
+        self.promoted_snapshot: AdapterSnapshot | None = None
         self.peft_model = peft_model
         self.optimizer = optimizer
         self.cache = cache
@@ -46,22 +61,68 @@ class AdapterLifecycle:
     def start(self) -> None:
         """Resumes from the latest good saved version, if any (else saves version 0, so
         there is always a version to roll back to). Call before serving starts."""
-        if self.checkpointer is None:
-            return
-        snapshot = self.checkpointer.store.latest()
-        if snapshot is not None:
-            self.restore(snapshot, snapshot.version)
-            self.maintenance.merge_all()
-            logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
-        else:
-            self.checkpointer.save_async(self.snapshot()).result()
+        if self.checkpointer is not None:
+            snapshot = self.checkpointer.store.latest()
+            if snapshot is not None:
+                self.restore(snapshot, snapshot.version)
+                self.maintenance.merge_all()
+                logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
+            else:
+                self.checkpointer.save_async(self.snapshot()).result()
+        if self.gate is not None:  # the version serving now is the promoted one: its scores are the bar
+            version = self.optimizer.version
+            scores = self.gate.score_now(version)
+            self.gate.settled(Verdict(scores, baseline=True), version)
+            self.promoted_snapshot = self.snapshot()
+            logger.info("eval gate: version %d scores %s", version, scores.as_dict())
 
-    def after_step(self, stepped: bool) -> None:
-        """An optimizer step ran (`stepped`: it changed the weights): merged serving
-        weights go stale, and the version is saved if one is due."""
+    def serving_version(self) -> int:
+        """The version requests are served with: the promoted one while a candidate waits."""
+        if self.gate is not None and self.gate.promoted is not None:
+            return self.gate.promoted.version
+        return self.optimizer.version
+
+    def after_step(self, stepped: bool, entries=()) -> None:
+        """An optimizer step ran on `entries` (`stepped`: it changed the weights): merged
+        serving weights go stale, and the version is saved if one is due — or, with a
+        gate, the new version is a candidate and waits for its verdict."""
+        if stepped and self.gate is not None:
+            self.gate.candidate(self.optimizer.version, entries)
+            return
         if stepped and self.checkpointer is not None and self.checkpointer.due(self.optimizer.version):
             self.checkpointer.save_async(self.snapshot())
         self.maintenance.invalidate_merged()
+
+    def settle(self, verdict: Verdict) -> None:
+        """Carries out the gate's verdict on the candidate (device thread)."""
+        if verdict.baseline:
+            self.gate.settled(verdict, self.optimizer.version)
+            return
+        if verdict.promoted:
+            version = self.optimizer.version
+            self.gate.settled(verdict, version)
+            self.promoted_snapshot = self.snapshot()
+            self.maintenance.invalidate_merged()
+            last = self.checkpointer.last_saved_version if self.checkpointer is not None else None
+            if self.checkpointer is not None and (last is None or version - last >= self.checkpointer.save_every):
+                self.checkpointer.save_async(self.promoted_snapshot)
+            logger.info("eval gate: version %d promoted, %s", version, verdict.scores.as_dict())
+            return
+        rejected = verdict.scores.version
+        version = self.optimizer.version + 1
+        self.restore(self.promoted_snapshot, version)
+        self.gate.settled(verdict, version)
+        reason = f"eval gate rejected version {rejected}: " + "; ".join(verdict.failures)
+        with self.stats.lock:
+            self.stats.rollbacks["eval_gate"] += 1
+            self.stats.quarantined_labels += len(verdict.trained_ids)
+        if self.ledger is not None and verdict.trained_ids:
+            self.ledger.quarantine(list(verdict.trained_ids), reason)
+        self.promoted_snapshot = self.snapshot()
+        if self.checkpointer is not None:
+            self.checkpointer.save_async(self.promoted_snapshot)
+        logger.warning("%s; serving stays on the promoted weights (now version %d); %d labels quarantined",
+                       reason, version, len(verdict.trained_ids))
 
     def saved_versions(self) -> list[SavedVersion]:
         """The versions on disk, oldest first (none without an adapter directory)."""
@@ -76,11 +137,12 @@ class AdapterLifecycle:
 
         weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.peft_model).items()}
         stats = self.stats.copy()
+        state = {"mode": self.mode, "restored_from": self.restored_from,
+                 "trained_entries": sum(stats.trained_entries.values()), "train_tokens": stats.train_tokens}
+        if self.gate is not None and self.gate.promoted is not None and not self.gate.pending:
+            state["gate"] = {"status": "promoted", "scores": self.gate.promoted.as_dict()}
         return AdapterSnapshot(self.optimizer.version, weights, self.peft_model.peft_config["default"],
-                               self.optimizer.state_dict(),
-                               {"mode": self.mode, "restored_from": self.restored_from,
-                                "trained_entries": sum(stats.trained_entries.values()),
-                                "train_tokens": stats.train_tokens})
+                               self.optimizer.state_dict(), state)
 
     def check(self, snapshot: AdapterSnapshot) -> None:
         """Raises AdapterMismatchError if `snapshot` cannot be loaded into the live adapter."""
@@ -112,6 +174,11 @@ class AdapterLifecycle:
         the weights being replaced is mistaken for current."""
         version = self.optimizer.version + 1
         self.restore(snapshot, version)
+        with self.stats.lock:
+            self.stats.rollbacks["manual"] += 1
+        if self.gate is not None:  # a candidate being scored is dropped; the new weights are scored as the bar
+            self.gate.rebaseline(version)
+            self.promoted_snapshot = self.snapshot()
         if self.checkpointer is not None:
             self.checkpointer.save_async(self.snapshot())
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
@@ -120,7 +187,9 @@ class AdapterLifecycle:
     def save_final(self) -> None:
         """At shutdown (after the engine stopped): saves the final version, if new."""
         if self.checkpointer is not None:
-            final = self.snapshot() if self.checkpointer.last_saved_version != self.optimizer.version else None
+            final = self.snapshot() if self.gate is None or not self.gate.pending else self.promoted_snapshot
+            if final is not None and self.checkpointer.last_saved_version == final.version:
+                final = None
             self.checkpointer.close(final)
 
 

@@ -2,9 +2,10 @@
 hands to each other, and the few things done across them.
 
   - `run_slice()` is one item of device work in a gap between serving steps, as the
-    arbiter runs it: due label expiries, then, between jobs, a piece of housekeeping
-    (trainer/maintenance.py), else a slice of the trainer's job (trainer/trainer.py);
-    every item is timed into the training counters;
+    arbiter runs it: due label expiries, then a slice of a candidate version's scoring
+    (trainer/eval_gate.py; no job starts before its verdict), else, between jobs, a piece
+    of housekeeping (trainer/maintenance.py), else a slice of the trainer's job
+    (trainer/trainer.py); every item is timed into the training counters;
   - `status()` is the consistent snapshot `/metrics` and `/v1/adapters` read;
   - `rollback()` abandons the job in progress before the lifecycle swaps the weights;
   - `close()` stops the offloader's copies and the reward workers, saves the final
@@ -32,8 +33,8 @@ from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
 from trainer.rewards import RewardScorer
 from trainer.stash import WeightStash
-from trainer.status import (SLICE_BUCKETS, CacheStatus, LedgerStatus, OffloadStatus, SaveStatus, TrainerStatus,
-                            TrainingStats)
+from trainer.status import (SLICE_BUCKETS, CacheStatus, GateStatus, LedgerStatus, OffloadStatus, SaveStatus,
+                            TrainerStatus, TrainingStats)
 from trainer.trainer import Trainer
 
 
@@ -72,12 +73,19 @@ class OnlineTraining:
 
     # -- device work in the gaps (device thread) -------------------------------------
 
+    @property
+    def gate(self):
+        """The eval gate (trainer/eval_gate.py), or None."""
+        return self.lifecycle.gate
+
     def has_work(self) -> bool:
-        return self.trainer.has_work() or self.maintenance.has_work()
+        return self.trainer.has_work() or self.maintenance.has_work() or (self.gate is not None and self.gate.pending)
 
     def in_progress(self) -> bool:
-        """A job, or a rebuild of merged serving weights, has begun and not finished."""
-        return self.trainer.in_job() or self.maintenance.merged_stale()
+        """A job, a candidate's scoring or a rebuild of merged serving weights has begun
+        and not finished."""
+        return self.trainer.in_job() or self.maintenance.merged_stale() or (self.gate is not None
+                                                                           and self.gate.pending)
 
     def run_slice(self, serving_ran: bool = False) -> bool:
         """One bounded item of work; False if there was nothing to do. `serving_ran`:
@@ -87,7 +95,13 @@ class OnlineTraining:
             with self.stats.lock:
                 self.stats.preemptions += 1  # the job resumes here
         self.maintenance.expire()
-        worked = (not self.trainer.in_job() and self.maintenance.run_item()) or self.trainer.run_slice()
+        if self.gate is not None and self.gate.pending:  # no job starts before the candidate's verdict
+            verdict = self.gate.run_slice()
+            if verdict is not None:
+                self.lifecycle.settle(verdict)
+            worked = True
+        else:
+            worked = (not self.trainer.in_job() and self.maintenance.run_item()) or self.trainer.run_slice()
         if worked:
             seconds = time.perf_counter() - started
             with self.stats.lock:
@@ -148,9 +162,21 @@ class OnlineTraining:
             s = self.ledger.stats
             ledger = LedgerStatus(str(self.ledger.path), s.commits, s.rows_written, s.write_errors, s.refused_writes,
                                   s.pruned_requests, s.commit_seconds, s.retry_backlog)
-        return TrainerStatus(self.mode, self.optimizer.version, self.lifecycle.restored_from,
+        return TrainerStatus(self.mode, self.lifecycle.serving_version(), self.lifecycle.restored_from,
                              self.optimizer.skipped_steps, self.stats.copy(), cache_status, offload, saves,
-                             self.stash.versions, self.stash.nbytes, ledger)
+                             self.stash.versions, self.stash.nbytes, ledger, self._gate_status())
+
+    def _gate_status(self) -> GateStatus | None:
+        gate = self.gate
+        if gate is None:
+            return None
+        rejected = None
+        if gate.last_rejected is not None:
+            scores, failures = gate.last_rejected
+            rejected = {**scores.as_dict(), "failures": list(failures)}
+        s = gate.stats
+        return GateStatus(gate.candidate_version, gate.promoted.as_dict() if gate.promoted else None, rejected,
+                          s.evaluations, s.eval_seconds, s.promoted, s.rejected, [x.as_dict() for x in s.history])
 
     def close(self) -> None:
         """At shutdown (after the engine stopped): stops the offloader's copies and the

@@ -50,12 +50,16 @@ class Recorder:
     def __init__(self, config: TrainConfig, method: TrainingMethod, cache: ActivationCache,
                  adapter_version: Callable[[], int], stats: TrainingStats, device_room: DeviceRoom | None = None,
                  warmer: HeapWarmer | None = None, rewards: RewardScorer | None = None,
-                 ledger: Ledger | None = None):
+                 ledger: Ledger | None = None, recording_paused: Callable[[], bool] = lambda: False):
         """`warmer`: pre-faulted heap (engine.malloc_tuning.HeapWarmer), released just
         before a recording and sized to the largest one; `rewards`: the reward function's
         scorer (trainer/rewards.py), which gets each finished group; `ledger`: the feedback
-        ledger, where every request that gets an entry is written (queued, not waited for)."""
+        ledger, where every request that gets an entry is written (queued, not waited for);
+        `recording_paused`: no prefill is recorded meanwhile (the eval gate scores a
+        candidate: the live weights are not the ones serving); `adapter_version`: the
+        version serving, which recordings and the ledger are stamped with."""
         self.ledger = ledger
+        self.recording_paused = recording_paused
         # what is kept of a request only for the reward function and the ledger
         self.keeps_client_prompt = rewards is not None or ledger is not None
         self.config = config
@@ -90,7 +94,7 @@ class Recorder:
             return None
         if self.keeps_client_prompt and client_prompt is not None:
             self._client_prompts[request_id] = client_prompt
-        spec = self._decide(len(prompt_token_ids))
+        spec = None if self.recording_paused() else self._decide(len(prompt_token_ids))
         if spec is not None and self.warmer is not None:
             self.warmer.release()  # the recording's activations take the warm pages
         if spec is None and self.method.uses_feedback:  # its label will train by recomputation

@@ -50,6 +50,10 @@ class TrainingStats:
     last_group_mean_reward: float = math.nan
     zero_advantage_groups: int = 0
     reward_errors: int = 0
+    # adapter rollbacks by reason ("manual": the rollback route; "eval_gate": a rejected
+    # candidate), and labels quarantined by the gate
+    rollbacks: dict[str, int] = field(default_factory=lambda: {"manual": 0, "eval_gate": 0})
+    quarantined_labels: int = 0
     # held by every writer (and by `copy`)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -113,10 +117,26 @@ class LedgerStatus:
 
 
 @dataclass(frozen=True)
+class GateStatus:
+    # the version being scored (None: none)
+    candidate_version: int | None
+    # the last promoted version's scores, and the last rejected one's with why
+    last_promoted: dict | None
+    last_rejected: dict | None
+    evaluations: int
+    eval_seconds: float
+    promoted: int
+    rejected: int
+    # recent scores, by version, oldest first
+    history: list[dict]
+
+
+@dataclass(frozen=True)
 class TrainerStatus:
     # cpt | dpo | grpo | a custom method's name
     mode: str
-    # the live adapter version (optimizer steps applied, rollbacks included)
+    # the adapter version serving (optimizer steps applied, rollbacks included; with an
+    # eval gate, the last promoted)
     adapter_version: int
     # the saved version the adapter was last restored from (resume or rollback)
     restored_from: int | None
@@ -133,3 +153,5 @@ class TrainerStatus:
     stash_bytes: int = 0
     # None without a feedback ledger
     ledger: LedgerStatus | None = None
+    # None without an eval gate
+    gate: GateStatus | None = None

@@ -172,7 +172,7 @@ class Trainer:
             stepped = self.optimizer.step(loss_is_finite=finite, entries=len(job.results))
             if stepped:
                 self.cache.release_stale(self.optimizer.version, self._staleness_kept())
-            self.lifecycle.after_step(stepped)
+            self.lifecycle.after_step(stepped, [e for e in job.entries if e.state is EntryState.TRAINING])
             with self.stats.lock:
                 self.stats.last_loss = sum(losses) / len(losses)
                 self.stats.train_tokens += sum(r.tokens for r in job.results)

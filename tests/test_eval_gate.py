@@ -1,0 +1,147 @@
+"""The eval gate: a candidate version is scored on the probes before it serves; serving stays
+on the promoted version meanwhile; a poisoned batch is rejected (weights and optimizer
+state back to the promoted ones, a new version number, its labels quarantined in the
+ledger, the rollback counted) and benign feedback after it is promoted; a restart serves
+the last promoted version; without an eval set nothing changes."""
+
+import json
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from peft import get_peft_model_state_dict
+
+from tests.conftest import make_training
+from tests.servers import tiny_app
+from tests.test_no_label_lost import metric
+from tests.test_training import serve
+from trainer.adapter_store import AdapterCheckpointer, AdapterStore
+from trainer.config import AdapterConfig, TrainConfig
+from trainer.eval_set import EvalSetError, load_eval_set
+from trainer.feedback import FeedbackLabel
+from trainer.ledger import Ledger
+from trainer.ledger_db import LEDGER_FILE, read_ledger, release_quarantined
+from tests.tiny import tiny_tokenizer
+
+PROMPT = "The capital of France is"
+RIGHT, WRONG = " Paris, the city of light.", " Lyon, the city of silk."
+
+
+def eval_set(tmp_path) -> str:
+    path = tmp_path / "probes.jsonl"
+    path.write_text(json.dumps({"prompt": PROMPT, "chosen": RIGHT, "rejected": WRONG}) + "\n"
+                    + json.dumps({"prompt": "The capital of Italy is", "completion": " Rome."}) + "\n")
+    return str(path)
+
+
+def gated(tmp_path, **train):
+    config = TrainConfig(mode="dpo", lora_rank=4, learning_rate=5e-2, entries_per_step=2, eval_set=eval_set(tmp_path),
+                         eval_tolerance=2.0, **train)
+    checkpointer = AdapterCheckpointer(AdapterStore(tmp_path / "adapters"), save_every=1)
+    return make_training(config, checkpointer=checkpointer, ledger=Ledger(tmp_path / "adapters" / LEDGER_FILE))
+
+
+def labelled_batch(training, prefix: str, chosen: str, rejected: str) -> list[str]:
+    ids = [f"{prefix}{i}" for i in range(2)]
+    for request_id in ids:
+        serve(training, request_id, prompt=PROMPT)
+        result = training.feedback.submit(FeedbackLabel(request_id, chosen, rejected))
+        assert result.accepted, result
+    return ids
+
+
+def logits(training) -> torch.Tensor:
+    ids = torch.tensor([tiny_tokenizer()(PROMPT)["input_ids"]])
+    with torch.inference_mode():
+        return training.peft_model(ids).logits
+
+
+def run_until_pending(training) -> None:
+    while not (training.gate.pending and training.gate.candidate_version is not None):
+        assert training.run_slice(), "no candidate came"
+
+
+def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_it_is_promoted(tmp_path):
+    training = gated(tmp_path)
+    gate = training.gate
+    baseline = gate.promoted
+    assert baseline.version == 0 and baseline.preference_margin is not None and baseline.completion_logprob is not None
+    served_before = logits(training)
+    promoted_weights = {k: v.clone() for k, v in get_peft_model_state_dict(training.peft_model).items()}
+
+    poisoned = labelled_batch(training, "bad", WRONG, RIGHT)
+    run_until_pending(training)
+    assert training.optimizer.version == 1 and training.status().adapter_version == 0
+    assert torch.equal(logits(training), served_before)  # serving is pinned to the promoted weights
+    training.train_until_idle()
+
+    rejected = gate.last_rejected
+    assert rejected is not None and rejected[0].version == 1 and "preference probes" in rejected[1][0]
+    assert rejected[0].preference_margin < baseline.preference_margin - 2.0
+    status = training.status()
+    assert status.adapter_version == 2 and training.optimizer.version == 2  # the number 1 is spent
+    live = get_peft_model_state_dict(training.peft_model)
+    assert all(torch.equal(live[k], v) for k, v in promoted_weights.items())  # back to the promoted weights
+    assert status.training.rollbacks == {"manual": 0, "eval_gate": 1} and status.training.quarantined_labels == 2
+    training.ledger.flush()
+    rows = {row.request.id: row for row in read_ledger(tmp_path / "adapters" / LEDGER_FILE)}
+    assert all(rows[i].fate == "quarantined" and "rejected version 1" in rows[i].fate_reason for i in poisoned)
+
+    labelled_batch(training, "good", RIGHT, WRONG)
+    training.train_until_idle()
+    assert gate.promoted.version == 3 and training.status().adapter_version == 3
+    assert gate.promoted.preference_margin > baseline.preference_margin
+    assert not torch.equal(logits(training), served_before)  # serving moved to the promoted candidate
+    saved = [v.version for v in training.lifecycle.saved_versions()]
+    assert 1 not in saved and 3 in saved  # a rejected version is never saved
+    state = json.loads((training.lifecycle.checkpointer.store.path_of(3) / "alchemist_state.json").read_text())
+    assert state["gate"]["status"] == "promoted" and state["gate"]["scores"]["version"] == 3
+    training.close()
+    # quarantined labels can be released by hand: they train when the server next starts
+    assert release_quarantined(tmp_path / "adapters" / LEDGER_FILE, poisoned[:1]) == 1
+    again = gated(tmp_path)
+    assert again.status().adapter_version == 3 and again.cache.get(poisoned[0]).state.value == "ready"
+    assert again.cache.get(poisoned[1]) is None
+    again.close()
+
+
+def test_no_prefill_is_recorded_while_a_candidate_is_scored(tmp_path):
+    training = gated(tmp_path)
+    labelled_batch(training, "a", RIGHT, WRONG)
+    run_until_pending(training)
+    serve(training, "during", prompt=PROMPT)
+    entry = training.cache.get("during")
+    assert entry.recording is None and entry.adapter_version == 0  # a label entry, stamped with the serving version
+    training.close()
+
+
+def test_over_http_the_adapter_route_and_metrics_show_the_gate(tmp_path):
+    train = TrainConfig(mode="dpo", lora_rank=4, eval_set=eval_set(tmp_path))
+    app = tiny_app(train=train, adapter=AdapterConfig(dir=str(tmp_path / "adapters")))
+    with TestClient(app) as client:
+        body = client.get("/v1/adapters").json()
+        assert body["version"] == 0 and body["gate"]["candidate_version"] is None
+        assert body["gate"]["last_promoted"]["version"] == 0 and body["gate"]["last_rejected"] is None
+        assert metric(client, 'alchemist:adapter_rollbacks_total{reason="eval_gate"}') == 0
+        assert metric(client, "alchemist:eval_runs_total") == 1
+        assert metric(client, 'alchemist:eval_score{kind="preference_margin",version="promoted"}') != 0
+        assert client.post("/v1/adapters/rollback", json={"version": 0}).status_code == 200
+        assert metric(client, 'alchemist:adapter_rollbacks_total{reason="manual"}') == 1
+
+
+def test_bad_eval_sets_are_refused_with_the_line_at_fault(tmp_path):
+    path = tmp_path / "probes.jsonl"
+    for text, message in (("", "no probes"), ("{", "not JSON"), ('{"prompt": "a"}', "'chosen' and 'rejected'"),
+                          ('{"prompt": "a", "chosen": "b"}', "'chosen' and 'rejected'"),
+                          ('{"chosen": "b", "rejected": "c"}', "'messages'")):
+        path.write_text(text)
+        with pytest.raises(EvalSetError, match=message):
+            load_eval_set(path, tiny_tokenizer(), 256)
+
+
+def test_without_an_eval_set_every_version_serves_at_once(tmp_path):
+    training = make_training(TrainConfig(mode="dpo", lora_rank=4))
+    assert training.gate is None and training.status().gate is None
+    labelled_batch(training, "a", RIGHT, WRONG)
+    training.train_until_idle()
+    assert training.status().adapter_version == training.optimizer.version >= 1

@@ -1,0 +1,255 @@
+"""The eval gate: a new adapter version serves only once it has been scored and has not
+regressed (`--eval-set FILE`).
+
+After each optimizer step the new version is a candidate. Serving stays on the promoted
+version meanwhile — the merged serving weights are pinned to it (trainer/adapter.py),
+no prefill is recorded under weights that do not serve, and the trainer starts no job —
+while the gate scores the candidate in idle slices (one layer of a packed forward, or a
+chunk of LM-head rows, per slice):
+  - preference probes: the mean log-prob margin of chosen over rejected (nats);
+  - completion probes: the mean log-prob of the completion (nats);
+  - drift: the mean per-token KL(candidate || base model) over the recently trained
+    prompts and their served responses.
+The candidate is promoted unless a probe kind's mean falls more than `tolerance` nats
+below the last promoted version's, or its KL exceeds `max_kl`. The verdict is carried out
+by the adapter's lifecycle (trainer/lifecycle.py): promote (serving moves to it), or
+reject (training returns to the promoted weights and optimizer state, the version number
+is spent, and the step's labels are quarantined).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.layerwise import LayerwiseModel
+from trainer.adapter import LeanLoraLinear, adapters_disabled
+from trainer.eval_set import Probe
+from trainer.forward import forward_segments, head_score, within
+
+# tokens of a served prompt and response kept for the KL sample
+KL_MAX_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Scores:
+    version: int
+    # means over the probes of each kind (None: the eval set has none of that kind)
+    preference_margin: float | None
+    completion_logprob: float | None
+    # mean per-token KL(version || base) over the KL sample (None: no sample yet)
+    kl: float | None
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return {"version": self.version, "preference_margin": self.preference_margin,
+                "completion_logprob": self.completion_logprob, "kl": self.kl, "seconds": round(self.seconds, 4)}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    scores: Scores
+    # why the candidate failed (empty: promoted)
+    failures: tuple[str, ...] = ()
+    # the completion ids whose labels trained into the candidate
+    trained_ids: tuple[str, ...] = ()
+    # a baseline scoring (after a rollback): nothing to judge
+    baseline: bool = False
+
+    @property
+    def promoted(self) -> bool:
+        return not self.failures
+
+
+def judge(candidate: Scores, promoted: Scores, tolerance: float, max_kl: float | None) -> tuple[str, ...]:
+    """Why `candidate` may not serve after `promoted` (empty: it may)."""
+    failures = []
+    for name, label in (("preference_margin", "preference probes' mean margin"),
+                        ("completion_logprob", "completion probes' mean log-prob")):
+        new, old = getattr(candidate, name), getattr(promoted, name)
+        if new is not None and old is not None and new < old - tolerance:
+            failures.append(f"{label} fell from {old:.3f} to {new:.3f} nats (tolerance {tolerance:g})")
+    if max_kl is not None and candidate.kl is not None and candidate.kl > max_kl:
+        failures.append(f"KL to the base model {candidate.kl:.4f} exceeds {max_kl:g}")
+    return tuple(failures)
+
+
+@dataclass
+class GateStats:
+    evaluations: int = 0
+    eval_seconds: float = 0.0
+    promoted: int = 0
+    rejected: int = 0
+    # scores by version, newest last (bounded), for the dashboard and /v1/adapters
+    history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
+
+
+class EvalGate:
+    def __init__(self, probes: list[Probe], runner: LayerwiseModel, peft_model, tolerance: float,
+                 max_kl: float | None, kl_prompts: int, head_chunk_rows: int = 64):
+        self.probes = probes
+        self.runner = runner
+        self.peft_model = peft_model
+        self.tolerance = tolerance
+        self.max_kl = max_kl
+        self.head_chunk_rows = head_chunk_rows
+        self.layers = [m for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
+        # recently trained prompts with their served responses (the KL sample)
+        self.recent: collections.deque[list[int]] = collections.deque(maxlen=kl_prompts)
+        self.promoted: Scores | None = None
+        self.last_rejected: tuple[Scores, tuple[str, ...]] | None = None
+        self.stats = GateStats()
+        # the version being scored, its scoring (a generator) and its labels' completion ids
+        self._candidate: int | None = None
+        self._scoring = None
+        self._trained_ids: tuple[str, ...] = ()
+        self._baseline = False
+
+    # -- what the rest of training asks -------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """A version is being scored: the trainer waits, and serving stays pinned."""
+        return self._candidate is not None
+
+    @property
+    def candidate_version(self) -> int | None:
+        return None if self._baseline else self._candidate
+
+    def candidate(self, version: int, entries) -> None:
+        """An optimizer step made `version` from `entries`: pin serving to the promoted
+        weights and score it in the next slices."""
+        for entry in entries:
+            response = entry.responses.get(0) or next(iter(entry.responses.values()), [])
+            self.recent.append((list(entry.prompt_token_ids) + list(response))[:KL_MAX_TOKENS])
+        self.pin(True)
+        self._start(version, tuple(e.completion_id for e in entries), baseline=False)
+
+    def rebaseline(self, version: int) -> None:
+        """The live weights changed by hand (a rollback): score them as the promoted
+        version's baseline, judging nothing; a candidate being scored is dropped."""
+        self.pin(False)
+        if self.promoted is not None:  # the bar stays until the new weights are scored
+            self.promoted = dataclasses.replace(self.promoted, version=version)
+        self._start(version, (), baseline=True)
+
+    def score_now(self, version: int) -> Scores:
+        """Scores the live weights at once (at start, before serving): the baseline."""
+        self._start(version, (), baseline=True)
+        verdict = None
+        while verdict is None:
+            verdict = self.run_slice()
+        return verdict.scores
+
+    def run_slice(self) -> Verdict | None:
+        """One slice of the scoring; the verdict once it is complete (device thread)."""
+        started = time.perf_counter()
+        try:
+            with self._scoring_weights():
+                next(self._scoring)
+            return None
+        except StopIteration as stop:
+            scores: Scores = stop.value
+        finally:
+            self._busy += time.perf_counter() - started
+        scores = Scores(scores.version, scores.preference_margin, scores.completion_logprob, scores.kl, self._busy)
+        self.stats.evaluations += 1
+        self.stats.eval_seconds += scores.seconds
+        self.stats.history.append(scores)
+        failures = () if self._baseline or self.promoted is None else judge(scores, self.promoted, self.tolerance,
+                                                                          self.max_kl)
+        verdict = Verdict(scores, failures, self._trained_ids, self._baseline)
+        self._candidate, self._scoring, self._trained_ids = None, None, ()
+        return verdict
+
+    def settled(self, verdict: Verdict, promoted_version: int) -> None:
+        """The lifecycle carried out `verdict`; `promoted_version` now serves."""
+        if verdict.promoted:
+            self.promoted = Scores(promoted_version, verdict.scores.preference_margin,
+                                   verdict.scores.completion_logprob, verdict.scores.kl, verdict.scores.seconds)
+            self.stats.promoted += not verdict.baseline
+        else:
+            self.last_rejected = (verdict.scores, verdict.failures)
+            self.stats.rejected += 1
+            self.promoted = Scores(promoted_version, self.promoted.preference_margin,
+                                   self.promoted.completion_logprob, self.promoted.kl, self.promoted.seconds)
+        self.pin(False)
+
+    def pin(self, pinned: bool) -> None:
+        """Serving keeps (True) the merged weights of the promoted version however the
+        live LoRA weights change, or (False) follows them again."""
+        for layer in self.layers:
+            layer.serving_pinned = pinned
+
+    # -- scoring ------------------------------------------------------------------------
+
+    def _start(self, version: int, trained_ids: tuple[str, ...], baseline: bool) -> None:
+        self._candidate, self._trained_ids, self._baseline = version, trained_ids, baseline
+        self._scoring = self._score(version)
+        self._busy = 0.0
+
+    @contextlib.contextmanager
+    def _scoring_weights(self):
+        """Within a slice: the live (candidate) LoRA weights, never the pinned merged copy."""
+        previous = [layer.weights_swapped for layer in self.layers]
+        for layer in self.layers:
+            layer.weights_swapped = True
+        try:
+            yield
+        finally:
+            for layer, was in zip(self.layers, previous):
+                layer.weights_swapped = was
+
+    def _score(self, version: int):
+        """Generator over slices: the live weights' Scores (their `seconds` filled in by
+        `run_slice`, which times the slices)."""
+        sequences = [p.prompt_ids + r[:-1] for p in self.probes for r in p.responses]
+        fwd = yield from forward_segments(self.runner, sequences, with_grad=False)
+        logps, row = [], 0
+        for probe in self.probes:
+            for response in probe.responses:
+                targets = torch.tensor(response, device=self.runner.device)
+                score = head_score(self.runner, fwd.head_leaf, fwd.offsets[row] + len(probe.prompt_ids) - 1,
+                                   targets, self.head_chunk_rows)
+                logps.append(float((yield from score)))
+                row += 1
+        margins, completions, i = [], [], 0
+        for probe in self.probes:
+            if probe.kind == "preference":
+                margins.append(logps[i] - logps[i + 1])
+            else:
+                completions.append(logps[i])
+            i += len(probe.responses)
+        kl = yield from self._kl()
+        return Scores(version, _mean(margins), _mean(completions), kl, 0.0)
+
+    def _kl(self):
+        """Generator: the mean per-token KL(live || base) over the KL sample (None: no sample)."""
+        sample = [tokens for tokens in self.recent if len(tokens) > 1]
+        if not sample:
+            return None
+        live = yield from forward_segments(self.runner, sample, with_grad=False)
+        base = yield from within(lambda: adapters_disabled(self.peft_model),
+                                 forward_segments(self.runner, sample, with_grad=False))
+        total, rows = 0.0, live.head_leaf.shape[1]
+        for a in range(0, rows, self.head_chunk_rows):
+            b = min(a + self.head_chunk_rows, rows)
+            with torch.no_grad():
+                log_p = torch.log_softmax(self._logits(live.head_leaf[0, a:b]), -1)
+                log_q = torch.log_softmax(self._logits(base.head_leaf[0, a:b]), -1)  # the head has no adapter
+                total += float((log_p.exp() * (log_p - log_q)).sum())
+            yield
+        return total / rows
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.runner.lm_head(self.runner.norm(hidden)).float()
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
