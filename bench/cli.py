@@ -47,9 +47,10 @@ def add_bench_commands(commands, add_config_flags) -> None:
                           help="record but send no feedback (isolates the cost of recording)")
     colocate.add_argument("--feedback-fraction", type=float, default=1.0,
                           help="share of answers the client sends feedback for (the soak's mix: 0.33)")
-    colocate.add_argument("--compare", choices=["training", "ledger"], default="training",
+    colocate.add_argument("--compare", choices=["training", "ledger", "gate"], default="training",
                           help="training: off vs on; ledger: training on with an adapter directory, without vs "
-                          "with the feedback ledger")
+                          "with the feedback ledger; gate: training on, without vs with the eval gate (--eval-set)")
+    colocate.add_argument("--eval-set", default="examples/capital_probes.jsonl", help="the probes of --compare gate")
     colocate.add_argument("--json", help="write the results to this JSON file")
     colocate.add_argument("--sweep", help="comma-separated rates; draws TPOT vs rate as PNG")
     colocate.add_argument("--plot", help="PNG path for --sweep (default bench-colocate-POLICY.png)")
@@ -144,7 +145,7 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         from bench.colocate import TrainingSide, run_colocate_bench
         sweep = [float(r) for r in args.sweep.split(",")] if args.sweep else None
         side = TrainingSide(args.policy, args.tpot_slo_ms, args.train_config, not args.no_feedback,
-                            args.feedback_fraction, args.compare)
+                            args.feedback_fraction, args.compare, args.eval_set)
         run_colocate_bench(side, args.rate, args.seconds, args.rounds, args.seed, args.json, sweep, args.plot)
         return 0
     if args.bench == "soak":

@@ -73,14 +73,18 @@ class TrainingSide:
     feedback: bool = True
     # the share of answers that get feedback (the rest never do: their entries wait out the label timeout)
     feedback_fraction: float = 1.0
-    # what the two conditions differ in: "training" (off, on) or "ledger" (training on, with
-    # an adapter directory, without and with the feedback ledger)
+    # what the two conditions differ in: "training" (off, on), "ledger" (training on, with
+    # an adapter directory, without and with the feedback ledger) or "gate" (training on,
+    # without and with the eval gate on `eval_set`)
     compare: str = "training"
+    eval_set: str = "examples/capital_probes.jsonl"
 
     def condition(self, variant: bool) -> tuple[bool, dict[str, str]]:
         """(training on, extra environment) of the baseline (False) or the variant (True)."""
         if self.compare == "ledger":
             return True, {"ALCHEMIST_LEDGER_ENABLED": "true" if variant else "false"}
+        if self.compare == "gate":
+            return True, {"ALCHEMIST_TRAIN_EVAL_SET": self.eval_set if variant else ""}
         return variant, {}
 
 

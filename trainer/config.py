@@ -90,7 +90,7 @@ class TrainConfig:
     eval_tolerance: float = 1.0
     eval_max_kl: float = 0.0
     # recently trained prompts (with their served responses) the KL is measured on
-    eval_kl_prompts: int = 8
+    eval_kl_prompts: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:

@@ -8,8 +8,8 @@ while the gate scores the candidate in idle slices (one layer of a packed forwar
 chunk of LM-head rows, per slice):
   - preference probes: the mean log-prob margin of chosen over rejected (nats);
   - completion probes: the mean log-prob of the completion (nats);
-  - drift: the mean per-token KL(candidate || base model) over the recently trained
-    prompts and their served responses.
+  - drift: the mean per-token KL(candidate || base model) over the served responses of
+    the most recently trained requests (the base model's side computed once per sample).
 The candidate is promoted unless a probe kind's mean falls more than `tolerance` nats
 below the last promoted version's, or its KL exceeds `max_kl`. The verdict is carried out
 by the adapter's lifecycle (trainer/lifecycle.py): promote (serving moves to it), or
@@ -32,8 +32,31 @@ from trainer.adapter import LeanLoraLinear, adapters_disabled
 from trainer.eval_set import Probe
 from trainer.forward import forward_segments, head_score, within
 
-# tokens of a served prompt and response kept for the KL sample
+# tokens of a served prompt (its end) and response kept for the KL sample, and response rows scored
 KL_MAX_TOKENS = 256
+KL_MAX_ROWS = 32
+
+
+@dataclass(eq=False)
+class KLSample:
+    """A trained prompt with its served response: the KL is measured on the rows that
+    predict the response (`start` on), against the base model's log-probs there."""
+
+    tokens: list[int]
+    start: int
+    # (rows, vocabulary) log-probs under the base model, once computed (float16)
+    base_logp: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens) - self.start
+
+    @classmethod
+    def of(cls, prompt: list[int], response: list[int]) -> "KLSample":
+        response = list(response)[:KL_MAX_ROWS]
+        tokens = (list(prompt) + response)[-KL_MAX_TOKENS:]
+        # rows start .. end−1 predict the response's tokens (the last predicts past it: not scored)
+        return cls(tokens[:-1] if response else tokens, max(len(tokens) - len(response) - 1, 0))
 
 
 @dataclass(frozen=True)
@@ -100,7 +123,7 @@ class EvalGate:
         self.head_chunk_rows = head_chunk_rows
         self.layers = [m for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
         # recently trained prompts with their served responses (the KL sample)
-        self.recent: collections.deque[list[int]] = collections.deque(maxlen=kl_prompts)
+        self.recent: collections.deque[KLSample] = collections.deque(maxlen=kl_prompts)
         self.promoted: Scores | None = None
         self.last_rejected: tuple[Scores, tuple[str, ...]] | None = None
         self.stats = GateStats()
@@ -126,7 +149,7 @@ class EvalGate:
         weights and score it in the next slices."""
         for entry in entries:
             response = entry.responses.get(0) or next(iter(entry.responses.values()), [])
-            self.recent.append((list(entry.prompt_token_ids) + list(response))[:KL_MAX_TOKENS])
+            self.recent.append(KLSample.of(entry.prompt_token_ids, response))
         self.pin(True)
         self._start(version, tuple(e.completion_id for e in entries), baseline=False)
 
@@ -229,22 +252,27 @@ class EvalGate:
         return Scores(version, _mean(margins), _mean(completions), kl, 0.0)
 
     def _kl(self):
-        """Generator: the mean per-token KL(live || base) over the KL sample (None: no sample)."""
-        sample = [tokens for tokens in self.recent if len(tokens) > 1]
+        """Generator: the mean per-token KL(live || base) over the response rows of the KL
+        sample (None: no sample). The base model's log-probs of a sample are computed the
+        first time it is scored and kept with it (the base never changes)."""
+        sample = [s for s in self.recent if s.rows > 0]
         if not sample:
             return None
-        live = yield from forward_segments(self.runner, sample, with_grad=False)
-        base = yield from within(lambda: adapters_disabled(self.peft_model),
-                                 forward_segments(self.runner, sample, with_grad=False))
-        total, rows = 0.0, live.head_leaf.shape[1]
-        for a in range(0, rows, self.head_chunk_rows):
-            b = min(a + self.head_chunk_rows, rows)
+        for missing in [s for s in sample if s.base_logp is None]:
+            base = yield from within(lambda: adapters_disabled(self.peft_model),
+                                     forward_segments(self.runner, [missing.tokens], with_grad=False))
             with torch.no_grad():
-                log_p = torch.log_softmax(self._logits(live.head_leaf[0, a:b]), -1)
-                log_q = torch.log_softmax(self._logits(base.head_leaf[0, a:b]), -1)  # the head has no adapter
-                total += float((log_p.exp() * (log_p - log_q)).sum())
+                missing.base_logp = torch.log_softmax(self._logits(base.head_leaf[0, missing.start:]), -1).to(
+                    torch.float16)
             yield
-        return total / rows
+        live = yield from forward_segments(self.runner, [s.tokens for s in sample], with_grad=False)
+        total = 0.0
+        for s, offset in zip(sample, live.offsets):
+            with torch.no_grad():
+                log_p = torch.log_softmax(self._logits(live.head_leaf[0, offset + s.start:offset + len(s.tokens)]), -1)
+                total += float((log_p.exp() * (log_p - s.base_logp.float())).sum())
+            yield
+        return total / sum(s.rows for s in sample)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.runner.lm_head(self.runner.norm(hidden)).float()
