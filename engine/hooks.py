@@ -33,6 +33,12 @@ class PrefillRecorder(Protocol):
         `client_prompt`: the request's `EngineRequest.client_prompt`."""
         ...
 
+    def confirm(self, request_id: str, prompt_token_ids: list[int], spec: RecordSpec) -> RecordSpec | None:
+        """Asked each time an admitted recording's prefill is about to be scheduled: `spec`
+        if it still holds (the weights serving runs under are still its version), else
+        None — the prefill then runs unrecorded."""
+        ...
+
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None: ...
 
 

@@ -69,7 +69,7 @@ class LLMEngine:
         self.eos_token_ids = runner.sampler.eos_token_ids
         self.vocab_size = self.model.config.vocab_size
         self.scheduler = Scheduler(config.scheduler, runner.kv_cache.num_blocks, self.kv_spec.block_size,
-                                   self._admit_recording)
+                                   self._admit_recording, self._confirm_recording)
         self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids)
         self._seq_ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
@@ -175,6 +175,10 @@ class LLMEngine:
         for member in (seq, *seq.fork_children):
             member.track_logprob = spec is not None or recorder.wants_served_logprobs
         return spec
+
+    def _confirm_recording(self, seq: Sequence) -> RecordSpec | None:
+        """Asks the recorder whether an admitted recording still holds, just before its prefill."""
+        return self.hooks.recorder.confirm(seq.request_id, seq.prompt_token_ids, seq.record)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request at this step boundary; returns its final output (None if unknown)."""

@@ -72,10 +72,14 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 admit_recording: Callable[[Sequence], RecordSpec | None] | None = None):
+                 admit_recording: Callable[[Sequence], RecordSpec | None] | None = None,
+                 confirm_recording: Callable[[Sequence], RecordSpec | None] | None = None):
         self.config = config
         # asked once per trainable sequence, before its first prefill: record it, and how?
         self.admit_recording = admit_recording
+        # asked again each time its recorded prefill is about to be scheduled (the weights
+        # may have changed since it was admitted): the spec still holds, or None
+        self.confirm_recording = confirm_recording
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Sequence] = deque()
@@ -121,6 +125,8 @@ class Scheduler:
         if seq.awaits_admission:
             seq.awaits_admission = False
             seq.record = self.admit_recording(seq) if self.admit_recording is not None else None
+        if seq.record is not None and self.confirm_recording is not None:
+            seq.record = self.confirm_recording(seq)
         if seq.record is None or not self._grow(seq, seq.num_tokens):
             return None
         self.waiting.popleft()

@@ -187,11 +187,16 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
         checkpointer = ledger = None
         if config.adapter.dir:
             store = AdapterStore(config.adapter.dir, config.adapter.keep)
-            checkpointer = AdapterCheckpointer(store, config.adapter.save_every)
             if config.ledger.enabled:
                 ledger = Ledger(store.root / LEDGER_FILE, config.ledger)
-        training = build_training(runner, tokenizer, config.model.max_model_len, config.train, config.offload,
-                                  checkpointer=checkpointer, wakeup=wakeup, ledger=ledger)
+            checkpointer = AdapterCheckpointer(store, config.adapter.save_every, ledger.flush if ledger else None)
+        try:
+            training = build_training(runner, tokenizer, config.model.max_model_len, config.train, config.offload,
+                                      checkpointer=checkpointer, wakeup=wakeup, ledger=ledger)
+        except BaseException:
+            if ledger is not None:
+                ledger.close()
+            raise
         logger.info("online training: %s, LoRA rank %d, learning rate %g", config.train.mode,
                     config.train.lora_rank, config.train.learning_rate)
         hooks = training.engine_hooks(hooks.observers)

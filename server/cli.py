@@ -121,11 +121,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "ledger's one style")
     export.add_argument("--include-quarantined", action="store_true",
                         help="also the labels the eval gate quarantined")
+    release = feedback_commands.add_parser("release", help="release labels the eval gate quarantined: they train "
+                                           "when the server next starts")
+    release.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
+    release.add_argument("ids", nargs="*", help="completion ids to release (default: every quarantined label)")
 
     from bench.cli import add_bench_commands
 
     add_bench_commands(commands, _add_config_flags)
     return parser
+
+
+def feedback_command(args: argparse.Namespace) -> int:
+    """`alchemist feedback export|release`."""
+    from pathlib import Path
+
+    from trainer.ledger_db import LEDGER_FILE, release_quarantined
+
+    if args.feedback_command == "export":
+        return export_feedback(args)
+    path = Path(args.adapter_dir) / LEDGER_FILE
+    if not path.is_file():
+        print(f"alchemist: no feedback ledger at {path}", file=sys.stderr)
+        return 2
+    released = release_quarantined(path, args.ids or None)
+    print(f"alchemist: released {released} quarantined labels; they train when the server next starts",
+          file=sys.stderr)
+    return 0
 
 
 def export_feedback(args: argparse.Namespace) -> int:
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.malloc_tuning import keep_freed_memory
     keep_freed_memory()
     if args.command == "feedback":
-        return export_feedback(args)
+        return feedback_command(args)
     if args.command == "bench" and args.bench in ("colocate", "soak"):
         config = None  # the bench starts its own servers
     else:

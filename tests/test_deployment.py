@@ -21,9 +21,12 @@ COMPOSE = REPO / "compose.yaml"
 
 
 def exported_metric_names(tmp_path) -> set[str]:
-    """Sample names in /metrics of a server with training and adapter saving on, after a
-    request (so labelled series exist)."""
-    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    """Sample names in /metrics of a server with training, adapter saving, the ledger and
+    the eval gate on, after a request (so labelled series exist)."""
+    probes = tmp_path / "probes.jsonl"
+    probes.write_text('{"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Lyon."}\n')
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4, eval_set=str(probes)),
+                   adapter=AdapterConfig(dir=str(tmp_path)))
     with TestClient(app) as client:
         client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 3,
                                                   "messages": [{"role": "user", "content": "hi"}]})

@@ -4,6 +4,7 @@ state back to the promoted ones, a new version number, its labels quarantined in
 ledger, the rollback counted) and benign feedback after it is promoted; a restart serves
 the last promoted version; without an eval set nothing changes."""
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from fastapi.testclient import TestClient
 from peft import get_peft_model_state_dict
 
+from server.cli import main
 from tests.conftest import make_training
 from tests.servers import tiny_app
 from tests.test_no_label_lost import metric
@@ -99,6 +101,7 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     training.close()
     # quarantined labels can be released by hand: they train when the server next starts
     assert release_quarantined(tmp_path / "adapters" / LEDGER_FILE, poisoned[:1]) == 1
+    assert main(["feedback", "release", "--adapter-dir", str(tmp_path / "adapters"), "nope"]) == 0
     again = gated(tmp_path)
     assert again.status().adapter_version == 3 and again.cache.get(poisoned[0]).state.value == "ready"
     assert again.cache.get(poisoned[1]) is None
@@ -145,3 +148,29 @@ def test_without_an_eval_set_every_version_serves_at_once(tmp_path):
     labelled_batch(training, "a", RIGHT, WRONG)
     training.train_until_idle()
     assert training.status().adapter_version == training.optimizer.version >= 1
+
+
+def test_a_version_that_cannot_be_scored_does_not_serve(tmp_path):
+    training = gated(tmp_path)
+    labelled_batch(training, "a", RIGHT, WRONG)
+    run_until_pending(training)
+    training.gate.probes = [dataclasses.replace(training.gate.probes[0], prompt_ids=[10 ** 9])]  # out of vocabulary
+    training.train_until_idle()
+    scores, failures = training.gate.last_rejected
+    assert scores.version == 1 and failures[0].startswith("scoring failed")
+    assert training.status().adapter_version == 2 and not training.gate.pending
+    training.close()
+
+
+def test_a_recording_admitted_under_weights_that_no_longer_serve_is_not_made(tmp_path):
+    training = gated(tmp_path)
+    spec = training.method.record_spec(0)
+    assert training.recorder.confirm("r", [1, 2, 3], spec) is spec
+    labelled_batch(training, "a", RIGHT, WRONG)
+    run_until_pending(training)
+    assert training.recorder.confirm("r", [1, 2, 3], spec) is None  # a candidate is being scored
+    training.train_until_idle()
+    assert training.status().adapter_version == 1
+    assert training.recorder.confirm("s", [1, 2, 3], spec) is None  # version 0 no longer serves
+    assert training.recorder.confirm("s", [1, 2, 3], training.method.record_spec(1)) is not None
+    training.close()

@@ -25,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -167,9 +168,12 @@ class AdapterCheckpointer:
     caller on the device thread; the disk writes run on a writer thread of their own, one
     at a time, so serving never waits for the disk."""
 
-    def __init__(self, store: AdapterStore, save_every: int):
+    def __init__(self, store: AdapterStore, save_every: int, before_save: Callable[[], None] | None = None):
+        """`before_save`: called on the writer thread before each version is written (the
+        feedback ledger's flush: what a saved version trained is on disk before it is)."""
         self.store = store
         self.save_every = save_every
+        self.before_save = before_save
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-adapter-save")
         self._pending: list[concurrent.futures.Future] = []
         self.saved = 0
@@ -187,6 +191,8 @@ class AdapterCheckpointer:
 
     def _save(self, snapshot: AdapterSnapshot) -> Path | None:
         try:
+            if self.before_save is not None:
+                self.before_save()
             path = self.store.save(snapshot)
         except Exception:  # noqa: BLE001 - a failed save is counted; the next one may succeed
             self.failed += 1

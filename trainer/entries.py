@@ -61,6 +61,10 @@ class CacheEntry:
     # the cache holds an entry that needs a label (WAITING_LABEL) from its admission until it comes
     needs_label = False
 
+    def __post_init__(self) -> None:
+        # made with a recording (which may be released later), or a label entry from the start
+        self.was_recorded = self.recording is not None
+
     @property
     def num_tokens(self) -> int:
         """Tokens trained on (for throughput)."""

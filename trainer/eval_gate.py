@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ from engine.layerwise import LayerwiseModel
 from trainer.adapter import LeanLoraLinear, adapters_disabled
 from trainer.eval_set import Probe
 from trainer.forward import forward_segments, head_score, within
+
+logger = logging.getLogger(__name__)
 
 # tokens of a served prompt (its end) and response kept for the KL sample, and response rows scored
 KL_MAX_TOKENS = 256
@@ -54,9 +57,11 @@ class KLSample:
     @classmethod
     def of(cls, prompt: list[int], response: list[int]) -> "KLSample":
         response = list(response)[:KL_MAX_ROWS]
+        if not response:  # nothing served to measure on
+            return cls(list(prompt)[-KL_MAX_TOKENS:], len(list(prompt)[-KL_MAX_TOKENS:]))
         tokens = (list(prompt) + response)[-KL_MAX_TOKENS:]
-        # rows start .. end−1 predict the response's tokens (the last predicts past it: not scored)
-        return cls(tokens[:-1] if response else tokens, max(len(tokens) - len(response) - 1, 0))
+        # rows start .. end−1 predict the response's tokens (the last token predicts past it: not fed)
+        return cls(tokens[:-1], len(tokens) - len(response) - 1)
 
 
 @dataclass(frozen=True)
@@ -172,35 +177,40 @@ class EvalGate:
     def run_slice(self) -> Verdict | None:
         """One slice of the scoring; the verdict once it is complete (device thread)."""
         started = time.perf_counter()
+        failures: tuple[str, ...] = ()
         try:
             with self._scoring_weights():
                 next(self._scoring)
             return None
         except StopIteration as stop:
             scores: Scores = stop.value
+        except Exception as exc:  # noqa: BLE001 - a version that cannot be scored does not serve
+            logger.exception("eval gate: scoring version %d failed", self._candidate)
+            scores, failures = Scores(self._candidate, None, None, None, 0.0), (f"scoring failed: {exc!r}",)
         finally:
             self._busy += time.perf_counter() - started
         scores = Scores(scores.version, scores.preference_margin, scores.completion_logprob, scores.kl, self._busy)
         self.stats.evaluations += 1
         self.stats.eval_seconds += scores.seconds
         self.stats.history.append(scores)
-        failures = () if self._baseline or self.promoted is None else judge(scores, self.promoted, self.tolerance,
-                                                                          self.max_kl)
+        if not failures and not self._baseline and self.promoted is not None:
+            failures = judge(scores, self.promoted, self.tolerance, self.max_kl)
         verdict = Verdict(scores, failures, self._trained_ids, self._baseline)
         self._candidate, self._scoring, self._trained_ids = None, None, ()
         return verdict
 
     def settled(self, verdict: Verdict, promoted_version: int) -> None:
         """The lifecycle carried out `verdict`; `promoted_version` now serves."""
-        if verdict.promoted:
-            self.promoted = Scores(promoted_version, verdict.scores.preference_margin,
-                                   verdict.scores.completion_logprob, verdict.scores.kl, verdict.scores.seconds)
+        if verdict.baseline and verdict.failures:  # the bar could not be scored: the last one stays
+            if self.promoted is not None:
+                self.promoted = dataclasses.replace(self.promoted, version=promoted_version)
+        elif verdict.promoted:
+            self.promoted = dataclasses.replace(verdict.scores, version=promoted_version)
             self.stats.promoted += not verdict.baseline
         else:
             self.last_rejected = (verdict.scores, verdict.failures)
             self.stats.rejected += 1
-            self.promoted = Scores(promoted_version, self.promoted.preference_margin,
-                                   self.promoted.completion_logprob, self.promoted.kl, self.promoted.seconds)
+            self.promoted = dataclasses.replace(self.promoted, version=promoted_version)
         self.pin(False)
 
     def pin(self, pinned: bool) -> None:

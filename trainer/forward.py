@@ -100,12 +100,12 @@ def head_score(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: 
     of rows start .. start + len(targets) − 1 of `leaf` (1, T, hidden), through the
     final norm and LM head."""
     total = torch.zeros((), device=leaf.device)
-    with torch.no_grad():
-        for a in range(0, len(targets), chunk_rows):
+    for a in range(0, len(targets), chunk_rows):
+        with torch.no_grad():  # per chunk: no grad mode held across a yield (serving runs between)
             rows = leaf[0, start + a:start + min(a + chunk_rows, len(targets))]
             chunk = targets[a:a + chunk_rows]
             total -= weighted_nll(runner.lm_head(runner.norm(rows)), chunk, torch.ones_like(chunk, dtype=torch.float))
-            yield
+        yield
     return total
 
 

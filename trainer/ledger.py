@@ -70,7 +70,7 @@ class LedgerStats:
     retry_backlog: int = 0
 
 
-def _is_full(exc: sqlite3.Error) -> bool:
+def _is_full(exc: Exception) -> bool:
     return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
 
 
@@ -140,12 +140,7 @@ class Ledger:
                  label.chosen_index, label.rejected_index, to_json(label.chosen_token_ids),
                  to_json(label.rejected_token_ids), to_json(label.served_logps), to_json(label.rewards)))
 
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._put(_Write(apply, done))
-        try:
-            done.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise LedgerUnavailable(f"the feedback ledger did not commit within {timeout_s:g} s") from None
+        self._wait(_Write(apply, concurrent.futures.Future()), timeout_s)
 
     def quarantine(self, request_ids: list[str], reason: str) -> None:
         """The eval gate rejected the version these requests' labels trained into (queued)."""
@@ -164,20 +159,31 @@ class Ledger:
         (blocks until committed; LedgerUnavailable)."""
         table, column = ("labels", "request_id") if label_only else ("requests", "id")
         found = []
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._put(_Write(lambda c: found.append(
-            c.execute(f"DELETE FROM {table} WHERE {column} = ?", (request_id,)).rowcount > 0), done))
-        try:
-            done.result(COMMIT_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            raise LedgerUnavailable(f"the feedback ledger did not commit within {COMMIT_TIMEOUT_S:g} s") from None
+        self._wait(_Write(lambda c: found.append(
+            c.execute(f"DELETE FROM {table} WHERE {column} = ?", (request_id,)).rowcount > 0),
+            concurrent.futures.Future()), COMMIT_TIMEOUT_S)
         return bool(found and found[0])
+
+    def _wait(self, write: "_Write", timeout_s: float) -> None:
+        """Queues `write` and waits for its commit. A write not begun within `timeout_s`
+        is withdrawn (LedgerUnavailable: nothing changed); one being committed is waited
+        for, so the caller never hears "refused" of a write that lands."""
+        self._put(write)
+        try:
+            write.done.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            if write.done.cancel():
+                raise LedgerUnavailable(f"the feedback ledger did not commit within {timeout_s:g} s") from None
+            write.done.result()
 
     def flush(self, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
         """Waits until every write queued so far has been tried."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._put(_Write(lambda c: None, done))
-        done.result(timeout_s)
+        try:
+            done.result(timeout_s)
+        except LedgerUnavailable:
+            pass  # tried, and failed: the writes wait for their retry
 
     def _put(self, write: _Write) -> None:
         if self._closed:
@@ -209,6 +215,11 @@ class Ledger:
                 self._prune_quietly()
 
     def _commit(self, batch: list[_Write]) -> None:
+        batch = [w for w in batch if w.done is None or w.done.running() or w.done.set_running_or_notify_cancel()]
+        if batch:
+            self._commit_batch(batch)
+
+    def _commit_batch(self, batch: list[_Write]) -> None:
         """One transaction for the batch. If the ledger is full, retention makes room and
         each write is tried alone, so that one that cannot be written fails by itself;
         if it cannot be written at all (locked, read-only, I/O), every waiting caller
@@ -219,7 +230,7 @@ class Ledger:
         except sqlite3.IntegrityError:
             for write in batch:
                 self._commit_one(write)
-        except sqlite3.Error as exc:
+        except Exception as exc:  # noqa: BLE001 - SQLite's errors, and any other: the writer never dies
             if _is_full(exc):
                 for write in batch:
                     self._commit_one(write)
@@ -235,7 +246,7 @@ class Ledger:
         self.stats.commit_seconds += time.perf_counter() - started
         self.stats.retry_backlog = len(self._retry)
 
-    def _failed(self, write: _Write, exc: sqlite3.Error) -> None:
+    def _failed(self, write: _Write, exc: Exception) -> None:
         """A write that could not be made: its waiting caller hears it (a label, refused
         with nothing changed); a queued one is retried with the next writes."""
         self.stats.write_errors += 1
@@ -268,7 +279,7 @@ class Ledger:
                 write.done.set_exception(LabelExists(str(exc)))
             else:  # a row for a request the ledger no longer holds (deleted): nothing to do
                 logger.debug("ledger write skipped: %s", exc)
-        except sqlite3.Error as exc:
+        except Exception as exc:  # noqa: BLE001 - as in _commit_batch
             self._failed(write, exc)
         else:
             self.stats.rows_written += 1
@@ -283,7 +294,8 @@ class Ledger:
                 write.apply(conn)
             conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:  # SQLite may have rolled back already (a full disk, an I/O error)
+                conn.execute("ROLLBACK")
             raise
 
     # -- retention ---------------------------------------------------------------------
@@ -316,7 +328,7 @@ class Ledger:
             deleted += conn.execute(f"DELETE FROM requests WHERE id IN ({','.join('?' * len(ids))})",
                                     ids).rowcount
         if deleted:
-            conn.execute("PRAGMA incremental_vacuum")
+            conn.execute("PRAGMA incremental_vacuum").fetchall()  # one row per page freed: step them all
             self.stats.pruned_requests += deleted
             logger.info("feedback ledger: pruned %d old requests", deleted)
 

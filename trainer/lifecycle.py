@@ -95,7 +95,7 @@ class AdapterLifecycle:
 
     def settle(self, verdict: Verdict) -> None:
         """Carries out the gate's verdict on the candidate (device thread)."""
-        if verdict.baseline:
+        if verdict.baseline:  # the bar for the next candidates
             self.gate.settled(verdict, self.optimizer.version)
             return
         if verdict.promoted:

@@ -176,7 +176,7 @@ class OnlineTraining:
             rejected = {**scores.as_dict(), "failures": list(failures)}
         s = gate.stats
         return GateStatus(gate.candidate_version, gate.promoted.as_dict() if gate.promoted else None, rejected,
-                          s.evaluations, s.eval_seconds, s.promoted, s.rejected, [x.as_dict() for x in s.history])
+                          s.evaluations, s.eval_seconds, s.promoted, s.rejected, [x.as_dict() for x in list(s.history)])
 
     def close(self) -> None:
         """At shutdown (after the engine stopped): stops the offloader's copies and the

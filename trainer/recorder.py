@@ -102,6 +102,17 @@ class Recorder:
             self._responses[request_id] = {}
         return spec
 
+    def confirm(self, request_id: str, prompt_token_ids: list[int], spec: RecordSpec) -> RecordSpec | None:
+        """An admitted recording holds while the weights serving runs under are its
+        version's and recording is not paused; otherwise its prefill runs unrecorded and
+        the request gets a label entry, as one not drawn does."""
+        if not self.recording_paused() and spec.adapter_version == self.adapter_version():
+            return spec
+        if self.method.uses_feedback:
+            self._label_only[request_id] = (list(prompt_token_ids), self.adapter_version())
+            self._responses[request_id] = {}
+        return None
+
     def _decide(self, num_prompt_tokens: int) -> RecordSpec | None:
         if self._rng.random() >= self.config.record_fraction:
             return None

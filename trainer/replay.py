@@ -48,6 +48,7 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
     saved = -1 if saved_version is None else saved_version
     rows = read_ledger(ledger.path, "r.method = ? AND (r.fate IS NULL OR (r.fate = 'trained' AND r.fate_version > ?))",
                        (method.name, saved))
+    rows.sort(key=lambda row: row.label is None)  # labels first: the bound on label entries never refuses one
     now_wall, now_clock = time.time(), cache.clock()
     to_train = awaiting = closed = 0
     for row in rows:

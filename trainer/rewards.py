@@ -16,14 +16,17 @@ import concurrent.futures
 import importlib
 import logging
 import math
+import time
 from typing import Callable
 
 from trainer.cache import ActivationCache
 from trainer.entries import GroupEntry
-from trainer.feedback import FeedbackLabel, FeedbackResult
+from trainer.feedback import FeedbackLabel, FeedbackOutcome, FeedbackResult
 from trainer.status import TrainingStats
 
 logger = logging.getLogger(__name__)
+# seconds between tries of rewards the feedback ledger could not take (503)
+LEDGER_RETRY_S = (1.0, 2.0, 4.0)
 
 # calls that may run (or hang) at once
 _WORKERS = 4
@@ -90,7 +93,13 @@ class RewardScorer:
                 self.stats.reward_errors += 1
             self.cache.drop_unlabelled(entry)
             return
-        result = self.submit(FeedbackLabel(entry.completion_id, rewards=rewards, source="reward_function"))
+        label = FeedbackLabel(entry.completion_id, rewards=rewards, source="reward_function")
+        result = self.submit(label)
+        for wait_s in LEDGER_RETRY_S:  # the feedback ledger could not be written: as a client would, retry
+            if result.outcome is not FeedbackOutcome.UNAVAILABLE:
+                break
+            time.sleep(wait_s)
+            result = self.submit(label)
         if not result.accepted:
             logger.warning("rewards for %s not attached: %s", entry.completion_id, result.message)
         self.on_scored()

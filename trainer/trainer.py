@@ -140,13 +140,16 @@ class Trainer:
         return self.stash.weights_of(job.stashed_version)
 
     def _start(self, entry: CacheEntry):
-        """(job generator, path) for an entry. Without activations (a label entry) it is
-        recomputed; stale within `max_staleness`, it trains on its recording with its
-        version's weights stashed; staler, it is recomputed or dropped (`stale_policy`)."""
+        """(job generator, path) for an entry. A label entry (never recorded) is
+        recomputed, never stale: nothing recorded under older weights is used; a recorded
+        one stale within `max_staleness` trains on its recording with its version's
+        weights stashed; staler (or its recording released), it is recomputed or dropped
+        (`stale_policy`)."""
         lag = self.optimizer.version - entry.adapter_version
+        if entry.recording is None and (lag == 0 or not entry.was_recorded):
+            # a label entry is computed at the current version, whatever its own: never stale
+            return self.method.recompute_job(entry, self.context), "recompute"
         if lag == 0:
-            if entry.recording is None:
-                return self.method.recompute_job(entry, self.context), "recompute"
             return self.method.reuse_job(entry, self.context), "reuse"
         if (entry.recording is not None and lag <= self.config.max_staleness
                 and self.stash.has(entry.adapter_version)):
@@ -172,7 +175,6 @@ class Trainer:
             stepped = self.optimizer.step(loss_is_finite=finite, entries=len(job.results))
             if stepped:
                 self.cache.release_stale(self.optimizer.version, self._staleness_kept())
-            self.lifecycle.after_step(stepped, [e for e in job.entries if e.state is EntryState.TRAINING])
             with self.stats.lock:
                 self.stats.last_loss = sum(losses) / len(losses)
                 self.stats.train_tokens += sum(r.tokens for r in job.results)
@@ -182,10 +184,12 @@ class Trainer:
                 for lag in job.lags:
                     self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
         version = self.optimizer.version if stepped else None
-        for entry in job.entries:
-            if entry.state is EntryState.TRAINING:
-                self.cache.end(entry, EntryState.TRAINED, version, job.path_of.get(entry.completion_id),
-                               None if stepped else "step_skipped")
+        trained = [e for e in job.entries if e.state is EntryState.TRAINING]
+        for entry in trained:  # their fates are queued before a save of the version can be
+            self.cache.end(entry, EntryState.TRAINED, version, job.path_of.get(entry.completion_id),
+                           None if stepped else "step_skipped")
+        if job.results:
+            self.lifecycle.after_step(stepped, trained)
         self._job = None
         self.release_unneeded_weights()
 
