@@ -43,7 +43,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-set", help="JSONL probes: each new adapter version serves only once scored on them "
                         "without regressing (the eval gate; its labels are quarantined if it does)")
     parser.add_argument("--eval-tolerance", type=float, help="nats a probe kind's mean score may fall below the "
-                        "last promoted version's (default 1.0)")
+                        "last promoted version's (default 0.5)")
     parser.add_argument("--eval-max-kl", type=float, help="largest KL to the base model over recently trained "
                         "prompts a version may have (default 0: no bound)")
     parser.add_argument("--arbiter-policy", choices=["idle", "slo"], help="when training runs (default idle)")

@@ -87,7 +87,7 @@ class TrainConfig:
     # eval_tolerance nats below the last promoted version's (and, when eval_max_kl > 0, with
     # its KL to the base model over recently trained prompts under eval_max_kl). "": no gate
     eval_set: str = ""
-    eval_tolerance: float = 1.0
+    eval_tolerance: float = 0.5
     eval_max_kl: float = 0.0
     # recently trained prompts (with their served responses) the KL is measured on
     eval_kl_prompts: int = 4
