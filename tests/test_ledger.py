@@ -222,3 +222,28 @@ def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):
     second.train_until_idle()
     assert second.stats.copy().trained_entries == {}
     second.close()
+
+
+def test_group_rewards_survive_a_restart_and_train_with_the_served_log_probs(tmp_path):
+    from tests.test_grpo import reward, serve_group
+
+    def grpo():
+        return make_training(TrainConfig(mode="grpo", lora_rank=4), checkpointer=AdapterCheckpointer(
+            AdapterStore(tmp_path), 10), ledger=Ledger(tmp_path / LEDGER_FILE))
+
+    first = grpo()
+    choices = serve_group(first, "g")
+    served = {i: list(v) for i, v in first.cache.get("g").served_token_logps.items()}
+    serve_group(first, "h", seed=2)
+    assert reward(first, "g").accepted
+    _crash(first)
+
+    second = grpo()
+    entry = second.cache.get("g")
+    assert entry.state.value == "ready" and entry.label.rewards == [1.0, 0.0, 0.5, 0.0]
+    assert entry.responses == dict(enumerate(choices)) and entry.served_token_logps == served
+    assert second.cache.get("h").state.value == "waiting_label"
+    assert reward(second, "h", (0.0, 1.0, 0.0, 0.0)).accepted  # served before the crash, rewarded after it
+    second.train_until_idle()
+    assert second.stats.copy().trained_entries == {("grpo", "recompute"): 2}
+    second.close()
