@@ -174,3 +174,33 @@ def test_a_recording_admitted_under_weights_that_no_longer_serve_is_not_made(tmp
     assert training.recorder.confirm("s", [1, 2, 3], spec) is None  # version 0 no longer serves
     assert training.recorder.confirm("s", [1, 2, 3], training.method.record_spec(1)) is not None
     training.close()
+
+
+def test_the_kl_is_zero_for_the_base_weights_and_its_cached_base_side_matches_a_fresh_one(tmp_path):
+    """The KL sample keeps the base model's log-probs (float16) after their first use: with
+    the adapter at zero (version 0) the KL is ~0, and a scoring from the cache gives what
+    the scoring that computed them gave."""
+    from trainer.adapter import adapters_disabled
+    from trainer.eval_gate import KLSample
+
+    train = TrainConfig(mode="dpo", lora_rank=4, learning_rate=5e-2, eval_set=eval_set(tmp_path), eval_tolerance=100)
+    training = make_training(train)
+    gate, ids = training.gate, tiny_tokenizer()(PROMPT)["input_ids"]
+    gate.recent.append(KLSample.of(ids, [5, 6, 7, 8]))
+    assert gate.score_now(0).kl == pytest.approx(0.0, abs=1e-3)
+    labelled_batch(training, "a", RIGHT, WRONG)
+    training.train_until_idle()  # the adapter moves off zero
+    version = training.optimizer.version
+    gate.recent.clear()
+    gate.recent.append(KLSample.of(ids, [5, 6, 7, 8]))
+    sample = gate.recent[0]
+    first = gate.score_now(version).kl  # computes and keeps the base side
+    assert sample.base_logp is not None and gate.score_now(version).kl == pytest.approx(first, rel=1e-6)
+    with torch.inference_mode():  # the plain computation: both models' full forwards, in float32
+        tokens = torch.tensor([sample.tokens])
+        live = torch.log_softmax(training.peft_model(tokens).logits[0, sample.start:].float(), -1)
+        with adapters_disabled(training.peft_model):
+            base = torch.log_softmax(training.peft_model(tokens).logits[0, sample.start:].float(), -1)
+    plain = float((live.exp() * (live - base)).sum(-1).mean())
+    assert plain > 1e-3 and first == pytest.approx(plain, rel=1e-2)
+    assert KLSample.of(ids, []).rows == 0 and KLSample.of(ids, [5, 6]).rows == 2

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -113,8 +113,6 @@ class GateStats:
     eval_seconds: float = 0.0
     promoted: int = 0
     rejected: int = 0
-    # scores by version, newest last (bounded), for the dashboard and /v1/adapters
-    history: collections.deque = field(default_factory=lambda: collections.deque(maxlen=64))
 
 
 class EvalGate:
@@ -137,6 +135,8 @@ class EvalGate:
         self._scoring = None
         self._trained_ids: tuple[str, ...] = ()
         self._baseline = False
+        # seconds the slices of the scoring in progress have taken
+        self._busy = 0.0
 
     # -- what the rest of training asks -------------------------------------------------
 
@@ -189,10 +189,9 @@ class EvalGate:
             scores, failures = Scores(self._candidate, None, None, None, 0.0), (f"scoring failed: {exc!r}",)
         finally:
             self._busy += time.perf_counter() - started
-        scores = Scores(scores.version, scores.preference_margin, scores.completion_logprob, scores.kl, self._busy)
+        scores = dataclasses.replace(scores, seconds=self._busy)
         self.stats.evaluations += 1
         self.stats.eval_seconds += scores.seconds
-        self.stats.history.append(scores)
         if not failures and not self._baseline and self.promoted is not None:
             failures = judge(scores, self.promoted, self.tolerance, self.max_kl)
         verdict = Verdict(scores, failures, self._trained_ids, self._baseline)

@@ -164,7 +164,7 @@ class Ledger:
             concurrent.futures.Future()), COMMIT_TIMEOUT_S)
         return bool(found and found[0])
 
-    def _wait(self, write: "_Write", timeout_s: float) -> None:
+    def _wait(self, write: _Write, timeout_s: float) -> None:
         """Queues `write` and waits for its commit. A write not begun within `timeout_s`
         is withdrawn (LedgerUnavailable: nothing changed); one being committed is waited
         for, so the caller never hears "refused" of a write that lands."""
@@ -215,7 +215,8 @@ class Ledger:
                 self._prune_quietly()
 
     def _commit(self, batch: list[_Write]) -> None:
-        batch = [w for w in batch if w.done is None or w.done.running() or w.done.set_running_or_notify_cancel()]
+        # a waiting caller's write is begun here, unless its caller gave up on it (`_wait`)
+        batch = [w for w in batch if w.done is None or w.done.set_running_or_notify_cancel()]
         if batch:
             self._commit_batch(batch)
 

@@ -15,6 +15,7 @@ Each part keeps its own role; this object only holds them and orders those steps
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -33,8 +34,8 @@ from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
 from trainer.rewards import RewardScorer
 from trainer.stash import WeightStash
-from trainer.status import (SLICE_BUCKETS, CacheStatus, GateStatus, LedgerStatus, OffloadStatus, SaveStatus,
-                            TrainerStatus, TrainingStats)
+from trainer.status import (SLICE_BUCKETS, CacheStatus, GateStatus, OffloadStatus, SaveStatus, TrainerStatus,
+                            TrainingStats)
 from trainer.trainer import Trainer
 
 
@@ -78,14 +79,17 @@ class OnlineTraining:
         """The eval gate (trainer/eval_gate.py), or None."""
         return self.lifecycle.gate
 
+    def _scoring(self) -> bool:
+        """The eval gate is scoring a version (no job starts meanwhile)."""
+        return self.gate is not None and self.gate.pending
+
     def has_work(self) -> bool:
-        return self.trainer.has_work() or self.maintenance.has_work() or (self.gate is not None and self.gate.pending)
+        return self.trainer.has_work() or self.maintenance.has_work() or self._scoring()
 
     def in_progress(self) -> bool:
         """A job, a candidate's scoring or a rebuild of merged serving weights has begun
         and not finished."""
-        return self.trainer.in_job() or self.maintenance.merged_stale() or (self.gate is not None
-                                                                           and self.gate.pending)
+        return self.trainer.in_job() or self.maintenance.merged_stale() or self._scoring()
 
     def run_slice(self, serving_ran: bool = False) -> bool:
         """One bounded item of work; False if there was nothing to do. `serving_ran`:
@@ -95,7 +99,7 @@ class OnlineTraining:
             with self.stats.lock:
                 self.stats.preemptions += 1  # the job resumes here
         self.maintenance.expire()
-        if self.gate is not None and self.gate.pending:  # no job starts before the candidate's verdict
+        if self._scoring():  # no job starts before the candidate's verdict
             verdict = self.gate.run_slice()
             if verdict is not None:
                 self.lifecycle.settle(verdict)
@@ -157,11 +161,7 @@ class OnlineTraining:
         if checkpointer is not None:
             saves = SaveStatus(str(checkpointer.store.root), checkpointer.save_every, checkpointer.saved,
                                checkpointer.failed, checkpointer.last_saved_version)
-        ledger = None
-        if self.ledger is not None:
-            s = self.ledger.stats
-            ledger = LedgerStatus(str(self.ledger.path), s.commits, s.rows_written, s.write_errors, s.refused_writes,
-                                  s.pruned_requests, s.commit_seconds, s.retry_backlog)
+        ledger = dataclasses.replace(self.ledger.stats) if self.ledger is not None else None
         return TrainerStatus(self.mode, self.lifecycle.serving_version(), self.lifecycle.restored_from,
                              self.optimizer.skipped_steps, self.stats.copy(), cache_status, offload, saves,
                              self.stash.versions, self.stash.nbytes, ledger, self._gate_status())
@@ -176,7 +176,7 @@ class OnlineTraining:
             rejected = {**scores.as_dict(), "failures": list(failures)}
         s = gate.stats
         return GateStatus(gate.candidate_version, gate.promoted.as_dict() if gate.promoted else None, rejected,
-                          s.evaluations, s.eval_seconds, s.promoted, s.rejected, [x.as_dict() for x in list(s.history)])
+                          s.evaluations, s.eval_seconds, s.promoted, s.rejected)
 
     def close(self) -> None:
         """At shutdown (after the engine stopped): stops the offloader's copies and the

@@ -179,7 +179,6 @@ class Recorder:
             if self.rewards is not None and isinstance(waiting, GroupEntry):
                 self.rewards.score(waiting, client_prompt, [texts[i] for i in sorted(texts)])
 
-
     def _write_request(self, request_id: str, prompt_token_ids: list[int], adapter_version: int) -> None:
         """Writes a request to the ledger before its entry exists, so a label never
         reaches the ledger before its request."""

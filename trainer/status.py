@@ -103,20 +103,6 @@ class OffloadStatus:
 
 
 @dataclass(frozen=True)
-class LedgerStatus:
-    path: str
-    # transactions, rows written, writes that failed, labels and deletions refused (503) for it
-    commits: int
-    rows_written: int
-    write_errors: int
-    refused_writes: int
-    pruned_requests: int
-    commit_seconds: float
-    # queued writes (requests' rows, fates) waiting to be retried
-    retry_backlog: int
-
-
-@dataclass(frozen=True)
 class GateStatus:
     # the version being scored (None: none)
     candidate_version: int | None
@@ -127,8 +113,6 @@ class GateStatus:
     eval_seconds: float
     promoted: int
     rejected: int
-    # recent scores, by version, oldest first
-    history: list[dict]
 
 
 @dataclass(frozen=True)
@@ -151,7 +135,7 @@ class TrainerStatus:
     # adapter versions whose weights are stashed for stale recordings, and their bytes
     stashed_versions: list[int] = dataclasses.field(default_factory=list)
     stash_bytes: int = 0
-    # None without a feedback ledger
-    ledger: LedgerStatus | None = None
+    # a copy of the feedback ledger's counters (trainer/ledger.py); None without a ledger
+    ledger: object | None = None
     # None without an eval gate
     gate: GateStatus | None = None
