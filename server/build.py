@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.async_engine import AsyncEngine, Wakeup
 from engine.config import EngineConfig
@@ -57,6 +58,7 @@ from trainer.rewards import RewardScorer, load_reward_function
 from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
 from trainer.replay import replay_ledger
+from trainer.replicated import Replica, ReplicaSync
 from trainer.stash import WeightStash
 from trainer.status import TrainingStats
 from trainer.trainer import Trainer
@@ -78,19 +80,24 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
                    offload: OffloadConfig | None = None, method: TrainingMethod | None = None,
                    init_lora_weights: bool | str = True, checkpointer: AdapterCheckpointer | None = None,
                    wakeup: Wakeup | None = None, heap_warming: bool = True,
-                   ledger: Ledger | None = None) -> OnlineTraining:
+                   ledger: Ledger | None = None, replica: Replica | None = None) -> OnlineTraining:
     """Wraps the runner's model with LoRA and builds online training around it: the
     recorder decides and receives recordings, the offloader (with a device budget)
     places them; `method` overrides the mode's (a custom method); `checkpointer` saves
     versions (an adapter directory); `wakeup` wakes the serving loop when a reward
     function's rewards arrive; `heap_warming`: pre-fault the heap for recordings (on the
     CPU; a benchmark turns it off to measure what it saves); `ledger`: the feedback
-    ledger (an adapter directory), whose unfinished labels are taken back before serving.
+    ledger (an adapter directory), whose unfinished labels are taken back before serving;
+    `replica`: this process's place among data-parallel replicas (torch.distributed is
+    initialised): every replica starts from rank 0's adapter and their steps are combined.
     The engine is built after, with `OnlineTraining.engine_hooks()`."""
     method = method or default_method(config)
     model = runner.model
     peft_model = attach_lora(model, config, init_lora_weights)
     optimizer = AdapterOptimizer(lora_parameters(peft_model), config.learning_rate, config.max_grad_norm)
+    replicas = None
+    if replica is not None and replica.world_size > 1:
+        replicas = ReplicaSync(optimizer.params, replica.rank, replica.world_size, wakeup or (lambda: None))
     cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s,
                             max_label_entries=config.max_label_entries, journal=ledger)
     stats = TrainingStats()
@@ -113,7 +120,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     lifecycle = AdapterLifecycle(peft_model, optimizer, cache, stash, maintenance, stats, method.name, checkpointer,
                                  gate, ledger)
     context = TrainContext(runner, peft_model, offloader, config.head_chunk_rows)
-    trainer = Trainer(config, method, context, optimizer, cache, stats, stash, lifecycle, offloader)
+    trainer = Trainer(config, method, context, optimizer, cache, stats, stash, lifecycle, offloader, replicas)
     feedback = FeedbackIntake(method, cache, stats, tokenizer, max_model_len, ledger)
     rewards = None
     if config.reward_function:
@@ -123,11 +130,16 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     recorder = Recorder(config, method, cache, lifecycle.serving_version, stats, offloader, warmer, rewards, ledger,
                         recording_paused=(lambda: gate.pending) if gate is not None else (lambda: False))
     lifecycle.start()  # resumes from the adapter directory (or saves version 0), before anything is served
+    if replicas is not None:  # rank 0's adapter (resumed, or initialised) is everyone's
+        adopted = replicas.adopt_rank0(lifecycle.snapshot, lambda s: lifecycle.restore(s, s.version))
+        lifecycle.restored_from = adopted.state.get("restored_from")
+        maintenance.merge_all()
+        replicas.start()
     if ledger is not None:  # labels not in the resumed version train again; recent requests take feedback
         replay_ledger(ledger, method, cache, optimizer.version, lifecycle.restored_from, config.label_timeout_s,
-                      rewards)
+                      rewards, replica.owns if replicas is not None else None)
     return OnlineTraining(config, method, peft_model, optimizer, cache, stats, stash, context, trainer, maintenance,
-                          lifecycle, feedback, recorder, offloader, rewards, ledger)
+                          lifecycle, feedback, recorder, offloader, rewards, ledger, replicas)
 
 
 def build_gate(runner: ModelRunner, peft_model, tokenizer, max_model_len: int, config: TrainConfig) -> EvalGate | None:
@@ -169,7 +181,8 @@ class Stack:
     served_adapter: ServedAdapter | None = None
 
 
-def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
+def build_stack(config: AlchemistConfig, model, tokenizer, name: str, replica: Replica | None = None) -> Stack:
+    """`replica`: this process's place among data-parallel replicas (server/replicas.py)."""
     served_adapter = None
     if config.train.mode == "off":  # a saved adapter, if one is named, is served frozen
         model, served_adapter = merge_frozen_adapter(model, config.adapter)
@@ -184,15 +197,14 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
     wakeup = Wakeup()
     hooks = EngineHooks(observers=(metrics,))
     if config.train.mode != "off":
-        checkpointer = ledger = None
-        if config.adapter.dir:
-            store = AdapterStore(config.adapter.dir, config.adapter.keep)
-            if config.ledger.enabled:
-                ledger = Ledger(store.root / LEDGER_FILE, config.ledger)
-            checkpointer = AdapterCheckpointer(store, config.adapter.save_every, ledger.flush if ledger else None)
+        replicated = replica is not None and replica.world_size > 1
+        if replicated and config.train.eval_set:
+            raise ValueError("train.eval_set (the eval gate) does not run with --data-parallel-size > 1 yet")
+        checkpointer, ledger = build_saving(config, replica if replicated else None)
         try:
             training = build_training(runner, tokenizer, config.model.max_model_len, config.train, config.offload,
-                                      checkpointer=checkpointer, wakeup=wakeup, ledger=ledger)
+                                      checkpointer=checkpointer, wakeup=wakeup, ledger=ledger,
+                                      replica=replica if replicated else None)
         except BaseException:
             if ledger is not None:
                 ledger.close()
@@ -207,3 +219,24 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str) -> Stack:
     if training is not None:
         metrics.add_trainer(training)
     return Stack(name, engine, async_engine, metrics, training, arbiter, served_adapter)
+
+
+def build_saving(config: AlchemistConfig, replica: Replica | None) -> tuple[AdapterCheckpointer | None, Ledger | None]:
+    """The adapter directory's checkpointer and feedback ledger (None, None without one).
+    Among replicas only rank 0 saves versions; every replica writes the node's one ledger
+    (SQLite, WAL), opened once rank 0 created it."""
+    if not config.adapter.dir:
+        return None, None
+    ledger = checkpointer = None
+    if replica is None or replica.rank == 0:
+        store = AdapterStore(config.adapter.dir, config.adapter.keep)
+        if config.ledger.enabled:
+            ledger = Ledger(store.root / LEDGER_FILE, config.ledger)
+        checkpointer = AdapterCheckpointer(store, config.adapter.save_every, ledger.flush if ledger else None)
+    if replica is not None:
+        import torch.distributed as dist
+
+        dist.barrier()  # rank 0 made the directory and the ledger's schema
+        if replica.rank != 0 and config.ledger.enabled:
+            ledger = Ledger(Path(config.adapter.dir) / LEDGER_FILE, config.ledger)
+    return checkpointer, ledger

@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", help="with training off: name=DIR, a PEFT adapter directory served "
                        "frozen under name")
     serve.add_argument("--adapter-save-every", type=int, help="save every N adapter versions (default 10)")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="replicas, one per device (cuda:0..N-1; on the CPU, N processes sharing the cores), "
+                       "on one port, training one adapter (torch.distributed; the same as running under "
+                       "torchrun --nproc-per-node N)")
+    serve.add_argument("--max-restarts", type=int, default=10,
+                       help="with --data-parallel-size: times the group is restarted after a replica dies")
 
     feedback = commands.add_parser("feedback", help="the feedback a server collected (its ledger)")
     feedback_commands = feedback.add_subparsers(dest="feedback_command", required=True)
@@ -192,17 +198,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"alchemist: configuration error: {exc}", file=sys.stderr)
             return 2
     if args.command == "serve":
-        from server.serve import build_server, run
-        try:
-            app = build_server(config)
-        except ValueError as exc:  # what only the built server can judge (a saved adapter that does not fit)
-            print(f"alchemist: configuration error: {exc}", file=sys.stderr)
-            return 2
-        run(app, config)
-        return 0
+        return serve_command(args, config, sys.argv[1:] if argv is None else argv)
     from bench.cli import run_bench_command
 
     return run_bench_command(args, config)
+
+
+def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[str]) -> int:
+    """`alchemist serve`: one server, the elastic agent of `--data-parallel-size` replicas,
+    or one of those replicas (started by it or by torchrun)."""
+    import dataclasses
+
+    from server.replicas import join_group, launch, replica_device, replica_from_env
+
+    replica = replica_from_env()
+    if replica is None and args.data_parallel_size > 1:
+        return launch(argv, args.data_parallel_size, args.max_restarts)
+    if replica is not None:
+        from server.serve import run_replica
+        try:
+            device = replica_device(config.model.device, replica)
+        except ValueError as exc:
+            print(f"alchemist: configuration error: {exc}", file=sys.stderr)
+            return 2
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
+        join_group(replica, device)
+        run_replica(config, replica)
+        return 0
+    from server.serve import build_server, run
+    try:
+        app = build_server(config)
+    except ValueError as exc:  # what only the built server can judge (a saved adapter that does not fit)
+        print(f"alchemist: configuration error: {exc}", file=sys.stderr)
+        return 2
+    run(app, config)
+    return 0
 
 
 if __name__ == "__main__":

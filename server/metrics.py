@@ -178,6 +178,10 @@ class ServingMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def requests_served(self) -> int:
+        """Requests finished, whatever their finish reason."""
+        return int(sum(s.value for m in self.success.collect() for s in m.samples if s.name.endswith("_total")))
+
 
 class _EngineCollector:
     def __init__(self, async_engine, arbiter, policy: str):

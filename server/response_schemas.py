@@ -202,6 +202,20 @@ class GateSummary(BaseModel):
     quarantined_labels: int
 
 
+class ReplicaCard(BaseModel):
+    """One replica of the server (one, rank 0, without --data-parallel-size)."""
+
+    # its torch.distributed rank (the `engine` label of its metrics)
+    rank: int
+    # the adapter version it serves
+    version: int
+    # the first 16 hex digits of a SHA-256 of its adapter's weights: equal digests, equal
+    # weights bit for bit
+    digest: str
+    # requests it finished
+    requests_served: int
+
+
 class AdapterStatus(BaseModel):
     """The live adapter: trained online (version, saved versions, training counters), or
     served frozen from a saved directory (`frozen`, `path`, `name`)."""
@@ -218,6 +232,8 @@ class AdapterStatus(BaseModel):
     rollbacks: dict[str, int] | None = None
     # the eval gate (None without --eval-set); `version` is then the last promoted version
     gate: GateSummary | None = None
+    # every replica, by rank (training counters above are summed over them)
+    replicas: list[ReplicaCard] | None = None
     frozen: bool | None = None
     path: str | None = None
     name: str | None = None

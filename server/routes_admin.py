@@ -5,12 +5,14 @@ completions are deleted), and the adapter routes (`GET /v1/adapters`,
 `POST /v1/adapters/rollback`).
 
 The trainer answers in typed results (`FeedbackResult`, `TrainerStatus`); the HTTP
-statuses they become are decided here.
+statuses they become are decided here. Among data-parallel replicas, what concerns the
+whole server or another replica is asked of the others (server/fanout.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -18,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import EngineDeadError
 from server.errors import APIError, error_body
+from server.fanout import Peers, merge_metrics
 from server.parsing import parse_body
 from server.protocol import FeedbackRequest, RollbackRequest
 from server.state import ServerState, Training
@@ -42,12 +45,20 @@ def admin_router(state: ServerState) -> APIRouter:
         return {"status": "ok"}
 
     @router.get("/metrics", response_class=Response)
-    async def metrics():
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request):
+        own = state.metrics.render()
+        if state.peers is None or Peers.is_local(request):
+            return Response(own, media_type=CONTENT_TYPE_LATEST)
+        answers = await state.peers.ask_all(request, "/metrics")
+        texts = [own.decode() if a is None else a.text for a in answers]
+        return Response(merge_metrics(texts), media_type=CONTENT_TYPE_LATEST)
 
     @router.post("/v1/feedback")
     async def feedback(request: Request):
         body: FeedbackRequest = await parse_body(request, FeedbackRequest)
+        owner = owner_elsewhere(state, request, body.id)
+        if owner is not None:  # the label trains where its recording is
+            return await state.peers.forward(owner, request, await request.body())
         if state.training is None:
             raise APIError(400, "training is off on this server (start it with --train-mode dpo or grpo); "
                                 "feedback is not used", code="feedback_not_used")
@@ -64,26 +75,46 @@ def admin_router(state: ServerState) -> APIRouter:
         return {"id": body.id, "object": "feedback", "status": "accepted"}
 
     @router.delete("/v1/feedback/{completion_id}")
-    async def delete_feedback(completion_id: str):
+    async def delete_feedback(completion_id: str, request: Request):
+        owner = owner_elsewhere(state, request, completion_id)
+        if owner is not None:
+            return await state.peers.forward(owner, request, b"")
         await forget(state, completion_id, label_only=True)
         return {"id": completion_id, "object": "feedback.deleted", "deleted": True}
 
     @router.delete("/v1/chat/completions/{completion_id}")
-    async def delete_completion(completion_id: str):
+    async def delete_completion(completion_id: str, request: Request):
+        owner = owner_elsewhere(state, request, completion_id)
+        if owner is not None:
+            return await state.peers.forward(owner, request, b"")
         await forget(state, completion_id, label_only=False)
         return {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
 
+    add_adapter_routes(router, state)
+    return router
+
+
+def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
+    """`GET /v1/adapters` and `POST /v1/adapters/rollback`."""
+
     @router.get("/v1/adapters")
-    async def adapters():
+    async def adapters(request: Request):
         if state.training is None and state.served_adapter is not None:
             adapter = state.served_adapter
             return {"object": "adapter", "version": adapter.version, "mode": "off", "frozen": True,
                     "path": adapter.path, "name": adapter.name or state.model_name}
-        return adapter_status(state)
+        status = adapter_status(state)
+        status["replicas"] = [await replica_card(state)]
+        if state.peers is None or Peers.is_local(request):
+            return status
+        answers = [a.json() if a is not None else status for a in await state.peers.ask_all(request, "/v1/adapters")]
+        return whole_server_status(answers)
 
     @router.post("/v1/adapters/rollback")
     async def rollback(request: Request):
         body: RollbackRequest = await parse_body(request, RollbackRequest)
+        if state.peers is not None and not Peers.is_local(request) and state.peers.rank != 0:
+            return await state.peers.forward(0, request, await request.body())  # rank 0 rolls everyone back
         training = saving_training(state)
         try:
             snapshot = await asyncio.to_thread(training.lifecycle.load_saved, body.version)
@@ -95,14 +126,45 @@ def admin_router(state: ServerState) -> APIRouter:
             raise APIError(409, f"saved adapter version {body.version} cannot be loaded: {exc}", "version",
                            "version_unreadable") from None
         try:
-            await state.engine.run_on_device(training.rollback, snapshot)
+            version = await state.engine.run_on_device(training.rollback, snapshot)
+            if isinstance(version, concurrent.futures.Future):  # every replica rolls back at one round
+                await asyncio.wrap_future(version)
         except AdapterMismatchError as exc:
             raise APIError(409, str(exc), "version", "version_incompatible") from None
         except EngineDeadError:
             raise APIError(503, "the server is shutting down") from None
+        except RuntimeError as exc:  # the replicas' rounds stopped
+            raise APIError(503, f"the rollback did not reach every replica: {exc}", code="replica_unavailable",
+                           headers={"Retry-After": "1"}) from None
         return adapter_status(state)
 
-    return router
+
+def owner_elsewhere(state: ServerState, request: Request, completion_id: str) -> int | None:
+    """The replica that served `completion_id`, where that is another one (None: this one
+    answers — a single server, a replica's own completion, or another replica's question)."""
+    if state.peers is None or Peers.is_local(request):
+        return None
+    owner = state.replica.owner_of(completion_id)
+    return None if owner == state.replica.rank else owner
+
+
+async def replica_card(state: ServerState) -> dict:
+    """This replica in `/v1/adapters`: its rank, the version it serves, the digest of its
+    adapter's weights and the requests it finished."""
+    training = live_training(state)
+    digest = await state.engine.run_on_device(training.adapter_digest)
+    return {"rank": state.replica.rank if state.replica is not None else 0,
+            "version": training.status().adapter_version, "digest": digest,
+            "requests_served": state.metrics.requests_served()}
+
+
+def whole_server_status(answers: list[dict]) -> dict:
+    """Every replica's `/v1/adapters` (by rank) as the server's: rank 0's (it saves the
+    versions), with the training counters summed and every replica's card."""
+    merged = {**answers[0], "replicas": [a["replicas"][0] for a in answers]}
+    merged["training"] = {key: value if key == "last_loss" else sum(a["training"][key] for a in answers)
+                          for key, value in answers[0]["training"].items()}
+    return merged
 
 
 async def forget(state: ServerState, completion_id: str, label_only: bool) -> None:

@@ -8,7 +8,6 @@ disconnects — streaming or not — aborts its request within one engine step.
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import APIRouter, Request, Response
 from sse_starlette.sse import EventSourceResponse
@@ -71,7 +70,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     tools = body.tool_use()
     params = body.sampling_params(tools=tools, tool_call_token=state.tool_call_token, defaults=state.sampling_defaults)
     prompt_ids = render_chat(state.tokenizer, body, tools=tools)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = state.completion_id("chatcmpl")
     client_prompt = [m.model_dump(exclude_none=True) for m in body.messages] if state.keeps_client_prompt else None
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages",
                                   client_prompt)
@@ -107,7 +106,7 @@ async def serve_completion(state: ServerState, request: Request):
                        "best_of")
     params = body.sampling_params(defaults=state.sampling_defaults)
     prompts = completion_prompts(state.tokenizer, body.prompt)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
+    request_id = state.completion_id("cmpl")
     # with one prompt, the completion id is the training entry's id (for feedback)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt",

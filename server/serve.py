@@ -2,7 +2,10 @@
 composition root) and runs it under uvicorn.
 
 Start-up order: model -> engine -> trainer (resuming the latest saved adapter when
-`adapter.dir` is set) -> arbiter -> worker thread -> HTTP. Shutdown (SIGINT/SIGTERM via uvicorn)
+`adapter.dir` is set) -> arbiter -> worker thread -> HTTP. A data-parallel replica
+(server/replicas.py) first joins its group and learns the others' private addresses; its
+trainer starts from rank 0's adapter; it serves on the shared public port and on its
+private one. Shutdown (SIGINT/SIGTERM via uvicorn)
 stops accepting connections, then stops the engine thread (requests still in flight
 receive an error rather than hanging), then saves the final adapter version.
 """
@@ -21,13 +24,18 @@ from server.app import ServerState, build_app
 from server.build import build_stack
 from server.config import AlchemistConfig
 from server.generation_config import log_defaults, sampling_defaults
+from server.fanout import Peers
 from server.guards import GuardConfig
+from server.replicas import exchange_addresses, private_socket, public_socket
+from trainer.replicated import Replica
 
 logger = logging.getLogger(__name__)
 
 
-def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name: str | None = None) -> FastAPI:
-    """The app for `config`; pass `model` and `tokenizer` to serve an in-memory model."""
+def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name: str | None = None,
+                 replica: Replica | None = None, peers: Peers | None = None) -> FastAPI:
+    """The app for `config`; pass `model` and `tokenizer` to serve an in-memory model;
+    `replica` and `peers`: this data-parallel replica's place and the others' addresses."""
     embedded = model is None and not config.model.model
     if model is None:
         model, tokenizer, model_name = load(config.model)
@@ -35,12 +43,12 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
     defaults = sampling_defaults(setting, model, embedded)
     log_defaults(defaults, setting)
     name = config.model.served_model_name or model_name or "model"
-    stack = build_stack(config, model, tokenizer, name)
+    stack = build_stack(config, model, tokenizer, name, replica)
     async_engine, training, name = stack.async_engine, stack.training, stack.name
     keeps_client_prompt = training is not None and training.recorder.keeps_client_prompt
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, training,
                         stack.served_adapter, keeps_client_prompt=keeps_client_prompt,
-                        sampling_defaults=defaults)
+                        sampling_defaults=defaults, replica=replica, peers=peers)
     server = config.server
     app = build_app(state, GuardConfig(server.api_key, server.admin_key,
                                        config.scheduler.max_num_seqs + server.max_queued_requests,
@@ -55,6 +63,8 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
         await async_engine.stop()
         if training is not None:
             await asyncio.to_thread(training.close)  # the final adapter version, when saving is on
+        if peers is not None:
+            await peers.close()
         logger.info("shutdown complete")
 
     app.router.lifespan_context = lifespan
@@ -64,3 +74,20 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
 def run(app: FastAPI, config: AlchemistConfig) -> None:
     uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info",
                 timeout_graceful_shutdown=10)
+
+
+def run_replica(config: AlchemistConfig, replica: Replica) -> None:
+    """Runs one data-parallel replica (its group joined): on the public port, shared with
+    the others, and on a private one they ask it on."""
+    import torch.distributed as dist
+
+    private, address = private_socket(replica)
+    peers = Peers(replica.rank, exchange_addresses(address))
+    app = build_server(config, replica=replica, peers=peers)
+    public = public_socket(config.server.host, config.server.port)
+    logger.info("replica %d serving on port %d (private %s)", replica.rank, config.server.port, address)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+    try:
+        server.run(sockets=[public, private])
+    finally:
+        dist.destroy_process_group()

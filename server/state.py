@@ -4,17 +4,21 @@ routes use of it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.async_engine import AsyncEngine
+from server.fanout import Peers
 from server.metrics import ServingMetrics
 from server.tool_calls import TOOL_CALL_OPEN
 from trainer.adapter_store import AdapterSnapshot, SavedVersion
 from trainer.feedback import FeedbackLabel, FeedbackResult
 from trainer.frozen import ServedAdapter
 from trainer.methods import TrainingMethod
+from trainer.replicated import Replica
 from trainer.status import TrainerStatus
 
 
@@ -41,8 +45,13 @@ class Training(Protocol):
 
     def status(self) -> TrainerStatus: ...
 
-    def rollback(self, snapshot: AdapterSnapshot) -> int:
-        """On the device thread (`AsyncEngine.run_on_device`)."""
+    def rollback(self, snapshot: AdapterSnapshot) -> int | concurrent.futures.Future:
+        """On the device thread (`AsyncEngine.run_on_device`); with replicas, a future of
+        the version every replica rolls back to."""
+        ...
+
+    def adapter_digest(self) -> str:
+        """A hash of the adapter's weights (device thread)."""
         ...
 
     def forget(self, completion_id: str, label_only: bool = False) -> bool:
@@ -69,6 +78,10 @@ class ServerState:
     keeps_client_prompt: bool = False
     # the sampling fields a request leaves out take these values (server/generation_config.py)
     sampling_defaults: dict = field(default_factory=dict)
+    # this process's place among data-parallel replicas, and how it reaches the others
+    # (server/replicas.py, server/fanout.py); None for a single server
+    replica: Replica | None = None
+    peers: Peers | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _token_text: dict[int, str] = field(default_factory=dict)
     # `<tool_call>` as one special token (Qwen's), or None where the tokenizer spells it in text
@@ -77,6 +90,11 @@ class ServerState:
     def __post_init__(self) -> None:
         added = getattr(self.tokenizer, "get_added_vocab", dict)()
         self.tool_call_token = added.get(TOOL_CALL_OPEN)
+
+    def completion_id(self, prefix: str) -> str:
+        """A new completion's id; among replicas it names the one serving it."""
+        tag = self.replica.tag(prefix) if self.replica is not None else f"{prefix}-"
+        return tag + uuid.uuid4().hex
 
     def token_text(self, token_id: int) -> str:
         """A token as shown in logprobs (decoded once, then cached)."""

@@ -8,7 +8,9 @@ The async bridge (engine/async_engine.py) calls it as its idle hook (engine/hook
   - with policy `slo`, also training slices between decode steps, while the measured time
     per output token stays under `tpot_slo_ms` (it backs off, doubling, when it does not);
   - under either policy, after a serving step: label expiry when it is due (under steady
-    traffic no idle gap comes), and a bounded piece of the rebuild of merged serving
+    traffic no idle gap comes), the steps and rollbacks other data-parallel replicas
+    combined this replica's gradients into (trainer/replicated.py; every replica applies
+    them, idle or not), and a bounded piece of the rebuild of merged serving
     weights while they are stale (trainer/maintenance.py).
 """
 
@@ -60,6 +62,12 @@ class TrainingWork(Protocol):
     def run_slice(self, serving_ran: bool = False) -> bool:
         """One bounded item of work; `serving_ran`: serving steps ran since the last."""
         ...
+
+    def sync_due(self) -> bool:
+        """(replicas) A combined step or rollback waits to be applied (a cheap check)."""
+        ...
+
+    def apply_synced(self) -> bool: ...
 
 
 @dataclass
@@ -120,6 +128,8 @@ class Arbiter:
         maintenance = self.training.maintenance
         if maintenance.expiry_due():  # label timeouts come due under steady traffic too
             await device.run(maintenance.expire)
+        if self.training.sync_due():
+            await device.run(self.training.apply_synced)
         spent = await self._serving_maintenance(device)
         if self.config.policy == "slo":
             await self._slices_between_steps(device, spent)

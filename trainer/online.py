@@ -8,6 +8,9 @@ hands to each other, and the few things done across them.
     (trainer/trainer.py); every item is timed into the training counters;
   - `status()` is the consistent snapshot `/metrics` and `/v1/adapters` read;
   - `rollback()` abandons the job in progress before the lifecycle swaps the weights;
+    with data-parallel replicas, it asks every replica to roll back at the same round,
+    and the rounds' steps and rollbacks are applied here, between jobs
+    (trainer/replicated.py);
   - `close()` stops the offloader's copies and the reward workers, saves the final
     version and closes the feedback ledger.
 Each part keeps its own role; this object only holds them and orders those steps.
@@ -15,6 +18,7 @@ Each part keeps its own role; this object only holds them and orders those steps
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ from trainer.maintenance import Maintenance
 from trainer.methods import TrainContext, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
+from trainer.replicated import ReplicaSync, ReplicatedRollback, weights_digest
 from trainer.rewards import RewardScorer
 from trainer.stash import WeightStash
 from trainer.status import (SLICE_BUCKETS, CacheStatus, GateStatus, OffloadStatus, SaveStatus, TrainerStatus,
@@ -61,6 +66,8 @@ class OnlineTraining:
     rewards: RewardScorer | None = None
     # the feedback ledger (with an adapter directory)
     ledger: Ledger | None = None
+    # the other data-parallel replicas' rounds (server/replicas.py), when there are any
+    replicas: ReplicaSync | None = None
 
     @property
     def mode(self) -> str:
@@ -84,7 +91,27 @@ class OnlineTraining:
         return self.gate is not None and self.gate.pending
 
     def has_work(self) -> bool:
-        return self.trainer.has_work() or self.maintenance.has_work() or self._scoring()
+        return self.trainer.has_work() or self.maintenance.has_work() or self._scoring() or self.sync_due()
+
+    def sync_due(self) -> bool:
+        """(replicas) A round's step or rollback waits, and no job is computing."""
+        return self.replicas is not None and self.replicas.has_result() and not self.trainer.computing()
+
+    def apply_synced(self) -> bool:
+        """(replicas) Applies the rounds' results that wait, in order (device thread);
+        whether there were any. Never under a computing job."""
+        applied = False
+        while self.sync_due():
+            item = self.replicas.next_result()
+            if isinstance(item, ReplicatedRollback):
+                self.trainer.abandon_job()
+                version = self.lifecycle.rollback(item.snapshot)
+                if item.done is not None:
+                    item.done.set_result(version)
+            else:
+                self.trainer.apply_combined(item)
+            applied = True
+        return applied
 
     def in_progress(self) -> bool:
         """A job, a candidate's scoring or a rebuild of merged serving weights has begun
@@ -99,7 +126,9 @@ class OnlineTraining:
             with self.stats.lock:
                 self.stats.preemptions += 1  # the job resumes here
         self.maintenance.expire()
-        if self._scoring():  # no job starts before the candidate's verdict
+        if self.sync_due():
+            worked = self.apply_synced()
+        elif self._scoring():  # no job starts before the candidate's verdict
             verdict = self.gate.run_slice()
             if verdict is not None:
                 self.lifecycle.settle(verdict)
@@ -122,13 +151,22 @@ class OnlineTraining:
             if time.monotonic() > deadline:
                 raise TimeoutError("training did not finish in time")
 
-    def rollback(self, snapshot: AdapterSnapshot) -> int:
+    def rollback(self, snapshot: AdapterSnapshot) -> int | concurrent.futures.Future:
         """Makes a saved version the live adapter (device thread); the new version. A
         snapshot that does not fit is refused (AdapterMismatchError) with the job in
-        progress untouched."""
+        progress untouched. With replicas (on rank 0), every replica rolls back at the
+        next round: a future of the new version."""
         self.lifecycle.check(snapshot)
+        if self.replicas is not None:
+            return self.replicas.request_rollback(snapshot)
         self.trainer.abandon_job()  # its gradients were computed under the weights being replaced
         return self.lifecycle.rollback(snapshot)
+
+    def adapter_digest(self) -> str:
+        """A hash of the live adapter's weights (device thread): equal on every replica."""
+        if self.replicas is not None:
+            return self.replicas.digest(self.optimizer.version)
+        return weights_digest(self.optimizer.params)
 
     def forget(self, completion_id: str, label_only: bool = False) -> bool:
         """Deletes what the server keeps of a completion — its label, or its request and
@@ -180,7 +218,9 @@ class OnlineTraining:
 
     def close(self) -> None:
         """At shutdown (after the engine stopped): stops the offloader's copies and the
-        reward workers, and saves the final adapter version."""
+        reward workers, leaves the replicas' rounds, and saves the final adapter version."""
+        if self.replicas is not None:
+            self.replicas.close()
         if self.offloader is not None:
             self.offloader.close()
         if self.rewards is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from trainer.cache import ActivationCache
 from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceLabel
@@ -41,13 +42,17 @@ class ReplayCounts:
 
 def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache, version: int,
                   saved_version: int | None, label_timeout_s: float,
-                  rewards: RewardScorer | None = None) -> ReplayCounts:
+                  rewards: RewardScorer | None = None, owns: Callable[[str], bool] | None = None
+                  ) -> ReplayCounts:
     """Puts the ledger's unfinished business back into `cache` (see the module
     docstring); `version`: the adapter version training resumes at, `saved_version`: the
-    saved version it was restored from (None: none was)."""
+    saved version it was restored from (None: none was); `owns`: which completions are
+    this replica's (data-parallel replicas share a node's ledger; None: all)."""
     saved = -1 if saved_version is None else saved_version
     rows = read_ledger(ledger.path, "r.method = ? AND (r.fate IS NULL OR (r.fate = 'trained' AND r.fate_version > ?))",
                        (method.name, saved))
+    if owns is not None:
+        rows = [row for row in rows if owns(row.request.id)]
     rows.sort(key=lambda row: row.label is None)  # labels first: the bound on label entries never refuses one
     now_wall, now_clock = time.time(), cache.clock()
     to_train = awaiting = closed = 0

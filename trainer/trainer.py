@@ -30,6 +30,7 @@ from trainer.config import TrainConfig
 from trainer.lifecycle import AdapterLifecycle
 from trainer.methods import JobResult, TrainContext, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
+from trainer.replicated import CombinedStep, ReplicaSync
 from trainer.stash import WeightStash
 from trainer.status import TrainingStats
 
@@ -52,16 +53,20 @@ class _Job:
     # the path each finished entry took, in order and by completion id
     paths: list[str] = field(default_factory=list)
     path_of: dict[str, str] = field(default_factory=dict)
+    # (replicas) its gradients went to a round; it ends when that round's step applies
+    contributed: bool = False
 
 
 class Trainer:
     def __init__(self, config: TrainConfig, method: TrainingMethod, context: TrainContext,
                  optimizer: AdapterOptimizer, cache: ActivationCache, stats: TrainingStats, stash: WeightStash,
-                 lifecycle: AdapterLifecycle, offloader: ActivationOffloader | None = None):
+                 lifecycle: AdapterLifecycle, offloader: ActivationOffloader | None = None,
+                 replicas: ReplicaSync | None = None):
         """`context`: what a method's jobs run on (the runner, the PEFT model, the
         offloader); `stash`: past versions' weights, for recordings up to `max_staleness`
         versions old; `lifecycle`: told of every optimizer step; `offloader`: the
-        activation offloader, when a device budget is set."""
+        activation offloader, when a device budget is set; `replicas`: with data-parallel
+        replicas, where a job's gradients go instead of the optimizer (trainer/replicated.py)."""
         self.config = config
         self.method = method
         self.mode = method.name
@@ -72,18 +77,30 @@ class Trainer:
         self.stash = stash
         self.lifecycle = lifecycle
         self.offloader = offloader
+        self.replicas = replicas
         self._job: _Job | None = None
 
     def in_job(self) -> bool:
         return self._job is not None
 
+    def computing(self) -> bool:
+        """A job is between its first slice and its gradients' hand-off: the weights must
+        not change under it."""
+        return self._job is not None and not self._job.contributed
+
     def has_work(self) -> bool:
-        return self._job is not None or self.cache.count(EntryState.READY) > 0
+        if self._job is not None:
+            return not self._job.contributed
+        return self.cache.count(EntryState.READY) > 0 and (self.replicas is None or self.replicas.stopped is None)
 
     def run_slice(self) -> bool:
         """One bounded slice of the current job, or the start of the next; False if no
         entry is ready."""
+        if self._job is not None and self._job.contributed:
+            return False  # waiting for its round (trainer/replicated.py)
         if self._job is None:
+            if self.replicas is not None and self.replicas.stopped is not None:
+                return False
             entries = self.cache.take_ready(self.config.entries_per_step, self.optimizer.version,
                                             self._staleness_bound())
             if not entries:
@@ -165,16 +182,40 @@ class Trainer:
         return self.method.recompute_job(entry, self.context), "recompute"
 
     def _finish_job(self, job: _Job) -> None:
-        losses = [r.loss for r in job.results]
-        finite = all(math.isfinite(v) for v in losses)
-        stepped = False
+        finite = all(math.isfinite(r.loss) for r in job.results)
+        if job.results and self.replicas is not None:
+            self.replicas.contribute(len(job.results), finite)
+            job.contributed = True
+            return
+        stepped = self._step(finite, len(job.results)) if job.results else False
+        self._close_job(job, stepped)
+
+    def _step(self, finite: bool, entries: int) -> bool:
+        """The optimizer step on the gradients the parameters hold; whether it applied."""
+        version = self.optimizer.version
+        if self.config.max_staleness and version in self.cache.recorded_versions():
+            self.stash.keep(version)  # recordings of this version outlive its weights
+        stepped = self.optimizer.step(loss_is_finite=finite, entries=entries)
+        if stepped:
+            self.cache.release_stale(self.optimizer.version, self._staleness_kept())
+        return stepped
+
+    def apply_combined(self, step: CombinedStep) -> None:
+        """(replicas) A round's step, between jobs (device thread): every replica's summed
+        gradients; this replica's waiting job ends with it when it is in it."""
+        self.replicas.load_gradients(step)
+        stepped = self._step(step.finite, step.entries)
+        job = self._job
+        if step.mine and job is not None and job.contributed:
+            self._close_job(job, stepped)
+        else:
+            self.lifecycle.after_step(stepped)
+            self.release_unneeded_weights()
+
+    def _close_job(self, job: _Job, stepped: bool) -> None:
+        """Counts a finished job and ends its entries (`stepped`: its step applied)."""
         if job.results:
-            version = self.optimizer.version
-            if self.config.max_staleness and version in self.cache.recorded_versions():
-                self.stash.keep(version)  # recordings of this version outlive its weights
-            stepped = self.optimizer.step(loss_is_finite=finite, entries=len(job.results))
-            if stepped:
-                self.cache.release_stale(self.optimizer.version, self._staleness_kept())
+            losses = [r.loss for r in job.results]
             with self.stats.lock:
                 self.stats.last_loss = sum(losses) / len(losses)
                 self.stats.train_tokens += sum(r.tokens for r in job.results)

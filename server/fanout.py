@@ -1,0 +1,114 @@
+"""What a replica asks the others (server/replicas.py), so that whatever a client asks on
+the shared port is answered for the whole server, not for the replica its connection
+landed on:
+
+  - `/metrics`: every replica's samples, each with an `engine` label (its rank, vLLM's
+    name for a data-parallel rank), in one exposition;
+  - `/v1/adapters`: rank 0's answer, with every replica's version and weights' digest;
+  - a label, or a deletion, for a completion another replica served: sent on to that
+    replica, whose answer is the client's (the label trains where its recording is);
+  - a rollback: sent on to rank 0, which rolls every replica back at one round.
+
+A request that is itself a replica's question carries `LOCAL_HEADER` and is answered for
+the replica it reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+from fastapi import Request, Response
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.errors import APIError
+
+logger = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per question between replicas
+
+LOCAL_HEADER = "x-alchemist-replica-local"
+# the client's headers a replica passes on with its question
+_PASSED_HEADERS = ("authorization", "content-type", "x-request-id")
+PEER_TIMEOUT_S = 60.0
+
+
+class Peers:
+    def __init__(self, rank: int, addresses: list[str]):
+        """`addresses`: every replica's private host:port, by rank."""
+        self.rank = rank
+        self.addresses = addresses
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.addresses)
+
+    @staticmethod
+    def is_local(request: Request) -> bool:
+        """The request is another replica's question about this one."""
+        return request.headers.get(LOCAL_HEADER) == "1"
+
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=PEER_TIMEOUT_S)
+        return self._client
+
+    async def ask(self, rank: int, request: Request, path: str | None = None, body: bytes | None = None
+                  ) -> httpx.Response:
+        """`request` (or `path` with its headers), as another replica's question to `rank`;
+        a replica that cannot be reached is a 503 for the client, to send again."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
+        headers[LOCAL_HEADER] = "1"
+        url = f"http://{self.addresses[rank]}{path or request.url.path}"
+        try:
+            return await self.client().request(request.method, url, headers=headers, content=body,
+                                               params=None if path else request.query_params)
+        except httpx.HTTPError as exc:
+            raise APIError(503, f"replica {rank} did not answer ({type(exc).__name__}); it may be restarting: "
+                                "send the request again", code="replica_unavailable",
+                           headers={"Retry-After": "1"}) from None
+
+    async def forward(self, rank: int, request: Request, body: bytes) -> Response:
+        """The client's request answered by replica `rank`, as that replica answered it."""
+        answer = await self.ask(rank, request, body=body)
+        headers = {k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")}
+        return Response(answer.content, answer.status_code, headers=headers)
+
+    async def ask_all(self, request: Request, path: str) -> list[httpx.Response]:
+        """`path` asked of every other replica, by rank (this one's slot is None)."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        answers = await asyncio.gather(*(self.ask(r, request, path) for r in others))
+        result: list = [None] * self.world_size
+        for rank, answer in zip(others, answers):
+            result[rank] = answer
+        return result
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def merge_metrics(expositions: list[str]) -> bytes:
+    """Replicas' Prometheus expositions (by rank) as one, each sample labelled with its
+    replica's rank as `engine`."""
+    families: dict[str, Metric] = {}
+    for rank, text in enumerate(expositions):
+        for family in text_string_to_metric_families(text):
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type,
+                                                        family.unit)
+            for sample in family.samples:
+                merged.add_sample(sample.name, {**sample.labels, "engine": str(rank)}, sample.value,
+                                  sample.timestamp, sample.exemplar)
+
+    class _Merged:
+        def collect(self):
+            return list(families.values())
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry)

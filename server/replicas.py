@@ -1,0 +1,132 @@
+"""Data-parallel replicas: one server process per device, on torch.distributed, behind
+one port.
+
+`alchemist serve --data-parallel-size N` (`-dp N`) becomes torch's elastic agent
+(`torch.distributed.launcher`, what `torchrun` runs): it starts N copies of the same
+command, each with `RANK`, `LOCAL_RANK` and `WORLD_SIZE` set, and when one dies it stops
+the others and starts the group again (`--max-restarts`). The same program runs under
+`torchrun --nproc-per-node N -m server.cli serve …` and across nodes (`torchrun --nnodes`).
+
+Each replica:
+  - joins the process group (NCCL on GPUs, gloo on the CPU), with a timeout, so that a
+    dead replica fails a collective instead of hanging it;
+  - serves on the public port through a socket of its own bound with `SO_REUSEPORT`: the
+    kernel spreads new connections over the replicas, with no hop in between;
+  - also listens on a private port, which the others use to answer what is asked of the
+    whole server (server/fanout.py); every replica learns the others' at start.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import sys
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from trainer.replicated import Replica
+
+logger = logging.getLogger(__name__)
+
+# a collective that waits longer than this for a replica fails (the replica is dead)
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def replica_from_env() -> Replica | None:
+    """This process's place in a group started by the elastic agent or `torchrun` (None:
+    a single server)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1 or "RANK" not in os.environ:
+        return None
+    rank = int(os.environ["RANK"])
+    return Replica(rank, world_size, int(os.environ.get("LOCAL_RANK", rank)),
+                   int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+
+
+def replica_device(device: str, replica: Replica) -> str:
+    """The device a replica serves on: `cuda:LOCAL_RANK` where the configured device is
+    auto (with a GPU) or cuda; the CPU where it is cpu. One named GPU (cuda:N) is refused."""
+    if device.startswith("cuda:"):
+        raise ValueError(f"--device {device} names one GPU; with --data-parallel-size each replica takes "
+                         "cuda:LOCAL_RANK (use --device cuda, or CUDA_VISIBLE_DEVICES to choose the GPUs)")
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        return f"cuda:{replica.local_rank}"
+    return "cpu"
+
+
+def join_group(replica: Replica, device: str) -> None:
+    """Joins the process group (the environment names its rendezvous); on the CPU, the
+    node's cores are shared between its replicas unless OMP_NUM_THREADS says otherwise."""
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // replica.local_world_size))
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    # the elastic agent's store outlives a restart of the group: a prefix per attempt keeps
+    # the new replicas from reading the dead ones' addresses
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), replica.world_size,
+                          is_master=not agent_store and replica.rank == 0, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"alchemist/attempt-{attempt}", store),
+                            rank=replica.rank, world_size=replica.world_size, timeout=timeout)
+    logger.info("replica %d of %d joined the group (%s, %s)", replica.rank, replica.world_size, backend, device)
+
+
+def exchange_addresses(own: str) -> list[str]:
+    """Every replica's private address, by rank."""
+    addresses: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(addresses, own)
+    return addresses
+
+
+def public_socket(host: str, port: int) -> socket.socket:
+    """The public port, shared: each replica binds it with SO_REUSEPORT."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def private_socket(replica: Replica) -> tuple[socket.socket, str]:
+    """A port of this replica's own, and the address the others reach it at: loopback on
+    one node; across nodes, this host's name (MASTER_ADDR's network)."""
+    single_node = replica.local_world_size == replica.world_size
+    host = "127.0.0.1" if single_node else "0.0.0.0"
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(256)
+    port = sock.getsockname()[1]
+    advertised = "127.0.0.1" if single_node else socket.getfqdn()
+    return sock, f"{advertised}:{port}"
+
+
+def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
+    """Runs `alchemist <argv>` as `replicas` replica processes under torch's elastic agent
+    on this node; returns when the group ends (the exit status)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=replicas, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
+                          monitor_interval=0.5)
+    logger.info("starting %d replicas (restarted up to %d times)", replicas, max_restarts)
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", "server.cli", *argv)
+    except ChildFailedError as exc:
+        logger.error("the replicas stopped: %s", exc)
+        return 1
+    except SignalException as exc:  # SIGTERM or SIGINT: the agent stopped the replicas, which saved
+        logger.info("the replicas stopped on signal %s", exc.sigval.name)
+    return 0

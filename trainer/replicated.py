@@ -1,0 +1,248 @@
+"""One adapter across data-parallel replicas (server/replicas.py starts them): every
+replica trains on its own recordings, and a sync thread combines what they computed over
+torch.distributed, so that every replica applies the same optimizer steps and rollbacks
+in the same order — version v is the same weights on every replica, bit for bit.
+
+A round, on each replica's sync thread (never on the device thread: serving never waits
+in a collective, only this thread does):
+  1. it waits up to `round_interval_s` for this replica's contribution — a finished
+     job's summed gradients, flattened, with its entry count and whether its loss was
+     finite — or for a rollback rank 0 was asked for;
+  2. all-reduces a small control vector: entries, non-finite jobs, the rollback's saved
+     version (rank 0's), and stop;
+  3. with entries anywhere, all-reduces the gradients (zeros from a replica that had
+     none); with a rollback, broadcasts rank 0's snapshot of the saved version;
+  4. queues the result, which the device thread applies in order between jobs
+     (`OnlineTraining.run_slice`): the same AdamW step, its learning rate scaled by the
+     step's entries on all replicas, on the same summed gradients; or the same rollback.
+
+A replica whose job waits for its round starts no other job. A job's gradient is ∇L at
+the weights it ran under; when steps from other replicas landed while it ran, it is
+applied a version later than that — a delayed gradient, as the weight stash's are.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import hashlib
+import logging
+import queue
+import re
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from trainer.adapter_store import AdapterSnapshot
+
+logger = logging.getLogger(__name__)
+
+# how long a sync thread waits for its replica's contribution before a round without one
+ROUND_INTERVAL_S = 0.05
+# a completion id names the replica that served it: chatcmpl-r1-<hex>
+_REPLICA_TAG = re.compile(r"^[a-z]+-r(\d+)-")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """This process's place among the data-parallel replicas (torch.distributed's rank)."""
+
+    rank: int
+    world_size: int
+    # the rank among this node's replicas (its device: cuda:local_rank) and their number
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    def tag(self, prefix: str) -> str:
+        """The start of the ids of completions this replica serves."""
+        return f"{prefix}-r{self.rank}-"
+
+    def owner_of(self, completion_id: str) -> int:
+        """The rank whose recording a completion's label trains on (ids without a tag were
+        served by a single replica: rank 0's; ranks beyond a smaller group wrap around)."""
+        match = _REPLICA_TAG.match(completion_id)
+        return int(match.group(1)) % self.world_size if match else 0
+
+    def owns(self, completion_id: str) -> bool:
+        return self.owner_of(completion_id) == self.rank
+
+
+@dataclass
+class Contribution:
+    """A finished job's gradients, flattened in the parameters' order."""
+
+    grads: torch.Tensor
+    entries: int
+    finite: bool
+
+
+@dataclass
+class CombinedStep:
+    """A round's optimizer step: every replica's gradients summed."""
+
+    grads: torch.Tensor
+    entries: int
+    # every replica's loss was finite
+    finite: bool
+    # this replica's waiting job is in it
+    mine: bool
+
+
+@dataclass
+class ReplicatedRollback:
+    """A saved version every replica loads at the same point of the sequence."""
+
+    snapshot: AdapterSnapshot
+    # rank 0's caller waits for the new version number
+    done: concurrent.futures.Future | None = None
+
+
+def weights_digest(params: list[torch.Tensor]) -> str:
+    """A hash of the weights' bytes, in order: equal digests, equal weights bit for bit."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class ReplicaSync:
+    def __init__(self, params: list[torch.nn.Parameter], rank: int, world_size: int,
+                 wakeup: Callable[[], None] = lambda: None, round_interval_s: float = ROUND_INTERVAL_S):
+        """`params`: the adapter's trainable parameters, in the same order on every
+        replica; `wakeup`: wakes the serving loop when a result is queued."""
+        self.params = params
+        self.rank = rank
+        self.world_size = world_size
+        self.wakeup = wakeup
+        self.round_interval_s = round_interval_s
+        self.rounds = 0
+        # why the sync stopped (a replica died, or the group is shutting down)
+        self.stopped: str | None = None
+        self._numel = sum(p.numel() for p in params)
+        self._device = params[0].device
+        self._inbox: queue.Queue[Contribution] = queue.Queue()
+        self._results: collections.deque = collections.deque()
+        self._rollback: ReplicatedRollback | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="alchemist-replica-sync", daemon=True)
+        self._digest: tuple[int, str] | None = None
+
+    # -- at start, before serving --------------------------------------------------------
+
+    def adopt_rank0(self, snapshot: Callable[[], AdapterSnapshot], restore) -> AdapterSnapshot:
+        """Every replica takes rank 0's adapter (resumed or freshly initialised): its
+        weights, optimizer state and version. `snapshot()` is called on rank 0;
+        `restore(snapshot)` on the others. Returns the adopted snapshot."""
+        box = [snapshot() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if self.rank != 0:
+            restore(box[0])
+        return box[0]
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # -- the device thread ---------------------------------------------------------------
+
+    def contribute(self, entries: int, finite: bool) -> None:
+        """Hands this replica's accumulated gradients to the next round (device thread);
+        the parameters' gradients are cleared."""
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float()
+                          for p in self.params])
+        for p in self.params:
+            p.grad = None
+        self._inbox.put(Contribution(flat, entries, finite))
+
+    def has_result(self) -> bool:
+        return bool(self._results)
+
+    def next_result(self) -> CombinedStep | ReplicatedRollback | None:
+        return self._results.popleft() if self._results else None
+
+    def load_gradients(self, step: CombinedStep) -> None:
+        """Makes `step`'s summed gradients the parameters' (device thread)."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = step.grads[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+
+    def digest(self, version: int) -> str:
+        """A hash of the adapter's weights (device thread), computed once per version."""
+        if self._digest is None or self._digest[0] != version:
+            self._digest = (version, weights_digest(self.params))
+        return self._digest[1]
+
+    # -- rank 0's rollback ---------------------------------------------------------------
+
+    def request_rollback(self, snapshot: AdapterSnapshot) -> concurrent.futures.Future:
+        """Rank 0: every replica loads `snapshot` at the next round; the future gives the
+        new version once this replica applied it."""
+        if self.rank != 0:
+            raise RuntimeError("a rollback is requested on rank 0")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if self.stopped is not None:
+            done.set_exception(RuntimeError(f"the replicas' sync stopped: {self.stopped}"))
+            return done
+        with self._lock:
+            if self._rollback is not None:
+                self._rollback.done.set_exception(RuntimeError("superseded by a later rollback"))
+            self._rollback = ReplicatedRollback(snapshot, done)
+        return done
+
+    # -- the sync thread -----------------------------------------------------------------
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Leaves the rounds: the others leave at the same round."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                contribution = self._inbox.get(timeout=self.round_interval_s)
+            except queue.Empty:
+                contribution = None
+            with self._lock:
+                rollback, self._rollback = self._rollback, None
+            try:
+                stop = self._round(contribution, rollback)
+            except Exception as exc:  # noqa: BLE001 - a replica died: its collective failed or timed out
+                self._fail(f"a collective failed: {exc}", rollback, logging.ERROR)
+                return
+            if stop:
+                self._fail("the replicas are shutting down", None, logging.INFO)
+                return
+
+    def _round(self, contribution: Contribution | None, rollback: ReplicatedRollback | None) -> bool:
+        control = torch.tensor([contribution.entries if contribution else 0,
+                                0 if contribution is None or contribution.finite else 1,
+                                rollback.snapshot.version + 1 if rollback else 0,
+                                1 if self._stop.is_set() else 0], dtype=torch.float64, device=self._device)
+        dist.all_reduce(control)
+        entries, non_finite, rollback_to, stop = (int(v) for v in control.tolist())
+        if entries:
+            grads = contribution.grads if contribution is not None else torch.zeros(
+                self._numel, dtype=torch.float32, device=self._device)
+            dist.all_reduce(grads)
+            self._results.append(CombinedStep(grads, entries, non_finite == 0, contribution is not None))
+        if rollback_to:
+            box = [rollback.snapshot if rollback is not None else None]
+            dist.broadcast_object_list(box, src=0)
+            self._results.append(ReplicatedRollback(box[0], rollback.done if rollback is not None else None))
+        self.rounds += 1
+        if entries or rollback_to:
+            self.wakeup()
+        return bool(stop)
+
+    def _fail(self, reason: str, rollback: ReplicatedRollback | None, level: int) -> None:
+        self.stopped = reason
+        if rollback is not None and rollback.done is not None and not rollback.done.done():
+            rollback.done.set_exception(RuntimeError(reason))
+        logger.log(level, "replica %d: adapter sync stopped (%s); no training until the group restarts",
+                   self.rank, reason)
