@@ -35,6 +35,15 @@ def add_bench_commands(commands, add_config_flags) -> None:
     structured.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
     structured.add_argument("--json", help="write the results to this JSON file")
     _add_training_benches(benches, add_config_flags)
+    replicas = benches.add_parser("replicas", help="N data-parallel replicas vs one, closed-loop with feedback")
+    replicas.add_argument("--replicas", type=int, default=2)
+    replicas.add_argument("--requests", type=int, default=48, help="labelled answers per condition")
+    replicas.add_argument("--clients", type=int, default=8, help="closed-loop clients")
+    replicas.add_argument("--max-tokens", type=int, default=24)
+    replicas.add_argument("--rounds", type=int, default=2, help="conditions alternate, in rounds")
+    replicas.add_argument("--learning-rate", type=float, default=1e-4)
+    replicas.add_argument("--no-training", action="store_true", help="serving alone (training off, no feedback)")
+    replicas.add_argument("--json", help="write the results to this JSON file")
     colocate = benches.add_parser("colocate", help="serving latency with training off and on, over HTTP")
     colocate.add_argument("--policy", choices=["idle", "slo"], default="idle")
     colocate.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
@@ -147,6 +156,11 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         side = TrainingSide(args.policy, args.tpot_slo_ms, args.train_config, not args.no_feedback,
                             args.feedback_fraction, args.compare, args.eval_set)
         run_colocate_bench(side, args.rate, args.seconds, args.rounds, args.seed, args.json, sweep, args.plot)
+        return 0
+    if args.bench == "replicas":
+        from bench.replicas import run_replicas_bench
+        run_replicas_bench(args.replicas, args.requests, args.clients, args.max_tokens, args.rounds,
+                           args.learning_rate, args.json, not args.no_training)
         return 0
     if args.bench == "soak":
         from bench.soak import SoakConfig, run_soak_bench

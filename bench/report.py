@@ -51,11 +51,16 @@ def rel_diff(a: dict, b: dict) -> float:
 
 
 def read_metric(text: str, name: str) -> float:
-    """A sample's value from a Prometheus text scrape (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.split()[-1])
-    return 0.0
+    """A sample's value from a Prometheus text scrape (0 when absent): `name` may name
+    labels (`x_total{state="dropped"}`), and the samples that have them are summed over
+    the labels it leaves out — over every replica's `engine`, among others."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sample_name, _, wanted = name.partition("{")
+    labels = dict(part.split("=", 1) for part in wanted.rstrip("}").split(",") if part) if wanted else {}
+    labels = {k: v.strip('"') for k, v in labels.items()}
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == sample_name and labels.items() <= sample.labels.items())
 
 
 TRAINING_PATHS = ("reuse", "stashed", "recompute")

@@ -129,12 +129,13 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
                                feedback.submit, decode, wakeup or (lambda: None))
     recorder = Recorder(config, method, cache, lifecycle.serving_version, stats, offloader, warmer, rewards, ledger,
                         recording_paused=(lambda: gate.pending) if gate is not None else (lambda: False))
-    lifecycle.start()  # resumes from the adapter directory (or saves version 0), before anything is served
+    lifecycle.resume()  # from the adapter directory (or version 0 saved), before anything is served
     if replicas is not None:  # rank 0's adapter (resumed, or initialised) is everyone's
         adopted = replicas.adopt_rank0(lifecycle.snapshot, lambda s: lifecycle.restore(s, s.version))
         lifecycle.restored_from = adopted.state.get("restored_from")
         maintenance.merge_all()
         replicas.start()
+    lifecycle.score_baseline()
     if ledger is not None:  # labels not in the resumed version train again; recent requests take feedback
         replay_ledger(ledger, method, cache, optimizer.version, lifecycle.restored_from, config.label_timeout_s,
                       rewards, replica.owns if replicas is not None else None)
@@ -198,8 +199,6 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str, replica: R
     hooks = EngineHooks(observers=(metrics,))
     if config.train.mode != "off":
         replicated = replica is not None and replica.world_size > 1
-        if replicated and config.train.eval_set:
-            raise ValueError("train.eval_set (the eval gate) does not run with --data-parallel-size > 1 yet")
         checkpointer, ledger = build_saving(config, replica if replicated else None)
         try:
             training = build_training(runner, tokenizer, config.model.max_model_len, config.train, config.offload,
@@ -223,20 +222,25 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str, replica: R
 
 def build_saving(config: AlchemistConfig, replica: Replica | None) -> tuple[AdapterCheckpointer | None, Ledger | None]:
     """The adapter directory's checkpointer and feedback ledger (None, None without one).
-    Among replicas only rank 0 saves versions; every replica writes the node's one ledger
-    (SQLite, WAL), opened once rank 0 created it."""
+    Among replicas only rank 0 saves versions, and the replicas of a node write its one
+    ledger (SQLite, WAL): the node's first replica creates it, then the others open it."""
     if not config.adapter.dir:
         return None, None
-    ledger = checkpointer = None
-    if replica is None or replica.rank == 0:
-        store = AdapterStore(config.adapter.dir, config.adapter.keep)
-        if config.ledger.enabled:
-            ledger = Ledger(store.root / LEDGER_FILE, config.ledger)
-        checkpointer = AdapterCheckpointer(store, config.adapter.save_every, ledger.flush if ledger else None)
-    if replica is not None:
-        import torch.distributed as dist
+    root = Path(config.adapter.dir)
+    store = AdapterStore(root, config.adapter.keep) if replica is None or replica.rank == 0 else None
+    ledger = None
+    if config.ledger.enabled:
+        if replica is None:
+            ledger = Ledger(root / LEDGER_FILE, config.ledger)
+        else:
+            import torch.distributed as dist
 
-        dist.barrier()  # rank 0 made the directory and the ledger's schema
-        if replica.rank != 0 and config.ledger.enabled:
-            ledger = Ledger(Path(config.adapter.dir) / LEDGER_FILE, config.ledger)
+            for opens in (replica.local_rank == 0, replica.local_rank != 0):
+                dist.barrier()
+                if opens:
+                    root.mkdir(parents=True, exist_ok=True)  # another node's directory
+                    ledger = Ledger(root / LEDGER_FILE, config.ledger)
+    checkpointer = None
+    if store is not None:
+        checkpointer = AdapterCheckpointer(store, config.adapter.save_every, ledger.flush if ledger else None)
     return checkpointer, ledger

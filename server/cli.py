@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     if args.command == "feedback":
         return feedback_command(args)
-    if args.command == "bench" and args.bench in ("colocate", "soak"):
+    if args.command == "bench" and args.bench in ("colocate", "soak", "replicas"):
         config = None  # the bench starts its own servers
     else:
         try:

@@ -164,6 +164,9 @@ def whole_server_status(answers: list[dict]) -> dict:
     merged = {**answers[0], "replicas": [a["replicas"][0] for a in answers]}
     merged["training"] = {key: value if key == "last_loss" else sum(a["training"][key] for a in answers)
                           for key, value in answers[0]["training"].items()}
+    if merged.get("gate"):  # rank 0 judges; each replica quarantines the labels it trained
+        merged["gate"] = {**merged["gate"], "quarantined_labels": sum(a["gate"]["quarantined_labels"]
+                                                                      for a in answers)}
     return merged
 
 

@@ -198,6 +198,13 @@ class EvalGate:
         self._candidate, self._scoring, self._trained_ids = None, None, ()
         return verdict
 
+    def drop_candidate(self) -> tuple[str, ...]:
+        """Ends the candidate's scoring unfinished, for a verdict reached elsewhere (rank 0's,
+        among replicas); the completion ids whose labels trained into it."""
+        trained = self._trained_ids
+        self._candidate, self._scoring, self._trained_ids = None, None, ()
+        return trained
+
     def settled(self, verdict: Verdict, promoted_version: int) -> None:
         """The lifecycle carried out `verdict`; `promoted_version` now serves."""
         if verdict.baseline and verdict.failures:  # the bar could not be scored: the last one stays

@@ -60,7 +60,13 @@ class AdapterLifecycle:
 
     def start(self) -> None:
         """Resumes from the latest good saved version, if any (else saves version 0, so
-        there is always a version to roll back to). Call before serving starts."""
+        there is always a version to roll back to), and scores it as the gate's bar. Call
+        before serving starts."""
+        self.resume()
+        self.score_baseline()
+
+    def resume(self) -> None:
+        """The first half of `start`: the saved adapter, or version 0 saved."""
         if self.checkpointer is not None:
             snapshot = self.checkpointer.store.latest()
             if snapshot is not None:
@@ -69,6 +75,9 @@ class AdapterLifecycle:
                 logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
             else:
                 self.checkpointer.save_async(self.snapshot()).result()
+
+    def score_baseline(self) -> None:
+        """The second half of `start`: with a gate, the live weights' scores are the bar."""
         if self.gate is not None:  # the version serving now is the promoted one: its scores are the bar
             version = self.optimizer.version
             scores = self.gate.score_now(version)

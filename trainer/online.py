@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.hooks import EngineHooks, EngineObserver
 from offload.offloader import ActivationOffloader
 from trainer.adapter_store import AdapterSnapshot
 from trainer.cache import ActivationCache
 from trainer.entries import EntryState
+from trainer.eval_gate import Verdict
 from trainer.config import TrainConfig
 from trainer.feedback import FeedbackIntake
 from trainer.ledger import Ledger
@@ -36,12 +38,14 @@ from trainer.maintenance import Maintenance
 from trainer.methods import TrainContext, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
-from trainer.replicated import ReplicaSync, ReplicatedRollback, weights_digest
+from trainer.replicated import ReplicaSync, ReplicatedRollback, ReplicatedVerdict, weights_digest
 from trainer.rewards import RewardScorer
 from trainer.stash import WeightStash
 from trainer.status import (SLICE_BUCKETS, CacheStatus, GateStatus, OffloadStatus, SaveStatus, TrainerStatus,
                             TrainingStats)
 from trainer.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -68,6 +72,8 @@ class OnlineTraining:
     ledger: Ledger | None = None
     # the other data-parallel replicas' rounds (server/replicas.py), when there are any
     replicas: ReplicaSync | None = None
+    # (replicas, rank 0) the gate's verdict, sent to every replica and not yet carried out
+    _published: Verdict | None = field(default=None, init=False)
 
     @property
     def mode(self) -> str:
@@ -87,23 +93,33 @@ class OnlineTraining:
         return self.lifecycle.gate
 
     def _scoring(self) -> bool:
-        """The eval gate is scoring a version (no job starts meanwhile)."""
-        return self.gate is not None and self.gate.pending
+        """The eval gate is scoring a version, or (replicas) its verdict is on its way: no
+        job starts meanwhile."""
+        return self.gate is not None and (self.gate.pending or self._published is not None)
 
     def has_work(self) -> bool:
         return self.trainer.has_work() or self.maintenance.has_work() or self._scoring() or self.sync_due()
 
     def sync_due(self) -> bool:
-        """(replicas) A round's step or rollback waits, and no job is computing."""
-        return self.replicas is not None and self.replicas.has_result() and not self.trainer.computing()
+        """(replicas) A round's step, rollback or verdict can be applied: no job is
+        computing, and while a candidate waits for its verdict, that is what arrived."""
+        if self.replicas is None or self.trainer.computing():
+            return False
+        return self.replicas.has_verdict() if self._scoring() else self.replicas.has_result()
 
     def apply_synced(self) -> bool:
         """(replicas) Applies the rounds' results that wait, in order (device thread);
         whether there were any. Never under a computing job."""
         applied = False
         while self.sync_due():
+            if self._scoring():
+                self._settle_everywhere(self.replicas.take_verdict())
+                applied = True
+                continue
             item = self.replicas.next_result()
-            if isinstance(item, ReplicatedRollback):
+            if isinstance(item, ReplicatedVerdict):  # cannot come without a candidate; kept for the log
+                logger.warning("a gate verdict arrived with no candidate waiting: %s", item)
+            elif isinstance(item, ReplicatedRollback):
                 self.trainer.abandon_job()
                 version = self.lifecycle.rollback(item.snapshot)
                 if item.done is not None:
@@ -112,6 +128,30 @@ class OnlineTraining:
                 self.trainer.apply_combined(item)
             applied = True
         return applied
+
+    def _settle_everywhere(self, verdict: ReplicatedVerdict) -> None:
+        """(replicas) Carries out rank 0's verdict here, quarantining this replica's labels."""
+        if self._published is not None:  # rank 0 scored it
+            trained, self._published = self._published.trained_ids, None
+        else:
+            trained = self.gate.drop_candidate()
+        self.lifecycle.settle(Verdict(verdict.scores, verdict.failures, trained, verdict.baseline))
+
+    def _gate_slice(self) -> bool:
+        """A slice of the candidate's scoring; its verdict is carried out here, or (replicas)
+        sent to every replica from rank 0 — the others wait for it."""
+        if self.replicas is None:
+            verdict = self.gate.run_slice()
+            if verdict is not None:
+                self.lifecycle.settle(verdict)
+            return True
+        if self.replicas.rank != 0 or not self.gate.pending:
+            return False
+        verdict = self.gate.run_slice()
+        if verdict is not None:
+            self._published = verdict
+            self.replicas.publish_verdict(ReplicatedVerdict(verdict.scores, verdict.failures, verdict.baseline))
+        return True
 
     def in_progress(self) -> bool:
         """A job, a candidate's scoring or a rebuild of merged serving weights has begun
@@ -129,10 +169,7 @@ class OnlineTraining:
         if self.sync_due():
             worked = self.apply_synced()
         elif self._scoring():  # no job starts before the candidate's verdict
-            verdict = self.gate.run_slice()
-            if verdict is not None:
-                self.lifecycle.settle(verdict)
-            worked = True
+            worked = self._gate_slice()
         else:
             worked = (not self.trainer.in_job() and self.maintenance.run_item()) or self.trainer.run_slice()
         if worked:

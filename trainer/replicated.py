@@ -16,6 +16,10 @@ in a collective, only this thread does):
      (`OnlineTraining.run_slice`): the same AdamW step, its learning rate scaled by the
      step's entries on all replicas, on the same summed gradients; or the same rollback.
 
+With an eval gate every replica holds each new version as a candidate, serving the
+promoted one; rank 0 alone scores it, and its verdict, broadcast at a round, is carried
+out by every replica (each quarantines the labels it trained into a rejected version).
+
 A replica whose job waits for its round starts no other job. A job's gradient is ∇L at
 the weights it ran under; when steps from other replicas landed while it ran, it is
 applied a version later than that — a delayed gradient, as the weight stash's are.
@@ -108,6 +112,16 @@ def weights_digest(params: list[torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
+@dataclass
+class ReplicatedVerdict:
+    """Rank 0's eval gate verdict on the candidate every replica holds (trainer/eval_gate.py):
+    its scores, why it failed (empty: promoted), and whether it was a baseline scoring."""
+
+    scores: object
+    failures: tuple[str, ...]
+    baseline: bool
+
+
 class ReplicaSync:
     def __init__(self, params: list[torch.nn.Parameter], rank: int, world_size: int,
                  wakeup: Callable[[], None] = lambda: None, round_interval_s: float = ROUND_INTERVAL_S):
@@ -126,10 +140,14 @@ class ReplicaSync:
         self._inbox: queue.Queue[Contribution] = queue.Queue()
         self._results: collections.deque = collections.deque()
         self._rollback: ReplicatedRollback | None = None
+        self._verdict: ReplicatedVerdict | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="alchemist-replica-sync", daemon=True)
         self._digest: tuple[int, str] | None = None
+        # a group of the rounds' own: collectives of one group must come in the same order on
+        # every replica, which the sync thread alone guarantees for its group
+        self._group = dist.new_group()
 
     # -- at start, before serving --------------------------------------------------------
 
@@ -138,7 +156,7 @@ class ReplicaSync:
         weights, optimizer state and version. `snapshot()` is called on rank 0;
         `restore(snapshot)` on the others. Returns the adopted snapshot."""
         box = [snapshot() if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self._group)
         if self.rank != 0:
             restore(box[0])
         return box[0]
@@ -159,6 +177,9 @@ class ReplicaSync:
 
     def has_result(self) -> bool:
         return bool(self._results)
+
+    def has_verdict(self) -> bool:
+        return any(isinstance(item, ReplicatedVerdict) for item in self._results)
 
     def next_result(self) -> CombinedStep | ReplicatedRollback | None:
         return self._results.popleft() if self._results else None
@@ -194,6 +215,21 @@ class ReplicaSync:
             self._rollback = ReplicatedRollback(snapshot, done)
         return done
 
+    def publish_verdict(self, verdict: ReplicatedVerdict) -> None:
+        """Rank 0: the eval gate's verdict goes to every replica at the next round."""
+        with self._lock:
+            self._verdict = verdict
+
+    def take_verdict(self) -> ReplicatedVerdict | None:
+        """The first verdict among the queued results, taken out ahead of the steps queued
+        before it (device thread): while a candidate waits for its verdict no step
+        applies, on any replica, so every replica takes it at the same point."""
+        for item in self._results:
+            if isinstance(item, ReplicatedVerdict):
+                self._results.remove(item)
+                return item
+        return None
+
     # -- the sync thread -----------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -210,8 +246,9 @@ class ReplicaSync:
                 contribution = None
             with self._lock:
                 rollback, self._rollback = self._rollback, None
+                verdict, self._verdict = self._verdict, None
             try:
-                stop = self._round(contribution, rollback)
+                stop = self._round(contribution, rollback, verdict)
             except Exception as exc:  # noqa: BLE001 - a replica died: its collective failed or timed out
                 self._fail(f"a collective failed: {exc}", rollback, logging.ERROR)
                 return
@@ -219,24 +256,30 @@ class ReplicaSync:
                 self._fail("the replicas are shutting down", None, logging.INFO)
                 return
 
-    def _round(self, contribution: Contribution | None, rollback: ReplicatedRollback | None) -> bool:
+    def _round(self, contribution: Contribution | None, rollback: ReplicatedRollback | None,
+               verdict: ReplicatedVerdict | None = None) -> bool:
         control = torch.tensor([contribution.entries if contribution else 0,
                                 0 if contribution is None or contribution.finite else 1,
                                 rollback.snapshot.version + 1 if rollback else 0,
-                                1 if self._stop.is_set() else 0], dtype=torch.float64, device=self._device)
-        dist.all_reduce(control)
-        entries, non_finite, rollback_to, stop = (int(v) for v in control.tolist())
+                                1 if self._stop.is_set() else 0,
+                                1 if verdict is not None else 0], dtype=torch.float64, device=self._device)
+        dist.all_reduce(control, group=self._group)
+        entries, non_finite, rollback_to, stop, verdicts = (int(v) for v in control.tolist())
         if entries:
             grads = contribution.grads if contribution is not None else torch.zeros(
                 self._numel, dtype=torch.float32, device=self._device)
-            dist.all_reduce(grads)
+            dist.all_reduce(grads, group=self._group)
             self._results.append(CombinedStep(grads, entries, non_finite == 0, contribution is not None))
         if rollback_to:
             box = [rollback.snapshot if rollback is not None else None]
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=self._group)
             self._results.append(ReplicatedRollback(box[0], rollback.done if rollback is not None else None))
+        if verdicts:
+            box = [verdict]
+            dist.broadcast_object_list(box, src=0, group=self._group)
+            self._results.append(box[0])
         self.rounds += 1
-        if entries or rollback_to:
+        if entries or rollback_to or verdicts:
             self.wakeup()
         return bool(stop)
 

@@ -1,0 +1,292 @@
+"""Data-parallel replicas (server/replicas.py, trainer/replicated.py, server/fanout.py).
+
+The rounds over gloo in two processes: every rank ends each step with the same weights,
+bit for bit, and they are the weights one optimizer reaches on the summed gradients. Then
+the real thing, as a user runs it: `alchemist serve --data-parallel-size 2` on a tiny
+model, where a label posted to the other replica trains on the one that served it, a
+rollback reaches both, and a replica killed with `kill -9` comes back at the version the
+server had, its accepted labels trained; and with the eval gate, rank 0's verdict is
+every replica's, each quarantining the labels it trained.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.launch import free_port, server_process
+from server.fanout import merge_metrics
+from server.replicas import replica_device
+from server.routes_admin import whole_server_status
+from tests.servers import wait_for
+from tests.tiny import tiny_model, tiny_tokenizer
+from trainer.ledger_db import LEDGER_FILE, read_ledger
+from trainer.optimizer import AdapterOptimizer
+from trainer.replicated import CombinedStep, Replica, ReplicaSync, weights_digest
+
+SHAPES = [(4, 8), (8, 4), (3,)]
+STEPS = 3
+
+
+def test_a_completion_id_names_the_replica_that_served_it():
+    replica = Replica(rank=1, world_size=2)
+    completion = replica.tag("chatcmpl") + "0123abcd"
+    assert completion.startswith("chatcmpl-r1-") and replica.owns(completion)
+    assert Replica(0, 2).owner_of(completion) == 1
+    assert Replica(0, 2).owner_of("chatcmpl-0123abcd") == 0  # served by a single server
+    assert Replica(0, 1).owner_of(completion) == 0  # a smaller group takes it
+    assert Replica(0, 2).owner_of("cmpl-r1-abc-0") == 1  # one of several prompts
+
+
+def test_each_replica_takes_its_own_device():
+    replica = Replica(rank=3, world_size=4, local_rank=1, local_world_size=2)
+    assert replica_device("cpu", replica) == "cpu"
+    assert replica_device("cuda", replica) == "cuda:1"
+    with pytest.raises(ValueError, match="cuda:LOCAL_RANK"):
+        replica_device("cuda:0", replica)
+
+
+def test_metrics_of_every_replica_carry_an_engine_label():
+    text = ("# HELP alchemist:request_success_total Finished.\n# TYPE alchemist:request_success_total counter\n"
+            'alchemist:request_success_total{finished_reason="stop"} %d\n')
+    merged = merge_metrics([text % 3, text % 4]).decode()
+    assert 'alchemist:request_success_total{engine="0",finished_reason="stop"} 3.0' in merged
+    assert 'alchemist:request_success_total{engine="1",finished_reason="stop"} 4.0' in merged
+    assert merged.count("# TYPE alchemist:request_success_total counter") == 1
+
+
+def test_the_whole_servers_adapter_status_sums_the_training_counters():
+    def answer(rank, entries, loss):
+        return {"version": 5, "saved": [], "replicas": [{"rank": rank, "version": 5, "digest": "ab",
+                                                         "requests_served": rank + 1}],
+                "training": {"trained_entries": entries, "last_loss": loss, "train_tokens": 10 * entries}}
+    merged = whole_server_status([answer(0, 2, 0.5), answer(1, 3, 0.7)])
+    assert merged["training"] == {"trained_entries": 5, "last_loss": 0.5, "train_tokens": 50}
+    assert [r["rank"] for r in merged["replicas"]] == [0, 1]
+
+
+# -- the rounds over gloo -------------------------------------------------------------------
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+
+
+def _gradients(rank: int, step: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return [torch.randn(shape, generator=generator) for shape in SHAPES]
+
+
+def _entries(rank: int, step: int) -> int:
+    return 0 if (rank, step) == (1, 1) else rank + 1  # rank 1 has nothing to train at step 1
+
+
+# who contributed to a round, by its entries (rank 0 brings one, rank 1 two)
+CONTRIBUTORS = {1: (0,), 2: (1,), 3: (0, 1)}
+
+
+def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    steps_group = dist.new_group(backend="gloo")  # the test's barrier: never the sync thread's group
+    params = _params(seed=rank)  # initialised apart: the adoption makes them rank 0's
+    optimizer = AdapterOptimizer(params, learning_rate=0.01, max_grad_norm=1.0)
+    sync = ReplicaSync(params, rank, world_size, round_interval_s=0.01)
+
+    def restore(snapshot):
+        with torch.no_grad():
+            for p, w in zip(params, snapshot):
+                p.copy_(w)
+
+    sync.adopt_rank0(lambda: [p.detach().clone() for p in params], restore)
+    sync.start()
+    digests, groups = [], []
+    for step in range(STEPS):
+        entries = _entries(rank, step)
+        if entries:
+            for p, g in zip(params, _gradients(rank, step)):
+                p.grad = g
+            sync.contribute(entries, finite=True)
+        expected = sum(_entries(r, step) for r in range(world_size))
+        deadline = time.time() + 30
+        while expected:  # the two contributions land in one round or in two
+            assert time.time() < deadline, "no round result"
+            combined = sync.next_result()
+            if combined is None:
+                time.sleep(0.01)
+                continue
+            assert isinstance(combined, CombinedStep)
+            assert combined.mine == (rank in CONTRIBUTORS[combined.entries])
+            sync.load_gradients(combined)
+            assert optimizer.step(combined.finite, combined.entries)
+            digests.append(weights_digest(params))
+            groups.append(combined.entries)
+            expected -= combined.entries
+        dist.barrier(group=steps_group)
+    sync.close()
+    torch.save({"digests": digests, "groups": groups, "weights": [p.detach().clone() for p in params]},
+               f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_every_replica_applies_the_same_steps_as_one_optimizer_on_the_summed_gradients(tmp_path):
+    mp.spawn(_rank_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert ranks[0]["groups"] == ranks[1]["groups"]  # the same rounds
+    assert ranks[0]["digests"] == ranks[1]["digests"]  # the same weights after every step, bit for bit
+    assert len(set(ranks[0]["digests"])) == len(ranks[0]["groups"]) >= STEPS
+    plain = _params(seed=0)
+    optimizer = AdapterOptimizer(plain, learning_rate=0.01, max_grad_norm=1.0)
+    groups = iter(ranks[0]["groups"])
+    for step in range(STEPS):
+        expected = sum(_entries(r, step) for r in range(2))
+        while expected:
+            entries = next(groups)
+            for i, p in enumerate(plain):
+                p.grad = sum(_gradients(r, step)[i] for r in CONTRIBUTORS[entries])
+            optimizer.step(True, entries)
+            expected -= entries
+    for mine, theirs in zip(ranks[0]["weights"], plain):
+        torch.testing.assert_close(mine, theirs.detach(), rtol=1e-6, atol=1e-7)
+
+
+# -- the server, as users run it ------------------------------------------------------------
+
+QUESTION = {"model": "tiny", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+
+
+def _private_addresses(log_path: str, expected: int) -> dict[int, str]:
+    found = re.findall(r"replica (\d+) serving on port \d+ \(private ([\d.:]+)\)", Path(log_path).read_text())
+    addresses = {int(rank): address for rank, address in found[-expected:]}
+    assert sorted(addresses) == list(range(expected)), found
+    return addresses
+
+
+def _replica_pids(launcher: int) -> list[int]:
+    children = Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def _served_by_each(url: str, addresses: dict[int, str]) -> dict[int, list[str]]:
+    """Two completions served by each replica (asked on its private port)."""
+    ids: dict[int, list[str]] = {}
+    for rank, address in addresses.items():
+        with httpx.Client(base_url=f"http://{address}", timeout=120) as client:
+            ids[rank] = [client.post("/v1/chat/completions", json=QUESTION).json()["id"] for _ in range(2)]
+    return ids
+
+
+def _status(url: str) -> dict:
+    return httpx.get(f"{url}/v1/adapters", timeout=60).json()
+
+
+def _trained(url: str) -> dict[str, float]:
+    """Trained entries by replica (the `engine` label)."""
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=60).text.splitlines():
+        if line.startswith("alchemist:trained_entries_total{"):
+            engine = re.search(r'engine="(\d+)"', line).group(1)
+            counts[engine] = counts.get(engine, 0.0) + float(line.split()[-1])
+    return counts
+
+
+def _flags(tmp_path: Path) -> list[str]:
+    """`alchemist serve` with two replicas on a tiny model saved to `tmp_path`."""
+    model_dir = tmp_path / "model"
+    tiny_model("llama").save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    return ["--data-parallel-size", "2", "--model", str(model_dir), "--served-model-name", "tiny", "--device", "cpu",
+            "--dtype", "float32", "--train-mode", "dpo", "--adapter-dir", str(tmp_path / "adapters"),
+            "--adapter-save-every", "1"]
+
+
+@pytest.mark.slow  # a group of two server processes, killed and restarted
+def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
+    adapter_dir = tmp_path / "adapters"
+    with server_process(*_flags(tmp_path), env={"OMP_NUM_THREADS": "1"}) as (url, launcher):
+        addresses = _private_addresses(launcher.log_path, 2)
+        ids = _served_by_each(url, addresses)
+        assert all(i.startswith(f"chatcmpl-r{rank}-") for rank, served in ids.items() for i in served)
+
+        # a label posted to the replica that did not serve its completion trains where it was served
+        for rank, served in ids.items():
+            other = addresses[1 - rank]
+            r = httpx.post(f"http://{other}/v1/feedback", json={"id": served[0], "chosen": "Paris."}, timeout=60)
+            assert r.status_code == 200, r.text
+        wait_for(lambda: _trained(url) == {"0": 1.0, "1": 1.0})
+        status = _status(url)
+        cards = status["replicas"]
+        assert [c["rank"] for c in cards] == [0, 1] and cards[0]["digest"] == cards[1]["digest"]
+        assert cards[0]["version"] == cards[1]["version"] == status["version"] >= 1
+        assert status["training"]["trained_entries"] == 2
+        fates = {row.request.id: row.fate for row in read_ledger(adapter_dir / LEDGER_FILE)}
+        assert fates[ids[0][0]] == fates[ids[1][0]] == "trained"
+
+        # a rollback asked of replica 1 is applied by both
+        r = httpx.post(f"http://{addresses[1]}/v1/adapters/rollback", json={"version": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        rolled = _status(url)
+        assert rolled["version"] == status["version"] + 1 and rolled["rollbacks"]["manual"] == 1
+        assert {c["digest"] for c in rolled["replicas"]} == {rolled["replicas"][0]["digest"]} != {cards[0]["digest"]}
+
+        # labels accepted, then a replica killed: the group comes back at the version it had, and trains them
+        for rank, served in ids.items():
+            r = httpx.post(f"http://{addresses[rank]}/v1/feedback", json={"id": served[1], "chosen": "Paris."},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        wait_for(lambda: sum(_trained(url).values()) == 4.0)
+        unlabelled = _served_by_each(url, addresses)  # they take their labels after the restart
+        before = _status(url)
+        os.kill(_replica_pids(launcher.pid)[1], signal.SIGKILL)
+        started = time.monotonic()
+
+        def back() -> bool:
+            try:
+                return httpx.get(f"{url}/v1/adapters", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        time.sleep(2)
+        wait_for(back, poll_s=0.5)
+        assert time.monotonic() - started < 60
+        after = _status(url)
+        assert after["version"] == before["version"] and after["restored_from"] == before["version"]
+        assert {c["digest"] for c in after["replicas"]} == {before["replicas"][0]["digest"]}
+        # each replica took back its own requests from the node's ledger: their labels train where they land
+        for served in unlabelled.values():
+            r = httpx.post(f"{url}/v1/feedback", json={"id": served[0], "chosen": "Paris."}, timeout=60)
+            assert r.status_code == 200, r.text
+        wait_for(lambda: _trained(url) == {"0": 1.0, "1": 1.0})
+
+
+@pytest.mark.slow  # a group of two server processes
+def test_rank_0s_gate_verdict_is_every_replicas(tmp_path):
+    """Any move away from the base model fails this gate (a KL bound of 1e-9): every
+    version is rejected, on both replicas at once, each quarantining its own label."""
+    flags = [*_flags(tmp_path), "--eval-set", "examples/capital_probes.jsonl", "--eval-max-kl", "1e-9"]
+    with server_process(*flags, env={"OMP_NUM_THREADS": "1"}) as (url, launcher):
+        addresses = _private_addresses(launcher.log_path, 2)
+        start = _status(url)
+        for rank in (0, 1):  # rank 0 first: its KL sample then holds a trained prompt
+            with httpx.Client(base_url=f"http://{addresses[rank]}", timeout=120) as client:
+                completion = client.post("/v1/chat/completions", json=QUESTION).json()["id"]
+            r = httpx.post(f"{url}/v1/feedback", json={"id": completion, "chosen": "Paris."}, timeout=60)
+            assert r.status_code == 200, r.text
+            wait_for(lambda: (_status(url)["gate"] or {}).get("rejected") == rank + 1)
+            status = _status(url)
+            assert status["gate"]["quarantined_labels"] == rank + 1
+            assert {c["version"] for c in status["replicas"]} == {status["version"]}
+            assert {c["digest"] for c in status["replicas"]} == {start["replicas"][0]["digest"]}  # promoted weights
+            wait_for(lambda: {row.request.id: row.fate for row in read_ledger(
+                tmp_path / "adapters" / LEDGER_FILE)}.get(completion) == "quarantined")
