@@ -83,6 +83,9 @@ class Peers:
         answers = await asyncio.gather(*(self.ask(r, request, path) for r in others))
         result: list = [None] * self.world_size
         for rank, answer in zip(others, answers):
+            if not answer.is_success:
+                raise APIError(503, f"replica {rank} answered {path} with {answer.status_code}; send the request "
+                                    "again", code="replica_unavailable", headers={"Retry-After": "1"})
             result[rank] = answer
         return result
 

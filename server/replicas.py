@@ -70,7 +70,8 @@ def join_group(replica: Replica, device: str) -> None:
     # the elastic agent's store outlives a restart of the group: a prefix per attempt keeps
     # the new replicas from reading the dead ones' addresses
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), replica.world_size,
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
+                          replica.world_size,
                           is_master=not agent_store and replica.rank == 0, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(backend, store=dist.PrefixStore(f"alchemist/attempt-{attempt}", store),

@@ -94,6 +94,7 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     assert gate.promoted.version == 3 and training.status().adapter_version == 3
     assert gate.promoted.preference_margin > baseline.preference_margin
     assert not torch.equal(logits(training), served_before)  # serving moved to the promoted candidate
+    training.lifecycle.checkpointer.wait()  # saves are written on a thread of their own
     saved = [v.version for v in training.lifecycle.saved_versions()]
     assert 1 not in saved and 3 in saved  # a rejected version is never saved
     state = json.loads((training.lifecycle.checkpointer.store.path_of(3) / "alchemist_state.json").read_text())
