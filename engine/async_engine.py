@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import torch
+
 from engine.hooks import IdleHook
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineError, ErrorKind, RequestOutput, StepStats
@@ -88,7 +90,12 @@ class AsyncEngine:
     def start(self) -> None:
         """Starts the executor thread and the loop; call from inside the running loop."""
         if self._task is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-device")
+            device = self.engine.runner.device
+            # a new thread's current CUDA device is cuda:0, whatever the process set: a
+            # replica on cuda:N makes it its thread's
+            initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-device",
+                                                                   initializer=initializer)
             self._wake = asyncio.Event()
             self.wakeup.bind(asyncio.get_running_loop(), self.notify)
             self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="alchemist-engine")

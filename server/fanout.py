@@ -40,16 +40,18 @@ class Peers:
         """`addresses`: every replica's private host:port, by rank."""
         self.rank = rank
         self.addresses = addresses
+        self.private_port = int(addresses[rank].rsplit(":", 1)[1])
         self._client: httpx.AsyncClient | None = None
 
     @property
     def world_size(self) -> int:
         return len(self.addresses)
 
-    @staticmethod
-    def is_local(request: Request) -> bool:
-        """The request is another replica's question about this one."""
-        return request.headers.get(LOCAL_HEADER) == "1"
+    def is_local(self, request: Request) -> bool:
+        """The request is another replica's question about this one (on the private port:
+        a client cannot make the public one answer for a single replica)."""
+        server = request.scope.get("server") or (None, None)
+        return request.headers.get(LOCAL_HEADER) == "1" and server[1] == self.private_port
 
     def client(self) -> httpx.AsyncClient:
         if self._client is None:

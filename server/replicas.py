@@ -8,8 +8,9 @@ the others and starts the group again (`--max-restarts`). The same program runs 
 `torchrun --nproc-per-node N -m server.cli serve …` and across nodes (`torchrun --nnodes`).
 
 Each replica:
-  - joins the process group (NCCL on GPUs, gloo on the CPU), with a timeout, so that a
-    dead replica fails a collective instead of hanging it;
+  - joins the process group (NCCL on GPUs, gloo on the CPU), with timeouts, so that a
+    dead replica fails a collective instead of hanging it, and dies with the agent
+    (a parent-death signal): no replica left behind serves the port;
   - serves on the public port through a socket of its own bound with `SO_REUSEPORT`: the
     kernel spreads new connections over the replicas, with no hop in between;
   - also listens on a private port, which the others use to answer what is asked of the
@@ -18,6 +19,7 @@ Each replica:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -32,8 +34,9 @@ from trainer.replicated import Replica
 
 logger = logging.getLogger(__name__)
 
-# a collective that waits longer than this for a replica fails (the replica is dead)
-COLLECTIVE_TIMEOUT_S = 60
+# the default group's collectives are the start's (replicas load their models meanwhile,
+# each at its own pace); the rounds' have a short timeout of their own (trainer/replicated.py)
+START_TIMEOUT_S = 1800
 
 
 def replica_from_env() -> Replica | None:
@@ -66,7 +69,7 @@ def join_group(replica: Replica, device: str) -> None:
         torch.cuda.set_device(torch.device(device))
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // replica.local_world_size))
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=START_TIMEOUT_S)
     # the elastic agent's store outlives a restart of the group: a prefix per attempt keeps
     # the new replicas from reading the dead ones' addresses
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -77,6 +80,16 @@ def join_group(replica: Replica, device: str) -> None:
     dist.init_process_group(backend, store=dist.PrefixStore(f"alchemist/attempt-{attempt}", store),
                             rank=replica.rank, world_size=replica.world_size, timeout=timeout)
     logger.info("replica %d of %d joined the group (%s, %s)", replica.rank, replica.world_size, backend, device)
+
+
+def die_with_parent() -> None:
+    """SIGTERM to this process when the agent that started it dies (Linux), so that no
+    orphaned replica keeps serving the shared port."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def exchange_addresses(own: str) -> list[str]:

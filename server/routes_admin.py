@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import EngineDeadError
 from server.errors import APIError, error_body
-from server.fanout import Peers, merge_metrics
+from server.fanout import merge_metrics
 from server.parsing import parse_body
 from server.protocol import FeedbackRequest, RollbackRequest
 from server.state import ServerState, Training
@@ -47,7 +47,7 @@ def admin_router(state: ServerState) -> APIRouter:
     @router.get("/metrics", response_class=Response)
     async def metrics(request: Request):
         own = state.metrics.render()
-        if state.peers is None or Peers.is_local(request):
+        if state.peers is None or state.peers.is_local(request):
             return Response(own, media_type=CONTENT_TYPE_LATEST)
         answers = await state.peers.ask_all(request, "/metrics")
         texts = [own.decode() if a is None else a.text for a in answers]
@@ -105,7 +105,7 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
                     "path": adapter.path, "name": adapter.name or state.model_name}
         status = adapter_status(state)
         status["replicas"] = [await replica_card(state)]
-        if state.peers is None or Peers.is_local(request):
+        if state.peers is None or state.peers.is_local(request):
             return status
         answers = [a.json() if a is not None else status for a in await state.peers.ask_all(request, "/v1/adapters")]
         return whole_server_status(answers)
@@ -113,7 +113,7 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
     @router.post("/v1/adapters/rollback")
     async def rollback(request: Request):
         body: RollbackRequest = await parse_body(request, RollbackRequest)
-        if state.peers is not None and not Peers.is_local(request) and state.peers.rank != 0:
+        if state.peers is not None and not state.peers.is_local(request) and state.peers.rank != 0:
             return await state.peers.forward(0, request, await request.body())  # rank 0 rolls everyone back
         training = saving_training(state)
         try:
@@ -142,7 +142,7 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
 def owner_elsewhere(state: ServerState, request: Request, completion_id: str) -> int | None:
     """The replica that served `completion_id`, where that is another one (None: this one
     answers — a single server, a replica's own completion, or another replica's question)."""
-    if state.peers is None or Peers.is_local(request):
+    if state.peers is None or state.peers.is_local(request):
         return None
     owner = state.replica.owner_of(completion_id)
     return None if owner == state.replica.rank else owner
@@ -152,7 +152,10 @@ async def replica_card(state: ServerState) -> dict:
     """This replica in `/v1/adapters`: its rank, the version it serves, the digest of its
     adapter's weights and the requests it finished."""
     training = live_training(state)
-    digest = await state.engine.run_on_device(training.adapter_digest)
+    try:
+        digest = await state.engine.run_on_device(training.adapter_digest)
+    except EngineDeadError:
+        raise APIError(503, "the server is shutting down") from None
     return {"rank": state.replica.rank if state.replica is not None else 0,
             "version": training.status().adapter_version, "digest": digest,
             "requests_served": state.metrics.requests_served()}
@@ -162,8 +165,9 @@ def whole_server_status(answers: list[dict]) -> dict:
     """Every replica's `/v1/adapters` (by rank) as the server's: rank 0's (it saves the
     versions), with the training counters summed and every replica's card."""
     merged = {**answers[0], "replicas": [a["replicas"][0] for a in answers]}
-    merged["training"] = {key: value if key == "last_loss" else sum(a["training"][key] for a in answers)
-                          for key, value in answers[0]["training"].items()}
+    # a skipped step is every replica's (the same combined gradients): counted once
+    merged["training"] = {key: value if key in ("last_loss", "skipped_steps") else
+                          sum(a["training"][key] for a in answers) for key, value in answers[0]["training"].items()}
     if merged.get("gate"):  # rank 0 judges; each replica quarantines the labels it trained
         merged["gate"] = {**merged["gate"], "quarantined_labels": sum(a["gate"]["quarantined_labels"]
                                                                       for a in answers)}

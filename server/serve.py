@@ -26,7 +26,7 @@ from server.config import AlchemistConfig
 from server.generation_config import log_defaults, sampling_defaults
 from server.fanout import Peers
 from server.guards import GuardConfig
-from server.replicas import exchange_addresses, private_socket, public_socket
+from server.replicas import die_with_parent, exchange_addresses, private_socket, public_socket
 from trainer.replicated import Replica
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ def run_replica(config: AlchemistConfig, replica: Replica) -> None:
     the others, and on a private one they ask it on."""
     import torch.distributed as dist
 
+    die_with_parent()
     private, address = private_socket(replica)
     peers = Peers(replica.rank, exchange_addresses(address))
     app = build_server(config, replica=replica, peers=peers)

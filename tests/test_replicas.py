@@ -55,6 +55,20 @@ def test_each_replica_takes_its_own_device():
         replica_device("cuda:0", replica)
 
 
+def test_only_the_private_port_answers_for_one_replica():
+    from starlette.requests import Request
+
+    from server.fanout import LOCAL_HEADER, Peers
+
+    peers = Peers(rank=1, addresses=["127.0.0.1:5001", "127.0.0.1:5002"])
+
+    def request(port: int) -> Request:
+        return Request({"type": "http", "headers": [(LOCAL_HEADER.encode(), b"1")], "server": ("127.0.0.1", port)})
+
+    assert peers.is_local(request(5002))
+    assert not peers.is_local(request(8000))  # a client sending the header on the public port
+
+
 def test_metrics_of_every_replica_carry_an_engine_label():
     text = ("# HELP alchemist:request_success_total Finished.\n# TYPE alchemist:request_success_total counter\n"
             'alchemist:request_success_total{finished_reason="stop"} %d\n')

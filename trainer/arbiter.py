@@ -129,7 +129,10 @@ class Arbiter:
         if maintenance.expiry_due():  # label timeouts come due under steady traffic too
             await device.run(maintenance.expire)
         if self.training.sync_due():
-            await device.run(self.training.apply_synced)
+            try:
+                await device.run(self.training.apply_synced)
+            except Exception:  # noqa: BLE001 - training must never stop serving (the replica leaves its group)
+                logger.exception("applying the replicas' step failed")
         spent = await self._serving_maintenance(device)
         if self.config.policy == "slo":
             await self._slices_between_steps(device, spent)

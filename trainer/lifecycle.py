@@ -193,10 +193,13 @@ class AdapterLifecycle:
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
         return version
 
-    def save_final(self) -> None:
-        """At shutdown (after the engine stopped): saves the final version, if new."""
+    def save_final(self, candidate_waits: bool = False) -> None:
+        """At shutdown (after the engine stopped): saves the final version, if new — the
+        promoted one while a candidate is scored, or (`candidate_waits`, replicas) while
+        its verdict has not been carried out."""
         if self.checkpointer is not None:
-            final = self.snapshot() if self.gate is None or not self.gate.pending else self.promoted_snapshot
+            unjudged = self.gate is not None and (self.gate.pending or candidate_waits)
+            final = self.promoted_snapshot if unjudged else self.snapshot()
             if final is not None and self.checkpointer.last_saved_version == final.version:
                 final = None
             self.checkpointer.close(final)

@@ -74,6 +74,8 @@ class OnlineTraining:
     replicas: ReplicaSync | None = None
     # (replicas, rank 0) the gate's verdict, sent to every replica and not yet carried out
     _published: Verdict | None = field(default=None, init=False)
+    # the adapter's digest and the version it is of
+    _digest: tuple[int, str] | None = field(default=None, init=False)
 
     @property
     def mode(self) -> str:
@@ -112,22 +114,31 @@ class OnlineTraining:
         whether there were any. Never under a computing job."""
         applied = False
         while self.sync_due():
-            if self._scoring():
-                self._settle_everywhere(self.replicas.take_verdict())
-                applied = True
-                continue
-            item = self.replicas.next_result()
-            if isinstance(item, ReplicatedVerdict):  # cannot come without a candidate; kept for the log
-                logger.warning("a gate verdict arrived with no candidate waiting: %s", item)
-            elif isinstance(item, ReplicatedRollback):
-                self.trainer.abandon_job()
-                version = self.lifecycle.rollback(item.snapshot)
-                if item.done is not None:
-                    item.done.set_result(version)
-            else:
-                self.trainer.apply_combined(item)
+            item = self.replicas.take_verdict() if self._scoring() else self.replicas.next_result()
+            try:
+                self._apply_synced_item(item)
+            except Exception:  # this replica would leave the others' sequence: the group restarts
+                logger.critical("replica %d could not apply %s; leaving the group, which restarts from rank 0's "
+                                "adapter", self.replicas.rank, type(item).__name__, exc_info=True)
+                self.replicas.leave()
+                raise
             applied = True
         return applied
+
+    def _apply_synced_item(self, item) -> None:
+        if isinstance(item, ReplicatedVerdict):
+            if self._scoring():
+                self._settle_everywhere(item)
+            else:  # cannot come without a candidate; kept for the log
+                logger.warning("a gate verdict arrived with no candidate waiting: %s", item)
+        elif isinstance(item, ReplicatedRollback):
+            # never abandons a job: a job here has handed its gradients to a round, whose step
+            # every replica applies after the rollback (a delayed gradient) and which ends it
+            version = self.lifecycle.rollback(item.snapshot)
+            if item.done is not None and not item.done.done():
+                item.done.set_result(version)
+        else:
+            self.trainer.apply_combined(item)
 
     def _settle_everywhere(self, verdict: ReplicatedVerdict) -> None:
         """(replicas) Carries out rank 0's verdict here, quarantining this replica's labels."""
@@ -201,9 +212,10 @@ class OnlineTraining:
 
     def adapter_digest(self) -> str:
         """A hash of the live adapter's weights (device thread): equal on every replica."""
-        if self.replicas is not None:
-            return self.replicas.digest(self.optimizer.version)
-        return weights_digest(self.optimizer.params)
+        version = self.optimizer.version
+        if self._digest is None or self._digest[0] != version:
+            self._digest = (version, weights_digest(self.optimizer.params))
+        return self._digest[1]
 
     def forget(self, completion_id: str, label_only: bool = False) -> bool:
         """Deletes what the server keeps of a completion — its label, or its request and
@@ -257,11 +269,13 @@ class OnlineTraining:
         """At shutdown (after the engine stopped): stops the offloader's copies and the
         reward workers, leaves the replicas' rounds, and saves the final adapter version."""
         if self.replicas is not None:
-            self.replicas.close()
+            self.replicas.close()  # every replica leaves at the same round; what it sent applies here too
+            if not self.trainer.computing():
+                self.apply_synced()
         if self.offloader is not None:
             self.offloader.close()
         if self.rewards is not None:
             self.rewards.close()
-        self.lifecycle.save_final()
+        self.lifecycle.save_final(candidate_waits=self._published is not None)
         if self.ledger is not None:
             self.ledger.close()

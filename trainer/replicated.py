@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
+import datetime
 import hashlib
 import logging
 import queue
@@ -46,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 # how long a sync thread waits for its replica's contribution before a round without one
 ROUND_INTERVAL_S = 0.05
+# a round that waits longer than this for a replica fails (the replica is dead)
+ROUND_TIMEOUT_S = 60
 # a completion id names the replica that served it: chatcmpl-r1-<hex>
 _REPLICA_TAG = re.compile(r"^[a-z]+-r(\d+)-")
 
@@ -81,6 +85,8 @@ class Contribution:
     grads: torch.Tensor
     entries: int
     finite: bool
+    # (CUDA) recorded on the device thread's stream once `grads` is written
+    ready: object = None
 
 
 @dataclass
@@ -93,6 +99,8 @@ class CombinedStep:
     finite: bool
     # this replica's waiting job is in it
     mine: bool
+    # (CUDA) recorded on the rounds' stream once `grads` holds the sum
+    done: object = None
 
 
 @dataclass
@@ -144,10 +152,14 @@ class ReplicaSync:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="alchemist-replica-sync", daemon=True)
-        self._digest: tuple[int, str] | None = None
-        # a group of the rounds' own: collectives of one group must come in the same order on
-        # every replica, which the sync thread alone guarantees for its group
-        self._group = dist.new_group()
+        # groups of the rounds' own (collectives of one group must come in the same order on
+        # every replica, which the sync thread alone guarantees for its groups): the control
+        # vector and the broadcast objects on the host (gloo), so that a round waits on no
+        # device stream; the gradients on the device's backend (NCCL on GPUs), on a stream
+        # of their own
+        self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ROUND_TIMEOUT_S))
+        self._group = dist.new_group(timeout=datetime.timedelta(seconds=ROUND_TIMEOUT_S))
+        self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
 
     # -- at start, before serving --------------------------------------------------------
 
@@ -156,7 +168,7 @@ class ReplicaSync:
         weights, optimizer state and version. `snapshot()` is called on rank 0;
         `restore(snapshot)` on the others. Returns the adopted snapshot."""
         box = [snapshot() if self.rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        dist.broadcast_object_list(box, src=0, group=self._control)
         if self.rank != 0:
             restore(box[0])
         return box[0]
@@ -173,30 +185,33 @@ class ReplicaSync:
                           for p in self.params])
         for p in self.params:
             p.grad = None
-        self._inbox.put(Contribution(flat, entries, finite))
+        ready = None
+        if self._stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._inbox.put(Contribution(flat, entries, finite, ready))
 
     def has_result(self) -> bool:
-        return bool(self._results)
+        with self._lock:
+            return bool(self._results)
 
     def has_verdict(self) -> bool:
-        return any(isinstance(item, ReplicatedVerdict) for item in self._results)
+        with self._lock:
+            return any(isinstance(item, ReplicatedVerdict) for item in self._results)
 
-    def next_result(self) -> CombinedStep | ReplicatedRollback | None:
-        return self._results.popleft() if self._results else None
+    def next_result(self) -> CombinedStep | ReplicatedRollback | ReplicatedVerdict | None:
+        with self._lock:
+            return self._results.popleft() if self._results else None
 
     def load_gradients(self, step: CombinedStep) -> None:
         """Makes `step`'s summed gradients the parameters' (device thread)."""
+        if step.done is not None:
+            torch.cuda.current_stream().wait_event(step.done)
         offset = 0
         for p in self.params:
             n = p.numel()
             p.grad = step.grads[offset:offset + n].view_as(p).to(p.dtype)
             offset += n
-
-    def digest(self, version: int) -> str:
-        """A hash of the adapter's weights (device thread), computed once per version."""
-        if self._digest is None or self._digest[0] != version:
-            self._digest = (version, weights_digest(self.params))
-        return self._digest[1]
 
     # -- rank 0's rollback ---------------------------------------------------------------
 
@@ -206,10 +221,10 @@ class ReplicaSync:
         if self.rank != 0:
             raise RuntimeError("a rollback is requested on rank 0")
         done: concurrent.futures.Future = concurrent.futures.Future()
-        if self.stopped is not None:
-            done.set_exception(RuntimeError(f"the replicas' sync stopped: {self.stopped}"))
-            return done
         with self._lock:
+            if self.stopped is not None:
+                done.set_exception(RuntimeError(f"the replicas' sync stopped: {self.stopped}"))
+                return done
             if self._rollback is not None:
                 self._rollback.done.set_exception(RuntimeError("superseded by a later rollback"))
             self._rollback = ReplicatedRollback(snapshot, done)
@@ -224,13 +239,24 @@ class ReplicaSync:
         """The first verdict among the queued results, taken out ahead of the steps queued
         before it (device thread): while a candidate waits for its verdict no step
         applies, on any replica, so every replica takes it at the same point."""
-        for item in self._results:
-            if isinstance(item, ReplicatedVerdict):
-                self._results.remove(item)
-                return item
+        with self._lock:
+            for index, item in enumerate(self._results):
+                if isinstance(item, ReplicatedVerdict):
+                    del self._results[index]
+                    return item
         return None
 
     # -- the sync thread -----------------------------------------------------------------
+
+    def leave(self) -> None:
+        """This replica cannot follow the sequence any more (a result it could not apply):
+        it stops its process, so that the elastic agent restarts the group."""
+        import os
+        import signal
+
+        with self._lock:
+            self.stopped = "this replica left the group"
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Leaves the rounds: the others leave at the same round."""
@@ -239,6 +265,8 @@ class ReplicaSync:
             self._thread.join(timeout_s)
 
     def _run(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
         while True:
             try:
                 contribution = self._inbox.get(timeout=self.round_interval_s)
@@ -263,29 +291,48 @@ class ReplicaSync:
                                 rollback.snapshot.version + 1 if rollback else 0,
                                 1 if self._stop.is_set() else 0,
                                 1 if verdict is not None else 0], dtype=torch.float64, device=self._device)
-        dist.all_reduce(control, group=self._group)
+        dist.all_reduce(control, group=self._control)
         entries, non_finite, rollback_to, stop, verdicts = (int(v) for v in control.tolist())
+        results: list = []
         if entries:
-            grads = contribution.grads if contribution is not None else torch.zeros(
-                self._numel, dtype=torch.float32, device=self._device)
-            dist.all_reduce(grads, group=self._group)
-            self._results.append(CombinedStep(grads, entries, non_finite == 0, contribution is not None))
-        if rollback_to:
+            results.append(self._sum_gradients(contribution, entries, non_finite == 0))
+        if rollback_to:  # snapshots hold host tensors
             box = [rollback.snapshot if rollback is not None else None]
-            dist.broadcast_object_list(box, src=0, group=self._group)
-            self._results.append(ReplicatedRollback(box[0], rollback.done if rollback is not None else None))
+            dist.broadcast_object_list(box, src=0, group=self._control)
+            results.append(ReplicatedRollback(box[0], rollback.done if rollback is not None else None))
         if verdicts:
             box = [verdict]
-            dist.broadcast_object_list(box, src=0, group=self._group)
-            self._results.append(box[0])
+            dist.broadcast_object_list(box, src=0, group=self._control)
+            results.append(box[0])
+        with self._lock:
+            self._results.extend(results)
         self.rounds += 1
         if entries or rollback_to or verdicts:
             self.wakeup()
         return bool(stop)
 
+    def _sum_gradients(self, contribution: Contribution | None, entries: int, finite: bool) -> CombinedStep:
+        """Every replica's gradients summed (zeros from this one without a contribution);
+        on a GPU on the rounds' stream, after the device thread's writes, never on its."""
+        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        with stream:
+            if contribution is not None and contribution.ready is not None:
+                self._stream.wait_event(contribution.ready)
+            grads = contribution.grads if contribution is not None else torch.zeros(
+                self._numel, dtype=torch.float32, device=self._device)
+            dist.all_reduce(grads, group=self._group)
+            done = None
+            if self._stream is not None:
+                done = torch.cuda.Event()
+                done.record(self._stream)
+        return CombinedStep(grads, entries, finite, contribution is not None, done)
+
     def _fail(self, reason: str, rollback: ReplicatedRollback | None, level: int) -> None:
-        self.stopped = reason
-        if rollback is not None and rollback.done is not None and not rollback.done.done():
-            rollback.done.set_exception(RuntimeError(reason))
+        with self._lock:
+            self.stopped = reason
+            waiting, self._rollback = self._rollback, None
+        for pending in (rollback, waiting):
+            if pending is not None and pending.done is not None and not pending.done.done():
+                pending.done.set_exception(RuntimeError(reason))
         logger.log(level, "replica %d: adapter sync stopped (%s); no training until the group restarts",
                    self.rank, reason)
