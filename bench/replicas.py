@@ -11,8 +11,9 @@ spreads connections over the replicas (SO_REUSEPORT), not requests.
 
 Reported per condition: serving tokens/s (generated tokens over the time the clients
 ran), trained entries/s (labelled entries over the time until the last one trained), the
-server's mean TPOT and TTFT from `/metrics` (summed over the `engine` label), how the
-requests spread over the replicas, whether the replicas' adapter digests were equal at
+server's mean TPOT and TTFT from `/metrics` (summed over the `engine` label), the
+share of entries trained on their recorded prefill, the cores the server and the client
+used, how the requests spread over the replicas, whether the replicas' adapter digests were equal at
 every version seen on more than one replica (polled while it ran), and the held-out
 learning check: how much more likely the model opens an answer to questions it never
 trained on with the marker, before vs after (`/v1/completions` echo + logprobs through
@@ -33,7 +34,7 @@ from pathlib import Path
 import httpx
 
 from bench.launch import server_process
-from bench.report import read_metric, write_json
+from bench.report import read_metric, reuse_share, trained_by_path, write_json
 from trainer.replicated import Replica
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -126,6 +127,8 @@ async def _drive(url: str, requests: int, clients: int, max_tokens: int, server_
             "client_cores": client_cpu / serving_s, "server_cores": server_cpu / serving_s,
             "server_tpot_ms": 1000 * mean("alchemist:time_per_output_token_seconds"),
             "server_ttft_ms": 1000 * mean("alchemist:time_to_first_token_seconds"),
+            "trained_by_path": trained_by_path(text, "dpo", before),
+            "reuse_share": reuse_share(trained_by_path(text, "dpo", before)) if feedback else None,
             "requests_by_replica": counts["by_replica"], "versions_seen_on_several_replicas": len(shared),
             "digests_equal": all(len(set(d.values())) == 1 for d in shared.values())}
 
@@ -148,7 +151,8 @@ def run_condition(replicas: int, requests: int, clients: int, max_tokens: int, l
         train = ["--train-mode", "dpo", "--learning-rate", str(learning_rate), "--adapter-dir", adapter_dir] \
             if training else ["--train-mode", "off"]
         result = _run_server(replicas, train, requests, clients, max_tokens, training)
-    trained = f"{result['trained_per_s']:.2f} trained entries/s, " if training else ""
+    trained = f"{result['trained_per_s']:.2f} trained entries/s (reuse share {result['reuse_share']:.0%}), " \
+        if training else ""
     print(f"  {replicas} replica(s): {result['tokens_per_s']:.1f} tokens/s, {trained}TPOT "
           f"{result['server_tpot_ms']:.1f} ms, held-out gain {result['held_out_gain']:+.2f} nats, cores used: "
           f"server {result['server_cores']:.2f}, client {result['client_cores']:.2f}; requests by replica "
