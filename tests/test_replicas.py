@@ -181,9 +181,14 @@ QUESTION = {"model": "tiny", "max_tokens": 4, "temperature": 0,
 
 
 def _private_addresses(log_path: str, expected: int) -> dict[int, str]:
-    found = re.findall(r"replica (\d+) serving on port \d+ \(private ([\d.:]+)\)", Path(log_path).read_text())
-    addresses = {int(rank): address for rank, address in found[-expected:]}
-    assert sorted(addresses) == list(range(expected)), found
+    """Every replica's private address, from the log (the first replica up answers /health
+    before the others are)."""
+    def found() -> list[tuple[str, str]]:
+        return re.findall(r"replica (\d+) serving on port \d+ \(private ([\d.:]+)\)", Path(log_path).read_text())
+
+    wait_for(lambda: len({rank for rank, _ in found()}) == expected)
+    addresses = {int(rank): address for rank, address in found()[-expected:]}
+    assert sorted(addresses) == list(range(expected)), found()
     return addresses
 
 
