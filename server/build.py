@@ -95,9 +95,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     model = runner.model
     peft_model = attach_lora(model, config, init_lora_weights)
     optimizer = AdapterOptimizer(lora_parameters(peft_model), config.learning_rate, config.max_grad_norm)
-    replicas = None
-    if replica is not None and replica.world_size > 1:
-        replicas = ReplicaSync(optimizer.params, replica.rank, replica.world_size, wakeup or (lambda: None))
+    replicas = ReplicaSync(optimizer.params, replica.rank, wakeup or (lambda: None)) if replica is not None else None
     cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s,
                             max_label_entries=config.max_label_entries, journal=ledger)
     stats = TrainingStats()
@@ -138,7 +136,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     lifecycle.score_baseline()
     if ledger is not None:  # labels not in the resumed version train again; recent requests take feedback
         replay_ledger(ledger, method, cache, optimizer.version, lifecycle.restored_from, config.label_timeout_s,
-                      rewards, replica.owns if replicas is not None else None)
+                      rewards, replica.owns if replica is not None else None)
     return OnlineTraining(config, method, peft_model, optimizer, cache, stats, stash, context, trainer, maintenance,
                           lifecycle, feedback, recorder, offloader, rewards, ledger, replicas)
 
@@ -198,12 +196,10 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str, replica: R
     wakeup = Wakeup()
     hooks = EngineHooks(observers=(metrics,))
     if config.train.mode != "off":
-        replicated = replica is not None and replica.world_size > 1
-        checkpointer, ledger = build_saving(config, replica if replicated else None)
+        checkpointer, ledger = build_saving(config, replica)
         try:
             training = build_training(runner, tokenizer, config.model.max_model_len, config.train, config.offload,
-                                      checkpointer=checkpointer, wakeup=wakeup, ledger=ledger,
-                                      replica=replica if replicated else None)
+                                      checkpointer=checkpointer, wakeup=wakeup, ledger=ledger, replica=replica)
         except BaseException:
             if ledger is not None:
                 ledger.close()

@@ -211,24 +211,22 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
 
     from server.replicas import join_group, launch, replica_device, replica_from_env
 
+    if args.data_parallel_size < 1:
+        print("alchemist: configuration error: --data-parallel-size must be at least 1", file=sys.stderr)
+        return 2
     replica = replica_from_env()
     if replica is None and args.data_parallel_size > 1:
         return launch(argv, args.data_parallel_size, args.max_restarts)
-    if replica is not None:
-        from server.serve import run_replica
-        try:
+    from server.serve import build_server, run, run_replica
+    try:  # a ValueError: what only the built server can judge (a saved adapter that does not fit)
+        if replica is not None:
             device = replica_device(config.model.device, replica)
-        except ValueError as exc:
-            print(f"alchemist: configuration error: {exc}", file=sys.stderr)
-            return 2
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
-        join_group(replica, device)
-        run_replica(config, replica)
-        return 0
-    from server.serve import build_server, run
-    try:
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
+            join_group(replica, device)
+            run_replica(config, replica)
+            return 0
         app = build_server(config)
-    except ValueError as exc:  # what only the built server can judge (a saved adapter that does not fit)
+    except ValueError as exc:
         print(f"alchemist: configuration error: {exc}", file=sys.stderr)
         return 2
     run(app, config)

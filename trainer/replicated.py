@@ -9,9 +9,10 @@ in a collective, only this thread does):
      job's summed gradients, flattened, with its entry count and whether its loss was
      finite — or for a rollback rank 0 was asked for;
   2. all-reduces a small control vector: entries, non-finite jobs, the rollback's saved
-     version (rank 0's), and stop;
+     version (rank 0's), stop, and whether rank 0 has a gate verdict to send;
   3. with entries anywhere, all-reduces the gradients (zeros from a replica that had
-     none); with a rollback, broadcasts rank 0's snapshot of the saved version;
+     none); with a rollback, broadcasts rank 0's snapshot of the saved version; with a
+     verdict, broadcasts it;
   4. queues the result, which the device thread applies in order between jobs
      (`OnlineTraining.run_slice`): the same AdamW step, its learning rate scaled by the
      step's entries on all replicas, on the same summed gradients; or the same rollback.
@@ -131,16 +132,14 @@ class ReplicatedVerdict:
 
 
 class ReplicaSync:
-    def __init__(self, params: list[torch.nn.Parameter], rank: int, world_size: int,
-                 wakeup: Callable[[], None] = lambda: None, round_interval_s: float = ROUND_INTERVAL_S):
+    def __init__(self, params: list[torch.nn.Parameter], rank: int, wakeup: Callable[[], None] = lambda: None,
+                 round_interval_s: float = ROUND_INTERVAL_S):
         """`params`: the adapter's trainable parameters, in the same order on every
         replica; `wakeup`: wakes the serving loop when a result is queued."""
         self.params = params
         self.rank = rank
-        self.world_size = world_size
         self.wakeup = wakeup
         self.round_interval_s = round_interval_s
-        self.rounds = 0
         # why the sync stopped (a replica died, or the group is shutting down)
         self.stopped: str | None = None
         self._numel = sum(p.numel() for p in params)
@@ -246,8 +245,6 @@ class ReplicaSync:
                     return item
         return None
 
-    # -- the sync thread -----------------------------------------------------------------
-
     def leave(self) -> None:
         """This replica cannot follow the sequence any more (a result it could not apply):
         it stops its process, so that the elastic agent restarts the group."""
@@ -257,6 +254,8 @@ class ReplicaSync:
         with self._lock:
             self.stopped = "this replica left the group"
         os.kill(os.getpid(), signal.SIGTERM)
+
+    # -- the sync thread -----------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Leaves the rounds: the others leave at the same round."""
@@ -290,7 +289,7 @@ class ReplicaSync:
                                 0 if contribution is None or contribution.finite else 1,
                                 rollback.snapshot.version + 1 if rollback else 0,
                                 1 if self._stop.is_set() else 0,
-                                1 if verdict is not None else 0], dtype=torch.float64, device=self._device)
+                                1 if verdict is not None else 0], dtype=torch.float64)  # gloo: on the host
         dist.all_reduce(control, group=self._control)
         entries, non_finite, rollback_to, stop, verdicts = (int(v) for v in control.tolist())
         results: list = []
@@ -306,7 +305,6 @@ class ReplicaSync:
             results.append(box[0])
         with self._lock:
             self._results.extend(results)
-        self.rounds += 1
         if entries or rollback_to or verdicts:
             self.wakeup()
         return bool(stop)

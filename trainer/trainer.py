@@ -91,7 +91,12 @@ class Trainer:
     def has_work(self) -> bool:
         if self._job is not None:
             return not self._job.contributed
-        return self.cache.count(EntryState.READY) > 0 and (self.replicas is None or self.replicas.stopped is None)
+        return self._may_start() and self.cache.count(EntryState.READY) > 0
+
+    def _may_start(self) -> bool:
+        """A new job may start: always, unless the replicas' rounds stopped (its gradients
+        would have nowhere to go until the group restarts)."""
+        return self.replicas is None or self.replicas.stopped is None
 
     def run_slice(self) -> bool:
         """One bounded slice of the current job, or the start of the next; False if no
@@ -99,7 +104,7 @@ class Trainer:
         if self._job is not None and self._job.contributed:
             return False  # waiting for its round (trainer/replicated.py)
         if self._job is None:
-            if self.replicas is not None and self.replicas.stopped is not None:
+            if not self._may_start():
                 return False
             entries = self.cache.take_ready(self.config.entries_per_step, self.optimizer.version,
                                             self._staleness_bound())
