@@ -10,6 +10,7 @@ serves both.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -21,21 +22,26 @@ ATTENTION_NAME = "alchemist"
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query: (1, H, T, D) packed; key/value: (B, KVH, S, D) from StepKV.update.
-    Returns (1, T, H, D) as transformers' attention functions do."""
+    """query: (1, H, T, D) packed; key/value: the pools (slots, KVH, D) from StepKV.update,
+    or a forward's own (1, KVH, S, D). Returns (1, T, H, D) as transformers' attention
+    functions do: one SDPA call per group of the metadata."""
     if not isinstance(attention_mask, AttentionMetadata):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     meta = attention_mask
-    batch, q_max = meta.query_index.shape
     heads, head_dim = query.shape[1], query.shape[3]
     packed = query[0].transpose(0, 1)  # (T, H, D)
-    padded = packed[meta.query_index].transpose(1, 2)  # (B, H, Qmax, D)
-    out = F.scaled_dot_product_attention(
-        padded, key, value, attn_mask=meta.mask(kwargs.get("sliding_window")),
-        scale=scaling, enable_gqa=key.shape[1] != heads,
-    )  # (B, H, Qmax, D)
-    out = out.transpose(1, 2).reshape(batch * q_max, heads, head_dim)[meta.output_index]
+    pooled = key.dim() == 3
+    outputs = []
+    for group in meta.groups:
+        keys, values = (key[group.key_slots].transpose(1, 2), value[group.key_slots].transpose(1, 2)) if pooled \
+            else (key, value)  # (b, KVH, S, D)
+        out = F.scaled_dot_product_attention(
+            packed[group.query_index].transpose(1, 2), keys, values,
+            attn_mask=group.mask(kwargs.get("sliding_window")), scale=scaling, enable_gqa=keys.shape[1] != heads,
+        )  # (b, H, q, D)
+        outputs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
+    out = (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[meta.output_index]
     return out.unsqueeze(0), None
 
 

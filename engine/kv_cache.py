@@ -119,34 +119,28 @@ class PagedKVCache:
 
 
 @dataclass
-class AttentionMetadata:
-    """How one step's packed tokens map onto sequences and cache slots.
+class AttentionGroup:
+    """Sequences whose attention runs as one call: b sequences padded to q query rows and
+    S keys. A serving step has up to two — its decodes (q = 1) and its prefill chunks —
+    each with b, q and S rounded up to buckets (engine/step_inputs.py), so that decodes
+    never pad to a prefill's length; the extra sequences, rows and keys are masked."""
 
-    The step's T new tokens of B sequences are packed along one axis (no padding in the
-    linear layers). Attention regroups them per sequence, padded to the longest query
-    (Qmax) and the longest context (S).
-    """
-
-    # (B, Qmax) packed index of each sequence's query rows; padding points at row 0
+    # (b, q) packed index of each sequence's query rows; padding points at row 0
     query_index: torch.Tensor
-    # (T,) row of each packed token in the flattened (B * Qmax) attention output
-    output_index: torch.Tensor
-    # (B, Qmax) absolute position of each query row; padding rows get -1
+    # (b, q) absolute position of each query row; padding rows get -1
     query_positions: torch.Tensor
-    # S: key positions per sequence (0 .. S-1), the longest context in the step
+    # S: key positions per sequence (0 .. S-1), at least the group's longest context
     num_keys: int
-    # (T,) cache slot each new token's K/V is written to; None when nothing is cached
-    slot_mapping: torch.Tensor | None = None
-    # (B, S) cache slot of each key position; padding points at slot 0 (masked)
+    # (b, S) cache slot of each key position (a serving step); padding points at slot 0 (masked)
     key_slots: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self._masks: dict[int | None, torch.Tensor] = {}
 
     def mask(self, sliding_window: int | None = None) -> torch.Tensor:
-        """(B, 1, Qmax, S) bool, True where a query may attend to a key."""
+        """(b, 1, q, S) bool, True where a query may attend to a key."""
         if sliding_window not in self._masks:
-            positions = self.query_positions.unsqueeze(-1)  # (B, Qmax, 1)
+            positions = self.query_positions.unsqueeze(-1)  # (b, q, 1)
             keys = torch.arange(self.num_keys, device=positions.device)  # (S,)
             allowed = keys <= positions
             if sliding_window is not None:
@@ -155,13 +149,35 @@ class AttentionMetadata:
             self._masks[sliding_window] = allowed.unsqueeze(1)
         return self._masks[sliding_window]
 
+
+@dataclass
+class AttentionMetadata:
+    """How one step's packed tokens map onto sequences and cache slots.
+
+    The step's T new tokens of B sequences are packed along one axis (no padding in the
+    linear layers). Attention regroups them per sequence, in one or more groups.
+    """
+
+    groups: list[AttentionGroup]
+    # (T,) row of each packed token in the concatenation of the groups' flattened (b * q) outputs
+    output_index: torch.Tensor
+    # (T,) cache slot each new token's K/V is written to; None when nothing is cached
+    slot_mapping: torch.Tensor | None = None
+    # each sequence's query length, on the host
+    query_lengths: tuple[int, ...] = ()
+
+    @property
+    def single(self) -> AttentionGroup:
+        """The one group of a forward whose K/V are its own (training, a recorded prefill)."""
+        assert len(self.groups) == 1, "a forward with its own K/V runs one attention group"
+        return self.groups[0]
+
     @classmethod
-    def packed(cls, lengths: list[int], starts: list[int], device: torch.device,
-               slot_mapping: torch.Tensor | None = None, key_slots: torch.Tensor | None = None) -> AttentionMetadata:
-        """The one builder: B sequences packed along one axis, sequence b's queries being
-        positions starts[b] .. starts[b] + lengths[b] - 1 and its keys positions 0 .. that
-        end. `slot_mapping`, `key_slots` (host tensors): where a serving step's K/V live
-        in the pool; a training forward keeps its K/V itself and gives none."""
+    def packed(cls, lengths: list[int], starts: list[int], device: torch.device) -> AttentionMetadata:
+        """A training forward's metadata, one unpadded group: B sequences packed along one
+        axis, sequence b's queries being positions starts[b] .. starts[b] + lengths[b] - 1
+        and its keys positions 0 .. that end; the forward keeps its K/V itself (no slots).
+        A serving step's, bucketed and with cache slots, is built by ModelRunner._pack."""
         batch, q_max = len(lengths), max(lengths)
         query_index = torch.zeros(batch, q_max, dtype=torch.long)
         query_positions = torch.full((batch, q_max), -1, dtype=torch.long)
@@ -172,19 +188,20 @@ class AttentionMetadata:
             query_positions[b, :n] = torch.arange(start, start + n)
             output_index[offset:offset + n] = torch.arange(b * q_max, b * q_max + n)
             offset += n
-        return cls(query_index=query_index.to(device), output_index=output_index.to(device),
-                   query_positions=query_positions.to(device), num_keys=max(s + n for s, n in zip(starts, lengths)),
-                   slot_mapping=None if slot_mapping is None else slot_mapping.to(device),
-                   key_slots=None if key_slots is None else key_slots.to(device))
+        group = AttentionGroup(query_index.to(device), query_positions.to(device),
+                               max(s + n for s, n in zip(starts, lengths)))
+        return cls([group], output_index.to(device), query_lengths=tuple(lengths))
 
 
 class StepKV:
     """The `past_key_values` a decoder layer sees during one engine step: `update()`
-    stores the step's new K/V in the pool and returns each sequence's full K/V.
+    stores the step's new K/V in the pool and returns the pools, (slots, KVH, D) each,
+    from which attention gathers each group's keys (engine/attention.py).
 
     With `record=True` (a recorded prefill: one sequence, whole prompt) the pool gets
-    detached copies while attention uses the live, graph-connected K/V, which are kept in
-    `recorded` per layer; decode later reads only the pool, so it never touches the graph.
+    detached copies while attention uses the live, graph-connected K/V, padded to the
+    group's key length, which are kept in `recorded` per layer; decode later reads only
+    the pool, so it never touches the graph.
     """
 
     def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, record: bool = False):
@@ -194,24 +211,13 @@ class StepKV:
         self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key, value: (1, KVH, T, D) -> (B, KVH, S, D) each."""
+        """key, value: (1, KVH, T, D) -> the pools, or (1, KVH, S, D) each when recording."""
         slots = self.metadata.slot_mapping
         k_pool, v_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         k_pool.index_copy_(0, slots, key[0].transpose(0, 1).detach())
         v_pool.index_copy_(0, slots, value[0].transpose(0, 1).detach())
-        key_slots = self.metadata.key_slots
         if not self.record:
-            return k_pool[key_slots].transpose(1, 2), v_pool[key_slots].transpose(1, 2)
-        # sequence 0 is the recorded one: its rows lead the packed step and its keys are all
-        # new, so attention takes them live, padded to S; the others read the pool
-        num_live = int((self.metadata.query_positions[0] >= 0).sum())
-        live_key, live_value = key[:, :, :num_live], value[:, :, :num_live]
-        self.recorded[layer_idx] = (live_key, live_value)
-        pad = key_slots.shape[1] - num_live
-        keys = [torch.nn.functional.pad(live_key, (0, 0, 0, pad))]
-        values = [torch.nn.functional.pad(live_value, (0, 0, 0, pad))]
-        if key_slots.shape[0] > 1:
-            others = key_slots[1:]
-            keys.append(k_pool[others].transpose(1, 2))
-            values.append(v_pool[others].transpose(1, 2))
-        return torch.cat(keys), torch.cat(values)
+            return k_pool, v_pool
+        self.recorded[layer_idx] = (key, value)
+        pad = self.metadata.single.num_keys - key.shape[2]
+        return torch.nn.functional.pad(key, (0, 0, 0, pad)), torch.nn.functional.pad(value, (0, 0, 0, pad))

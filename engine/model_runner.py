@@ -11,15 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.attention import use_engine_attention
 from engine.packed_linear import install_packed_linear
-from engine.kv_cache import AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
+from engine.kv_cache import AttentionGroup, AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
 from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, SegmentSink
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
+from engine.step_inputs import HostStaging, StepBuckets
 
 # prompt-logprob rows pushed through the LM head at once (bounds a (rows, vocab) tensor)
 _PROMPT_LOGPROB_CHUNK = 256
@@ -42,8 +44,10 @@ class _PackedStep:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     metadata: AttentionMetadata
-    # packed row of each sampled sequence's last token, and which scheduled entry it is
+    # packed row of each sampled sequence's last token (on the host and on the device),
+    # and which scheduled entry it is
     sample_rows: list[int]
+    sample_index: torch.Tensor
     sample_entries: list[ScheduledSequence]
     # (entry, packed rows, prompt token positions whose logprob those rows give)
     prompt_logprob_rows: list[tuple[ScheduledSequence, list[int], list[int]]]
@@ -79,23 +83,25 @@ class ModelRunner:
         self.embed, self.layers, self.norm, self.rotary, self.lm_head = decoder_parts(model)
         self.kv_cache = PagedKVCache(kv_spec, num_blocks, self.device)
         self.block_size = kv_spec.block_size
+        self.buckets = StepBuckets(kv_spec.block_size)
+        self.staging = HostStaging(self.device)
+        self._block_offsets = torch.arange(kv_spec.block_size, device=self.device)
         self.sampler = sampler
         # when set, recorded prefills are measured by this tracker (benchmarks measure a
         # recording and the training on it together); otherwise each gets its own
         self.record_tracker: SavedTensorTracker | None = None
 
-    def _pack(self, step: SchedulerOutput) -> _PackedStep:
+    def _pack(self, step: SchedulerOutput, bucketed: bool = True) -> _PackedStep:
+        """The step's inputs, built on the host and copied in one go (engine/step_inputs.py);
+        with `bucketed`, attention's batch, query and key lengths are rounded up to buckets
+        (the packed rows, which the linear layers see, never are)."""
         ids: list[int] = []
-        positions: list[int] = []
-        query_rows: list[list[int]] = []
         sample_rows, sample_entries, prompt_rows = [], [], []
         for entry in step.scheduled:
             seq, start = entry.seq, entry.seq.num_computed_tokens
             end = start + entry.num_new_tokens
             first_row = len(ids)
             ids.extend(seq.token_id_at(p) for p in range(start, end))
-            positions.extend(range(start, end))
-            query_rows.append(list(range(first_row, len(ids))))
             if entry.completes_pending and len(seq.output_token_ids) < seq.max_tokens:
                 sample_rows.append(len(ids) - 1)
                 sample_entries.append(entry)
@@ -104,24 +110,52 @@ class ModelRunner:
                 targets = [p + 1 for p in range(start, end) if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens]
                 if targets:
                     prompt_rows.append((entry, [first_row + t - 1 - start for t in targets], targets))
-        device = self.device
-        lengths = [len(rows) for rows in query_rows]
-        starts = [entry.seq.num_computed_tokens for entry in step.scheduled]
-        block_tables = [entry.seq.block_ids for entry in step.scheduled]
-        max_ctx = max(s + n for s, n in zip(starts, lengths))
-        max_blocks = max(len(t) for t in block_tables)
-        table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
-        key_pos = torch.arange(max_ctx)
-        key_slots = table[:, key_pos // self.block_size] * self.block_size + key_pos % self.block_size
-        pos_tensor = torch.tensor(positions, dtype=torch.long)
-        slot_mapping = torch.empty(len(ids), dtype=torch.long)
-        for rows, table_row in zip(query_rows, table):
-            row_pos = pos_tensor[rows[0]:rows[-1] + 1]
-            slot_mapping[rows[0]:rows[-1] + 1] = table_row[row_pos // self.block_size] * self.block_size \
-                + row_pos % self.block_size
-        metadata = AttentionMetadata.packed(lengths, starts, device, slot_mapping, key_slots)
-        return _PackedStep(torch.tensor(ids, device=device), pos_tensor.to(device), metadata,
-                           sample_rows, sample_entries, prompt_rows)
+        lengths = np.array([entry.num_new_tokens for entry in step.scheduled])
+        starts = np.array([entry.seq.num_computed_tokens for entry in step.scheduled])
+        tables = [entry.seq.block_ids for entry in step.scheduled]
+        row_offsets = np.cumsum(lengths) - lengths
+        seq_of_row = np.repeat(np.arange(len(lengths)), lengths)
+        positions = starts[seq_of_row] + np.arange(len(ids)) - row_offsets[seq_of_row]
+        size = self.block_size
+        # the decodes form one attention group, the prefill chunks another (a recorded
+        # prefill, whose graph training keeps, runs alone and unpadded)
+        members = [np.arange(len(lengths))] if not bucketed else \
+            [m for m in (np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)) if m.size]
+        arrays: dict[str, np.ndarray] = {"input_ids": np.array(ids, dtype=np.int64), "positions": positions,
+                                         "sample_rows": np.array(sample_rows, dtype=np.int64)}
+        slot_mapping = np.empty(len(ids), dtype=np.int64)
+        output_index = np.empty(len(ids), dtype=np.int64)
+        shapes, output_offset = [], 0
+        for g, seqs in enumerate(members):
+            group_lengths, group_starts = lengths[seqs], starts[seqs]
+            batch, q_max, num_keys = len(seqs), int(group_lengths.max()), int((group_starts + group_lengths).max())
+            if bucketed:
+                batch, q_max = self.buckets.batch(batch), self.buckets.query(q_max)
+                num_keys = self.buckets.keys(num_keys)
+            num_blocks = -(-num_keys // size)
+            table = np.zeros((batch, num_blocks), dtype=np.int64)
+            query_index = np.zeros((batch, q_max), dtype=np.int64)
+            query_positions = np.full((batch, q_max), -1, dtype=np.int64)
+            for b, seq in enumerate(seqs):
+                blocks = tables[seq][:num_blocks]
+                table[b, :len(blocks)] = blocks
+                rows = np.arange(row_offsets[seq], row_offsets[seq] + lengths[seq])
+                query_index[b, :len(rows)] = rows
+                query_positions[b, :len(rows)] = positions[rows]
+                slot_mapping[rows] = table[b, positions[rows] // size] * size + positions[rows] % size
+                output_index[rows] = output_offset + b * q_max + np.arange(len(rows))
+            output_offset += batch * q_max
+            arrays.update({f"table{g}": table, f"query_index{g}": query_index,
+                           f"query_positions{g}": query_positions})
+            shapes.append((batch, num_keys))
+        inputs = self.staging.upload(slot_mapping=slot_mapping, output_index=output_index, **arrays)
+        groups = []
+        for g, (batch, num_keys) in enumerate(shapes):
+            slots = (inputs[f"table{g}"].unsqueeze(-1) * size + self._block_offsets).view(batch, -1)[:, :num_keys]
+            groups.append(AttentionGroup(inputs[f"query_index{g}"], inputs[f"query_positions{g}"], num_keys, slots))
+        metadata = AttentionMetadata(groups, inputs["output_index"], inputs["slot_mapping"], tuple(lengths.tolist()))
+        return _PackedStep(inputs["input_ids"], inputs["positions"], metadata, sample_rows, inputs["sample_rows"],
+                           sample_entries, prompt_rows)
 
     def cache_info(self) -> dict[str, str]:
         """The KV cache's shape, as vLLM's `cache_config_info` metric labels it."""
@@ -218,7 +252,7 @@ class ModelRunner:
     def _record_prefill(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
                         stale_resolver) -> ModelOutput:
         """`_execute_recorded` for a step of the recorded sequence alone."""
-        packed = self._pack(step)
+        packed = self._pack(step, bucketed=False)
         seq = step.scheduled[0].seq
         num_prompt = step.scheduled[0].num_new_tokens
         tracker = self.record_tracker or SavedTensorTracker()
@@ -283,7 +317,7 @@ class ModelRunner:
         hidden = self.forward_hidden(packed)
         output = ModelOutput()
         if packed.sample_rows:
-            logits = self.lm_head(hidden[packed.sample_rows])  # (N, V)
+            logits = self.lm_head(hidden.index_select(0, packed.sample_index))  # (N, V)
             seqs = [entry.seq for entry in packed.sample_entries]
             for seq, token in zip(seqs, self.sampler.sample(logits, seqs)):
                 output.sampled[seq.seq_id] = token

@@ -49,7 +49,7 @@ class SequenceKV:
 
     def _per_sequence(self, packed: torch.Tensor) -> torch.Tensor:
         # (1, KVH, T, D) -> (B, KVH, Qmax, D)
-        return packed[0].transpose(0, 1)[self.metadata.query_index].transpose(1, 2)
+        return packed[0].transpose(0, 1)[self.metadata.single.query_index].transpose(1, 2)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.new[layer_idx] = (key, value)

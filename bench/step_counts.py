@@ -1,0 +1,221 @@
+"""What a serving step costs a GPU, counted on any machine: host syncs and attention shapes.
+
+On a GPU a decode step is bound by the host unless it is built for it (DESIGN.md, "On a
+GPU: the decode step"). Two things that make it so can be counted on the CPU:
+
+- **Host syncs.** A read of tensor data by the host (`.item()`, `.tolist()`, `.cpu()`,
+  `.numpy()`, `bool()`/`int()`/`float()` of a tensor, an explicit synchronize) waits for
+  the device; a tensor built from host data (`torch.tensor` of a list, `torch.from_numpy`,
+  indexing with a Python list, a copy or a move to a device from a host tensor) is a
+  host-to-device copy on a GPU, which
+  blocks unless it comes from pinned memory. `HostSyncCounter` counts both, per call.
+- **Attention shapes.** Fused attention kernels (cuDNN's on sm90) build a graph per input
+  shape; a step whose shapes were never seen pays that build. `AttentionShapes` records
+  the distinct shapes of every attention call.
+
+`arrival_trace` is a seeded trace with Poisson arrivals of prompts and outputs of
+log-normal lengths, replayed step by step on an engine (`replay_trace`); `alchemist
+bench steps` prints its counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+_BUILDERS = ("tensor", "as_tensor", "from_numpy")
+
+
+def _has_list(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(item, list) for item in items)
+
+
+@dataclass
+class HostSyncCounter:
+    """Counts host reads of tensor data and tensors built from host data while active;
+    `sites` keeps, per kind, the calls by name, for a failing test to show."""
+
+    reads: int = 0
+    built: int = 0
+    sites: Counter = field(default_factory=Counter)
+
+    def _read(self, name: str) -> None:
+        self.reads += 1
+        self.sites[f"read {name}"] += 1
+
+    def _build(self, name: str) -> None:
+        self.built += 1
+        self.sites[f"built {name}"] += 1
+
+    @contextlib.contextmanager
+    def counting(self):
+        originals: list[tuple[object, str, object]] = []
+
+        def patch(owner, name, wrapper):
+            originals.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, wrapper)
+
+        def reader(name, original):
+            def wrapped(tensor, *args, **kwargs):
+                self._read(name)
+                return original(tensor, *args, **kwargs)
+            return wrapped
+
+        def builder(name, original):
+            def wrapped(*args, **kwargs):
+                self._build(name)
+                return original(*args, **kwargs)
+            return wrapped
+
+        def indexer(name, original):
+            def wrapped(tensor, index, *args):
+                if _has_list(index):
+                    self._build(f"{name} with a list")
+                return original(tensor, index, *args)
+            return wrapped
+
+        def copier(original):
+            def wrapped(tensor, source, *args, **kwargs):
+                if isinstance(source, torch.Tensor) and source.device.type == "cpu" and not source.requires_grad \
+                        and tensor.data_ptr() != source.data_ptr():
+                    self._build("copy_ from the host")
+                return original(tensor, source, *args, **kwargs)
+            return wrapped
+
+        def mover(original):
+            def wrapped(tensor, *args, **kwargs):
+                if tensor.device.type == "cpu" and ("device" in kwargs or any(
+                        isinstance(a, (torch.device, str)) or (isinstance(a, torch.Tensor) and a is not tensor)
+                        for a in args)):
+                    self._build("to(device) from the host")
+                return original(tensor, *args, **kwargs)
+            return wrapped
+
+        for name in _READS:
+            patch(torch.Tensor, name, reader(name, getattr(torch.Tensor, name)))
+        for name in _BUILDERS:
+            patch(torch, name, builder(name, getattr(torch, name)))
+        patch(torch.Tensor, "__getitem__", indexer("index", torch.Tensor.__getitem__))
+        patch(torch.Tensor, "__setitem__", indexer("index assignment", torch.Tensor.__setitem__))
+        patch(torch.Tensor, "copy_", copier(torch.Tensor.copy_))
+        patch(torch.Tensor, "to", mover(torch.Tensor.to))
+        if torch.cuda.is_available():
+            patch(torch.cuda, "synchronize", builder("synchronize", torch.cuda.synchronize))
+        try:
+            yield self
+        finally:
+            for owner, name, original in reversed(originals):
+                setattr(owner, name, original)
+
+
+@dataclass
+class AttentionShapes:
+    """The distinct (query, key, value, mask) shapes of the attention calls made while active."""
+
+    shapes: Counter = field(default_factory=Counter)
+
+    @contextlib.contextmanager
+    def recording(self):
+        original = F.scaled_dot_product_attention
+
+        def recorded(query, key, value, attn_mask=None, *args, **kwargs):
+            mask = None if attn_mask is None else tuple(attn_mask.shape)
+            self.shapes[(tuple(query.shape), tuple(key.shape), tuple(value.shape), mask)] += 1
+            return original(query, key, value, attn_mask, *args, **kwargs)
+
+        F.scaled_dot_product_attention = recorded
+        try:
+            yield self
+        finally:
+            F.scaled_dot_product_attention = original
+
+    @property
+    def distinct(self) -> int:
+        return len(self.shapes)
+
+
+@dataclass
+class TraceArrival:
+    step: int
+    prompt: list[int]
+    max_tokens: int
+
+
+def arrival_trace(vocab_size: int, steps: int = 400, rate_per_step: float = 0.12, seed: int = 0,
+                  max_prompt: int = 200, max_output: int = 96) -> list[TraceArrival]:
+    """Poisson arrivals over `steps` engine steps; prompts (random ids) and outputs of
+    log-normal length, as bench/traces.make_trace draws them for a server."""
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    while True:
+        t += rng.expovariate(rate_per_step)
+        if t >= steps:
+            return arrivals
+        prompt_len = int(min(max(rng.lognormvariate(math.log(40), 0.8), 4), max_prompt))
+        output = int(min(max(rng.lognormvariate(math.log(32), 0.6), 4), max_output))
+        arrivals.append(TraceArrival(int(t), [rng.randrange(3, vocab_size) for _ in range(prompt_len)], output))
+
+
+@dataclass
+class TraceCounts:
+    steps: int
+    decode_steps: int
+    distinct_attention_shapes: int
+    # per decode-only step: the most host reads and built tensors any one of them made
+    max_reads_per_decode_step: int
+    max_built_per_decode_step: int
+    reads_sites: dict[str, int]
+
+
+def replay_trace(engine, arrivals: list[TraceArrival], sampling) -> TraceCounts:
+    """Steps `engine` through the trace (`sampling(max_tokens)` gives each request's
+    SamplingParams) and counts attention shapes over every step, host syncs per
+    decode-only step (every scheduled sequence computing one token)."""
+    shapes = AttentionShapes()
+    pending = sorted(arrivals, key=lambda a: a.step)
+    step = decode_steps = max_reads = max_built = 0
+    sites: Counter = Counter()
+    with shapes.recording():
+        while pending or engine.has_unfinished():
+            while pending and pending[0].step <= step:
+                arrival = pending.pop(0)
+                engine.add_request(f"trace-{step}-{len(pending)}", arrival.prompt, sampling(arrival.max_tokens))
+            decode_only = engine.has_unfinished() and _decode_only(engine)
+            counter = HostSyncCounter()
+            with counter.counting():
+                engine.step()
+            if decode_only:
+                decode_steps += 1
+                max_reads, max_built = max(max_reads, counter.reads), max(max_built, counter.built)
+                sites.update(counter.sites)
+            step += 1
+    return TraceCounts(step, decode_steps, shapes.distinct, max_reads, max_built, dict(sites))
+
+
+def _decode_only(engine) -> bool:
+    """Whether the next step is all decodes: nothing waits, every running sequence has one token pending."""
+    scheduler = engine.scheduler
+    return not scheduler.waiting and all(seq.num_pending_tokens == 1 for seq in scheduler.running)
+
+
+def decode_step_counts(engine, prompts: list[list[int]], params, warmup_steps: int = 3) -> HostSyncCounter:
+    """The host syncs of one decode-only step of `prompts` (all prefilled first)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"count-{i}", prompt, params)
+    for _ in range(warmup_steps):
+        engine.step()
+    assert _decode_only(engine) and len(engine.scheduler.running) == len(prompts), "not a decode-only step"
+    counter = HostSyncCounter()
+    with counter.counting():
+        engine.step()
+    for rid in engine.request_ids():
+        engine.abort_request(rid)
+    return counter
