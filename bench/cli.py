@@ -18,7 +18,10 @@ def add_bench_commands(commands, add_config_flags) -> None:
     add_config_flags(serving)
     serving.add_argument("--num-prompts", type=int, default=8)
     serving.add_argument("--max-tokens", type=int, default=64)
-    serving.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
+    serving.add_argument("--repeats", type=int, default=3,
+                         help="interleaved rounds: the first reported as cold, the others' median as warm")
+    serving.add_argument("--same-prompts", action="store_true",
+                         help="every round on the same prompts (by default each round's are new, of a new length)")
     serving.add_argument("--json", help="write the results to this JSON file")
     serving.add_argument("--with-adapter", action="store_true",
                          help="also serve with a LoRA adapter attached (what training mode costs serving)")
@@ -51,6 +54,8 @@ def add_bench_commands(commands, add_config_flags) -> None:
     colocate.add_argument("--tpot-slo-ms", type=float, default=100.0)
     colocate.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
     colocate.add_argument("--seed", type=int, default=0)
+    colocate.add_argument("--warmup-seconds", type=float, default=15.0,
+                          help="a trace of other requests first on each server, reported apart as cold (0: none)")
     colocate.add_argument("--train-config", help="TOML passed to the training-on server (e.g. record_fraction)")
     colocate.add_argument("--no-feedback", action="store_true",
                           help="record but send no feedback (isolates the cost of recording)")
@@ -144,7 +149,8 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
             raise SystemExit(f"--paths: unknown {sorted(unknown)}; choose from {', '.join(SERVING_PATHS)}")
         run_serving_bench(config, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
                           repeats=args.repeats, json_path=args.json, with_adapter=args.with_adapter,
-                          paths=tuple(args.paths.split(",")), profile_path=args.profile)
+                          paths=tuple(args.paths.split(",")), profile_path=args.profile,
+                          same_prompts=args.same_prompts)
         return 0
     if args.bench == "structured":
         from bench.structured import run_structured_bench
@@ -155,7 +161,8 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         sweep = [float(r) for r in args.sweep.split(",")] if args.sweep else None
         side = TrainingSide(args.policy, args.tpot_slo_ms, args.train_config, not args.no_feedback,
                             args.feedback_fraction, args.compare, args.eval_set)
-        run_colocate_bench(side, args.rate, args.seconds, args.rounds, args.seed, args.json, sweep, args.plot)
+        run_colocate_bench(side, args.rate, args.seconds, args.rounds, args.seed, args.json, sweep, args.plot,
+                           args.warmup_seconds)
         return 0
     if args.bench == "replicas":
         from bench.replicas import run_replicas_bench

@@ -4,9 +4,12 @@ A seeded Poisson arrival trace with prompt and output lengths drawn from a Share
 distribution (synthetic: log-normal lengths fitted by eye to ShareGPT's shape, scaled to
 this CPU; the text is a fixed English passage) is streamed against a server the bench
 starts: once with training off and once on (DPO, the client sending feedback on every
-response), alternating, in rounds. Client-side: mean and p99 time per output token, p50
-and p99 time to first token; server-side: training tokens per second harvested and the
-longest training slice. `--sweep` runs several rates and plots TPOT against rate, on and
+response), alternating, in rounds. Each server first runs a warm-up trace of other
+requests, reported apart as cold (its first traffic, every shape new). Client-side: mean
+and p99 time per output token, p50 and p99 time to first token, tokens counted from the
+usage each chunk carries (`continuous_usage_stats`), not from text chunks; server-side:
+its own TTFT/TPOT/ITL histograms beside them, training tokens per second harvested and
+the longest training slice. `--sweep` runs several rates and plots TPOT against rate, on and
 off (cf. the paper's Figure 10, right).
 """
 
@@ -29,11 +32,16 @@ from bench.traces import WORDS, TraceRequest, make_trace
 
 async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, start: float, feedback: bool,
                rng: random.Random) -> dict:
+    """One streamed request. Tokens are counted from the usage every chunk carries
+    (`stream_options.continuous_usage_stats`), not from text chunks: a token that decodes
+    to no text sends no chunk of its own, and is counted in the next one."""
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
     sent = time.perf_counter()
-    token_times, completion_id = [], None
+    arrivals: list[tuple[float, int]] = []  # (time, completion tokens so far) when the count grew
+    completion_id = None
     body = {"model": model, "messages": [{"role": "user", "content": request.prompt}], "stream": True,
-            "max_tokens": request.output_tokens, "min_tokens": request.output_tokens}
+            "max_tokens": request.output_tokens, "min_tokens": request.output_tokens,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -41,14 +49,18 @@ async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, sta
                 continue
             chunk = json.loads(line[6:])
             completion_id = chunk["id"]
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
-                token_times.append(time.perf_counter())
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", 0)
+            if tokens > (arrivals[-1][1] if arrivals else 0):
+                arrivals.append((time.perf_counter(), tokens))
     if feedback and completion_id:
         chosen = " ".join(rng.choice(WORDS) for _ in range(max(4, request.output_tokens // 2)))
         await client.post("/v1/feedback", json={"id": completion_id, "chosen": chosen})
-    ttft = token_times[0] - sent if token_times else math.nan
-    tpot = (token_times[-1] - token_times[0]) / (len(token_times) - 1) if len(token_times) > 1 else math.nan
-    return {"ttft": ttft, "tpot": tpot, "tokens": len(token_times)}
+    ttft = arrivals[0][0] - sent if arrivals else math.nan
+    tpot = math.nan
+    if len(arrivals) > 1:
+        (first_time, first_tokens), (last_time, last_tokens) = arrivals[0], arrivals[-1]
+        tpot = (last_time - first_time) / (last_tokens - first_tokens)
+    return {"ttft": ttft, "tpot": tpot, "tokens": arrivals[-1][1] if arrivals else 0}
 
 
 async def _run_trace(url: str, trace: list[TraceRequest], feedback: bool, seed: int,
@@ -118,7 +130,20 @@ def _mean_delta(before: str, after: str, histogram: str) -> float:
     return total / count if count else math.nan
 
 
-def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], seed: int, seconds: float) -> dict:
+def _latency(results: list[dict]) -> dict:
+    """Client-side TPOT (mean, p99) and TTFT (p50, p99) of a trace's requests, and its tokens."""
+    tpots = [r["tpot"] for r in results if not math.isnan(r["tpot"])]
+    ttfts = [r["ttft"] for r in results if not math.isnan(r["ttft"])]
+    return {"tpot_mean_s": statistics.mean(tpots) if tpots else math.nan, "tpot_p99_s": percentile(tpots, 0.99),
+            "ttft_p50_s": percentile(ttfts, 0.50), "ttft_p99_s": percentile(ttfts, 0.99),
+            "tokens": sum(r["tokens"] for r in results)}
+
+
+def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], seed: int, seconds: float,
+                  warmup: list[TraceRequest] | None = None) -> dict:
+    """One server, one condition: the `warmup` trace first (its figures reported as cold:
+    the server's first traffic, every shape new), then `trace` (warm), both with the
+    condition's feedback."""
     training, env = side.condition(variant)
     flags = ["--train-mode", "dpo", "--arbiter-policy", side.policy, "--tpot-slo-ms", str(side.tpot_slo_ms)] \
         if training else ["--train-mode", "off"]
@@ -128,6 +153,8 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
     if adapter_dir is not None:
         flags += ["--adapter-dir", adapter_dir.name]
     with running_server(*flags, env=env) as url:
+        cold = asyncio.run(_run_trace(url, warmup, training and side.feedback, seed + 1, side.feedback_fraction)) \
+            if warmup else []
         before = httpx.get(f"{url}/metrics").text
         started = time.perf_counter()
         results = asyncio.run(_run_trace(url, trace, training and side.feedback, seed, side.feedback_fraction))
@@ -136,14 +163,11 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
         trained = _trained_after_catching_up(url, before) if training else {}
     if adapter_dir is not None:
         adapter_dir.cleanup()
-    tpots = [r["tpot"] for r in results if not math.isnan(r["tpot"])]
-    ttfts = [r["ttft"] for r in results if not math.isnan(r["ttft"])]
     train_tokens = read_metric(after, "alchemist:train_tokens_total") - read_metric(before,
                                                                                  "alchemist:train_tokens_total")
     return {
         "training": training, "variant": variant, "requests": len(results), "elapsed_s": round(elapsed, 2),
-        "tpot_mean_s": statistics.mean(tpots), "tpot_p99_s": percentile(tpots, 0.99),
-        "ttft_p50_s": percentile(ttfts, 0.50), "ttft_p99_s": percentile(ttfts, 0.99),
+        **_latency(results), **{f"cold_{key}": value for key, value in _latency(cold).items() if cold},
         "train_tokens_per_s": train_tokens / max(elapsed, seconds),
         **trained,
         # server-side means, from the histograms: arrival to first token, arrival to first
@@ -151,7 +175,8 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
         # adds the HTTP and event-loop time on top
         **{f"server_{key}_mean_s": _mean_delta(before, after, f"alchemist:{metric}_seconds")
            for key, metric in (("ttft", "time_to_first_token"), ("queue", "request_queue_time"),
-                               ("prefill", "request_prefill_time"), ("tpot", "time_per_output_token"))},
+                               ("prefill", "request_prefill_time"), ("tpot", "time_per_output_token"),
+                               ("itl", "inter_token_latency"))},
         "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
                                            + side.policy + '"}'),
@@ -161,18 +186,22 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
     }
 
 
-def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, seed: int) -> dict:
+def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, seed: int,
+                 warmup_seconds: float = 0.0) -> dict:
     trace = make_trace(rate, seconds, seed)
+    warmup = make_trace(rate, warmup_seconds, seed + 1000) if warmup_seconds else None
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for round_index in range(rounds):
         for variant in ((False, True) if round_index % 2 == 0 else (True, False)):
-            result = run_condition(variant, side, trace, seed, seconds)
+            result = run_condition(variant, side, trace, seed, seconds, warmup)
             runs[variant].append(result)
             name = side.compare + (" on " if variant else " off")
             print(f"  rate {rate:.2f}/s round {round_index + 1}/{rounds} {name}: "
                   f"TPOT mean {result['tpot_mean_s'] * 1000:.1f} ms p99 {result['tpot_p99_s'] * 1000:.1f} ms, "
                   f"TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms p99 {result['ttft_p99_s'] * 1000:.0f} ms, "
-                  f"trained {result['train_tokens_per_s']:.1f} tok/s"
+                  f"server TPOT {result['server_tpot_mean_s'] * 1000:.1f} ms, "
+                  + (f"cold TPOT {result['cold_tpot_mean_s'] * 1000:.1f} ms, " if warmup else "")
+                  + f"trained {result['train_tokens_per_s']:.1f} tok/s"
                   + (f", by path {result['trained_by_path']}" if result["training"] else ""), flush=True)
 
     def median(variant: bool, key: str) -> float:
@@ -188,7 +217,13 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
     summary["tpot_mean_ratio"] = round(summary["on_tpot_mean_s"] / summary["off_tpot_mean_s"], 4)
     summary["tpot_p99_ratio"] = round(summary["on_tpot_p99_s"] / summary["off_tpot_p99_s"], 4)
     summary["ttft_p99_increase_s"] = round(summary["on_ttft_p99_s"] - summary["off_ttft_p99_s"], 4)
-    for key in ("server_ttft_mean_s", "server_queue_mean_s", "server_prefill_mean_s", "server_tpot_mean_s"):
+    if warmup:
+        summary["warmup_seconds"] = warmup_seconds
+        for key in ("tpot_mean_s", "ttft_p50_s"):
+            summary[f"off_cold_{key}"] = round(median(False, f"cold_{key}"), 5)
+            summary[f"on_cold_{key}"] = round(median(True, f"cold_{key}"), 5)
+    for key in ("server_ttft_mean_s", "server_queue_mean_s", "server_prefill_mean_s", "server_tpot_mean_s",
+                "server_itl_mean_s"):
         summary[f"off_{key}"] = round(median(False, key), 5)
         summary[f"on_{key}"] = round(median(True, key), 5)
     summary["server_tpot_mean_ratio"] = round(summary["on_server_tpot_mean_s"] / summary["off_server_tpot_mean_s"], 4)
@@ -233,8 +268,8 @@ def plot(results: list[dict], path: str) -> str:
 
 def run_colocate_bench(side: TrainingSide, rate: float, seconds: float, rounds: int = 2, seed: int = 0,
                        json_path: str | None = None, sweep: list[float] | None = None,
-                       plot_path: str | None = None) -> dict:
-    results = [measure_rate(r, seconds, side, rounds, seed) for r in (sweep or [rate])]
+                       plot_path: str | None = None, warmup_seconds: float = 0.0) -> dict:
+    results = [measure_rate(r, seconds, side, rounds, seed, warmup_seconds) for r in (sweep or [rate])]
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "runs"}))
     out = {"results": results}

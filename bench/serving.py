@@ -12,7 +12,9 @@ With `with_adapter`, three more engines serve with a (zero-initialised) LoRA ada
 attached as in training mode — through merged weights (training mode's default on CPU),
 through the lean unmerged path, and through PEFT's own forward — to show what training
 mode costs serving and what each path saves.
-All paths run in interleaved rounds; medians of tokens/s are reported with their ratios, and the
+All paths run in interleaved rounds, after a warm-up, each round on new prompts of a new
+length (unless `same_prompts`): the first round is reported apart as cold (shapes never
+seen, as under real traffic), the median of the others as warm, with their ratios; the
 engine's greedy tokens are checked against `generate`'s token for token. The Hugging
 Face paths run on their own, untouched copies of the model.
 """
@@ -78,18 +80,38 @@ def _adapter_engine(config: AlchemistConfig, tokenizer, variant: str) -> LLMEngi
     return engine
 
 
-def _interleaved_rounds(paths: dict[str, Callable[[], list[list[int]]]], repeats: int):
-    """Runs every path once per round, `repeats` rounds; (tokens/s per path and round,
-    each path's tokens of the last round)."""
+def round_prompts(tokenizer, count: int, round_index: int, same_prompts: bool = False) -> list[list[int]]:
+    """The prompts of one round (round -1: the warm-up). Each round's are new questions,
+    one filler word longer than the round before's, so that no round repeats another's
+    shapes — a server under real traffic rarely does — unless `same_prompts`."""
+    if same_prompts:
+        return chat_prompts(tokenizer, count)
+    return chat_prompts(tokenizer, count, offset=(round_index + 1) * count, extra_words=round_index + 1)
+
+
+def _interleaved_rounds(paths: dict[str, Callable[[list[list[int]]], list[list[int]]]],
+                        prompts: Callable[[int], list[list[int]]], repeats: int):
+    """Runs every path once per round on that round's prompts, `repeats` rounds; (tokens/s
+    per path and round, each path's tokens of the last round)."""
     rates: dict[str, list[float]] = {key: [] for key in paths}
     outputs: dict[str, list[list[int]]] = {}
     for round_index in range(repeats):
+        this_round = prompts(round_index)
         for key, fn in paths.items():
-            seconds, tokens = _timed(fn)
+            seconds, tokens = _timed(lambda: fn(this_round))
             outputs[key] = tokens
             rates[key].append(sum(len(t) for t in tokens) / seconds)
-            print(f"round {round_index + 1}/{repeats}  {key:<20} {rates[key][-1]:8.1f} tokens/s", flush=True)
+            kind = "cold" if round_index == 0 else "warm"
+            print(f"round {round_index + 1}/{repeats} ({kind})  {key:<20} {rates[key][-1]:8.1f} tokens/s", flush=True)
     return rates, outputs
+
+
+def cold_and_warm(rates: dict[str, list[float]]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per path: the first round's tokens/s (cold: shapes never seen) and the median of
+    the others' (warm; the first round's when there is only one)."""
+    cold = {key: values[0] for key, values in rates.items()}
+    warm = {key: statistics.median(values[1:] or values) for key, values in rates.items()}
+    return cold, warm
 
 
 PATHS = ("engine", "engine_sequential", "engine_plain_linear", "hf_generate", "hf_generate_batch")
@@ -101,7 +123,8 @@ RATIOS = {"ratio_engine_over_hf_generate": ("engine", "hf_generate"),
 
 def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens: int = 64, repeats: int = 3,
                       json_path: str | None = None, with_adapter: bool = False,
-                      paths: tuple[str, ...] = PATHS, profile_path: str | None = None) -> dict:
+                      paths: tuple[str, ...] = PATHS, profile_path: str | None = None,
+                      same_prompts: bool = False) -> dict:
     """`paths` selects among PATHS ("engine" always runs). On a GPU the engine leaves the
     model untouched (packing is a CPU path), so `generate` shares it and the plain-linear
     engine, identical there, is skipped; `generate_batch` keeps its own copy."""
@@ -116,7 +139,6 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     if "engine_plain_linear" in selected:
         plain_config = dataclasses.replace(config, model=dataclasses.replace(config.model, packed_linear=False))
         plain_engine = LLMEngine.for_model(load(config.model)[0], tokenizer, plain_config)
-    prompts = chat_prompts(tokenizer, num_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=2)
 
@@ -125,27 +147,31 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
         extra_engines = {f"engine_adapter_{variant}": _adapter_engine(config, tokenizer, variant)
                          for variant in ("merged", "lean", "peft")}
     candidates = {
-        "engine": lambda: [choices[0] for choices in engine.generate(prompts, params)],
-        "engine_sequential": lambda: [engine.generate([p], params)[0][0] for p in prompts],
-        "engine_plain_linear": lambda: [choices[0] for choices in plain_engine.generate(prompts, params)],
-        "hf_generate": lambda: hf_static_generate(hf_model, tokenizer, prompts, max_tokens),
-        "hf_generate_batch": lambda: hf_generate_batch(cb_model, tokenizer, prompts, max_tokens),
+        "engine": lambda prompts: [choices[0] for choices in engine.generate(prompts, params)],
+        "engine_sequential": lambda prompts: [engine.generate([p], params)[0][0] for p in prompts],
+        "engine_plain_linear": lambda prompts: [choices[0] for choices in plain_engine.generate(prompts, params)],
+        "hf_generate": lambda prompts: hf_static_generate(hf_model, tokenizer, prompts, max_tokens),
+        "hf_generate_batch": lambda prompts: hf_generate_batch(cb_model, tokenizer, prompts, max_tokens),
     }
-    timed = {**{key: (lambda e=e: [c[0] for c in e.generate(prompts, params)]) for key, e in extra_engines.items()},
+    timed = {**{key: (lambda prompts, e=e: [c[0] for c in e.generate(prompts, params)])
+                for key, e in extra_engines.items()},
              **{key: fn for key, fn in candidates.items() if key in selected}}
     logger.info("warming up each path")
+    warmup_prompts = round_prompts(tokenizer, 2, -1, same_prompts)
     for extra in [engine, plain_engine, *extra_engines.values()]:
         if extra is not None:
-            extra.generate(prompts[:2], warm)
+            extra.generate(warmup_prompts, warm)
     if "hf_generate" in selected:
-        hf_static_generate(hf_model, tokenizer, prompts[:2], 2)
+        hf_static_generate(hf_model, tokenizer, warmup_prompts, 2)
     if cb_model is not None:
-        hf_generate_batch(cb_model, tokenizer, prompts[:2], 2)
+        hf_generate_batch(cb_model, tokenizer, warmup_prompts, 2)
 
-    rates, outputs = _interleaved_rounds(timed, repeats)
+    rates, outputs = _interleaved_rounds(
+        timed, lambda round_index: round_prompts(tokenizer, num_prompts, round_index, same_prompts), repeats)
     if profile_path:
+        prompts = round_prompts(tokenizer, num_prompts, repeats, same_prompts)
         write_profile(profile_path, {"engine": lambda: engine.generate(prompts, params)})
-    median = {key: statistics.median(values) for key, values in rates.items()}
+    cold, median = cold_and_warm(rates)
     result = {
         "model": name,
         "dtype": str(next(model.parameters()).dtype),
@@ -154,9 +180,13 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
         "max_tokens": max_tokens,
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
+        "same_prompts": same_prompts,
         "tokens_per_s": {key: round(value, 2) for key, value in median.items()},
+        "cold_tokens_per_s": {key: round(value, 2) for key, value in cold.items()},
         "tokens_per_s_all_rounds": {key: [round(v, 2) for v in values] for key, values in rates.items()},
+        "engine_cold_time_over_warm": round(median["engine"] / cold["engine"], 3),
         **{key: round(median[a] / median[b], 3) for key, (a, b) in RATIOS.items() if b in median},
+        **{f"cold_{key}": round(cold[a] / cold[b], 3) for key, (a, b) in RATIOS.items() if b in cold},
         **({f"ratio_adapter_{v}_over_engine": round(median[f"engine_adapter_{v}"] / median["engine"], 3)
             for v in ("merged", "lean", "peft")} if with_adapter else {}),
         **({"adapter_equal_to_engine": all(outputs[f"engine_adapter_{v}"] == outputs["engine"]

@@ -92,11 +92,11 @@ class HostSyncCounter:
 
         def mover(original):
             def wrapped(tensor, *args, **kwargs):
-                if tensor.device.type == "cpu" and ("device" in kwargs or any(
-                        isinstance(a, (torch.device, str)) or (isinstance(a, torch.Tensor) and a is not tensor)
-                        for a in args)):
+                moved = original(tensor, *args, **kwargs)
+                # a host tensor copied (to a device, or to the CPU "device" when asked to copy)
+                if tensor.device.type == "cpu" and (moved.device.type != "cpu" or kwargs.get("copy")):
                     self._build("to(device) from the host")
-                return original(tensor, *args, **kwargs)
+                return moved
             return wrapped
 
         for name in _READS:

@@ -1,20 +1,30 @@
 """Turns each sequence's next-token logits into a token, per that sequence's parameters.
 
-Order of processing (vLLM's): penalties and min_tokens on the logits, then greedy argmax
-or temperature -> top-k -> top-p -> min-p -> a draw. A sequence with a seed draws from its
-own generator, so its tokens do not depend on what else is in the batch. Logprobs are
-reported from the model's raw distribution, before any of this processing.
+One batched pass on the device, with one host read per call (the sampled ids, and the
+log-probs asked for, read back together). Each sequence's parameters become rows of
+per-dtype host arrays copied to the device at once (engine/step_inputs.py): the batch
+size changes the arrays' lengths, not the number of copies.
+
+Order of processing (vLLM's): logit bias and the repetition/presence/frequency penalties,
+then the bans of `min_tokens` (EOS and stop tokens) and the structured-output mask, then
+greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. A draw is the argmax
+of probs / E with E ~ Exp(1) per token (the exponential race, as vLLM draws): a sequence
+with a seed draws its E from its own generator, so its tokens do not depend on what else
+is in the batch. Logprobs are reported from the model's raw distribution, before any of
+this processing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.outputs import TokenLogprob
-from engine.structured import mask_disallowed
 from engine.sequence import Sequence
+from engine.step_inputs import HostStaging
+from engine.structured import disallowed_tokens, fill_allowed_tokens, token_bitmask
 
 
 @dataclass
@@ -36,87 +46,146 @@ def top_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> lis
     return [TokenLogprob(t, lp, top) for t, lp, top in zip(token_ids.tolist(), chosen, tops)]
 
 
-def _apply_penalties(logits: torch.Tensor, seq: Sequence) -> None:
-    """logit_bias, then repetition/presence/frequency penalties, in place on one row (V,)."""
-    params = seq.params
-    if params.logit_bias:
-        ids = torch.tensor(list(params.logit_bias), device=logits.device)
-        logits[ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(seq.prompt_token_ids + seq.output_token_ids, device=logits.device).unique()
-        values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)
-    if seq.output_token_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(seq.output_token_ids, device=logits.device),
-                                minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
-        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+def _pairs(rows_and_ids: list[tuple[int, list[int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """[(row, token ids)] -> (rows, ids) flat int64 arrays, for an index_put on (N, V)."""
+    rows = np.concatenate([np.full(len(ids), row, dtype=np.int64) for row, ids in rows_and_ids])
+    ids = np.concatenate([np.asarray(ids, dtype=np.int64) for _, ids in rows_and_ids])
+    return rows, ids
 
 
-def _truncate(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on one row (V,); returns filtered logits."""
-    params = seq.params
-    logits = logits / params.temperature
-    if params.top_k == -1 and params.top_p == 1.0 and params.min_p == 0.0:
-        return logits
-    sorted_logits, order = logits.sort(descending=True)
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if params.top_k != -1:
-        remove[params.top_k:] = True
+def _host_inputs(seqs: list[Sequence], eos_token_ids: set[int], vocab_size: int) -> dict[str, np.ndarray]:
+    """The batch's sampling parameters as host arrays, only those some sequence uses."""
+    params = [seq.params for seq in seqs]
+    arrays: dict[str, np.ndarray] = {}
+    if any(not p.greedy for p in params):
+        arrays["temperature"] = np.array([p.temperature for p in params], dtype=np.float32)  # 0: greedy
+    if any(not p.greedy and (p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0) for p in params):
+        arrays["top_k"] = np.array([vocab_size if p.top_k == -1 else p.top_k for p in params], dtype=np.int64)
+        arrays["top_p"] = np.array([p.top_p for p in params], dtype=np.float32)
+        arrays["min_p"] = np.array([p.min_p for p in params], dtype=np.float32)
+    biased = [(row, p) for row, p in enumerate(params) if p.logit_bias]
+    if biased:
+        arrays["bias_rows"], arrays["bias_ids"] = _pairs([(row, list(p.logit_bias)) for row, p in biased])
+        arrays["bias_values"] = np.array([v for _, p in biased for v in p.logit_bias.values()], dtype=np.float32)
+    repeated = [(row, seq.prompt_token_ids + seq.output_token_ids) for row, seq in enumerate(seqs)
+                if seq.params.repetition_penalty != 1.0]
+    if repeated:
+        arrays["repetition"] = np.array([p.repetition_penalty for p in params], dtype=np.float32)
+        arrays["seen_rows"], arrays["seen_ids"] = _pairs(repeated)
+    counted = [(row, seq.output_token_ids) for row, seq in enumerate(seqs)
+               if seq.output_token_ids and (seq.params.presence_penalty or seq.params.frequency_penalty)]
+    if counted:
+        arrays["presence"] = np.array([p.presence_penalty for p in params], dtype=np.float32)
+        arrays["frequency"] = np.array([p.frequency_penalty for p in params], dtype=np.float32)
+        arrays["output_rows"], arrays["output_ids"] = _pairs(counted)
+    banned = [(row, sorted(set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else eos_token_ids)))
+              for row, seq in enumerate(seqs) if len(seq.output_token_ids) < seq.params.min_tokens]
+    banned = [(row, ids) for row, ids in banned if ids]
+    if banned:
+        arrays["ban_rows"], arrays["ban_ids"] = _pairs(banned)
+    if any(seq.matcher is not None for seq in seqs):
+        bitmask = token_bitmask(len(seqs), vocab_size)
+        for row, seq in enumerate(seqs):
+            if seq.matcher is not None:  # after the log-probs are taken: they stay the model's own
+                fill_allowed_tokens(seq.matcher, bitmask[row])
+        arrays["bitmask"] = bitmask
+    return arrays
+
+
+def _processed(logits: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Logit bias, penalties, bans and the structured-output mask, out of place. (N, V)."""
+    if "bias_rows" in inputs:
+        logits = logits.index_put((inputs["bias_rows"], inputs["bias_ids"]), inputs["bias_values"], accumulate=True)
+    if "seen_rows" in inputs:
+        seen = torch.zeros_like(logits, dtype=torch.bool).index_put_(
+            (inputs["seen_rows"], inputs["seen_ids"]), torch.ones((), dtype=torch.bool, device=logits.device))
+        penalty = inputs["repetition"].unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    if "output_rows" in inputs:
+        counts = torch.zeros_like(logits).index_put_(
+            (inputs["output_rows"], inputs["output_ids"]), torch.ones((), device=logits.device), accumulate=True)
+        logits = logits - inputs["frequency"].unsqueeze(1) * counts \
+            - inputs["presence"].unsqueeze(1) * (counts > 0).to(logits.dtype)
+    if "ban_rows" in inputs:
+        logits = logits.index_put((inputs["ban_rows"], inputs["ban_ids"]), logits.new_full((), float("-inf")))
+    if "bitmask" in inputs:
+        logits = logits.masked_fill(disallowed_tokens(inputs["bitmask"], logits.shape[-1]), float("-inf"))
+    return logits
+
+
+def truncated(logits: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Top-k, top-p and min-p on temperature-scaled rows (N, V); removed tokens get −inf.
+    Disabled per row by top_k = V, top_p = 1, min_p = 0."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
-    if params.top_p < 1.0:
-        remove |= (probs.cumsum(-1) - probs) >= params.top_p  # keep tokens until top_p is reached
-    if params.min_p > 0.0:
-        remove |= probs < params.min_p * probs[0]
-    remove[0] = False
-    filtered = torch.full_like(logits, float("-inf"))
-    filtered[order[~remove]] = sorted_logits[~remove]
-    return filtered
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    top_p = inputs["top_p"].unsqueeze(1)
+    remove = ranks >= inputs["top_k"].unsqueeze(1)
+    remove |= ((probs.cumsum(-1) - probs) >= top_p) & (top_p < 1.0)  # keep tokens until top_p is reached
+    remove |= probs < inputs["min_p"].unsqueeze(1) * probs[:, :1]
+    remove[:, 0] = False
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
+
+
+def _drawn(logits: torch.Tensor, inputs: dict[str, torch.Tensor], seqs: list[Sequence]) -> torch.Tensor:
+    """(N,) tokens drawn from the processed logits (N, V), or their argmax for greedy rows."""
+    greedy = logits.argmax(-1)
+    if "temperature" not in inputs:
+        return greedy
+    temperature = inputs["temperature"].unsqueeze(1)
+    greedy_rows = temperature == 0.0
+    scaled = logits / torch.where(greedy_rows, 1.0, temperature)
+    if "top_k" in inputs:
+        scaled = truncated(scaled, inputs)
+    probs = scaled.softmax(-1)
+    race = torch.empty_like(probs).exponential_()
+    for row, seq in enumerate(seqs):
+        if seq.generator is not None and not seq.params.greedy:
+            race[row].exponential_(generator=seq.generator)
+    # an exponential draw of exactly 0 would win with any probability, even a removed token's
+    drawn = probs.div_(race.clamp_(min=torch.finfo(race.dtype).tiny)).argmax(-1)
+    return torch.where(greedy_rows[:, 0], greedy, drawn)
 
 
 class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = eos_token_ids
+        self._staging: HostStaging | None = None
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """logits: (N, V), one row per sequence, in the model's dtype; never modified."""
+        if self._staging is None or self._staging.device != logits.device:
+            self._staging = HostStaging(logits.device)
+        host = _host_inputs(seqs, self.eos_token_ids, logits.shape[-1])
+        inputs = self._staging.upload(**host) if host else {}
         logits = logits.float()
-        if any(s.params.uses_penalties or len(s.output_token_ids) < s.params.min_tokens or s.matcher is not None
-               for s in seqs):
-            logits = logits.clone()  # the rows are edited below
-        raw_logprobs = None
-        if any(s.params.logprobs is not None or s.track_logprob for s in seqs):
-            raw_logprobs = logits.log_softmax(-1)
-        token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        greedy_rows = []
-        for row, seq in enumerate(seqs):
-            params = seq.params
-            needs_min_tokens = len(seq.output_token_ids) < params.min_tokens
-            if params.uses_penalties or needs_min_tokens:
-                if params.uses_penalties:
-                    _apply_penalties(logits[row], seq)
-                if needs_min_tokens:
-                    banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-                    logits[row, list(banned)] = float("-inf")
-            if seq.matcher is not None:  # after the log-probs are taken: they stay the model's own
-                mask_disallowed(seq.matcher, logits[row])
-            if params.greedy:
-                greedy_rows.append(row)
-            else:
-                probs = _truncate(logits[row], seq).softmax(-1)
-                token_ids[row] = torch.multinomial(probs, 1, generator=seq.generator)[0]
-        if greedy_rows:
-            rows = torch.tensor(greedy_rows, device=logits.device)
-            token_ids[rows] = logits[rows].argmax(-1)
-        results = [SampledToken(t, None) for t in token_ids.tolist()]
+        raw_logprobs = logits.log_softmax(-1) \
+            if any(s.params.logprobs is not None or s.track_logprob for s in seqs) else None
+        token_ids = _drawn(_processed(logits, inputs), inputs, seqs)
+        results = self._read_back(token_ids, raw_logprobs, seqs)
         for seq, result in zip(seqs, results):
             if seq.matcher is not None:
                 seq.matcher.consume_token(result.token_id)
-        if raw_logprobs is not None:
-            for row, seq in enumerate(seqs):
-                if seq.track_logprob:
-                    results[row].logprob_value = raw_logprobs[row, results[row].token_id].item()
-                if seq.params.logprobs is not None:
-                    results[row].logprob = top_logprobs(
-                        raw_logprobs[row:row + 1], token_ids[row:row + 1], seq.params.logprobs)[0]
+        return results
+
+    @staticmethod
+    def _read_back(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
+                   seqs: list[Sequence]) -> list[SampledToken]:
+        """The sampled ids, with their log-probs and the top alternatives asked for, in one
+        host read (ids are exact in float64)."""
+        if raw_logprobs is None:
+            return [SampledToken(t, None) for t in token_ids.tolist()]
+        k = max(s.params.logprobs or 0 for s in seqs)
+        columns = [token_ids.unsqueeze(1).double(), raw_logprobs.gather(1, token_ids.unsqueeze(1)).double()]
+        if k:
+            values, indices = raw_logprobs.topk(k, dim=-1)
+            columns += [values.double(), indices.double()]
+        results = []
+        for row, seq in zip(torch.cat(columns, 1).tolist(), seqs):
+            token, value = int(row[0]), row[1]
+            logprob = None
+            if seq.params.logprobs is not None:
+                n = seq.params.logprobs
+                logprob = TokenLogprob(token, value, [(int(i), v) for i, v in zip(row[2 + k:2 + k + n], row[2:2 + n])])
+            results.append(SampledToken(token, logprob, value if seq.track_logprob else None))
         return results

@@ -4,7 +4,8 @@ A request's `Grammar` (llguidance's format, built here from a JSON schema, a reg
 of choices or a Lark/GBNF grammar) is checked once when the request is made
 (`InvalidParameter` naming the request field it came from, if it does not compile) and
 gives each of its sequences a matcher. Before a token is drawn, the matcher's
-mask of allowed next tokens sets every other logit to −inf; after, the drawn token advances
+mask of allowed next tokens sets every other logit to −inf (a batch's masks are filled on
+the host and applied on the device: engine/sampler.py); after, the drawn token advances
 the matcher. The mask applies to the sampling distribution only: the log-probs reported
 and recorded for training are the model's own (engine/sampler.py). llguidance was chosen
 by measured per-token cost on this CPU (BENCHMARKS.md, "Structured outputs").
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sampling_params import InvalidParameter
@@ -102,10 +104,18 @@ class GrammarCompiler:
         return matcher
 
 
-def mask_disallowed(matcher, row: torch.Tensor) -> None:
-    """Sets the logits of tokens `matcher` does not allow next to −inf, in place. row: (V,)."""
-    import llguidance.torch as llt
+def token_bitmask(rows: int, vocab_size: int) -> np.ndarray:
+    """(rows, ⌈V / 32⌉) int32 bits of allowed tokens, all allowed: llguidance's layout."""
+    return np.full((rows, (vocab_size + 31) // 32), -1, dtype=np.int32)
 
-    bitmask = llt.allocate_token_bitmask(1, row.shape[-1])
-    llt.fill_next_token_bitmask(matcher, bitmask, 0)
-    llt.apply_token_bitmask_inplace(row.unsqueeze(0), bitmask.to(row.device))
+
+def fill_allowed_tokens(matcher, row: np.ndarray) -> None:
+    """Writes the tokens `matcher` allows next into one row of a `token_bitmask`."""
+    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+
+def disallowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(rows, words) int32 bitmask, on the device -> (rows, V) bool, True where a token is not allowed."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = (bitmask.unsqueeze(-1) >> bits) & 1  # (rows, words, 32)
+    return allowed.view(bitmask.shape[0], -1)[:, :vocab_size] == 0
