@@ -9,34 +9,12 @@ import argparse
 
 
 def add_bench_commands(commands, add_config_flags) -> None:
-    """Adds `bench {serving,structured,training,staleness,recording,colocate,offload,soak}`
+    """Adds `bench {serving,steps,structured,training,staleness,recording,colocate,offload,soak,replicas}`
     and `profile` to the CLI;
     `add_config_flags` adds the server's config flags to a parser."""
     bench = commands.add_parser("bench", help="benchmarks, each a side-by-side ratio in one run")
     benches = bench.add_subparsers(dest="bench", required=True)
-    serving = benches.add_parser("serving", help="engine vs Hugging Face generate and generate_batch")
-    add_config_flags(serving)
-    serving.add_argument("--num-prompts", type=int, default=8)
-    serving.add_argument("--max-tokens", type=int, default=64)
-    serving.add_argument("--repeats", type=int, default=3,
-                         help="interleaved rounds: the first reported as cold, the others' median as warm")
-    serving.add_argument("--same-prompts", action="store_true",
-                         help="every round on the same prompts (by default each round's are new, of a new length)")
-    serving.add_argument("--json", help="write the results to this JSON file")
-    serving.add_argument("--with-adapter", action="store_true",
-                         help="also serve with a LoRA adapter attached (what training mode costs serving)")
-    serving.add_argument("--profile", help="after the rounds, profile one engine run and write the table here")
-    serving.add_argument("--n", type=int, help="instead: one request with n choices on a long prompt, forked "
-                         "(one prefill) vs each choice prefilling, both vs n = 1")
-    serving.add_argument("--prompt-tokens", type=int, default=1000, help="with --n: the prompt's length")
-    serving.add_argument("--paths", default="engine,engine_sequential,engine_plain_linear,hf_generate,"
-                         "hf_generate_batch", help="comma-separated paths to run (engine always runs)")
-    structured = benches.add_parser("structured", help="grammar-constrained decoding vs unconstrained, per token")
-    add_config_flags(structured)
-    structured.add_argument("--num-prompts", type=int, default=8)
-    structured.add_argument("--max-tokens", type=int, default=64)
-    structured.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
-    structured.add_argument("--json", help="write the results to this JSON file")
+    _add_serving_benches(benches, add_config_flags)
     _add_training_benches(benches, add_config_flags)
     replicas = benches.add_parser("replicas", help="N data-parallel replicas vs one, closed-loop with feedback")
     replicas.add_argument("--replicas", type=int, default=2)
@@ -88,6 +66,39 @@ def add_bench_commands(commands, add_config_flags) -> None:
     soak.add_argument("--seed", type=int, default=0)
     soak.add_argument("--json", help="write the report (with the timeline) to this JSON file")
     soak.add_argument("--plot", help="PNG of RSS and activation cache over time (default bench-soak.png)")
+
+
+def _add_serving_benches(benches, add_config_flags) -> None:
+    """`bench serving`, `bench structured` and `bench steps`."""
+    serving = benches.add_parser("serving", help="engine vs Hugging Face generate and generate_batch")
+    add_config_flags(serving)
+    serving.add_argument("--num-prompts", type=int, default=8)
+    serving.add_argument("--max-tokens", type=int, default=64)
+    serving.add_argument("--repeats", type=int, default=3,
+                         help="interleaved rounds: the first reported as cold, the others' median as warm")
+    serving.add_argument("--same-prompts", action="store_true",
+                         help="every round on the same prompts (by default each round's are new, of a new length)")
+    serving.add_argument("--json", help="write the results to this JSON file")
+    serving.add_argument("--with-adapter", action="store_true",
+                         help="also serve with a LoRA adapter attached (what training mode costs serving)")
+    serving.add_argument("--profile", help="after the rounds, profile one engine run and write the table here")
+    serving.add_argument("--n", type=int, help="instead: one request with n choices on a long prompt, forked "
+                         "(one prefill) vs each choice prefilling, both vs n = 1")
+    serving.add_argument("--prompt-tokens", type=int, default=1000, help="with --n: the prompt's length")
+    serving.add_argument("--paths", default="engine,engine_sequential,engine_plain_linear,hf_generate,"
+                         "hf_generate_batch", help="comma-separated paths to run (engine always runs)")
+    structured = benches.add_parser("structured", help="grammar-constrained decoding vs unconstrained, per token")
+    add_config_flags(structured)
+    structured.add_argument("--num-prompts", type=int, default=8)
+    structured.add_argument("--max-tokens", type=int, default=64)
+    structured.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
+    structured.add_argument("--json", help="write the results to this JSON file")
+    steps = benches.add_parser("steps", help="what a serving step would cost a GPU, counted: host syncs per decode "
+                               "step and attention shapes over a trace with arrivals")
+    add_config_flags(steps)
+    steps.add_argument("--steps", type=int, default=400, help="engine steps of the trace")
+    steps.add_argument("--seed", type=int, default=0)
+    steps.add_argument("--json", help="write the results to this JSON file")
 
 
 def _add_training_benches(benches, add_config_flags) -> None:
@@ -151,6 +162,10 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
                           repeats=args.repeats, json_path=args.json, with_adapter=args.with_adapter,
                           paths=tuple(args.paths.split(",")), profile_path=args.profile,
                           same_prompts=args.same_prompts)
+        return 0
+    if args.bench == "steps":
+        from bench.step_counts import run_steps_bench
+        run_steps_bench(config, args.steps, args.seed, args.json)
         return 0
     if args.bench == "structured":
         from bench.structured import run_structured_bench

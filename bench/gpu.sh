@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU runs of issue 15, one phase per argument, on a machine lent through the device
-# tool (see ../shared/gpu/README.md): wheels in .whl/, the embedded model's tokenizer in
+# The GPU runs, one phase per argument, on a machine lent through the device tool (see
+# ../shared/gpu/README.md): wheels in .whl/, the embedded model's tokenizer in
 # .gpu/tokenizer/. Every log and JSON goes to $OUT (or ./gpu-out).
 #   bench/gpu.sh bringup smoke profile training serving offload colocate
+# Issue 23 (serving), in order: bringup steps serving profile colocate
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -21,6 +22,7 @@ for phase in "$@"; do
       ALCHEMIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 120 -rf \
         tests/test_engine_equivalence.py tests/test_training.py tests/test_stash.py tests/test_preemption.py \
         tests/test_sampling.py tests/test_offload.py tests/test_losses.py tests/test_adapter.py \
+        tests/test_step_costs.py tests/test_decode_graphs.py tests/test_structured_outputs.py \
         2>&1 | tee "$OUT/cuda-tests.log" | tail -30
       ;;
     smoke)  # every benchmark once, short, on the 8B shape
@@ -47,10 +49,14 @@ for phase in "$@"; do
       bench training "${MODEL[@]}" --mode dpo --given-responses --tokens 1024 --repeats 1 \
         --kv-cache-bytes 4294967296 --profile "$OUT/profile-dpo.txt" --json "$OUT/profile-dpo.json"
       ;;
-    serving)
+    steps)  # host syncs per decode step, attention shapes of a 400-step trace, on the 8B shape
+      bench steps "${MODEL[@]}" --kv-cache-bytes 8589934592 --json "$OUT/steps.json"
+      ;;
+    serving)  # cold (first round) and warm rounds, CUDA graphs against --enforce-eager, against generate
       for n in 1 8 32; do
-        bench serving "${MODEL[@]}" --num-prompts $n --max-tokens 64 --repeats 2 --max-num-seqs 32 \
-          --paths engine,hf_generate,hf_generate_batch --kv-cache-bytes 8589934592 --json "$OUT/serving-$n.json"
+        bench serving "${MODEL[@]}" --num-prompts $n --max-tokens 64 --repeats 3 --max-num-seqs 32 \
+          --paths engine,engine_eager,hf_generate,hf_generate_batch --kv-cache-bytes 8589934592 \
+          --json "$OUT/serving-$n.json"
       done
       ;;
     offload)  # a host pool large enough for every offloaded layer of the 8B model's entries

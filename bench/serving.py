@@ -4,7 +4,8 @@ N distinct chat prompts, greedy, exactly `max_tokens` new tokens each (EOS suppr
 until then: `min_tokens` here, `min_new_tokens` in `generate`), run through
   - the engine, all N at once (continuous batching),
   - the engine, one request at a time (what batching buys),
-  - the engine with plain `F.linear` instead of oneDNN-packed weights (what packing buys),
+  - the engine with plain `F.linear` instead of oneDNN-packed weights (what packing buys;
+    on the CPU), and with `enforce_eager` (what CUDA graphs buy; on a GPU),
   - `model.generate` on a static batch with left padding,
   - `model.generate_batch`, transformers' own continuous batching (it stops at EOS, so
     its tokens are counted, not assumed),
@@ -114,11 +115,38 @@ def cold_and_warm(rates: dict[str, list[float]]) -> tuple[dict[str, float], dict
     return cold, warm
 
 
-PATHS = ("engine", "engine_sequential", "engine_plain_linear", "hf_generate", "hf_generate_batch")
+PATHS = ("engine", "engine_sequential", "engine_plain_linear", "engine_eager", "hf_generate", "hf_generate_batch")
 RATIOS = {"ratio_engine_over_hf_generate": ("engine", "hf_generate"),
+          "ratio_graphs_over_eager": ("engine", "engine_eager"),
           "ratio_engine_over_hf_generate_batch": ("engine", "hf_generate_batch"),
           "ratio_concurrent_over_sequential": ("engine", "engine_sequential"),
           "ratio_packed_over_plain_linear": ("engine", "engine_plain_linear")}
+
+
+def _figures(rates: dict[str, list[float]], outputs: dict[str, list[list[int]]], with_adapter: bool) -> dict:
+    """Tokens/s cold and warm per path, their ratios, and which paths' tokens agree."""
+    cold, median = cold_and_warm(rates)
+    figures = {
+        "tokens_per_s": {key: round(value, 2) for key, value in median.items()},
+        "cold_tokens_per_s": {key: round(value, 2) for key, value in cold.items()},
+        "tokens_per_s_all_rounds": {key: [round(v, 2) for v in values] for key, values in rates.items()},
+        "engine_cold_time_over_warm": round(median["engine"] / cold["engine"], 3),
+        **{key: round(median[a] / median[b], 3) for key, (a, b) in RATIOS.items() if b in median},
+        **{f"cold_{key}": round(cold[a] / cold[b], 3) for key, (a, b) in RATIOS.items() if b in cold},
+    }
+    if with_adapter:
+        variants = ("merged", "lean", "peft")
+        figures.update({f"ratio_adapter_{v}_over_engine": round(median[f"engine_adapter_{v}"] / median["engine"], 3)
+                        for v in variants})
+        figures["adapter_equal_to_engine"] = all(outputs[f"engine_adapter_{v}"] == outputs["engine"] for v in variants)
+    for key, other in (("greedy_equal_to_generate", "hf_generate"), ("batched_equal_to_alone", "engine_sequential"),
+                       ("packed_equal_to_plain_linear", "engine_plain_linear"), ("graphs_equal_to_eager", "engine_eager")):
+        if other in outputs:
+            mismatched = [i for i, (a, b) in enumerate(zip(outputs["engine"], outputs[other])) if a != b]
+            figures[key] = not mismatched
+            if other == "hf_generate":
+                figures["greedy_mismatched_prompts"] = mismatched
+    return figures
 
 
 def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens: int = 64, repeats: int = 3,
@@ -131,7 +159,8 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
     model, tokenizer, name = load(config.model)
     on_cpu = next(model.parameters()).device.type == "cpu"
-    selected = {"engine", *paths} - (set() if on_cpu else {"engine_plain_linear"})
+    # on a GPU the engine leaves the model unpacked, and on the CPU there are no CUDA graphs
+    selected = {"engine", *paths} - ({"engine_eager"} if on_cpu else {"engine_plain_linear"})
     hf_model = load(config.model)[0] if on_cpu and "hf_generate" in selected else model
     cb_model = load(config.model)[0] if "hf_generate_batch" in selected else None
     engine = LLMEngine.for_model(model, tokenizer, config)
@@ -139,6 +168,10 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     if "engine_plain_linear" in selected:
         plain_config = dataclasses.replace(config, model=dataclasses.replace(config.model, packed_linear=False))
         plain_engine = LLMEngine.for_model(load(config.model)[0], tokenizer, plain_config)
+    eager_engine = None
+    if "engine_eager" in selected:  # the same model, its decode step never replayed from CUDA graphs
+        eager_config = dataclasses.replace(config, model=dataclasses.replace(config.model, enforce_eager=True))
+        eager_engine = LLMEngine.for_model(model, tokenizer, eager_config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=2)
 
@@ -150,6 +183,7 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
         "engine": lambda prompts: [choices[0] for choices in engine.generate(prompts, params)],
         "engine_sequential": lambda prompts: [engine.generate([p], params)[0][0] for p in prompts],
         "engine_plain_linear": lambda prompts: [choices[0] for choices in plain_engine.generate(prompts, params)],
+        "engine_eager": lambda prompts: [choices[0] for choices in eager_engine.generate(prompts, params)],
         "hf_generate": lambda prompts: hf_static_generate(hf_model, tokenizer, prompts, max_tokens),
         "hf_generate_batch": lambda prompts: hf_generate_batch(cb_model, tokenizer, prompts, max_tokens),
     }
@@ -158,7 +192,7 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
              **{key: fn for key, fn in candidates.items() if key in selected}}
     logger.info("warming up each path")
     warmup_prompts = round_prompts(tokenizer, 2, -1, same_prompts)
-    for extra in [engine, plain_engine, *extra_engines.values()]:
+    for extra in [engine, plain_engine, eager_engine, *extra_engines.values()]:
         if extra is not None:
             extra.generate(warmup_prompts, warm)
     if "hf_generate" in selected:
@@ -171,35 +205,14 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     if profile_path:
         prompts = round_prompts(tokenizer, num_prompts, repeats, same_prompts)
         write_profile(profile_path, {"engine": lambda: engine.generate(prompts, params)})
-    cold, median = cold_and_warm(rates)
-    result = {
-        "model": name,
-        "dtype": str(next(model.parameters()).dtype),
-        "device": str(next(model.parameters()).device),
-        "num_prompts": num_prompts,
-        "max_tokens": max_tokens,
-        "repeats": repeats,
-        "torch_threads": torch.get_num_threads(),
-        "same_prompts": same_prompts,
-        "tokens_per_s": {key: round(value, 2) for key, value in median.items()},
-        "cold_tokens_per_s": {key: round(value, 2) for key, value in cold.items()},
-        "tokens_per_s_all_rounds": {key: [round(v, 2) for v in values] for key, values in rates.items()},
-        "engine_cold_time_over_warm": round(median["engine"] / cold["engine"], 3),
-        **{key: round(median[a] / median[b], 3) for key, (a, b) in RATIOS.items() if b in median},
-        **{f"cold_{key}": round(cold[a] / cold[b], 3) for key, (a, b) in RATIOS.items() if b in cold},
-        **({f"ratio_adapter_{v}_over_engine": round(median[f"engine_adapter_{v}"] / median["engine"], 3)
-            for v in ("merged", "lean", "peft")} if with_adapter else {}),
-        **({"adapter_equal_to_engine": all(outputs[f"engine_adapter_{v}"] == outputs["engine"]
-                                           for v in ("merged", "lean", "peft"))} if with_adapter else {}),
-        "kv_cache_bytes_per_token": engine.kv_spec.bytes_per_token,
-    }
-    for key, other in (("greedy_equal_to_generate", "hf_generate"), ("batched_equal_to_alone", "engine_sequential"),
-                       ("packed_equal_to_plain_linear", "engine_plain_linear")):
-        if other in outputs:
-            mismatched = [i for i, (a, b) in enumerate(zip(outputs["engine"], outputs[other])) if a != b]
-            result[key] = not mismatched
-            if other == "hf_generate":
-                result["greedy_mismatched_prompts"] = mismatched
+    result = {"model": name, "dtype": str(next(model.parameters()).dtype),
+              "device": str(next(model.parameters()).device), "num_prompts": num_prompts, "max_tokens": max_tokens,
+              "repeats": repeats, "torch_threads": torch.get_num_threads(), "same_prompts": same_prompts,
+              **_figures(rates, outputs, with_adapter), "kv_cache_bytes_per_token": engine.kv_spec.bytes_per_token}
+    if engine.graph_capture is not None:
+        capture = engine.graph_capture
+        result["cuda_graphs"] = {"graphs": capture.graphs, "capture_s": round(capture.seconds, 2),
+                                 "memory_mib": round(capture.memory_bytes / 2**20, 1)}
     print(json.dumps(result, indent=2))
     write_json(result, json_path)
     return result

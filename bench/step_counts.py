@@ -219,3 +219,39 @@ def decode_step_counts(engine, prompts: list[list[int]], params, warmup_steps: i
     for rid in engine.request_ids():
         engine.abort_request(rid)
     return counter
+
+
+def run_steps_bench(config, steps: int = 400, seed: int = 0, json_path: str | None = None) -> dict:
+    """`alchemist bench steps`: on the configured model, the attention shapes of a
+    `steps`-step trace with arrivals, and the host syncs of a decode step at 8 and 32
+    streams (temperature 1 with `min_tokens`, and greedy)."""
+    import dataclasses
+    import json
+
+    from bench.report import write_json
+    from engine.llm_engine import LLMEngine
+    from engine.model_loader import load
+    from engine.sampling_params import SamplingParams
+
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, max_num_seqs=max(config.scheduler.max_num_seqs, 32)))
+    model, tokenizer, name = load(config.model)
+    engine = LLMEngine.for_model(model, tokenizer, config)
+    trace = arrival_trace(engine.vocab_size, steps=steps, seed=seed,
+                          max_prompt=min(200, config.model.max_model_len // 4))
+    counts = replay_trace(engine, trace, lambda n: SamplingParams(temperature=1.0, max_tokens=n, min_tokens=min(n, 4)))
+    result = {"model": name, "device": str(engine.runner.device), "trace_steps": counts.steps,
+              "trace_requests": len(trace), "decode_steps": counts.decode_steps,
+              "distinct_attention_shapes": counts.distinct_attention_shapes,
+              "trace_max_host_reads_per_decode_step": counts.max_reads_per_decode_step,
+              "trace_max_host_built_per_decode_step": counts.max_built_per_decode_step}
+    prompts = [[(7 * i + j) % (engine.vocab_size - 3) + 3 for j in range(12)] for i in range(32)]
+    for label, params in (("temperature_min_tokens", SamplingParams(temperature=1.0, max_tokens=32, min_tokens=16)),
+                          ("greedy", SamplingParams(temperature=0.0, max_tokens=32))):
+        for streams in (8, 32):
+            counter = decode_step_counts(engine, prompts[:streams], params)
+            result[f"{label}_{streams}_streams"] = {"host_reads": counter.reads, "host_built": counter.built,
+                                                    "sites": dict(counter.sites)}
+    print(json.dumps(result, indent=2))
+    write_json(result, json_path)
+    return result

@@ -26,6 +26,9 @@ class ModelConfig:
     max_model_len: int = 2048
     # on CPU, run frozen linear layers through oneDNN with prepacked weights (engine/packed_linear.py)
     packed_linear: bool = True
+    # on a GPU, run the decode step eagerly instead of replaying CUDA graphs (vLLM's
+    # --enforce-eager; engine/decode_graphs.py)
+    enforce_eager: bool = False
     # local tokenizer directory; "" uses the model directory's own (or, for a directory
     # holding no tokenizer, the embedded model's)
     tokenizer: str = ""

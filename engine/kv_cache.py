@@ -92,12 +92,14 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class PagedKVCache:
-    """The K/V block pool of every layer."""
+    """The K/V block pool of every layer, and one scratch block past the allocator's
+    blocks, where the padded rows of a static-shape step write their K/V."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device):
         self.spec = spec
         self.num_blocks = num_blocks
-        shape = (num_blocks * spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.scratch_slot = num_blocks * spec.block_size
+        shape = ((num_blocks + 1) * spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.keys = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.values = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 

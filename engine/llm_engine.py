@@ -49,7 +49,8 @@ def build_runner(model, tokenizer, config: EngineConfig) -> ModelRunner:
             f"({spec.bytes_per_token} bytes per token); max_model_len={max_model_len} needs at least "
             f"{min_blocks * spec.block_size * spec.bytes_per_token} bytes")
     runner = ModelRunner(model, spec, num_blocks, Sampler(_eos_token_ids(model, tokenizer)),
-                         packed_linear=config.model.packed_linear)
+                         packed_linear=config.model.packed_linear, max_num_seqs=config.scheduler.max_num_seqs,
+                         max_model_len=max_model_len, enforce_eager=config.model.enforce_eager)
     logger.info("KV cache: %d blocks x %d tokens, %d bytes per token, %.1f MiB", num_blocks,
                 spec.block_size, spec.bytes_per_token, runner.kv_cache.memory_bytes / 2**20)
     return runner
@@ -73,6 +74,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids)
         self._seq_ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
+        # the model is final now (adapters attached): the decode step's CUDA graphs, on a GPU
+        self.graph_capture = runner.capture_decode_graphs()
 
     @classmethod
     def for_model(cls, model, tokenizer, config: EngineConfig, hooks: EngineHooks | None = None) -> LLMEngine:

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from engine.attention import use_engine_attention
+from engine.decode_graphs import CaptureReport, DecodeGraphs
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionGroup, AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
 from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, SegmentSink
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.step_inputs import HostStaging, StepBuckets
+from engine.step_inputs import HostStaging, StepBuckets, layout_step
 
 # prompt-logprob rows pushed through the LM head at once (bounds a (rows, vocab) tensor)
 _PROMPT_LOGPROB_CHUNK = 256
@@ -51,6 +51,8 @@ class _PackedStep:
     sample_entries: list[ScheduledSequence]
     # (entry, packed rows, prompt token positions whose logprob those rows give)
     prompt_logprob_rows: list[tuple[ScheduledSequence, list[int], list[int]]]
+    # a decode-only step padded to static shapes (rows past the sequences' are padding)
+    static: bool = False
 
 
 def run_to_end(generator):
@@ -74,7 +76,10 @@ def decoder_parts(model):
 
 
 class ModelRunner:
-    def __init__(self, model, kv_spec: KVCacheSpec, num_blocks: int, sampler: Sampler, packed_linear: bool = True):
+    def __init__(self, model, kv_spec: KVCacheSpec, num_blocks: int, sampler: Sampler, packed_linear: bool = True,
+                 max_num_seqs: int = 256, max_model_len: int = 8192, enforce_eager: bool = False):
+        """`max_num_seqs`, `max_model_len`: the largest decode step (its CUDA graphs'
+        shapes); `enforce_eager`: no CUDA graphs (engine/decode_graphs.py)."""
         self.model = model
         self.device = next(model.parameters()).device
         use_engine_attention(model)
@@ -86,6 +91,9 @@ class ModelRunner:
         self.buckets = StepBuckets(kv_spec.block_size)
         self.staging = HostStaging(self.device)
         self._block_offsets = torch.arange(kv_spec.block_size, device=self.device)
+        self.decode_batches = self.buckets.all_batches(max_num_seqs)
+        self.decode_keys = self.buckets.all_keys(max_model_len)
+        self.decode_graphs = DecodeGraphs(self, self.decode_batches[-1], self.decode_keys[-1], enforce_eager)
         self.sampler = sampler
         # when set, recorded prefills are measured by this tracker (benchmarks measure a
         # recording and the training on it together); otherwise each gets its own
@@ -110,52 +118,19 @@ class ModelRunner:
                 targets = [p + 1 for p in range(start, end) if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens]
                 if targets:
                     prompt_rows.append((entry, [first_row + t - 1 - start for t in targets], targets))
-        lengths = np.array([entry.num_new_tokens for entry in step.scheduled])
-        starts = np.array([entry.seq.num_computed_tokens for entry in step.scheduled])
-        tables = [entry.seq.block_ids for entry in step.scheduled]
-        row_offsets = np.cumsum(lengths) - lengths
-        seq_of_row = np.repeat(np.arange(len(lengths)), lengths)
-        positions = starts[seq_of_row] + np.arange(len(ids)) - row_offsets[seq_of_row]
-        size = self.block_size
-        # the decodes form one attention group, the prefill chunks another (a recorded
-        # prefill, whose graph training keeps, runs alone and unpadded)
-        members = [np.arange(len(lengths))] if not bucketed else \
-            [m for m in (np.flatnonzero(lengths == 1), np.flatnonzero(lengths > 1)) if m.size]
-        arrays: dict[str, np.ndarray] = {"input_ids": np.array(ids, dtype=np.int64), "positions": positions,
-                                         "sample_rows": np.array(sample_rows, dtype=np.int64)}
-        slot_mapping = np.empty(len(ids), dtype=np.int64)
-        output_index = np.empty(len(ids), dtype=np.int64)
-        shapes, output_offset = [], 0
-        for g, seqs in enumerate(members):
-            group_lengths, group_starts = lengths[seqs], starts[seqs]
-            batch, q_max, num_keys = len(seqs), int(group_lengths.max()), int((group_starts + group_lengths).max())
-            if bucketed:
-                batch, q_max = self.buckets.batch(batch), self.buckets.query(q_max)
-                num_keys = self.buckets.keys(num_keys)
-            num_blocks = -(-num_keys // size)
-            table = np.zeros((batch, num_blocks), dtype=np.int64)
-            query_index = np.zeros((batch, q_max), dtype=np.int64)
-            query_positions = np.full((batch, q_max), -1, dtype=np.int64)
-            for b, seq in enumerate(seqs):
-                blocks = tables[seq][:num_blocks]
-                table[b, :len(blocks)] = blocks
-                rows = np.arange(row_offsets[seq], row_offsets[seq] + lengths[seq])
-                query_index[b, :len(rows)] = rows
-                query_positions[b, :len(rows)] = positions[rows]
-                slot_mapping[rows] = table[b, positions[rows] // size] * size + positions[rows] % size
-                output_index[rows] = output_offset + b * q_max + np.arange(len(rows))
-            output_offset += batch * q_max
-            arrays.update({f"table{g}": table, f"query_index{g}": query_index,
-                           f"query_positions{g}": query_positions})
-            shapes.append((batch, num_keys))
-        inputs = self.staging.upload(slot_mapping=slot_mapping, output_index=output_index, **arrays)
+        layout = layout_step([entry.num_new_tokens for entry in step.scheduled],
+                             [entry.seq.num_computed_tokens for entry in step.scheduled],
+                             [entry.seq.block_ids for entry in step.scheduled], ids, sample_rows,
+                             self.buckets if bucketed else None, self.block_size, self.kv_cache.scratch_slot)
+        inputs = self.staging.upload(**layout.arrays)
         groups = []
-        for g, (batch, num_keys) in enumerate(shapes):
-            slots = (inputs[f"table{g}"].unsqueeze(-1) * size + self._block_offsets).view(batch, -1)[:, :num_keys]
-            groups.append(AttentionGroup(inputs[f"query_index{g}"], inputs[f"query_positions{g}"], num_keys, slots))
-        metadata = AttentionMetadata(groups, inputs["output_index"], inputs["slot_mapping"], tuple(lengths.tolist()))
+        for g, (batch, num_keys) in enumerate(layout.shapes):
+            slots = (inputs[f"table{g}"].unsqueeze(-1) * self.block_size + self._block_offsets).view(batch, -1)
+            groups.append(AttentionGroup(inputs[f"query_index{g}"], inputs[f"query_positions{g}"], num_keys,
+                                         slots[:, :num_keys]))
+        metadata = AttentionMetadata(groups, inputs["output_index"], inputs["slot_mapping"], layout.query_lengths)
         return _PackedStep(inputs["input_ids"], inputs["positions"], metadata, sample_rows, inputs["sample_rows"],
-                           sample_entries, prompt_rows)
+                           sample_entries, prompt_rows, layout.static)
 
     def cache_info(self) -> dict[str, str]:
         """The KV cache's shape, as vLLM's `cache_config_info` metric labels it."""
@@ -199,11 +174,17 @@ class ModelRunner:
         """`iter_layers` run to the end."""
         return run_to_end(self.iter_layers(*args, **kwargs))
 
-    def forward_hidden(self, packed: _PackedStep) -> torch.Tensor:
-        """Runs embedding, decoder layers and final norm; returns (T, hidden)."""
-        hidden = self.embed(packed.input_ids.unsqueeze(0))  # (1, T, hidden)
-        hidden = self.run_layers(hidden, packed.positions, packed.metadata, StepKV(self.kv_cache, packed.metadata))
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       metadata: AttentionMetadata) -> torch.Tensor:
+        """Runs embedding, decoder layers and final norm on a step's (T,) packed rows; returns (T, hidden)."""
+        hidden = self.embed(input_ids.unsqueeze(0))  # (1, T, hidden)
+        hidden = self.run_layers(hidden, positions, metadata, StepKV(self.kv_cache, metadata))
         return self.norm(hidden)[0]
+
+    def capture_decode_graphs(self) -> CaptureReport | None:
+        """Captures the decode step's CUDA graphs for every batch and key bucket (a GPU
+        without `enforce_eager`), once the model is final: adapters attached."""
+        return self.decode_graphs.capture_all(self.decode_batches, self.decode_keys)
 
     def execute(self, step: SchedulerOutput, segment_sink: SegmentSink | None = None,
                 stale_resolver=None) -> ModelOutput:
@@ -314,7 +295,8 @@ class ModelRunner:
 
     def _execute(self, step: SchedulerOutput) -> ModelOutput:
         packed = self._pack(step)
-        hidden = self.forward_hidden(packed)
+        forward = self.decode_graphs.forward if packed.static else self.forward_hidden
+        hidden = forward(packed.input_ids, packed.positions, packed.metadata)
         output = ModelOutput()
         if packed.sample_rows:
             logits = self.lm_head(hidden.index_select(0, packed.sample_index))  # (N, V)

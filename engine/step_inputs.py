@@ -50,6 +50,81 @@ class StepBuckets:
         keys = next_power_of_two(max(max_context, self.min_keys))
         return -(-keys // self.block_size) * self.block_size
 
+    def all_batches(self, max_num_seqs: int) -> list[int]:
+        """Every batch bucket up to the one holding `max_num_seqs`, ascending."""
+        return sorted({self.batch(n) for n in range(1, max_num_seqs + 1)})
+
+    def all_keys(self, max_model_len: int) -> list[int]:
+        """Every key bucket up to the one holding `max_model_len`, ascending."""
+        buckets, n = [], 1
+        while not buckets or buckets[-1] < max_model_len:
+            buckets.append(self.keys(n))
+            n = buckets[-1] + 1
+        return buckets
+
+
+@dataclass
+class StepLayout:
+    """A step's inputs as host arrays (named as the runner uploads them), and per
+    attention group its (batch, keys) shape."""
+
+    arrays: dict[str, np.ndarray]
+    shapes: list[tuple[int, int]]
+    query_lengths: tuple[int, ...]
+    # decode-only and bucketed: the rows too are padded to the batch bucket
+    static: bool
+
+
+def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[int]], token_ids: list[int],
+                sample_rows: list[int], buckets: StepBuckets | None, block_size: int,
+                scratch_slot: int) -> StepLayout:
+    """Sequence b computes `lengths[b]` tokens from position `starts[b]`, packed in order
+    into rows `token_ids`. The decodes form one attention group and the prefill chunks
+    another, each padded to its own bucketed shape (`buckets`; None: one exact group, as a
+    recorded prefill runs). A decode-only step also pads its rows to the batch bucket:
+    padded rows read token 0 at position 0 and write their K/V to `scratch_slot`."""
+    lengths_, starts_ = np.array(lengths), np.array(starts)
+    num_rows = len(token_ids)
+    row_offsets = np.cumsum(lengths_) - lengths_
+    seq_of_row = np.repeat(np.arange(len(lengths_)), lengths_)
+    positions = starts_[seq_of_row] + np.arange(num_rows) - row_offsets[seq_of_row]
+    members = [np.arange(len(lengths_))] if buckets is None else \
+        [m for m in (np.flatnonzero(lengths_ == 1), np.flatnonzero(lengths_ > 1)) if m.size]
+    arrays: dict[str, np.ndarray] = {"input_ids": np.array(token_ids, dtype=np.int64), "positions": positions,
+                                     "sample_rows": np.array(sample_rows, dtype=np.int64),
+                                     "slot_mapping": np.empty(num_rows, dtype=np.int64),
+                                     "output_index": np.empty(num_rows, dtype=np.int64)}
+    shapes, output_offset = [], 0
+    for g, seqs in enumerate(members):
+        batch, q_max = len(seqs), int(lengths_[seqs].max())
+        num_keys = int((starts_[seqs] + lengths_[seqs]).max())
+        if buckets is not None:
+            batch, q_max, num_keys = buckets.batch(batch), buckets.query(q_max), buckets.keys(num_keys)
+        table = np.zeros((batch, -(-num_keys // block_size)), dtype=np.int64)
+        query_index = np.zeros((batch, q_max), dtype=np.int64)
+        query_positions = np.full((batch, q_max), -1, dtype=np.int64)
+        for b, seq in enumerate(seqs):
+            blocks = block_tables[seq][:table.shape[1]]
+            table[b, :len(blocks)] = blocks
+            rows = np.arange(row_offsets[seq], row_offsets[seq] + lengths_[seq])
+            query_index[b, :len(rows)] = rows
+            query_positions[b, :len(rows)] = positions[rows]
+            arrays["slot_mapping"][rows] = table[b, positions[rows] // block_size] * block_size \
+                + positions[rows] % block_size
+            arrays["output_index"][rows] = output_offset + b * q_max + np.arange(len(rows))
+        output_offset += batch * q_max
+        arrays.update({f"table{g}": table, f"query_index{g}": query_index, f"query_positions{g}": query_positions})
+        shapes.append((batch, num_keys))
+    static = buckets is not None and bool((lengths_ == 1).all())
+    if static:
+        batch = shapes[0][0]
+        pad = batch - num_rows
+        for name, fill in (("input_ids", 0), ("positions", 0), ("slot_mapping", scratch_slot)):
+            arrays[name] = np.concatenate([arrays[name], np.full(pad, fill, dtype=np.int64)])
+        arrays["output_index"] = np.arange(batch, dtype=np.int64)
+        arrays["query_index0"] = arrays["output_index"].reshape(batch, 1)
+    return StepLayout(arrays, shapes, tuple(lengths), static)
+
 
 class HostStaging:
     """Copies named host arrays to the device, one copy per dtype.

@@ -30,6 +30,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--enforce-eager", action="store_const", const=True,
+                        help="on a GPU, run the decode step eagerly instead of replaying CUDA graphs")
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--kv-cache-bytes", type=int)
@@ -58,7 +60,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
     overrides = {
         "model": {"model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
-                  "device": args.device, "max_model_len": args.max_model_len,
+                  "device": args.device, "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager,
                   "tokenizer": args.tokenizer, "load_format": args.load_format,
                   "generation_config": args.generation_config},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
