@@ -142,6 +142,40 @@ class AttentionShapes:
         return len(self.shapes)
 
 
+def _is_view(func) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+@dataclass
+class AtenOps:
+    """Counts the aten ops dispatched while active — each a kernel launch on a GPU —
+    views apart (they launch nothing)."""
+
+    ops: Counter = field(default_factory=Counter)
+    views: int = 0
+
+    @contextlib.contextmanager
+    def counting(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if _is_view(func):
+                    counter.views += 1
+                else:
+                    counter.ops[str(func.overloadpacket.__name__)] += 1
+                return func(*args, **(kwargs or {}))
+
+        with Mode():
+            yield self
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
 @dataclass
 class TraceArrival:
     step: int

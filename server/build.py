@@ -37,7 +37,7 @@ from offload.build import build_offloader
 from offload.config import OffloadConfig
 from server.config import AlchemistConfig
 from server.metrics import ServingMetrics
-from trainer.adapter import attach_lora, lora_parameters, merge_all
+from trainer.adapter import LeanLoraLinear, attach_lora, lora_parameters, merge_all
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.arbiter import Arbiter
 from trainer.cache import ActivationCache
@@ -59,6 +59,7 @@ from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
 from trainer.replay import replay_ledger
 from trainer.replicated import Replica, ReplicaSync
+from trainer.serving_copy import build_serving_copies
 from trainer.stash import WeightStash
 from trainer.status import TrainingStats
 from trainer.trainer import Trainer
@@ -99,6 +100,8 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s,
                             max_label_entries=config.max_label_entries, journal=ledger)
     stats = TrainingStats()
+    serving_copies = build_serving_copies(runner.layers, lambda module: isinstance(module, LeanLoraLinear),
+                                          next(model.parameters()).dtype)
     if config.merged_serving:
         merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack
@@ -113,7 +116,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     stash = WeightStash(peft_model)
     # recordings in host memory land on pre-faulted pages (engine/malloc_tuning.py)
     warmer = HeapWarmer() if heap_warming and runner.device.type == "cpu" else None
-    maintenance = Maintenance(cache, peft_model, config.merged_serving, stats, warmer)
+    maintenance = Maintenance(cache, peft_model, config.merged_serving, stats, warmer, serving_copies)
     gate = build_gate(runner, peft_model, tokenizer, max_model_len, config)
     lifecycle = AdapterLifecycle(peft_model, optimizer, cache, stash, maintenance, stats, method.name, checkpointer,
                                  gate, ledger)

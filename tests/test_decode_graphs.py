@@ -78,18 +78,17 @@ def test_replayed_decode_equals_eager_before_and_after_an_optimizer_step_and_a_r
         return replayed, eager
 
     lora = [p for name, p in training.peft_model.named_parameters() if "lora_" in name]
-    before = [p.detach().clone() for p in lora]
+    saved = training.lifecycle.snapshot()
     replayed, eager = both()
     assert replayed == eager
     optimizer = torch.optim.AdamW(lora, lr=0.5)
     for p in lora:
         p.grad = torch.randn_like(p)
     optimizer.step()  # in place, as the trainer's optimizer changes the adapter
+    training.lifecycle.after_step(True)  # the serving copy follows, in place
     stepped, stepped_eager = both()
     assert stepped == stepped_eager and stepped != replayed
-    with torch.no_grad():  # a rollback restores the saved weights in place (AdapterLifecycle.restore)
-        for p, saved in zip(lora, before):
-            p.copy_(saved)
+    training.lifecycle.restore(saved, saved.version + 2)  # a rollback: the saved weights, in place
     assert both() == (replayed, eager)
 
 

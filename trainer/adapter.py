@@ -10,7 +10,10 @@ without autograd in one of two ways, both computing `x (W + s B A)^T`:
     only while the base and LoRA weights have the version counters it was built from, so
     an optimizer step invalidates it by itself; the trainer rebuilds copies in idle slices
     (`merge_stale`). This makes serving in training mode as fast as without an adapter.
-  - lean: `base(x) + s (x A^T) B^T` in three ops, while its merged copy is stale.
+  - from the serving copy (trainer/serving_copy.py): the LoRA weights in the model's
+    dtype, fused per shared input, refreshed in place when the adapter changes — the
+    GPU's path, and the CPU's while its merged copy is stale;
+  - lean: `base(x) + s (x A^T) B^T` in three ops, with the live weights (no serving copy).
 A step may mix merged and lean layers: both stand for the same, current adapter. While
 the eval gate scores a candidate (trainer/eval_gate.py), serving is pinned to the merged
 copies of the promoted version, whatever the live weights. With
@@ -26,6 +29,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear
 
 from trainer.config import TrainConfig
+from trainer.serving_copy import SharedInputGroup, serve_from_copy
 
 # every linear layer of the decoder, as QLoRA recommends and PEFT's "all-linear" does
 # (Phi-3 fuses q/k/v and gate/up). Against attention projections only: measured with
@@ -78,9 +82,29 @@ class LeanLoraLinear(LoraLinear):
     # an older version's LoRA weights are swapped in (trainer/stash.py): the merged copy,
     # built from the live ones, does not stand for them
     weights_swapped: bool = False
-    # the eval gate holds serving on the promoted version (trainer/eval_gate.py): serving
-    # keeps the merged copy while the live LoRA weights are a candidate
-    serving_pinned: bool = False
+    _serving_pinned: bool = False
+    # the serving copy (trainer/serving_copy.py) this layer serves from, and its place in it
+    serving_group: SharedInputGroup | None = None
+    serving_index: int = 0
+
+    @property
+    def serving_pinned(self) -> bool:
+        """The eval gate holds serving on the promoted version (trainer/eval_gate.py): serving
+        keeps the merged copy and the serving copy while the live LoRA weights are a
+        candidate; released, the serving copy follows the live weights again."""
+        return self._serving_pinned
+
+    @serving_pinned.setter
+    def serving_pinned(self, pinned: bool) -> None:
+        released = self._serving_pinned and not pinned
+        self._serving_pinned = pinned
+        if released and self.serving_group is not None:
+            self.serving_group.refresh()
+
+    def serving_masters(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The live LoRA weights (A, B) and scale, as the serving copy is made of them."""
+        name = self.active_adapters[0]
+        return self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
 
     def _weights(self):
         name = self.active_adapters[0]
@@ -115,6 +139,9 @@ class LeanLoraLinear(LoraLinear):
                 and not self.weights_swapped and torch.is_grad_enabled() and self.merged_is_current() and x.dtype == self._merged_pack.dtype):
             name = self.active_adapters[0]
             return _MergedLoraFunction.apply(x, self.lora_A[name].weight, self.lora_B[name].weight, self)
+        if (self.serving_group is not None and not args and not kwargs and not torch.is_grad_enabled()
+                and not self._disable_adapters and not self.weights_swapped):
+            return serve_from_copy(self, x)
         adapters = self.active_adapters
         if (args or kwargs or torch.is_grad_enabled() or self.disable_adapters or self.merged
                 or len(adapters) != 1 or adapters[0] in self.lora_variant or adapters[0] not in self.lora_A):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from engine.malloc_tuning import HeapWarmer, return_freed_memory
 from trainer.adapter import merge_all, merge_stale
+from trainer.serving_copy import SharedInputGroup, refresh_serving_copies
 from trainer.cache import ActivationCache
 from trainer.status import TrainingStats
 
@@ -32,13 +33,15 @@ MERGE_ITEM_S = 0.01
 
 class Maintenance:
     def __init__(self, cache: ActivationCache, peft_model, merged_serving: bool, stats: TrainingStats,
-                 warmer: HeapWarmer | None = None):
+                 warmer: HeapWarmer | None = None, serving_copies: list[SharedInputGroup] = ()):
         """`merged_serving`: serving runs on LoRA merged into the base weights, rebuilt
         after every change of the adapter; `warmer`: pre-faulted heap for the next
-        recording (engine.malloc_tuning.HeapWarmer), None where it does not help."""
+        recording (engine.malloc_tuning.HeapWarmer), None where it does not help;
+        `serving_copies`: the adapter's serving copy, refreshed at every change at once."""
         self.cache = cache
         self.peft_model = peft_model
         self.merged_serving = merged_serving
+        self.serving_copies = list(serving_copies)
         self.stats = stats
         self.warmer = warmer
         self._merge_pending = False
@@ -48,13 +51,17 @@ class Maintenance:
     # -- merged serving weights -------------------------------------------------------
 
     def merge_all(self) -> None:
-        """Rebuilds every stale merged serving weight now (at start, nobody waits)."""
+        """Rebuilds every stale merged serving weight and the serving copy now (at start,
+        nobody waits)."""
         if self.merged_serving:
             merge_all(self.peft_model)
+        refresh_serving_copies(self.serving_copies)
         self._merge_pending = False
 
     def invalidate_merged(self) -> None:
-        """The adapter changed: merged serving weights are rebuilt in the next items."""
+        """The adapter changed: the serving copy follows it now (a few small copies),
+        merged serving weights are rebuilt in the next items."""
+        refresh_serving_copies(self.serving_copies)
         self._merge_pending = self.merged_serving
 
     def merged_stale(self) -> bool:

@@ -1,0 +1,110 @@
+"""The adapter's serving copy (trainer/serving_copy.py): serving from it equals PEFT's
+forward, it follows the adapter at every change except while the eval gate pins serving,
+and it costs a decode step a fixed number of ops per shared input, not casts."""
+
+import pytest
+import torch
+
+from bench.step_counts import AtenOps
+from engine.sampling_params import SamplingParams
+from server.build import build_training_engine
+from tests.conftest import make_config
+from tests.tiny import tiny_model, tiny_tokenizer
+from trainer.adapter import LeanLoraLinear, attach_lora
+from trainer.config import TrainConfig
+from trainer.serving_copy import build_serving_copies
+
+
+def _adapted(family: str, dtype=torch.float32):
+    model = tiny_model(family, dtype=dtype)
+    peft_model = attach_lora(model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
+    groups = build_serving_copies(model.model.layers, lambda m: isinstance(m, LeanLoraLinear), dtype)
+    return model, peft_model, groups
+
+
+def _logits(model, ids: torch.Tensor, peft: bool) -> torch.Tensor:
+    if peft:  # with grad enabled, the layers take PEFT's own forward
+        with torch.enable_grad():
+            return model(ids).logits.detach()
+    with torch.inference_mode():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_serving_from_the_copy_equals_peft_forward(family):
+    model, _, groups = _adapted(family)
+    sizes = {len(group.layers) for group in groups}
+    assert sizes == ({3, 1, 2} if family != "phi3" else {1})  # q/k/v and gate/up share their inputs
+    ids = torch.randint(3, model.config.vocab_size, (1, 9))
+    assert torch.allclose(_logits(model, ids, peft=False), _logits(model, ids, peft=True), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_serving_copy_errs_no_more_than_peft_with_its_float32_adapter():
+    """Against the float32 model with the same weights, the bfloat16 model served from
+    its bfloat16 copy is about as far off as PEFT's forward on it (float32 adapter, casts)."""
+    truth_model, _, _ = _adapted("llama", torch.float32)
+    model, _, groups = _adapted("llama", torch.bfloat16)
+    assert groups[0].a.dtype == torch.bfloat16
+    ids = torch.randint(3, model.config.vocab_size, (1, 9))
+    truth = _logits(truth_model, ids, peft=True).log_softmax(-1)
+    served = (_logits(model, ids, peft=False).float().log_softmax(-1) - truth).abs().max()
+    peft = (_logits(model, ids, peft=True).float().log_softmax(-1) - truth).abs().max()
+    assert served <= 1.5 * peft + 1e-3, (served, peft)
+
+
+def test_the_copy_follows_the_adapter_except_while_the_gate_pins_it():
+    engine, training = build_training_engine(tiny_model("llama"), tiny_tokenizer(), make_config(),
+                                             TrainConfig(mode="cpt", lora_rank=4))
+    group = training.maintenance.serving_copies[0]
+    storage = group.a.data_ptr()
+    a = group.layers[0].lora_A["default"].weight
+
+    def served_a() -> torch.Tensor:
+        return group.a[:a.shape[0]]
+
+    with torch.no_grad():
+        a.add_(1.0)  # in place, as an optimizer step changes it
+    assert not torch.allclose(served_a(), a)
+    training.lifecycle.after_step(True)
+    assert torch.equal(served_a(), a) and group.a.data_ptr() == storage
+    for layer in group.layers:
+        layer.serving_pinned = True  # the eval gate holds serving on the promoted version
+    with torch.no_grad():
+        a.add_(1.0)
+    training.maintenance.invalidate_merged()
+    assert not torch.allclose(served_a(), a)
+    for layer in group.layers:
+        layer.serving_pinned = False
+    assert torch.equal(served_a(), a) and group.a.data_ptr() == storage
+
+
+def test_training_mode_decode_costs_a_fixed_number_of_ops_per_shared_input():
+    """Per decoder layer, beyond frozen serving: two GEMMs for each group of adapted
+    layers that read one input (four in a Llama layer), and no casts in bfloat16."""
+    def layer_ops(engine) -> AtenOps:
+        for i in range(4):
+            engine.add_request(f"r{i}", [5 + i, 7, 9], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6))
+        engine.step()
+        counter, run_layer = AtenOps(), engine.runner.run_layer
+
+        def counted(index, *args, **kwargs):
+            if index != 0:
+                return run_layer(index, *args, **kwargs)
+            with counter.counting():
+                return run_layer(index, *args, **kwargs)
+
+        engine.runner.run_layer = counted
+        engine.step()
+        return counter
+
+    from engine.llm_engine import LLMEngine
+    import dataclasses
+    config = make_config()
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, packed_linear=False))
+    for dtype in (torch.float32, torch.bfloat16):
+        frozen = layer_ops(LLMEngine.for_model(tiny_model("llama", dtype=dtype), tiny_tokenizer(), config))
+        engine, _ = build_training_engine(tiny_model("llama", dtype=dtype), tiny_tokenizer(), config,
+                                          TrainConfig(mode="cpt", merged_serving=False))
+        training = layer_ops(engine)
+        assert training.total == frozen.total + 8, (dtype, dict(training.ops), dict(frozen.ops))
+        assert "_to_copy" not in training.ops
