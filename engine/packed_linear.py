@@ -26,8 +26,12 @@ from torch import nn
 _PACK_ROWS_HINT = 8
 
 
-def packed_linear_available(device: torch.device) -> bool:
-    return device.type == "cpu" and torch.backends.mkldnn.is_available()
+def packed_linear_available(device: torch.device, dtype: torch.dtype = torch.float32) -> bool:
+    """oneDNN packs float32 weights on any x86 CPU, bfloat16 ones only where it has the
+    instructions (AVX-512 BF16 or AVX-NE-CONVERT), and no others."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class _PackedLinearFunction(torch.autograd.Function):
@@ -78,8 +82,8 @@ class PackedLinear(nn.Linear):
 
 def install_packed_linear(model: nn.Module) -> int:
     """Switches every plain nn.Linear of a CPU model; returns how many were switched."""
-    device = next(model.parameters()).device
-    if not packed_linear_available(device):
+    weight = next(model.parameters())
+    if not packed_linear_available(weight.device, weight.dtype):
         return 0
     count = 0
     for module in model.modules():

@@ -75,3 +75,12 @@ def test_backward_after_the_frozen_weight_changed_raises():
         layer.weight.add_(1.0)
     with pytest.raises(RuntimeError, match="modified in place"):
         out.sum().backward()
+
+
+@pytest.mark.skipif(torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="this CPU packs bfloat16 weights")
+def test_a_bfloat16_model_is_left_unpacked_where_onednn_cannot_pack_it():
+    model = nn.Sequential(nn.Linear(64, 96)).to(torch.bfloat16)
+    assert install_packed_linear(model) == 0
+    x = torch.randn(1, 3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert model(x).dtype == torch.bfloat16

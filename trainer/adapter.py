@@ -28,6 +28,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear
 
+from engine.packed_linear import packed_linear_available
 from trainer.config import TrainConfig
 from trainer.serving_copy import SharedInputGroup, serve_from_copy
 
@@ -111,8 +112,8 @@ class LeanLoraLinear(LoraLinear):
         return self.base_layer.weight, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
 
     def can_merge(self) -> bool:
-        return self.base_layer.weight.device.type == "cpu" and torch.backends.mkldnn.is_available() \
-            and len(self.active_adapters) == 1
+        weight = self.base_layer.weight
+        return packed_linear_available(weight.device, weight.dtype) and len(self.active_adapters) == 1
 
     def merged_is_current(self) -> bool:
         if self._merged_pack is None:
