@@ -21,13 +21,14 @@ bench steps` prints its counts.
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from bench.traces import lognormal_length, poisson_times
 
 _READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 _BUILDERS = ("tensor", "as_tensor", "from_numpy")
@@ -188,14 +189,12 @@ def arrival_trace(vocab_size: int, steps: int = 400, rate_per_step: float = 0.12
     """Poisson arrivals over `steps` engine steps; prompts (random ids) and outputs of
     log-normal length, as bench/traces.make_trace draws them for a server."""
     rng = random.Random(seed)
-    arrivals, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate_per_step)
-        if t >= steps:
-            return arrivals
-        prompt_len = int(min(max(rng.lognormvariate(math.log(40), 0.8), 4), max_prompt))
-        output = int(min(max(rng.lognormvariate(math.log(32), 0.6), 4), max_output))
+    arrivals = []
+    for t in poisson_times(rate_per_step, steps, rng):
+        prompt_len = lognormal_length(rng, 40, 0.8, 4, max_prompt)
+        output = lognormal_length(rng, 32, 0.6, 4, max_output)
         arrivals.append(TraceArrival(int(t), [rng.randrange(3, vocab_size) for _ in range(prompt_len)], output))
+    return arrivals
 
 
 @dataclass

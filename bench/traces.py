@@ -37,18 +37,27 @@ class TraceRequest:
     output_tokens: int
 
 
+def poisson_times(rate: float, horizon: float, rng: random.Random):
+    """Arrival times of a Poisson process at `rate` per unit of time, over [0, horizon)."""
+    t = rng.expovariate(rate)
+    while t < horizon:
+        yield t
+        t += rng.expovariate(rate)
+
+
+def lognormal_length(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
+    return int(min(max(rng.lognormvariate(math.log(median), sigma), low), high))
+
+
 def make_trace(rate: float, seconds: float, seed: int) -> list[TraceRequest]:
     """Poisson arrivals at `rate` per second; log-normal prompt (words) and output lengths."""
     rng = random.Random(seed)
-    trace, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= seconds:
-            return trace
-        prompt_words = int(min(max(rng.lognormvariate(math.log(60), 0.8), 8), 400))
-        output = int(min(max(rng.lognormvariate(math.log(48), 0.6), 8), 160))
-        prompt = " ".join(rng.choice(WORDS) for _ in range(prompt_words))
-        trace.append(TraceRequest(t, prompt, output))
+    trace = []
+    for t in poisson_times(rate, seconds, rng):
+        prompt_words = lognormal_length(rng, 60, 0.8, 8, 400)
+        output = lognormal_length(rng, 48, 0.6, 8, 160)
+        trace.append(TraceRequest(t, " ".join(rng.choice(WORDS) for _ in range(prompt_words)), output))
+    return trace
 
 
 def synthetic_tokens(tokenizer, count: int, offset: int) -> list[int]:
