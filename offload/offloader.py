@@ -123,6 +123,13 @@ class ActivationOffloader:
         with self._lock:
             return self.budget_bytes - self._max_step_bytes
 
+    def graph_fits(self, num_tokens: int) -> bool:
+        """Whether a training forward of `num_tokens` rows, every layer's graph alive,
+        fits in the room reloads may use beside what the recordings hold on the device."""
+        with self._lock:
+            need = self.map.model.num_layers * self.layer_bytes(num_tokens)
+            return self.device_bytes + need <= self.budget_bytes - self._max_step_bytes
+
     def kept_fit(self) -> bool:
         """Whether the never-freed tensors of the recordings held now leave room for the
         largest serving step seen (else the trainer gives up its stale recordings)."""

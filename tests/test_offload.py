@@ -326,3 +326,31 @@ def test_cuda_offload_gradients_and_hidden_loads(tmp_path):
     for name, result in report["policies"].items():
         assert result["max_grad_rel_diff"] <= 1e-5, name
     assert report["sweep"][0]["policies"]["offload"]["reload_wait_fraction"] < 0.1
+
+
+def _labelled_dpo_trainer(budget: int):
+    trainer = make_trainer(mode="dpo", offload=OffloadConfig(device_budget_bytes=budget))
+    serve_two(trainer)
+    trainer.offloader.free_to(0)
+    label(trainer, "b", chosen="Paris, of course. It is a lovely city.")
+    return trainer, trainer.cache.get("b")
+
+
+def test_dpo_responses_go_one_at_a_time_when_the_budget_has_no_room_for_both():
+    """Batched, the two responses' graphs are alive at once; under a budget without room
+    for them the reuse job takes its one-response-at-a-time schedule, with the same gradients."""
+    reference = gradients_after_serving(make_trainer(mode="dpo"), "dpo")  # no budget: batched
+    probe, entry = _labelled_dpo_trainer(tight_budget())
+    batch_rows = 2 * max(len(entry.label.chosen), len(entry.label.rejected))
+    offloader = probe.offloader
+    room = offloader.budget_bytes - offloader._max_step_bytes - offloader.device_bytes
+    need = offloader.map.model.num_layers * offloader.layer_bytes(batch_rows)
+    assert probe.context.graph_fits(batch_rows) and room >= need
+    trainer, entry = _labelled_dpo_trainer(tight_budget() - (room - need) - 1)  # room for all but the batch
+    assert entry.recording is not None and not trainer.context.graph_fits(batch_rows)
+    schedules = []
+    one_at_a_time = trainer.method._reuse_one_response_at_a_time
+    trainer.method._reuse_one_response_at_a_time = lambda *args: schedules.append(1) or one_at_a_time(*args)
+    grads = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    assert schedules == [1]
+    assert relative_difference(grads, reference) <= 1e-5

@@ -39,7 +39,8 @@ def within(context: Callable[[], contextlib.AbstractContextManager], generator):
 
 class SequenceKV:
     """`past_key_values` for a training forward: each sequence attends to its own new
-    tokens, after the prefix K/V if one is given (one sequence only)."""
+    tokens, after the prefix K/V if one is given (the suffixes of one prefix: the prefix is
+    expanded to every sequence, so that its gradients sum over them)."""
 
     def __init__(self, metadata: AttentionMetadata, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.metadata = metadata
@@ -55,7 +56,7 @@ class SequenceKV:
         self.new[layer_idx] = (key, value)
         key, value = self._per_sequence(key), self._per_sequence(value)
         if self.prefix is not None:
-            prefix_key, prefix_value = self.prefix[layer_idx]
+            prefix_key, prefix_value = (t.expand(key.shape[0], -1, -1, -1) for t in self.prefix[layer_idx])
             key, value = torch.cat([prefix_key, key], dim=2), torch.cat([prefix_value, value], dim=2)
         return key, value
 

@@ -48,6 +48,11 @@ class TrainContext:
         """Token ids as a tensor on the model's device."""
         return torch.tensor(tokens, device=self.runner.device)
 
+    def graph_fits(self, num_tokens: int) -> bool:
+        """Whether a training forward of `num_tokens` rows, every layer's graph alive at
+        once, fits the offloader's device budget beside what it holds (no budget: it fits)."""
+        return self.offloader is None or self.offloader.graph_fits(num_tokens)
+
 
 @dataclass
 class JobResult:
@@ -195,17 +200,37 @@ class DPOMethod(TrainingMethod):
                                  ctx.head_chunk_rows)
         yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
 
+    def response_logps(self, ctx: TrainContext, prompt_len: int, responses: dict[str, list[int]],
+                       last_logits: torch.Tensor, prefix, with_grad: bool):
+        """Generator -> (summed log p(response | prompt) of each response, as values; the
+        responses' batched SegmentedForward, or None when every response is one token;
+        each batched response's (first head row, scored token ids)). The first token of
+        each is scored by `last_logits` (1, V), the prompt's last row; the rest run as one
+        batch against the prompt's K/V `prefix` (expanded to every row: with grad, their
+        gradients sum there); with_grad: the forward keeps its graph for the backward."""
+        with torch.no_grad():
+            values = {name: token_logprobs(last_logits, ctx.ids(r[:1])).sum() for name, r in responses.items()}
+        longer = {name: r for name, r in responses.items() if len(r) > 1}
+        if not longer:
+            return values, None, {}
+        fwd = yield from forward_segments(ctx.runner, [r[:-1] for r in longer.values()], [prompt_len] * len(longer),
+                                          prefix, with_grad)
+        rows = {name: (fwd.offsets[b], ctx.ids(r[1:])) for b, (name, r) in enumerate(longer.items())}
+        for name, (start, targets) in rows.items():
+            values[name] = values[name] + (yield from head_score(ctx.runner, fwd.head_leaf, start, targets,
+                                                                 ctx.head_chunk_rows))
+        return values, fwd, rows
+
     def reference_logps(self, entry: PreferenceEntry, ctx: TrainContext):
-        """Generator -> (chosen, rejected) summed log-probs under the base model, no grad."""
+        """Generator -> (chosen, rejected) summed log-probs under the base model, no grad:
+        the prompt, then both responses as one batch against its K/V."""
         def compute():
             prompt = yield from forward_segments(ctx.runner, [entry.prompt_token_ids], with_grad=False)
             last = _head(ctx, prompt.head_leaf[0, -1:])
-            results = []
-            for response in (entry.label.chosen, entry.label.rejected):
-                logp, _ = yield from self._response_logp(ctx, len(entry.prompt_token_ids), response, last,
-                                                         prompt.kv, with_grad=False)
-                results.append(logp.item())
-            return tuple(results)
+            responses = {"chosen": entry.label.chosen, "rejected": entry.label.rejected}
+            values, _, _ = yield from self.response_logps(ctx, len(entry.prompt_token_ids), responses, last,
+                                                          prompt.kv, with_grad=False)
+            return tuple(torch.stack([values["chosen"], values["rejected"]]).tolist())
 
         return (yield from within(lambda: base_model_no_grad(ctx), compute()))
 
@@ -224,9 +249,43 @@ class DPOMethod(TrainingMethod):
 
     def reuse_job(self, entry: PreferenceEntry, ctx: TrainContext):
         """Shared-prefix schedule: the responses read the prompt's K/V as detached leaves
-        and accumulate gK/gV there; the prompt's backward runs once at the end.
+        and accumulate gK/gV there; the prompt's backward runs once at the end. Both
+        responses forward as one batch, whose log-probs give the loss; its gradient with
+        respect to each response weights that response's head rows, and one backward runs
+        through both. Peak: the prompt's recording plus both responses' graphs — when the
+        offloader's budget has no room for that, `_reuse_one_response_at_a_time`."""
+        recording, label = entry.recording, entry.label
+        longest = max(len(label.chosen), len(label.rejected))
+        if not ctx.graph_fits(2 * longest):
+            return (yield from self._reuse_one_response_at_a_time(entry, ctx))
+        yield from self._base_reference(entry, ctx)
+        prefix = kv_leaves(recording.segments)
+        last = recording.logits[-1:].detach().requires_grad_()
+        responses = {"chosen": label.chosen, "rejected": label.rejected}
+        values, fwd, rows = yield from self.response_logps(ctx, len(entry.prompt_token_ids), responses, last, prefix,
+                                                           with_grad=True)
+        metrics, weights = yield from self._loss_weights(values, entry)
+        with torch.enable_grad():  # each response's first token, scored by the prompt's last row
+            sum(token_logprobs(last, ctx.ids(r[:1])).sum() * weights[name] for name, r in responses.items()).backward()
+        if fwd is not None:
+            for name, (start, targets) in rows.items():
+                yield from head_backward(ctx.runner, fwd.head_leaf, start, targets,
+                                         -weights[name].expand(len(targets)), ctx.head_chunk_rows)
+            yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+        yield from self._prompt_backward(recording, last, prefix, ctx)
+        return JobResult(metrics["loss"], entry.num_tokens, metrics)
 
-        To hold as little as possible, only one response graph is alive at a time: the
+    def _prompt_backward(self, recording, last: torch.Tensor, prefix, ctx: TrainContext):
+        """Generator: the recorded prompt's backward, once, with what the responses left on
+        its last logits row and its K/V leaves."""
+        with torch.enable_grad():
+            recording.logits[-1:].backward(last.grad)  # the prompt's head segment
+        yield
+        yield from backward_segments(recording.segments, recording.head_leaf.grad,
+                                     [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
+
+    def _reuse_one_response_at_a_time(self, entry: PreferenceEntry, ctx: TrainContext):
+        """`reuse_job` holding as little as possible: only one response graph is alive at a time: the
         loss needs the responses' log-probs only as values, and its gradient with respect
         to each then weights that response's backward. The served response's value comes
         from decoding (under this same adapter version); otherwise the shorter response is
@@ -255,11 +314,7 @@ class DPOMethod(TrainingMethod):
         _, second_fwd = yield from self._response_logp(ctx, prompt_len, responses[second], last, prefix, True,
                                                        score=False)
         yield from self._response_backward(ctx, responses[second], last, second_fwd, weights[second])
-        with torch.enable_grad():
-            recording.logits[-1:].backward(last.grad)  # the prompt's head segment
-        yield
-        yield from backward_segments(recording.segments, recording.head_leaf.grad,
-                                     [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
+        yield from self._prompt_backward(recording, last, prefix, ctx)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
 
     def _loss_weights(self, values: dict, entry: PreferenceEntry):
