@@ -110,6 +110,22 @@ def test_reuse_and_recompute_give_the_same_gradients(family, beta):
         assert relative_difference(other, batched) <= 1e-5
 
 
+def test_reuse_suffixes_one_at_a_time_give_the_batched_gradients():
+    """The samples' suffixes go in batches as large as the dense trainer's token bound
+    holds (the whole group without one), or one at a time: the same gradients."""
+    grads = {}
+    for rows in (None, 1):
+        trainer = make_trainer()
+        serve_group(trainer)
+        assert reward(trainer).accepted
+        entry, method = trainer.cache.get("g"), trainer.method
+        samples = [s for s in method._samples(entry) if len(s[1]) > 1]
+        method.recompute_tokens = None if rows is None else max(len(s[1]) for s in samples)  # room for one
+        assert method._suffix_rows(trainer.context, samples) == (rows or len(samples)) > 0
+        grads[rows] = gradients_of(trainer, method.reuse_job(entry, trainer.context))
+    assert relative_difference(grads[1], grads[None]) <= 1e-5
+
+
 @pytest.mark.parametrize("policy", ["load", "recompute"])
 def test_reuse_gradients_equal_with_every_layer_offloaded(policy):
     reference_trainer = make_trainer()

@@ -9,10 +9,12 @@ served log-probs per token, optionally a KL term to the base model.
 
 Two jobs, as for every method (trainer/methods.py):
   - `reuse_job`, the shared-prefix schedule (papers/shared-prefix-reuse.txt) on the
-    served recording: each sample's suffix is forwarded against the prompt's K/V as
-    detached leaves and back-propagated at once, one sample alive at a time, its gK/gV
-    accumulating in the leaves; then the prompt's backward runs once. The prompt's
-    forward is serving's: it is not computed here at all;
+    served recording: the samples' suffixes are forwarded against the prompt's K/V as
+    detached leaves (expanded to every row), in batches of as many samples as the dense
+    trainer's token bound holds (one at a time when the offloader's budget has no room
+    for a batch's graphs), and back-propagated at once, their gK/gV accumulating in the
+    leaves; then the prompt's backward runs once. The prompt's forward is serving's: it
+    is not computed here at all;
   - `recompute_job`, the dense trainer the paper compares against (TRL's GRPOTrainer):
     each sample a row `prompt + response`, the group in one batch where it fits in
     `recompute_tokens` (the server's `train.max_record_tokens`), else in micro-batches
@@ -28,7 +30,7 @@ from engine.recording import RecordedPrefill
 from trainer.entries import GroupEntry
 from trainer.forward import backward_segments, forward_segments, head_token_loss, kv_leaves, within
 from trainer.losses import group_advantages, grpo_token_loss, token_logprobs
-from trainer.methods import JobResult, TrainContext, TrainingMethod, base_model_no_grad
+from trainer.methods import JobResult, TrainContext, TrainingMethod, base_model_no_grad, prompt_backward
 
 
 class GRPOMethod(TrainingMethod):
@@ -119,30 +121,42 @@ class GRPOMethod(TrainingMethod):
 
     # -- the two jobs ---------------------------------------------------------------------
 
+    def _suffix_rows(self, ctx: TrainContext, samples: list) -> int:
+        """Samples per suffix forward: as many as the dense trainer's token bound holds
+        (`recompute_tokens`; the whole group without one), or one at a time when the
+        offloader's budget has no room for that batch's graphs."""
+        longest = max((len(response) for _, response, _, _ in samples), default=1)
+        rows = len(samples) if self.recompute_tokens is None else self.recompute_tokens // longest
+        rows = max(1, min(rows, len(samples)))
+        return rows if ctx.graph_fits(rows * longest) else 1
+
     def reuse_job(self, entry: GroupEntry, ctx: TrainContext):
         yield from self._reference(entry, ctx)
         recording = entry.recording
         prompt_len = len(entry.prompt_token_ids)
         prefix = kv_leaves(recording.segments)
         last = recording.logits[-1:].detach().requires_grad_()  # scores every sample's first token
+        samples = self._samples(entry)
+        losses = {index: self._token_loss(entry, index, response, advantage, weight, last.device)
+                  for index, response, advantage, weight in samples}
         total = 0.0
-        for index, response, advantage, weight in self._samples(entry):
-            loss = self._token_loss(entry, index, response, advantage, weight, last.device)
+        if samples:
             with torch.enable_grad():
-                first = loss(last, 0)
+                first = sum(losses[index](last, 0) for index, _, _, _ in samples)
                 first.backward()
             total += first.item()
-            if len(response) > 1:
-                fwd = yield from forward_segments(ctx.runner, [response[:-1]], [prompt_len], prefix)
-                total += yield from head_token_loss(ctx.runner, fwd.head_leaf, 0, len(response) - 1,
-                                                    lambda logits, a, loss=loss: loss(logits, a + 1),
+        longer = [sample for sample in samples if len(sample[1]) > 1]
+        rows = self._suffix_rows(ctx, longer)
+        for start in range(0, len(longer), rows):
+            batch = longer[start:start + rows]
+            fwd = yield from forward_segments(ctx.runner, [response[:-1] for _, response, _, _ in batch],
+                                              [prompt_len] * len(batch), prefix)
+            for b, (index, response, _, _) in enumerate(batch):
+                total += yield from head_token_loss(ctx.runner, fwd.head_leaf, fwd.offsets[b], len(response) - 1,
+                                                    lambda logits, a, loss=losses[index]: loss(logits, a + 1),
                                                     ctx.head_chunk_rows)
-                yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
-        with torch.enable_grad():
-            recording.logits[-1:].backward(last.grad)  # the prompt's head segment
-        yield
-        yield from backward_segments(recording.segments, recording.head_leaf.grad,
-                                     [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
+            yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+        yield from prompt_backward(recording, last, prefix, ctx)
         return JobResult(total, entry.num_tokens, self._metrics(entry, total))
 
     def recompute_job(self, entry: GroupEntry, ctx: TrainContext):

@@ -74,6 +74,16 @@ def _head(ctx: TrainContext, hidden: torch.Tensor) -> torch.Tensor:
     return ctx.runner.lm_head(ctx.runner.norm(hidden))
 
 
+def prompt_backward(recording: RecordedPrefill, last: torch.Tensor, prefix, ctx: TrainContext):
+    """Generator: a recorded prompt's backward, once, with what its suffixes left on its
+    last logits row `last` and on its K/V leaves `prefix`."""
+    with torch.enable_grad():
+        recording.logits[-1:].backward(last.grad)  # the prompt's head segment
+    yield
+    yield from backward_segments(recording.segments, recording.head_leaf.grad,
+                                 [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
+
+
 class TrainingMethod:
     name = "base"
     # which prefill logits the recording keeps (RecordSpec.all_logit_rows)
@@ -272,17 +282,8 @@ class DPOMethod(TrainingMethod):
                 yield from head_backward(ctx.runner, fwd.head_leaf, start, targets,
                                          -weights[name].expand(len(targets)), ctx.head_chunk_rows)
             yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
-        yield from self._prompt_backward(recording, last, prefix, ctx)
+        yield from prompt_backward(recording, last, prefix, ctx)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
-
-    def _prompt_backward(self, recording, last: torch.Tensor, prefix, ctx: TrainContext):
-        """Generator: the recorded prompt's backward, once, with what the responses left on
-        its last logits row and its K/V leaves."""
-        with torch.enable_grad():
-            recording.logits[-1:].backward(last.grad)  # the prompt's head segment
-        yield
-        yield from backward_segments(recording.segments, recording.head_leaf.grad,
-                                     [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
 
     def _reuse_one_response_at_a_time(self, entry: PreferenceEntry, ctx: TrainContext):
         """`reuse_job` holding as little as possible: only one response graph is alive at a time: the
@@ -314,7 +315,7 @@ class DPOMethod(TrainingMethod):
         _, second_fwd = yield from self._response_logp(ctx, prompt_len, responses[second], last, prefix, True,
                                                        score=False)
         yield from self._response_backward(ctx, responses[second], last, second_fwd, weights[second])
-        yield from self._prompt_backward(recording, last, prefix, ctx)
+        yield from prompt_backward(recording, last, prefix, ctx)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
 
     def _loss_weights(self, values: dict, entry: PreferenceEntry):
