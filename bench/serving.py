@@ -138,9 +138,11 @@ def _figures(rates: dict[str, list[float]], outputs: dict[str, list[list[int]]],
         variants = ("merged", "lean", "peft")
         figures.update({f"ratio_adapter_{v}_over_engine": round(median[f"engine_adapter_{v}"] / median["engine"], 3)
                         for v in variants})
-        figures["adapter_equal_to_engine"] = all(outputs[f"engine_adapter_{v}"] == outputs["engine"] for v in variants)
+        figures["adapter_equal_to_engine"] = all(outputs[f"engine_adapter_{v}"] == outputs["engine"]
+                                                 for v in variants)
     for key, other in (("greedy_equal_to_generate", "hf_generate"), ("batched_equal_to_alone", "engine_sequential"),
-                       ("packed_equal_to_plain_linear", "engine_plain_linear"), ("graphs_equal_to_eager", "engine_eager")):
+                       ("packed_equal_to_plain_linear", "engine_plain_linear"),
+                       ("graphs_equal_to_eager", "engine_eager")):
         if other in outputs:
             mismatched = [i for i, (a, b) in enumerate(zip(outputs["engine"], outputs[other])) if a != b]
             figures[key] = not mismatched
