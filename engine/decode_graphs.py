@@ -96,10 +96,18 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
         started = time.perf_counter()
-        with torch.inference_mode():
-            for batch in sorted(batches, reverse=True):
-                for num_keys in sorted(key_lengths, reverse=True):
+        shapes = [(b, k) for b in sorted(batches, reverse=True) for k in sorted(key_lengths, reverse=True)]
+        # the capture stream and the graphs' pool belong to the current device: the model's
+        with torch.inference_mode(), torch.cuda.device(device):
+            for batch, num_keys in shapes:
+                try:
                     self._capture(batch, num_keys)
+                except RuntimeError:  # e.g. a model whose forward reads the host: it runs eagerly
+                    logger.exception("capturing the decode step (batch %d, %d keys) failed: decode runs eagerly",
+                                     batch, num_keys)
+                    self.graphs.clear()
+                    self.enabled = False
+                    break
         torch.cuda.synchronize(device)
         report = CaptureReport(len(self.graphs), time.perf_counter() - started,
                                free_before - torch.cuda.mem_get_info(device)[0])
@@ -121,6 +129,7 @@ class DecodeGraphs:
         static["slot_mapping"][:batch].copy_(metadata.slot_mapping)
         static["query_positions"][:batch].copy_(group.query_positions)
         static["key_slots"][:batch, :num_keys].copy_(group.key_slots)
-        graph.replay()
+        with torch.cuda.device(self.runner.device):
+            graph.replay()
         self.replays += 1
         return static["hidden"][:batch]

@@ -164,9 +164,9 @@ class HostStaging:
                 view[offset:offset + array.size] = array.ravel()
                 offset += array.size
             copied = host[:size].to(self.device, non_blocking=self._pin, copy=True)
-            if self._pin:
+            if self._pin:  # recorded on the stream that copies: the device's current one
                 self._copied[dtype] = torch.cuda.Event()
-                self._copied[dtype].record()
+                self._copied[dtype].record(torch.cuda.current_stream(self.device))
             offset = 0
             for name, array in named:
                 out[name] = copied[offset:offset + array.size].view(array.shape)

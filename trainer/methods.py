@@ -301,7 +301,7 @@ class DPOMethod(TrainingMethod):
         values = {}
         if label.served_logps:
             second = next(iter(label.served_logps))
-            values[second] = torch.tensor(label.served_logps[second])
+            values[second] = torch.tensor(label.served_logps[second], device=ctx.runner.device)
         else:
             second = min(responses, key=lambda k: len(responses[k]))
             detached_prefix = [(k.detach(), v.detach()) for k, v in prefix]

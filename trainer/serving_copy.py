@@ -38,7 +38,10 @@ class SharedInputGroup:
         self.a = torch.zeros(sum(ranks), weights[0][0].shape[1], dtype=dtype, device=device)
         self.b = torch.zeros(sum(outs), sum(ranks), dtype=dtype, device=device)
         biases = [layer.base_layer.bias for layer in layers]
-        self.bias = torch.cat([b.detach() for b in biases]).to(dtype) if all(b is not None for b in biases) else None
+        self.bias = None  # the members' base biases, added by the group's GEMM (zeros where a member has none)
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([torch.zeros(out, dtype=dtype, device=device) if b is None else b.detach().to(dtype)
+                                   for b, out in zip(biases, outs)])
         self._blocks: list[tuple[slice, slice]] = []
         row = col = 0
         for rank, out in zip(ranks, outs):
