@@ -72,7 +72,7 @@ class DecodeGraphs:
         rows = static["rows"][:batch]
         group = AttentionGroup(rows.view(batch, 1), static["query_positions"][:batch], num_keys,
                                static["key_slots"][:batch, :num_keys])
-        metadata = AttentionMetadata([group], rows, static["slot_mapping"][:batch], (1,) * batch)
+        metadata = AttentionMetadata([group], rows, static["slot_mapping"][:batch])
         static["hidden"][:batch] = self.runner.forward_hidden(static["input_ids"][:batch],
                                                               static["positions"][:batch], metadata)
 

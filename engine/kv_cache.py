@@ -165,8 +165,6 @@ class AttentionMetadata:
     output_index: torch.Tensor
     # (T,) cache slot each new token's K/V is written to; None when nothing is cached
     slot_mapping: torch.Tensor | None = None
-    # each sequence's query length, on the host
-    query_lengths: tuple[int, ...] = ()
 
     @property
     def single(self) -> AttentionGroup:
@@ -192,7 +190,7 @@ class AttentionMetadata:
             offset += n
         group = AttentionGroup(query_index.to(device), query_positions.to(device),
                                max(s + n for s, n in zip(starts, lengths)))
-        return cls([group], output_index.to(device), query_lengths=tuple(lengths))
+        return cls([group], output_index.to(device))
 
 
 class StepKV:

@@ -128,7 +128,7 @@ class ModelRunner:
             slots = (inputs[f"table{g}"].unsqueeze(-1) * self.block_size + self._block_offsets).view(batch, -1)
             groups.append(AttentionGroup(inputs[f"query_index{g}"], inputs[f"query_positions{g}"], num_keys,
                                          slots[:, :num_keys]))
-        metadata = AttentionMetadata(groups, inputs["output_index"], inputs["slot_mapping"], layout.query_lengths)
+        metadata = AttentionMetadata(groups, inputs["output_index"], inputs["slot_mapping"])
         return _PackedStep(inputs["input_ids"], inputs["positions"], metadata, sample_rows, inputs["sample_rows"],
                            sample_entries, prompt_rows, layout.static)
 

@@ -70,7 +70,6 @@ class StepLayout:
 
     arrays: dict[str, np.ndarray]
     shapes: list[tuple[int, int]]
-    query_lengths: tuple[int, ...]
     # decode-only and bucketed: the rows too are padded to the batch bucket
     static: bool
 
@@ -87,13 +86,15 @@ def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[i
     num_rows = len(token_ids)
     row_offsets = np.cumsum(lengths_) - lengths_
     seq_of_row = np.repeat(np.arange(len(lengths_)), lengths_)
-    positions = starts_[seq_of_row] + np.arange(num_rows) - row_offsets[seq_of_row]
+    row_in_seq = np.arange(num_rows) - row_offsets[seq_of_row]
+    positions = starts_[seq_of_row] + row_in_seq
     members = [np.arange(len(lengths_))] if buckets is None else \
         [m for m in (np.flatnonzero(lengths_ == 1), np.flatnonzero(lengths_ > 1)) if m.size]
     arrays: dict[str, np.ndarray] = {"input_ids": np.array(token_ids, dtype=np.int64), "positions": positions,
                                      "sample_rows": np.array(sample_rows, dtype=np.int64),
                                      "slot_mapping": np.empty(num_rows, dtype=np.int64),
                                      "output_index": np.empty(num_rows, dtype=np.int64)}
+    member_of_seq = np.empty(len(lengths_), dtype=np.int64)  # a sequence's place in its group
     shapes, output_offset = [], 0
     for g, seqs in enumerate(members):
         batch, q_max = len(seqs), int(lengths_[seqs].max())
@@ -101,17 +102,18 @@ def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[i
         if buckets is not None:
             batch, q_max, num_keys = buckets.batch(batch), buckets.query(q_max), buckets.keys(num_keys)
         table = np.zeros((batch, -(-num_keys // block_size)), dtype=np.int64)
-        query_index = np.zeros((batch, q_max), dtype=np.int64)
-        query_positions = np.full((batch, q_max), -1, dtype=np.int64)
         for b, seq in enumerate(seqs):
             blocks = block_tables[seq][:table.shape[1]]
             table[b, :len(blocks)] = blocks
-            rows = np.arange(row_offsets[seq], row_offsets[seq] + lengths_[seq])
-            query_index[b, :len(rows)] = rows
-            query_positions[b, :len(rows)] = positions[rows]
-            arrays["slot_mapping"][rows] = table[b, positions[rows] // block_size] * block_size \
-                + positions[rows] % block_size
-            arrays["output_index"][rows] = output_offset + b * q_max + np.arange(len(rows))
+        member_of_seq[seqs] = np.arange(len(seqs))
+        rows = np.flatnonzero(np.isin(seq_of_row, seqs))
+        b, r, p = member_of_seq[seq_of_row[rows]], row_in_seq[rows], positions[rows]
+        query_index = np.zeros((batch, q_max), dtype=np.int64)
+        query_index[b, r] = rows
+        query_positions = np.full((batch, q_max), -1, dtype=np.int64)
+        query_positions[b, r] = p
+        arrays["slot_mapping"][rows] = table[b, p // block_size] * block_size + p % block_size
+        arrays["output_index"][rows] = output_offset + b * q_max + r
         output_offset += batch * q_max
         arrays.update({f"table{g}": table, f"query_index{g}": query_index, f"query_positions{g}": query_positions})
         shapes.append((batch, num_keys))
@@ -123,7 +125,7 @@ def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[i
             arrays[name] = np.concatenate([arrays[name], np.full(pad, fill, dtype=np.int64)])
         arrays["output_index"] = np.arange(batch, dtype=np.int64)
         arrays["query_index0"] = arrays["output_index"].reshape(batch, 1)
-    return StepLayout(arrays, shapes, tuple(lengths), static)
+    return StepLayout(arrays, shapes, static)
 
 
 class HostStaging:

@@ -104,8 +104,7 @@ class LeanLoraLinear(LoraLinear):
 
     def serving_masters(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """The live LoRA weights (A, B) and scale, as the serving copy is made of them."""
-        name = self.active_adapters[0]
-        return self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
+        return self._weights()[1:]
 
     def _weights(self):
         name = self.active_adapters[0]
