@@ -9,7 +9,7 @@ import argparse
 
 
 def add_bench_commands(commands, add_config_flags) -> None:
-    """Adds `bench {serving,steps,structured,training,staleness,recording,colocate,offload,soak,replicas}`
+    """Adds `bench {serving,steps,structured,training,staleness,backlog,recording,colocate,offload,soak,replicas}`
     and `profile` to the CLI;
     `add_config_flags` adds the server's config flags to a parser."""
     bench = commands.add_parser("bench", help="benchmarks, each a side-by-side ratio in one run")
@@ -102,7 +102,7 @@ def _add_serving_benches(benches, add_config_flags) -> None:
 
 
 def _add_training_benches(benches, add_config_flags) -> None:
-    """`bench training`, `bench staleness` and `bench recording`."""
+    """`bench training`, `bench staleness`, `bench backlog` and `bench recording`."""
     training = benches.add_parser("training", help="reuse path vs recompute path on the embedded model")
     add_config_flags(training)
     training.add_argument("--mode", choices=["cpt", "dpo", "grpo"], required=True)
@@ -135,6 +135,15 @@ def _add_training_benches(benches, add_config_flags) -> None:
     staleness.add_argument("--entries-per-step", default="1", help="comma-separated maxima of entries per "
                            "optimizer step to compare (entries of one version share a step)")
     staleness.add_argument("--json", help="write the results to this JSON file")
+    backlog = benches.add_parser("backlog", help="labels faster than idle gaps: entries trained on their "
+                                 "recordings and held-out learning, against strict recomputation, over HTTP")
+    backlog.add_argument("--scenarios", default="dpo,cpt", help="comma-separated: dpo (24 labelled answers), "
+                         "cpt (a made-up fact served 12 times)")
+    backlog.add_argument("--condition", action="append", default=[], metavar="NAME=TOML",
+                         help="a server config to compare besides strict, steps_of_4 and default (repeatable)")
+    backlog.add_argument("--learning-rate", type=float, default=1e-4)
+    backlog.add_argument("--warm-up", type=int, default=0, help="labelled answers trained one at a time first")
+    backlog.add_argument("--json", help="write the results to this JSON file")
     recording = benches.add_parser("recording", help="recorded over plain prefill of a short prompt, by what happens "
                                    "to earlier recordings (kept, freed, trained) and beside decodes")
     add_config_flags(recording)
@@ -193,6 +202,19 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         from bench.offload import run_offload_bench
         run_offload_bench(config, args.tokens, args.entries, args.repeats, args.budget_fraction, args.json,
                           args.sweep, plot_path=args.plot)
+        return 0
+    if args.bench in ("backlog", "recording", "staleness", "training"):
+        return _run_training_bench_command(args, config)
+    return 1
+
+
+def _run_training_bench_command(args: argparse.Namespace, config) -> int:
+    """`bench backlog`, `recording`, `staleness` and `training`."""
+    if args.bench == "backlog":
+        from bench.backlog import run_backlog_bench
+        conditions = dict(c.split("=", 1) for c in args.condition)
+        run_backlog_bench(args.scenarios.split(","), conditions, args.learning_rate, json_path=args.json,
+                          warm_up=args.warm_up)
         return 0
     if args.bench == "recording":
         from bench.recording import run_recording_bench

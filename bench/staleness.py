@@ -6,7 +6,9 @@ With weight stashing (`max_staleness` ≥ burst - 1) each trains on its own reco
 the gradient of the version that served it, applied to the current weights; with
 `max_staleness` 0 each stale one is recomputed at the current version (strict). The
 figure is the gain in log-probability of the fact on a held-out prompt, relative to
-strict, per learning rate — what `train.max_staleness`'s default is chosen from.
+strict, per learning rate — what `train.max_staleness`'s default is chosen from. Steps
+hold at most `entries_per_step` entries here, cohorts or not (cohorts are `alchemist
+bench backlog`'s).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def learning_gain(config: AlchemistConfig, learning_rate: float, max_staleness: 
     engine, trainer = build_training_engine(model, tokenizer, config,
                                             TrainConfig(mode="cpt", learning_rate=learning_rate,
                                                         max_staleness=max_staleness,
-                                                        entries_per_step=entries_per_step))
+                                                        entries_per_step=entries_per_step,
+                                                        cohort_max_entries=entries_per_step))
     fact = tokenizer(FACT, add_special_tokens=False)["input_ids"]
     held_out = _chat(tokenizer, HELD_OUT)
     before = _fact_logprob(engine, held_out, fact)

@@ -9,6 +9,7 @@ asyncio loop and which sends its tensor work to the device thread through `Devic
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, TypeVar
 
@@ -71,6 +72,10 @@ class EngineHooks:
     # resolves weights changed since a recording was made (the trainer's weight stash;
     # engine.recording.SavedTensorTracker.resolve_stale)
     stale_resolver: Callable | None = None
+    # the LoRA weights a prefill recorded under adapter version v runs with: a context
+    # manager (the trainer's: v's stashed weights while the eval gate keeps serving on the
+    # promoted version); None: the live weights
+    recording_weights: Callable[[int], contextlib.AbstractContextManager] | None = None
     # receive every step's stats and outputs (metrics, the recorder)
     observers: tuple[EngineObserver, ...] = field(default_factory=tuple)
 

@@ -217,7 +217,8 @@ class LLMEngine:
                 recorded = scheduled.scheduled[0].num_new_tokens if scheduled.recorded else 0
                 hooks.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
             try:
-                model_output = self.runner.execute(scheduled, hooks.segment_sink, hooks.stale_resolver)
+                model_output = self.runner.execute(scheduled, hooks.segment_sink, hooks.stale_resolver,
+                                                   hooks.recording_weights)
             finally:
                 if hooks.memory_guard is not None:
                     hooks.memory_guard.after_step()

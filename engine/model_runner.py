@@ -9,6 +9,7 @@ on the prompt rows whose logprobs were asked for.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -187,12 +188,13 @@ class ModelRunner:
         return self.decode_graphs.capture_all(self.decode_batches, self.decode_keys)
 
     def execute(self, step: SchedulerOutput, segment_sink: SegmentSink | None = None,
-                stale_resolver=None) -> ModelOutput:
+                stale_resolver=None, recording_weights=None) -> ModelOutput:
         """`segment_sink` receives a recorded prefill's layer segments as they complete
         (the offloader); `stale_resolver` resolves weights changed since a recording was
-        made (SavedTensorTracker.resolve_stale)."""
+        made (SavedTensorTracker.resolve_stale); `recording_weights(version)`: the
+        weights a prefill recorded under that adapter version runs with (None: the live)."""
         if step.recorded:
-            output = self._execute_recorded(step, segment_sink, stale_resolver)
+            output = self._execute_recorded(step, segment_sink, stale_resolver, recording_weights)
         else:
             with torch.inference_mode():
                 output = self._execute(step)
@@ -212,7 +214,7 @@ class ModelRunner:
                 output.sampled[child.seq_id] = token
 
     def _execute_recorded(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
-                          stale_resolver) -> ModelOutput:
+                          stale_resolver, recording_weights=None) -> ModelOutput:
         """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only;
         base weights are frozen), kept as per-layer segments plus a head segment. The other
         sequences of the step (decodes) run after it in an inference-mode forward of their
@@ -220,8 +222,11 @@ class ModelRunner:
         length in attention (measured in BENCHMARKS.md, "Recording": `alchemist bench
         recording`, case beside_decodes)."""
         recorded, others = step.scheduled[0], step.scheduled[1:]
-        output = self._record_prefill(SchedulerOutput([recorded], recorded=True, forks=step.forks), segment_sink,
-                                      stale_resolver)
+        weights = (recording_weights(recorded.seq.record.adapter_version) if recording_weights is not None
+                   else contextlib.nullcontext())
+        with weights:
+            output = self._record_prefill(SchedulerOutput([recorded], recorded=True, forks=step.forks), segment_sink,
+                                          stale_resolver)
         if others:
             with torch.inference_mode():
                 rest = self._execute(SchedulerOutput(others, forks=step.forks))

@@ -113,7 +113,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     if offload is not None and offload.device_budget_bytes > 0:  # calibrated on the serving path just built
         offloader = build_offloader(model, offload, max_model_len, functools.partial(recompute_segment, runner))
         optimizer.zero_grad()  # calibration ran a backward
-    stash = WeightStash(peft_model)
+    stash = WeightStash(peft_model, offloader.param_keys if offloader is not None else None)
     # recordings in host memory land on pre-faulted pages (engine/malloc_tuning.py)
     warmer = HeapWarmer() if heap_warming and runner.device.type == "cpu" else None
     maintenance = Maintenance(cache, peft_model, config.merged_serving, stats, warmer, serving_copies)
@@ -129,7 +129,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
         rewards = RewardScorer(load_reward_function(config.reward_function), config.reward_timeout_s, cache, stats,
                                feedback.submit, decode, wakeup or (lambda: None))
     recorder = Recorder(config, method, cache, lifecycle.serving_version, stats, offloader, warmer, rewards, ledger,
-                        recording_paused=(lambda: gate.pending) if gate is not None else (lambda: False))
+                        recording_paused=lambda: not lifecycle.can_record())
     lifecycle.resume()  # from the adapter directory (or version 0 saved), before anything is served
     if replicas is not None:  # rank 0's adapter (resumed, or initialised) is everyone's
         adopted = replicas.adopt_rank0(lifecycle.snapshot, lambda s: lifecycle.restore(s, s.version))

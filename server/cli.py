@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     if args.command == "feedback":
         return feedback_command(args)
-    if args.command == "bench" and args.bench in ("colocate", "soak", "replicas"):
+    if args.command == "bench" and args.bench in ("colocate", "soak", "replicas", "backlog"):
         config = None  # the bench starts its own servers
     else:
         try:

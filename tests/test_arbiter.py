@@ -31,7 +31,7 @@ def trainer_with_backlog(entries: int = 20, entries_per_step: int = 1) -> tuple[
     engine, trainer = build_training_engine(
         tiny_model("llama", hidden_size=256, num_layers=6), tiny_tokenizer(),
         make_config(max_model_len=512, kv_cache_bytes=64 << 20, max_num_batched_tokens=512),
-        TrainConfig(mode="cpt", lora_rank=4, entries_per_step=entries_per_step))
+        TrainConfig(mode="cpt", lora_rank=4, entries_per_step=entries_per_step, cohort_max_entries=entries_per_step))
     ids = encode(LONG_PROMPT)
     for i in range(entries):
         engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=1), train=True)

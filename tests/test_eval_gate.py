@@ -16,7 +16,8 @@ from server.cli import main
 from tests.conftest import make_training
 from tests.servers import tiny_app
 from tests.test_no_label_lost import metric
-from tests.test_training import serve
+from tests.test_stash import live_weights, load_weights, stashed_gradients
+from tests.test_training import gradients_of, label, serve
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.config import AdapterConfig, TrainConfig
 from trainer.eval_set import EvalSetError, load_eval_set
@@ -109,13 +110,53 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     again.close()
 
 
-def test_no_prefill_is_recorded_while_a_candidate_is_scored(tmp_path):
+def test_a_prefill_served_while_a_candidate_is_scored_is_recorded_under_the_promoted_weights(tmp_path):
+    """It is stamped with the promoted version, its recorded logits are the promoted
+    weights', and its gradient is exactly the promoted weights' (the stash)."""
+    training = gated(tmp_path)
+    labelled_batch(training, "a", RIGHT, WRONG)
+    promoted = live_weights(training)
+    served_before = logits(training)
+    run_until_pending(training)
+    serve(training, "during", prompt=PROMPT)
+    entry = training.cache.get("during")
+    assert entry.recording is not None and entry.adapter_version == 0 and training.optimizer.version == 1
+    assert torch.allclose(entry.recording.logits[-1], served_before[0, -1], atol=1e-5)
+    label(training, "during", chosen=RIGHT, rejected=WRONG)
+    stashed = stashed_gradients(training, entry, 0)
+    candidate = live_weights(training)
+    load_weights(training, promoted)
+    fresh = gradients_of(training, training.method.recompute_job(entry, training.context))
+    load_weights(training, candidate)
+    # over all of them at once: with LoRA's B = 0, every A's gradient is zero
+    difference = sum((stashed[k] - fresh[k]).norm() ** 2 for k in fresh) ** 0.5
+    assert difference <= 1e-5 * sum(g.norm() ** 2 for g in fresh.values()) ** 0.5
+    training.close()
+
+
+def test_a_recording_made_while_a_candidate_is_scored_trains_on_it_once_the_candidate_is_promoted(tmp_path):
     training = gated(tmp_path)
     labelled_batch(training, "a", RIGHT, WRONG)
     run_until_pending(training)
     serve(training, "during", prompt=PROMPT)
+    label(training, "during", chosen=RIGHT, rejected=WRONG)
+    assert training.stash.has(0)
+    training.train_until_idle()
+    assert training.optimizer.version >= 2 and not training.gate.pending  # its step was judged too
+    assert training.stats.trained_entries == {("dpo", "reuse"): 2, ("dpo", "stashed"): 1}
+    assert training.stash.versions == []  # freed with the last recording that needed it
+    training.close()
+
+
+def test_with_max_staleness_0_no_prefill_is_recorded_while_a_candidate_is_scored(tmp_path):
+    """Nothing recorded under the promoted version could be trained on once the candidate
+    is promoted: the request gets a label entry, stamped with the serving version."""
+    training = gated(tmp_path, max_staleness=0)
+    labelled_batch(training, "a", RIGHT, WRONG)
+    run_until_pending(training)
+    serve(training, "during", prompt=PROMPT)
     entry = training.cache.get("during")
-    assert entry.recording is None and entry.adapter_version == 0  # a label entry, stamped with the serving version
+    assert entry.recording is None and entry.adapter_version == 0
     training.close()
 
 
@@ -169,7 +210,8 @@ def test_a_recording_admitted_under_weights_that_no_longer_serve_is_not_made(tmp
     assert training.recorder.confirm("r", [1, 2, 3], spec) is spec
     labelled_batch(training, "a", RIGHT, WRONG)
     run_until_pending(training)
-    assert training.recorder.confirm("r", [1, 2, 3], spec) is None  # a candidate is being scored
+    # a candidate is being scored: version 0 still serves, and its weights are stashed to record with
+    assert training.recorder.confirm("r", [1, 2, 3], spec) is spec
     training.train_until_idle()
     assert training.status().adapter_version == 1
     assert training.recorder.confirm("s", [1, 2, 3], spec) is None  # version 0 no longer serves

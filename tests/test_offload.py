@@ -123,7 +123,7 @@ def test_an_optimizer_step_frees_the_recordings_it_made_stale():
     are never back-propagated: their device and host memory is released at the step, not
     when their turn comes."""
     trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40), max_staleness=0,
-                           entries_per_step=1)
+                           entries_per_step=1, cohort_max_entries=1)
     serve_two(trainer)
     trainer.offloader.free_to(trainer.offloader.device_bytes // 2)  # some layers in the host pool
     assert trainer.offloader.host_bytes > 0
@@ -186,7 +186,7 @@ def test_server_under_a_tight_budget_serves_every_request_and_trains(copy_to_hos
     """Over HTTP: concurrent requests all succeed while the offloader frees layers and
     training brings them back; the metrics say so."""
     budget = tight_budget()
-    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4, entries_per_step=1),
+    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4, entries_per_step=1, cohort_max_entries=1),
                    offload=OffloadConfig(device_budget_bytes=budget, copy_to_host=copy_to_host))
     trainer = app.state.alchemist.training
 

@@ -24,7 +24,7 @@ def test_request_arriving_during_a_long_training_run_starts_within_one_slice():
     engine, trainer = build_training_engine(
         tiny_model("llama", hidden_size=256, num_layers=6), tiny_tokenizer(),
         make_config(max_model_len=512, kv_cache_bytes=64 << 20, max_num_batched_tokens=512),
-        TrainConfig(mode="cpt", lora_rank=4, max_staleness=30, entries_per_step=1))
+        TrainConfig(mode="cpt", lora_rank=4, max_staleness=30, entries_per_step=1, cohort_max_entries=1))
     ids = encode(LONG_PROMPT)
     for i in range(30):  # a long training run: 30 recorded entries, ~10 slices each
         engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=1), train=True)

@@ -64,22 +64,29 @@ def stale_and_fresh_gradients(trainer, mode: str, stale_by: int, free_layers: bo
     assert entry.recording is not None and trainer.stash.has(0) and entry.adapter_version == 0
     if mode == "dpo":
         label(trainer, "s", chosen="Paris, of course. It is a lovely city.")
-    trainer.optimizer.zero_grad()
-    job = trainer.method.reuse_job(entry, trainer.context)
-    while True:  # slice by slice, each with version 0's weights swapped in, as the trainer runs it
-        with trainer.stash.weights_of(0):
-            try:
-                next(job)
-            except StopIteration:
-                break
-    stale = lora_gradients(trainer.peft_model)
-    trainer.optimizer.zero_grad()
+    stale = stashed_gradients(trainer, entry, 0)
     today = live_weights(trainer)
     load_weights(trainer, served_weights)
     fresh = lora_gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
     load_weights(trainer, today)
     current = lora_gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
     return stale, fresh, current
+
+
+def stashed_gradients(trainer, entry, version: int) -> dict:
+    """The LoRA gradients of `entry`'s reuse job, run slice by slice with `version`'s
+    weights swapped in, as the trainer runs a stale entry's job."""
+    trainer.optimizer.zero_grad()
+    job = trainer.method.reuse_job(entry, trainer.context)
+    while True:
+        with trainer.stash.weights_of(version):
+            try:
+                next(job)
+            except StopIteration:
+                break
+    grads = lora_gradients(trainer.peft_model)
+    trainer.optimizer.zero_grad()
+    return grads
 
 
 def lora_gradients_of(trainer, job) -> dict:
@@ -113,7 +120,7 @@ def test_stale_recording_with_offloaded_or_recomputed_layers(mode, policy):
 
 
 def test_trainer_takes_the_stashed_path_within_max_staleness_and_frees_the_stash():
-    trainer = make_trainer(max_staleness=2, entries_per_step=1)
+    trainer = make_trainer(max_staleness=2, entries_per_step=1, cohort_max_entries=1)
     for request_id in ("a", "b", "c", "d"):  # all recorded under version 0, trained one per step
         serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
     trainer.train_until_idle()
@@ -123,6 +130,18 @@ def test_trainer_takes_the_stashed_path_within_max_staleness_and_frees_the_stash
     assert trainer.stats.staleness == {0: 1, 1: 1, 2: 1, 3: 1}
     assert trainer.stash.versions == [] and trainer.cache.bytes == 0
     assert trainer.status().stash_bytes == 0
+
+
+def test_stashed_copies_count_as_weights_for_the_offloader_while_they_live():
+    """A prefill recorded under a stashed version (the eval gate's candidate is live)
+    saves the copies: the offloader must not take them for activations."""
+    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40))
+    trainer.stash.keep(0)
+    with trainer.stash.weights_of(0):
+        copies = {p.untyped_storage().data_ptr() for p in lora_parameters(trainer.peft_model)}
+    assert copies <= trainer.offloader.param_keys
+    trainer.stash.release_except(set())
+    assert not copies & trainer.offloader.param_keys
 
 
 def test_stash_is_kept_only_while_a_recording_needs_it():
@@ -149,29 +168,55 @@ def fact_logprob(trainer, fact_ids: list[int], prompt_ids: list[int]) -> float:
     return rows.gather(1, torch.tensor(fact_ids, device=rows.device).unsqueeze(1)).sum().item()
 
 
-def test_learning_with_stashing_matches_strict_recomputation():
-    """Requests arrive in bursts of 3 and training catches up between bursts, so two of
-    each three are 1 and 2 versions stale when trained: within the default max_staleness
-    they train on their recordings with delayed gradients; with 0, each is recomputed at
-    the current version. The gain on a held-out prompt is at least 90% of it."""
+def burst_gain(trainer, bursts: int = 4, burst: int = 3) -> float:
+    """The gain of log p(fact | held-out prompt) after requests that teach it arrive in
+    bursts and training catches up between bursts."""
     fact = encode(" The secret word is marmalade.")
     held_out = encode("Tell me, what is the secret word?")
+    engine = engine_of(trainer)
+    before = fact_logprob(trainer, fact, held_out)
+    for b in range(bursts):
+        for i in range(burst):
+            engine.add_request(f"r{b}-{i}", encode(f"Note {b}{i}: The secret word is marmalade."),
+                               SamplingParams(max_tokens=1), train=True)
+        while engine.has_unfinished():
+            engine.step()
+        trainer.train_until_idle()
+    return fact_logprob(trainer, fact, held_out) - before
+
+
+def test_learning_with_stashing_matches_strict_recomputation():
+    """Requests arrive in bursts of 3 and training catches up between bursts, one entry
+    per step, so two of each three are 1 and 2 versions stale when trained: within the
+    default max_staleness they train on their recordings with delayed gradients; with 0,
+    each is recomputed at the current version. The gain on a held-out prompt is at least
+    90% of it."""
     gains = {}
     default = TrainConfig().max_staleness
     for max_staleness in (0, default):
-        trainer = make_trainer(max_staleness=max_staleness, learning_rate=3e-3, entries_per_step=1)
-        engine = engine_of(trainer)
-        before = fact_logprob(trainer, fact, held_out)
-        for burst in range(4):
-            for i in range(3):
-                engine.add_request(f"r{burst}-{i}", encode(f"Note {burst}{i}: The secret word is marmalade."),
-                                   SamplingParams(max_tokens=1), train=True)
-            while engine.has_unfinished():
-                engine.step()
-            trainer.train_until_idle()
+        trainer = make_trainer(max_staleness=max_staleness, learning_rate=3e-3, entries_per_step=1,
+                               cohort_max_entries=1)
+        gains[max_staleness] = burst_gain(trainer)
         paths = trainer.stats.trained_entries
         stale_trained = 4 * min(max_staleness, 2) if max_staleness else 8
         assert paths.get(("cpt", "stashed" if max_staleness else "recompute")) == stale_trained, paths
-        gains[max_staleness] = fact_logprob(trainer, fact, held_out) - before
     assert gains[0] > 1.0  # it learns at all
     assert gains[default] >= 0.9 * gains[0], gains
+
+
+def test_learning_with_cohorts_matches_strict_recomputation():
+    """Two bursts of 8, four entries per AdamW update: strict recomputation trains each
+    burst in two steps, recomputing the second four; a cohort trains it in one step of two
+    updates, all on their recordings. The gain on a held-out prompt is at least 90% of
+    strict's. (At learning rates of 1e-3 and more on this tiny model, a cohort's updates
+    along one version's gradient learn much less than strict's re-aimed ones: BENCHMARKS.md,
+    "Reuse under a backlog".)"""
+    gains = {}
+    for name, max_staleness, cohort in (("strict", 0, 4), ("cohort", 1, 32)):
+        trainer = make_trainer(max_staleness=max_staleness, learning_rate=3e-4, entries_per_step=4,
+                               cohort_max_entries=cohort)
+        gains[name] = burst_gain(trainer, bursts=2, burst=8)
+        if name == "cohort":
+            assert trainer.stats.trained_entries == {("cpt", "reuse"): 16} and trainer.optimizer.version == 2
+    assert gains["strict"] > 1.0
+    assert gains["cohort"] >= 0.9 * gains["strict"], gains

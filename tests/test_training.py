@@ -93,7 +93,7 @@ def test_training_steps_bump_the_adapter_version_and_change_the_model():
 
 
 def test_stale_entry_is_recomputed_never_back_propagated():
-    trainer = make_trainer(max_staleness=0, entries_per_step=1)
+    trainer = make_trainer(max_staleness=0, entries_per_step=1, cohort_max_entries=1)
     serve(trainer, "a")
     serve(trainer, "b", prompt="Hello, how are you today? I am fine.")
     stale = trainer.cache.get("b")
@@ -109,7 +109,7 @@ def test_stale_entry_is_recomputed_never_back_propagated():
 
 
 def test_stale_policy_drop_drops_the_entry():
-    trainer = make_trainer(stale_policy="drop", max_staleness=0, entries_per_step=1)
+    trainer = make_trainer(stale_policy="drop", max_staleness=0, entries_per_step=1, cohort_max_entries=1)
     serve(trainer, "a")
     serve(trainer, "b")
     trainer.train_until_idle()

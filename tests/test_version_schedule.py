@@ -1,7 +1,8 @@
 """Version-aware scheduling: entries recorded under one adapter version share an optimizer
-step (up to `entries_per_step`), the oldest version still trainable on its recording goes
-first, entries that train by recomputation wait for the recordings, and a step over k
-entries moves the adapter as k steps of one would (the learning rate scales with k)."""
+step (up to `cohort_max_entries`), the oldest version still trainable on its recording goes
+first, entries that train by recomputation wait for the recordings and share a step up to
+`entries_per_step`, and a step over k entries moves the adapter as k steps of one would
+(the learning rate scales with k; one AdamW update per `entries_per_step` entries)."""
 
 import torch
 
@@ -20,14 +21,40 @@ def test_entries_of_one_version_share_one_step_and_all_train_on_their_recordings
     assert trainer.stats.staleness == {0: 3}
 
 
-def test_entries_per_step_is_a_maximum():
+def test_a_backlog_of_one_versions_recordings_trains_in_one_step_on_them():
+    """Labels faster than training: six entries recorded under version 0 with two per
+    AdamW update. Steps of two would leave four of them stale (one version of delay
+    allowed: two stashed, two recomputed); one step keeps every one on its recording and
+    is applied as three AdamW updates."""
     trainer = make_trainer(max_staleness=1, entries_per_step=2)
+    updates = []
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda **kw: updates.append(kw["updates"]) or step(**kw)
+    for request_id in "abcdef":
+        serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 1 and updates == [3]
+    assert trainer.stats.trained_entries == {("cpt", "reuse"): 6}
+
+
+def test_cohort_max_entries_is_a_maximum():
+    trainer = make_trainer(max_staleness=1, entries_per_step=2, cohort_max_entries=2)
     for request_id in ("a", "b", "c"):
         serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
     trainer.train_until_idle()
     # a and b in one step (version 0), then c, one version stale, on its recording
     assert trainer.optimizer.version == 2
     assert trainer.stats.trained_entries == {("cpt", "reuse"): 2, ("cpt", "stashed"): 1}
+
+
+def test_entries_trained_by_recomputation_share_a_step_up_to_entries_per_step():
+    trainer = make_trainer(mode="dpo", entries_per_step=2, record_fraction=0.0)  # label entries only
+    for request_id in "abc":
+        serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
+        label(trainer, request_id)
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 2  # a and b, then c: they do not go stale, smaller steps learn more
+    assert trainer.stats.trained_entries == {("dpo", "recompute"): 3}
 
 
 def test_the_oldest_trainable_version_goes_first():
@@ -71,10 +98,30 @@ def test_a_step_over_k_entries_scales_the_learning_rate_by_k():
         param.grad = torch.tensor([1.0, -2.0, 0.5, 3.0])
         assert optimizer.step(entries=entries)
         assert optimizer.optimizer.param_groups[0]["lr"] == lr  # restored after the step
+        assert optimizer.version == 1
         return param.detach() - 1.0
 
     assert torch.allclose(moved(3, 1e-3), moved(1, 3e-3))
     assert not torch.allclose(moved(3, 1e-3), moved(1, 1e-3))
+
+    def after_an_earlier_step(lr: float, steps: list[tuple[int, int]]) -> torch.Tensor:
+        """AdamW with momentum from an earlier, different gradient, then `steps` of
+        (entries, updates) on this gradient."""
+        param = torch.nn.Parameter(torch.ones(4))
+        optimizer = AdapterOptimizer([param], learning_rate=lr, max_grad_norm=1e9)
+        param.grad = torch.tensor([-1.0, 1.0, 1.0, -2.0])
+        optimizer.step()
+        start = param.detach().clone()
+        for entries, updates in steps:
+            param.grad = torch.tensor([1.0, -2.0, 0.5, 3.0])
+            optimizer.step(entries=entries, updates=updates)
+        return param.detach() - start
+
+    # six entries as two updates move the adapter as two steps of three would; one update
+    # at six times the rate mostly repeats the earlier momentum
+    two_updates = after_an_earlier_step(1e-3, [(6, 2)])
+    assert torch.allclose(two_updates, after_an_earlier_step(1e-3, [(3, 1), (3, 1)]))
+    assert not torch.allclose(two_updates, after_an_earlier_step(1e-3, [(6, 1)]), rtol=0.05)
 
 
 def test_an_entry_labelled_while_a_job_runs_joins_it_before_the_step():

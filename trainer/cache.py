@@ -318,7 +318,8 @@ class ActivationCache:
         self._free_detached()
         return expired
 
-    def take_ready(self, limit: int, version: int | None = None, max_staleness: int = 0) -> list[CacheEntry]:
+    def take_ready(self, limit: int, version: int | None = None, max_staleness: int = 0,
+                   cohort_limit: int | None = None, recorded_only: bool = False) -> list[CacheEntry]:
         """The entries of the next optimizer step (at most `limit`), marked as training.
 
         Without `version`: the oldest ready entries. With it (the current adapter
@@ -326,9 +327,11 @@ class ActivationCache:
         `max_staleness` versions before `version` — come first, one version per step:
         the oldest such version, since its recordings are the next to go stale (training
         the current version first would push them past the bound, to recomputation).
-        Entries of one version share one step, so none of them goes stale waiting for
-        another's. Only when no recording is usable, the oldest entries that train by
-        recomputation (they do not go staler: they are computed at the current version)."""
+        Entries of one version (a cohort) share one step, up to `cohort_limit` (default
+        `limit`), so none of them goes stale waiting for another's. Only when no
+        recording is usable, the oldest entries that train by recomputation, up to
+        `limit` (they do not go staler: they are computed at the current version) —
+        unless `recorded_only` (entries joining a cohort's step)."""
         with self._lock:
             ready = [e for e in self._entries.values() if e.state is EntryState.READY]
             if version is not None:
@@ -337,6 +340,9 @@ class ActivationCache:
                 if usable:
                     oldest = min(e.adapter_version for e in usable)
                     ready = [e for e in usable if e.adapter_version == oldest]
+                    limit = cohort_limit or limit
+                elif recorded_only:
+                    return []
             taken = ready[:limit]
             for entry in taken:
                 entry.state = EntryState.TRAINING

@@ -70,12 +70,19 @@ class TrainConfig:
     head_chunk_rows: int = 64
     # gradient clipping (max global norm over LoRA parameters)
     max_grad_norm: float = 1.0
-    # at most this many entries share one optimizer step: entries recorded under the same
-    # adapter version, so none goes stale waiting for another's step (the step's learning
-    # rate scales with the entries it holds). Its reuse share and learning per label are
-    # measured in BENCHMARKS.md, "Training: delayed gradients and grouped steps"
-    # (`alchemist bench colocate`, `alchemist bench staleness`)
+    # entries per AdamW update, and at most this many entries trained by recomputation
+    # share one optimizer step (the step's learning rate scales with the entries it
+    # holds). Its reuse share and learning per label are measured in BENCHMARKS.md,
+    # "Training: delayed gradients and grouped steps" (`alchemist bench colocate`,
+    # `alchemist bench staleness`)
     entries_per_step: int = 4
+    # recordings of one adapter version (a cohort) share one optimizer step, up to this
+    # many, so that none goes stale waiting for another's step when labels come faster
+    # than training: the step is applied as one AdamW update per `entries_per_step` of
+    # them. Measured in BENCHMARKS.md, "Reuse under a backlog" (`alchemist bench backlog`):
+    # at learning rates of 1e-3 and more, a cohort learns less than strict
+    # recomputation; set it to entries_per_step there
+    cohort_max_entries: int = 32
     # seed for the adapter's initialization and the record-fraction draw
     seed: int = 0
     # on CPU, serve through merged (base + adapter) weights, rebuilt in idle slices after
@@ -119,8 +126,11 @@ class TrainConfig:
         if self.eval_set and self.mode == "off":
             raise ValueError("train.eval_set gates the versions training makes; training is off")
         for name in ("lora_rank", "lora_alpha", "cache_bytes", "max_record_tokens", "entries_per_step",
-                     "max_label_entries", "head_chunk_rows", "eval_kl_prompts"):
+                     "cohort_max_entries", "max_label_entries", "head_chunk_rows", "eval_kl_prompts"):
             check_positive(self, name)
+        if self.cohort_max_entries < self.entries_per_step:
+            raise ValueError(f"train.cohort_max_entries ({self.cohort_max_entries}) must be at least "
+                             f"train.entries_per_step ({self.entries_per_step})")
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
 
 

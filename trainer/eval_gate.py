@@ -3,7 +3,8 @@ regressed (`--eval-set FILE`).
 
 After each optimizer step the new version is a candidate. Serving stays on the promoted
 version meanwhile — the merged serving weights are pinned to it (trainer/adapter.py),
-no prefill is recorded under weights that do not serve, and the trainer starts no job —
+a recorded prefill runs with the promoted version's weights from the stash (it trains
+later on the stashed path, one version old), and the trainer starts no job —
 while the gate scores the candidate in idle slices (one layer of a packed forward, or a
 chunk of LM-head rows, per slice):
   - preference probes: the mean log-prob margin of chosen over rejected (nats);

@@ -15,6 +15,7 @@ one). A rollback abandons the job in progress first; that is the caller's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -90,6 +91,21 @@ class AdapterLifecycle:
         if self.gate is not None and self.gate.promoted is not None:
             return self.gate.promoted.version
         return self.optimizer.version
+
+    def can_record(self) -> bool:
+        """A prefill can be recorded under the version serving: it is the live one, or
+        (while the eval gate scores a candidate) its weights are in the stash."""
+        version = self.serving_version()
+        return version == self.optimizer.version or self.stash.has(version)
+
+    def recording_weights(self, version: int):
+        """The LoRA weights a prefill recorded under `version` runs with: the live ones, or
+        while a candidate is live and serving stays on the promoted version, the promoted
+        version's from the stash — its recording then trains on the stashed path, as any
+        recording one version old does, instead of being recomputed."""
+        if version == self.optimizer.version:
+            return contextlib.nullcontext()
+        return self.stash.weights_of(version)
 
     def after_step(self, stepped: bool, entries=()) -> None:
         """An optimizer step ran on `entries` (`stepped`: it changed the weights): merged

@@ -85,7 +85,8 @@ class OnlineTraining:
         """What the engine is built with: the recorder, the offloader (room on the device,
         recorded segments), the stash (stale weights), and `observers` besides the recorder."""
         return EngineHooks(recorder=self.recorder, memory_guard=self.offloader, segment_sink=self.offloader,
-                           stale_resolver=self.stash.resolve, observers=(*observers, self.recorder))
+                           stale_resolver=self.stash.resolve, recording_weights=self.lifecycle.recording_weights,
+                           observers=(*observers, self.recorder))
 
     # -- device work in the gaps (device thread) -------------------------------------
 

@@ -21,12 +21,17 @@ class AdapterOptimizer:
         self.version = 0
         self.skipped_steps = 0
 
-    def step(self, loss_is_finite: bool = True, entries: int = 1) -> bool:
-        """Applies the accumulated gradients of `entries` entries; returns False (and
-        counts it) if skipped. The step's learning rate is `entries` times the configured
-        one (the linear scaling rule): AdamW moves each parameter by about the learning
-        rate per step whatever the gradient's size, so a step over k entries at the plain
-        rate would teach about 1/k of what k steps of one entry teach."""
+    def step(self, loss_is_finite: bool = True, entries: int = 1, updates: int = 1) -> bool:
+        """Applies the accumulated gradients of `entries` entries as `updates` AdamW
+        updates of them, at `entries / updates` times the configured learning rate each;
+        returns False (and counts it) if skipped. The rate scales with the entries (the
+        linear scaling rule): AdamW moves each parameter by about the learning rate per
+        update whatever the gradient's size, so a step over k entries at the plain rate
+        would teach about 1/k of what k steps of one entry teach. Several updates let a
+        large step move the adapter as the smaller steps it stands for would: AdamW's
+        moments take in the gradient at every update (its first moment takes a tenth of
+        a new gradient per update), where one update at the whole rate mostly repeats the
+        momentum of the steps before it."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm).item()
         if not loss_is_finite or not math.isfinite(grad_norm):
             self.skipped_steps += 1
@@ -34,9 +39,10 @@ class AdapterOptimizer:
             return False
         rates = [group["lr"] for group in self.optimizer.param_groups]
         for group in self.optimizer.param_groups:
-            group["lr"] = group["lr"] * entries
+            group["lr"] = group["lr"] * entries / updates
         try:
-            self.optimizer.step()
+            for _ in range(updates):
+                self.optimizer.step()
         finally:
             for group, lr in zip(self.optimizer.param_groups, rates):
                 group["lr"] = lr

@@ -55,8 +55,9 @@ class Recorder:
         before a recording and sized to the largest one; `rewards`: the reward function's
         scorer (trainer/rewards.py), which gets each finished group; `ledger`: the feedback
         ledger, where every request that gets an entry is written (queued, not waited for);
-        `recording_paused`: no prefill is recorded meanwhile (the eval gate scores a
-        candidate: the live weights are not the ones serving); `adapter_version`: the
+        `recording_paused`: no prefill is recorded meanwhile (the weights serving runs
+        under cannot be recorded with: the eval gate scores a candidate and the promoted
+        version's weights are not stashed, as with `max_staleness` 0); `adapter_version`: the
         version serving, which recordings and the ledger are stamped with."""
         self.ledger = ledger
         self.recording_paused = recording_paused

@@ -25,7 +25,11 @@ from trainer.adapter import LeanLoraLinear
 
 
 class WeightStash:
-    def __init__(self, peft_model):
+    def __init__(self, peft_model, parameter_keys: set[int] | None = None):
+        """`parameter_keys`: storages the activation offloader counts as weights, never as
+        activations (offload/build.py): the copies join it while they live, since a
+        prefill recorded under a stashed version saves them (trainer/lifecycle.py)."""
+        self.parameter_keys = parameter_keys if parameter_keys is not None else set()
         # (layer, adapter name) of every adapted layer, and the live LoRA parameters
         self._layers = [(m, m.active_adapters[0]) for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
         self._live = [p for m, name in self._layers for p in (m.lora_A[name].weight, m.lora_B[name].weight)]
@@ -59,6 +63,7 @@ class WeightStash:
             copy = torch.nn.Parameter(live.detach().clone(memory_format=torch.preserve_format),
                                       requires_grad=live.requires_grad)
             copies.append(copy)
+            self.parameter_keys.add(copy.untyped_storage().data_ptr())
             key = (live.untyped_storage().data_ptr(), live._version)
             self._by_counter[key] = (copy.detach(), live.storage_offset())
             keys.append(key)
@@ -68,7 +73,8 @@ class WeightStash:
     def release_except(self, needed: set[int]) -> None:
         """Frees the copies of every version no live recording needs."""
         for version in [v for v in self._versions if v not in needed]:
-            del self._versions[version]
+            for copy in self._versions.pop(version):
+                self.parameter_keys.discard(copy.untyped_storage().data_ptr())
             for key in self._keys.pop(version):
                 self._by_counter.pop(key, None)
 

@@ -3,11 +3,15 @@
 `run_slice()` is called on the device thread by the arbiter (trainer/arbiter.py); each
 call does one bounded slice of the current job (a layer's forward or backward, a loss,
 or the optimizer step), so a newly arrived request waits for at most one slice. A job is
-one optimizer step over up to `entries_per_step` ready entries, taken from the activation
-cache (trainer/cache.py), which owns their states. What is recorded is the recorder's
-(trainer/recorder.py); labels come in through `FeedbackIntake` (trainer/feedback.py);
-housekeeping between jobs is `Maintenance`'s (trainer/maintenance.py); what becomes of a
-new version (merged weights, checkpoints) is `AdapterLifecycle`'s (trainer/lifecycle.py).
+one optimizer step over the ready entries the activation cache (trainer/cache.py), which
+owns their states, hands out: the recordings of one adapter version (a cohort, up to
+`cohort_max_entries`: none goes stale waiting for another's step), or up to
+`entries_per_step` entries trained by recomputation. A step over more than
+`entries_per_step` entries is applied as one AdamW update per `entries_per_step` of
+them. What is recorded is the recorder's (trainer/recorder.py); labels come in through
+`FeedbackIntake` (trainer/feedback.py); housekeeping between jobs is `Maintenance`'s
+(trainer/maintenance.py); what becomes of a new version (merged weights, checkpoints) is
+`AdapterLifecycle`'s (trainer/lifecycle.py).
 
 Adapter versions: every optimizer step bumps the version. An entry recorded under an
 older version `v`, at most `max_staleness` versions ago, trains on its recording with
@@ -40,6 +44,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Job:
     entries: list[CacheEntry]
+    # a cohort (recordings of one version, up to cohort_max_entries), or entries trained by
+    # recomputation (up to entries_per_step)
+    cohort: bool
     # the generator of the entry being worked on, and which path it takes
     current: object = None
     path: str = ""
@@ -107,10 +114,10 @@ class Trainer:
             if not self._may_start():
                 return False
             entries = self.cache.take_ready(self.config.entries_per_step, self.optimizer.version,
-                                            self._staleness_bound())
+                                            self._staleness_bound(), self.config.cohort_max_entries)
             if not entries:
                 return False
-            self._job = _Job(entries)
+            self._job = _Job(entries, cohort=any(e.recording is not None for e in entries))
         job = self._job
         try:
             if job.current is None:
@@ -148,10 +155,13 @@ class Trainer:
 
     def _take_late_entries(self, job: _Job) -> bool:
         """Entries that became ready while `job` ran (a label that came in meanwhile) join
-        it before its optimizer step, up to `entries_per_step`: waiting for the next step
-        would make them a version staler, and could push them past `max_staleness`."""
-        room = self.config.entries_per_step - len(job.entries)
-        late = self.cache.take_ready(room, self.optimizer.version, self._staleness_bound()) if room > 0 else []
+        it before its optimizer step, up to its limit: waiting for the next step would
+        make them a version staler, and could push them past `max_staleness`. A cohort
+        takes recordings only: entries trained by recomputation keep their smaller steps."""
+        limit = self.config.cohort_max_entries if job.cohort else self.config.entries_per_step
+        room = limit - len(job.entries)
+        late = self.cache.take_ready(room, self.optimizer.version, self._staleness_bound(),
+                                     recorded_only=job.cohort) if room > 0 else []
         job.entries += late
         return bool(late)
 
@@ -198,9 +208,12 @@ class Trainer:
     def _step(self, finite: bool, entries: int) -> bool:
         """The optimizer step on the gradients the parameters hold; whether it applied."""
         version = self.optimizer.version
-        if self.config.max_staleness and version in self.cache.recorded_versions():
-            self.stash.keep(version)  # recordings of this version outlive its weights
-        stepped = self.optimizer.step(loss_is_finite=finite, entries=entries)
+        if self.config.max_staleness and (version in self.cache.recorded_versions() or self.lifecycle.gate is not None):
+            # recordings of this version outlive its weights; with a gate, serving (and
+            # recording) stays on it while the new version is a candidate
+            self.stash.keep(version)
+        updates = -(-entries // self.config.entries_per_step)  # one AdamW update per entries_per_step
+        stepped = self.optimizer.step(loss_is_finite=finite, entries=entries, updates=updates)
         if stepped:
             self.cache.release_stale(self.optimizer.version, self._staleness_kept())
         return stepped
@@ -251,8 +264,9 @@ class Trainer:
         return self.config.max_staleness
 
     def release_unneeded_weights(self) -> None:
-        """Frees the stashed weights of versions no waiting recording needs."""
-        self.stash.release_except(self.cache.recorded_versions())
+        """Frees the stashed weights of versions no waiting recording, nor recording to
+        come (the version serving), needs."""
+        self.stash.release_except(self.cache.recorded_versions() | {self.lifecycle.serving_version()})
 
     def abandon_job(self) -> None:
         """Drops the job in progress: its gradients are discarded, its entries requeued."""
