@@ -267,10 +267,12 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
         await asyncio.sleep(3.0)  # idle slices return the freed activation memory
         after_drain = await _sample(client, pid, started, log)
         final = (await client.get("/metrics")).text
+        warm_heap = read_metric(final, "alchemist:warm_heap_bytes")
         status = (await client.get("/v1/adapters")).json()
     return {"requests": len(trace), "traffic_seconds": round(traffic_end, 1), "cache_drained": drained,
             "rss_before_traffic_mib": round(log.timeline[0].rss_bytes / 2**20, 1),
             "rss_after_drain_mib": round(after_drain.rss_bytes / 2**20, 1),
+            "warm_heap_after_drain_mib": round(warm_heap / 2**20, 1),
             "drain_seconds": round(drain_seconds, 1), "adapter_version_end": status["version"],
             "server_failed_train_jobs": read_metric(final, "alchemist:failed_train_jobs_total"),
             "server_5xx": sum(float(line.split()[-1]) for line in final.splitlines()

@@ -14,9 +14,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
-from trainer.arbiter import ArbiterStats
-
 from engine.outputs import RequestOutput, StepStats
+from trainer.arbiter import ArbiterStats
 
 PREFIX = "alchemist:"
 disable_created_metrics()  # no `*_created` series, as vLLM
@@ -230,10 +229,11 @@ class TrainingCollector:
         yield GaugeMetricFamily(f"{PREFIX}train_loss", "Mean loss of the latest optimizer step.",
                                 value=stats.last_loss)
         yield GaugeMetricFamily(f"{PREFIX}adapter_version", "Adapter version serving (optimizer steps applied; with "
-                                "an eval gate, the last promoted).",
-                                value=status.adapter_version)
+                                "an eval gate, the last promoted).", value=status.adapter_version)
         yield GaugeMetricFamily(f"{PREFIX}weight_stash_bytes", "Bytes of past adapter versions' LoRA weights kept "
                                 "for recordings made under them.", value=status.stash_bytes)
+        yield GaugeMetricFamily(f"{PREFIX}warm_heap_bytes", "Heap held pre-faulted for the next recorded prefill.",
+                                value=status.warm_heap_bytes)
         yield GaugeMetricFamily(f"{PREFIX}activation_cache_bytes", "Bytes of recorded activations in the "
                                 "activation cache.", value=cache.bytes)
         entries = GaugeMetricFamily(f"{PREFIX}activation_cache_entries", "Entries in the activation cache, by "

@@ -45,6 +45,7 @@ def test_heap_warmer_holds_pages_up_to_its_target_and_releases_them_before_a_rec
     assert trainer.cache.get("a").state is EntryState.READY
     trainer.train_until_idle()
     assert warmer.held_bytes >= warmer.target and not warmer.wants_to_grow()
+    assert trainer.status().warm_heap_bytes == warmer.held_bytes  # alchemist:warm_heap_bytes
     assert trainer.cache.get("a") is None or trainer.cache.get("a").state is not EntryState.READY
     serve(trainer, "b")  # the recording is admitted: the warm pages are freed for it
     assert warmer.held_bytes == 0

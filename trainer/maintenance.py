@@ -48,6 +48,11 @@ class Maintenance:
         self._released_at_last_trim = 0
         self._last_expiry = float("-inf")
 
+    @property
+    def warm_heap_bytes(self) -> int:
+        """Heap held pre-faulted for the next recording."""
+        return self.warmer.held_bytes if self.warmer is not None else 0
+
     # -- merged serving weights -------------------------------------------------------
 
     def merge_all(self) -> None:

@@ -252,7 +252,8 @@ class OnlineTraining:
         ledger = dataclasses.replace(self.ledger.stats) if self.ledger is not None else None
         return TrainerStatus(self.mode, self.lifecycle.serving_version(), self.lifecycle.restored_from,
                              self.optimizer.skipped_steps, self.stats.copy(), cache_status, offload, saves,
-                             self.stash.versions, self.stash.nbytes, ledger, self._gate_status())
+                             self.stash.versions, self.stash.nbytes, ledger, self._gate_status(),
+                             warm_heap_bytes=self.maintenance.warm_heap_bytes)
 
     def _gate_status(self) -> GateStatus | None:
         gate = self.gate

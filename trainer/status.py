@@ -139,3 +139,5 @@ class TrainerStatus:
     ledger: object | None = None
     # None without an eval gate
     gate: GateStatus | None = None
+    # heap held pre-faulted for the next recording (engine.malloc_tuning.HeapWarmer)
+    warm_heap_bytes: int = 0
