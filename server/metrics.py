@@ -232,8 +232,8 @@ class TrainingCollector:
                                 "an eval gate, the last promoted).", value=status.adapter_version)
         yield GaugeMetricFamily(f"{PREFIX}weight_stash_bytes", "Bytes of past adapter versions' LoRA weights kept "
                                 "for recordings made under them.", value=status.stash_bytes)
-        yield GaugeMetricFamily(f"{PREFIX}warm_heap_bytes", "Heap held pre-faulted for the next recorded prefill.",
-                                value=status.warm_heap_bytes)
+        yield GaugeMetricFamily(f"{PREFIX}warm_heap_bytes", "Bytes of heap held pre-faulted for the next recorded "
+                                "prefill.", value=status.warm_heap_bytes)
         yield GaugeMetricFamily(f"{PREFIX}activation_cache_bytes", "Bytes of recorded activations in the "
                                 "activation cache.", value=cache.bytes)
         entries = GaugeMetricFamily(f"{PREFIX}activation_cache_entries", "Entries in the activation cache, by "
