@@ -52,6 +52,8 @@ class SoakConfig:
     label_timeout_s: float = 20.0
     drain_timeout_s: float = 240.0
     sample_every_s: float = 5.0
+    # after the drain, how long the server is left without traffic before memory is read again
+    quiet_s: float = 20.0
 
 
 @dataclass
@@ -76,6 +78,24 @@ class SoakLog:
 
     def ok(self, kind: str) -> None:
         self.outcomes[(kind, "ok")] += 1
+
+
+def memory_by_mapping(pid: int) -> dict[str, float]:
+    """The process's resident MiB by kind of mapping (/proc/PID/smaps): glibc's main heap,
+    anonymous mappings (other malloc arenas, blocks above the mmap threshold, torch's
+    large buffers, thread stacks) and files (libraries, the mapped model)."""
+    kinds: Counter = Counter()
+    kind = "other"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=6)
+            if len(first) >= 5 and "-" in first[0] and not first[0].endswith(":"):
+                path = first[5].strip() if len(first) > 5 else ""
+                kind = "heap" if path == "[heap]" else "anonymous" if not path else (
+                    "other" if path.startswith("[") else "files")
+            elif first and first[0] == "Rss:":
+                kinds[kind] += int(first[1]) * 1024
+    return {k: round(v / 2**20, 1) for k, v in sorted(kinds.items())}
 
 
 def rss_bytes(pid: int) -> int:
@@ -226,6 +246,7 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         traffic = Traffic(client, model, config, log)
         started = time.perf_counter()
+        mapping_before = memory_by_mapping(pid)
         stop_sampling = asyncio.Event()
 
         async def sampler():
@@ -266,13 +287,22 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
         await sampling
         await asyncio.sleep(3.0)  # idle slices return the freed activation memory
         after_drain = await _sample(client, pid, started, log)
+        mapping_after = memory_by_mapping(pid)
+        warm_heap = read_metric((await client.get("/metrics")).text, "alchemist:warm_heap_bytes")
+        await asyncio.sleep(config.quiet_s)  # what a server without traffic keeps
+        after_quiet = await _sample(client, pid, started, log)
+        mapping_quiet = memory_by_mapping(pid)
         final = (await client.get("/metrics")).text
-        warm_heap = read_metric(final, "alchemist:warm_heap_bytes")
         status = (await client.get("/v1/adapters")).json()
     return {"requests": len(trace), "traffic_seconds": round(traffic_end, 1), "cache_drained": drained,
             "rss_before_traffic_mib": round(log.timeline[0].rss_bytes / 2**20, 1),
             "rss_after_drain_mib": round(after_drain.rss_bytes / 2**20, 1),
+            f"rss_after_{config.quiet_s:.0f}s_quiet_mib": round(after_quiet.rss_bytes / 2**20, 1),
+            "rss_by_mapping_mib": {"before_traffic": mapping_before, "after_drain": mapping_after,
+                                   f"after_{config.quiet_s:.0f}s_quiet": mapping_quiet},
             "warm_heap_after_drain_mib": round(warm_heap / 2**20, 1),
+            f"warm_heap_after_{config.quiet_s:.0f}s_quiet_mib": round(
+                read_metric(final, "alchemist:warm_heap_bytes") / 2**20, 1),
             "drain_seconds": round(drain_seconds, 1), "adapter_version_end": status["version"],
             "server_failed_train_jobs": read_metric(final, "alchemist:failed_train_jobs_total"),
             "server_5xx": sum(float(line.split()[-1]) for line in final.splitlines()

@@ -50,3 +50,49 @@ def test_heap_warmer_holds_pages_up_to_its_target_and_releases_them_before_a_rec
     serve(trainer, "b")  # the recording is admitted: the warm pages are freed for it
     assert warmer.held_bytes == 0
     assert not HeapWarmer(max_bytes=0).grow()  # nothing to hold
+
+
+def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_back():
+    from tests.test_stash import make_trainer
+    from tests.test_training import serve
+    from trainer.maintenance import TRIM_QUIET_S
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    trainer = make_trainer()
+    now = [100.0]
+    trainer.cache.clock = lambda: now[0]
+    warmer = trainer.maintenance.warmer
+    serve(trainer, "a")
+    trainer.train_until_idle()
+    assert warmer.held_bytes >= warmer.target > 0  # warm while prefills are being recorded
+    trims = trainer.stats.memory_trims
+    now[0] += TRIM_QUIET_S  # no recording since: the server has gone quiet
+    assert trainer.has_work()
+    trainer.train_until_idle()
+    assert warmer.held_bytes == 0 and trainer.stats.memory_trims == trims + 1
+    assert not trainer.has_work()  # nothing re-warmed for a recording that has not come
+    serve(trainer, "b")
+    assert trainer.has_work() and warmer.wants_to_grow()
+
+
+def test_every_job_that_ends_while_recording_is_paused_gives_its_memory_back(monkeypatch):
+    """A drain trains the last labels after the traffic: each job frees its own buffers."""
+    from tests.test_stash import make_trainer
+    from tests.test_training import label, serve
+    from trainer.maintenance import TRIM_QUIET_S
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
+    now = [100.0]
+    trainer.cache.clock = lambda: now[0]
+    trims = []
+    monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(now[0]) or True)
+    serve(trainer, "a")
+    serve(trainer, "b", prompt="Another question entirely")
+    label(trainer, "a")
+    trainer.train_until_idle()
+    assert trims == []  # recorded a moment ago: freed memory is kept for the next recording
+    now[0] += TRIM_QUIET_S
+    trainer.train_until_idle()
+    assert len(trims) == 1
+    label(trainer, "b")  # a label that comes after the traffic
+    trainer.train_until_idle()
+    assert len(trims) == 2 and not trainer.has_work()

@@ -143,7 +143,6 @@ def test_freed_memory_is_given_back_only_once_recording_has_paused(monkeypatch):
     trainer.cache.clock = lambda: clock[0]
     trims = []
     monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(clock[0]) or True)
-    monkeypatch.setattr("trainer.maintenance.TRIM_AFTER_BYTES", 1)
     serve(trainer, "a")
     trainer.train_until_idle()
     assert trims == []  # recorded a moment ago

@@ -20,10 +20,11 @@ from trainer.serving_copy import SharedInputGroup, refresh_serving_copies
 from trainer.cache import ActivationCache
 from trainer.status import TrainingStats
 
-# released activation bytes after which an idle item returns freed memory to the OS, once
-# no prefill has been recorded for a while: a recording into pages just given back pays
-# first-touch page faults (`alchemist bench recording`, BENCHMARKS.md)
-TRIM_AFTER_BYTES = 64 << 20
+# an idle item returns freed memory to the OS (and the warm heap) once no prefill has been
+# recorded for this long, and again after every job that frees more: a recording into
+# pages just given back pays first-touch page faults (`alchemist bench recording`,
+# BENCHMARKS.md), and a server without traffic should hold only what it started with
+# (`alchemist bench soak`, memory after the drain)
 TRIM_QUIET_S = 10.0
 # how often serving steps check label timeouts
 EXPIRY_EVERY_S = 0.5
@@ -45,7 +46,7 @@ class Maintenance:
         self.stats = stats
         self.warmer = warmer
         self._merge_pending = False
-        self._released_at_last_trim = 0
+        self._freeing_work_at_last_trim = (0, 0)
         self._last_expiry = float("-inf")
 
     @property
@@ -95,27 +96,46 @@ class Maintenance:
     # -- idle items before a job ------------------------------------------------------
 
     def has_work(self) -> bool:
-        return (self._merge_pending or self.cache.has_pending_release()
-                or (self.warmer is not None and self.warmer.wants_to_grow()))
+        return (self._merge_pending or self.cache.has_pending_release() or self._memory_due()
+                or self._warming_due())
 
     def run_item(self) -> bool:
         """One bounded item of housekeeping (between jobs); False if none was due."""
         if self.rebuild_merged(MERGE_ITEM_S):
             return True  # serving speed first: merged weights are rebuilt before the next job
-        if self._return_freed_memory():  # between jobs: RSS follows the live activations
+        if self._memory_due():  # recording has paused: RSS follows the live activations
+            self._return_freed_memory()
             return True
         # the next recording's pages are faulted in here, before any job, not in its
         # prefill: under traffic the trainer is rarely without a job
-        return self.warmer is not None and self.warmer.grow()
+        return self._warming_due() and self.warmer.grow()
 
-    def _return_freed_memory(self) -> bool:
-        """Gives freed activation memory back to the OS, once enough was released since
-        the last time and recording has paused (engine/malloc_tuning.py)."""
-        if (self.cache.released_bytes - self._released_at_last_trim < TRIM_AFTER_BYTES
-                or self.cache.clock() - self.cache.last_recorded < TRIM_QUIET_S):
+    def _recording_paused(self) -> bool:
+        return self.cache.clock() - self.cache.last_recorded >= TRIM_QUIET_S
+
+    def _warming_due(self) -> bool:
+        """Pages are warmed for the next recording while prefills are being recorded."""
+        return self.warmer is not None and self.warmer.wants_to_grow() and not self._recording_paused()
+
+    def _memory_due(self) -> bool:
+        """Recording has paused, and memory was freed since it was last given back, or the
+        heap is held warm for a recording that has not come. (Under traffic the freed
+        memory is kept: the next recording reuses it without page faults.)"""
+        if not self._recording_paused():
             return False
-        self._released_at_last_trim = self.cache.released_bytes
+        return self.warm_heap_bytes > 0 or self._freeing_work() != self._freeing_work_at_last_trim
+
+    def _freeing_work(self) -> tuple[int, int]:
+        """What frees memory into the heap: activations released, and jobs ended (a job's
+        own buffers: responses' graphs, logits, gradients)."""
+        return self.cache.released_bytes, sum(self.stats.trained_entries.values()) + self.stats.failed_jobs
+
+    def _return_freed_memory(self) -> None:
+        """Frees the warm heap and gives freed memory back to the OS (engine/malloc_tuning.py):
+        a server without recordings keeps only what its live activations need."""
+        if self.warmer is not None:
+            self.warmer.release()
+        self._freeing_work_at_last_trim = self._freeing_work()
         if return_freed_memory():
             with self.stats.lock:
                 self.stats.memory_trims += 1
-        return True
