@@ -101,7 +101,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
                             max_label_entries=config.max_label_entries, journal=ledger)
     stats = TrainingStats()
     serving_copies = build_serving_copies(runner.layers, lambda module: isinstance(module, LeanLoraLinear),
-                                          next(model.parameters()).dtype)
+                                          next(model.parameters()).dtype, config.lora_compute_dtype == "model")
     if config.merged_serving:
         merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack
@@ -114,6 +114,9 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
         offloader = build_offloader(model, offload, max_model_len, functools.partial(recompute_segment, runner))
         optimizer.zero_grad()  # calibration ran a backward
     stash = WeightStash(peft_model, offloader.param_keys if offloader is not None else None)
+    for group in serving_copies:
+        if offloader is not None and group.training is not None:
+            group.training.count_as_weights(offloader.param_keys)
     # recordings in host memory land on pre-faulted pages (engine/malloc_tuning.py)
     warmer = HeapWarmer() if heap_warming and runner.device.type == "cpu" else None
     maintenance = Maintenance(cache, peft_model, config.merged_serving, stats, warmer, serving_copies)

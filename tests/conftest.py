@@ -65,10 +65,12 @@ def encode(text: str) -> list[int]:
 _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def make_training(config, family: str = "llama", offload: OffloadConfig | None = None, **training_options):
+def make_training(config, family: str = "llama", offload: OffloadConfig | None = None,
+                  dtype: torch.dtype = torch.float32, **training_options):
     """A tiny engine with online training (`build_training_engine`); the training's
     engine is remembered for `engine_of`."""
-    engine, training = build_training_engine(tiny_model(family), tiny_tokenizer(), make_config(offload=offload),
+    engine, training = build_training_engine(tiny_model(family, dtype=dtype), tiny_tokenizer(),
+                                             make_config(offload=offload),
                                              config, offload=offload, **training_options)
     _ENGINES[training] = engine
     return training

@@ -14,6 +14,8 @@ without autograd in one of two ways, both computing `x (W + s B A)^T`:
     dtype, fused per shared input, refreshed in place when the adapter changes — the
     GPU's path, and the CPU's while its merged copy is stale;
   - lean: `base(x) + s (x A^T) B^T` in three ops, with the live weights (no serving copy).
+With autograd on a model whose dtype is not the adapter's (bfloat16 on the GPU), the LoRA
+math runs in the model's dtype from the group's training copy (trainer/training_copy.py).
 A step may mix merged and lean layers: both stand for the same, current adapter. While
 the eval gate scores a candidate (trainer/eval_gate.py), serving is pinned to the merged
 copies of the promoted version, whatever the live weights. With
@@ -31,6 +33,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from engine.packed_linear import packed_linear_available
 from trainer.config import TrainConfig
 from trainer.serving_copy import SharedInputGroup, serve_from_copy
+from trainer.training_copy import train_from_copy, uses_training_copy
 
 # every linear layer of the decoder, as QLoRA recommends and PEFT's "all-linear" does
 # (Phi-3 fuses q/k/v and gate/up). Against attention projections only: measured with
@@ -142,6 +145,9 @@ class LeanLoraLinear(LoraLinear):
         if (self.serving_group is not None and not args and not kwargs and not torch.is_grad_enabled()
                 and not self._disable_adapters and not self.weights_swapped):
             return serve_from_copy(self, x)
+        if (torch.is_grad_enabled() and not args and not kwargs and not self._disable_adapters
+                and len(self.active_adapters) == 1 and uses_training_copy(self, x)):
+            return train_from_copy(self, x)
         adapters = self.active_adapters
         if (args or kwargs or torch.is_grad_enabled() or self.disable_adapters or self.merged
                 or len(adapters) != 1 or adapters[0] in self.lora_variant or adapters[0] not in self.lora_A):

@@ -98,6 +98,10 @@ class TrainConfig:
     eval_max_kl: float = 0.0
     # recently trained prompts (with their served responses) the KL is measured on
     eval_kl_prompts: int = 4
+    # the LoRA math of recorded and training forwards: "model", in the model's dtype with
+    # float32 master weights and optimizer state (mixed precision, trainer/training_copy.py;
+    # the same as float32 on a float32 model), or "float32", PEFT's casts at every layer
+    lora_compute_dtype: str = "model"
 
     def __post_init__(self) -> None:
         if self.mode not in TRAIN_MODES:
@@ -108,6 +112,8 @@ class TrainConfig:
             raise ValueError(f"train.max_staleness must be a non-negative integer, got {self.max_staleness!r}")
         if self.dpo_reference not in DPO_REFERENCES:
             raise ValueError(f"train.dpo_reference must be one of {DPO_REFERENCES}, got {self.dpo_reference!r}")
+        if self.lora_compute_dtype not in ("model", "float32"):
+            raise ValueError(f"train.lora_compute_dtype must be model or float32, got {self.lora_compute_dtype!r}")
         if self.stale_policy not in ("recompute", "drop"):
             raise ValueError(f"train.stale_policy must be recompute or drop, got {self.stale_policy!r}")
         if not 0.0 <= self.record_fraction <= 1.0:

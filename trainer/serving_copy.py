@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from engine.packed_linear import PackedLinear
+from trainer.training_copy import TrainingCopies
 
 
 class SharedInputGroup:
@@ -42,12 +43,14 @@ class SharedInputGroup:
         if any(b is not None for b in biases):
             self.bias = torch.cat([torch.zeros(out, dtype=dtype, device=device) if b is None else b.detach().to(dtype)
                                    for b, out in zip(biases, outs)])
-        self._blocks: list[tuple[slice, slice]] = []
+        self.blocks: list[tuple[slice, slice]] = []
         row = col = 0
         for rank, out in zip(ranks, outs):
-            self._blocks.append((slice(row, row + out), slice(col, col + rank)))
+            self.blocks.append((slice(row, row + out), slice(col, col + rank)))
             row, col = row + out, col + rank
-        self.columns = [rows for rows, _ in self._blocks]  # each member's slice of the group's output
+        self.columns = [rows for rows, _ in self.blocks]  # each member's slice of the group's output
+        # the group's copies for autograd in the model's dtype (trainer/training_copy.py); None: PEFT's path
+        self.training: TrainingCopies | None = None
         self._input: torch.Tensor | None = None
         self._delta: torch.Tensor | None = None
         self._served = 0
@@ -60,7 +63,7 @@ class SharedInputGroup:
     @torch.no_grad()
     def refresh(self) -> None:
         """Copies the master weights in, in place (the storage never changes)."""
-        for (rows, cols), (a, b, scale) in zip(self._blocks, self._masters):
+        for (rows, cols), (a, b, scale) in zip(self.blocks, self._masters):
             self.a[cols].copy_(a)
             self.b[rows, cols].copy_(b * scale)
 
@@ -97,9 +100,11 @@ SHARED_INPUTS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), (
                  ("self_attn.o_proj",), ("mlp.gate_proj", "mlp.up_proj"), ("mlp.gate_up_proj",), ("mlp.down_proj",))
 
 
-def build_serving_copies(decoder_layers, is_adapted, dtype: torch.dtype) -> list[SharedInputGroup]:
+def build_serving_copies(decoder_layers, is_adapted, dtype: torch.dtype,
+                         train_in_model_dtype: bool = False) -> list[SharedInputGroup]:
     """A serving copy for every adapted linear of `decoder_layers`, grouped by shared input
-    (a group's members are those of its names that are adapted)."""
+    (a group's members are those of its names that are adapted); `train_in_model_dtype`:
+    recorded and training forwards run their LoRA math in `dtype` too (trainer/training_copy.py)."""
     groups = []
     for block in decoder_layers:
         modules = dict(block.named_modules())
@@ -108,6 +113,8 @@ def build_serving_copies(decoder_layers, is_adapted, dtype: torch.dtype) -> list
             if not members:
                 continue
             group = SharedInputGroup(members, dtype)
+            if train_in_model_dtype:
+                group.training = TrainingCopies(group)
             for index, member in enumerate(members):
                 member.serving_group, member.serving_index = group, index
             groups.append(group)

@@ -1,0 +1,58 @@
+"""Aten ops per training job on a tiny Llama (2 layers, hidden 64), reuse against recompute,
+for a float32 model and a bfloat16 one with the LoRA math in the model's dtype (the
+training copies, `train.lora_compute_dtype = "model"`) or in PEFT's float32. Each op is a
+kernel launch on a GPU. Run from the repository root:
+
+    .venv/bin/python docs/training-issue24/count_job_ops.py
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.step_counts import AtenOps  # noqa: E402
+from engine.model_runner import run_to_end  # noqa: E402
+from tests.conftest import make_training  # noqa: E402
+from tests.test_training import label, serve  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
+
+
+def job_ops(mode: str, dtype: torch.dtype, compute: str) -> dict[str, AtenOps]:
+    torch.manual_seed(0)
+    trainer = make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype=compute), dtype=dtype,
+                            init_lora_weights=False)
+    for request_id in ("warm-up", "counted"):
+        serve(trainer, request_id, max_tokens=8)
+        if mode == "dpo":
+            label(trainer, request_id, chosen="Paris, of course. It is a lovely city.")
+    warm_up, counted, context = trainer.cache.get("warm-up"), trainer.cache.get("counted"), trainer.context
+    counts = {}
+    for path, job in (("reuse", trainer.method.reuse_job), ("recompute", trainer.method.recompute_job)):
+        run_to_end(job(warm_up, context))  # the copies are built once per version, not per job
+        trainer.optimizer.zero_grad()
+        counter = AtenOps()
+        with counter.counting():
+            run_to_end(job(counted, context))
+        trainer.optimizer.zero_grad()
+        counts[path] = counter
+    return counts
+
+
+def main() -> None:
+    print("| job | model, LoRA math | reuse ops (casts) | recompute ops (casts) | reuse / recompute |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for mode in ("cpt", "dpo"):
+        for dtype, compute in ((torch.float32, "model"), (torch.bfloat16, "float32"), (torch.bfloat16, "model")):
+            counts = job_ops(mode, dtype, compute)
+            reuse, recompute = counts["reuse"], counts["recompute"]
+            math = "PEFT float32" if compute == "float32" else "bfloat16 copies"
+            name = "float32" if dtype == torch.float32 else f"bfloat16, {math}"
+            print(f"| {mode} | {name} | {reuse.total:,} ({reuse.ops['_to_copy']}) | "
+                  f"{recompute.total:,} ({recompute.ops['_to_copy']}) | {reuse.total / recompute.total:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""LoRA math in the model's dtype under autograd (trainer/training_copy.py): on a bfloat16
+model the gradient lands on PEFT's float32 weights and is as close to the float32 model's
+as PEFT's own path gets; a graph keeps the weights it was recorded under; the offloader
+counts the copies as weights; and a training forward and backward costs fewer ops and casts."""
+
+import pytest
+import torch
+
+from bench.step_counts import AtenOps
+from tests.conftest import make_training
+from tests.test_training import relative_difference, serve
+from tests.tiny import tiny_model
+from trainer.adapter import LeanLoraLinear, attach_lora, lora_gradients, lora_parameters
+from trainer.config import TrainConfig
+from trainer.serving_copy import build_serving_copies
+
+
+def _adapted(family: str, dtype: torch.dtype, train_in_model_dtype: bool):
+    model = tiny_model(family, dtype=dtype)
+    peft_model = attach_lora(model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
+    groups = build_serving_copies(model.model.layers, lambda m: isinstance(m, LeanLoraLinear), dtype,
+                                  train_in_model_dtype)
+    return model, peft_model, groups
+
+
+def _gradients(model, peft_model, ids: torch.Tensor) -> dict:
+    for p in lora_parameters(peft_model):
+        p.grad = None
+    logits = model(ids).logits.float()
+    torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+    return lora_gradients(peft_model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+def test_bfloat16_gradient_lands_on_the_float32_weights_as_close_to_the_truth_as_peft(family):
+    ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(0))
+    truth = _gradients(*_adapted(family, torch.float32, True)[:2], ids)  # float32 model: PEFT's path
+    model, peft_model, groups = _adapted(family, torch.bfloat16, True)
+    mixed = _gradients(model, peft_model, ids)
+    assert all(g.dtype == torch.float32 for g in mixed.values()) and set(mixed) == set(truth)
+    assert all(group.training.current().a.grad is None for group in groups)  # cast onto the masters
+    peft = _gradients(*_adapted(family, torch.bfloat16, False)[:2], ids)
+    mixed_error, peft_error = relative_difference(mixed, truth), relative_difference(peft, truth)
+    assert mixed_error <= 1.5 * peft_error + 2e-2, (mixed_error, peft_error)
+
+
+def test_a_graph_keeps_the_weights_it_was_recorded_under():
+    """An optimizer step between forward and backward changes the float32 weights in place:
+    the graph's copy is not touched (no version error), and it yields the gradient at the
+    weights of its forward; the next forward builds a copy of the new weights."""
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(1))
+    model, peft_model, groups = _adapted("llama", torch.bfloat16, True)
+    before = _gradients(model, peft_model, ids)
+    logits = model(ids).logits.float()
+    first = groups[0].training.current()
+    with torch.no_grad():
+        for p in lora_parameters(peft_model):
+            p.add_(0.5)
+    for p in lora_parameters(peft_model):
+        p.grad = None
+    torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+    assert relative_difference(lora_gradients(peft_model), before) == 0.0
+    assert groups[0].training.current() is not first
+    assert _gradients(model, peft_model, ids).keys() == before.keys()
+
+
+def test_a_recorded_prefill_counts_the_copies_as_weights_and_trains_on_the_stash():
+    """A bfloat16 server: the recorded prefill saves the group copies (weights for the
+    offloader), and a stale recording trains against its version's weights."""
+    from offload.config import OffloadConfig
+    torch.manual_seed(0)
+    offload = OffloadConfig(device_budget_bytes=1 << 30)
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, max_staleness=2, entries_per_step=1,
+                                        cohort_max_entries=1), offload=offload, init_lora_weights=False,
+                            dtype=torch.bfloat16)
+    groups = trainer.maintenance.serving_copies
+    serve(trainer, "a")
+    copy = groups[0].training.current()
+    assert copy.a.untyped_storage().data_ptr() in trainer.offloader.param_keys
+    serve(trainer, "b", prompt="Another prompt, served under the same version.")
+    trainer.train_until_idle()
+    assert trainer.optimizer.version == 2
+    assert trainer.stats.trained_entries.get(("cpt", "stashed"), 0) == 1  # "b" trained on its own recording
+
+
+def test_a_training_forward_in_the_models_dtype_runs_fewer_ops_and_no_casts():
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(2))
+    counts = {}
+    for mixed in (True, False):
+        model, peft_model, _ = _adapted("llama", torch.bfloat16, mixed)
+        _gradients(model, peft_model, ids)  # the copies are built once per version, not per forward
+        counter = AtenOps()
+        with counter.counting():
+            _gradients(model, peft_model, ids)
+        counts[mixed] = counter
+    assert counts[True].total < 0.8 * counts[False].total, (counts[True].total, counts[False].total)
+    # PEFT casts each adapted layer's input to float32 and its output back; the copies cast
+    # once per group copy in backward, the gradient onto the masters. The model's own
+    # casts (RMSNorm's, the loss's) are in both counts.
+    adapted = sum(isinstance(m, LeanLoraLinear) for m in model.modules())
+    assert counts[False].ops["_to_copy"] - counts[True].ops["_to_copy"] >= 2 * adapted
