@@ -4,6 +4,7 @@
 # .gpu/tokenizer/. Every log and JSON goes to $OUT (or ./gpu-out).
 #   bench/gpu.sh bringup smoke profile training serving offload colocate
 # Issue 23 (serving), in order: bringup steps serving profile colocate
+# Issue 24 (training): training profile-dpo precision
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -48,6 +49,12 @@ for phase in "$@"; do
     profile-dpo)  # where the DPO reuse job's time goes on the GPU
       bench training "${MODEL[@]}" --mode dpo --given-responses --tokens 1024 --repeats 1 \
         --kv-cache-bytes 4294967296 --profile "$OUT/profile-dpo.txt" --json "$OUT/profile-dpo.json"
+      ;;
+    precision)  # the DPO and CPT jobs with PEFT's float32 LoRA math, beside profile-dpo's (bfloat16 copies)
+      printf '[train]\nlora_compute_dtype = "float32"\n' > "$OUT/float32-lora.toml"
+      bench training "${MODEL[@]}" --config "$OUT/float32-lora.toml" --mode dpo --given-responses --tokens 1024 \
+        --repeats 1 --kv-cache-bytes 4294967296 --profile "$OUT/profile-dpo-float32-lora.txt" \
+        --json "$OUT/profile-dpo-float32-lora.json"
       ;;
     steps)  # host syncs per decode step, attention shapes of a 400-step trace, on the 8B shape
       bench steps "${MODEL[@]}" --kv-cache-bytes 8589934592 --json "$OUT/steps.json"

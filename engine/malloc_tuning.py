@@ -8,10 +8,11 @@ threshold are mapped fresh each time, so every recording pays first-touch page f
   - `keep_freed_memory()` raises the mmap threshold to its maximum (32 MiB) and keeps up
     to 1 GiB of freed heap (what it gains DPO training, `alchemist bench training --mode
     dpo`, is measured in BENCHMARKS.md, History, "Production: soak", fix 4).
-  - `return_freed_memory()` (`malloc_trim(0)`) gives free heap pages back to the OS. The
-    trainer calls it as an idle slice between jobs once 64 MiB of activations have been
-    released, so RSS follows the live activations (`alchemist bench soak`; measured in
-    BENCHMARKS.md, "Co-location" and History, "Production: soak").
+  - `return_freed_memory()` (`malloc_trim(0)`, every arena) gives free heap pages back to
+    the OS. The trainer calls it as an idle item once prefills have stopped being
+    recorded for a while, and after every job from then on, so a server without traffic
+    holds what it started with (`alchemist bench soak`; measured in BENCHMARKS.md,
+    "Memory after the drain").
 Elsewhere than glibc both do nothing and return False.
 """
 
