@@ -24,18 +24,18 @@ def job_ops(mode: str, dtype: torch.dtype, compute: str) -> dict[str, AtenOps]:
     torch.manual_seed(0)
     trainer = make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype=compute), dtype=dtype,
                             init_lora_weights=False)
-    for request_id in ("warm-up", "counted"):
-        serve(trainer, request_id, max_tokens=8)
-        if mode == "dpo":
-            label(trainer, request_id, chosen="Paris, of course. It is a lovely city.")
-    warm_up, counted, context = trainer.cache.get("warm-up"), trainer.cache.get("counted"), trainer.context
     counts = {}
     for path, job in (("reuse", trainer.method.reuse_job), ("recompute", trainer.method.recompute_job)):
-        run_to_end(job(warm_up, context))  # the copies are built once per version, not per job
+        for request_id in ("warm-up", "counted"):  # each job computes its entry's reference itself
+            serve(trainer, f"{path}-{request_id}", max_tokens=8)
+            if mode == "dpo":
+                label(trainer, f"{path}-{request_id}", chosen="Paris, of course. It is a lovely city.")
+        entries = [trainer.cache.get(f"{path}-{request_id}") for request_id in ("warm-up", "counted")]
+        run_to_end(job(entries[0], trainer.context))  # the copies are built once per version, not per job
         trainer.optimizer.zero_grad()
         counter = AtenOps()
         with counter.counting():
-            run_to_end(job(counted, context))
+            run_to_end(job(entries[1], trainer.context))
         trainer.optimizer.zero_grad()
         counts[path] = counter
     return counts
