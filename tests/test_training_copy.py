@@ -15,7 +15,7 @@ from trainer.config import TrainConfig
 from trainer.serving_copy import build_serving_copies
 
 
-def _adapted(family: str, dtype: torch.dtype, train_in_model_dtype: bool):
+def adapted(family: str, dtype: torch.dtype, train_in_model_dtype: bool):
     model = tiny_model(family, dtype=dtype)
     peft_model = attach_lora(model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
     groups = build_serving_copies(model.model.layers, lambda m: isinstance(m, LeanLoraLinear), dtype,
@@ -23,7 +23,7 @@ def _adapted(family: str, dtype: torch.dtype, train_in_model_dtype: bool):
     return model, peft_model, groups
 
 
-def _gradients(model, peft_model, ids: torch.Tensor) -> dict:
+def gradients_on(model, peft_model, ids: torch.Tensor) -> dict:
     for p in lora_parameters(peft_model):
         p.grad = None
     logits = model(ids).logits.float()
@@ -34,12 +34,12 @@ def _gradients(model, peft_model, ids: torch.Tensor) -> dict:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 def test_bfloat16_gradient_lands_on_the_float32_weights_as_close_to_the_truth_as_peft(family):
     ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(0))
-    truth = _gradients(*_adapted(family, torch.float32, True)[:2], ids)  # float32 model: PEFT's path
-    model, peft_model, groups = _adapted(family, torch.bfloat16, True)
-    mixed = _gradients(model, peft_model, ids)
+    truth = gradients_on(*adapted(family, torch.float32, True)[:2], ids)  # float32 model: PEFT's path
+    model, peft_model, groups = adapted(family, torch.bfloat16, True)
+    mixed = gradients_on(model, peft_model, ids)
     assert all(g.dtype == torch.float32 for g in mixed.values()) and set(mixed) == set(truth)
     assert all(group.training.current().a.grad is None for group in groups)  # cast onto the masters
-    peft = _gradients(*_adapted(family, torch.bfloat16, False)[:2], ids)
+    peft = gradients_on(*adapted(family, torch.bfloat16, False)[:2], ids)
     mixed_error, peft_error = relative_difference(mixed, truth), relative_difference(peft, truth)
     assert mixed_error <= 1.5 * peft_error + 2e-2, (mixed_error, peft_error)
 
@@ -49,8 +49,8 @@ def test_a_graph_keeps_the_weights_it_was_recorded_under():
     the graph's copy is not touched (no version error), and it yields the gradient at the
     weights of its forward; the next forward builds a copy of the new weights."""
     ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(1))
-    model, peft_model, groups = _adapted("llama", torch.bfloat16, True)
-    before = _gradients(model, peft_model, ids)
+    model, peft_model, groups = adapted("llama", torch.bfloat16, True)
+    before = gradients_on(model, peft_model, ids)
     logits = model(ids).logits.float()
     first = groups[0].training.current()
     with torch.no_grad():
@@ -61,7 +61,7 @@ def test_a_graph_keeps_the_weights_it_was_recorded_under():
     torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
     assert relative_difference(lora_gradients(peft_model), before) == 0.0
     assert groups[0].training.current() is not first
-    assert _gradients(model, peft_model, ids).keys() == before.keys()
+    assert gradients_on(model, peft_model, ids).keys() == before.keys()
 
 
 def test_a_recorded_prefill_counts_the_copies_as_weights_and_trains_on_the_stash():
@@ -87,15 +87,33 @@ def test_a_training_forward_in_the_models_dtype_runs_fewer_ops_and_no_casts():
     ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(2))
     counts = {}
     for mixed in (True, False):
-        model, peft_model, _ = _adapted("llama", torch.bfloat16, mixed)
-        _gradients(model, peft_model, ids)  # the copies are built once per version, not per forward
+        model, peft_model, _ = adapted("llama", torch.bfloat16, mixed)
+        gradients_on(model, peft_model, ids)  # the copies are built once per version, not per forward
         counter = AtenOps()
         with counter.counting():
-            _gradients(model, peft_model, ids)
+            gradients_on(model, peft_model, ids)
         counts[mixed] = counter
     assert counts[True].total < 0.8 * counts[False].total, (counts[True].total, counts[False].total)
     # PEFT casts each adapted layer's input to float32 and its output back; the copies cast
     # once per group copy in backward, the gradient onto the masters. The model's own
     # casts (RMSNorm's, the loss's) are in both counts.
-    adapted = sum(isinstance(m, LeanLoraLinear) for m in model.modules())
-    assert counts[False].ops["_to_copy"] - counts[True].ops["_to_copy"] >= 2 * adapted
+    adapted_layers = sum(isinstance(m, LeanLoraLinear) for m in model.modules())
+    assert counts[False].ops["_to_copy"] - counts[True].ops["_to_copy"] >= 2 * adapted_layers
+
+
+def test_copies_no_graph_or_version_needs_are_freed():
+    """A copy lives while a graph or the group's small cache holds it (its hooks hold the
+    float32 weights, not the copy): one per adapter version would leak on a long run."""
+    import gc
+    import weakref
+    ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(3))
+    model, peft_model, groups = adapted("llama", torch.bfloat16, True)
+    gradients_on(model, peft_model, ids)
+    first = weakref.ref(groups[0].training.current().a)
+    for _ in range(3):  # three more versions, each trained once
+        with torch.no_grad():
+            for p in lora_parameters(peft_model):
+                p.add_(0.01)
+        gradients_on(model, peft_model, ids)
+    gc.collect()
+    assert first() is None

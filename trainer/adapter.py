@@ -138,6 +138,9 @@ class LeanLoraLinear(LoraLinear):
             flat = x.reshape(-1, x.shape[-1])
             out = torch.ops.mkldnn._linear_pointwise(flat, self._merged_pack, self.base_layer.bias, "none", [], "")
             return out.view(*x.shape[:-1], out.shape[-1])
+        if (torch.is_grad_enabled() and not args and not kwargs and not self._disable_adapters
+                and len(self.active_adapters) == 1 and uses_training_copy(self, x)):
+            return train_from_copy(self, x)  # before the merged path: a group's members all take it
         if (self._merged_pack is not None and not args and not kwargs and not self._disable_adapters
                 and not self.weights_swapped and torch.is_grad_enabled() and self.merged_is_current() and x.dtype == self._merged_pack.dtype):
             name = self.active_adapters[0]
@@ -145,9 +148,6 @@ class LeanLoraLinear(LoraLinear):
         if (self.serving_group is not None and not args and not kwargs and not torch.is_grad_enabled()
                 and not self._disable_adapters and not self.weights_swapped):
             return serve_from_copy(self, x)
-        if (torch.is_grad_enabled() and not args and not kwargs and not self._disable_adapters
-                and len(self.active_adapters) == 1 and uses_training_copy(self, x)):
-            return train_from_copy(self, x)
         adapters = self.active_adapters
         if (args or kwargs or torch.is_grad_enabled() or self.disable_adapters or self.merged
                 or len(adapters) != 1 or adapters[0] in self.lora_variant or adapters[0] not in self.lora_A):

@@ -29,13 +29,15 @@ difference from PEFT's float32 path is measured in tests/test_training_copy.py.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import OrderedDict
 
 import torch
 
-# copies kept per group: the live version's and those of the stashed versions a job swaps in
-_KEPT_COPIES = 4
+# copies kept per group: the live weights' and those of the stashed version a job swaps in
+# (a graph holds its own copy for as long as it lives)
+_KEPT_COPIES = 2
 
 
 class _Copy:
@@ -43,29 +45,36 @@ class _Copy:
 
     def __init__(self, group, sources: list[tuple[torch.Tensor, torch.Tensor, float]]):
         self.sources = sources  # kept alive: their identities key this copy
-        weights = group.a
-        a = torch.zeros_like(weights)
+        a = torch.zeros_like(group.a)
         b = torch.zeros_like(group.b)
         with torch.no_grad():
             for (rows, cols), (source_a, source_b, scale) in zip(group.blocks, sources):
                 a[cols].copy_(source_a)
                 b[rows, cols].copy_(source_b * scale)
         self.a, self.b = a.requires_grad_(), b.requires_grad_()
-        self.blocks = group.blocks
-        self.a.register_post_accumulate_grad_hook(self._a_grad_to_sources)
-        self.b.register_post_accumulate_grad_hook(self._b_grad_to_sources)
+        # the hooks hold the sources, not the copy: a copy a graph no longer needs is freed
+        self.a.register_post_accumulate_grad_hook(functools.partial(_a_grad_to_sources, group.blocks, sources))
+        self.b.register_post_accumulate_grad_hook(functools.partial(_b_grad_to_sources, group.blocks, sources))
 
-    @torch.no_grad()
-    def _a_grad_to_sources(self, a: torch.Tensor) -> None:
-        grad, a.grad = a.grad.to(self.sources[0][0].dtype), None  # one cast for the group
-        for (_, cols), (source, _, _) in zip(self.blocks, self.sources):
+
+@torch.no_grad()
+def _a_grad_to_sources(blocks, sources, a: torch.Tensor) -> None:
+    try:
+        grad = a.grad.to(sources[0][0].dtype)  # one cast for the group
+        for (_, cols), (source, _, _) in zip(blocks, sources):
             _accumulate(source, grad[cols], 1.0)
+    finally:
+        a.grad = None
 
-    @torch.no_grad()
-    def _b_grad_to_sources(self, b: torch.Tensor) -> None:
-        grad, b.grad = b.grad.to(self.sources[0][1].dtype), None
-        for (rows, cols), (_, source, scale) in zip(self.blocks, self.sources):
+
+@torch.no_grad()
+def _b_grad_to_sources(blocks, sources, b: torch.Tensor) -> None:
+    try:
+        grad = b.grad.to(sources[0][1].dtype)
+        for (rows, cols), (_, source, scale) in zip(blocks, sources):
             _accumulate(source, grad[rows, cols], scale)  # d(s·B) = s dB
+    finally:
+        b.grad = None
 
 
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
@@ -143,4 +152,6 @@ def uses_training_copy(layer, x: torch.Tensor) -> bool:
     """Whether `layer` (single adapter, adapters on, in a group) should take this path for
     `x`: the model's dtype differs from the master weights'."""
     group = layer.serving_group
-    return group is not None and group.training is not None and x.dtype != layer.serving_masters()[0].dtype
+    if group is None or group.training is None or layer.merged or layer.active_adapters[0] in layer.lora_variant:
+        return False
+    return x.dtype != layer.serving_masters()[0].dtype
