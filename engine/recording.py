@@ -158,8 +158,8 @@ class SavedTensor:
 class SavedTensorTracker:
     """Context manager: counts live autograd-saved bytes (deduplicated by storage).
 
-    Parameters (requires_grad leaves such as LoRA weights, frozen weights) are not
-    activations and are not counted.
+    Parameters (requires_grad leaves such as LoRA weights, frozen weights) and views of
+    them are not activations and are not counted.
     """
 
     live_bytes: int = 0
@@ -177,8 +177,9 @@ class SavedTensorTracker:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _acquire(self, tensor: torch.Tensor) -> int | None:
-        if isinstance(tensor, torch.nn.Parameter) or tensor.device.type == "meta":
-            return None
+        if isinstance(tensor._base if tensor._base is not None else tensor, torch.nn.Parameter) \
+                or tensor.device.type == "meta":
+            return None  # a parameter, or a view of one (addmm saves `weight.t()`)
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         with self._lock:

@@ -117,3 +117,17 @@ def test_copies_no_graph_or_version_needs_are_freed():
         gradients_on(model, peft_model, ids)
     gc.collect()
     assert first() is None
+
+
+def test_a_recording_counts_activations_not_the_weights_its_gemms_save():
+    """A linear layer's GEMM (`addmm`, and `F.linear`, which is one) saves a view of the
+    frozen weight, `weight.t()`: the recording's bytes are its activations all the same
+    (counting every weight once per recording filled the activation cache on a bfloat16
+    model after a few prompts)."""
+    from engine.recording import SavedTensorTracker
+    weight = torch.nn.Parameter(torch.randn(256, 64), requires_grad=False)
+    x = torch.randn(3, 64, requires_grad=True)
+    tracker = SavedTensorTracker()
+    with tracker.hooks():
+        out = torch.nn.functional.linear(x, weight) + torch.addmm(torch.zeros(256), x, weight.t())
+    assert out.requires_grad and tracker.live_bytes == 0  # the input's gradient needs the weight only
