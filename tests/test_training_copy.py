@@ -131,3 +131,16 @@ def test_a_recording_counts_activations_not_the_weights_its_gemms_save():
     with tracker.hooks():
         out = torch.nn.functional.linear(x, weight) + torch.addmm(torch.zeros(256), x, weight.t())
     assert out.requires_grad and tracker.live_bytes == 0  # the input's gradient needs the weight only
+
+
+def test_a_recording_does_not_count_the_copies_as_its_activations():
+    """The copies are weights shared by every recording of a version (parameters, as the
+    weights they copy), not bytes of each recording."""
+    from engine.recording import SavedTensorTracker
+    model, _, groups = adapted("llama", torch.bfloat16, True)
+    ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(4))
+    tracker = SavedTensorTracker()
+    with tracker.hooks():
+        logits = model(ids).logits
+    copies = {t.untyped_storage().data_ptr() for g in groups for t in (g.training.current().a, g.training.current().b)}
+    assert logits.requires_grad and tracker.live_bytes > 0 and not copies & set(tracker._storages)

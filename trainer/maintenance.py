@@ -21,7 +21,7 @@ from trainer.cache import ActivationCache
 from trainer.status import TrainingStats
 
 # an idle item returns freed memory to the OS (and the warm heap) once no prefill has been
-# recorded for this long, and again after every job that frees more: a recording into
+# recorded for this long, and again, at most as often, while jobs free more: a recording into
 # pages just given back pays first-touch page faults (`alchemist bench recording`,
 # BENCHMARKS.md), and a server without traffic should hold only what it started with
 # (`alchemist bench soak`, memory after the drain)
@@ -47,6 +47,7 @@ class Maintenance:
         self.warmer = warmer
         self._merge_pending = False
         self._freeing_work_at_last_trim = (0, 0)
+        self._last_trim = float("-inf")
         self._last_expiry = float("-inf")
 
     @property
@@ -118,12 +119,16 @@ class Maintenance:
         return self.warmer is not None and self.warmer.wants_to_grow() and not self._recording_paused()
 
     def _memory_due(self) -> bool:
-        """Recording has paused, and memory was freed since it was last given back, or the
-        heap is held warm for a recording that has not come. (Under traffic the freed
+        """Recording has paused, and memory was freed since it was last given back (at
+        most once per quiet period), or the heap is held warm for a recording that has
+        not come. (Under traffic the freed
         memory is kept: the next recording reuses it without page faults.)"""
         if not self._recording_paused():
             return False
-        return self.warm_heap_bytes > 0 or self._freeing_work() != self._freeing_work_at_last_trim
+        # at most one trim per quiet period for the jobs' frees: labels recomputed while
+        # requests are served unrecorded (a full cache) must not pay one after every job
+        return self.warm_heap_bytes > 0 or (self._freeing_work() != self._freeing_work_at_last_trim
+                                            and self.cache.clock() - self._last_trim >= TRIM_QUIET_S)
 
     def _freeing_work(self) -> tuple[int, int]:
         """What frees memory into the heap: activations released, and jobs ended (a job's
@@ -136,6 +141,7 @@ class Maintenance:
         if self.warmer is not None:
             self.warmer.release()
         self._freeing_work_at_last_trim = self._freeing_work()
+        self._last_trim = self.cache.clock()
         if return_freed_memory():
             with self.stats.lock:
                 self.stats.memory_trims += 1

@@ -51,7 +51,8 @@ class _Copy:
             for (rows, cols), (source_a, source_b, scale) in zip(group.blocks, sources):
                 a[cols].copy_(source_a)
                 b[rows, cols].copy_(source_b * scale)
-        self.a, self.b = a.requires_grad_(), b.requires_grad_()
+        # parameters, as the weights they copy: a recording's byte count skips them
+        self.a, self.b = torch.nn.Parameter(a), torch.nn.Parameter(b)
         # the hooks hold the sources, not the copy: a copy a graph no longer needs is freed
         self.a.register_post_accumulate_grad_hook(functools.partial(_a_grad_to_sources, group.blocks, sources))
         self.b.register_post_accumulate_grad_hook(functools.partial(_b_grad_to_sources, group.blocks, sources))
