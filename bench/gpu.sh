@@ -50,7 +50,7 @@ for phase in "$@"; do
       bench training "${MODEL[@]}" --mode dpo --given-responses --tokens 1024 --repeats 1 \
         --kv-cache-bytes 4294967296 --profile "$OUT/profile-dpo.txt" --json "$OUT/profile-dpo.json"
       ;;
-    precision)  # the DPO and CPT jobs with PEFT's float32 LoRA math, beside profile-dpo's (bfloat16 copies)
+    precision)  # the DPO job with PEFT's float32 LoRA math, beside profile-dpo's (bfloat16 copies)
       printf '[train]\nlora_compute_dtype = "float32"\n' > "$OUT/float32-lora.toml"
       bench training "${MODEL[@]}" --config "$OUT/float32-lora.toml" --mode dpo --given-responses --tokens 1024 \
         --repeats 1 --kv-cache-bytes 4294967296 --profile "$OUT/profile-dpo-float32-lora.txt" \

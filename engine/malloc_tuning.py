@@ -10,8 +10,8 @@ threshold are mapped fresh each time, so every recording pays first-touch page f
     dpo`, is measured in BENCHMARKS.md, History, "Production: soak", fix 4).
   - `return_freed_memory()` (`malloc_trim(0)`, every arena) gives free heap pages back to
     the OS. The trainer calls it as an idle item once prefills have stopped being
-    recorded for a while, and after every job from then on, so a server without traffic
-    holds what it started with (`alchemist bench soak`; measured in BENCHMARKS.md,
+    recorded for a while, and again, at most as often, while jobs free more, so a server
+    without traffic holds what it started with (`alchemist bench soak`; measured in BENCHMARKS.md,
     "Memory after the drain").
 Elsewhere than glibc both do nothing and return False.
 """

@@ -26,6 +26,8 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.async_engine import AsyncEngine, Wakeup
 from engine.config import EngineConfig
 from engine.hooks import EngineHooks, EngineObserver
@@ -100,8 +102,11 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s,
                             max_label_entries=config.max_label_entries, journal=ledger)
     stats = TrainingStats()
+    model_dtype = next(model.parameters()).dtype
+    # PEFT keeps a float32 adapter: on a float32 model its own path is already the model's dtype
+    train_in_model_dtype = config.lora_compute_dtype == "model" and model_dtype != torch.float32
     serving_copies = build_serving_copies(runner.layers, lambda module: isinstance(module, LeanLoraLinear),
-                                          next(model.parameters()).dtype, config.lora_compute_dtype == "model")
+                                          model_dtype, train_in_model_dtype)
     if config.merged_serving:
         merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack
@@ -114,9 +119,10 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
         offloader = build_offloader(model, offload, max_model_len, functools.partial(recompute_segment, runner))
         optimizer.zero_grad()  # calibration ran a backward
     stash = WeightStash(peft_model, offloader.param_keys if offloader is not None else None)
-    for group in serving_copies:
-        if offloader is not None and group.training is not None:
-            group.training.count_as_weights(offloader.param_keys)
+    if offloader is not None:
+        for group in serving_copies:
+            if group.training is not None:
+                group.training.count_as_weights(offloader.param_keys)
     # recordings in host memory land on pre-faulted pages (engine/malloc_tuning.py)
     warmer = HeapWarmer() if heap_warming and runner.device.type == "cpu" else None
     maintenance = Maintenance(cache, peft_model, config.merged_serving, stats, warmer, serving_copies)

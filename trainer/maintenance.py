@@ -121,8 +121,8 @@ class Maintenance:
     def _memory_due(self) -> bool:
         """Recording has paused, and memory was freed since it was last given back (at
         most once per quiet period), or the heap is held warm for a recording that has
-        not come. (Under traffic the freed
-        memory is kept: the next recording reuses it without page faults.)"""
+        not come. Under traffic freed memory is kept: the next recording reuses it
+        without page faults."""
         if not self._recording_paused():
             return False
         # at most one trim per quiet period for the jobs' frees: labels recomputed while
