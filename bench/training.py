@@ -39,7 +39,6 @@ from server.build import build_training_engine
 from server.config import AlchemistConfig
 from trainer.adapter import lora_gradients, lora_parameters
 from trainer.entries import EntryState, PreferenceLabel
-from trainer.config import TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,9 @@ class Bench:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=max_tokens + 64),
                                      scheduler=dataclasses.replace(config.scheduler,
                                                                    max_num_batched_tokens=max(max_tokens + 64, 2048)))
-        train = TrainConfig(mode=mode, cache_bytes=1 << 40, max_record_tokens=max_tokens + 64,
-                            dpo_reference=config.train.dpo_reference, head_chunk_rows=config.train.head_chunk_rows)
+        # the config's training settings (a --config file's lora_compute_dtype, say), with a
+        # cache that holds every recording of the run
+        train = dataclasses.replace(config.train, mode=mode, cache_bytes=1 << 40, max_record_tokens=max_tokens + 64)
         self.engine, self.trainer = build_training_engine(model, self.tokenizer, config, train,
                                                           offload=config.offload)
         # B starts at zero in LoRA, which makes A's gradient zero; a small random B gives

@@ -86,7 +86,7 @@ def test_draws_follow_the_distribution_and_greedy_rows_in_the_same_batch_take_th
     engine = _engine()
     sampler = engine.runner.sampler
     probs = torch.tensor([0.6, 0.25, 0.1, 0.05] + [0.0] * 60)
-    logits = probs.log().unsqueeze(0).expand(2, -1).contiguous()
+    logits = probs.log().unsqueeze(0).expand(2, -1).contiguous().to(engine.runner.device)
     seqs = []
     for i, temperature in enumerate((1.0, 0.0)):
         engine.add_request(f"d{i}", [5, 6, 7], SamplingParams(temperature=temperature, max_tokens=4, seed=11))

@@ -73,7 +73,8 @@ def test_recorded_logprobs_are_the_models_own_not_the_masked_ones():
             constrained += out.outputs[0].logprobs
     # the first token's reported log-prob, against the unconstrained distribution at the same position
     with torch.inference_mode():
-        logits = engine.model(torch.tensor([encode("Answer in JSON.")])).logits[0, -1].float()
+        prompt = torch.tensor([encode("Answer in JSON.")], device=engine.runner.device)
+        logits = engine.model(prompt).logits[0, -1].float()
     expected = logits.log_softmax(-1)[constrained[0].token_id].item()
     assert constrained[0].logprob == pytest.approx(expected, abs=1e-4)
     assert expected < 0  # a forced token is not reported as certain
