@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 from offload.profile import build_profile, write_profile
+from trainer.cache_budget import CPU_CACHE_BYTES
 
 
 def run_profile(config, out: str, token_lengths: tuple[int, ...]) -> dict:
@@ -31,7 +32,7 @@ def run_profile(config, out: str, token_lengths: tuple[int, ...]) -> dict:
     budget = config.offload.device_budget_bytes
     if not budget:
         budget = torch.cuda.mem_get_info(engine.runner.device)[0] if engine.runner.device.type == "cuda" \
-            else config.train.cache_bytes
+            else config.train.cache_bytes or CPU_CACHE_BYTES
     profile = build_profile(memory, timings, budget, config.model.max_model_len, config.scheduler.max_num_seqs,
                             config.offload.prefetch_layers, measurements)
     profile["model"], profile["device"] = name, str(engine.runner.device)

@@ -43,6 +43,7 @@ from trainer.adapter import LeanLoraLinear, attach_lora, lora_parameters, merge_
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.arbiter import Arbiter
 from trainer.cache import ActivationCache
+from trainer.cache_budget import size_cache
 from trainer.eval_gate import EvalGate
 from trainer.eval_set import load_eval_set
 from trainer.config import TrainConfig
@@ -99,10 +100,13 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     peft_model = attach_lora(model, config, init_lora_weights)
     optimizer = AdapterOptimizer(lora_parameters(peft_model), config.learning_rate, config.max_grad_norm)
     replicas = ReplicaSync(optimizer.params, replica.rank, wakeup or (lambda: None)) if replica is not None else None
-    cache = ActivationCache(config.cache_bytes, config.cache_full_policy, config.label_timeout_s,
+    model_dtype = next(model.parameters()).dtype
+    budget = size_cache(config.cache_bytes, runner.device, model.config, model_dtype)
+    logger.info("activation cache: %.2f GiB (%s), about %d prompt tokens of recordings", budget.budget_bytes / 2**30,
+                budget.source, budget.tokens)
+    cache = ActivationCache(budget.budget_bytes, config.cache_full_policy, config.label_timeout_s,
                             max_label_entries=config.max_label_entries, journal=ledger)
     stats = TrainingStats()
-    model_dtype = next(model.parameters()).dtype
     # PEFT keeps a float32 adapter: on a float32 model its own path is already the model's dtype
     train_in_model_dtype = config.lora_compute_dtype == "model" and model_dtype != torch.float32
     serving_copies = build_serving_copies(runner.layers, lambda module: isinstance(module, LeanLoraLinear),

@@ -43,8 +43,9 @@ class TrainConfig:
     # an entry waiting for feedback (dpo: a preference, grpo: rewards) whose label has not
     # arrived this many seconds after the response is evicted
     label_timeout_s: float = 300.0
-    # bytes of recorded activations the activation cache may hold
-    cache_bytes: int = 2 << 30
+    # bytes of recorded activations the activation cache may hold; 0: sized at start to
+    # the device (trainer/cache_budget.py: half the GPU memory then free; 2 GiB on the CPU)
+    cache_bytes: int = 0
     # when a new recording does not fit (trainer/cache.py): unlabelled_give_way (the oldest
     # recordings still waiting for a label give way; labelled ones keep theirs), drop_new
     # (the paper's: the new one is not kept), evict_oldest. Measured in BENCHMARKS.md,
@@ -131,7 +132,10 @@ class TrainConfig:
             raise ValueError("train.eval_tolerance and train.eval_max_kl must be >= 0")
         if self.eval_set and self.mode == "off":
             raise ValueError("train.eval_set gates the versions training makes; training is off")
-        for name in ("lora_rank", "lora_alpha", "cache_bytes", "max_record_tokens", "entries_per_step",
+        if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
+            raise ValueError(f"train.cache_bytes must be a non-negative integer (0: sized to the device), "
+                             f"got {self.cache_bytes!r}")
+        for name in ("lora_rank", "lora_alpha", "max_record_tokens", "entries_per_step",
                      "cohort_max_entries", "max_label_entries", "head_chunk_rows", "eval_kl_prompts"):
             check_positive(self, name)
         if self.cohort_max_entries < self.entries_per_step:

@@ -236,7 +236,7 @@ class OnlineTraining:
         cache = self.cache
         cache_status = CacheStatus(cache.bytes, {s.value: cache.count(s) for s in (
             EntryState.WAITING_LABEL, EntryState.READY, EntryState.TRAINING)}, dict(cache.ended_counts),
-            cache.label_entries, cache.refused_label_entries)
+            cache.label_entries, cache.refused_label_entries, cache.budget_bytes)
         if self.offloader is None:
             offload = OffloadStatus(cache.bytes, 0)
         else:

@@ -76,6 +76,8 @@ class CacheStatus:
     # refused at train.max_label_entries
     label_entries: int = 0
     refused_label_entries: int = 0
+    # bytes of recorded activations it may hold (train.cache_bytes, or sized at start)
+    budget_bytes: int = 0
 
 
 @dataclass(frozen=True)
