@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.step_inputs import StepBuckets
+
 
 class OutOfBlocks(RuntimeError):
     pass
@@ -173,12 +175,21 @@ class AttentionMetadata:
         return self.groups[0]
 
     @classmethod
-    def packed(cls, lengths: list[int], starts: list[int], device: torch.device) -> AttentionMetadata:
-        """A training forward's metadata, one unpadded group: B sequences packed along one
-        axis, sequence b's queries being positions starts[b] .. starts[b] + lengths[b] - 1
-        and its keys positions 0 .. that end; the forward keeps its K/V itself (no slots).
-        A serving step's, bucketed and with cache slots, is built by ModelRunner._pack."""
+    def packed(cls, lengths: list[int], starts: list[int], device: torch.device,
+               buckets: StepBuckets | None = None) -> AttentionMetadata:
+        """A training forward's metadata, one group: B sequences packed along one axis,
+        sequence b's queries being positions starts[b] .. starts[b] + lengths[b] - 1 and its
+        keys positions 0 .. that end; the forward keeps its K/V itself (no slots). With
+        `buckets`, the query length and the key length are rounded up to them (the keys of
+        a shared prefix, then each sequence's padded queries', then padding: every column
+        past a query's position is masked), so that a run of prompts of every length
+        attends in a few shapes. A serving step's, with cache slots, is built by
+        ModelRunner._pack."""
         batch, q_max = len(lengths), max(lengths)
+        num_keys = max(s + n for s, n in zip(starts, lengths))
+        if buckets is not None:
+            q_max = buckets.query(q_max)
+            num_keys = buckets.keys(max(starts) + q_max)
         query_index = torch.zeros(batch, q_max, dtype=torch.long)
         query_positions = torch.full((batch, q_max), -1, dtype=torch.long)
         output_index = torch.empty(sum(lengths), dtype=torch.long)
@@ -188,8 +199,7 @@ class AttentionMetadata:
             query_positions[b, :n] = torch.arange(start, start + n)
             output_index[offset:offset + n] = torch.arange(b * q_max, b * q_max + n)
             offset += n
-        group = AttentionGroup(query_index.to(device), query_positions.to(device),
-                               max(s + n for s, n in zip(starts, lengths)))
+        group = AttentionGroup(query_index.to(device), query_positions.to(device), num_keys)
         return cls([group], output_index.to(device))
 
 

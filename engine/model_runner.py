@@ -90,6 +90,11 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(kv_spec, num_blocks, self.device)
         self.block_size = kv_spec.block_size
         self.buckets = StepBuckets(kv_spec.block_size)
+        # a recorded prefill's and a training forward's attention shapes: on a GPU each new
+        # one builds a fused kernel's graph (cuDNN's on sm90) in the middle of a request or a
+        # training slice. The CPU has none to build, and runs them unpadded (what a recording
+        # saves for backward grows with the padding)
+        self.training_buckets = self.buckets if self.device.type == "cuda" else None
         self.staging = HostStaging(self.device)
         self._block_offsets = torch.arange(kv_spec.block_size, device=self.device)
         self.decode_batches = self.buckets.all_batches(max_num_seqs)
@@ -141,7 +146,7 @@ class ModelRunner:
 
     def attention_metadata(self, lengths: list[int], starts: list[int]) -> AttentionMetadata:
         """Packed sequences' metadata for a forward outside a serving step (LayerwiseModel)."""
-        return AttentionMetadata.packed(lengths, starts, self.device)
+        return AttentionMetadata.packed(lengths, starts, self.device, self.training_buckets)
 
     def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
                     leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
@@ -238,7 +243,7 @@ class ModelRunner:
     def _record_prefill(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
                         stale_resolver) -> ModelOutput:
         """`_execute_recorded` for a step of the recorded sequence alone."""
-        packed = self._pack(step, bucketed=False)
+        packed = self._pack(step, bucketed=self.training_buckets is not None)
         seq = step.scheduled[0].seq
         num_prompt = step.scheduled[0].num_new_tokens
         tracker = self.record_tracker or SavedTensorTracker()

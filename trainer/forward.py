@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from engine.kv_cache import AttentionMetadata
 from engine.layerwise import LayerwiseModel
@@ -58,6 +59,9 @@ class SequenceKV:
         if self.prefix is not None:
             prefix_key, prefix_value = (t.expand(key.shape[0], -1, -1, -1) for t in self.prefix[layer_idx])
             key, value = torch.cat([prefix_key, key], dim=2), torch.cat([prefix_value, value], dim=2)
+        pad = self.metadata.single.num_keys - key.shape[2]  # a bucketed key length: masked columns
+        if pad:
+            key, value = F.pad(key, (0, 0, 0, pad)), F.pad(value, (0, 0, 0, pad))
         return key, value
 
 
