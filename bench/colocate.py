@@ -123,6 +123,14 @@ def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) 
             "staleness_le": staleness}
 
 
+def _longest_slice_item(text: str) -> str:
+    """What the server's longest training slice ran (its metric's `item` label)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return next((sample.labels.get("item", "") for family in text_string_to_metric_families(text)
+                 for sample in family.samples if sample.name == "alchemist:train_slice_max_seconds"), "")
+
+
 def _mean_delta(before: str, after: str, histogram: str) -> float:
     """The mean of a histogram's observations between two scrapes."""
     count = read_metric(after, f"{histogram}_count") - read_metric(before, f"{histogram}_count")
@@ -178,6 +186,7 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
                                ("prefill", "request_prefill_time"), ("tpot", "time_per_output_token"),
                                ("itl", "inter_token_latency"))},
         "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
+        "train_slice_max_item": _longest_slice_item(after),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
                                            + side.policy + '"}'),
         **{name: read_metric(after, f"alchemist:{name}_total") - read_metric(before, f"alchemist:{name}_total")
@@ -202,7 +211,8 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
                   f"server TPOT {result['server_tpot_mean_s'] * 1000:.1f} ms, "
                   + (f"cold TPOT {result['cold_tpot_mean_s'] * 1000:.1f} ms, " if warmup else "")
                   + f"trained {result['train_tokens_per_s']:.1f} tok/s"
-                  + (f", by path {result['trained_by_path']}" if result["training"] else ""), flush=True)
+                  + (f", by path {result['trained_by_path']}, longest slice {result['train_slice_max_s'] * 1000:.0f} "
+                     f"ms ({result['train_slice_max_item']})" if result["training"] else ""), flush=True)
 
     def median(variant: bool, key: str) -> float:
         return statistics.median(r[key] for r in runs[variant])
@@ -227,7 +237,9 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
         summary[f"off_{key}"] = round(median(False, key), 5)
         summary[f"on_{key}"] = round(median(True, key), 5)
     summary["server_tpot_mean_ratio"] = round(summary["on_server_tpot_mean_s"] / summary["off_server_tpot_mean_s"], 4)
-    summary["train_slice_max_s"] = round(max(r["train_slice_max_s"] for r in runs[True]), 4)
+    longest = max(runs[True], key=lambda r: r["train_slice_max_s"])
+    summary["train_slice_max_s"] = round(longest["train_slice_max_s"], 4)
+    summary["train_slice_max_item"] = longest["train_slice_max_item"]
     summary["train_tokens_per_s"] = round(median(True, "train_tokens_per_s"), 2)
     summary["between_step_slices"] = median(True, "between_step_slices")
     trained = {path: sum(r["trained_by_path"][path] for r in runs[True]) for path in TRAINING_PATHS}

@@ -78,8 +78,11 @@ class TrainingCollector:
                                     sum_value=stats.busy_seconds)
         yield CounterMetricFamily(f"{PREFIX}train_busy_seconds", "Seconds spent in training slices.",
                                   value=stats.busy_seconds)
-        yield GaugeMetricFamily(f"{PREFIX}train_slice_max_seconds", "Longest training slice so far, in seconds "
-                                "(what a request arriving during training may wait).", value=stats.max_slice_seconds)
+        longest = GaugeMetricFamily(f"{PREFIX}train_slice_max_seconds", "Longest training slice so far, in seconds "
+                                    "(what a request arriving during training may wait), labelled with what it ran.",
+                                    labels=["item"])
+        longest.add_metric([stats.max_slice_item], stats.max_slice_seconds)
+        yield longest
         yield CounterMetricFamily(f"{PREFIX}train_preemptions", "Times a training job was interrupted by serving "
                                   "and resumed where it stopped.", value=stats.preemptions)
         yield from _save_metrics(status.saves)

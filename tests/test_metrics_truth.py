@@ -50,3 +50,19 @@ def test_prefill_time_is_measured_over_http():
         assert metric(client, "alchemist:request_prefill_time_seconds_count") == 1
         assert metric(client, "alchemist:request_prefill_time_seconds_sum") > 0
         assert metric(client, "alchemist:inter_token_latency_seconds_count") >= 1
+
+
+def test_the_longest_training_slice_is_exported_with_what_it_ran():
+    from tests.test_training import make_trainer, serve
+    from server.training_metrics import TrainingCollector
+
+    trainer = make_trainer(mode="cpt")
+    serve(trainer, "r")
+    while trainer.run_slice():
+        pass
+    stats = trainer.status().training
+    assert stats.max_slice_seconds > 0
+    assert stats.max_slice_item in ("cpt reuse job", "optimizer step", "housekeeping")
+    family = next(f for f in TrainingCollector(trainer).collect() if f.name == "alchemist:train_slice_max_seconds")
+    (sample,) = family.samples
+    assert sample.labels == {"item": stats.max_slice_item} and sample.value == stats.max_slice_seconds

@@ -179,17 +179,20 @@ class OnlineTraining:
                 self.stats.preemptions += 1  # the job resumes here
         self.maintenance.expire()
         if self.sync_due():
-            worked = self.apply_synced()
+            worked, item = self.apply_synced(), "replicas' step"
         elif self._scoring():  # no job starts before the candidate's verdict
-            worked = self._gate_slice()
+            worked, item = self._gate_slice(), "eval gate"
+        elif not self.trainer.in_job() and self.maintenance.run_item():
+            worked, item = True, "housekeeping"
         else:
-            worked = (not self.trainer.in_job() and self.maintenance.run_item()) or self.trainer.run_slice()
+            worked, item = self.trainer.run_slice(), self.trainer.slice_item
         if worked:
             seconds = time.perf_counter() - started
             with self.stats.lock:
                 self.stats.slices += 1
                 self.stats.busy_seconds += seconds
-                self.stats.max_slice_seconds = max(self.stats.max_slice_seconds, seconds)
+                if seconds > self.stats.max_slice_seconds:
+                    self.stats.max_slice_seconds, self.stats.max_slice_item = seconds, item
                 self.stats.slice_buckets[next(b for b in SLICE_BUCKETS if seconds <= b)] += 1
         return worked
 

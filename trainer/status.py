@@ -31,6 +31,8 @@ class TrainingStats:
     slices: int = 0
     busy_seconds: float = 0.0
     max_slice_seconds: float = 0.0
+    # what the longest slice was ("dpo reuse job", "optimizer step", "housekeeping", ...)
+    max_slice_item: str = ""
     slice_buckets: dict[float, int] = field(default_factory=lambda: {b: 0 for b in SLICE_BUCKETS})
     # times a job was interrupted by serving and resumed where it stopped
     preemptions: int = 0

@@ -86,6 +86,8 @@ class Trainer:
         self.offloader = offloader
         self.replicas = replicas
         self._job: _Job | None = None
+        # what the last slice ran (the arbiter's figures name the longest one)
+        self.slice_item = ""
 
     def in_job(self) -> bool:
         return self._job is not None
@@ -119,9 +121,11 @@ class Trainer:
                 return False
             self._job = _Job(entries, cohort=any(e.recording is not None for e in entries))
         job = self._job
+        self.slice_item = f"{self.method.name} job"
         try:
             if job.current is None:
                 if job.index == len(job.entries) and not self._take_late_entries(job):
+                    self.slice_item = "optimizer step"
                     self._finish_job(job)
                     return True
                 entry = job.entries[job.index]
@@ -131,6 +135,7 @@ class Trainer:
                 if job.current is None:  # stale and dropped
                     job.index += 1
                     return True
+            self.slice_item = f"{self.method.name} {job.path} job"
             try:
                 with self._weights_for(job):
                     next(job.current)
