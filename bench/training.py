@@ -49,9 +49,10 @@ class Bench:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, max_model_len=max_tokens + 64),
                                      scheduler=dataclasses.replace(config.scheduler,
                                                                    max_num_batched_tokens=max(max_tokens + 64, 2048)))
-        # the config's training settings (a --config file's lora_compute_dtype, say), with a
-        # cache that holds every recording of the run
-        train = dataclasses.replace(config.train, mode=mode, cache_bytes=1 << 40, max_record_tokens=max_tokens + 64)
+        # the config's training settings (a --config file's lora_compute_dtype, say), with
+        # every prefill recorded, a cache that holds them all, and no reward function or gate
+        train = dataclasses.replace(config.train, mode=mode, cache_bytes=1 << 40, max_record_tokens=max_tokens + 64,
+                                    record_fraction=1.0, reward_function="", eval_set="")
         self.engine, self.trainer = build_training_engine(model, self.tokenizer, config, train,
                                                           offload=config.offload)
         # B starts at zero in LoRA, which makes A's gradient zero; a small random B gives

@@ -56,6 +56,16 @@ class _PackedStep:
     static: bool = False
 
 
+def training_buckets(device: torch.device, block_size: int, max_model_len: int) -> StepBuckets | None:
+    """The shapes of recorded prefills' and training forwards' attention. On a GPU each
+    new shape builds a fused kernel's graph (cuDNN's on sm90) in the middle of a request
+    or a training slice: half-octave buckets. The CPU has none to build, and runs them
+    unpadded (padding costs compute and grows what a recording saves): None."""
+    if device.type != "cuda":
+        return None
+    return StepBuckets(block_size, half_octaves=True, max_len=max_model_len)
+
+
 def run_to_end(generator):
     """Exhausts a generator and returns its return value."""
     while True:
@@ -90,11 +100,7 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(kv_spec, num_blocks, self.device)
         self.block_size = kv_spec.block_size
         self.buckets = StepBuckets(kv_spec.block_size)
-        # a recorded prefill's and a training forward's attention shapes: on a GPU each new
-        # one builds a fused kernel's graph (cuDNN's on sm90) in the middle of a request or a
-        # training slice. The CPU has none to build, and runs them unpadded (what a recording
-        # saves for backward grows with the padding)
-        self.training_buckets = self.buckets if self.device.type == "cuda" else None
+        self.training_buckets = training_buckets(self.device, kv_spec.block_size, max_model_len)
         self.staging = HostStaging(self.device)
         self._block_offsets = torch.arange(kv_spec.block_size, device=self.device)
         self.decode_batches = self.buckets.all_batches(max_num_seqs)
@@ -105,9 +111,9 @@ class ModelRunner:
         # recording and the training on it together); otherwise each gets its own
         self.record_tracker: SavedTensorTracker | None = None
 
-    def _pack(self, step: SchedulerOutput, bucketed: bool = True) -> _PackedStep:
+    def _pack(self, step: SchedulerOutput, buckets: StepBuckets | None) -> _PackedStep:
         """The step's inputs, built on the host and copied in one go (engine/step_inputs.py);
-        with `bucketed`, attention's batch, query and key lengths are rounded up to buckets
+        with `buckets`, attention's batch, query and key lengths are rounded up to them
         (the packed rows, which the linear layers see, never are)."""
         ids: list[int] = []
         sample_rows, sample_entries, prompt_rows = [], [], []
@@ -127,7 +133,7 @@ class ModelRunner:
         layout = layout_step([entry.num_new_tokens for entry in step.scheduled],
                              [entry.seq.num_computed_tokens for entry in step.scheduled],
                              [entry.seq.block_ids for entry in step.scheduled], ids, sample_rows,
-                             self.buckets if bucketed else None, self.block_size, self.kv_cache.scratch_slot)
+                             buckets, self.block_size, self.kv_cache.scratch_slot)
         inputs = self.staging.upload(**layout.arrays)
         groups = []
         for g, (batch, num_keys) in enumerate(layout.shapes):
@@ -243,7 +249,7 @@ class ModelRunner:
     def _record_prefill(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
                         stale_resolver) -> ModelOutput:
         """`_execute_recorded` for a step of the recorded sequence alone."""
-        packed = self._pack(step, bucketed=self.training_buckets is not None)
+        packed = self._pack(step, self.training_buckets)
         seq = step.scheduled[0].seq
         num_prompt = step.scheduled[0].num_new_tokens
         tracker = self.record_tracker or SavedTensorTracker()
@@ -304,7 +310,7 @@ class ModelRunner:
             index = tracker.segment = index + 1
 
     def _execute(self, step: SchedulerOutput) -> ModelOutput:
-        packed = self._pack(step)
+        packed = self._pack(step, self.buckets)
         forward = self.decode_graphs.forward if packed.static else self.forward_hidden
         hidden = forward(packed.input_ids, packed.positions, packed.metadata)
         output = ModelOutput()

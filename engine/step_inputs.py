@@ -35,20 +35,32 @@ def next_power_of_two(n: int) -> int:
 @dataclass(frozen=True)
 class StepBuckets:
     """Rounds attention's dimensions up to powers of two: batch and query length, and the
-    key length (at least `min_keys`, a multiple of the KV block size)."""
+    key length (at least `min_keys`, a multiple of the KV block size). With
+    `half_octaves`, lengths round up to 2^k or 1.5 x 2^k instead (at most 1.5x padding for
+    twice the shapes: recorded prefills and training forwards, whose attention pays for
+    padding in compute and in what backward saves), and never past `max_len` (0: none)."""
 
     block_size: int
     min_keys: int = _MIN_KEY_BUCKET
+    half_octaves: bool = False
+    max_len: int = 0
 
     def batch(self, num_seqs: int) -> int:
         return next_power_of_two(num_seqs)
 
     def query(self, max_query: int) -> int:
-        return next_power_of_two(max_query)
+        return self._capped(max_query, self._rounded(max_query))
 
     def keys(self, max_context: int) -> int:
-        keys = next_power_of_two(max(max_context, self.min_keys))
-        return -(-keys // self.block_size) * self.block_size
+        keys = self._rounded(max(max_context, self.min_keys))
+        return self._capped(max_context, -(-keys // self.block_size) * self.block_size)
+
+    def _rounded(self, n: int) -> int:
+        size = next_power_of_two(n)
+        return size * 3 // 4 if self.half_octaves and size * 3 // 4 >= n else size
+
+    def _capped(self, n: int, size: int) -> int:
+        return max(n, min(size, self.max_len)) if self.max_len else size
 
     def all_batches(self, max_num_seqs: int) -> list[int]:
         """Every batch bucket up to the one holding `max_num_seqs`, ascending."""

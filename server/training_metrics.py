@@ -35,27 +35,7 @@ class TrainingCollector:
                                 "for recordings made under them.", value=status.stash_bytes)
         yield GaugeMetricFamily(f"{PREFIX}warm_heap_bytes", "Bytes of heap held pre-faulted for the next recorded "
                                 "prefill.", value=status.warm_heap_bytes)
-        yield GaugeMetricFamily(f"{PREFIX}activation_cache_bytes", "Bytes of recorded activations in the "
-                                "activation cache.", value=cache.bytes)
-        yield GaugeMetricFamily(f"{PREFIX}activation_cache_budget_bytes", "Bytes of recorded activations the "
-                                "activation cache may hold (train.cache_bytes, or sized to the device at start).",
-                                value=cache.budget_bytes)
-        entries = GaugeMetricFamily(f"{PREFIX}activation_cache_entries", "Entries in the activation cache, by "
-                                    "state.", labels=["state"])
-        for state, count in cache.entries.items():
-            entries.add_metric([state], count)
-        yield entries
-        yield GaugeMetricFamily(f"{PREFIX}label_entries", "Entries without activations (a label that trains by "
-                                "recomputation: the prefill was not recorded, or its activations were given up).",
-                                value=cache.label_entries)
-        yield CounterMetricFamily(f"{PREFIX}refused_label_entries", "Entries refused because train.max_label_entries "
-                                  "entries without activations were waiting (their feedback gets 404).",
-                                  value=cache.refused_label_entries)
-        ended = CounterMetricFamily(f"{PREFIX}activation_cache_ended_entries", "Entries that left the cache, by "
-                                    "final state.", labels=["state"])
-        for state, count in cache.ended.items():
-            ended.add_metric([state], count)
-        yield ended
+        yield from _cache_metrics(cache)
         feedback = CounterMetricFamily(f"{PREFIX}feedback", "Feedback requests, by outcome.", labels=["status"])
         for outcome in ("accepted", "invalid", "unknown", "conflict"):
             feedback.add_metric([outcome], stats.feedback.get(outcome, 0))
@@ -96,6 +76,31 @@ class TrainingCollector:
         if status.ledger is not None:
             yield from _ledger_metrics(status.ledger)
         yield from _gate_metrics(stats, status.gate)
+
+
+def _cache_metrics(cache):
+    """The activation cache: what it holds and may hold, its entries by state."""
+    yield GaugeMetricFamily(f"{PREFIX}activation_cache_bytes", "Bytes of recorded activations in the "
+                            "activation cache.", value=cache.bytes)
+    yield GaugeMetricFamily(f"{PREFIX}activation_cache_budget_bytes", "Bytes of recorded activations the "
+                            "activation cache may hold (train.cache_bytes, or sized to the device at start).",
+                            value=cache.budget_bytes)
+    entries = GaugeMetricFamily(f"{PREFIX}activation_cache_entries", "Entries in the activation cache, by "
+                                "state.", labels=["state"])
+    for state, count in cache.entries.items():
+        entries.add_metric([state], count)
+    yield entries
+    yield GaugeMetricFamily(f"{PREFIX}label_entries", "Entries without activations (a label that trains by "
+                            "recomputation: the prefill was not recorded, or its activations were given up).",
+                            value=cache.label_entries)
+    yield CounterMetricFamily(f"{PREFIX}refused_label_entries", "Entries refused because train.max_label_entries "
+                              "entries without activations were waiting (their feedback gets 404).",
+                              value=cache.refused_label_entries)
+    ended = CounterMetricFamily(f"{PREFIX}activation_cache_ended_entries", "Entries that left the cache, by "
+                                "final state.", labels=["state"])
+    for state, count in cache.ended.items():
+        ended.add_metric([state], count)
+    yield ended
 
 
 def _save_metrics(saves):

@@ -44,8 +44,8 @@ def test_padded_decode_rows_write_only_the_scratch_block():
         handed_out.update(blocks)
         return blocks
 
-    def recording_pack(step, bucketed=True):
-        packed = pack(step, bucketed)
+    def recording_pack(step, buckets):
+        packed = pack(step, buckets)
         static_steps.append(packed.static)
         return packed
 

@@ -7,17 +7,28 @@ a few shapes."""
 import pytest
 import torch
 
+from engine.model_runner import training_buckets
+from tests.conftest import make_training
 from tests.test_grpo import reward, serve_group
 from tests.test_training import gradients_of, label, make_trainer, relative_difference, serve
 from trainer.config import TrainConfig
-from tests.conftest import make_training
 
 PROMPTS = [" ".join(["word"] * n) + " What is the capital of France?" for n in (13, 16, 19, 22, 25, 28, 31, 34)]
 
 
 def bucketed(trainer, on: bool) -> None:
+    """The runner's shapes as on a GPU (`on`), or the CPU's exact ones."""
     runner = trainer.context.runner
-    runner.training_buckets = runner.buckets if on else None
+    runner.training_buckets = training_buckets(torch.device("cuda" if on else "cpu"), runner.block_size,
+                                               runner.decode_keys[-1]) if on else None
+
+
+def test_buckets_on_a_gpu_only_half_octaves_and_never_past_the_longest_sequence():
+    assert training_buckets(torch.device("cpu"), 16, 4096) is None
+    buckets = training_buckets(torch.device("cuda"), 16, 4096)
+    assert [buckets.query(n) for n in (1, 5, 17, 40, 49, 100, 700, 2100, 3500, 4000)] == \
+        [1, 6, 24, 48, 64, 128, 768, 3072, 4096, 4096]
+    assert [buckets.keys(n) for n in (1, 20, 40, 49, 2100, 4000, 5000)] == [16, 32, 48, 64, 3072, 4096, 5000]
 
 
 def job_gradients(trainer, request_id: str, path: str) -> dict:
@@ -82,7 +93,7 @@ def test_prompts_of_many_lengths_attend_in_a_few_shapes(monkeypatch):
             job_gradients(trainer, f"p{i}-{on}", "recompute")
         counts[on] = {name: len(values) for name, values in shapes.items()}
     lengths = {len(trainer.cache.get(f"p{i}-True").prompt_token_ids) for i in range(len(PROMPTS))}
-    buckets = {trainer.context.runner.buckets.query(n) for n in lengths}
-    assert len(lengths) == len(PROMPTS) and len(buckets) == 2
+    buckets = {trainer.context.runner.training_buckets.query(n) for n in lengths}
+    assert len(lengths) == len(PROMPTS) and len(buckets) == 3
     assert counts[False] == {"recorded prefill": len(PROMPTS), "training": len(PROMPTS)}
     assert counts[True] == {"recorded prefill": len(buckets), "training": len(buckets)}

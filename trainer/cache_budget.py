@@ -3,8 +3,9 @@
 `train.cache_bytes` set to a number is that number. Set to 0 (the default), it is sized
 to the device when the server starts, after the weights and the KV cache are allocated:
 on a GPU, half the memory then free (the other half stays for training jobs, CUDA
-graphs and serving's transients); on the CPU, where recordings share the host's memory
-with everything else, a fixed 2 GiB. A recording of the Llama-3.1-8B shape takes about
+graphs and serving's transients); on the CPU (and any other device), where recordings
+share the memory with everything else, a fixed 2 GiB. With an offload device budget the
+offloader bounds what stays on the device; this bounds the entries. A recording of the Llama-3.1-8B shape takes about
 5.6 MB per prompt token, so a fixed 2 GiB would hold two or three chat prompts on a
 GPU node and almost every labelled entry would be recomputed.
 """
@@ -56,4 +57,4 @@ def size_cache(configured: int, device: torch.device, model_config, dtype: torch
         free = free_bytes(device)
         return CacheBudget(int(free * GPU_FREE_SHARE), f"half of the {free / 2**30:.1f} GiB free on {device}",
                            per_token)
-    return CacheBudget(CPU_CACHE_BYTES, "the CPU's default", per_token)
+    return CacheBudget(CPU_CACHE_BYTES, f"the default on {device.type}", per_token)

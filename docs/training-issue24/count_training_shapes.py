@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.step_counts import AttentionShapes  # noqa: E402
-from engine.model_runner import run_to_end  # noqa: E402
+from engine.model_runner import run_to_end, training_buckets  # noqa: E402
 from tests.test_training import label, make_trainer, serve  # noqa: E402
 
 PROMPTS = 24
@@ -25,7 +25,8 @@ def shapes(bucketed: bool) -> dict[str, int]:
     torch.manual_seed(0)
     trainer = make_trainer(mode="dpo")
     runner = trainer.context.runner
-    runner.training_buckets = runner.buckets if bucketed else None
+    runner.training_buckets = training_buckets(torch.device("cuda"), runner.block_size, runner.decode_keys[-1]) \
+        if bucketed else None
     rng = random.Random(0)
     recorded, jobs = AttentionShapes(), AttentionShapes()
     for i in range(PROMPTS):
