@@ -85,22 +85,22 @@ def _cache_metrics(cache):
     yield GaugeMetricFamily(f"{PREFIX}activation_cache_budget_bytes", "Bytes of recorded activations the "
                             "activation cache may hold (train.cache_bytes, or sized to the device at start).",
                             value=cache.budget_bytes)
-    entries = GaugeMetricFamily(f"{PREFIX}activation_cache_entries", "Entries in the activation cache, by "
-                                "state.", labels=["state"])
-    for state, count in cache.entries.items():
-        entries.add_metric([state], count)
-    yield entries
+    yield _by_state(GaugeMetricFamily(f"{PREFIX}activation_cache_entries", "Entries in the activation cache, by "
+                                      "state.", labels=["state"]), cache.entries)
     yield GaugeMetricFamily(f"{PREFIX}label_entries", "Entries without activations (a label that trains by "
                             "recomputation: the prefill was not recorded, or its activations were given up).",
                             value=cache.label_entries)
     yield CounterMetricFamily(f"{PREFIX}refused_label_entries", "Entries refused because train.max_label_entries "
                               "entries without activations were waiting (their feedback gets 404).",
                               value=cache.refused_label_entries)
-    ended = CounterMetricFamily(f"{PREFIX}activation_cache_ended_entries", "Entries that left the cache, by "
-                                "final state.", labels=["state"])
-    for state, count in cache.ended.items():
-        ended.add_metric([state], count)
-    yield ended
+    yield _by_state(CounterMetricFamily(f"{PREFIX}activation_cache_ended_entries", "Entries that left the cache, "
+                                        "by final state.", labels=["state"]), cache.ended)
+
+
+def _by_state(family, counts: dict[str, int]):
+    for state, count in counts.items():
+        family.add_metric([state], count)
+    return family
 
 
 def _save_metrics(saves):
