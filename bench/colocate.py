@@ -173,9 +173,15 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
         adapter_dir.cleanup()
     train_tokens = read_metric(after, "alchemist:train_tokens_total") - read_metric(before,
                                                                                  "alchemist:train_tokens_total")
+    latency = _latency(results)
+    # host CPU per output token of the event loop (HTTP, streaming) and the device thread
+    cpu_per_token_ms = {f"{thread}_cpu_per_token_ms": 1000 * (
+        read_metric(after, f'alchemist:thread_cpu_seconds_total{{thread="{thread}"}}')
+        - read_metric(before, f'alchemist:thread_cpu_seconds_total{{thread="{thread}"}}')) / max(latency["tokens"], 1)
+        for thread in ("event_loop", "device")}
     return {
         "training": training, "variant": variant, "requests": len(results), "elapsed_s": round(elapsed, 2),
-        **_latency(results), **{f"cold_{key}": value for key, value in _latency(cold).items() if cold},
+        **latency, **{f"cold_{key}": value for key, value in _latency(cold).items() if cold}, **cpu_per_token_ms,
         "train_tokens_per_s": train_tokens / max(elapsed, seconds),
         **trained,
         # server-side means, from the histograms: arrival to first token, arrival to first
@@ -209,6 +215,8 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
                   f"TPOT mean {result['tpot_mean_s'] * 1000:.1f} ms p99 {result['tpot_p99_s'] * 1000:.1f} ms, "
                   f"TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms p99 {result['ttft_p99_s'] * 1000:.0f} ms, "
                   f"server TPOT {result['server_tpot_mean_s'] * 1000:.1f} ms, "
+                  f"CPU per token: event loop {result['event_loop_cpu_per_token_ms']:.2f} ms, "
+                  f"device thread {result['device_cpu_per_token_ms']:.2f} ms, "
                   + (f"cold TPOT {result['cold_tpot_mean_s'] * 1000:.1f} ms, " if warmup else "")
                   + f"trained {result['train_tokens_per_s']:.1f} tok/s"
                   + (f", by path {result['trained_by_path']}, longest slice {result['train_slice_max_s'] * 1000:.0f} "
@@ -233,7 +241,7 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
             summary[f"off_cold_{key}"] = round(median(False, f"cold_{key}"), 5)
             summary[f"on_cold_{key}"] = round(median(True, f"cold_{key}"), 5)
     for key in ("server_ttft_mean_s", "server_queue_mean_s", "server_prefill_mean_s", "server_tpot_mean_s",
-                "server_itl_mean_s"):
+                "server_itl_mean_s", "event_loop_cpu_per_token_ms", "device_cpu_per_token_ms"):
         summary[f"off_{key}"] = round(median(False, key), 5)
         summary[f"on_{key}"] = round(median(True, key), 5)
     summary["server_tpot_mean_ratio"] = round(summary["on_server_tpot_mean_s"] / summary["off_server_tpot_mean_s"], 4)

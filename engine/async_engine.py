@@ -19,6 +19,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -78,6 +79,8 @@ class AsyncEngine:
         self.wakeup = wakeup or Wakeup()
         # seconds the engine had nothing runnable (spent in the idle hook or waiting)
         self.idle_seconds = 0.0
+        # native ids of the event loop's thread and of the device thread (engine/thread_cpu.py)
+        self.thread_ids: dict[str, int] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._inbox: collections.deque = collections.deque()
@@ -90,15 +93,20 @@ class AsyncEngine:
     def start(self) -> None:
         """Starts the executor thread and the loop; call from inside the running loop."""
         if self._task is None:
-            device = self.engine.runner.device
-            # a new thread's current CUDA device is cuda:0, whatever the process set: a
-            # replica on cuda:N makes it its thread's
-            initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+            self.thread_ids["event_loop"] = threading.get_native_id()
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-device",
-                                                                   initializer=initializer)
+                                                                   initializer=self._device_thread_started)
             self._wake = asyncio.Event()
             self.wakeup.bind(asyncio.get_running_loop(), self.notify)
             self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="alchemist-engine")
+
+    def _device_thread_started(self) -> None:
+        self.thread_ids["device"] = threading.get_native_id()
+        device = self.engine.runner.device
+        if device.type == "cuda":
+            # a new thread's current CUDA device is cuda:0, whatever the process set: a
+            # replica on cuda:N makes it its thread's
+            torch.cuda.set_device(device)
 
     async def stop(self) -> None:
         """Sends the shutdown message: the item in progress (a step or a slice) finishes,

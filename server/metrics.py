@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.outputs import RequestOutput, StepStats
+from engine.thread_cpu import thread_cpu_seconds
 from server.training_metrics import PREFIX, TrainingCollector
 from trainer.arbiter import ArbiterStats
 
@@ -193,6 +194,14 @@ class _EngineCollector:
         yield CounterMetricFamily(f"{PREFIX}engine_idle_seconds", "Seconds the engine had no request to run "
                                   "(spent training or waiting); train_busy_seconds over this is the harvested "
                                   "share.", value=self.async_engine.idle_seconds)
+        threads = CounterMetricFamily(f"{PREFIX}thread_cpu_seconds", "CPU seconds spent by the event loop's "
+                                      "thread (HTTP, streaming) and by the device thread (steps, training slices), "
+                                      "in seconds.", labels=["thread"])
+        for thread, native_id in sorted(self.async_engine.thread_ids.items()):
+            seconds = thread_cpu_seconds(native_id)
+            if seconds is not None:
+                threads.add_metric([thread], seconds)
+        yield threads
         slices = CounterMetricFamily(f"{PREFIX}arbiter_slices", "Training slices the arbiter ran, by policy and gap "
                                      "(idle: nothing runnable; between_steps: between decode steps, slo policy; "
                                      "merge_between_steps: merged serving weights rebuilt after a step, any policy).",

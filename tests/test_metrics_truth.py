@@ -66,3 +66,26 @@ def test_the_longest_training_slice_is_exported_with_what_it_ran():
     family = next(f for f in TrainingCollector(trainer).collect() if f.name == "alchemist:train_slice_max_seconds")
     (sample,) = family.samples
     assert sample.labels == {"item": stats.max_slice_item} and sample.value == stats.max_slice_seconds
+
+
+def test_cpu_seconds_of_the_event_loop_and_the_device_thread_are_exported():
+    import threading
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.thread_cpu import thread_cpu_seconds
+
+    before, started = thread_cpu_seconds(threading.get_native_id()), time.process_time()
+    while time.process_time() - started < 0.1:  # burn CPU on this thread
+        pass
+    assert thread_cpu_seconds(threading.get_native_id()) >= before + 0.05
+    assert thread_cpu_seconds(2**31 - 1) is None  # no such thread
+    with TestClient(tiny_app()) as client:
+        r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 3,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+        text = client.get("/metrics").text
+    samples = {s.labels["thread"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "alchemist:thread_cpu_seconds_total"}
+    assert set(samples) == {"event_loop", "device"} and all(v >= 0 for v in samples.values())
