@@ -3,7 +3,8 @@
 # ../shared/gpu/README.md): wheels in .whl/, the embedded model's tokenizer in
 # .gpu/tokenizer/. Every log and JSON goes to $OUT (or ./gpu-out).
 #   bench/gpu.sh bringup smoke profile training serving offload colocate
-# (fastapi needs opentelemetry-api: ../shared/gpu/wheels.sh opentelemetry-api importlib-metadata)
+# (fastapi needs opentelemetry-api: ../shared/gpu/wheels.sh opentelemetry-api importlib-metadata; then replace
+# the openai wheel by openai==3.54.0, as newer ones import httpx2, which the image lacks)
 # Issue 23 (serving), in order: bringup steps serving profile colocate
 # Issue 24 (training): training profile-dpo precision
 set -uo pipefail
