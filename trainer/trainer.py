@@ -121,7 +121,7 @@ class Trainer:
                 return False
             self._job = _Job(entries, cohort=any(e.recording is not None for e in entries))
         job = self._job
-        self.slice_item = f"{self.method.name} job"
+        self.slice_item = f"{self.mode} job"
         try:
             if job.current is None:
                 if job.index == len(job.entries) and not self._take_late_entries(job):
@@ -135,7 +135,7 @@ class Trainer:
                 if job.current is None:  # stale and dropped
                     job.index += 1
                     return True
-            self.slice_item = f"{self.method.name} {job.path} job"
+            self.slice_item = f"{self.mode} {job.path} job"
             try:
                 with self._weights_for(job):
                     next(job.current)
