@@ -9,7 +9,7 @@ import argparse
 
 
 def add_bench_commands(commands, add_config_flags) -> None:
-    """Adds `bench {serving,steps,structured,training,staleness,backlog,recording,colocate,offload,soak,replicas}`
+    """Adds `bench {serving,steps,http,structured,training,staleness,backlog,recording,colocate,offload,soak,replicas}`
     and `profile` to the CLI;
     `add_config_flags` adds the server's config flags to a parser."""
     bench = commands.add_parser("bench", help="benchmarks, each a side-by-side ratio in one run")
@@ -99,6 +99,13 @@ def _add_serving_benches(benches, add_config_flags) -> None:
     steps.add_argument("--steps", type=int, default=400, help="engine steps of the trace")
     steps.add_argument("--seed", type=int, default=0)
     steps.add_argument("--json", help="write the results to this JSON file")
+    http = benches.add_parser("http", help="streaming over HTTP vs the engine alone, closed batches: TPOT and the "
+                              "event loop's CPU per token")
+    add_config_flags(http)
+    http.add_argument("--streams", default="1,8,32", help="comma-separated concurrencies")
+    http.add_argument("--max-tokens", type=int, default=64)
+    http.add_argument("--rounds", type=int, default=3, help="engine and HTTP alternate, in rounds; the first is cold")
+    http.add_argument("--json", help="write the results to this JSON file")
 
 
 def _add_training_benches(benches, add_config_flags) -> None:
@@ -175,6 +182,10 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
     if args.bench == "steps":
         from bench.step_counts import run_steps_bench
         run_steps_bench(config, args.steps, args.seed, args.json)
+        return 0
+    if args.bench == "http":
+        from bench.http import run_http_bench
+        run_http_bench(config, [int(n) for n in args.streams.split(",")], args.max_tokens, args.rounds, args.json)
         return 0
     if args.bench == "structured":
         from bench.structured import run_structured_bench

@@ -3,9 +3,10 @@
 # ../shared/gpu/README.md): wheels in .whl/, the embedded model's tokenizer in
 # .gpu/tokenizer/. Every log and JSON goes to $OUT (or ./gpu-out).
 #   bench/gpu.sh bringup smoke profile training serving offload colocate
-# (fastapi needs opentelemetry-api: ../shared/gpu/wheels.sh opentelemetry-api importlib-metadata; then replace
+# (fastapi needs opentelemetry-api, the server orjson, uvloop, httptools: ../shared/gpu/wheels.sh opentelemetry-api
+# importlib-metadata orjson uvloop httptools; then replace
 # the openai wheel by openai==3.54.0, as newer ones import httpx2, which the image lacks)
-# Issue 23 (serving), in order: bringup steps serving profile colocate
+# Issue 23 (serving), in order: bringup steps serving profile http colocate
 # Issue 24 (training): training profile-dpo precision
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -75,6 +76,11 @@ for phase in "$@"; do
     offload)  # a host pool large enough for every offloaded layer of the 8B model's entries
       ALCHEMIST_OFFLOAD_HOST_BUDGET_BYTES=34359738368 bench offload "${MODEL[@]}" --tokens 1024 --entries 3 --repeats 2 --sweep --plot "$OUT/offload.png" \
         --json "$OUT/offload.json"
+      ;;
+    http)  # streaming over HTTP against the engine alone at 1 / 8 / 32 streams: TPOT, the event loop's CPU per
+      # token, the device's wait between steps (issue 23: HTTP within 1.1x of the engine)
+      bench http "${MODEL[@]}" --streams 1,8,32 --max-tokens 64 --rounds 3 --max-num-seqs 32 \
+        --kv-cache-bytes 8589934592 --json "$OUT/http.json"
       ;;
     colocate)  # the activation cache sized to the GPU (train.cache_bytes = 0), its longest slice named
       export ALCHEMIST_MODEL_MODEL=configs/models/llama-3.1-8b ALCHEMIST_MODEL_LOAD_FORMAT=dummy \

@@ -67,15 +67,22 @@ def synthetic_tokens(tokenizer, count: int, offset: int) -> list[int]:
     return ids[start:start + count]
 
 
-def chat_prompts(tokenizer, count: int, offset: int = 0, extra_words: int = 0) -> list[list[int]]:
-    """`count` distinct single-turn chat prompts, rendered with the model's template: the
-    questions from number `offset` on, each followed by `extra_words` words of filler (so
-    that rounds of a benchmark can differ in length, not only in text)."""
-    prompts = []
+def chat_questions(count: int, offset: int = 0, extra_words: int = 0) -> list[str]:
+    """`count` distinct questions, from number `offset` on, each followed by `extra_words`
+    words of filler (so that rounds of a benchmark can differ in length, not only in text)."""
+    questions = []
     for i in range(offset, offset + count):
         question = QUESTIONS[i % len(QUESTIONS)] + (f" (#{i // len(QUESTIONS)})" if i >= len(QUESTIONS) else "")
         if extra_words:
             question += " " + " ".join(WORDS[(i + w) % len(WORDS)] for w in range(extra_words))
+        questions.append(question)
+    return questions
+
+
+def chat_prompts(tokenizer, count: int, offset: int = 0, extra_words: int = 0) -> list[list[int]]:
+    """The token ids of `chat_questions`, each a single-turn chat rendered with the model's template."""
+    prompts = []
+    for question in chat_questions(count, offset, extra_words):
         text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                              tokenize=False)
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -8,7 +8,10 @@ per-request queues, and runs the loop below, which submits the executor's next i
 
   - an engine step whenever a request is runnable or a message waits; messages are
     applied at the step boundary, so a new or aborted request (a client that
-    disconnected) takes effect within one engine step;
+    disconnected) takes effect within one engine step. While requests run and nothing
+    else is due between steps (no device item waiting, nothing the idle hook must run),
+    the device thread goes on to the next step itself and hands each step's outputs to
+    the loop as they come: the step cadence does not wait on a busy event loop;
   - otherwise, whatever the idle hook (the arbiter, trainer/arbiter.py) chooses to run
     in the gap, and after each serving step, what it chooses to run between steps.
 """
@@ -28,7 +31,7 @@ import torch
 
 from engine.hooks import IdleHook
 from engine.llm_engine import LLMEngine
-from engine.outputs import EngineError, ErrorKind, RequestOutput, StepStats
+from engine.outputs import EngineError, ErrorKind, RequestOutput, StepStats, merged
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 
@@ -79,6 +82,17 @@ class AsyncEngine:
         self.wakeup = wakeup or Wakeup()
         # seconds the engine had nothing runnable (spent in the idle hook or waiting)
         self.idle_seconds = 0.0
+        # serving steps, and the device's seconds between consecutive ones while requests
+        # were running: the round trip through the event loop, and what the idle hook ran
+        # between steps
+        self.serving_steps = 0
+        self.step_gap_seconds = 0.0
+        self._last_step_end: float | None = None
+        # device items submitted (on the loop) and begun (on the device thread): the ones
+        # waiting end a chain of serving steps
+        self._items_submitted = 0
+        self._items_begun = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
         # native ids of the event loop's thread and of the device thread (engine/thread_cpu.py)
         self.thread_ids: dict[str, int] = {}
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -97,7 +111,8 @@ class AsyncEngine:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-device",
                                                                    initializer=self._device_thread_started)
             self._wake = asyncio.Event()
-            self.wakeup.bind(asyncio.get_running_loop(), self.notify)
+            self._loop = asyncio.get_running_loop()
+            self.wakeup.bind(self._loop, self.notify)
             self._task = asyncio.get_running_loop().create_task(self._run_loop(), name="alchemist-engine")
 
     def _device_thread_started(self) -> None:
@@ -139,7 +154,8 @@ class AsyncEngine:
                                         client_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """Streams a request's outputs. Leaving the iteration early aborts it."""
+        """Streams a request's outputs (those that queued up while the caller was busy
+        come merged into one). Leaving the iteration early aborts it."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         if request.request_id in self._streams:
@@ -148,11 +164,21 @@ class AsyncEngine:
         self._streams[request.request_id] = stream
         self._send(_Add(request))
         finished = False
+        pending = None  # an error found while merging, raised after what came before it
         try:
             while not finished:
-                item = await stream.get()
+                item = pending if pending is not None else await stream.get()
+                pending = None
                 if isinstance(item, BaseException):
                     raise item
+                # a consumer that fell behind the engine (a busy event loop) takes what
+                # queued up as one output: one chunk to encode and send, not one per step
+                while not item.finished and not stream.empty():
+                    later = stream.get_nowait()
+                    if isinstance(later, BaseException):
+                        pending = later
+                        break
+                    item = merged(item, later)
                 finished = item.finished
                 yield item
         finally:
@@ -189,7 +215,13 @@ class AsyncEngine:
     # -- DeviceGate (engine/hooks.py), for the idle hook --------------------------------
 
     async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        self._items_submitted += 1
+
+        def item():
+            self._items_begun += 1
+            return fn(*args)
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor, item)
 
     def interrupted(self) -> bool:
         return bool(self._inbox) or self._stopping
@@ -214,13 +246,52 @@ class AsyncEngine:
                     outputs.append(output)
         stats = None
         if self.engine.has_unfinished():
+            started = time.perf_counter()
+            if self._last_step_end is not None:
+                self.step_gap_seconds += started - self._last_step_end
             try:
                 step_outputs, stats = self.engine.step()
                 outputs.extend(step_outputs)
             except Exception as exc:  # noqa: BLE001 - the server keeps serving
                 logger.exception("engine step failed; failing the requests in it")
                 outputs.extend(self._fail_all(EngineError(ErrorKind.STEP_FAILED, f"{type(exc).__name__}: {exc}")))
+            self.serving_steps += 1
+        self._last_step_end = time.perf_counter() if self.engine.has_unfinished() else None
         return outputs, errors, stats
+
+    def _serving_steps(self, messages: list) -> tuple[list[RequestOutput], list, StepStats | None, float]:
+        """Serving steps back to back while nothing else is due between them: no round
+        trip through the event loop from one step to the next. Each step's results but the
+        last go to the loop as they come (`_deliver`); the last's are returned, with its
+        seconds. New requests and aborts join at the next step boundary, as before."""
+        while True:
+            started = time.perf_counter()
+            outputs, errors, stats = self._engine_item(messages)
+            seconds = time.perf_counter() - started
+            if not self._next_step_follows(stats):
+                return outputs, errors, stats, seconds
+            self._loop.call_soon_threadsafe(self._deliver, outputs, errors, stats, seconds)
+            messages = self._take_messages()
+
+    def _next_step_follows(self, stats: StepStats | None) -> bool:
+        """Whether another serving step runs at once: requests are running, and neither
+        shutdown, a device item (`run`), nor the idle hook's between-steps work waits."""
+        if stats is None or self._stopping or self._items_submitted != self._items_begun \
+                or not self.engine.has_unfinished():
+            return False
+        try:
+            return self.idle_hook is None or not self.idle_hook.wants_between_steps()
+        except Exception:  # noqa: BLE001 - the loop's after_serving_step runs instead, as before
+            logger.exception("the idle hook's between-steps check failed")
+            return False
+
+    def _take_messages(self) -> list:
+        messages = []
+        while self._inbox:
+            message = self._inbox.popleft()
+            if not isinstance(message, _Shutdown):
+                messages.append(message)
+        return messages
 
     def _fail_all(self, error: EngineError) -> list[RequestOutput]:
         failed = []
@@ -256,11 +327,13 @@ class AsyncEngine:
             self._publish(output)
 
     async def _serve_step(self) -> StepStats | None:
-        messages = [m for m in self._inbox if not isinstance(m, _Shutdown)]
-        self._inbox.clear()
-        started = time.perf_counter()
-        outputs, errors, stats = await self.run(self._engine_item, messages)
-        seconds = time.perf_counter() - started
+        """One or more serving steps (`_serving_steps`); the last one's stats."""
+        outputs, errors, stats, seconds = await self.run(self._serving_steps, self._take_messages())
+        self._deliver(outputs, errors, stats, seconds)
+        return stats
+
+    def _deliver(self, outputs: list[RequestOutput], errors: list, stats: StepStats | None, seconds: float) -> None:
+        """On the loop: a step's results to their streams, its time to the idle hook."""
         for request_id, exc in errors:
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -269,4 +342,3 @@ class AsyncEngine:
             self.idle_hook.on_serving_step(seconds, stats)
         for output in outputs:
             self._publish(output)
-        return stats

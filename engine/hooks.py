@@ -98,10 +98,17 @@ class DeviceGate(Protocol):
 
 class IdleHook(Protocol):
     """Decides what runs in the gaps between serving steps (the arbiter, trainer/arbiter.py);
-    the shape of mini-sglang's `run_when_idle`. Called on the asyncio loop."""
+    the shape of mini-sglang's `run_when_idle`. Called on the asyncio loop, except
+    `wants_between_steps`."""
 
     def on_serving_step(self, seconds: float, stats: StepStats) -> None:
         """A serving step took `seconds` of wall time (measurements only)."""
+        ...
+
+    def wants_between_steps(self) -> bool:
+        """Whether `after_serving_step` has work after this step; asked on the device
+        thread after each serving step (a cheap check). False lets the next step follow
+        at once, without a round trip through the loop."""
         ...
 
     async def after_serving_step(self, device: DeviceGate) -> None:

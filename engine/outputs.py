@@ -86,3 +86,22 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # set when the engine failed while serving this request (the output is then final)
     error: EngineError | None = None
+
+
+def _joined(first: list | None, second: list | None) -> list | None:
+    return None if first is None and second is None else (first or []) + (second or [])
+
+
+def merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output carrying two consecutive outputs' deltas of a request, in order: what a
+    consumer that fell behind the engine takes at once (`AsyncEngine.generate`)."""
+    before = {c.index: c for c in earlier.outputs}
+    choices = []
+    for c in later.outputs:
+        e = before.pop(c.index, None)
+        choices.append(c if e is None else CompletionOutput(
+            c.index, e.text + c.text, e.token_ids + c.token_ids, _joined(e.logprobs, c.logprobs),
+            c.finish_reason, c.stop_reason, _joined(e.token_logprob_values, c.token_logprob_values)))
+    choices = sorted([*before.values(), *choices], key=lambda c: c.index)
+    prompt_logprobs = earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs
+    return RequestOutput(later.request_id, choices, later.finished, later.metrics, prompt_logprobs, later.error)

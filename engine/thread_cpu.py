@@ -1,4 +1,5 @@
-"""CPU seconds spent by one thread of this process (Linux, from /proc/self/task/TID/stat).
+"""CPU seconds spent by one thread of this process (Linux: /proc/self/task/TID/schedstat,
+in nanoseconds, or where the kernel lacks it /stat, in clock ticks).
 
 The server has two threads that matter for a token's cost on the host: the asyncio event
 loop (HTTP, JSON, streaming) and the device thread (engine steps, training slices). Their
@@ -18,6 +19,11 @@ def thread_cpu_seconds(native_id: int | None) -> float | None:
     or None where it cannot be read (not Linux, the thread gone, no id yet)."""
     if native_id is None:
         return None
+    try:
+        with open(f"/proc/self/task/{native_id}/schedstat") as schedstat:
+            return int(schedstat.read().split()[0]) / 1e9  # time on a CPU, nanoseconds
+    except (OSError, IndexError, ValueError):
+        pass
     try:
         with open(f"/proc/self/task/{native_id}/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()

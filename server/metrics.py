@@ -194,6 +194,11 @@ class _EngineCollector:
         yield CounterMetricFamily(f"{PREFIX}engine_idle_seconds", "Seconds the engine had no request to run "
                                   "(spent training or waiting); train_busy_seconds over this is the harvested "
                                   "share.", value=self.async_engine.idle_seconds)
+        yield CounterMetricFamily(f"{PREFIX}engine_serving_steps", "Serving steps the engine ran.",
+                                  value=self.async_engine.serving_steps)
+        yield CounterMetricFamily(f"{PREFIX}engine_step_gap_seconds", "Seconds the device spent between consecutive "
+                                  "serving steps while requests were running: the round trip through the event loop "
+                                  "and what the arbiter ran between steps.", value=self.async_engine.step_gap_seconds)
         threads = CounterMetricFamily(f"{PREFIX}thread_cpu_seconds", "CPU seconds spent by the event loop's "
                                       "thread (HTTP, streaming) and by the device thread (steps, training slices), "
                                       "in seconds.", labels=["thread"])

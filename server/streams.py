@@ -5,10 +5,10 @@ into one, and the SSE event streams of chat and text completions."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import AsyncIterator
 
+import orjson
 from fastapi import Request
 
 from engine.async_engine import AsyncEngine, EngineDeadError
@@ -111,8 +111,13 @@ class _Usage:
         return usage(self.prompt_tokens, self.completion_tokens)
 
 
-def _event(data: dict) -> dict:
-    return {"data": json.dumps(data)}
+def _event(data: dict) -> bytes:
+    """One SSE event, encoded: sse-starlette sends bytes as they are (orjson writes the
+    JSON; a JSON text has no line breaks, so it fits one `data:` line)."""
+    return b"data: " + orjson.dumps(data) + b"\r\n\r\n"
+
+
+DONE = b"data: [DONE]\r\n\r\n"
 
 
 def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tuple[dict, bool]:
@@ -163,7 +168,7 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
             yield event([], counts.now())
     except APIError as exc:
         yield _event(error_body(exc.status, exc.message, exc.param, exc.code, exc.type))
-    yield {"data": "[DONE]"}
+    yield DONE
 
 
 async def completion_events(request_id: str, model: str, streams, prompts: list[tuple[list[int], str]], n: int,
@@ -201,4 +206,4 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
             yield event([], counts.now())
     except APIError as exc:
         yield _event(error_body(exc.status, exc.message, exc.param, exc.code, exc.type))
-    yield {"data": "[DONE]"}
+    yield DONE

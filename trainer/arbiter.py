@@ -124,6 +124,12 @@ class Arbiter:
             self.stats.slice_ema = _ema(self.stats.slice_ema, seconds)
         return worked
 
+    def wants_between_steps(self) -> bool:
+        # the slo policy decides after every step (and counts its backoff in steps)
+        maintenance = self.training.maintenance
+        return (self.config.policy == "slo" or maintenance.expiry_due() or self.training.sync_due()
+                or maintenance.merged_stale())
+
     async def after_serving_step(self, device: DeviceGate) -> None:
         maintenance = self.training.maintenance
         if maintenance.expiry_due():  # label timeouts come due under steady traffic too
