@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import statistics
 import time
 
@@ -55,6 +56,10 @@ def round_questions(streams: int, round_index: int) -> list[str]:
     return chat_questions(streams, offset=(round_index + 1) * streams, extra_words=round_index + 1)
 
 
+def _mean(values: list[float]) -> float:
+    return statistics.mean(values) if values else math.nan
+
+
 def _tpot(first: float, last: float, tokens: int) -> float | None:
     return (last - first) / (tokens - 1) if tokens > 1 else None
 
@@ -63,11 +68,11 @@ def engine_round(engine: LLMEngine, tokenizer, questions: list[str], max_tokens:
     """The questions through the engine at once; mean TPOT and tokens per second."""
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
     first, last, counts = {}, {}, {}
+    started = time.perf_counter()  # the HTTP path's time includes rendering and admission too
     for i, question in enumerate(questions):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
         engine.add(engine.make_request(f"r{i}", list(ids), params, time.monotonic()))
-    started = time.perf_counter()
     while engine.has_unfinished():
         outputs, _ = engine.step()
         now = time.perf_counter()
@@ -79,7 +84,7 @@ def engine_round(engine: LLMEngine, tokenizer, questions: list[str], max_tokens:
                 counts[output.request_id] = counts.get(output.request_id, 0) + new
     elapsed = time.perf_counter() - started
     tpots = [t for r in counts if (t := _tpot(first[r], last[r], counts[r])) is not None]
-    return {"tpot_mean_s": statistics.mean(tpots), "tokens_per_s": sum(counts.values()) / elapsed,
+    return {"tpot_mean_s": _mean(tpots), "tokens_per_s": sum(counts.values()) / elapsed,
             "tokens": sum(counts.values())}
 
 
@@ -88,7 +93,7 @@ async def _stream_one(client: httpx.AsyncClient, model: str, question: str, max_
             "max_tokens": max_tokens, "min_tokens": max_tokens, "temperature": 0.0,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     first = last = None
-    tokens = 0
+    tokens = first_count = 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -103,32 +108,39 @@ async def _stream_one(client: httpx.AsyncClient, model: str, question: str, max_
     return {"tokens": tokens, "tpot": (last - first) / (tokens - first_count) if tokens > first_count else None}
 
 
-async def _http_round(url: str, questions: list[str], max_tokens: int) -> tuple[list[dict], float, str, str]:
+async def _http_round(url: str, questions: list[str], max_tokens: int) -> tuple[list[dict], float, tuple]:
     limits = httpx.Limits(max_connections=len(questions) + 4, max_keepalive_connections=len(questions) + 4)
     async with httpx.AsyncClient(base_url=url, timeout=1800, limits=limits) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        # two scrapes before: the CPU between them is one scrape's, taken out of the round's
+        first = (await client.get("/metrics")).text
         before = (await client.get("/metrics")).text
         started = time.perf_counter()
         results = await asyncio.gather(*[_stream_one(client, model, q, max_tokens) for q in questions])
         elapsed = time.perf_counter() - started
         after = (await client.get("/metrics")).text
-    return results, elapsed, before, after
+    return results, elapsed, (first, before, after)
 
 
 def http_round(url: str, questions: list[str], max_tokens: int) -> dict:
     """The questions streamed over HTTP at once; client and server TPOT, threads' CPU per token."""
-    results, elapsed, before, after = asyncio.run(_http_round(url, questions, max_tokens))
+    results, elapsed, (first, before, after) = asyncio.run(_http_round(url, questions, max_tokens))
     delta = lambda name: read_metric(after, name) - read_metric(before, name)  # noqa: E731
+
+    def cpu_seconds(thread: str) -> float:  # less one scrape's own cost
+        name = f'alchemist:thread_cpu_seconds_total{{thread="{thread}"}}'
+        return max(0.0, delta(name) - (read_metric(before, name) - read_metric(first, name)))
+
     tokens = sum(r["tokens"] for r in results)
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
     histogram = "alchemist:time_per_output_token_seconds"
-    return {"tpot_mean_s": statistics.mean(tpots), "tokens_per_s": tokens / elapsed, "tokens": tokens,
+    return {"tpot_mean_s": _mean(tpots), "tokens_per_s": tokens / elapsed, "tokens": tokens,
             "server_tpot_mean_s": delta(f"{histogram}_sum") / max(delta(f"{histogram}_count"), 1),
             # the device's wait between serving steps (the event loop's round trip), per step
             "step_gap_ms": 1000 * delta("alchemist:engine_step_gap_seconds_total")
             / max(delta("alchemist:engine_serving_steps_total"), 1),
-            **{f"{thread}_cpu_ms_per_token": 1000 * delta(f'alchemist:thread_cpu_seconds_total{{thread="{thread}"}}')
-               / max(tokens, 1) for thread in ("event_loop", "device")}}
+            **{f"{thread}_cpu_ms_per_token": 1000 * cpu_seconds(thread) / max(tokens, 1)
+               for thread in ("event_loop", "device")}}
 
 
 def _summary(rounds: list[dict]) -> dict:

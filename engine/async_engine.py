@@ -88,9 +88,10 @@ class AsyncEngine:
         self.serving_steps = 0
         self.step_gap_seconds = 0.0
         self._last_step_end: float | None = None
-        # device items submitted (on the loop) and begun (on the device thread): the ones
-        # waiting end a chain of serving steps
+        # device items submitted and cancelled before they began (on the loop), and begun
+        # (on the device thread): one waiting ends a chain of serving steps
         self._items_submitted = 0
+        self._items_cancelled = 0
         self._items_begun = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         # native ids of the event loop's thread and of the device thread (engine/thread_cpu.py)
@@ -164,7 +165,7 @@ class AsyncEngine:
         self._streams[request.request_id] = stream
         self._send(_Add(request))
         finished = False
-        pending = None  # an error found while merging, raised after what came before it
+        pending = None  # an error met while merging: it comes after what came before it
         try:
             while not finished:
                 item = pending if pending is not None else await stream.get()
@@ -175,8 +176,8 @@ class AsyncEngine:
                 # queued up as one output: one chunk to encode and send, not one per step
                 while not item.finished and not stream.empty():
                     later = stream.get_nowait()
-                    if isinstance(later, BaseException):
-                        pending = later
+                    if isinstance(later, BaseException) or later.error is not None:
+                        pending = later  # after what came before it, which is sent first
                         break
                     item = merged(item, later)
                 finished = item.finished
@@ -215,13 +216,19 @@ class AsyncEngine:
     # -- DeviceGate (engine/hooks.py), for the idle hook --------------------------------
 
     async def run(self, fn, *args):
-        self._items_submitted += 1
-
         def item():
             self._items_begun += 1
             return fn(*args)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, item)
+        self._items_submitted += 1
+        future = self._executor.submit(item)
+        future.add_done_callback(self._count_cancelled)
+        return await asyncio.wrap_future(future)
+
+    def _count_cancelled(self, future: concurrent.futures.Future) -> None:
+        """A caller cancelled before its item began (the item never runs): it waits no more."""
+        if future.cancelled():
+            self._items_cancelled += 1
 
     def interrupted(self) -> bool:
         return bool(self._inbox) or self._stopping
@@ -270,17 +277,19 @@ class AsyncEngine:
             seconds = time.perf_counter() - started
             if not self._next_step_follows(stats):
                 return outputs, errors, stats, seconds
-            self._loop.call_soon_threadsafe(self._deliver, outputs, errors, stats, seconds)
+            self._loop.call_soon_threadsafe(self._deliver, outputs, errors, stats, seconds, time.perf_counter())
             messages = self._take_messages()
 
     def _next_step_follows(self, stats: StepStats | None) -> bool:
         """Whether another serving step runs at once: requests are running, and neither
         shutdown, a device item (`run`), nor the idle hook's between-steps work waits."""
-        if stats is None or self._stopping or self._items_submitted != self._items_begun \
+        waiting = self._items_submitted - self._items_cancelled - self._items_begun
+        if stats is None or not stats.num_scheduled_tokens or self._stopping or waiting \
                 or not self.engine.has_unfinished():
             return False
+        wants_between_steps = getattr(self.idle_hook, "wants_between_steps", None)
         try:
-            return self.idle_hook is None or not self.idle_hook.wants_between_steps()
+            return self.idle_hook is None or (wants_between_steps is not None and not wants_between_steps())
         except Exception:  # noqa: BLE001 - the loop's after_serving_step runs instead, as before
             logger.exception("the idle hook's between-steps check failed")
             return False
@@ -321,7 +330,10 @@ class AsyncEngine:
                 except asyncio.TimeoutError:
                     pass
             self.idle_seconds += time.monotonic() - idle_started
-        self._inbox.clear()
+        for message in self._take_messages():  # added after the last step: never reached the engine
+            stream = self._streams.get(message.request.request_id) if isinstance(message, _Add) else None
+            if stream is not None:
+                stream.put_nowait(EngineDeadError("the server is shutting down; retry on another replica"))
         stopped = EngineError(ErrorKind.ENGINE_STOPPED, "the server is shutting down")
         for output in await self.run(self._fail_all, stopped):
             self._publish(output)
@@ -332,13 +344,18 @@ class AsyncEngine:
         self._deliver(outputs, errors, stats, seconds)
         return stats
 
-    def _deliver(self, outputs: list[RequestOutput], errors: list, stats: StepStats | None, seconds: float) -> None:
-        """On the loop: a step's results to their streams, its time to the idle hook."""
+    def _deliver(self, outputs: list[RequestOutput], errors: list, stats: StepStats | None, seconds: float,
+                 finished_at: float | None = None) -> None:
+        """On the loop: a step's results to their streams, then its time (and when it
+        ended, `perf_counter`; by default now) to the idle hook."""
         for request_id, exc in errors:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put_nowait(exc)
-        if stats is not None and self.idle_hook is not None:
-            self.idle_hook.on_serving_step(seconds, stats)
         for output in outputs:
             self._publish(output)
+        if stats is not None and self.idle_hook is not None:
+            try:
+                self.idle_hook.on_serving_step(seconds, stats, finished_at)
+            except Exception:  # noqa: BLE001 - measurements only: serving goes on
+                logger.exception("the idle hook's step measurement failed")

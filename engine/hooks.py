@@ -101,8 +101,9 @@ class IdleHook(Protocol):
     the shape of mini-sglang's `run_when_idle`. Called on the asyncio loop, except
     `wants_between_steps`."""
 
-    def on_serving_step(self, seconds: float, stats: StepStats) -> None:
-        """A serving step took `seconds` of wall time (measurements only)."""
+    def on_serving_step(self, seconds: float, stats: StepStats, finished_at: float | None = None) -> None:
+        """A serving step took `seconds` of the device's time and ended at `finished_at`
+        (`time.perf_counter()`; None: just now) — measurements only."""
         ...
 
     def wants_between_steps(self) -> bool:

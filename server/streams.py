@@ -111,10 +111,18 @@ class _Usage:
         return usage(self.prompt_tokens, self.completion_tokens)
 
 
+# characters orjson writes as they are, which line readers (httpx's, Python's
+# str.splitlines) take for line breaks; escaped, as json.dumps writes them
+_LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
 def _event(data: dict) -> bytes:
     """One SSE event, encoded: sse-starlette sends bytes as they are (orjson writes the
-    JSON; a JSON text has no line breaks, so it fits one `data:` line)."""
-    return b"data: " + orjson.dumps(data) + b"\r\n\r\n"
+    JSON, with no line break left in it, so it fits one `data:` line)."""
+    text = orjson.dumps(data)
+    for raw, escaped in _LINE_BREAKS:
+        text = text.replace(raw, escaped)
+    return b"data: " + text + b"\r\n\r\n"
 
 
 DONE = b"data: [DONE]\r\n\r\n"

@@ -118,8 +118,8 @@ class Arbiter:
     def poll_seconds(self) -> float | None:
         return IDLE_POLL_S
 
-    def on_serving_step(self, seconds: float, stats: StepStats) -> None:
-        done = time.perf_counter()
+    def on_serving_step(self, seconds: float, stats: StepStats, finished_at: float | None = None) -> None:
+        done = time.perf_counter() if finished_at is None else finished_at
         self._serving_ran = True
         self.stats.step_ema = _ema(self.stats.step_ema, seconds)
         if stats.num_running and self._last_decode_done is not None:
