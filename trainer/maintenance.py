@@ -6,16 +6,13 @@ The arbiter (trainer/arbiter.py) triggers all of it, on the device thread:
     between jobs `run_item()`: one bounded piece of the work that makes serving faster or
     the next recording cheaper, before the next job starts;
   - after serving steps, `expire()` once `expiry_due()` — label timeouts come due under
-    steady traffic too, when no gap comes — `rebuild_merged(budget_s)` while merged
-    weights are stale, and then `warm_heap(budget_s)` while recordings come faster than
-    idle gaps.
+    steady traffic too, when no gap comes — and `rebuild_merged(budget_s)` while merged
+    weights are stale.
 The adapter's lifecycle marks merged weights stale when the adapter changes
 (`invalidate_merged`) and rebuilds them all at a resume (`merge_all`).
 """
 
 from __future__ import annotations
-
-import time
 
 from engine.malloc_tuning import HeapWarmer, return_freed_memory
 from trainer.adapter import merge_all, merge_stale
@@ -120,22 +117,6 @@ class Maintenance:
     def _warming_due(self) -> bool:
         """Pages are warmed for the next recording while prefills are being recorded."""
         return self.warmer is not None and self.warmer.wants_to_grow() and not self._recording_paused()
-
-    def warming_due(self) -> bool:
-        """Whether the heap should grow warmer between serving steps (a cheap check): under
-        steady traffic no idle gap comes, and the next recording would land on fresh pages."""
-        return self._warming_due()
-
-    def warm_heap(self, budget_s: float) -> bool:
-        """Grows the warm heap for about `budget_s` (at least one piece); False if it was
-        warm enough."""
-        started = time.perf_counter()
-        grew = False
-        while self._warming_due() and self.warmer.grow():
-            grew = True
-            if time.perf_counter() - started >= budget_s:
-                break
-        return grew
 
     def _memory_due(self) -> bool:
         """Recording has paused, and memory was freed since it was last given back (at
