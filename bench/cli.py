@@ -156,6 +156,7 @@ def _add_training_benches(benches, add_config_flags) -> None:
     add_config_flags(recording)
     recording.add_argument("--tokens", type=int, default=100)
     recording.add_argument("--repeats", type=int, default=6)
+    recording.add_argument("--cases", help="comma-separated cases to run (default: every one)")
     recording.add_argument("--json", help="write the results to this JSON file")
 
 
@@ -229,7 +230,8 @@ def _run_training_bench_command(args: argparse.Namespace, config) -> int:
         return 0
     if args.bench == "recording":
         from bench.recording import run_recording_bench
-        run_recording_bench(config, args.tokens, args.repeats, args.json)
+        run_recording_bench(config, args.tokens, args.repeats, args.json,
+                            args.cases.split(",") if args.cases else None)
         return 0
     if args.bench == "staleness":
         from bench.staleness import run_staleness_bench

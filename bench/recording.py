@@ -11,12 +11,17 @@ step), recorded over plain, per case:
   - `trained`: each recording is labelled and trained before the next request (what a
     client that sends feedback at once causes);
   - `beside_decodes`: as `trained`, with three other requests decoding when the prompt
-    arrives, so its prefill shares a step with their decodes (the common case under
-    traffic); the figure is that step's time, recorded over plain.
+    arrives (the common case under traffic). The recorded prefill takes its step alone
+    and the decodes the next (`scheduler.recorded_prefill_alone`, the default); a plain
+    prefill shares its step with them. The figures: the prompt's first token, and the
+    decodes' next token, each recorded over plain;
+  - `beside_decodes_shared`: the same with the decodes sharing the recorded prefill's
+    step (their rows run apart from the recorded ones, after them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -32,56 +37,79 @@ from trainer.entries import EntryState
 from trainer.config import TrainConfig
 from trainer.feedback import FeedbackLabel
 
-CASES = ("kept_cold", "kept", "freed", "trained", "beside_decodes")
+CASES = ("kept_cold", "kept", "freed", "trained", "beside_decodes", "beside_decodes_shared")
 _DECODES = 3
 
 
 def _first_token_seconds(engine: LLMEngine, request_id: str, prompt: list[int], train: bool,
-                         decodes: int = 0) -> float:
-    """The first step's time (the prompt's prefill, beside `decodes` decoding requests)."""
+                         decodes: int = 0) -> tuple[float, float | None]:
+    """From the prompt's arrival: (its first token, the decoding requests' next token), the
+    prompt prefilled beside `decodes` decoding requests (None: there were none)."""
     for d in range(decodes):  # prefilled first, so that they decode when the prompt arrives
         engine.add_request(f"{request_id}-decode{d}", prompt[: len(prompt) // 2 + d],
                            SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
         engine.step()
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=8, temperature=0.0), train=train)
-    started, first = time.perf_counter(), None
+    started, first, decoded = time.perf_counter(), None, None if decodes else 0.0
     while engine.has_unfinished():
-        engine.step()
-        if first is None:
-            first = time.perf_counter() - started
+        outputs, _ = engine.step()
+        now = time.perf_counter() - started
+        for output in outputs:
+            if output.request_id == request_id and first is None and output.outputs[0].token_ids:
+                first = now
+            elif output.request_id != request_id and decoded is None and output.outputs[0].token_ids:
+                decoded = now
+        if first is not None and decoded is not None:
             for d in range(decodes):
                 engine.abort_request(f"{request_id}-decode{d}")
-    return first
+    return first, (decoded if decodes else None)
 
 
 def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) -> dict:
     model, tokenizer, _ = load(config.model)
+    if case == "beside_decodes_shared":
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
+                                                                           recorded_prefill_alone=False))
     engine, trainer = build_training_engine(model, tokenizer, config, TrainConfig(mode="dpo"),
                                             heap_warming=case != "kept_cold")
     trainer.maintenance.merge_all()
     seconds = {True: [], False: []}
+    decoded = {True: [], False: []}
     for i in range(repeats + 2):  # the first two rounds warm up
         for recorded in ((True, False) if i % 2 else (False, True)):
             request_id = f"{case}-{i}-{recorded}"
-            took = _first_token_seconds(engine, request_id, synthetic_tokens(tokenizer, tokens, i), recorded,
-                                        _DECODES if case == "beside_decodes" else 0)
+            took, decodes_took = _first_token_seconds(engine, request_id, synthetic_tokens(tokenizer, tokens, i),
+                                                      recorded, _DECODES if case.startswith("beside") else 0)
             if recorded and case == "freed":
                 trainer.cache.end(trainer.cache.get(request_id), EntryState.DROPPED)
-            elif recorded and case in ("trained", "beside_decodes"):
+            elif recorded and case in ("trained", "beside_decodes", "beside_decodes_shared"):
                 trainer.feedback.submit(FeedbackLabel(request_id, "A short and friendly answer.", None, 0))
             trainer.train_until_idle()  # the server's idle gap
             if i >= 2:
                 seconds[recorded].append(took)
+                if decodes_took is not None:
+                    decoded[recorded].append(decodes_took)
     ratio = statistics.median(seconds[True]) / statistics.median(seconds[False])
-    print(f"  {case:8s} {tokens} tokens: recorded prefill x{ratio:.2f} "
+    report = {"case": case, "tokens": tokens, "ratio": round(ratio, 3), "recorded_s": seconds[True],
+              "plain_s": seconds[False]}
+    beside = ""
+    if decoded[True]:
+        report["decodes_ratio"] = round(statistics.median(decoded[True]) / statistics.median(decoded[False]), 3)
+        report["decodes_recorded_s"], report["decodes_plain_s"] = decoded[True], decoded[False]
+        beside = f"; the decodes' next token x{report['decodes_ratio']:.2f}"
+    print(f"  {case:8s} {tokens} tokens: recorded prefill x{ratio:.2f}{beside} "
           f"(recorded {[round(s * 1000) for s in seconds[True]]} ms, plain {[round(s * 1000) for s in seconds[False]]} ms)",
           flush=True)
-    return {"case": case, "tokens": tokens, "ratio": round(ratio, 3), "recorded_s": seconds[True],
-            "plain_s": seconds[False]}
+    return report
 
 
-def run_recording_bench(config: AlchemistConfig, tokens: int, repeats: int, json_path: str | None = None) -> dict:
+def run_recording_bench(config: AlchemistConfig, tokens: int, repeats: int, json_path: str | None = None,
+                        cases: list[str] | None = None) -> dict:
+    unknown = set(cases or ()) - set(CASES)
+    if unknown:
+        raise SystemExit(f"--cases: unknown {sorted(unknown)}; choose from {', '.join(CASES)}")
     keep_freed_memory()  # as the server does
-    report = {"tokens": tokens, "repeats": repeats, "cases": [measure_case(config, c, tokens, repeats) for c in CASES]}
+    report = {"tokens": tokens, "repeats": repeats,
+              "cases": [measure_case(config, c, tokens, repeats) for c in cases or CASES]}
     write_json(report, json_path)
     return report

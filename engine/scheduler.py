@@ -84,6 +84,8 @@ class Scheduler:
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # the decoding sequences sat out the last step, a recorded prefill's: they run in the next
+        self._decodes_sat_out = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -115,8 +117,11 @@ class Scheduler:
 
     def _schedule_recorded_prefill(self) -> SchedulerOutput | None:
         """A sequence selected for training is prefilled whole (not chunked), first in its
-        step, so its graph covers exactly its prompt; running sequences that are decoding
-        share the step (one token each), so recording does not stall them."""
+        step, so its graph covers exactly its prompt. Running sequences that are decoding
+        run their rows apart from it in any case (engine/model_runner.py): with
+        `recorded_prefill_alone` they take the next step instead, unless they sat out the
+        step before, so recording never stalls them for more than one step; otherwise they
+        share this one (one token each)."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         seq = self.waiting[0]
@@ -130,8 +135,10 @@ class Scheduler:
         if seq.record is None or not self._grow(seq, seq.num_tokens):
             return None
         self.waiting.popleft()
-        decodes = [ScheduledSequence(s, 1) for s in self.running
-                   if s.num_pending_tokens == 1 and self._grow(s, s.num_tokens)]
+        decoding = [s for s in self.running if s.num_pending_tokens == 1]
+        join = not self.config.recorded_prefill_alone or self._decodes_sat_out
+        decodes = [ScheduledSequence(s, 1) for s in decoding if join and self._grow(s, s.num_tokens)]
+        self._decodes_sat_out = bool(decoding) and not join
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)] + decodes, recorded=True)
@@ -169,6 +176,7 @@ class Scheduler:
         return output
 
     def _schedule_batch(self) -> SchedulerOutput:
+        self._decodes_sat_out = False
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Running sequences first, oldest first; the newest is preempted when blocks run out.

@@ -226,16 +226,18 @@ def test_sampling_edits_do_not_touch_the_recorded_logits():
 @pytest.mark.parametrize("mode", ["cpt", "dpo-served"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything(family, mode):
+    """Decodes sit out a recorded prefill's step, but never two steps running: of two
+    recorded prefills in a row, the first runs alone and the second with the decodes."""
     trainer = make_trainer(family, mode.split("-")[0])
     engine = engine_of(trainer)
-    other_ids, recorded_ids = encode("Hello, how are you today?"), encode(PROMPT)
+    other_ids, recorded_ids, first_ids = encode("Hello, how are you today?"), encode(PROMPT), encode("Hi there!")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    other_alone = engine.generate([other_ids], params)[0][0]
-    recorded_alone = engine.generate([recorded_ids], params)[0][0]
+    other_alone, recorded_alone, first_alone = (engine.generate([ids], params)[0][0]
+                                                for ids in (other_ids, recorded_ids, first_ids))
     steps = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
-    tokens = {"other": [], "rec": []}
+    tokens = {"other": [], "first": [], "rec": []}
 
     def step():
         for out in engine.step()[0]:
@@ -244,14 +246,17 @@ def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything
     engine.add_request("other", other_ids, params)
     for _ in range(3):
         step()
+    engine.add_request("first", first_ids, params, train=True)
     engine.add_request("rec", recorded_ids, params, train=True)
     while engine.has_unfinished():
         step()
-    recorded_step = next(s for s in steps if s.recorded)
-    assert [e.seq.request_id for e in recorded_step.scheduled] == ["rec", "other"]  # shared, not alone
-    assert tokens == {"other": other_alone, "rec": recorded_alone}
+    alone, shared = [s for s in steps if s.recorded]
+    assert [e.seq.request_id for e in alone.scheduled] == ["first"]  # the decode sat this one out
+    assert [e.seq.request_id for e in shared.scheduled] == ["rec", "other", "first"]  # not the next
+    assert tokens == {"other": other_alone, "first": first_alone, "rec": recorded_alone}
+    trainer.cache.end(trainer.cache.get("first"), EntryState.DROPPED)
     # only the recorded request has an entry: the decodes sharing its step got none
-    assert trainer.cache.get("other") is None and len(trainer.cache) == 1 and trainer.stats.recorded == 1
+    assert trainer.cache.get("other") is None and len(trainer.cache) == 1 and trainer.stats.recorded == 2
     entry = trainer.cache.get("rec")
     assert trainer.cache.bytes == entry.nbytes
     # the decodes ran apart, without autograd: the recording holds the prompt's rows only
