@@ -64,9 +64,9 @@ class SchedulerConfig:
     # a request's n choices share one prefill (they fork choice 0's KV blocks); off, each
     # choice prefills the prompt itself (the plain path `alchemist bench serving --n` compares)
     fork_choices: bool = True
-    # a recorded prefill takes its step alone, the decoding sequences taking theirs in the
-    # next (never two steps running): its first token comes one decode forward sooner, and
-    # theirs when they would have had it, since a recorded step runs their rows apart anyway
+    # a recorded prefill takes its step alone, and the decoding sequences the next one, before
+    # any other recorded prefill: its first token comes one decode forward sooner, and theirs
+    # when they would have had it (a recorded step runs their rows apart, after it, anyway)
     recorded_prefill_alone: bool = True
 
 

@@ -84,7 +84,7 @@ class Scheduler:
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # the decoding sequences sat out the last step, a recorded prefill's: they run in the next
+        # the decoding sequences sat out the last step, a recorded prefill's: the next is theirs
         self._decodes_sat_out = False
 
     def add(self, seq: Sequence) -> None:
@@ -118,10 +118,10 @@ class Scheduler:
     def _schedule_recorded_prefill(self) -> SchedulerOutput | None:
         """A sequence selected for training is prefilled whole (not chunked), first in its
         step, so its graph covers exactly its prompt. Running sequences that are decoding
-        run their rows apart from it in any case (engine/model_runner.py): with
-        `recorded_prefill_alone` they take the next step instead, unless they sat out the
-        step before, so recording never stalls them for more than one step; otherwise they
-        share this one (one token each)."""
+        would run their rows apart from it in any case (engine/model_runner.py): with
+        `recorded_prefill_alone` they take the next step to themselves (`schedule`), so the
+        prompt's first token does not wait for their forward and theirs comes when it would
+        have; otherwise they share this one (one token each)."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         seq = self.waiting[0]
@@ -136,7 +136,7 @@ class Scheduler:
             return None
         self.waiting.popleft()
         decoding = [s for s in self.running if s.num_pending_tokens == 1]
-        join = not self.config.recorded_prefill_alone or self._decodes_sat_out
+        join = not self.config.recorded_prefill_alone
         decodes = [ScheduledSequence(s, 1) for s in decoding if join and self._grow(s, s.num_tokens)]
         self._decodes_sat_out = bool(decoding) and not join
         seq.status = SequenceStatus.RUNNING
@@ -171,7 +171,9 @@ class Scheduler:
                 output.forks.append(fork)
 
     def schedule(self) -> SchedulerOutput:
-        output = self._schedule_recorded_prefill() or self._schedule_batch()
+        # decodes that sat out a recorded prefill's step take the next one, before any other
+        recorded = None if self._decodes_sat_out else self._schedule_recorded_prefill()
+        output = recorded or self._schedule_batch()
         self._fork(output)
         return output
 

@@ -223,13 +223,16 @@ def test_sampling_edits_do_not_touch_the_recorded_logits():
     assert trainer.stats.trained_entries == {("cpt", "reuse"): 1}
 
 
+@pytest.mark.parametrize("alone", [True, False])
 @pytest.mark.parametrize("mode", ["cpt", "dpo-served"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything(family, mode):
-    """Decodes sit out a recorded prefill's step, but never two steps running: of two
-    recorded prefills in a row, the first runs alone and the second with the decodes."""
+def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything(family, mode, alone):
+    """With `recorded_prefill_alone` (the default) a recorded prefill takes its step alone
+    and the decodes the next one, before another recorded prefill; without it they share
+    its step, their rows run apart from the recorded ones. Either way: the same tokens."""
     trainer = make_trainer(family, mode.split("-")[0])
     engine = engine_of(trainer)
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, recorded_prefill_alone=alone)
     other_ids, recorded_ids, first_ids = encode("Hello, how are you today?"), encode(PROMPT), encode("Hi there!")
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     other_alone, recorded_alone, first_alone = (engine.generate([ids], params)[0][0]
@@ -250,9 +253,13 @@ def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything
     engine.add_request("rec", recorded_ids, params, train=True)
     while engine.has_unfinished():
         step()
-    alone, shared = [s for s in steps if s.recorded]
-    assert [e.seq.request_id for e in alone.scheduled] == ["first"]  # the decode sat this one out
-    assert [e.seq.request_id for e in shared.scheduled] == ["rec", "other", "first"]  # not the next
+    ids = [[e.seq.request_id for e in s.scheduled] for s in steps]
+    recorded = [i for i, s in enumerate(steps) if s.recorded]
+    if alone:  # each alone, the decodes' step between them
+        assert [ids[i] for i in recorded] == [["first"], ["rec"]]
+        assert recorded[1] == recorded[0] + 2 and ids[recorded[0] + 1] == ["other", "first"]
+    else:
+        assert [ids[i] for i in recorded] == [["first", "other"], ["rec", "other", "first"]]
     assert tokens == {"other": other_alone, "first": first_alone, "rec": recorded_alone}
     trainer.cache.end(trainer.cache.get("first"), EntryState.DROPPED)
     # only the recorded request has an entry: the decodes sharing its step got none
