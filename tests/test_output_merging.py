@@ -61,4 +61,6 @@ def test_a_consumer_that_falls_behind_gets_the_same_stream_in_fewer_outputs():
     slow_ids, slow_text, slow_chunks, slow_reason = _collect(slow=True)
     assert len(prompt_ids) == 24 and prompt_reason == "length"
     assert (slow_ids, slow_text, slow_reason) == (prompt_ids, prompt_text, prompt_reason)
-    assert slow_chunks < prompt_chunks / 2, (slow_chunks, prompt_chunks)
+    # each time, the slow consumer is away for at least four steps (the prompt one may fall
+    # behind too on a loaded machine: only the slow one's count is bounded)
+    assert prompt_chunks >= slow_chunks and slow_chunks <= 24 // 4 + 2, (slow_chunks, prompt_chunks)

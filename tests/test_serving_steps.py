@@ -4,6 +4,7 @@ device item that waits (an adapter rollback), or one cancelled before it began, 
 honoured; a failed step's error comes after the tokens that preceded it."""
 
 import asyncio
+import threading
 import time
 
 from engine.async_engine import AsyncEngine
@@ -55,21 +56,33 @@ def test_a_requests_steps_run_as_one_chain_with_the_same_tokens():
 
 
 def test_a_device_item_ends_a_chain_and_a_cancelled_one_does_not_stop_chaining():
-    async_engine = AsyncEngine(make_engine())
+    engine = make_engine()
+    async_engine = AsyncEngine(engine)
     chains = _counting_chains(async_engine)
+    step, steps, submitted = engine.step, [], threading.Event()
+
+    def step_held_at_the_fifth():  # the device waits, mid-request, until the item is queued
+        steps.append(1)
+        if len(steps) == 5:
+            submitted.wait(60)
+        return step()
+
+    engine.step = step_held_at_the_fifth
 
     async def body():
         busy = asyncio.ensure_future(async_engine.run_on_device(time.sleep, 0.3))
         await asyncio.sleep(0.05)  # the device is busy: the next item waits in the queue
         cancelled = asyncio.ensure_future(async_engine.run_on_device(time.sleep, 0.3))
         await asyncio.sleep(0.01)
-        cancelled.cancel()  # before it began: it never runs
+        cancelled.cancel()  # before it began (unless the machine is slow): it never runs
         await busy
         served = asyncio.ensure_future(_tokens(async_engine, "r"))
-        while async_engine.serving_steps < 5:
+        while len(steps) < 5:
             await asyncio.sleep(0.001)
-        # an item submitted mid-request runs at the next step boundary
-        assert await async_engine.run_on_device(lambda: async_engine.engine.has_unfinished())
+        item = asyncio.ensure_future(async_engine.run_on_device(lambda: engine.has_unfinished()))
+        await asyncio.sleep(0)  # submitted
+        submitted.set()
+        assert await item  # it ran at the next step boundary, mid-request
         return await served
 
     tokens = _run(async_engine, body)
