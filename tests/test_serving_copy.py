@@ -79,8 +79,9 @@ def test_the_copy_follows_the_adapter_except_while_the_gate_pins_it():
 
 
 def test_training_mode_decode_costs_a_fixed_number_of_ops_per_shared_input():
-    """Per decoder layer, beyond frozen serving: two GEMMs for each group of adapted
-    layers that read one input (four in a Llama layer), and no casts in bfloat16."""
+    """Per decoder layer, two GEMMs for each group of adapted layers that read one input
+    (four in a Llama layer) where frozen serving runs one per layer (seven), and no casts
+    in bfloat16: one op more than frozen, within the 1.1x that issue 23 asks."""
     def layer_ops(engine) -> AtenOps:
         for i in range(4):
             engine.add_request(f"r{i}", [5 + i, 7, 9], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6))
@@ -106,5 +107,31 @@ def test_training_mode_decode_costs_a_fixed_number_of_ops_per_shared_input():
         engine, _ = build_training_engine(tiny_model("llama", dtype=dtype), tiny_tokenizer(), config,
                                           TrainConfig(mode="cpt", merged_serving=False))
         training = layer_ops(engine)
-        assert training.total == frozen.total + 8, (dtype, dict(training.ops), dict(frozen.ops))
+        assert frozen.ops["linear"] == 7 and "linear" not in training.ops
+        assert training.total == frozen.total - 7 + 2 * 4, (dtype, dict(training.ops), dict(frozen.ops))
+        assert training.total <= 1.1 * frozen.total
         assert "_to_copy" not in training.ops
+
+
+def test_the_base_weights_live_in_the_copy_and_a_refresh_leaves_them_unchanged():
+    """The members' base weights are rows of their group's buffer (no second copy of the
+    model), with version counters of their own: refreshing A in the same buffer is not a
+    change of the frozen weights, so a recording that saved them still runs backward."""
+    model, peft_model, groups = _adapted("llama")
+    group = groups[0]
+    bases = [layer.base_layer.weight for layer in group.layers]
+    start = group.weight.data_ptr()
+    row_bytes = group.weight.stride(0) * group.weight.element_size()
+    assert [w.data_ptr() for w in bases] == [start + row * row_bytes for row in (0, 64, 96)]
+    versions = [w._version for w in bases]
+    ids = torch.randint(3, model.config.vocab_size, (1, 9))
+    loss = model(ids).logits.float().logsumexp(-1).sum()  # a forward that saves the base weights
+    a = group.layers[0].lora_A["default"].weight
+    with torch.no_grad():
+        a.add_(0.5)
+    for each in groups:
+        each.refresh()
+    assert torch.equal(group.a[:a.shape[0]], a)
+    assert [w._version for w in bases] == versions
+    loss.backward()
+    assert a.grad is not None and a.grad.abs().sum() > 0

@@ -6,15 +6,24 @@ costs a bf16 model casts at every adapted layer, and three small GEMMs per layer
 then · Bᵀ, then the sum with the base output). The serving copy holds, per group of
 adapted layers that read the same input (q/k/v; gate/up; o and down alone):
 
-- `a`: the members' A stacked, (Σr, in): one GEMM for the group's x Aᵀ;
-- `b`: their s·B block-diagonal, (Σout, Σr), with the base biases: one GEMM for every
-  member's LoRA output at once;
+- `weight`: the members' base weights and their A stacked below them, (Σout + Σr, in),
+  one buffer. The members' `base_layer.weight` become rows of it (the model keeps no
+  other copy), and `a` is its last Σr rows;
+- `b`: the members' s·B block-diagonal, (Σout, Σr).
 
-and each member adds its slice of that to its base GEMM in the same op (`addmm`, or
-oneDNN's linear with a fused add on the CPU). It is refreshed with `copy_` whenever the
-adapter changes and serving follows it (`refresh_serving_copies`, from the trainer's
-maintenance) — never while the eval gate holds serving on the promoted version — so a
-CUDA graph that reads it by address stays valid.
+A group is then two GEMMs, however many members it has: `x Wᵀ` gives every member's base
+output and the group's x Aᵀ at once, and one `addmm` adds (x Aᵀ)(s·B)ᵀ to the base
+outputs; each member's output is a slice of that. On the CPU, where the base layers run
+oneDNN's packed weights (engine/packed_linear.py), the packs stay as they are: the group
+runs x Aᵀ and · (s·B)ᵀ, and each member adds its slice to its packed GEMM in the same op.
+
+Each base weight is an alias of its rows with a version counter of its own, not a view:
+refreshing A changes the buffer, and must not look like a change of the frozen weights
+to autograd (a recording saved them), to the packs or to the merged copies (all keyed on
+their version). The copy is refreshed with `copy_` whenever the adapter changes and
+serving follows it (`refresh_serving_copies`, from the trainer's maintenance) — never
+while the eval gate holds serving on the promoted version — so a CUDA graph that reads
+it by address stays valid.
 """
 
 from __future__ import annotations
@@ -25,6 +34,13 @@ from engine.packed_linear import PackedLinear
 from trainer.training_copy import TrainingCopies
 
 
+def _rows_of(buffer: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows `start:stop` of `buffer`: the same memory, with a version counter of its own."""
+    rows = buffer[start:stop]
+    return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
+        buffer.untyped_storage(), rows.storage_offset(), rows.shape, rows.stride())
+
+
 class SharedInputGroup:
     """Adapted layers of one decoder layer that read the same input."""
 
@@ -33,28 +49,43 @@ class SharedInputGroup:
         # the live master parameters, changed in place by the optimizer and a restore (the
         # weight stash swaps other tensors into the layers only inside training slices)
         self._masters = weights = [layer.serving_masters() for layer in layers]
+        bases = [layer.base_layer for layer in layers]
         device = weights[0][0].device
         ranks = [a.shape[0] for a, _, _ in weights]
-        outs = [b.shape[0] for _, b, _ in weights]
-        self.a = torch.zeros(sum(ranks), weights[0][0].shape[1], dtype=dtype, device=device)
-        self.b = torch.zeros(sum(outs), sum(ranks), dtype=dtype, device=device)
-        biases = [layer.base_layer.bias for layer in layers]
-        self.bias = None  # the members' base biases, added by the group's GEMM (zeros where a member has none)
+        self.outs = outs = [b.shape[0] for _, b, _ in weights]
+        width = sum(outs)
+        self.weight = torch.empty(width + sum(ranks), weights[0][0].shape[1], dtype=dtype, device=device)
+        self._share_base_weights(bases, outs)
+        self.a = self.weight[width:]
+        # the members' base weights as one matrix, for forwards under autograd (trainer/training_copy.py)
+        self.base_weight = torch.nn.Parameter(_rows_of(self.weight, 0, width), requires_grad=False)
+        self.b = torch.zeros(width, sum(ranks), dtype=dtype, device=device)
+        biases = [base.bias for base in bases]
+        self.bias = None  # the members' base biases (zeros where a member has none)
+        self._fused_bias = None  # the same, then zeros for the rank's columns of `x Wᵀ`
         if any(b is not None for b in biases):
             self.bias = torch.cat([torch.zeros(out, dtype=dtype, device=device) if b is None else b.detach().to(dtype)
                                    for b, out in zip(biases, outs)])
+            self._fused_bias = torch.cat([self.bias, torch.zeros(sum(ranks), dtype=dtype, device=device)])
         self.blocks: list[tuple[slice, slice]] = []
         row = col = 0
         for rank, out in zip(ranks, outs):
             self.blocks.append((slice(row, row + out), slice(col, col + rank)))
             row, col = row + out, col + rank
-        self.columns = [rows for rows, _ in self.blocks]  # each member's slice of the group's output
         # the group's copies for autograd in the model's dtype (trainer/training_copy.py); None: PEFT's path
         self.training: TrainingCopies | None = None
         self._input: torch.Tensor | None = None
-        self._delta: torch.Tensor | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()
         self._served = 0
         self.refresh()
+
+    @torch.no_grad()
+    def _share_base_weights(self, bases: list, outs: list[int]) -> None:
+        row = 0
+        for base, out in zip(bases, outs):
+            self.weight[row:row + out].copy_(base.weight)
+            base.weight = torch.nn.Parameter(_rows_of(self.weight, row, row + out), base.weight.requires_grad)
+            row += out
 
     @property
     def pinned(self) -> bool:
@@ -67,31 +98,49 @@ class SharedInputGroup:
             self.a[cols].copy_(a)
             self.b[rows, cols].copy_(b * scale)
 
-    def delta(self, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-        """(N, Σout): every member's LoRA output (and base bias) for the input `x` (its rows
-        `flat`), computed by the group's first member to ask and kept until each has read it."""
+    def outputs(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every member's output (base + adapter) for the input `x` (its rows `flat`),
+        computed by the group's first member to ask and kept until each has read it."""
         if self._input is not x:
-            xa = flat @ self.a.t()
-            self._delta = torch.addmm(self.bias, xa, self.b.t()) if self.bias is not None else xa @ self.b.t()
+            packed = _packed_bases(self.layers, flat)
+            self._outputs = self._packed_outputs(flat, packed) if packed else self._fused_outputs(flat)
             self._input, self._served = x, 0
-        delta = self._delta
+        outputs = self._outputs
         self._served += 1
         if self._served == len(self.layers):
-            self._input = self._delta = None
-        return delta
+            self._input, self._outputs = None, ()
+        return outputs
+
+    def _fused_outputs(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        width = self.b.shape[0]
+        base_and_rank = (torch.addmm(self._fused_bias, flat, self.weight.t()) if self._fused_bias is not None
+                         else torch.mm(flat, self.weight.t()))
+        out = torch.addmm(base_and_rank[:, :width], base_and_rank[:, width:], self.b.t())
+        return out.split(self.outs, dim=1)
+
+    def _packed_outputs(self, flat: torch.Tensor, packed: list) -> tuple[torch.Tensor, ...]:
+        xa = flat @ self.a.t()
+        delta = torch.addmm(self.bias, xa, self.b.t()) if self.bias is not None else xa @ self.b.t()
+        return tuple(torch.ops.mkldnn._linear_pointwise.binary(flat, delta[:, rows], pack, None, "add")
+                     for pack, (rows, _) in zip(packed, self.blocks))
+
+
+def _packed_bases(layers: list, flat: torch.Tensor) -> list[torch.Tensor]:
+    """The members' oneDNN packs, where every member's base layer runs packed for `flat`."""
+    packs = []
+    for layer in layers:
+        base = layer.base_layer
+        if not (isinstance(base, PackedLinear) and flat.device.type == "cpu" and flat.dtype == base.weight.dtype):
+            return []
+        base.ensure_packed()
+        packs.append(base._packed)
+    return packs
 
 
 def serve_from_copy(layer, x: torch.Tensor) -> torch.Tensor:
-    """`layer`'s output (base + adapter) from its group's serving copy: one op beyond the group's two."""
+    """`layer`'s output (base + adapter) from its group's serving copy."""
     flat = x.reshape(-1, x.shape[-1])
-    group = layer.serving_group
-    delta = group.delta(x, flat)[:, group.columns[layer.serving_index]]
-    base = layer.base_layer
-    if isinstance(base, PackedLinear) and flat.device.type == "cpu" and flat.dtype == base.weight.dtype:
-        base.ensure_packed()
-        out = torch.ops.mkldnn._linear_pointwise.binary(flat, delta, base._packed, None, "add")
-    else:
-        out = torch.addmm(delta, flat, base.weight.t())
+    out = layer.serving_group.outputs(x, flat)[layer.serving_index]
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
