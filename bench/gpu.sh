@@ -6,7 +6,7 @@
 # (fastapi needs opentelemetry-api, the server orjson, uvloop, httptools: ../shared/gpu/wheels.sh opentelemetry-api
 # importlib-metadata orjson uvloop httptools; then replace
 # the openai wheel by openai==3.54.0, as newer ones import httpx2, which the image lacks)
-# Issue 23 (serving), in order: bringup steps serving profile http colocate
+# Issue 23 (serving), in order: bringup steps serving paged profile http colocate
 # Issue 24 (training): training profile-dpo precision
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -71,6 +71,19 @@ for phase in "$@"; do
         bench serving "${MODEL[@]}" --num-prompts $n --max-tokens 64 --repeats 3 --max-num-seqs 32 \
           --paths engine,engine_eager,hf_generate,hf_generate_batch --kv-cache-bytes 8589934592 \
           --json "$OUT/serving-$n.json"
+      done
+      ;;
+    paged)  # decode attention reading the KV pool in place (FlexAttention, compiled; one graph per batch) against
+      # gathered (issue 23, item 5): its tests on CUDA, then 1 / 8 / 32 streams with 16-token KV blocks (the default)
+      # and with 64 (in case FlexAttention's kernels want larger blocks)
+      ALCHEMIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 300 -rf tests/test_paged_decode.py \
+        2>&1 | tee "$OUT/paged-tests.log" | tail -15
+      python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/test_decode_graphs.py 2>&1 | tail -15
+      for block in 16 64; do
+        for n in 1 8 32; do
+          ALCHEMIST_CACHE_BLOCK_SIZE=$block bench serving "${MODEL[@]}" --num-prompts $n --max-tokens 64 --repeats 3 \
+            --max-num-seqs 32 --paths engine,engine_flex --kv-cache-bytes 8589934592 --json "$OUT/paged-$block-$n.json"
+        done
       done
       ;;
     offload)  # a host pool large enough for every offloaded layer of the 8B model's entries

@@ -5,7 +5,9 @@ until then: `min_tokens` here, `min_new_tokens` in `generate`), run through
   - the engine, all N at once (continuous batching),
   - the engine, one request at a time (what batching buys),
   - the engine with plain `F.linear` instead of oneDNN-packed weights (what packing buys;
-    on the CPU), and with `enforce_eager` (what CUDA graphs buy; on a GPU),
+    on the CPU), with `enforce_eager` (what CUDA graphs buy; on a GPU), and with
+    `decode_attention = "flex"` (decode rows reading the KV pool in place instead of
+    gathered, engine/paged_decode.py; its own CUDA graphs, one per batch bucket),
   - `model.generate` on a static batch with left padding,
   - `model.generate_batch`, transformers' own continuous batching (it stops at EOS, so
     its tokens are counted, not assumed),
@@ -115,9 +117,11 @@ def cold_and_warm(rates: dict[str, list[float]]) -> tuple[dict[str, float], dict
     return cold, warm
 
 
-PATHS = ("engine", "engine_sequential", "engine_plain_linear", "engine_eager", "hf_generate", "hf_generate_batch")
+PATHS = ("engine", "engine_sequential", "engine_plain_linear", "engine_eager", "engine_flex", "hf_generate",
+         "hf_generate_batch")
 RATIOS = {"ratio_engine_over_hf_generate": ("engine", "hf_generate"),
           "ratio_graphs_over_eager": ("engine", "engine_eager"),
+          "ratio_flex_over_engine": ("engine_flex", "engine"),
           "ratio_engine_over_hf_generate_batch": ("engine", "hf_generate_batch"),
           "ratio_concurrent_over_sequential": ("engine", "engine_sequential"),
           "ratio_packed_over_plain_linear": ("engine", "engine_plain_linear")}
@@ -142,7 +146,7 @@ def _figures(rates: dict[str, list[float]], outputs: dict[str, list[list[int]]],
                                                  for v in variants)
     for key, other in (("greedy_equal_to_generate", "hf_generate"), ("batched_equal_to_alone", "engine_sequential"),
                        ("packed_equal_to_plain_linear", "engine_plain_linear"),
-                       ("graphs_equal_to_eager", "engine_eager")):
+                       ("graphs_equal_to_eager", "engine_eager"), ("flex_equal_to_engine", "engine_flex")):
         if other in outputs:
             mismatched = [i for i, (a, b) in enumerate(zip(outputs["engine"], outputs[other])) if a != b]
             figures[key] = not mismatched
@@ -174,6 +178,10 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
     if "engine_eager" in selected:  # the same model, its decode step never replayed from CUDA graphs
         eager_config = dataclasses.replace(config, model=dataclasses.replace(config.model, enforce_eager=True))
         eager_engine = LLMEngine.for_model(model, tokenizer, eager_config)
+    flex_engine = None
+    if "engine_flex" in selected:  # the same model, decode attention reading the pool in place
+        flex_config = dataclasses.replace(config, model=dataclasses.replace(config.model, decode_attention="flex"))
+        flex_engine = LLMEngine.for_model(model, tokenizer, flex_config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens)
     warm = SamplingParams(temperature=0.0, max_tokens=2)
 
@@ -186,6 +194,7 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
         "engine_sequential": lambda prompts: [engine.generate([p], params)[0][0] for p in prompts],
         "engine_plain_linear": lambda prompts: [choices[0] for choices in plain_engine.generate(prompts, params)],
         "engine_eager": lambda prompts: [choices[0] for choices in eager_engine.generate(prompts, params)],
+        "engine_flex": lambda prompts: [choices[0] for choices in flex_engine.generate(prompts, params)],
         "hf_generate": lambda prompts: hf_static_generate(hf_model, tokenizer, prompts, max_tokens),
         "hf_generate_batch": lambda prompts: hf_generate_batch(cb_model, tokenizer, prompts, max_tokens),
     }
@@ -194,7 +203,7 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
              **{key: fn for key, fn in candidates.items() if key in selected}}
     logger.info("warming up each path")
     warmup_prompts = round_prompts(tokenizer, 2, -1, same_prompts)
-    for extra in [engine, plain_engine, eager_engine, *extra_engines.values()]:
+    for extra in [engine, plain_engine, eager_engine, flex_engine, *extra_engines.values()]:
         if extra is not None:
             extra.generate(warmup_prompts, warm)
     if "hf_generate" in selected:
@@ -211,10 +220,11 @@ def run_serving_bench(config: AlchemistConfig, num_prompts: int = 8, max_tokens:
               "device": str(next(model.parameters()).device), "num_prompts": num_prompts, "max_tokens": max_tokens,
               "repeats": repeats, "torch_threads": torch.get_num_threads(), "same_prompts": same_prompts,
               **_figures(rates, outputs, with_adapter), "kv_cache_bytes_per_token": engine.kv_spec.bytes_per_token}
-    if engine.graph_capture is not None:
-        capture = engine.graph_capture
-        result["cuda_graphs"] = {"graphs": capture.graphs, "capture_s": round(capture.seconds, 2),
-                                 "memory_mib": round(capture.memory_bytes / 2**20, 1)}
+    for key, captured in (("cuda_graphs", engine), ("cuda_graphs_flex", flex_engine)):
+        capture = captured.graph_capture if captured is not None else None
+        if capture is not None:
+            result[key] = {"graphs": capture.graphs, "capture_s": round(capture.seconds, 2),
+                           "memory_mib": round(capture.memory_bytes / 2**20, 1)}
     print(json.dumps(result, indent=2))
     write_json(result, json_path)
     return result

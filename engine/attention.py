@@ -17,6 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from engine.kv_cache import AttentionMetadata
+from engine.paged_decode import paged_decode_attention
 
 ATTENTION_NAME = "alchemist"
 
@@ -24,7 +25,8 @@ ATTENTION_NAME = "alchemist"
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: (1, H, T, D) packed; key/value: the pools (slots, KVH, D) from StepKV.update,
     or a forward's own (1, KVH, S, D). Returns (1, T, H, D) as transformers' attention
-    functions do: one SDPA call per group of the metadata."""
+    functions do: one SDPA call per group of the metadata, or for a decode group with a
+    `paged` reading of the pool, one FlexAttention call."""
     if not isinstance(attention_mask, AttentionMetadata):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
@@ -33,13 +35,16 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     packed = query[0].transpose(0, 1)  # (T, H, D)
     pooled = key.dim() == 3
     outputs = []
+    window = kwargs.get("sliding_window")
     for group in meta.groups:
-        keys, values = (key[group.key_slots].transpose(1, 2), value[group.key_slots].transpose(1, 2)) if pooled \
-            else (key, value)  # (b, KVH, S, D)
-        out = F.scaled_dot_product_attention(
-            packed[group.query_index].transpose(1, 2), keys, values,
-            attn_mask=group.mask(kwargs.get("sliding_window")), scale=scaling, enable_gqa=keys.shape[1] != heads,
-        )  # (b, H, q, D)
+        queries = packed[group.query_index].transpose(1, 2)  # (b, H, q, D)
+        if pooled and group.paged is not None:  # decode rows read the pool in place (engine/paged_decode.py)
+            out = paged_decode_attention(queries, key, value, group.paged, scaling, window)
+        else:
+            keys, values = (key[group.key_slots].transpose(1, 2), value[group.key_slots].transpose(1, 2)) if pooled \
+                else (key, value)  # (b, KVH, S, D)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask(window), scale=scaling,
+                                                 enable_gqa=keys.shape[1] != heads)  # (b, H, q, D)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
     out = (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[meta.output_index]
     return out.unsqueeze(0), None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOAD_FORMATS = ("auto", "dummy")
+DECODE_ATTENTION = ("gather", "flex")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -29,6 +30,10 @@ class ModelConfig:
     # on a GPU, run the decode step eagerly instead of replaying CUDA graphs (vLLM's
     # --enforce-eager; engine/decode_graphs.py)
     enforce_eager: bool = False
+    # how decode rows read the KV cache: gather (their K/V copied out of the block pool for
+    # SDPA) or flex (read in place through their block tables by FlexAttention, compiled on
+    # a GPU; engine/paged_decode.py)
+    decode_attention: str = "gather"
     # local tokenizer directory; "" uses the model directory's own (or, for a directory
     # holding no tokenizer, the embedded model's)
     tokenizer: str = ""
@@ -43,6 +48,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"model.load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}")
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"model.decode_attention must be one of {', '.join(DECODE_ATTENTION)}; "
+                             f"got {self.decode_attention!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"model.generation_config must be auto, vllm or a folder; got {self.generation_config!r}")
 

@@ -3,8 +3,10 @@
 A decode-only step is already static in shape (engine/step_inputs.py): its rows are
 padded to the batch bucket b (padded rows read token 0 at position 0, attend to one
 masked key and write their K/V to the cache's scratch slot) and its keys to the key
-bucket S. `DecodeGraphs` keeps static input buffers of the largest shape, captures the
-forward (embedding, decoder layers, final norm) for each (b, S) into CUDA graphs sharing
+bucket S. With paged decode attention (engine/paged_decode.py) the keys are not part of
+the shape, the block table is, padded to the longest: one graph per b. `DecodeGraphs`
+keeps static input buffers of the largest shape, captures the forward (embedding,
+decoder layers, final norm) for each (b, S) into CUDA graphs sharing
 one memory pool, largest first (vLLM's and nano-vllm's way), and per step copies the
 step's inputs into the buffers' first b rows and replays. The LM head and the sampler
 run after it, eagerly, on the sampled rows only.
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache import AttentionGroup, AttentionMetadata
+from engine.paged_decode import PagedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +42,15 @@ class CaptureReport:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int, max_keys: int, enforce_eager: bool):
+    def __init__(self, runner, max_batch: int, max_keys: int, enforce_eager: bool, paged: bool = False):
         """`runner`: the ModelRunner whose `forward_hidden` is captured; `max_batch`,
-        `max_keys`: the largest batch and key buckets a decode step can have."""
+        `max_keys`: the largest batch and key buckets a decode step can have; `paged`:
+        decode attention reads the pool in place (engine/paged_decode.py), so a graph's
+        shape is its batch alone, captured with room for the longest block table."""
         self.runner = runner
         self.enabled = runner.device.type == "cuda" and not enforce_eager
         self.max_batch, self.max_keys = max_batch, max_keys
+        self.paged = paged
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.replays = 0
         self._pool = None
@@ -60,7 +66,9 @@ class DecodeGraphs:
                 "positions": torch.zeros(rows, dtype=torch.long, device=device),
                 "slot_mapping": torch.full((rows,), scratch, dtype=torch.long, device=device),
                 "query_positions": torch.full((rows, 1), -1, dtype=torch.long, device=device),
-                "key_slots": torch.zeros(rows, self.max_keys, dtype=torch.long, device=device),
+                "key_slots": torch.zeros(rows, 0 if self.paged else self.max_keys, dtype=torch.long, device=device),
+                "block_table": torch.zeros(rows, self.max_keys // self.runner.block_size if self.paged else 0,
+                                           dtype=torch.long, device=device),
                 "rows": torch.arange(rows, device=device),
                 "hidden": torch.zeros(rows, hidden_size, dtype=dtype, device=device),
             }
@@ -70,8 +78,13 @@ class DecodeGraphs:
         """The decode forward on the static buffers' first `batch` rows (what is captured)."""
         static = self._static()
         rows = static["rows"][:batch]
-        group = AttentionGroup(rows.view(batch, 1), static["query_positions"][:batch], num_keys,
-                               static["key_slots"][:batch, :num_keys])
+        if self.paged:
+            paged = PagedDecode(static["block_table"][:batch], static["query_positions"][:batch, 0],
+                                self.runner.block_size, self.runner.kv_cache.num_blocks + 1)
+            group = AttentionGroup(rows.view(batch, 1), static["query_positions"][:batch], num_keys, paged=paged)
+        else:
+            group = AttentionGroup(rows.view(batch, 1), static["query_positions"][:batch], num_keys,
+                                   static["key_slots"][:batch, :num_keys])
         metadata = AttentionMetadata([group], rows, static["slot_mapping"][:batch])
         static["hidden"][:batch] = self.runner.forward_hidden(static["input_ids"][:batch],
                                                               static["positions"][:batch], metadata)
@@ -96,7 +109,8 @@ class DecodeGraphs:
         torch.cuda.synchronize(device)
         free_before = torch.cuda.mem_get_info(device)[0]
         started = time.perf_counter()
-        shapes = [(b, k) for b in sorted(batches, reverse=True) for k in sorted(key_lengths, reverse=True)]
+        key_lengths = [self.max_keys] if self.paged else sorted(key_lengths, reverse=True)
+        shapes = [(b, k) for b in sorted(batches, reverse=True) for k in key_lengths]
         # the capture stream and the graphs' pool belong to the current device: the model's
         with torch.inference_mode(), torch.cuda.device(device):
             for batch, num_keys in shapes:
@@ -120,7 +134,7 @@ class DecodeGraphs:
         run eagerly otherwise (graphs off, or a shape beyond the captured ones)."""
         group = metadata.single
         batch, num_keys = group.query_index.shape[0], group.num_keys
-        graph = self.graphs.get((batch, num_keys)) if self.enabled else None
+        graph = self.graphs.get((batch, self.max_keys if self.paged else num_keys)) if self.enabled else None
         if graph is None:
             return self.runner.forward_hidden(input_ids, positions, metadata)
         static = self._static()
@@ -128,7 +142,10 @@ class DecodeGraphs:
         static["positions"][:batch].copy_(positions)
         static["slot_mapping"][:batch].copy_(metadata.slot_mapping)
         static["query_positions"][:batch].copy_(group.query_positions)
-        static["key_slots"][:batch, :num_keys].copy_(group.key_slots)
+        if self.paged:  # columns past this table's are past every row's context: never read
+            static["block_table"][:batch, :group.paged.block_table.shape[1]].copy_(group.paged.block_table)
+        else:
+            static["key_slots"][:batch, :num_keys].copy_(group.key_slots)
         with torch.cuda.device(self.runner.device):
             graph.replay()
         self.replays += 1

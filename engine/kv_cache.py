@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.paged_decode import PagedDecode
 from engine.step_inputs import StepBuckets
 
 
@@ -137,6 +138,8 @@ class AttentionGroup:
     num_keys: int
     # (b, S) cache slot of each key position (a serving step); padding points at slot 0 (masked)
     key_slots: torch.Tensor | None = None
+    # a decode group that reads the pool in place instead (engine/paged_decode.py): no key_slots
+    paged: PagedDecode | None = None
 
     def __post_init__(self) -> None:
         self._masks: dict[int | None, torch.Tensor] = {}

@@ -50,7 +50,8 @@ def build_runner(model, tokenizer, config: EngineConfig) -> ModelRunner:
             f"{min_blocks * spec.block_size * spec.bytes_per_token} bytes")
     runner = ModelRunner(model, spec, num_blocks, Sampler(_eos_token_ids(model, tokenizer)),
                          packed_linear=config.model.packed_linear, max_num_seqs=config.scheduler.max_num_seqs,
-                         max_model_len=max_model_len, enforce_eager=config.model.enforce_eager)
+                         max_model_len=max_model_len, enforce_eager=config.model.enforce_eager,
+                         decode_attention=config.model.decode_attention)
     logger.info("KV cache: %d blocks x %d tokens, %d bytes per token, %.1f MiB", num_blocks,
                 spec.block_size, spec.bytes_per_token, runner.kv_cache.memory_bytes / 2**20)
     return runner

@@ -19,6 +19,7 @@ from engine.decode_graphs import CaptureReport, DecodeGraphs
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionGroup, AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
+from engine.paged_decode import PagedDecode
 from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, SegmentSink
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -88,9 +89,12 @@ def decoder_parts(model):
 
 class ModelRunner:
     def __init__(self, model, kv_spec: KVCacheSpec, num_blocks: int, sampler: Sampler, packed_linear: bool = True,
-                 max_num_seqs: int = 256, max_model_len: int = 8192, enforce_eager: bool = False):
+                 max_num_seqs: int = 256, max_model_len: int = 8192, enforce_eager: bool = False,
+                 decode_attention: str = "gather"):
         """`max_num_seqs`, `max_model_len`: the largest decode step (its CUDA graphs'
-        shapes); `enforce_eager`: no CUDA graphs (engine/decode_graphs.py)."""
+        shapes); `enforce_eager`: no CUDA graphs (engine/decode_graphs.py);
+        `decode_attention`: "gather" (the decode rows' K/V copied out of the pool for
+        SDPA) or "flex" (read in place, engine/paged_decode.py)."""
         self.model = model
         self.device = next(model.parameters()).device
         use_engine_attention(model)
@@ -105,7 +109,9 @@ class ModelRunner:
         self._block_offsets = torch.arange(kv_spec.block_size, device=self.device)
         self.decode_batches = self.buckets.all_batches(max_num_seqs)
         self.decode_keys = self.buckets.all_keys(max_model_len)
-        self.decode_graphs = DecodeGraphs(self, self.decode_batches[-1], self.decode_keys[-1], enforce_eager)
+        self.paged_decode = decode_attention == "flex"
+        self.decode_graphs = DecodeGraphs(self, self.decode_batches[-1], self.decode_keys[-1], enforce_eager,
+                                          self.paged_decode)
         self.sampler = sampler
         # when set, recorded prefills are measured by this tracker (benchmarks measure a
         # recording and the training on it together); otherwise each gets its own
@@ -137,9 +143,14 @@ class ModelRunner:
         inputs = self.staging.upload(**layout.arrays)
         groups = []
         for g, (batch, num_keys) in enumerate(layout.shapes):
-            slots = (inputs[f"table{g}"].unsqueeze(-1) * self.block_size + self._block_offsets).view(batch, -1)
-            groups.append(AttentionGroup(inputs[f"query_index{g}"], inputs[f"query_positions{g}"], num_keys,
-                                         slots[:, :num_keys]))
+            table, query_index, query_positions = inputs[f"table{g}"], inputs[f"query_index{g}"], \
+                inputs[f"query_positions{g}"]
+            if self.paged_decode and buckets is not None and query_index.shape[1] == 1:
+                paged = PagedDecode(table, query_positions[:, 0], self.block_size, self.kv_cache.num_blocks + 1)
+                groups.append(AttentionGroup(query_index, query_positions, num_keys, paged=paged))
+                continue
+            slots = (table.unsqueeze(-1) * self.block_size + self._block_offsets).view(batch, -1)
+            groups.append(AttentionGroup(query_index, query_positions, num_keys, slots[:, :num_keys]))
         metadata = AttentionMetadata(groups, inputs["output_index"], inputs["slot_mapping"])
         return _PackedStep(inputs["input_ids"], inputs["positions"], metadata, sample_rows, inputs["sample_rows"],
                            sample_entries, prompt_rows, layout.static)

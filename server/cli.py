@@ -32,6 +32,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--enforce-eager", action="store_const", const=True,
                         help="on a GPU, run the decode step eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--decode-attention", choices=["gather", "flex"],
+                        help="how decode rows read the KV cache: gather (copied out for SDPA, the default) or flex "
+                        "(read in place by FlexAttention)")
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--kv-cache-bytes", type=int)
@@ -61,8 +64,8 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
     overrides = {
         "model": {"model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
                   "device": args.device, "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager,
-                  "tokenizer": args.tokenizer, "load_format": args.load_format,
-                  "generation_config": args.generation_config},
+                  "decode_attention": args.decode_attention, "tokenizer": args.tokenizer,
+                  "load_format": args.load_format, "generation_config": args.generation_config},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None),

@@ -58,8 +58,10 @@ def test_padded_decode_rows_write_only_the_scratch_block():
 
 
 @pytest.mark.gpu
-def test_replayed_decode_equals_eager_before_and_after_an_optimizer_step_and_a_rollback():
+@pytest.mark.parametrize("decode_attention", ["gather", "flex"])
+def test_replayed_decode_equals_eager_before_and_after_an_optimizer_step_and_a_rollback(decode_attention):
     config = make_config(max_num_seqs=4, max_model_len=64)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, decode_attention=decode_attention))
     engine, training = build_training_engine(tiny_model("llama").to("cuda"), tiny_tokenizer(), config,
                                              TrainConfig(mode="cpt", lora_rank=8))
     graphs = engine.runner.decode_graphs
@@ -98,3 +100,19 @@ def test_enforce_eager_captures_nothing():
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, enforce_eager=True))
     engine = LLMEngine.for_model(tiny_model("llama").to("cuda"), tiny_tokenizer(), config)
     assert not engine.runner.decode_graphs.graphs and engine.graph_capture is None
+
+
+@pytest.mark.gpu
+def test_paged_decode_graphs_are_one_per_batch_and_serve_the_gathered_tokens():
+    """With decode attention reading the pool in place, a graph's shape is its batch alone,
+    and the replayed, compiled FlexAttention serves the tokens the gathered path serves."""
+    served = {}
+    for mode in ("gather", "flex"):
+        config = make_config(max_num_seqs=4, max_model_len=64)
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, decode_attention=mode))
+        engine = LLMEngine.for_model(tiny_model("llama").to("cuda"), tiny_tokenizer(), config)
+        graphs = engine.runner.decode_graphs
+        served[mode] = engine.generate([encode(p) for p in PROMPTS], _greedy(24))
+        if mode == "flex":
+            assert len(graphs.graphs) == len(engine.runner.decode_batches) and graphs.replays > 0
+    assert served["flex"] == served["gather"]
