@@ -159,13 +159,10 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
 
 def build_gate(runner: ModelRunner, peft_model, tokenizer, max_model_len: int, config: TrainConfig) -> EvalGate | None:
     """The eval gate on `config.eval_set`'s probes (None without one). It holds serving on
-    the promoted version through the merged serving weights, so it needs them (CPU)."""
+    the promoted version through the weights serving reads: the merged copies (CPU) and
+    the adapter's serving copy (every device; trainer/serving_copy.py)."""
     if not config.eval_set:
         return None
-    if not config.merged_serving or runner.device.type != "cpu":
-        raise ValueError("train.eval_set holds serving on the promoted version through merged serving weights, "
-                         "which this version builds on the CPU only (train.merged_serving = true); on a GPU the "
-                         "serving copy of the adapter is still to come")
     probes = load_eval_set(config.eval_set, tokenizer, max_model_len)
     return EvalGate(probes, runner, peft_model, config.eval_tolerance, config.eval_max_kl or None,
                     config.eval_kl_prompts, config.head_chunk_rows)

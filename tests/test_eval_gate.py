@@ -64,8 +64,13 @@ def run_until_pending(training) -> None:
         assert training.run_slice(), "no candidate came"
 
 
-def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_it_is_promoted(tmp_path):
-    training = gated(tmp_path)
+@pytest.mark.parametrize("merged_serving", [True, False])
+def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_it_is_promoted(tmp_path,
+                                                                                              merged_serving):
+    """With merged serving weights (the CPU's default) and without (serving from the
+    adapter's serving copy, as a GPU does): serving is pinned to the promoted version."""
+    training = gated(tmp_path, merged_serving=merged_serving)
+    assert all(layer._merged_pack is None for layer in training.gate.layers) != merged_serving
     gate = training.gate
     baseline = gate.promoted
     assert baseline.version == 0 and baseline.preference_margin is not None and baseline.completion_logprob is not None
@@ -104,7 +109,7 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     # quarantined labels can be released by hand: they train when the server next starts
     assert release_quarantined(tmp_path / "adapters" / LEDGER_FILE, poisoned[:1]) == 1
     assert main(["feedback", "release", "--adapter-dir", str(tmp_path / "adapters"), "nope"]) == 0
-    again = gated(tmp_path)
+    again = gated(tmp_path, merged_serving=merged_serving)
     assert again.status().adapter_version == 3 and again.cache.get(poisoned[0]).state.value == "ready"
     assert again.cache.get(poisoned[1]) is None
     again.close()

@@ -2,7 +2,9 @@
 regressed (`--eval-set FILE`).
 
 After each optimizer step the new version is a candidate. Serving stays on the promoted
-version meanwhile — the merged serving weights are pinned to it (trainer/adapter.py),
+version meanwhile — the weights serving reads are pinned to it: the merged copies on the
+CPU (trainer/adapter.py) and the adapter's serving copy, which a GPU serves from and
+which is not refreshed while pinned (trainer/serving_copy.py) —
 a recorded prefill runs with the promoted version's weights from the stash (it trains
 later on the stashed path, one version old), and the trainer starts no job —
 while the gate scores the candidate in idle slices (one layer of a packed forward, or a
@@ -221,8 +223,8 @@ class EvalGate:
         self.pin(False)
 
     def pin(self, pinned: bool) -> None:
-        """Serving keeps (True) the merged weights of the promoted version however the
-        live LoRA weights change, or (False) follows them again."""
+        """Serving keeps (True) the promoted version's weights (merged copies, serving copy)
+        however the live LoRA weights change, or (False) follows them again."""
         for layer in self.layers:
             layer.serving_pinned = pinned
 
