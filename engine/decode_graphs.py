@@ -142,8 +142,8 @@ class DecodeGraphs:
         static["positions"][:batch].copy_(positions)
         static["slot_mapping"][:batch].copy_(metadata.slot_mapping)
         static["query_positions"][:batch].copy_(group.query_positions)
-        if self.paged:  # columns past this table's are past every row's context: never read
-            static["block_table"][:batch, :group.paged.block_table.shape[1]].copy_(group.paged.block_table)
+        if self.paged:
+            static["block_table"][:batch].copy_(group.paged.block_table)
         else:
             static["key_slots"][:batch, :num_keys].copy_(group.key_slots)
         with torch.cuda.device(self.runner.device):

@@ -10,6 +10,7 @@ on the prompt rows whose logprobs were asked for.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -19,11 +20,13 @@ from engine.decode_graphs import CaptureReport, DecodeGraphs
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionGroup, AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
-from engine.paged_decode import PagedDecode
+from engine.paged_decode import PagedDecode, compile_paged_decode
 from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, SegmentSink
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.step_inputs import HostStaging, StepBuckets, layout_step
+
+logger = logging.getLogger(__name__)
 
 # prompt-logprob rows pushed through the LM head at once (bounds a (rows, vocab) tensor)
 _PROMPT_LOGPROB_CHUNK = 256
@@ -146,6 +149,8 @@ class ModelRunner:
             table, query_index, query_positions = inputs[f"table{g}"], inputs[f"query_index{g}"], \
                 inputs[f"query_positions{g}"]
             if self.paged_decode and buckets is not None and query_index.shape[1] == 1:
+                # every step's table as wide as the longest context's: one compiled shape per batch bucket
+                table = torch.nn.functional.pad(table, (0, self.decode_keys[-1] // self.block_size - table.shape[1]))
                 paged = PagedDecode(table, query_positions[:, 0], self.block_size, self.kv_cache.num_blocks + 1)
                 groups.append(AttentionGroup(query_index, query_positions, num_keys, paged=paged))
                 continue
@@ -206,7 +211,17 @@ class ModelRunner:
 
     def capture_decode_graphs(self) -> CaptureReport | None:
         """Captures the decode step's CUDA graphs for every batch and key bucket (a GPU
-        without `enforce_eager`), once the model is final: adapters attached."""
+        without `enforce_eager`), once the model is final: adapters attached. Paged decode
+        attention is compiled first (a GPU); if it cannot be, decode gathers its K/V."""
+        if self.paged_decode and self.device.type == "cuda":
+            config = self.model.config
+            error = compile_paged_decode(self.kv_cache.keys[0], self.kv_cache.values[0], config.num_attention_heads,
+                                         self.decode_batches, self.decode_keys[-1] // self.block_size,
+                                         self.block_size, getattr(config, "sliding_window", None))
+            if error is not None:
+                logger.error("paged decode attention (FlexAttention) did not compile, decode gathers its K/V "
+                             "instead: %s", error)
+                self.paged_decode = self.decode_graphs.paged = False
         return self.decode_graphs.capture_all(self.decode_batches, self.decode_keys)
 
     def execute(self, step: SchedulerOutput, segment_sink: SegmentSink | None = None,

@@ -31,8 +31,15 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-# rows per query block of the mask: a decode row is one query, alone in its block
-_QUERY_BLOCK = 16
+# rows per query block of the mask: a decode row is one query, alone in its block. 128 is
+# a multiple of every query tile FlexAttention's kernels pick (its decoding kernel serves
+# query heads per KV head in powers of two, the main kernel the others)
+_QUERY_BLOCK = 128
+# the key tile FlexAttention's kernels start from; a smaller KV block gets a tile of its size
+_KEY_TILE = 64
+# compiled shapes FlexAttention may keep: one per batch bucket (and sliding window) is
+# needed, past dynamo's default limit it would run unfused over the whole pool
+_RECOMPILE_LIMIT = 64
 
 
 class PagedDecode:
@@ -79,6 +86,9 @@ class PagedDecode:
 
 @functools.cache
 def _compiled_flex_attention():
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), _RECOMPILE_LIMIT))
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -86,6 +96,30 @@ def paged_decode_attention(query: torch.Tensor, key_pool: torch.Tensor, value_po
                            paged: PagedDecode, scale: float | None, sliding_window: int | None) -> torch.Tensor:
     """query: (b, H, 1, D); the pools: (slots, KVH, D). Returns (b, H, 1, D)."""
     keys, values = key_pool.permute(1, 0, 2).unsqueeze(0), value_pool.permute(1, 0, 2).unsqueeze(0)
-    attend = _compiled_flex_attention() if query.device.type == "cuda" else flex_attention
-    return attend(query, keys, values, block_mask=paged.block_mask(sliding_window), scale=scale,
-                  enable_gqa=keys.shape[1] != query.shape[1])
+    block_mask = paged.block_mask(sliding_window)
+    enable_gqa = keys.shape[1] != query.shape[1]
+    if query.device.type != "cuda":
+        return flex_attention(query, keys, values, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    options = {"BLOCK_N": paged.block_size} if paged.block_size < _KEY_TILE else None
+    return _compiled_flex_attention()(query, keys, values, block_mask=block_mask, scale=scale,
+                                      enable_gqa=enable_gqa, kernel_options=options)
+
+
+def compile_paged_decode(key_pool: torch.Tensor, value_pool: torch.Tensor, heads: int, batches: list[int],
+                         table_width: int, block_size: int, sliding_window: int | None) -> Exception | None:
+    """Compiles the paged decode attention of every batch bucket now, on a pool of the
+    serving one's shape (on a GPU: a compile is seconds, not for a request to wait on);
+    returns the error that kept it from compiling, if one did."""
+    head_dim = key_pool.shape[2]
+    pool_blocks = key_pool.shape[0] // block_size
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                query = torch.zeros(batch, heads, 1, head_dim, dtype=key_pool.dtype, device=key_pool.device)
+                table = torch.zeros(batch, table_width, dtype=torch.long, device=key_pool.device)
+                positions = torch.full((batch,), -1, dtype=torch.long, device=key_pool.device)
+                paged = PagedDecode(table, positions, block_size, pool_blocks)
+                paged_decode_attention(query, key_pool, value_pool, paged, None, sliding_window)
+    except Exception as exc:  # noqa: BLE001 - any compile failure: the engine serves the gathered path
+        return exc
+    return None

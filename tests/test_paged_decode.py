@@ -12,7 +12,7 @@ from engine.llm_engine import LLMEngine
 from engine.paged_decode import PagedDecode, paged_decode_attention
 from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_config
-from tests.tiny import tiny_model, tiny_tokenizer
+from tests.tiny import TEST_DEVICE, tiny_model, tiny_tokenizer
 
 PROMPTS = ["Hello, how are you today?", "Paris", "The quick brown fox jumps over the lazy dog.",
            "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen"]
@@ -20,7 +20,7 @@ PROMPTS = ["Hello, how are you today?", "Paris", "The quick brown fox jumps over
 
 def _gathered(query, keys, values, table, position, size, window):
     """One row's attention the plain way: its context's slots gathered, then SDPA."""
-    slots = torch.tensor([block * size + i for block in table for i in range(size)])[:position + 1]
+    slots = torch.tensor([block * size + i for block in table for i in range(size)], device=keys.device)[:position + 1]
     if window is not None:
         slots = slots[max(0, position + 1 - window):]
     k, v = keys[slots].transpose(0, 1).unsqueeze(0), values[slots].transpose(0, 1).unsqueeze(0)
@@ -28,18 +28,19 @@ def _gathered(query, keys, values, table, position, size, window):
 
 
 @pytest.mark.parametrize("window", [None, 20])
-def test_reading_the_pool_in_place_equals_gathering_each_rows_context(window):
+@pytest.mark.parametrize("heads", [4, 6])  # 6 over 2 KV heads: FlexAttention's main kernel, not its decoding one
+def test_reading_the_pool_in_place_equals_gathering_each_rows_context(window, heads):
     torch.manual_seed(0)
-    size, pool_blocks, kv_heads, heads, dim = 16, 12, 2, 4, 8
-    keys = torch.randn(pool_blocks * size, kv_heads, dim)
-    values = torch.randn(pool_blocks * size, kv_heads, dim)
+    size, pool_blocks, kv_heads, dim = 16, 12, 2, 16
+    keys = torch.randn(pool_blocks * size, kv_heads, dim, device=TEST_DEVICE)
+    values = torch.randn(pool_blocks * size, kv_heads, dim, device=TEST_DEVICE)
     # row 1 shares row 0's first two blocks (a fork); row 3 is padding
     tables = [[3, 7, 9], [3, 7, 2], [5], [0]]
     positions = [40, 33, 0, -1]
     width = max(len(t) for t in tables) + 1  # entries past a context must be ignored
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    query = torch.randn(len(tables), heads, 1, dim)
-    paged = PagedDecode(table, torch.tensor(positions), size, pool_blocks)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=TEST_DEVICE)
+    query = torch.randn(len(tables), heads, 1, dim, device=TEST_DEVICE)
+    paged = PagedDecode(table, torch.tensor(positions, device=TEST_DEVICE), size, pool_blocks)
     out = paged_decode_attention(query, keys, values, paged, None, window)
     for row, (blocks, position) in enumerate(zip(tables, positions)):
         if position < 0:

@@ -57,8 +57,6 @@ class SharedInputGroup:
         self.weight = torch.empty(width + sum(ranks), weights[0][0].shape[1], dtype=dtype, device=device)
         self._share_base_weights(bases, outs)
         self.a = self.weight[width:]
-        # the members' base weights as one matrix, for forwards under autograd (trainer/training_copy.py)
-        self.base_weight = torch.nn.Parameter(_rows_of(self.weight, 0, width), requires_grad=False)
         self.b = torch.zeros(width, sum(ranks), dtype=dtype, device=device)
         biases = [base.bias for base in bases]
         self.bias = None  # the members' base biases (zeros where a member has none)
@@ -83,6 +81,9 @@ class SharedInputGroup:
     def _share_base_weights(self, bases: list, outs: list[int]) -> None:
         row = 0
         for base, out in zip(bases, outs):
+            if base.weight.dtype != self.weight.dtype:
+                raise ValueError(f"a base weight in {base.weight.dtype} cannot share a {self.weight.dtype} "
+                                 "serving copy")
             self.weight[row:row + out].copy_(base.weight)
             base.weight = torch.nn.Parameter(_rows_of(self.weight, row, row + out), base.weight.requires_grad)
             row += out
@@ -94,6 +95,10 @@ class SharedInputGroup:
     @torch.no_grad()
     def refresh(self) -> None:
         """Copies the master weights in, in place (the storage never changes)."""
+        storage = self.weight.untyped_storage().data_ptr()
+        if any(layer.base_layer.weight.untyped_storage().data_ptr() != storage for layer in self.layers):
+            raise RuntimeError("a base weight was replaced after the serving copy was built: serving and "
+                               "training would read different weights")
         for (rows, cols), (a, b, scale) in zip(self.blocks, self._masters):
             self.a[cols].copy_(a)
             self.b[rows, cols].copy_(b * scale)

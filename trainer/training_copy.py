@@ -10,9 +10,8 @@ autograd leaves, laid out as the serving copy is:
 
 - `a`: the members' A stacked, (Σr, in): one GEMM for the group's x Aᵀ;
 - `b`: their s·B block-diagonal, (Σout, Σr), with the base biases: one GEMM for every
-  member's LoRA output at once, added to the members' base GEMMs, which are one too
-  (their weights are rows of one buffer, trainer/serving_copy.py); each member's output
-  is a slice (a view) of that.
+  member's LoRA output at once, split (a view) among the members, each added to its
+  base GEMM in the same op (`addmm`).
 
 A copy is built from the weights the layers hold at that moment (the live ones, or a
 stashed version's that trainer/stash.py swapped in) and never changed: a graph recorded
@@ -126,15 +125,14 @@ class TrainingCopies:
             weakref.finalize(tensor, self.parameter_keys.discard, key)
 
     def pieces(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Every member's output (base + adapter) for the input `x` (rows `flat`), computed
-        by the group's first member to ask and kept until each has read it: the group's
-        base GEMMs are one, and so is their backward to the input."""
+        """Every member's LoRA output (with its base bias) for the input `x` (rows `flat`),
+        computed by the group's first member to ask and kept until each has read it."""
         if self._input is not x:
             copy = self.current()
-            group = self.group
             xa = flat @ copy.a.t()
-            delta = torch.addmm(group.bias, xa, copy.b.t()) if group.bias is not None else xa @ copy.b.t()
-            self._pieces = torch.addmm(delta, flat, group.base_weight.t()).split(group.outs, dim=1)
+            bias = self.group.bias
+            delta = torch.addmm(bias, xa, copy.b.t()) if bias is not None else xa @ copy.b.t()
+            self._pieces = delta.split([rows.stop - rows.start for rows, _ in self.group.blocks], dim=1)
             self._input, self._served = x, 0
         pieces = self._pieces
         self._served += 1
@@ -146,7 +144,8 @@ class TrainingCopies:
 def train_from_copy(layer, x: torch.Tensor) -> torch.Tensor:
     """`layer`'s output (base + adapter) under autograd, the LoRA part in the model's dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    out = layer.serving_group.training.pieces(x, flat)[layer.serving_index]
+    piece = layer.serving_group.training.pieces(x, flat)[layer.serving_index]
+    out = torch.addmm(piece, flat, layer.base_layer.weight.t())
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
