@@ -122,7 +122,8 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     if offload is not None and offload.device_budget_bytes > 0:  # calibrated on the serving path just built
         offloader = build_offloader(model, offload, max_model_len, functools.partial(recompute_segment, runner))
         optimizer.zero_grad()  # calibration ran a backward
-    stash = WeightStash(peft_model, offloader.param_keys if offloader is not None else None)
+    stash = WeightStash(peft_model, offloader.param_keys if offloader is not None else None,
+                        [group.training for group in serving_copies if group.training is not None])
     if offloader is not None:
         for group in serving_copies:
             if group.training is not None:

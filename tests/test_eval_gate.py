@@ -139,8 +139,12 @@ def test_a_prefill_served_while_a_candidate_is_scored_is_recorded_under_the_prom
     training.close()
 
 
-def test_a_recording_made_while_a_candidate_is_scored_trains_on_it_once_the_candidate_is_promoted(tmp_path):
-    training = gated(tmp_path)
+@pytest.mark.parametrize("stale_weights", ["stashed", "live"])
+def test_a_recording_made_while_a_candidate_is_scored_trains_on_it_once_the_candidate_is_promoted(tmp_path,
+                                                                                                   stale_weights):
+    """With "live" stale weights the promoted version's copies, which the recording saved,
+    take the live values before its job: its backward reads them, it is not refused."""
+    training = gated(tmp_path, stale_weights=stale_weights)
     labelled_batch(training, "a", RIGHT, WRONG)
     run_until_pending(training)
     serve(training, "during", prompt=PROMPT)
@@ -149,6 +153,7 @@ def test_a_recording_made_while_a_candidate_is_scored_trains_on_it_once_the_cand
     training.train_until_idle()
     assert training.optimizer.version >= 2 and not training.gate.pending  # its step was judged too
     assert training.stats.trained_entries == {("dpo", "reuse"): 2, ("dpo", "stashed"): 1}
+    assert training.stats.failed_jobs == 0
     assert training.stash.versions == []  # freed with the last recording that needed it
     training.close()
 

@@ -109,6 +109,55 @@ def test_stale_recording_trains_as_a_fresh_pass_under_its_served_version(mode, s
     assert relative_difference(current, fresh) > 1e-3  # the versions differ: the stash is what makes it exact
 
 
+@pytest.mark.parametrize("merged", [True, False], ids=["merged", "peft"])
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+def test_live_stale_weights_train_a_stale_recording_with_todays_lora_weights(mode, merged):
+    """`stale_weights = "live"`: two same recordings two versions stale; one trains with
+    its version's weights (exactly a fresh pass under them), the other with today's LoRA
+    weights re-aimed into the copies: not its version's gradient. (What that is worth is
+    measured over HTTP: `alchemist bench backlog`.)"""
+    trainer = make_trainer(mode, max_staleness=4, merged_serving=merged, stale_weights="live")
+    for request_id in ("s", "t"):
+        serve(trainer, request_id, max_tokens=8)
+        hold(trainer, request_id)
+    served = live_weights(trainer)
+    advance(trainer, 2, mode)
+    entries = [trainer.cache.get(request_id) for request_id in ("s", "t")]
+    if mode == "dpo":
+        for request_id in ("s", "t"):
+            label(trainer, request_id, chosen="Paris, of course. It is a lovely city.")
+    stashed = stashed_gradients(trainer, entries[0], 0)
+    trainer.stash.aim_at_live(0)
+    reaimed = stashed_gradients(trainer, entries[1], 0)
+    today = lora_gradients_of(trainer, trainer.method.recompute_job(entries[0], trainer.context))
+    moved = live_weights(trainer)
+    load_weights(trainer, served)
+    fresh = lora_gradients_of(trainer, trainer.method.recompute_job(entries[0], trainer.context))
+    load_weights(trainer, moved)
+    assert relative_difference(stashed, fresh) <= 1e-5
+    assert relative_difference(reaimed, fresh) > 1e-3
+    assert relative_difference(reaimed, stashed) > 1e-3 and relative_difference(today, fresh) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: the training copies re-aimed
+@pytest.mark.parametrize("stale_weights", ["stashed", "live"])
+def test_live_stale_weights_give_a_fresh_adapters_a_a_gradient(stale_weights, dtype):
+    """From a fresh adapter (LoRA's B = 0) a recording's gradient for every A is zero under
+    its own version; once B has moved, "live" re-aims it and A learns from it."""
+    torch.manual_seed(0)
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, learning_rate=1e-2, max_staleness=4,
+                                        stale_weights=stale_weights), dtype=dtype)
+    serve(trainer, "s", max_tokens=8)
+    hold(trainer, "s")
+    advance(trainer, 1, "cpt")
+    entry = trainer.cache.get("s")
+    if stale_weights == "live":
+        trainer.stash.aim_at_live(0)
+    grads = stashed_gradients(trainer, entry, 0)
+    a_norm = sum(g.norm() ** 2 for name, g in grads.items() if "lora_A" in name) ** 0.5
+    assert (a_norm > 0) == (stale_weights == "live"), a_norm
+
+
 @pytest.mark.parametrize("policy", ["load", "recompute"])
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])
 def test_stale_recording_with_offloaded_or_recomputed_layers(mode, policy):

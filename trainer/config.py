@@ -65,6 +65,11 @@ class TrainConfig:
     max_staleness: int = 1
     # an entry recorded under an older version than that: recompute it, or drop it
     stale_policy: str = "recompute"
+    # the LoRA weights a recording up to max_staleness versions old trains with: "stashed",
+    # its own version's (its exact gradient, applied late); "live", the current ones (the
+    # recording's activations, its LoRA products re-aimed at today's weights: a fresh
+    # adapter's A, whose gradient is zero while B is, learns from stale recordings too)
+    stale_weights: str = "stashed"
     # rows of the LM head (vocabulary-wide logits) run forward and backward per training
     # slice: bounds the longest slice a new request can wait for (measured in
     # BENCHMARKS.md, "Training: CPT" and "Training: DPO"). More on a GPU.
@@ -115,6 +120,8 @@ class TrainConfig:
             raise ValueError(f"train.dpo_reference must be one of {DPO_REFERENCES}, got {self.dpo_reference!r}")
         if self.lora_compute_dtype not in ("model", "float32"):
             raise ValueError(f"train.lora_compute_dtype must be model or float32, got {self.lora_compute_dtype!r}")
+        if self.stale_weights not in ("stashed", "live"):
+            raise ValueError(f"train.stale_weights must be stashed or live, got {self.stale_weights!r}")
         if self.stale_policy not in ("recompute", "drop"):
             raise ValueError(f"train.stale_policy must be recompute or drop, got {self.stale_policy!r}")
         if not 0.0 <= self.record_fraction <= 1.0:

@@ -12,6 +12,10 @@ runs against them:
     runs with the copies swapped into the model (`weights_of`), slice by slice;
   - the gradient, ∇L(θ_v), lands on the live weights and the optimizer applies it to
     θ_now: a delayed gradient, as in asynchronous SGD and PipeDream's weight stashing.
+With `train.stale_weights = "live"` the copies are given the live values before such a
+job (`aim_at_live`): the recording's activations are v's, its LoRA products today's — the
+gradient a fresh pass would have to first order in the weights' change, and, from a
+fresh adapter whose B is zero at v, a gradient for A, which ∇L(θ_v) does not have.
 A version's copies are freed with the last recording that needs them.
 """
 
@@ -25,11 +29,13 @@ from trainer.adapter import LeanLoraLinear
 
 
 class WeightStash:
-    def __init__(self, peft_model, parameter_keys: set[int] | None = None):
+    def __init__(self, peft_model, parameter_keys: set[int] | None = None, training_copies=()):
         """`parameter_keys`: storages the activation offloader counts as weights, never as
         activations (offload/build.py): the copies join it while they live, since a
-        prefill recorded under a stashed version saves them (trainer/lifecycle.py)."""
+        prefill recorded under a stashed version saves them (trainer/lifecycle.py);
+        `training_copies`: the groups' TrainingCopies (trainer/training_copy.py), if any."""
         self.parameter_keys = parameter_keys if parameter_keys is not None else set()
+        self.training_copies = list(training_copies)
         # (layer, adapter name) of every adapted layer, and the live LoRA parameters
         self._layers = [(m, m.active_adapters[0]) for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
         self._live = [p for m, name in self._layers for p in (m.lora_A[name].weight, m.lora_B[name].weight)]
@@ -69,6 +75,19 @@ class WeightStash:
             keys.append(key)
         self._versions[version] = copies
         self._keys[version] = keys
+
+    @torch.no_grad()
+    def aim_at_live(self, version: int) -> None:
+        """Gives `version`'s copies the live weights' values (`train.stale_weights = "live"`):
+        its recordings then train with today's LoRA weights, through the copies as before.
+        Written through `.data`, which leaves the copies' version counters alone: a graph
+        recorded with them swapped in (under the eval gate) reads today's values too,
+        rather than being refused as changed. The training copies (LoRA math in the
+        model's dtype) are re-aimed the same way."""
+        for live, copy in zip(self._live, self._versions[version]):
+            copy.data.copy_(live)
+        for copies in self.training_copies:
+            copies.aim_at_sources()
 
     def release_except(self, needed: set[int]) -> None:
         """Frees the copies of every version no live recording needs."""

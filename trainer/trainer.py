@@ -190,6 +190,8 @@ class Trainer:
             return self.method.reuse_job(entry, self.context), "reuse"
         if (entry.recording is not None and lag <= self.config.max_staleness
                 and self.stash.has(entry.adapter_version)):
+            if self.config.stale_weights == "live":
+                self.stash.aim_at_live(entry.adapter_version)
             return self.method.reuse_job(entry, self.context), "stashed"
         drop = self.config.stale_policy == "drop"
         with self.stats.lock:

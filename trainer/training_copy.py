@@ -94,6 +94,8 @@ class TrainingCopies:
         self.group = group
         self.parameter_keys = parameter_keys
         self._copies: OrderedDict[tuple, _Copy] = OrderedDict()
+        # every copy alive, those graphs keep included
+        self._alive: weakref.WeakSet[_Copy] = weakref.WeakSet()
         self._input: torch.Tensor | None = None
         self._pieces: tuple[torch.Tensor, ...] = ()
         self._served = 0
@@ -110,11 +112,22 @@ class TrainingCopies:
         copy = self._copies.get(key)
         if copy is None:
             copy = self._copies[key] = _Copy(self.group, sources)
+            self._alive.add(copy)
             self._track(copy)
             while len(self._copies) > _KEPT_COPIES:
                 self._copies.popitem(last=False)
         self._copies.move_to_end(key)
         return copy
+
+    @torch.no_grad()
+    def aim_at_sources(self) -> None:
+        """Gives every copy alive its sources' values now (`train.stale_weights = "live"`,
+        trainer/stash.py), through `.data`: a graph that saved a copy reads them rather
+        than refusing it as changed."""
+        for copy in list(self._alive):
+            for (rows, cols), (source_a, source_b, scale) in zip(self.group.blocks, copy.sources):
+                copy.a.data[cols].copy_(source_a)
+                copy.b.data[rows, cols].copy_(source_b * scale)
 
     def _track(self, copy: _Copy) -> None:
         if self.parameter_keys is None:
