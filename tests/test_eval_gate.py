@@ -150,7 +150,9 @@ def test_a_recording_made_while_a_candidate_is_scored_trains_on_it_once_the_cand
     serve(training, "during", prompt=PROMPT)
     label(training, "during", chosen=RIGHT, rejected=WRONG)
     assert training.stash.has(0)
+    copies = training.stash._versions[0]  # what the recording saved: its gradient must not stay on them
     training.train_until_idle()
+    assert all(copy.grad is None for copy in copies)
     assert training.optimizer.version >= 2 and not training.gate.pending  # its step was judged too
     assert training.stats.trained_entries == {("dpo", "reuse"): 2, ("dpo", "stashed"): 1}
     assert training.stats.failed_jobs == 0

@@ -13,9 +13,10 @@ runs against them:
   - the gradient, ∇L(θ_v), lands on the live weights and the optimizer applies it to
     θ_now: a delayed gradient, as in asynchronous SGD and PipeDream's weight stashing.
 With `train.stale_weights = "live"` the copies are given the live values before such a
-job (`aim_at_live`): the recording's activations are v's, its LoRA products today's — the
-gradient a fresh pass would have to first order in the weights' change, and, from a
-fresh adapter whose B is zero at v, a gradient for A, which ∇L(θ_v) does not have.
+job (`aim_at_live`), which then runs with the live weights (nothing swapped): the
+recording's activations are v's, its LoRA products today's — the gradient a fresh pass
+would have to first order in the weights' change, and, from a fresh adapter whose B is
+zero at v, a gradient for A, which ∇L(θ_v) does not have.
 A version's copies are freed with the last recording that needs them.
 """
 
@@ -119,10 +120,13 @@ class WeightStash:
             yield
         finally:
             self._swap(self._live)
-            for live, copy in pairs:
-                if copy.grad is not None:
-                    live.grad = copy.grad if live.grad is None else live.grad + copy.grad
-                    copy.grad = None
+            _move_gradients(pairs)
+
+    def collect_gradients(self, version: int) -> None:
+        """Adds to the live weights the gradients `version`'s copies received outside
+        `weights_of` (a recording that saved them, trained with the live weights)."""
+        if version in self._versions:
+            _move_gradients(list(zip(self._live, self._versions[version])))
 
     def _swap(self, params: list[torch.nn.Parameter]) -> None:
         swapped = params is not self._live
@@ -130,3 +134,10 @@ class WeightStash:
             layer.lora_A[name].weight = params[2 * i]
             layer.lora_B[name].weight = params[2 * i + 1]
             layer.weights_swapped = swapped
+
+
+def _move_gradients(pairs) -> None:
+    for live, copy in pairs:
+        if copy.grad is not None:
+            live.grad = copy.grad if live.grad is None else live.grad + copy.grad
+            copy.grad = None

@@ -52,6 +52,8 @@ class _Job:
     path: str = ""
     # the adapter version whose stashed weights its slices run with (path "stashed")
     stashed_version: int | None = None
+    # (stale_weights "live") the version whose copies may hold gradients when the entry ends
+    collect_from: int | None = None
     # versions the entry being worked on lagged when it started, and each finished one's
     lag: int = 0
     lags: list[int] = field(default_factory=list)
@@ -132,6 +134,9 @@ class Trainer:
                 job.lag = self.optimizer.version - entry.adapter_version
                 job.current, job.path = self._start(entry)
                 job.stashed_version = entry.adapter_version if job.path == "stashed" else None
+                if self.config.stale_weights == "live" and job.stashed_version is not None:
+                    job.stashed_version = None  # its copies hold the live values: it runs with the live weights
+                    job.collect_from = entry.adapter_version
                 if job.current is None:  # stale and dropped
                     job.index += 1
                     return True
@@ -140,6 +145,9 @@ class Trainer:
                 with self._weights_for(job):
                     next(job.current)
             except StopIteration as stop:
+                if job.collect_from is not None:  # gradients on the copies a recording saved (eval gate)
+                    self.stash.collect_gradients(job.collect_from)
+                    job.collect_from = None
                 self.cache.free_activations(job.entries[job.index])
                 job.results.append(stop.value)
                 job.paths.append(job.path)
