@@ -24,9 +24,9 @@ def test_entries_of_one_version_share_one_step_and_all_train_on_their_recordings
 def test_a_backlog_of_one_versions_recordings_trains_in_one_step_on_them():
     """Labels faster than training: six entries recorded under version 0 with two per
     AdamW update. Steps of two would leave four of them stale (one version of delay
-    allowed: two stashed, two recomputed); one step keeps every one on its recording and
-    is applied as three AdamW updates."""
-    trainer = make_trainer(max_staleness=1, entries_per_step=2)
+    allowed: two stashed, two recomputed); a cohort's step (up to cohort_max_entries)
+    keeps every one on its recording and is applied as three AdamW updates."""
+    trainer = make_trainer(max_staleness=1, entries_per_step=2, cohort_max_entries=32)
     updates = []
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda **kw: updates.append(kw["updates"]) or step(**kw)

@@ -59,17 +59,18 @@ class TrainConfig:
     # at most; past it a new one is refused, logged and counted (refused_label_entries)
     max_label_entries: int = 10_000
     # an entry recorded under an adapter version at most this many versions old trains
-    # on its recording, with that version's weights stashed (trainer/stash.py); 0: never.
-    # What the delay costs learning is measured in BENCHMARKS.md, "Training: delayed
-    # gradients and grouped steps" (`alchemist bench staleness`)
-    max_staleness: int = 1
+    # on its recording, through that version's stashed weights (trainer/stash.py); 0:
+    # never. What the delay costs learning is measured in BENCHMARKS.md, "Training:
+    # delayed gradients and grouped steps" and "Stale recordings re-aimed at today's
+    # weights" (`alchemist bench staleness`, `alchemist bench backlog`)
+    max_staleness: int = 8
     # an entry recorded under an older version than that: recompute it, or drop it
     stale_policy: str = "recompute"
     # the LoRA weights a recording up to max_staleness versions old trains with: "stashed",
     # its own version's (its exact gradient, applied late); "live", the current ones (the
     # recording's activations, its LoRA products re-aimed at today's weights: a fresh
     # adapter's A, whose gradient is zero while B is, learns from stale recordings too)
-    stale_weights: str = "stashed"
+    stale_weights: str = "live"
     # rows of the LM head (vocabulary-wide logits) run forward and backward per training
     # slice: bounds the longest slice a new request can wait for (measured in
     # BENCHMARKS.md, "Training: CPT" and "Training: DPO"). More on a GPU.
@@ -83,12 +84,12 @@ class TrainConfig:
     # `alchemist bench staleness`)
     entries_per_step: int = 4
     # recordings of one adapter version (a cohort) share one optimizer step, up to this
-    # many, so that none goes stale waiting for another's step when labels come faster
-    # than training: the step is applied as one AdamW update per `entries_per_step` of
-    # them. Measured in BENCHMARKS.md, "Reuse under a backlog" (`alchemist bench backlog`):
-    # at learning rates of 1e-3 and more, a cohort learns less than strict
-    # recomputation; set it to entries_per_step there
-    cohort_max_entries: int = 32
+    # many (4, entries_per_step: none do beyond a step's): the step is applied as one
+    # AdamW update per `entries_per_step` of them. With stashed stale weights a cohort
+    # keeps a backlog on its recordings; with live ones, steps of entries_per_step do and
+    # learn more (BENCHMARKS.md, "Reuse under a backlog", "Stale recordings re-aimed at
+    # today's weights")
+    cohort_max_entries: int = 4
     # seed for the adapter's initialization and the record-fraction draw
     seed: int = 0
     # on CPU, serve through merged (base + adapter) weights, rebuilt in idle slices after
