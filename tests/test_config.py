@@ -7,6 +7,7 @@ import pytest
 
 from server.config import DEFAULT_CONFIG_PATH, AlchemistConfig, load_config
 from server.cli import build_parser, config_from_args
+from trainer.config import TrainConfig
 
 
 def test_default_toml_matches_dataclass_defaults():
@@ -61,3 +62,14 @@ def test_bad_config_is_rejected(tmp_path, text, fragment):
     path.write_text(text)
     with pytest.raises(ValueError, match=fragment):
         load_config(path)
+
+
+def test_max_staleness_by_the_learning_rate():
+    """-1 (the default): recordings up to 8 versions stale train on them at learning rates
+    up to 3e-4, 1 version above, where stale gradients learnt much less (BENCHMARKS.md)."""
+    assert TrainConfig().max_staleness == 8
+    assert TrainConfig(learning_rate=1e-3).max_staleness == 1
+    assert TrainConfig(learning_rate=1e-3, max_staleness=3).max_staleness == 3
+    assert TrainConfig(max_staleness=0).max_staleness == 0
+    with pytest.raises(ValueError, match="max_staleness"):
+        TrainConfig(max_staleness=-2)

@@ -14,6 +14,17 @@ TRAIN_MODES = ("off", "cpt", "dpo", "grpo")
 DPO_REFERENCES = ("base", "served")
 
 
+# `max_staleness = -1`: recordings this many versions stale train on them, up to this learning rate
+_STALENESS_BY_RATE = ((3e-4, 8), (float("inf"), 1))
+
+
+def staleness_for(learning_rate: float) -> int:
+    """The staleness a learning rate tolerates, as measured (BENCHMARKS.md, "Stale
+    recordings re-aimed at today's weights"): at 1e-3 and more a burst trained on
+    recordings several versions stale learnt under half what strict recomputation did."""
+    return next(staleness for rate, staleness in _STALENESS_BY_RATE if learning_rate <= rate)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     # off | cpt (continual pre-training on prompts) | dpo (preference alignment from feedback)
@@ -60,10 +71,11 @@ class TrainConfig:
     max_label_entries: int = 10_000
     # an entry recorded under an adapter version at most this many versions old trains
     # on its recording, through that version's stashed weights (trainer/stash.py); 0:
-    # never. What the delay costs learning is measured in BENCHMARKS.md, "Training:
-    # delayed gradients and grouped steps" and "Stale recordings re-aimed at today's
-    # weights" (`alchemist bench staleness`, `alchemist bench backlog`)
-    max_staleness: int = 8
+    # never; -1: by the learning rate, 8 up to 3e-4 and 1 above, where stale gradients
+    # learnt much less than fresh ones. Measured in BENCHMARKS.md, "Training: delayed
+    # gradients and grouped steps" and "Stale recordings re-aimed at today's weights"
+    # (`alchemist bench staleness`, `alchemist bench backlog`)
+    max_staleness: int = -1
     # an entry recorded under an older version than that: recompute it, or drop it
     stale_policy: str = "recompute"
     # the LoRA weights a recording up to max_staleness versions old trains with: "stashed",
@@ -115,8 +127,9 @@ class TrainConfig:
             raise ValueError(f"train.mode must be one of {TRAIN_MODES}, got {self.mode!r}")
         if self.cache_full_policy not in FULL_POLICIES:
             raise ValueError(f"train.cache_full_policy must be one of {FULL_POLICIES}, got {self.cache_full_policy!r}")
-        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"train.max_staleness must be a non-negative integer, got {self.max_staleness!r}")
+        if not isinstance(self.max_staleness, int) or self.max_staleness < -1:
+            raise ValueError(f"train.max_staleness must be a non-negative integer or -1 (by the learning rate), "
+                             f"got {self.max_staleness!r}")
         if self.dpo_reference not in DPO_REFERENCES:
             raise ValueError(f"train.dpo_reference must be one of {DPO_REFERENCES}, got {self.dpo_reference!r}")
         if self.lora_compute_dtype not in ("model", "float32"):
@@ -150,6 +163,8 @@ class TrainConfig:
             raise ValueError(f"train.cohort_max_entries ({self.cohort_max_entries}) must be at least "
                              f"train.entries_per_step ({self.entries_per_step})")
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        if self.max_staleness == -1:  # resolved once the learning rate is known to be valid
+            object.__setattr__(self, "max_staleness", staleness_for(self.learning_rate))
 
 
 ARBITER_POLICIES = ("idle", "slo")
