@@ -10,6 +10,7 @@ import argparse
 import logging
 import sys
 
+from engine.config import DECODE_ATTENTION
 from server.config import AlchemistConfig, load_config
 from trainer.config import TRAIN_MODES
 
@@ -32,7 +33,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--enforce-eager", action="store_const", const=True,
                         help="on a GPU, run the decode step eagerly instead of replaying CUDA graphs")
-    parser.add_argument("--decode-attention", choices=["gather", "flex"],
+    parser.add_argument("--decode-attention", choices=list(DECODE_ATTENTION),
                         help="how decode rows read the KV cache: gather (copied out for SDPA, the default) or flex "
                         "(read in place by FlexAttention)")
     parser.add_argument("--max-num-seqs", type=int)

@@ -133,10 +133,9 @@ class Trainer:
                 entry = job.entries[job.index]
                 job.lag = self.optimizer.version - entry.adapter_version
                 job.current, job.path = self._start(entry)
-                job.stashed_version = entry.adapter_version if job.path == "stashed" else None
-                if self.config.stale_weights == "live" and job.stashed_version is not None:
-                    job.stashed_version = None  # its copies hold the live values: it runs with the live weights
-                    job.collect_from = entry.adapter_version
+                stale = entry.adapter_version if job.path == "stashed" else None
+                live = self.config.stale_weights == "live"  # its copies hold the live values: no swap
+                job.stashed_version, job.collect_from = (None, stale) if live else (stale, None)
                 if job.current is None:  # stale and dropped
                     job.index += 1
                     return True
