@@ -130,6 +130,8 @@ def _add_training_benches(benches, add_config_flags) -> None:
     training.add_argument("--response-tokens", type=int, default=64, help="grpo: each sample's length (R)")
     training.add_argument("--sweep-group", help="grpo: comma-separated group sizes to sweep (plots)")
     training.add_argument("--sweep-prompt", help="grpo: comma-separated prompt lengths to sweep (plots)")
+    training.add_argument("--one-vs-two-sweeps", action="store_true", help="dpo, grpo: the reuse job's "
+                          "backward in one top-down sweep against two (suffixes, then prompt), side by side")
     training.add_argument("--stale", action="store_true", help="entries one adapter version old: reuse with "
                           "the served version's weights stashed, against recompute")
     staleness = benches.add_parser("staleness", help="learning with delayed (stashed) gradients vs strict "
@@ -238,6 +240,11 @@ def _run_training_bench_command(args: argparse.Namespace, config) -> int:
         run_staleness_bench(config, [float(x) for x in args.learning_rates.split(",")],
                             [int(x) for x in args.max_staleness.split(",")], args.bursts, args.burst, args.json,
                             tuple(int(x) for x in args.entries_per_step.split(",")))
+        return 0
+    if args.bench == "training" and args.one_vs_two_sweeps:
+        from bench.training_sweeps import run_sweeps_bench
+        tokens = args.prompt_tokens if args.mode == "grpo" else args.tokens
+        run_sweeps_bench(config, args.mode, tokens, args.repeats, args.group_size, args.response_tokens, args.json)
         return 0
     if args.bench == "training" and args.mode == "grpo":
         from bench.training_grpo import run_grpo_training_bench

@@ -7,7 +7,7 @@
 # importlib-metadata orjson uvloop httptools; then replace
 # the openai wheel by openai==3.54.0, as newer ones import httpx2, which the image lacks)
 # Issue 23 (serving), in order: bringup steps serving paged profile http colocate
-# Issue 24 (training): training profile-dpo precision
+# Issue 24 (training): training grpo profile-dpo precision
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -52,6 +52,14 @@ for phase in "$@"; do
         --profile "$OUT/profile-dpo.txt"
       bench training "${MODEL[@]}" --mode dpo --given-responses --tokens 512 --repeats 1 --max-fit \
         --kv-cache-bytes 4294967296 --json "$OUT/fit-dpo.json"
+      bench training "${MODEL[@]}" --mode dpo --tokens 2048 --repeats 2 --one-vs-two-sweeps \
+        --kv-cache-bytes 4294967296 --json "$OUT/sweeps-dpo.json"   # the allocator's peak, one sweep vs two
+      ;;
+    grpo)  # a group of 8 on a 1,024-token prompt: reuse against the dense trainer, then one sweep vs two
+      bench training "${MODEL[@]}" --mode grpo --group-size 8 --prompt-tokens 1024 --response-tokens 64 \
+        --repeats 2 --kv-cache-bytes 4294967296 --json "$OUT/training-grpo.json"
+      bench training "${MODEL[@]}" --mode grpo --group-size 8 --prompt-tokens 1024 --response-tokens 64 \
+        --repeats 2 --one-vs-two-sweeps --kv-cache-bytes 4294967296 --json "$OUT/sweeps-grpo.json"
       ;;
     profile-dpo)  # where the DPO reuse job's time goes on the GPU
       bench training "${MODEL[@]}" --mode dpo --given-responses --tokens 1024 --repeats 1 \

@@ -34,17 +34,19 @@ PATHS = ("reuse", "batched", "one_row")
 
 
 def serve_group(bench: Bench, prompt: list[int], group: int, response_tokens: int, request_id: str,
-                tracker: SavedTensorTracker) -> GroupEntry:
-    """Serves one recorded request of `group` samples; returns its entry, rewarded."""
+                tracker: SavedTensorTracker, seed: int | None = None) -> GroupEntry:
+    """Serves one recorded request of `group` samples; returns its entry, rewarded. The
+    samples and rewards follow `seed` (by default, the request id)."""
     bench.engine.runner.record_tracker = tracker
-    params = SamplingParams(n=group, temperature=1.0, seed=len(request_id), max_tokens=response_tokens,
-                            min_tokens=response_tokens)
+    params = SamplingParams(n=group, temperature=1.0, seed=len(request_id) if seed is None else seed,
+                            max_tokens=response_tokens, min_tokens=response_tokens)
     bench.engine.add_request(request_id, prompt, params, train=True)
     while bench.engine.has_unfinished():
         bench.engine.step()
     bench.engine.runner.record_tracker = None
     entry = bench.trainer.cache.get(request_id)
-    rewards = random.Random(request_id).sample(range(1000), group)  # distinct: every sample has an advantage
+    # distinct: every sample has an advantage
+    rewards = random.Random(request_id if seed is None else seed).sample(range(1000), group)
     bench.trainer.cache.attach_label(entry, GroupRewards([float(r) for r in rewards]))
     return entry
 

@@ -134,7 +134,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     gate = build_gate(runner, peft_model, tokenizer, max_model_len, config)
     lifecycle = AdapterLifecycle(peft_model, optimizer, cache, stash, maintenance, stats, method.name, checkpointer,
                                  gate, ledger)
-    context = TrainContext(runner, peft_model, offloader, config.head_chunk_rows)
+    context = TrainContext(runner, peft_model, offloader, config.head_chunk_rows, config.one_backward_sweep)
     trainer = Trainer(config, method, context, optimizer, cache, stats, stash, lifecycle, offloader, replicas)
     feedback = FeedbackIntake(method, cache, stats, tokenizer, max_model_len, ledger)
     rewards = None

@@ -87,6 +87,10 @@ class TrainConfig:
     # slice: bounds the longest slice a new request can wait for (measured in
     # BENCHMARKS.md, "Training: CPT" and "Training: DPO"). More on a GPU.
     head_chunk_rows: int = 64
+    # DPO's responses, or a GRPO group in one batch, back-propagate layer by layer with
+    # their prompt in one top-down sweep, each layer of both freed as it passes; false:
+    # the suffixes' sweep, then the prompt's (BENCHMARKS.md, "One backward sweep")
+    one_backward_sweep: bool = True
     # gradient clipping (max global norm over LoRA parameters)
     max_grad_norm: float = 1.0
     # entries per AdamW update, and at most this many entries trained by recomputation

@@ -173,6 +173,28 @@ def _fit_rows(grad: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.nn.functional.pad(grad, (0, 0, 0, rows - grad.shape[1]))
 
 
+def backward_layer(segments: list[LayerSegment], index: int, grad: torch.Tensor,
+                   kv_grads: tuple[torch.Tensor | None, torch.Tensor | None] | None = None,
+                   residency=None) -> torch.Tensor:
+    """Backward through segment `index` alone, with `grad` on its output and `kv_grads`
+    on its K and V (None: none); frees the segment (`residency`: brings it back first,
+    releases it after) and returns the gradient on its input."""
+    segment = segments[index] if residency is None else residency.before(index)
+    if grad.shape[1] != segment.out.shape[1]:
+        grad = _fit_rows(grad, segment.out.shape[1])
+    tensors, grads = [segment.out], [grad]
+    for tensor, g in zip((segment.key, segment.value), kv_grads or (None, None)):
+        if g is not None:
+            tensors.append(tensor)
+            grads.append(g)
+    torch.autograd.backward(tensors, grads)
+    grad = segment.leaf.grad
+    segments[index] = segment = None  # free this layer's graph and activations now
+    if residency is not None:
+        residency.after(index)
+    return grad
+
+
 def backward_segments(segments: list[LayerSegment], top_grad: torch.Tensor,
                       kv_grads: list[tuple[torch.Tensor | None, torch.Tensor | None]] | None = None,
                       residency=None):
@@ -185,18 +207,21 @@ def backward_segments(segments: list[LayerSegment], top_grad: torch.Tensor,
     before their backward, and releases them after."""
     grad = top_grad
     for index in reversed(range(len(segments))):
-        segment = segments[index] if residency is None else residency.before(index)
-        if grad.shape[1] != segment.out.shape[1]:
-            grad = _fit_rows(grad, segment.out.shape[1])
-        tensors, grads = [segment.out], [grad]
-        if kv_grads is not None:
-            for tensor, g in zip((segment.key, segment.value), kv_grads[index]):
-                if g is not None:
-                    tensors.append(tensor)
-                    grads.append(g)
-        torch.autograd.backward(tensors, grads)
-        grad = segment.leaf.grad
-        segments[index] = segment = None  # free this layer's graph and activations now
-        if residency is not None:
-            residency.after(index)
+        grad = backward_layer(segments, index, grad, None if kv_grads is None else kv_grads[index], residency)
+        yield
+
+
+def backward_sweep(prompt: list[LayerSegment], prompt_grad: torch.Tensor, suffix: list[LayerSegment],
+                   suffix_grad: torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]], residency=None):
+    """Generator: the suffixes' backward and the prompt's in one top-down sweep, one slice
+    each per layer: at each layer the suffixes' (a batch that attended to the prompt's K/V
+    leaves `prefix`, whose gK/gV it leaves there), then the prompt's with that layer's
+    gK/gV. Each layer of both is freed as the sweep passes it, where two sweeps (the
+    suffixes', then `backward_segments` over the prompt) hold the whole prompt until the
+    suffixes are done. The same gradients either way."""
+    for index in reversed(range(len(prompt))):
+        suffix_grad = backward_layer(suffix, index, suffix_grad)
+        yield
+        key, value = prefix[index]
+        prompt_grad = backward_layer(prompt, index, prompt_grad, (key.grad, value.grad), residency)
         yield

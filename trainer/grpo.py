@@ -13,8 +13,10 @@ Two jobs, as for every method (trainer/methods.py):
     detached leaves (expanded to every row), in batches of as many samples as the dense
     trainer's token bound holds (one at a time when the offloader's budget has no room
     for a batch's graphs), and back-propagated at once, their gK/gV accumulating in the
-    leaves; then the prompt's backward runs once. The prompt's forward is serving's: it
-    is not computed here at all;
+    leaves; then the prompt's backward runs once. A group in one batch back-propagates
+    with the prompt in one top-down sweep (trainer.forward.backward_sweep); micro-batches
+    each run their own sweep first, since the prompt's layer needs all their gK/gV. The
+    prompt's forward is serving's: it is not computed here at all;
   - `recompute_job`, the dense trainer the paper compares against (TRL's GRPOTrainer):
     each sample a row `prompt + response`, the group in one batch where it fits in
     `recompute_tokens` (the server's `train.max_record_tokens`), else in micro-batches
@@ -30,7 +32,8 @@ from engine.recording import RecordedPrefill
 from trainer.entries import GroupEntry
 from trainer.forward import backward_segments, forward_segments, head_token_loss, kv_leaves, within
 from trainer.losses import group_advantages, grpo_token_loss, token_logprobs
-from trainer.methods import JobResult, TrainContext, TrainingMethod, base_model_no_grad, prompt_backward
+from trainer.methods import (JobResult, TrainContext, TrainingMethod, base_model_no_grad, prompt_backward,
+                             suffixes_and_prompt_backward)
 
 
 class GRPOMethod(TrainingMethod):
@@ -155,6 +158,9 @@ class GRPOMethod(TrainingMethod):
                 total += yield from head_token_loss(ctx.runner, fwd.head_leaf, fwd.offsets[b], len(response) - 1,
                                                     lambda logits, a, loss=losses[index]: loss(logits, a + 1),
                                                     ctx.head_chunk_rows)
+            if len(batch) == len(longer):  # the group in one batch: its backward and the prompt's, together
+                yield from suffixes_and_prompt_backward(recording, last, fwd, prefix, ctx)
+                return JobResult(total, entry.num_tokens, self._metrics(entry, total))
             yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
         yield from prompt_backward(recording, last, prefix, ctx)
         return JobResult(total, entry.num_tokens, self._metrics(entry, total))

@@ -25,7 +25,8 @@ from engine.recording import RecordedPrefill, RecordSpec
 from trainer.adapter import adapters_disabled
 from trainer.entries import CacheEntry, PreferenceEntry
 from trainer.config import DPO_REFERENCES
-from trainer.forward import backward_segments, forward_segments, head_backward, head_score, kv_leaves, within
+from trainer.forward import (SegmentedForward, backward_segments, backward_sweep, forward_segments, head_backward,
+                             head_score, kv_leaves, within)
 from trainer.losses import cpt_weights, dpo_loss, token_logprobs
 
 
@@ -39,6 +40,9 @@ class TrainContext:
     offloader: object | None = None
     # rows of the LM head run per training slice (its forward and backward)
     head_chunk_rows: int = 64
+    # a batch of suffixes and their prompt back-propagate in one top-down sweep
+    # (trainer.forward.backward_sweep), else the suffixes', then the prompt's
+    one_backward_sweep: bool = True
 
     def residency(self, recording: RecordedPrefill):
         """What brings the recording's freed layers back for backward (None: all resident)."""
@@ -82,6 +86,23 @@ def prompt_backward(recording: RecordedPrefill, last: torch.Tensor, prefix, ctx:
     yield
     yield from backward_segments(recording.segments, recording.head_leaf.grad,
                                  [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
+
+
+def suffixes_and_prompt_backward(recording: RecordedPrefill, last: torch.Tensor, suffixes: SegmentedForward,
+                                 prefix, ctx: TrainContext):
+    """Generator: the backward of a batch of suffixes forwarded against the prompt's K/V
+    leaves `prefix` (their head rows done: `suffixes.head_leaf.grad`; their first tokens'
+    share on `last`), and then of the prompt — in one top-down sweep
+    (`ctx.one_backward_sweep`) or two."""
+    if not ctx.one_backward_sweep:
+        yield from backward_segments(suffixes.segments, suffixes.head_leaf.grad)
+        yield from prompt_backward(recording, last, prefix, ctx)
+        return
+    with torch.enable_grad():
+        recording.logits[-1:].backward(last.grad)  # the prompt's head segment
+    yield
+    yield from backward_sweep(recording.segments, recording.head_leaf.grad, suffixes.segments,
+                              suffixes.head_leaf.grad, prefix, ctx.residency(recording))
 
 
 class TrainingMethod:
@@ -259,11 +280,12 @@ class DPOMethod(TrainingMethod):
 
     def reuse_job(self, entry: PreferenceEntry, ctx: TrainContext):
         """Shared-prefix schedule: the responses read the prompt's K/V as detached leaves
-        and accumulate gK/gV there; the prompt's backward runs once at the end. Both
-        responses forward as one batch, whose log-probs give the loss; its gradient with
-        respect to each response weights that response's head rows, and one backward runs
-        through both. Peak: the prompt's recording plus both responses' graphs — when the
-        offloader's budget has no room for that, `_reuse_one_response_at_a_time`."""
+        and accumulate gK/gV there; the prompt's backward runs once. Both responses
+        forward as one batch, whose log-probs give the loss; its gradient with respect to
+        each response weights that response's head rows, and one backward runs through
+        both, layer by layer with the prompt's (`suffixes_and_prompt_backward`). Peak: the
+        prompt's recording plus both responses' graphs — when the offloader's budget has
+        no room for that, `_reuse_one_response_at_a_time`."""
         recording, label = entry.recording, entry.label
         longest = max(len(label.chosen), len(label.rejected))
         if not ctx.graph_fits(2 * longest):
@@ -277,12 +299,13 @@ class DPOMethod(TrainingMethod):
         metrics, weights = yield from self._loss_weights(values, entry)
         with torch.enable_grad():  # each response's first token, scored by the prompt's last row
             sum(token_logprobs(last, ctx.ids(r[:1])).sum() * weights[name] for name, r in responses.items()).backward()
-        if fwd is not None:
-            for name, (start, targets) in rows.items():
-                yield from head_backward(ctx.runner, fwd.head_leaf, start, targets,
-                                         -weights[name].expand(len(targets)), ctx.head_chunk_rows)
-            yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
-        yield from prompt_backward(recording, last, prefix, ctx)
+        if fwd is None:
+            yield from prompt_backward(recording, last, prefix, ctx)
+            return JobResult(metrics["loss"], entry.num_tokens, metrics)
+        for name, (start, targets) in rows.items():
+            yield from head_backward(ctx.runner, fwd.head_leaf, start, targets, -weights[name].expand(len(targets)),
+                                     ctx.head_chunk_rows)
+        yield from suffixes_and_prompt_backward(recording, last, fwd, prefix, ctx)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
 
     def _reuse_one_response_at_a_time(self, entry: PreferenceEntry, ctx: TrainContext):
