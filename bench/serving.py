@@ -135,8 +135,8 @@ def _figures(rates: dict[str, list[float]], outputs: dict[str, list[list[int]]],
         "cold_tokens_per_s": {key: round(value, 2) for key, value in cold.items()},
         "tokens_per_s_all_rounds": {key: [round(v, 2) for v in values] for key, values in rates.items()},
         "engine_cold_time_over_warm": round(median["engine"] / cold["engine"], 3),
-        **{key: round(median[a] / median[b], 3) for key, (a, b) in RATIOS.items() if b in median},
-        **{f"cold_{key}": round(cold[a] / cold[b], 3) for key, (a, b) in RATIOS.items() if b in cold},
+        **{key: round(median[a] / median[b], 3) for key, (a, b) in RATIOS.items() if a in median and b in median},
+        **{f"cold_{key}": round(cold[a] / cold[b], 3) for key, (a, b) in RATIOS.items() if a in cold and b in cold},
     }
     if with_adapter:
         variants = ("merged", "lean", "peft")

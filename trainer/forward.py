@@ -114,6 +114,35 @@ def head_score(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: 
     return total
 
 
+def head_logp_and_grad(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor,
+                       chunk_rows: int):
+    """Generator, one slice per chunk of rows: the summed log p(targets) of rows start ..
+    start + len(targets) − 1 of `leaf` (1, T, hidden), and its gradient with respect to
+    those rows, (len(targets), hidden) — the head run once, forward and backward, a chunk
+    at a time. A loss that weights this sum by one number w then back-propagates as
+    `add_head_grad(leaf, start, w · grad)`, without running the head again."""
+    total = torch.zeros((), device=leaf.device)
+    grads = []
+    for a in range(0, len(targets), chunk_rows):
+        rows = leaf[0, start + a:start + min(a + chunk_rows, len(targets))].detach().requires_grad_()
+        with torch.enable_grad():
+            logp = -weighted_nll(runner.lm_head(runner.norm(rows)), targets[a:a + chunk_rows],
+                                 torch.ones(len(rows), device=leaf.device))
+            logp.backward()
+        total += logp.detach()
+        grads.append(rows.grad)
+        yield
+    return total, torch.cat(grads)
+
+
+def add_head_grad(leaf: torch.Tensor, start: int, grad_rows: torch.Tensor) -> None:
+    """Adds `grad_rows` to the gradient of `leaf` (1, T, hidden) at rows start .. (an
+    autograd leaf: what `head_backward` would have accumulated there)."""
+    if leaf.grad is None:
+        leaf.grad = torch.zeros_like(leaf)
+    leaf.grad[0, start:start + len(grad_rows)] += grad_rows
+
+
 def head_backward(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor,
                   weights: torch.Tensor, chunk_rows: int):
     """Generator, one slice per chunk of rows: back-propagates sum(weights · −log p(targets))

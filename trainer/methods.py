@@ -25,8 +25,8 @@ from engine.recording import RecordedPrefill, RecordSpec
 from trainer.adapter import adapters_disabled
 from trainer.entries import CacheEntry, PreferenceEntry
 from trainer.config import DPO_REFERENCES
-from trainer.forward import (SegmentedForward, backward_segments, backward_sweep, forward_segments, head_backward,
-                             head_score, kv_leaves, within)
+from trainer.forward import (SegmentedForward, add_head_grad, backward_segments, backward_sweep, forward_segments,
+                             head_backward, head_logp_and_grad, head_score, kv_leaves, within)
 from trainer.losses import cpt_weights, dpo_loss, token_logprobs
 
 
@@ -235,10 +235,12 @@ class DPOMethod(TrainingMethod):
                        last_logits: torch.Tensor, prefix, with_grad: bool):
         """Generator -> (summed log p(response | prompt) of each response, as values; the
         responses' batched SegmentedForward, or None when every response is one token;
-        each batched response's (first head row, scored token ids)). The first token of
-        each is scored by `last_logits` (1, V), the prompt's last row; the rest run as one
-        batch against the prompt's K/V `prefix` (expanded to every row: with grad, their
-        gradients sum there); with_grad: the forward keeps its graph for the backward."""
+        with grad, each batched response's (first head row, the gradient of its summed
+        log-prob with respect to its head rows)). The first token of each is scored by
+        `last_logits` (1, V), the prompt's last row; the rest run as one batch against the
+        prompt's K/V `prefix` (expanded to every row: with grad, their gradients sum
+        there); with_grad: the forward keeps its graph, and the head runs forward and
+        backward once, so that the loss's gradient only scales what it left."""
         with torch.no_grad():
             values = {name: token_logprobs(last_logits, ctx.ids(r[:1])).sum() for name, r in responses.items()}
         longer = {name: r for name, r in responses.items() if len(r) > 1}
@@ -246,10 +248,16 @@ class DPOMethod(TrainingMethod):
             return values, None, {}
         fwd = yield from forward_segments(ctx.runner, [r[:-1] for r in longer.values()], [prompt_len] * len(longer),
                                           prefix, with_grad)
-        rows = {name: (fwd.offsets[b], ctx.ids(r[1:])) for b, (name, r) in enumerate(longer.items())}
-        for name, (start, targets) in rows.items():
-            values[name] = values[name] + (yield from head_score(ctx.runner, fwd.head_leaf, start, targets,
-                                                                 ctx.head_chunk_rows))
+        rows = {}
+        for b, (name, response) in enumerate(longer.items()):
+            start, targets = fwd.offsets[b], ctx.ids(response[1:])
+            if with_grad:
+                value, grad = yield from head_logp_and_grad(ctx.runner, fwd.head_leaf, start, targets,
+                                                            ctx.head_chunk_rows)
+                rows[name] = (start, grad)
+            else:
+                value = yield from head_score(ctx.runner, fwd.head_leaf, start, targets, ctx.head_chunk_rows)
+            values[name] = values[name] + value
         return values, fwd, rows
 
     def reference_logps(self, entry: PreferenceEntry, ctx: TrainContext):
@@ -302,9 +310,8 @@ class DPOMethod(TrainingMethod):
         if fwd is None:
             yield from prompt_backward(recording, last, prefix, ctx)
             return JobResult(metrics["loss"], entry.num_tokens, metrics)
-        for name, (start, targets) in rows.items():
-            yield from head_backward(ctx.runner, fwd.head_leaf, start, targets, -weights[name].expand(len(targets)),
-                                     ctx.head_chunk_rows)
+        for name, (start, grad) in rows.items():
+            add_head_grad(fwd.head_leaf, start, weights[name] * grad)
         yield from suffixes_and_prompt_backward(recording, last, fwd, prefix, ctx)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
 
@@ -358,12 +365,12 @@ class DPOMethod(TrainingMethod):
         spans = {}  # response -> (its first scoring row, its token ids)
         for b, (name, response) in enumerate((("chosen", label.chosen), ("rejected", label.rejected))):
             spans[name] = (fwd.offsets[b] + len(prompt) - 1, ctx.ids(response))
-        values = {}
+        values, grads = {}, {}  # the head runs once per row, forward and backward, as TRL's logits do
         for name, (first, targets) in spans.items():
-            values[name] = yield from head_score(ctx.runner, fwd.head_leaf, first, targets, ctx.head_chunk_rows)
+            values[name], grads[name] = yield from head_logp_and_grad(ctx.runner, fwd.head_leaf, first, targets,
+                                                                      ctx.head_chunk_rows)
         metrics, weights = yield from self._loss_weights(values, entry)
-        for name, (first, targets) in spans.items():
-            yield from head_backward(ctx.runner, fwd.head_leaf, first, targets, -weights[name].expand(len(targets)),
-                                     ctx.head_chunk_rows)
+        for name, (first, _) in spans.items():
+            add_head_grad(fwd.head_leaf, first, weights[name] * grads[name])
         yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)

@@ -1,0 +1,49 @@
+"""Both DPO jobs against the textbook computation: PEFT's own forward of prompt + chosen
+and prompt + rejected with autograd, the base reference with the adapter off, the sigmoid
+loss, one backward. The jobs' schedules (suffixes on the recorded prompt, the head run
+once per row, one backward sweep) must give its LoRA gradients."""
+
+import pytest
+import torch
+
+from tests.test_training import gradients_of, label, make_trainer, relative_difference, serve
+from trainer.adapter import adapters_disabled, lora_gradients
+from trainer.losses import dpo_loss, token_logprobs
+
+
+def summed_logps(peft_model, prompt: list[int], responses: list[list[int]]) -> torch.Tensor:
+    """(len(responses),) log p(response | prompt), each row its own forward."""
+    values = []
+    for response in responses:
+        ids = torch.tensor([prompt + response])
+        logits = peft_model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        values.append(token_logprobs(logits, ids[0, len(prompt):]).sum())
+    return torch.stack(values)
+
+
+def textbook_gradients(trainer, entry) -> dict:
+    peft_model, prompt = trainer.peft_model, entry.prompt_token_ids
+    responses = [entry.label.chosen, entry.label.rejected]
+    with torch.no_grad(), adapters_disabled(peft_model):
+        reference = summed_logps(peft_model, prompt, responses)
+    trainer.optimizer.zero_grad()
+    with torch.enable_grad():
+        policy = summed_logps(peft_model, prompt, responses)
+        loss, _ = dpo_loss(policy[0], policy[1], reference[0], reference[1], trainer.method.beta)
+        loss.backward()
+    grads = lora_gradients(peft_model)
+    trainer.optimizer.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("path", ["reuse", "recompute"])
+@pytest.mark.parametrize("one_sweep", [True, False])
+def test_dpo_jobs_give_the_textbook_gradients(path, one_sweep):
+    trainer = make_trainer(mode="dpo", head_chunk_rows=3, one_backward_sweep=one_sweep)
+    serve(trainer, "r", max_tokens=8)
+    label(trainer, "r", chosen="Paris, of course. It is a lovely city.")
+    entry = trainer.cache.get("r")
+    expected = textbook_gradients(trainer, entry)
+    got = gradients_of(trainer, getattr(trainer.method, f"{path}_job")(entry, trainer.context))
+    assert set(got) == set(expected) and all(g.norm() > 0 for g in expected.values())
+    assert relative_difference(got, expected) <= 1e-4
