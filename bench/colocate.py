@@ -198,8 +198,9 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
         **{name: read_metric(after, f"alchemist:{name}_total") - read_metric(before, f"alchemist:{name}_total")
            for name in ("offloaded_layers", "dropped_layers", "reloaded_layers", "recomputed_layers",
                         "unrecorded_prefills", "train_preemptions")},
-        # what the device did for training during the trace: seconds in training items, items
-        # in idle gaps, merged-weight rebuild items between serving steps, optimizer steps
+        # what the device did for training during the trace: seconds in training items, the
+        # arbiter's items in idle gaps and its merged-weight rebuilds between serving steps,
+        # optimizer steps (the serving version's change: with an eval gate, promotions)
         "train_busy_s": read_metric(after, "alchemist:train_busy_seconds_total")
         - read_metric(before, "alchemist:train_busy_seconds_total"),
         **{f"{gap}_items": read_metric(after, f'alchemist:arbiter_slices_total{{gap="{gap}"}}')

@@ -38,6 +38,7 @@ def _run(bench: Bench, entry, tracker: SavedTensorTracker, schedule: str) -> dic
     """Runs `entry`'s reuse job slice by slice under `schedule`."""
     context = bench.context
     context.one_backward_sweep = schedule == "one_sweep"
+    token_bound = getattr(bench.method, "recompute_tokens", None)
     if schedule == "micro_batches":
         bench.method.recompute_tokens = MICRO_BATCH_SAMPLES * max(map(len, entry.responses.values()))
     bench.trainer.optimizer.zero_grad()
@@ -64,7 +65,7 @@ def _run(bench: Bench, entry, tracker: SavedTensorTracker, schedule: str) -> dic
     if cuda:
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated()
     if schedule == "micro_batches":
-        bench.method.recompute_tokens = None
+        bench.method.recompute_tokens = token_bound
     bench.trainer.optimizer.zero_grad()
     bench.trainer.cache.end(entry, EntryState.TRAINED)
     return result
@@ -118,7 +119,9 @@ def measure_sweeps(bench: Bench, mode: str, tokens: int, repeats: int, group: in
 
 def run_sweeps_bench(config: AlchemistConfig, mode: str, tokens: int, repeats: int, group: int,
                      response_tokens: int, json_path: str | None) -> dict:
-    bench = Bench(config, mode, tokens + group * response_tokens)
+    if mode not in ("dpo", "grpo"):
+        raise SystemExit("--one-vs-two-sweeps compares a DPO or GRPO job's schedules (--mode dpo or grpo)")
+    bench = Bench(config, mode, tokens if mode == "dpo" else tokens + group * response_tokens)
     result = measure_sweeps(bench, mode, tokens, repeats, group, response_tokens)
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}))
     write_json({"model": bench.name, "dtype": str(next(bench.engine.model.parameters()).dtype),

@@ -5,7 +5,7 @@ import torch
 
 from trainer.config import TrainConfig
 from tests.conftest import encode, make_engine
-from tests.tiny import FAMILIES, TEST_DEVICE
+from tests.tiny import FAMILIES, TEST_DEVICE, tiny_model
 
 # merged serving packs weights through oneDNN: a CPU path
 CPU_ONLY = pytest.mark.skipif(TEST_DEVICE.type != "cpu", reason="oneDNN merged serving is a CPU path")
@@ -122,3 +122,12 @@ def test_lean_forward_on_a_bfloat16_model_with_its_float32_adapter_equals_peft()
         reference = layer(x).detach()
     assert lean.dtype == reference.dtype == torch.bfloat16
     assert torch.allclose(lean.float(), reference.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("target", ["lm_head", "embed_tokens"])
+def test_an_adapter_outside_the_decoder_layers_is_refused(target):
+    """The engine serves and trains with the head and embeddings it was built with: an
+    adapter on them would silently be neither served nor trained."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=f"decoder layers.*{target}"):
+        attach_lora(model, TrainConfig(lora_rank=4, target_modules=("q_proj", target)))

@@ -43,22 +43,26 @@ def test_one_sweep_gives_the_two_sweeps_gradients(mode):
 
 
 @pytest.mark.parametrize("policy", ["load", "recompute"])
-def test_one_sweep_gives_the_same_gradients_with_every_prompt_layer_offloaded(policy):
+def test_with_every_prompt_layer_offloaded_the_gradients_are_the_same(policy):
     offload = OffloadConfig(device_budget_bytes=1 << 40, policy=policy)
     assert relative_difference(_gradients("grpo", True, offload), _gradients("grpo", False)) <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["dpo", "grpo"])
-@pytest.mark.parametrize("one_sweep", [True, False])
-def test_layers_are_back_propagated_in_the_schedules_order(monkeypatch, one_sweep, mode):
+@pytest.mark.parametrize("mode, one_sweep, offload", [("dpo", True, False), ("dpo", False, False),
+                                                      ("grpo", True, False), ("grpo", False, False),
+                                                      ("grpo", True, True)])
+def test_layers_are_back_propagated_in_the_schedules_order(monkeypatch, mode, one_sweep, offload):
     """One sweep: at each layer, top first, the responses' backward then the prompt's;
-    two: every response layer, then every prompt layer."""
+    two: every response layer, then every prompt layer — and two with a device budget,
+    whose reloads of prompt layers are not budgeted beside the suffixes' graphs."""
     if mode == "dpo":
         trainer = make_trainer(mode="dpo", one_backward_sweep=one_sweep)
         entry = _dpo_entry(trainer)
     else:
-        trainer = make_grpo_trainer(one_backward_sweep=one_sweep)
+        budget = OffloadConfig(device_budget_bytes=1 << 40) if offload else None
+        trainer = make_grpo_trainer(offload=budget, one_backward_sweep=one_sweep)
         entry = _grpo_entry(trainer)
+    one_sweep = one_sweep and not offload
     prompt_segments = entry.recording.segments
     order = []
     plain = forward.backward_layer

@@ -36,8 +36,7 @@ def textbook_gradients(trainer, entry) -> dict:
     return grads
 
 
-@pytest.mark.parametrize("path", ["reuse", "recompute"])
-@pytest.mark.parametrize("one_sweep", [True, False])
+@pytest.mark.parametrize("path, one_sweep", [("reuse", True), ("reuse", False), ("recompute", True)])
 def test_dpo_jobs_give_the_textbook_gradients(path, one_sweep):
     trainer = make_trainer(mode="dpo", head_chunk_rows=3, one_backward_sweep=one_sweep)
     serve(trainer, "r", max_tokens=8)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
 
 from engine.packed_linear import packed_linear_available
 from trainer.config import TrainConfig
@@ -172,6 +172,11 @@ def attach_lora(model, config: TrainConfig, init_lora_weights: bool | str = True
         torch.manual_seed(config.seed)
         peft_model = get_peft_model(model, lora)
     peft_model.eval()  # no dropout anywhere; gradients still flow
+    outside = [name for name, module in peft_model.named_modules()
+               if isinstance(module, LoraLayer) and ".layers." not in name]
+    if outside:  # the engine holds the head and embeddings it was built with: they would serve unadapted
+        raise ValueError(f"train.target_modules: only the decoder layers' linear layers can be adapted, not "
+                         f"{outside[0].removeprefix('base_model.model.')}")
     for module in peft_model.modules():
         if type(module) is LoraLinear:
             module.__class__ = LeanLoraLinear

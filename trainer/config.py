@@ -88,8 +88,9 @@ class TrainConfig:
     # BENCHMARKS.md, "Training: CPT" and "Training: DPO"). More on a GPU.
     head_chunk_rows: int = 64
     # DPO's responses, or a GRPO group in one batch, back-propagate layer by layer with
-    # their prompt in one top-down sweep, each layer of both freed as it passes; false:
-    # the suffixes' sweep, then the prompt's (BENCHMARKS.md, "One backward sweep")
+    # their prompt in one top-down sweep, each layer of both freed as it passes; false,
+    # and always with a device budget (offload): the suffixes' sweep, then the prompt's
+    # (BENCHMARKS.md, "One backward sweep for suffixes and prompt")
     one_backward_sweep: bool = True
     # gradient clipping (max global norm over LoRA parameters)
     max_grad_norm: float = 1.0

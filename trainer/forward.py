@@ -114,33 +114,46 @@ def head_score(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: 
     return total
 
 
+@dataclass
+class HeadGradient:
+    """The gradient of a summed log-prob through the final norm and LM head: with respect
+    to the head's input rows, and to the head's own trainable weights (none unless an
+    adapter targets it)."""
+    rows: torch.Tensor
+    weights: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def add_to(self, leaf: torch.Tensor, start: int, scale: torch.Tensor) -> None:
+        """Accumulates `scale` times this gradient: into `leaf` (1, T, hidden) at rows start ..
+        (an autograd leaf: what `head_backward` would have left there) and into the weights."""
+        if leaf.grad is None:
+            leaf.grad = torch.zeros_like(leaf)
+        leaf.grad[0, start:start + len(self.rows)] += scale * self.rows
+        for weight, grad in self.weights:
+            weight.grad = scale * grad if weight.grad is None else weight.grad + scale * grad
+
+
 def head_logp_and_grad(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor,
                        chunk_rows: int):
     """Generator, one slice per chunk of rows: the summed log p(targets) of rows start ..
-    start + len(targets) − 1 of `leaf` (1, T, hidden), and its gradient with respect to
-    those rows, (len(targets), hidden) — the head run once, forward and backward, a chunk
-    at a time. A loss that weights this sum by one number w then back-propagates as
-    `add_head_grad(leaf, start, w · grad)`, without running the head again."""
+    start + len(targets) − 1 of `leaf` (1, T, hidden), and its HeadGradient — the head run
+    once, forward and backward, a chunk at a time. A loss that weights this sum by one
+    number w then back-propagates as `gradient.add_to(leaf, start, w)`, without running the
+    head again."""
+    weights = [p for p in (*runner.lm_head.parameters(), *runner.norm.parameters()) if p.requires_grad]
     total = torch.zeros((), device=leaf.device)
-    grads = []
+    row_grads, weight_grads = [], [torch.zeros_like(w) for w in weights]
     for a in range(0, len(targets), chunk_rows):
         rows = leaf[0, start + a:start + min(a + chunk_rows, len(targets))].detach().requires_grad_()
         with torch.enable_grad():
             logp = -weighted_nll(runner.lm_head(runner.norm(rows)), targets[a:a + chunk_rows],
                                  torch.ones(len(rows), device=leaf.device))
-            logp.backward()
+            grads = torch.autograd.grad(logp, [rows, *weights])
         total += logp.detach()
-        grads.append(rows.grad)
+        row_grads.append(grads[0])
+        for acc, grad in zip(weight_grads, grads[1:]):
+            acc += grad
         yield
-    return total, torch.cat(grads)
-
-
-def add_head_grad(leaf: torch.Tensor, start: int, grad_rows: torch.Tensor) -> None:
-    """Adds `grad_rows` to the gradient of `leaf` (1, T, hidden) at rows start .. (an
-    autograd leaf: what `head_backward` would have accumulated there)."""
-    if leaf.grad is None:
-        leaf.grad = torch.zeros_like(leaf)
-    leaf.grad[0, start:start + len(grad_rows)] += grad_rows
+    return total, HeadGradient(torch.cat(row_grads), list(zip(weights, weight_grads)))
 
 
 def head_backward(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor,
@@ -253,4 +266,5 @@ def backward_sweep(prompt: list[LayerSegment], prompt_grad: torch.Tensor, suffix
         yield
         key, value = prefix[index]
         prompt_grad = backward_layer(prompt, index, prompt_grad, (key.grad, value.grad), residency)
+        key.grad = value.grad = None  # this layer's gK/gV, spent
         yield

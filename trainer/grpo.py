@@ -14,8 +14,10 @@ Two jobs, as for every method (trainer/methods.py):
     trainer's token bound holds (one at a time when the offloader's budget has no room
     for a batch's graphs), and back-propagated at once, their gK/gV accumulating in the
     leaves; then the prompt's backward runs once. A group in one batch back-propagates
-    with the prompt in one top-down sweep (trainer.forward.backward_sweep); micro-batches
-    each run their own sweep first, since the prompt's layer needs all their gK/gV. The
+    with the prompt in one top-down sweep (trainer.forward.backward_sweep, with
+    `train.one_backward_sweep` and no device budget); micro-batches each run their own
+    sweep first, the prompt's layer needing every one's gK/gV (measured in BENCHMARKS.md,
+    "One backward sweep for suffixes and prompt"). The
     prompt's forward is serving's: it is not computed here at all;
   - `recompute_job`, the dense trainer the paper compares against (TRL's GRPOTrainer):
     each sample a row `prompt + response`, the group in one batch where it fits in

@@ -25,7 +25,7 @@ from engine.recording import RecordedPrefill, RecordSpec
 from trainer.adapter import adapters_disabled
 from trainer.entries import CacheEntry, PreferenceEntry
 from trainer.config import DPO_REFERENCES
-from trainer.forward import (SegmentedForward, add_head_grad, backward_segments, backward_sweep, forward_segments,
+from trainer.forward import (SegmentedForward, backward_segments, backward_sweep, forward_segments,
                              head_backward, head_logp_and_grad, head_score, kv_leaves, within)
 from trainer.losses import cpt_weights, dpo_loss, token_logprobs
 
@@ -93,8 +93,10 @@ def suffixes_and_prompt_backward(recording: RecordedPrefill, last: torch.Tensor,
     """Generator: the backward of a batch of suffixes forwarded against the prompt's K/V
     leaves `prefix` (their head rows done: `suffixes.head_leaf.grad`; their first tokens'
     share on `last`), and then of the prompt — in one top-down sweep
-    (`ctx.one_backward_sweep`) or two."""
-    if not ctx.one_backward_sweep:
+    (`ctx.one_backward_sweep`) or two. With an offloader (a device budget) always two:
+    its reloads of the prompt's layers are budgeted beside serving, not beside the
+    suffixes' graphs, which one sweep would still hold below the layer being reloaded."""
+    if not ctx.one_backward_sweep or ctx.offloader is not None:
         yield from backward_segments(suffixes.segments, suffixes.head_leaf.grad)
         yield from prompt_backward(recording, last, prefix, ctx)
         return
@@ -235,8 +237,8 @@ class DPOMethod(TrainingMethod):
                        last_logits: torch.Tensor, prefix, with_grad: bool):
         """Generator -> (summed log p(response | prompt) of each response, as values; the
         responses' batched SegmentedForward, or None when every response is one token;
-        with grad, each batched response's (first head row, the gradient of its summed
-        log-prob with respect to its head rows)). The first token of each is scored by
+        with grad, each batched response's (first head row, the HeadGradient of its summed
+        log-prob)). The first token of each is scored by
         `last_logits` (1, V), the prompt's last row; the rest run as one batch against the
         prompt's K/V `prefix` (expanded to every row: with grad, their gradients sum
         there); with_grad: the forward keeps its graph, and the head runs forward and
@@ -291,7 +293,8 @@ class DPOMethod(TrainingMethod):
         and accumulate gK/gV there; the prompt's backward runs once. Both responses
         forward as one batch, whose log-probs give the loss; its gradient with respect to
         each response weights that response's head rows, and one backward runs through
-        both, layer by layer with the prompt's (`suffixes_and_prompt_backward`). Peak: the
+        both, then the prompt's, or both layer by layer in one sweep
+        (`suffixes_and_prompt_backward`, `train.one_backward_sweep`). Peak: the
         prompt's recording plus both responses' graphs — when the offloader's budget has
         no room for that, `_reuse_one_response_at_a_time`."""
         recording, label = entry.recording, entry.label
@@ -310,8 +313,8 @@ class DPOMethod(TrainingMethod):
         if fwd is None:
             yield from prompt_backward(recording, last, prefix, ctx)
             return JobResult(metrics["loss"], entry.num_tokens, metrics)
-        for name, (start, grad) in rows.items():
-            add_head_grad(fwd.head_leaf, start, weights[name] * grad)
+        for name, (start, gradient) in rows.items():
+            gradient.add_to(fwd.head_leaf, start, weights[name])
         yield from suffixes_and_prompt_backward(recording, last, fwd, prefix, ctx)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
 
@@ -371,6 +374,6 @@ class DPOMethod(TrainingMethod):
                                                                       ctx.head_chunk_rows)
         metrics, weights = yield from self._loss_weights(values, entry)
         for name, (first, _) in spans.items():
-            add_head_grad(fwd.head_leaf, first, weights[name] * grads[name])
+            grads[name].add_to(fwd.head_leaf, first, weights[name])
         yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
