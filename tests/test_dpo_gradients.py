@@ -36,13 +36,21 @@ def textbook_gradients(trainer, entry) -> dict:
     return grads
 
 
-@pytest.mark.parametrize("path, one_sweep", [("reuse", True), ("reuse", False), ("recompute", True)])
-def test_dpo_jobs_give_the_textbook_gradients(path, one_sweep):
+JOBS = {"reuse": "reuse_job", "recompute": "recompute_job",
+        # the reuse job's schedule when a device budget has no room for both responses' graphs
+        "reuse_one_at_a_time": "_reuse_one_response_at_a_time"}
+
+
+@pytest.mark.parametrize("path, one_sweep, rejected", [
+    ("reuse", True, None), ("reuse", False, None), ("recompute", True, None),
+    ("reuse_one_at_a_time", True, None), ("reuse_one_at_a_time", True, "Rome.")])
+def test_dpo_jobs_give_the_textbook_gradients(path, one_sweep, rejected):
+    """rejected None: the served response, its log-prob taken from decoding; else given."""
     trainer = make_trainer(mode="dpo", head_chunk_rows=3, one_backward_sweep=one_sweep)
     serve(trainer, "r", max_tokens=8)
-    label(trainer, "r", chosen="Paris, of course. It is a lovely city.")
+    label(trainer, "r", chosen="Paris, of course. It is a lovely city.", rejected=rejected)
     entry = trainer.cache.get("r")
     expected = textbook_gradients(trainer, entry)
-    got = gradients_of(trainer, getattr(trainer.method, f"{path}_job")(entry, trainer.context))
+    got = gradients_of(trainer, getattr(trainer.method, JOBS[path])(entry, trainer.context))
     assert set(got) == set(expected) and all(g.norm() > 0 for g in expected.values())
     assert relative_difference(got, expected) <= 1e-4

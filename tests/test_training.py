@@ -194,7 +194,8 @@ def test_served_log_prob_equals_the_training_forward():
     method, context = trainer.method, trainer.context
     last = entry.recording.logits[-1:].detach()
     prefix = [(s.key.detach(), s.value.detach()) for s in entry.recording.segments]
-    value, _ = run_to_end(method._response_logp(context, len(entry.prompt_token_ids), served, last, prefix, False))
+    value, _, _ = run_to_end(method._response_logp(context, len(entry.prompt_token_ids), served, last, prefix,
+                                                   False))
     assert entry.served_logps[0] == pytest.approx(value.item(), rel=1e-5)
 
 

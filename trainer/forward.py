@@ -116,20 +116,16 @@ def head_score(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: 
 
 @dataclass
 class HeadGradient:
-    """The gradient of a summed log-prob through the final norm and LM head: with respect
-    to the head's input rows, and to the head's own trainable weights (none unless an
-    adapter targets it)."""
+    """The gradient of a summed log-prob through the final norm and LM head, with respect to
+    the head's input rows (the head itself is never adapted: trainer.adapter.attach_lora)."""
     rows: torch.Tensor
-    weights: list[tuple[torch.Tensor, torch.Tensor]]
 
     def add_to(self, leaf: torch.Tensor, start: int, scale: torch.Tensor) -> None:
-        """Accumulates `scale` times this gradient: into `leaf` (1, T, hidden) at rows start ..
-        (an autograd leaf: what `head_backward` would have left there) and into the weights."""
+        """Accumulates `scale` times this gradient into `leaf` (1, T, hidden) at rows start ..
+        (an autograd leaf: what `head_backward` would have left there)."""
         if leaf.grad is None:
             leaf.grad = torch.zeros_like(leaf)
         leaf.grad[0, start:start + len(self.rows)] += scale * self.rows
-        for weight, grad in self.weights:
-            weight.grad = scale * grad if weight.grad is None else weight.grad + scale * grad
 
 
 def head_logp_and_grad(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor,
@@ -139,21 +135,18 @@ def head_logp_and_grad(runner: LayerwiseModel, leaf: torch.Tensor, start: int, t
     once, forward and backward, a chunk at a time. A loss that weights this sum by one
     number w then back-propagates as `gradient.add_to(leaf, start, w)`, without running the
     head again."""
-    weights = [p for p in (*runner.lm_head.parameters(), *runner.norm.parameters()) if p.requires_grad]
     total = torch.zeros((), device=leaf.device)
-    row_grads, weight_grads = [], [torch.zeros_like(w) for w in weights]
+    grads = []
     for a in range(0, len(targets), chunk_rows):
         rows = leaf[0, start + a:start + min(a + chunk_rows, len(targets))].detach().requires_grad_()
         with torch.enable_grad():
             logp = -weighted_nll(runner.lm_head(runner.norm(rows)), targets[a:a + chunk_rows],
                                  torch.ones(len(rows), device=leaf.device))
-            grads = torch.autograd.grad(logp, [rows, *weights])
+            (grad,) = torch.autograd.grad(logp, rows)
         total += logp.detach()
-        row_grads.append(grads[0])
-        for acc, grad in zip(weight_grads, grads[1:]):
-            acc += grad
+        grads.append(grad)
         yield
-    return total, HeadGradient(torch.cat(row_grads), list(zip(weights, weight_grads)))
+    return total, HeadGradient(torch.cat(grads))
 
 
 def head_backward(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor,

@@ -25,7 +25,7 @@ from engine.recording import RecordedPrefill, RecordSpec
 from trainer.adapter import adapters_disabled
 from trainer.entries import CacheEntry, PreferenceEntry
 from trainer.config import DPO_REFERENCES
-from trainer.forward import (SegmentedForward, backward_segments, backward_sweep, forward_segments,
+from trainer.forward import (HeadGradient, SegmentedForward, backward_segments, backward_sweep, forward_segments,
                              head_backward, head_logp_and_grad, head_score, kv_leaves, within)
 from trainer.losses import cpt_weights, dpo_loss, token_logprobs
 
@@ -205,32 +205,42 @@ class DPOMethod(TrainingMethod):
     def _response_logp(self, ctx: TrainContext, prompt_len: int, response: list[int], last_logits: torch.Tensor,
                        prefix, with_grad: bool, score: bool = True):
         """Generator -> (summed log p(response | prompt) as a value, the response's
-        SegmentedForward or None). last_logits (1, V): the prompt's last row, which scores
-        the first response token. with_grad: the forward keeps its graph (for
-        `_response_backward`); score: compute the value (else None)."""
-        value = None
+        SegmentedForward or None, its HeadGradient or None). last_logits (1, V): the
+        prompt's last row, which scores the first response token. with_grad: the forward
+        keeps its graph (for `_response_backward`), and when scoring, the head runs
+        forward and backward at once; score: compute the value (else None)."""
+        value = gradient = None
         if score:
             with torch.no_grad():
                 value = token_logprobs(last_logits, ctx.ids(response[:1])).sum()
         fwd = None
         if len(response) > 1:
             fwd = yield from forward_segments(ctx.runner, [response[:-1]], [prompt_len], prefix, with_grad)
-            if score:
-                value = value + (yield from head_score(ctx.runner, fwd.head_leaf, 0, ctx.ids(response[1:]),
-                                                       ctx.head_chunk_rows))
-        return value, fwd
+            targets = ctx.ids(response[1:])
+            if score and with_grad:
+                rest, gradient = yield from head_logp_and_grad(ctx.runner, fwd.head_leaf, 0, targets,
+                                                               ctx.head_chunk_rows)
+                value = value + rest
+            elif score:
+                value = value + (yield from head_score(ctx.runner, fwd.head_leaf, 0, targets, ctx.head_chunk_rows))
+        return value, fwd, gradient
 
-    def _response_backward(self, ctx: TrainContext, response: list[int], last: torch.Tensor, fwd, weight):
+    def _response_backward(self, ctx: TrainContext, response: list[int], last: torch.Tensor, fwd, weight,
+                           gradient: HeadGradient | None = None):
         """Generator: back-propagates `weight` * log p(response | prompt) through the
-        response's head (in row chunks) and layers; the first token's share goes to
-        `last` (the prompt's last logits row, a leaf), the K/V share to the prefix leaves."""
+        response's head (in row chunks; or, given the head's `gradient` from scoring, by
+        scaling it) and layers; the first token's share goes to `last` (the prompt's last
+        logits row, a leaf), the K/V share to the prefix leaves."""
         with torch.enable_grad():
             (token_logprobs(last, ctx.ids(response[:1])).sum() * weight).backward()
         if fwd is None:
             return
-        targets = ctx.ids(response[1:])
-        yield from head_backward(ctx.runner, fwd.head_leaf, 0, targets, -weight.expand(len(targets)),
-                                 ctx.head_chunk_rows)
+        if gradient is not None:
+            gradient.add_to(fwd.head_leaf, 0, weight)
+        else:
+            targets = ctx.ids(response[1:])
+            yield from head_backward(ctx.runner, fwd.head_leaf, 0, targets, -weight.expand(len(targets)),
+                                     ctx.head_chunk_rows)
         yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
 
     def response_logps(self, ctx: TrainContext, prompt_len: int, responses: dict[str, list[int]],
@@ -324,7 +334,8 @@ class DPOMethod(TrainingMethod):
         to each then weights that response's backward. The served response's value comes
         from decoding (under this same adapter version); otherwise the shorter response is
         scored once without grad. Then each response is forwarded and back-propagated in
-        turn, its head in row chunks. Peak: the prompt's recording plus one response's graph."""
+        turn, its head in row chunks (the first's run once, as it is scored). Peak: the
+        prompt's recording plus one response's graph."""
         yield from self._base_reference(entry, ctx)
         recording, label = entry.recording, entry.label
         prompt_len = len(entry.prompt_token_ids)
@@ -338,15 +349,15 @@ class DPOMethod(TrainingMethod):
         else:
             second = min(responses, key=lambda k: len(responses[k]))
             detached_prefix = [(k.detach(), v.detach()) for k, v in prefix]
-            values[second], _ = yield from self._response_logp(ctx, prompt_len, responses[second], last.detach(),
-                                                               detached_prefix, with_grad=False)
+            values[second], _, _ = yield from self._response_logp(ctx, prompt_len, responses[second],
+                                                                  last.detach(), detached_prefix, with_grad=False)
         first = "rejected" if second == "chosen" else "chosen"
-        values[first], first_fwd = yield from self._response_logp(ctx, prompt_len, responses[first], last, prefix,
-                                                                  True)
+        values[first], first_fwd, first_head = yield from self._response_logp(ctx, prompt_len, responses[first],
+                                                                              last, prefix, True)
         metrics, weights = yield from self._loss_weights(values, entry)
-        yield from self._response_backward(ctx, responses[first], last, first_fwd, weights[first])
-        _, second_fwd = yield from self._response_logp(ctx, prompt_len, responses[second], last, prefix, True,
-                                                       score=False)
+        yield from self._response_backward(ctx, responses[first], last, first_fwd, weights[first], first_head)
+        _, second_fwd, _ = yield from self._response_logp(ctx, prompt_len, responses[second], last, prefix, True,
+                                                          score=False)
         yield from self._response_backward(ctx, responses[second], last, second_fwd, weights[second])
         yield from prompt_backward(recording, last, prefix, ctx)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
