@@ -128,20 +128,25 @@ class Bench:
             copy.label = entry.label
         return copy
 
-    def run_job(self, job, tracker: SavedTensorTracker, weights=contextlib.nullcontext) -> tuple[float, dict, float]:
+    def run_job(self, job, tracker: SavedTensorTracker, weights=contextlib.nullcontext,
+                slices: list | None = None) -> tuple[float, dict, float]:
         """(seconds, LoRA gradients, longest slice's seconds) of a job run to its end, slice
-        by slice as the trainer runs it, with `weights()` entered."""
+        by slice as the trainer runs it, with `weights()` entered. `slices`, when given,
+        gets each slice's (seconds, saved bytes live when it began, when it ended)."""
         self.trainer.optimizer.zero_grad()
         longest = 0.0
         with tracker.hooks(), weights():
             started = last = synchronized_clock()
             while True:
+                live = tracker.live_bytes
                 try:
                     next(job)
                 except StopIteration:
                     break
                 finally:
                     now = synchronized_clock()
+                    if slices is not None:
+                        slices.append((now - last, live, tracker.live_bytes))
                     longest, last = max(longest, now - last), now
             seconds = last - started
         grads = lora_gradients(self.trainer.peft_model)

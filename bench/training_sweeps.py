@@ -19,13 +19,12 @@ import time
 
 import torch
 
-from bench.report import rel_diff, synchronized_clock, write_json
+from bench.report import rel_diff, write_json
 from bench.traces import synthetic_tokens
 from bench.training import Bench
 from bench.training_grpo import serve_group
 from engine.recording import SavedTensorTracker
 from server.config import AlchemistConfig
-from trainer.adapter import lora_gradients
 from trainer.entries import EntryState
 
 SCHEDULES = ("one_sweep", "two_sweeps")
@@ -41,32 +40,18 @@ def _run(bench: Bench, entry, tracker: SavedTensorTracker, schedule: str) -> dic
     token_bound = getattr(bench.method, "recompute_tokens", None)
     if schedule == "micro_batches":
         bench.method.recompute_tokens = MICRO_BATCH_SAMPLES * max(map(len, entry.responses.values()))
-    bench.trainer.optimizer.zero_grad()
     cuda = bench.engine.runner.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    job = bench.method.reuse_job(entry, context)
-    byte_seconds, peak = 0.0, tracker.live_bytes
-    with tracker.hooks():
-        started = last = synchronized_clock()
-        while True:
-            live = tracker.live_bytes  # held through the slice that starts now
-            try:
-                next(job)
-            except StopIteration:
-                break
-            finally:
-                now = synchronized_clock()
-                byte_seconds += live * (now - last)
-                peak, last = max(peak, tracker.live_bytes, live), now
-    seconds = last - started
-    result = {"seconds": seconds, "peak_bytes": max(peak, tracker.peak_bytes),
-              "mean_bytes": byte_seconds / max(seconds, 1e-9), "grads": lora_gradients(bench.trainer.peft_model)}
+    slices = []
+    seconds, grads, _ = bench.run_job(bench.method.reuse_job(entry, context), tracker, slices=slices)
+    byte_seconds = sum(took * live for took, live, _ in slices)  # held through each slice from its start
+    peak = max([tracker.peak_bytes] + [max(before, after) for _, before, after in slices])
+    result = {"seconds": seconds, "peak_bytes": peak, "mean_bytes": byte_seconds / max(seconds, 1e-9), "grads": grads}
     if cuda:
         result["device_peak_bytes"] = torch.cuda.max_memory_allocated()
     if schedule == "micro_batches":
         bench.method.recompute_tokens = token_bound
-    bench.trainer.optimizer.zero_grad()
     bench.trainer.cache.end(entry, EntryState.TRAINED)
     return result
 
