@@ -253,7 +253,8 @@ def backward_sweep(prompt: list[LayerSegment], prompt_grad: torch.Tensor, suffix
     leaves `prefix`, whose gK/gV it leaves there), then the prompt's with that layer's
     gK/gV. Each layer of both is freed as the sweep passes it, where two sweeps (the
     suffixes', then `backward_segments` over the prompt) hold the whole prompt until the
-    suffixes are done. The same gradients either way."""
+    suffixes are done; the peak is the same either way (it comes before any backward),
+    and so are the gradients."""
     for index in reversed(range(len(prompt))):
         suffix_grad = backward_layer(suffix, index, suffix_grad)
         yield

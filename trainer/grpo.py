@@ -17,8 +17,8 @@ Two jobs, as for every method (trainer/methods.py):
     with the prompt in one top-down sweep (trainer.forward.backward_sweep, with
     `train.one_backward_sweep` and no device budget); micro-batches each run their own
     sweep first, the prompt's layer needing every one's gK/gV (measured in BENCHMARKS.md,
-    "One backward sweep for suffixes and prompt"). The
-    prompt's forward is serving's: it is not computed here at all;
+    "One backward sweep for suffixes and prompt"). The prompt's forward is serving's:
+    it is not computed here at all;
   - `recompute_job`, the dense trainer the paper compares against (TRL's GRPOTrainer):
     each sample a row `prompt + response`, the group in one batch where it fits in
     `recompute_tokens` (the server's `train.max_record_tokens`), else in micro-batches

@@ -41,7 +41,7 @@ class TrainContext:
     # rows of the LM head run per training slice (its forward and backward)
     head_chunk_rows: int = 64
     # a batch of suffixes and their prompt back-propagate in one top-down sweep
-    # (trainer.forward.backward_sweep), else the suffixes', then the prompt's
+    # (trainer.forward.backward_sweep); false, or with an offloader: the suffixes', then the prompt's
     one_backward_sweep: bool = True
 
     def residency(self, recording: RecordedPrefill):
@@ -78,11 +78,17 @@ def _head(ctx: TrainContext, hidden: torch.Tensor) -> torch.Tensor:
     return ctx.runner.lm_head(ctx.runner.norm(hidden))
 
 
+def prompt_head_backward(recording: RecordedPrefill, last: torch.Tensor) -> None:
+    """The recorded prompt's head segment, with what its suffixes left on its last logits
+    row `last`: the gradient on its last layer's output (`recording.head_leaf.grad`)."""
+    with torch.enable_grad():
+        recording.logits[-1:].backward(last.grad)
+
+
 def prompt_backward(recording: RecordedPrefill, last: torch.Tensor, prefix, ctx: TrainContext):
     """Generator: a recorded prompt's backward, once, with what its suffixes left on its
     last logits row `last` and on its K/V leaves `prefix`."""
-    with torch.enable_grad():
-        recording.logits[-1:].backward(last.grad)  # the prompt's head segment
+    prompt_head_backward(recording, last)
     yield
     yield from backward_segments(recording.segments, recording.head_leaf.grad,
                                  [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
@@ -100,8 +106,7 @@ def suffixes_and_prompt_backward(recording: RecordedPrefill, last: torch.Tensor,
         yield from backward_segments(suffixes.segments, suffixes.head_leaf.grad)
         yield from prompt_backward(recording, last, prefix, ctx)
         return
-    with torch.enable_grad():
-        recording.logits[-1:].backward(last.grad)  # the prompt's head segment
+    prompt_head_backward(recording, last)
     yield
     yield from backward_sweep(recording.segments, recording.head_leaf.grad, suffixes.segments,
                               suffixes.head_leaf.grad, prefix, ctx.residency(recording))
