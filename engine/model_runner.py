@@ -17,6 +17,7 @@ import torch
 
 from engine.attention import use_engine_attention
 from engine.decode_graphs import CaptureReport, DecodeGraphs
+from engine.fused_norm import install_fused_rms_norm
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionGroup, AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
@@ -101,6 +102,7 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         use_engine_attention(model)
+        install_fused_rms_norm(model)
         if packed_linear:
             install_packed_linear(model)
         self.embed, self.layers, self.norm, self.rotary, self.lm_head = decoder_parts(model)

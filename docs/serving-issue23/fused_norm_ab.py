@@ -1,0 +1,30 @@
+"""The engine on the embedded model with its RMSNorms fused (engine/fused_norm.py) and with
+the model's own, swapped back and forth in one process, alternating, 8 greedy streams of
+32 tokens: seconds per round and whether the tokens are equal. Run from the repository root:
+
+    .venv/bin/python docs/serving-issue23/fused_norm_ab.py
+"""
+
+import time, statistics, torch
+from server.config import load_config
+from engine.model_loader import load
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from bench.traces import synthetic_tokens
+config = load_config(None)
+model, tok, _ = load(config.model)
+engine = LLMEngine.for_model(model, tok, config)
+norms = [m for m in model.modules() if type(m).__name__.startswith("Fused")]
+fused_cls, own_cls = type(norms[0]), type(norms[0]).__mro__[1]
+res = {"fused": [], "own": []}; toks = {}
+for r in range(8):
+    for name in (("fused", "own") if r % 2 else ("own", "fused")):
+        for m in norms: m.__class__ = fused_cls if name == "fused" else own_cls
+        prompts = [synthetic_tokens(tok, 40 + i, i) for i in range(8)]
+        s = time.perf_counter()
+        out = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32))
+        t = time.perf_counter() - s
+        toks.setdefault(name, []).append(out)
+        if r: res[name].append(t)
+print({k: round(statistics.median(v), 3) for k, v in res.items()}, "own/fused", statistics.median(res["own"]) / statistics.median(res["fused"]))
+print("tokens equal", toks["fused"] == toks["own"])

@@ -1,0 +1,52 @@
+"""RMSNorm as one op: `torch.nn.functional.rms_norm` in place of the model's own pieces.
+
+The Hugging Face families the engine serves (Llama, Mistral, Qwen2, Phi-3) normalise in
+six ops (eight in bfloat16, with the casts): `pow`, `mean`, `add`, `rsqrt`, `mul`, then
+the weight's `mul`. Every decoder layer runs two, and the model one more before the head,
+in every serving step and every training forward. On a GPU each op is a kernel launch;
+torch's `rms_norm` runs as one fused kernel there (`_fused_rms_norm`, forward and
+backward). On the CPU it runs the same pieces inside one op, so the CPU's time does not
+change, only the count of ops dispatched.
+
+The results are those of the model's own module, to the bit on the CPU (in float32 and
+bfloat16, forward and input gradient; `tests/test_fused_norm.py`): the module normalises
+in float32, rounds to the model's dtype and then multiplies by the weight in that dtype,
+so outside float32 the weight stays a separate `mul` after the fused op.
+
+`install_fused_rms_norm(model)` swaps the class of each such module in place for a
+subclass of its own (names, parameters and state dict unchanged); modules of any other
+class keep their forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# the classes whose forward is Llama's `weight * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)`
+_SAME_AS_LLAMA = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Phi3RMSNorm")
+
+
+def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    shape = (hidden_states.shape[-1],)
+    if hidden_states.dtype == torch.float32:  # nothing is rounded between the norm and the weight
+        return F.rms_norm(hidden_states, shape, self.weight, self.variance_epsilon)
+    return F.rms_norm(hidden_states, shape, None, self.variance_epsilon) * self.weight
+
+
+@functools.cache
+def _fused_class(original: type) -> type:
+    return type(f"Fused{original.__name__}", (original,), {"forward": _fused_forward, "__module__": __name__})
+
+
+def install_fused_rms_norm(model: nn.Module) -> int:
+    """Switches every RMSNorm of a supported family to the fused op; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in _SAME_AS_LLAMA and hasattr(module, "variance_epsilon"):
+            module.__class__ = _fused_class(type(module))
+            count += 1
+    return count

@@ -1,0 +1,77 @@
+"""RMSNorm as one op (engine/fused_norm.py): the model's own results, fewer ops."""
+
+import pytest
+import torch
+
+from bench.step_counts import AtenOps
+from engine.fused_norm import install_fused_rms_norm
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.conftest import encode, make_config
+from tests.test_engine_equivalence import MAX_TOKENS, PROMPTS, greedy, hf_greedy
+from tests.tiny import FAMILIES, tiny_model, tiny_tokenizer
+
+
+def _norms(model) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_equals_the_models_own_to_the_bit(family, dtype):
+    """Forward and input gradient, with grad and in inference mode, on a weight that is
+    not all ones: bit for bit the family's own module (on the CPU)."""
+    model = tiny_model(family, dtype=dtype)
+    norm = _norms(model)[0]
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.3)
+    x = (torch.randn(1, 9, norm.weight.shape[0]) * 3).to(dtype)
+    grad = torch.randn_like(x)
+
+    def run():
+        leaf = x.clone().requires_grad_()
+        out = norm(leaf)
+        out.backward(grad)
+        with torch.inference_mode():
+            served = norm(x)
+        return out.detach(), leaf.grad, served
+
+    own = run()
+    assert install_fused_rms_norm(model) == 2 * model.config.num_hidden_layers + 1
+    assert type(norm).__name__.startswith("Fused")
+    fused = run()
+    for a, b in zip(own, fused):
+        assert torch.equal(a, b)
+
+
+def test_engine_greedy_tokens_equal_generate_of_a_model_with_its_own_norms():
+    """The engine runs the fused norm; `generate` on an untouched copy of the same model
+    runs the family's own: the same greedy tokens."""
+    for family in ("llama", "qwen2"):
+        reference_model = tiny_model(family)
+        engine = LLMEngine.for_model(tiny_model(family), tiny_tokenizer(), make_config())
+        assert all(type(m).__name__.startswith("Fused") for m in _norms(engine.model))
+        assert not any(type(m).__name__.startswith("Fused") for m in _norms(reference_model))
+        prompts = [encode(p) for p in PROMPTS]
+        assert [c[0] for c in engine.generate(prompts, greedy())] == [hf_greedy(reference_model, p, MAX_TOKENS)
+                                                                        for p in prompts]
+
+
+def test_a_decode_layer_normalises_in_one_op_per_norm():
+    """Two norms per decoder layer, one op each, none of the pieces (pow, rsqrt, mean)."""
+    engine = LLMEngine.for_model(tiny_model("llama"), tiny_tokenizer(), make_config())
+    for i in range(4):
+        engine.add_request(f"r{i}", [5 + i, 7, 9], SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4))
+    engine.step()
+    counter, run_layer = AtenOps(), engine.runner.run_layer
+
+    def counted(index, *args, **kwargs):
+        if index != 0:
+            return run_layer(index, *args, **kwargs)
+        with counter.counting():
+            return run_layer(index, *args, **kwargs)
+
+    engine.runner.run_layer = counted
+    engine.step()
+    assert counter.ops["rms_norm"] == 2
+    assert not {"pow", "rsqrt", "mean"} & set(counter.ops), dict(counter.ops)
