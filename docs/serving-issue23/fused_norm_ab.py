@@ -5,7 +5,9 @@ the model's own, swapped back and forth in one process, alternating, 8 greedy st
     .venv/bin/python docs/serving-issue23/fused_norm_ab.py
 """
 
-import time, statistics, torch
+import statistics
+import time
+
 from server.config import load_config
 from engine.model_loader import load
 from engine.llm_engine import LLMEngine
@@ -26,5 +28,6 @@ for r in range(8):
         t = time.perf_counter() - s
         toks.setdefault(name, []).append(out)
         if r: res[name].append(t)
-print({k: round(statistics.median(v), 3) for k, v in res.items()}, "own/fused", statistics.median(res["own"]) / statistics.median(res["fused"]))
+ratio = statistics.median(res["own"]) / statistics.median(res["fused"])
+print({k: round(statistics.median(v), 3) for k, v in res.items()}, "own/fused", round(ratio, 3))
 print("tokens equal", toks["fused"] == toks["own"])
