@@ -147,6 +147,14 @@ def _is_view(func) -> bool:
     return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
+def _copied(args, out) -> bool:
+    """Whether an op that may return an alias of its input (`to`, `contiguous`, `reshape`
+    in inference mode) returned new memory instead: a cast or a copy, which launches."""
+    if not isinstance(out, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    return out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
+
+
 @dataclass
 class AtenOps:
     """Counts the aten ops dispatched while active — each a kernel launch on a GPU —
@@ -163,11 +171,12 @@ class AtenOps:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if _is_view(func):
+                out = func(*args, **(kwargs or {}))
+                if _is_view(func) and not _copied(args, out):
                     counter.views += 1
                 else:
                     counter.ops[str(func.overloadpacket.__name__)] += 1
-                return func(*args, **(kwargs or {}))
+                return out
 
         with Mode():
             yield self
