@@ -39,7 +39,9 @@ def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _fused_class(original: type) -> type:
-    return type(f"Fused{original.__name__}", (original,), {"forward": _fused_forward, "__module__": __name__})
+    name = f"Fused{original.__name__}"
+    globals()[name] = fused = type(name, (original,), {"forward": _fused_forward, "__module__": __name__})
+    return fused  # a module-level name, as pickle looks it up, in a process that installed it
 
 
 def install_fused_rms_norm(model: nn.Module) -> int:

@@ -18,6 +18,7 @@ import torch
 from engine.attention import use_engine_attention
 from engine.decode_graphs import CaptureReport, DecodeGraphs
 from engine.fused_norm import install_fused_rms_norm
+from engine.fused_rope import SignedRotary, install_fused_rope
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionGroup, AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
@@ -103,9 +104,11 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         use_engine_attention(model)
         install_fused_rms_norm(model)
+        install_fused_rope(model)
         if packed_linear:
             install_packed_linear(model)
-        self.embed, self.layers, self.norm, self.rotary, self.lm_head = decoder_parts(model)
+        self.embed, self.layers, self.norm, rotary, self.lm_head = decoder_parts(model)
+        self.rotary = SignedRotary(rotary)
         self.kv_cache = PagedKVCache(kv_spec, num_blocks, self.device)
         self.block_size = kv_spec.block_size
         self.buckets = StepBuckets(kv_spec.block_size)
@@ -293,7 +296,7 @@ class ModelRunner:
                     hidden = self.embed(packed.input_ids.unsqueeze(0))
                 rotary = self.rotary(hidden, packed.positions.unsqueeze(0))
                 if placement is not None:
-                    placement.keep(*rotary)
+                    placement.keep(*rotary, rotary.signed_sin)
                 layers = self.iter_layers(hidden, packed.positions, packed.metadata, past, leaves, outs, rotary)
                 hidden = self._record_layers(layers, tracker, placement, leaves, outs, past)
                 head_leaf = hidden.detach().requires_grad_()

@@ -1,4 +1,5 @@
-"""RMSNorm as one op (engine/fused_norm.py): the model's own results, fewer ops."""
+"""RMSNorm as one op (engine/fused_norm.py): the model's own results, fewer ops. (The
+engine's greedy tokens against `generate` on an untouched model: tests/test_fused_rope.py.)"""
 
 import pytest
 import torch
@@ -7,8 +8,7 @@ from bench.step_counts import AtenOps
 from engine.fused_norm import install_fused_rms_norm
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from tests.conftest import encode, make_config
-from tests.test_engine_equivalence import MAX_TOKENS, PROMPTS, greedy, hf_greedy
+from tests.conftest import make_config
 from tests.tiny import FAMILIES, tiny_model, tiny_tokenizer
 
 
@@ -42,19 +42,6 @@ def test_fused_norm_equals_the_models_own_to_the_bit(family, dtype):
     fused = run()
     for a, b in zip(own, fused):
         assert torch.equal(a, b)
-
-
-def test_engine_greedy_tokens_equal_generate_of_a_model_with_its_own_norms():
-    """The engine runs the fused norm; `generate` on an untouched copy of the same model
-    runs the family's own: the same greedy tokens."""
-    for family in ("llama", "qwen2"):
-        reference_model = tiny_model(family)
-        engine = LLMEngine.for_model(tiny_model(family), tiny_tokenizer(), make_config())
-        assert all(type(m).__name__.startswith("Fused") for m in _norms(engine.model))
-        assert not any(type(m).__name__.startswith("Fused") for m in _norms(reference_model))
-        prompts = [encode(p) for p in PROMPTS]
-        assert [c[0] for c in engine.generate(prompts, greedy())] == [hf_greedy(reference_model, p, MAX_TOKENS)
-                                                                        for p in prompts]
 
 
 def test_a_decode_layer_normalises_in_one_op_per_norm():

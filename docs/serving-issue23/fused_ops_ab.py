@@ -1,8 +1,9 @@
-"""The engine on the embedded model with its RMSNorms fused (engine/fused_norm.py) and with
-the model's own, swapped back and forth in one process, alternating, 8 greedy streams of
-32 tokens: seconds per round and whether the tokens are equal. Run from the repository root:
+"""The engine on the embedded model with its RMSNorms and attention modules fused
+(engine/fused_norm.py, engine/fused_rope.py) and with the model's own, swapped back and
+forth in one process, alternating, 8 greedy streams of 32 tokens: seconds per round and
+whether the tokens are equal. Run from the repository root:
 
-    .venv/bin/python docs/serving-issue23/fused_norm_ab.py
+    .venv/bin/python docs/serving-issue23/fused_ops_ab.py
 """
 
 import statistics
@@ -16,12 +17,12 @@ from bench.traces import synthetic_tokens
 config = load_config(None)
 model, tok, _ = load(config.model)
 engine = LLMEngine.for_model(model, tok, config)
-norms = [m for m in model.modules() if type(m).__name__.startswith("Fused")]
-fused_cls, own_cls = type(norms[0]), type(norms[0]).__mro__[1]
+swapped = [(m, type(m), type(m).__mro__[1]) for m in model.modules() if type(m).__name__.startswith("Fused")]
 res = {"fused": [], "own": []}; toks = {}
 for r in range(8):
     for name in (("fused", "own") if r % 2 else ("own", "fused")):
-        for m in norms: m.__class__ = fused_cls if name == "fused" else own_cls
+        for module, fused_class, own_class in swapped:
+            module.__class__ = fused_class if name == "fused" else own_class
         prompts = [synthetic_tokens(tok, 40 + i, i) for i in range(8)]
         s = time.perf_counter()
         out = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32))

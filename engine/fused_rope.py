@@ -1,0 +1,124 @@
+"""RoPE on the query and key heads together: five ops per layer where the model runs ten.
+
+The families the engine serves rotate the query and the key apart, each as
+`x·cos + rotate_half(x)·sin` with `rotate_half(x) = cat(−x₂, x₁)`: mul, neg, cat, mul,
+add, twice per decoder layer, in every step. Since `rotate_half(x)·sin = roll(x, D/2)·ŝ`
+with `ŝ = cat(−sin₁, sin₂)` — negation is exact, so each product is the same number —
+the engine rotates `cat(q, k)` once: cat, mul, roll, mul, add. `ŝ` is built once per step
+beside cos and sin (`RotaryTables`, from `SignedRotary`), not once per layer. The results
+are the model's own to the bit (`tests/test_fused_rope.py`), forward and backward.
+
+`install_fused_rope(model)` swaps the class of each attention module of a supported
+family for a subclass whose forward is the family's own (projections, RoPE, the cache's
+update, the registered attention function, the output projection) with this RoPE; a
+module of any other class keeps its forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+
+class RotaryTables(tuple):
+    """(cos, sin), as the model's rotary embedding returns them, with `signed_sin` (ŝ)."""
+
+    signed_sin: torch.Tensor
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """ŝ = cat(−sin₁, sin₂) over the last dimension's halves."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+class SignedRotary:
+    """The model's rotary embedding module, returning RotaryTables."""
+
+    def __init__(self, rotary: nn.Module):
+        self.rotary = rotary
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> RotaryTables:
+        cos, sin = self.rotary(x, position_ids)
+        tables = RotaryTables((cos, sin))
+        tables.signed_sin = signed_sin(sin)
+        return tables
+
+
+def rotate_query_and_key(query: torch.Tensor, key: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
+    """query (B, H, T, D), key (B, KVH, T, D) rotated by (cos, sin) (B, T, D), as the
+    family's `apply_rotary_pos_emb` rotates them."""
+    cos, sin = position_embeddings
+    signed = getattr(position_embeddings, "signed_sin", None)
+    if signed is None:  # tables from the model's own rotary embedding (its `generate`)
+        signed = signed_sin(sin)
+    both = torch.cat([query, key], dim=1)
+    rotary_dim = cos.shape[-1]  # Phi-3's partial rotary: the dimensions past it pass unrotated
+    if rotary_dim < both.shape[-1]:
+        rotated = torch.cat([_rotate(both[..., :rotary_dim], cos, signed), both[..., rotary_dim:]], dim=-1)
+    else:
+        rotated = _rotate(both, cos, signed)
+    heads = query.shape[1]
+    return rotated[:, :heads], rotated[:, heads:]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
+    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, dims=-1) * signed.unsqueeze(1)
+
+
+def _projections(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if hasattr(module, "qkv_proj"):  # Phi-3: one projection, split
+        qkv = module.qkv_proj(hidden_states)
+        query_size = module.config.num_attention_heads * module.head_dim
+        key_size = module.num_key_value_heads * module.head_dim
+        return qkv[..., :query_size], qkv[..., query_size:query_size + key_size], qkv[..., query_size + key_size:]
+    return module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
+
+
+def _sliding_window(module: nn.Module) -> int | None:
+    if hasattr(module, "sliding_window"):  # Qwen2: per layer type
+        return module.sliding_window
+    return getattr(module.config, "sliding_window", None)
+
+
+def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
+                   past_key_values=None, **kwargs):
+    cache = cache if cache is not None else past_key_values
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in _projections(self, hidden_states))
+    query, key = rotate_query_and_key(query, key, position_embeddings)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+    output, weights = attention(self, query, key, value, attention_mask,
+                                dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+                                sliding_window=_sliding_window(self), **kwargs)
+    output = output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(output), weights
+
+
+# the attention classes whose forward is Llama's (Mistral and Phi-3 pass the config's
+# sliding window, Qwen2 its layer's; Phi-3 splits one qkv projection)
+_FAMILIES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Phi3Attention")
+
+
+@functools.cache
+def _fused_class(original: type) -> type:
+    name = f"Fused{original.__name__}"
+    globals()[name] = fused = type(name, (original,), {"forward": _fused_forward, "__module__": __name__})
+    return fused  # a module-level name, as pickle looks it up, in a process that installed it
+
+
+def install_fused_rope(model: nn.Module) -> int:
+    """Switches every attention module of a supported family to this RoPE; returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ in _FAMILIES:
+            module.__class__ = _fused_class(type(module))
+            count += 1
+    return count
