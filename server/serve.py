@@ -23,6 +23,7 @@ from engine.model_loader import load
 from server.app import ServerState, build_app
 from server.build import build_stack
 from server.config import AlchemistConfig
+from server.gc_freeze import freeze_startup_objects
 from server.generation_config import log_defaults, sampling_defaults
 from server.fanout import Peers
 from server.guards import GuardConfig
@@ -72,6 +73,7 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
 
 
 def run(app: FastAPI, config: AlchemistConfig) -> None:
+    logger.info("%d start-up objects frozen out of garbage collection", freeze_startup_objects())
     uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info",
                 timeout_graceful_shutdown=10)
 
@@ -88,6 +90,7 @@ def run_replica(config: AlchemistConfig, replica: Replica) -> None:
     public = public_socket(config.server.host, config.server.port)
     logger.info("replica %d serving on port %d (private %s)", replica.rank, config.server.port, address)
     server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+    logger.info("%d start-up objects frozen out of garbage collection", freeze_startup_objects())
     try:
         server.run(sockets=[public, private])
     finally:
