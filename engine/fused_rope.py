@@ -1,17 +1,19 @@
-"""RoPE on the query and key heads together: five ops per layer where the model runs ten.
+"""RoPE in eight ops per decoder layer where the model runs ten, each product the model's own.
 
-The families the engine serves rotate the query and the key apart, each as
+The families the engine serves rotate the query and the key each as
 `x·cos + rotate_half(x)·sin` with `rotate_half(x) = cat(−x₂, x₁)`: mul, neg, cat, mul,
 add, twice per decoder layer, in every step. Since `rotate_half(x)·sin = roll(x, D/2)·ŝ`
 with `ŝ = cat(−sin₁, sin₂)` — negation is exact, so each product is the same number —
-the engine rotates `cat(q, k)` once: cat, mul, roll, mul, add. `ŝ` is built once per step
-beside cos and sin (`RotaryTables`, from `SignedRotary`), not once per layer. The results
-are the model's own to the bit (`tests/test_fused_rope.py`), forward and backward.
+the engine rotates each as mul, roll, mul, add. `ŝ` is built once per step beside cos and
+sin (`RotaryTables`, from `SignedRotary`), not once per layer. The results are the
+model's own to the bit (`tests/test_fused_rope.py`), forward and backward. The query and
+the key stay in storages of their own: a recording keeps each layer's K for as long as it
+lives, and a K that shared its storage with the query would keep the query too.
 
 `install_fused_rope(model)` swaps the class of each attention module of a supported
 family for a subclass whose forward is the family's own (projections, RoPE, the cache's
-update, the registered attention function, the output projection) with this RoPE; a
-module of any other class keeps its forward.
+update, the registered attention function with the family's sliding window, the output
+projection) with this RoPE; a module of any other class keeps its forward.
 """
 
 from __future__ import annotations
@@ -56,18 +58,15 @@ def rotate_query_and_key(query: torch.Tensor, key: torch.Tensor, position_embedd
     signed = getattr(position_embeddings, "signed_sin", None)
     if signed is None:  # tables from the model's own rotary embedding (its `generate`)
         signed = signed_sin(sin)
-    both = torch.cat([query, key], dim=1)
-    rotary_dim = cos.shape[-1]  # Phi-3's partial rotary: the dimensions past it pass unrotated
-    if rotary_dim < both.shape[-1]:
-        rotated = torch.cat([_rotate(both[..., :rotary_dim], cos, signed), both[..., rotary_dim:]], dim=-1)
-    else:
-        rotated = _rotate(both, cos, signed)
-    heads = query.shape[1]
-    return rotated[:, :heads], rotated[:, heads:]
+    cos, signed = cos.unsqueeze(1), signed.unsqueeze(1)
+    return _rotate(query, cos, signed), _rotate(key, cos, signed)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed: torch.Tensor) -> torch.Tensor:
-    return x * cos.unsqueeze(1) + x.roll(x.shape[-1] // 2, dims=-1) * signed.unsqueeze(1)
+    rotary_dim = cos.shape[-1]  # Phi-3's partial rotary: the dimensions past it pass unrotated
+    if rotary_dim < x.shape[-1]:
+        return torch.cat([_rotate(x[..., :rotary_dim], cos, signed), x[..., rotary_dim:]], dim=-1)
+    return x * cos + x.roll(rotary_dim // 2, dims=-1) * signed
 
 
 def _projections(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -79,10 +78,14 @@ def _projections(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.
     return module.q_proj(hidden_states), module.k_proj(hidden_states), module.v_proj(hidden_states)
 
 
-def _sliding_window(module: nn.Module) -> int | None:
-    if hasattr(module, "sliding_window"):  # Qwen2: per layer type
-        return module.sliding_window
-    return getattr(module.config, "sliding_window", None)
+def _window_kwargs(module: nn.Module) -> dict:
+    """The sliding window the family's own forward passes to the attention function:
+    Qwen2 its layer's, Mistral and Phi-3 the config's, Llama none."""
+    if module.window_from == "layer":
+        return {"sliding_window": module.sliding_window}
+    if module.window_from == "config":
+        return {"sliding_window": getattr(module.config, "sliding_window", None)}
+    return {}
 
 
 def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, cache=None,
@@ -97,20 +100,22 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
     output, weights = attention(self, query, key, value, attention_mask,
                                 dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-                                sliding_window=_sliding_window(self), **kwargs)
+                                **_window_kwargs(self), **kwargs)
     output = output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(output), weights
 
 
-# the attention classes whose forward is Llama's (Mistral and Phi-3 pass the config's
-# sliding window, Qwen2 its layer's; Phi-3 splits one qkv projection)
-_FAMILIES = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Phi3Attention")
+# the attention classes whose forward is Llama's but for where its sliding window comes
+# from (Phi-3 also splits one qkv projection)
+_WINDOW_FROM = {"LlamaAttention": None, "MistralAttention": "config", "Qwen2Attention": "layer",
+                "Phi3Attention": "config"}
 
 
 @functools.cache
 def _fused_class(original: type) -> type:
     name = f"Fused{original.__name__}"
-    globals()[name] = fused = type(name, (original,), {"forward": _fused_forward, "__module__": __name__})
+    globals()[name] = fused = type(name, (original,), {"forward": _fused_forward, "__module__": __name__,
+                                                      "window_from": _WINDOW_FROM[original.__name__]})
     return fused  # a module-level name, as pickle looks it up, in a process that installed it
 
 
@@ -118,7 +123,7 @@ def install_fused_rope(model: nn.Module) -> int:
     """Switches every attention module of a supported family to this RoPE; returns how many."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ in _FAMILIES:
+        if type(module).__name__ in _WINDOW_FROM:
             module.__class__ = _fused_class(type(module))
             count += 1
     return count

@@ -54,8 +54,9 @@ class MemoryModel:
         # input of each adapted linear (shared with the above where they are the same tensor)
         per_token = dtype_bytes * (6 * hidden + 2 * kv + 4 * inter)
         step_per_token = dtype_bytes * (4 * hidden + 2 * kv + 3 * inter)
-        # once per recording: the rotary tables (cos, sin), the head's input and the logits
-        head = dtype_bytes * (2 * (hidden // heads) + hidden + config.vocab_size)
+        # once per recording: the rotary tables (cos, sin and the signed sin of
+        # engine/fused_rope.py), the head's input and the logits
+        head = dtype_bytes * (3 * (hidden // heads) + hidden + config.vocab_size)
         kept = dtype_bytes * config.num_hidden_layers * (2 * hidden + 2 * kv) + head
         return cls(config.num_hidden_layers, float(per_token), 0.0, float(step_per_token),
                    float(4 * heads), float(4 * config.vocab_size), max_model_len, kept_per_token=float(kept),
