@@ -186,6 +186,30 @@ class AtenOps:
         return sum(self.ops.values())
 
 
+def decode_layer_ops(engine, layer: int = 0, streams: int = 4) -> AtenOps:
+    """The aten ops of decoder layer `layer` in a decode step of `streams` greedy requests
+    (their prefills run first). Layer 0 also builds the step's attention mask."""
+    from engine.sampling_params import SamplingParams
+
+    for i in range(streams):
+        engine.add_request(f"layer-ops-{i}", [5 + i, 7, 9], SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6))
+    engine.step()
+    counter, run_layer = AtenOps(), engine.runner.run_layer
+
+    def counted(index, *args, **kwargs):
+        if index != layer:
+            return run_layer(index, *args, **kwargs)
+        with counter.counting():
+            return run_layer(index, *args, **kwargs)
+
+    engine.runner.run_layer = counted
+    try:
+        engine.step()
+    finally:
+        engine.runner.run_layer = run_layer
+    return counter
+
+
 @dataclass
 class TraceArrival:
     step: int

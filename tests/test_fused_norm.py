@@ -4,10 +4,9 @@ engine's greedy tokens against `generate` on an untouched model: tests/test_fuse
 import pytest
 import torch
 
-from bench.step_counts import AtenOps
+from bench.step_counts import decode_layer_ops
 from engine.fused_norm import install_fused_rms_norm
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.conftest import make_config
 from tests.tiny import FAMILIES, tiny_model, tiny_tokenizer
 
@@ -46,19 +45,6 @@ def test_fused_norm_equals_the_models_own_to_the_bit(family, dtype):
 
 def test_a_decode_layer_normalises_in_one_op_per_norm():
     """Two norms per decoder layer, one op each, none of the pieces (pow, rsqrt, mean)."""
-    engine = LLMEngine.for_model(tiny_model("llama"), tiny_tokenizer(), make_config())
-    for i in range(4):
-        engine.add_request(f"r{i}", [5 + i, 7, 9], SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4))
-    engine.step()
-    counter, run_layer = AtenOps(), engine.runner.run_layer
-
-    def counted(index, *args, **kwargs):
-        if index != 0:
-            return run_layer(index, *args, **kwargs)
-        with counter.counting():
-            return run_layer(index, *args, **kwargs)
-
-    engine.runner.run_layer = counted
-    engine.step()
+    counter = decode_layer_ops(LLMEngine.for_model(tiny_model("llama"), tiny_tokenizer(), make_config()))
     assert counter.ops["rms_norm"] == 2
     assert not {"pow", "rsqrt", "mean"} & set(counter.ops), dict(counter.ops)

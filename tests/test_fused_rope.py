@@ -6,10 +6,9 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary_pos_emb
 
-from bench.step_counts import AtenOps
+from bench.step_counts import decode_layer_ops
 from engine.fused_rope import SignedRotary, install_fused_rope, rotate_query_and_key
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
 from tests.conftest import encode, make_config
 from tests.test_engine_equivalence import MAX_TOKENS, PROMPTS, greedy, hf_greedy
 from tests.tiny import FAMILIES, tiny_model, tiny_tokenizer
@@ -78,19 +77,7 @@ def test_engine_greedy_tokens_equal_generate_of_an_untouched_model(family):
 
 def test_a_decode_layer_rotates_with_two_rolls_and_no_neg():
     engine = LLMEngine.for_model(tiny_model("llama"), tiny_tokenizer(), make_config())
-    for i in range(4):
-        engine.add_request(f"r{i}", [5 + i, 7, 9], SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4))
-    engine.step()
-    counter, run_layer = AtenOps(), engine.runner.run_layer
-
-    def counted(index, *args, **kwargs):
-        if index != 1:  # layer 1: no step-wide work (the attention mask is built in layer 0)
-            return run_layer(index, *args, **kwargs)
-        with counter.counting():
-            return run_layer(index, *args, **kwargs)
-
-    engine.runner.run_layer = counted
-    engine.step()
+    counter = decode_layer_ops(engine, layer=1)  # layer 1: no step-wide work (layer 0 builds the mask)
     assert counter.ops["roll"] == 2 and not {"neg", "cat"} & set(counter.ops), dict(counter.ops)
 
 
