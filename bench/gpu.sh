@@ -30,7 +30,7 @@ for phase in "$@"; do
       ALCHEMIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 120 -rf \
         tests/test_engine_equivalence.py tests/test_training.py tests/test_stash.py tests/test_preemption.py \
         tests/test_sampling.py tests/test_offload.py tests/test_losses.py tests/test_adapter.py \
-        tests/test_step_costs.py tests/test_decode_graphs.py tests/test_structured_outputs.py \
+        tests/test_step_costs.py tests/test_decode_graphs.py tests/test_structured_outputs.py tests/test_fused_rope.py \
         2>&1 | tee "$OUT/cuda-tests.log" | tail -30
       ;;
     smoke)  # every benchmark once, short, on the 8B shape

@@ -19,8 +19,8 @@ MAX_TOKENS = 24
 
 def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                             do_sample=False, pad_token_id=0)
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_tokens,
+                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 

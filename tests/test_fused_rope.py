@@ -11,15 +11,15 @@ from engine.fused_rope import SignedRotary, install_fused_rope, rotate_query_and
 from engine.llm_engine import LLMEngine
 from tests.conftest import encode, make_config
 from tests.test_engine_equivalence import MAX_TOKENS, PROMPTS, greedy, hf_greedy
-from tests.tiny import FAMILIES, tiny_model, tiny_tokenizer
+from tests.tiny import FAMILIES, TEST_DEVICE, tiny_model, tiny_tokenizer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotation_equals_apply_rotary_pos_emb_to_the_bit(dtype):
     model = tiny_model("llama", dtype=dtype)
-    positions = torch.tensor([[0, 1, 2, 7, 30, 31, 200]])
-    query = torch.randn(1, 4, 7, 16).to(dtype)
-    key = torch.randn(1, 2, 7, 16).to(dtype)
+    positions = torch.tensor([[0, 1, 2, 7, 30, 31, 200]], device=TEST_DEVICE)
+    query = torch.randn(1, 4, 7, 16, device=TEST_DEVICE).to(dtype)
+    key = torch.randn(1, 2, 7, 16, device=TEST_DEVICE).to(dtype)
     plain = model.model.rotary_emb(query, positions)
     tables = SignedRotary(model.model.rotary_emb)(query, positions)
     expected = apply_rotary_pos_emb(query, key, *plain)
@@ -33,8 +33,8 @@ def test_rotation_equals_apply_rotary_pos_emb_to_the_bit(dtype):
 
 def test_partial_rotation_equals_phi3s_to_the_bit():
     """Phi-3's partial rotary factor: the dimensions past the tables' pass unrotated."""
-    query, key = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16)
-    angles = torch.randn(1, 5, 8)
+    query, key = torch.randn(1, 4, 5, 16, device=TEST_DEVICE), torch.randn(1, 2, 5, 16, device=TEST_DEVICE)
+    angles = torch.randn(1, 5, 8, device=TEST_DEVICE)
     cos, sin = angles.cos(), angles.sin()
     expected = phi3_apply_rotary_pos_emb(query, key, cos, sin)
     for got, want in zip(rotate_query_and_key(query, key, (cos, sin)), expected):
@@ -47,7 +47,7 @@ def test_the_models_forward_and_backward_are_unchanged_to_the_bit(family, dtype)
     """The whole model through Hugging Face's own forward (its rotary tables, its SDPA),
     attention swapped or not: the same logits and the same gradient on the embeddings."""
     model = tiny_model(family, dtype=dtype)
-    ids = torch.randint(3, model.config.vocab_size, (2, 11))
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), device=TEST_DEVICE)
 
     def run():
         embeddings = model.get_input_embeddings()(ids).detach().requires_grad_()
