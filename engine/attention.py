@@ -1,6 +1,7 @@
 """Varlen attention over the paged KV cache, plugged into transformers' attention modules.
 
-The model's own attention modules (Llama, Mistral, Phi-3, Qwen2) project Q/K/V, apply
+The model's own attention modules (Llama, Mistral, Phi-3, Qwen2; their forward swapped
+for the family's own with a cheaper RoPE, engine/fused_rope.py) project Q/K/V, apply
 RoPE and call `past_key_values.update()` (our `StepKV`) and then the registered attention
 function. Registering one function under the name "alchemist" lets the engine pass its
 `AttentionMetadata` as the attention mask; called with anything else (Hugging Face's own

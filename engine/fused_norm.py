@@ -3,10 +3,11 @@
 The Hugging Face families the engine serves (Llama, Mistral, Qwen2, Phi-3) normalise in
 six ops (eight in bfloat16, with the casts): `pow`, `mean`, `add`, `rsqrt`, `mul`, then
 the weight's `mul`. Every decoder layer runs two, and the model one more before the head,
-in every serving step and every training forward. On a GPU each op is a kernel launch;
-torch's `rms_norm` runs as one fused kernel there (`_fused_rms_norm`, forward and
-backward). On the CPU it runs the same pieces inside one op, so the CPU's time does not
-change, only the count of ops dispatched.
+in every serving step and every training forward. On a GPU each op is a kernel launch,
+and torch dispatches `rms_norm` to one fused kernel there (`_fused_rms_norm`, which has a
+backward of its own; `bench/gpu.sh profile` lists a step's kernels). On the CPU it runs
+the same pieces inside one op, so the CPU's time does not change, only the count of ops
+dispatched.
 
 The results are those of the model's own module, to the bit on the CPU (in float32 and
 bfloat16, forward and input gradient; `tests/test_fused_norm.py`): the module normalises
