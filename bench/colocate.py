@@ -29,6 +29,7 @@ import httpx
 from bench.launch import running_server
 from bench.report import TRAINING_PATHS, percentile, pyplot, read_metric, reuse_share, trained_by_path, write_json
 from bench.traces import WORDS, TraceRequest, make_trace
+from server.metrics import STEP_KINDS
 
 async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, start: float, feedback: bool,
                rng: random.Random) -> dict:
@@ -138,6 +139,21 @@ def _mean_delta(before: str, after: str, histogram: str) -> float:
     return total / count if count else math.nan
 
 
+def _steps_by_kind(before: str, after: str) -> dict[str, dict[str, float]]:
+    """The server's engine steps between two scrapes, by kind (server/metrics.py,
+    `serving_step_seconds`): how many, their mean seconds, and seconds per token."""
+    steps = {}
+    for kind in STEP_KINDS:
+        def delta(name: str) -> float:
+            return read_metric(after, f'{name}{{kind="{kind}"}}') - read_metric(before, f'{name}{{kind="{kind}"}}')
+
+        count, seconds = delta("alchemist:serving_step_seconds_count"), delta("alchemist:serving_step_seconds_sum")
+        tokens = delta("alchemist:serving_step_tokens_total")
+        steps[kind] = {"steps": count, "mean_s": seconds / count if count else math.nan,
+                       "s_per_token": seconds / tokens if tokens else math.nan}
+    return steps
+
+
 def _latency(results: list[dict]) -> dict:
     """Client-side TPOT (mean, p99) and TTFT (p50, p99) of a trace's requests, and its tokens."""
     tpots = [r["tpot"] for r in results if not math.isnan(r["tpot"])]
@@ -191,6 +207,8 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
            for key, metric in (("ttft", "time_to_first_token"), ("queue", "request_queue_time"),
                                ("prefill", "request_prefill_time"), ("tpot", "time_per_output_token"),
                                ("itl", "inter_token_latency"))},
+        # engine steps by kind: a recorded prefill's seconds per token against a plain one's
+        "steps": _steps_by_kind(before, after),
         "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
         "train_slice_max_item": _longest_slice_item(after),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
@@ -225,6 +243,9 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
                   f"TPOT mean {result['tpot_mean_s'] * 1000:.1f} ms p99 {result['tpot_p99_s'] * 1000:.1f} ms, "
                   f"TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms p99 {result['ttft_p99_s'] * 1000:.0f} ms, "
                   f"server TPOT {result['server_tpot_mean_s'] * 1000:.1f} ms, "
+                  f"decode step {result['steps']['decode']['mean_s'] * 1000:.1f} ms, prefill per token: plain "
+                  f"{result['steps']['prefill']['s_per_token'] * 1000:.2f} ms, recorded "
+                  f"{result['steps']['recorded_prefill']['s_per_token'] * 1000:.2f} ms, "
                   f"CPU per token: event loop {result['event_loop_cpu_per_token_ms']:.2f} ms, "
                   f"device thread {result['device_cpu_per_token_ms']:.2f} ms, "
                   + (f"cold TPOT {result['cold_tpot_mean_s'] * 1000:.1f} ms, " if warmup else "")
@@ -255,6 +276,16 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
         summary[f"off_{key}"] = round(median(False, key), 5)
         summary[f"on_{key}"] = round(median(True, key), 5)
     summary["server_tpot_mean_ratio"] = round(summary["on_server_tpot_mean_s"] / summary["off_server_tpot_mean_s"], 4)
+    for kind in STEP_KINDS:
+        for key in ("mean_s", "s_per_token"):
+            for variant, name in ((False, "off"), (True, "on")):
+                values = [r["steps"][kind][key] for r in runs[variant] if not math.isnan(r["steps"][kind][key])]
+                summary[f"{name}_{kind}_step_{key}"] = round(statistics.median(values), 5) if values else math.nan
+    # in the server under the trace: a recorded prefill's seconds per token over a plain
+    # prefill's (the off server's), and a decode step's with training on over off
+    summary["recorded_prefill_per_token_ratio"] = round(
+        summary["on_recorded_prefill_step_s_per_token"] / summary["off_prefill_step_s_per_token"], 4)
+    summary["decode_step_ratio"] = round(summary["on_decode_step_mean_s"] / summary["off_decode_step_mean_s"], 4)
     longest = max(runs[True], key=lambda r: r["train_slice_max_s"])
     summary["train_slice_max_s"] = round(longest["train_slice_max_s"], 4)
     summary["train_slice_max_item"] = longest["train_slice_max_item"]

@@ -230,17 +230,18 @@ class LLMEngine:
                     hooks.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
             touched |= self.outputs.update(scheduled, model_output, step_started)
         outputs = [out for rid in touched if (out := self.outputs.collect(rid)) is not None]
-        stats = self._state(time.perf_counter() - started, scheduled.num_tokens, len(scheduled.preempted))
+        stats = self._state(time.perf_counter() - started, scheduled.num_tokens, len(scheduled.preempted),
+                            scheduled.kind)
         self._publish(outputs, stats)
         return outputs, stats
 
-    def _state(self, seconds: float = 0.0, num_tokens: int = 0, num_preempted: int = 0) -> StepStats:
+    def _state(self, seconds: float = 0.0, num_tokens: int = 0, num_preempted: int = 0, kind: str = "") -> StepStats:
         """The scheduler's state as StepStats: after each step, and after a request is
         added or aborted (a step of nothing, so that the gauges follow at once)."""
         scheduler = self.scheduler
         # choices waiting to fork their prompt wait too
         waiting = len(scheduler.waiting) + sum(len(s.fork_children) for s in (*scheduler.waiting, *scheduler.running))
-        return StepStats(seconds, num_tokens, len(scheduler.running), waiting, scheduler.kv_usage, num_preempted)
+        return StepStats(seconds, num_tokens, len(scheduler.running), waiting, scheduler.kv_usage, num_preempted, kind)
 
     def _publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
         for observer in self.hooks.observers:

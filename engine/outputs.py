@@ -73,6 +73,8 @@ class StepStats:
     kv_usage: float
     # preemptions that happened in this step
     num_preempted: int
+    # what the step ran (SchedulerOutput.kind); "" for a state update without a step
+    kind: str = ""
 
 
 @dataclass

@@ -39,6 +39,11 @@ class ScheduledSequence:
         """After this step every known token has K/V: the next token can be sampled."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One new token of a sequence past its prompt."""
+        return self.num_new_tokens == 1 and self.seq.num_computed_tokens >= self.seq.num_prompt_tokens
+
 
 @dataclass
 class Fork:
@@ -68,6 +73,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def kind(self) -> str:
+        """What the step runs: "recorded_prefill" (decodes may follow it), "decode" (one
+        new token per sequence), "prefill" (prompt tokens only), "mixed", or "" (nothing)."""
+        if not self.scheduled:
+            return ""
+        if self.recorded:
+            return "recorded_prefill"
+        decodes = sum(s.is_decode for s in self.scheduled)
+        return "decode" if decodes == len(self.scheduled) else "prefill" if not decodes else "mixed"
 
 
 class Scheduler:

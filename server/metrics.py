@@ -25,6 +25,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 _E2E_BUCKETS_SHORT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + _E2E_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+STEP_KINDS = ("decode", "prefill", "mixed", "recorded_prefill")
 CONSTRAINTS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call")
 
 
@@ -64,6 +65,14 @@ class ServingMetrics:
         self.gen_len = child(Histogram(f"{PREFIX}request_generation_tokens", "Tokens generated per finished "
                                        "request (all choices), in tokens.", labels, registry=r,
                                        buckets=_TOKEN_BUCKETS))
+        step_seconds = Histogram(f"{PREFIX}serving_step_seconds", "Wall time of an engine step, by what it ran: "
+                                 "decode (one token per sequence), prefill (prompt tokens only), mixed, "
+                                 "recorded_prefill (a prompt recorded with autograd for training; decodes may "
+                                 "follow it), in seconds.", labels + ["kind"], registry=r, buckets=_LATENCY_BUCKETS)
+        step_tokens = Counter(f"{PREFIX}serving_step_tokens", "Tokens computed by engine steps, by the step's kind "
+                              "(as serving_step_seconds).", labels + ["kind"], registry=r)
+        self.step_seconds = {kind: step_seconds.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
+        self.step_tokens = {kind: step_tokens.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
         self.running = child(Gauge(f"{PREFIX}num_requests_running", "Sequences in the running batch.",
                                    labels, registry=r))
         self.waiting = child(Gauge(f"{PREFIX}num_requests_waiting", "Sequences waiting to be scheduled.",
@@ -113,6 +122,9 @@ class ServingMetrics:
         self.kv_usage.set(stats.kv_usage)
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
+        if stats.kind:
+            self.step_seconds[stats.kind].observe(stats.seconds)
+            self.step_tokens[stats.kind].inc(stats.num_scheduled_tokens)
 
     def on_output(self, output: RequestOutput) -> None:
         rid, meta = output.request_id, output.metrics

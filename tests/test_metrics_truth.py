@@ -89,3 +89,39 @@ def test_cpu_seconds_of_the_event_loop_and_the_device_thread_are_exported():
     samples = {s.labels["thread"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
                if s.name == "alchemist:thread_cpu_seconds_total"}
     assert set(samples) == {"event_loop", "device"} and all(v >= 0 for v in samples.values())
+
+
+def _steps(metrics, kind: str) -> tuple[int, int]:
+    """(steps, tokens) of `kind` observed so far."""
+    return _count(metrics.step_seconds[kind]), int(metrics.step_tokens[kind]._value.get())
+
+
+def test_engine_steps_are_timed_by_what_they_ran():
+    engine, metrics = observed_engine()
+    first, second = encode("Hello there"), encode("Hi")
+    engine.add_request("a", first, SamplingParams(max_tokens=4, min_tokens=4))
+    engine.step()
+    assert _steps(metrics, "prefill") == (1, len(first))
+    engine.step()
+    assert _steps(metrics, "decode") == (1, 1)
+    engine.add_request("b", second, SamplingParams(max_tokens=2, min_tokens=2))
+    engine.step()  # a's next token beside b's prompt
+    assert _steps(metrics, "mixed") == (1, len(second) + 1)
+    while engine.has_unfinished():
+        engine.step()
+    assert _steps(metrics, "decode")[0] >= 2 and _steps(metrics, "recorded_prefill") == (0, 0)
+    assert metrics.step_seconds["prefill"]._sum.get() > 0
+
+
+def test_a_recorded_prefill_is_timed_as_one():
+    from tests.conftest import engine_of, make_training
+    from trainer.config import TrainConfig
+
+    metrics = ServingMetrics(TINY_NAME)
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4), observers=(metrics,))
+    engine, prompt = engine_of(trainer), encode("Hello there")
+    engine.add_request("r", prompt, SamplingParams(max_tokens=3, min_tokens=3), train=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert _steps(metrics, "recorded_prefill") == (1, len(prompt)) and _steps(metrics, "prefill") == (0, 0)
+    assert _steps(metrics, "decode") == (2, 2)
