@@ -150,7 +150,9 @@ def _steps_by_kind(before: str, after: str) -> dict[str, dict[str, float]]:
         count, seconds = delta("alchemist:serving_step_seconds_count"), delta("alchemist:serving_step_seconds_sum")
         tokens = delta("alchemist:serving_step_tokens_total")
         steps[kind] = {"steps": count, "mean_s": seconds / count if count else math.nan,
-                       "s_per_token": seconds / tokens if tokens else math.nan}
+                       "s_per_token": seconds / tokens if tokens else math.nan,
+                       "page_faults_per_step": delta("alchemist:serving_step_page_faults_total") / count
+                       if count else math.nan}
     return steps
 
 
@@ -245,7 +247,8 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
                   f"server TPOT {result['server_tpot_mean_s'] * 1000:.1f} ms, "
                   f"decode step {result['steps']['decode']['mean_s'] * 1000:.1f} ms, prefill per token: plain "
                   f"{result['steps']['prefill']['s_per_token'] * 1000:.2f} ms, recorded "
-                  f"{result['steps']['recorded_prefill']['s_per_token'] * 1000:.2f} ms, "
+                  f"{result['steps']['recorded_prefill']['s_per_token'] * 1000:.2f} ms "
+                  f"({result['steps']['recorded_prefill']['page_faults_per_step']:.0f} page faults per step), "
                   f"CPU per token: event loop {result['event_loop_cpu_per_token_ms']:.2f} ms, "
                   f"device thread {result['device_cpu_per_token_ms']:.2f} ms, "
                   + (f"cold TPOT {result['cold_tpot_mean_s'] * 1000:.1f} ms, " if warmup else "")
@@ -277,7 +280,7 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
         summary[f"on_{key}"] = round(median(True, key), 5)
     summary["server_tpot_mean_ratio"] = round(summary["on_server_tpot_mean_s"] / summary["off_server_tpot_mean_s"], 4)
     for kind in STEP_KINDS:
-        for key in ("mean_s", "s_per_token"):
+        for key in ("mean_s", "s_per_token", "page_faults_per_step"):
             for variant, name in ((False, "off"), (True, "on")):
                 values = [r["steps"][kind][key] for r in runs[variant] if not math.isnan(r["steps"][kind][key])]
                 summary[f"{name}_{kind}_step_{key}"] = round(statistics.median(values), 5) if values else math.nan

@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.hooks import EngineHooks
 from engine.kv_cache import KVCacheSpec, blocks_needed
+from engine.malloc_tuning import minor_page_faults
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestMetrics, RequestOutput, StepStats
@@ -208,7 +209,7 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------------
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
-        started = time.perf_counter()
+        started, faults = time.perf_counter(), minor_page_faults()
         scheduled = self.scheduler.schedule()
         touched: set[str] = {s.request_id for s in scheduled.preempted}
         step_started = time.monotonic()
@@ -232,6 +233,7 @@ class LLMEngine:
         outputs = [out for rid in touched if (out := self.outputs.collect(rid)) is not None]
         stats = self._state(time.perf_counter() - started, scheduled.num_tokens, len(scheduled.preempted),
                             scheduled.kind)
+        stats.page_faults = minor_page_faults() - faults
         self._publish(outputs, stats)
         return outputs, stats
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import resource
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
@@ -54,6 +55,12 @@ def return_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+def minor_page_faults() -> int:
+    """Minor page faults this process has taken: host memory touched for the first time
+    since it was mapped (a serving step's count says whether it wrote to fresh pages)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 # pieces below the mmap threshold, so that freed they stay in the heap

@@ -75,6 +75,8 @@ class StepStats:
     num_preempted: int
     # what the step ran (SchedulerOutput.kind); "" for a state update without a step
     kind: str = ""
+    # minor page faults the process took during the step (engine/malloc_tuning.py)
+    page_faults: int = 0
 
 
 @dataclass

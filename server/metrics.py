@@ -71,8 +71,13 @@ class ServingMetrics:
                                  "follow it), in seconds.", labels + ["kind"], registry=r, buckets=_LATENCY_BUCKETS)
         step_tokens = Counter(f"{PREFIX}serving_step_tokens", "Tokens computed by engine steps, by the step's kind "
                               "(as serving_step_seconds).", labels + ["kind"], registry=r)
+        step_faults = Counter(f"{PREFIX}serving_step_page_faults", "Minor page faults the server process took "
+                              "during engine steps, by the step's kind (as serving_step_seconds): host memory "
+                              "written for the first time, which a recorded prefill pays for when its "
+                              "activations land on fresh pages.", labels + ["kind"], registry=r)
         self.step_seconds = {kind: step_seconds.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
         self.step_tokens = {kind: step_tokens.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
+        self.step_faults = {kind: step_faults.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
         self.running = child(Gauge(f"{PREFIX}num_requests_running", "Sequences in the running batch.",
                                    labels, registry=r))
         self.waiting = child(Gauge(f"{PREFIX}num_requests_waiting", "Sequences waiting to be scheduled.",
@@ -125,6 +130,7 @@ class ServingMetrics:
         if stats.kind:
             self.step_seconds[stats.kind].observe(stats.seconds)
             self.step_tokens[stats.kind].inc(stats.num_scheduled_tokens)
+            self.step_faults[stats.kind].inc(stats.page_faults)
 
     def on_output(self, output: RequestOutput) -> None:
         rid, meta = output.request_id, output.metrics

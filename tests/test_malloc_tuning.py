@@ -99,3 +99,13 @@ def test_jobs_that_end_while_recording_is_paused_give_their_memory_back(monkeypa
     now[0] += TRIM_QUIET_S
     trainer.run_slice()  # an idle poll
     assert len(trims) == 2 and not trainer.has_work()
+
+
+def test_page_faults_count_memory_written_for_the_first_time():
+    import torch
+
+    from engine.malloc_tuning import minor_page_faults
+
+    before = minor_page_faults()
+    torch.ones(16 << 20)  # 64 MiB, above glibc's mmap threshold: mapped fresh, then written
+    assert minor_page_faults() - before >= 16  # 4 KiB pages, or 2 MiB ones where huge pages are on
