@@ -52,6 +52,29 @@ def test_heap_warmer_holds_pages_up_to_its_target_and_releases_them_before_a_rec
     assert not HeapWarmer(max_bytes=0).grow()  # nothing to hold
 
 
+def test_the_heap_is_warmed_again_between_the_slices_of_a_job():
+    """Under a backlog the trainer goes from job to job: the pages for the next recording
+    are faulted in between a job's slices, not in that recording's prefill."""
+    from tests.test_stash import make_trainer
+    from tests.test_training import serve
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    trainer = make_trainer()
+    warmer = trainer.maintenance.warmer
+    serve(trainer, "a")
+    while not trainer.trainer.in_job():
+        assert trainer.run_slice()
+    serve(trainer, "b")  # recorded while a's job is in progress: the warm pages went to it
+    assert warmer.held_bytes == 0 and warmer.wants_to_grow()
+    assert trainer.run_slice() and trainer.trainer.in_job()
+    assert warmer.held_bytes > 0  # the job waited for one piece
+    while warmer.wants_to_grow():
+        assert trainer.run_slice() and trainer.trainer.in_job()
+    trainer.train_until_idle()
+    assert all(trainer.cache.get(rid) is None or trainer.cache.get(rid).state is not EntryState.READY
+               for rid in ("a", "b"))
+
+
 def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_back():
     from tests.test_stash import make_trainer
     from tests.test_training import serve

@@ -4,7 +4,8 @@ returning freed memory, and warming the heap for the next recording.
 The arbiter (trainer/arbiter.py) triggers all of it, on the device thread:
   - in a gap, the item it runs (`OnlineTraining.run_slice`) first calls `expire()`, and
     between jobs `run_item()`: one bounded piece of the work that makes serving faster or
-    the next recording cheaper, before the next job starts;
+    the next recording cheaper, before the next job starts; during a job,
+    `warm_heap_item()`, the part of it that cannot wait for the job's end;
   - after serving steps, `expire()` once `expiry_due()` — label timeouts come due under
     steady traffic too, when no gap comes — and `rebuild_merged(budget_s)` while merged
     weights are stale.
@@ -107,8 +108,14 @@ class Maintenance:
         if self._memory_due():  # recording has paused: RSS follows the live activations
             self._return_freed_memory()
             return True
-        # the next recording's pages are faulted in here, before any job, not in its
-        # prefill: under traffic the trainer is rarely without a job
+        return self.warm_heap_item()
+
+    def warm_heap_item(self) -> bool:
+        """Faults in one more piece of heap for the next recording (engine/malloc_tuning.py);
+        False if it is warm enough. Between jobs, and also while a job is in progress: under
+        a backlog the trainer goes from job to job, and a recording made while a job holds
+        its memory otherwise lands on fresh pages and pays their faults in its prefill, where
+        requests wait (`alchemist:serving_step_page_faults_total`; BENCHMARKS.md)."""
         return self._warming_due() and self.warmer.grow()
 
     def _recording_paused(self) -> bool:
