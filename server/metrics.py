@@ -227,11 +227,13 @@ class _EngineCollector:
         yield threads
         slices = CounterMetricFamily(f"{PREFIX}arbiter_slices", "Training slices the arbiter ran, by policy and gap "
                                      "(idle: nothing runnable; between_steps: between decode steps, slo policy; "
-                                     "merge_between_steps: merged serving weights rebuilt after a step, any policy).",
+                                     "merge_between_steps: merged serving weights rebuilt after a step, any policy; "
+                                     "warm_between_steps: heap pre-faulted for the next recording after a step).",
                                      labels=["policy", "gap"])
         slices.add_metric([policy, "idle"], stats.idle_slices)
         slices.add_metric([policy, "between_steps"], stats.between_step_slices)
         slices.add_metric([policy, "merge_between_steps"], stats.maintenance_slices)
+        slices.add_metric([policy, "warm_between_steps"], stats.warming_slices)
         yield slices
         yield CounterMetricFamily(f"{PREFIX}arbiter_slo_backoffs", "Times the slo policy stopped interleaving "
                                   "training because the measured time per output token exceeded the SLO.",

@@ -195,3 +195,29 @@ def test_sigterm_finishes_in_flight_streams_parks_training_and_saves_the_adapter
     saved = AdapterStore(tmp_path).versions()
     assert last_saved and saved[-1].version == last_saved[-1]
     AdapterStore(tmp_path).load(saved[-1].version)
+
+
+def test_the_heap_is_warmed_between_serving_steps_when_no_idle_gap_comes():
+    """Under steady traffic the trainer gets no idle gap, and the next recording would fault
+    fresh pages in inside its prefill: a share of each step pre-faults them instead, while
+    requests run, and the tokens are unchanged."""
+    from engine.malloc_tuning import keep_freed_memory
+    from tests.conftest import engine_of
+    from tests.test_stash import make_trainer
+    from tests.test_training import serve
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    trainer = make_trainer()
+    warmer = trainer.maintenance.warmer
+    serve(trainer, "recorded")  # sets the warm heap's target: the largest recording seen
+    assert warmer.target > 0 and warmer.held_bytes == 0
+    engine = engine_of(trainer)
+    reference = engine.generate([encode("Hello, how are you?")], GREEDY)[0][0]
+    trainer.cache.hold(trainer.cache.get("recorded"))  # no job, no idle item before the request
+
+    async def body(async_engine):
+        return await serve_during(async_engine, "probe", GREEDY)
+
+    served, arbiter = run_with(engine, trainer, ArbiterConfig(policy="idle"), body)
+    assert arbiter.stats.warming_slices > 0 and warmer.held_bytes > 0
+    assert served == reference

@@ -11,7 +11,8 @@ The async bridge (engine/async_engine.py) calls it as its idle hook (engine/hook
     traffic no idle gap comes), the steps and rollbacks other data-parallel replicas
     combined this replica's gradients into (trainer/replicated.py; every replica applies
     them, idle or not), and a bounded piece of the rebuild of merged serving
-    weights while they are stale (trainer/maintenance.py).
+    weights while they are stale, else of warming the heap for the next recording
+    (trainer/maintenance.py).
 """
 
 from __future__ import annotations
@@ -51,6 +52,14 @@ class ServingMaintenance(Protocol):
         """Does about `budget_s` of the rebuild; False if there was none to do."""
         ...
 
+    def warming_due(self) -> bool:
+        """Whether the heap should be warmed for the next recording (a cheap check)."""
+        ...
+
+    def warm_heap(self, budget_s: float) -> bool:
+        """Pre-faults heap pages for about `budget_s`; False if it was warm enough."""
+        ...
+
 
 class TrainingWork(Protocol):
     """What the arbiter schedules in the gaps (trainer/online.py)."""
@@ -77,8 +86,10 @@ class ArbiterStats:
     between_step_slices: int = 0
     # times the slo policy stopped interleaving because the measured TPOT exceeded the SLO
     slo_backoffs: int = 0
-    # serving-maintenance items run between serving steps (merged weights rebuilt)
+    # serving-maintenance items run between serving steps: merged weights rebuilt, heap
+    # pages pre-faulted for the next recording
     maintenance_slices: int = 0
+    warming_slices: int = 0
     # smoothed measurements (seconds): serving step, training slice, time per output token
     step_ema: float = 0.0
     slice_ema: float = 0.0
@@ -128,7 +139,7 @@ class Arbiter:
         # the slo policy decides after every step (and counts its backoff in steps)
         maintenance = self.training.maintenance
         return (self.config.policy == "slo" or maintenance.expiry_due() or self.training.sync_due()
-                or maintenance.merged_stale())
+                or maintenance.merged_stale() or maintenance.warming_due())
 
     async def after_serving_step(self, device: DeviceGate) -> None:
         maintenance = self.training.maintenance
@@ -161,15 +172,23 @@ class Arbiter:
         through the slower unmerged path until they are rebuilt. Waiting for an idle gap
         would leave a request that arrived meanwhile on that path for its whole life, so
         a bounded part of the rebuild (a fraction of a step) runs between serving steps.
-        Returns the seconds it took."""
+        Otherwise, while prefills are recorded faster than idle gaps come, the same share
+        of a step pre-faults heap pages for the next recording, which would else fault
+        them in inside its prefill (its time to first token). Returns the seconds it took."""
         maintenance = self.training.maintenance
-        if device.interrupted() or not device.serving() or not maintenance.merged_stale():
-            return 0.0  # no executor round trip after the steps where nothing is stale
+        if device.interrupted() or not device.serving():
+            return 0.0
+        merging = maintenance.merged_stale()
+        if not merging and not maintenance.warming_due():
+            return 0.0  # no executor round trip after the steps where nothing is due
         budget = max(_MAINTENANCE_MIN_S, _MAINTENANCE_SHARE * self.stats.step_ema)
         started = time.perf_counter()
-        if not await device.run(maintenance.rebuild_merged, budget):
+        if not await device.run(maintenance.rebuild_merged if merging else maintenance.warm_heap, budget):
             return 0.0
-        self.stats.maintenance_slices += 1
+        if merging:
+            self.stats.maintenance_slices += 1
+        else:
+            self.stats.warming_slices += 1
         return time.perf_counter() - started
 
     async def _slices_between_steps(self, device: DeviceGate, spent: float = 0.0) -> None:

@@ -4,16 +4,19 @@ returning freed memory, and warming the heap for the next recording.
 The arbiter (trainer/arbiter.py) triggers all of it, on the device thread:
   - in a gap, the item it runs (`OnlineTraining.run_slice`) first calls `expire()`, and
     between jobs `run_item()`: one bounded piece of the work that makes serving faster or
-    the next recording cheaper, before the next job starts; during a job,
-    `warm_heap_item()`, the part of it that cannot wait for the job's end;
+    the next recording cheaper, before the next job starts; during a job, `warm_heap()`,
+    the part of it that cannot wait for the job's end;
   - after serving steps, `expire()` once `expiry_due()` — label timeouts come due under
-    steady traffic too, when no gap comes — and `rebuild_merged(budget_s)` while merged
-    weights are stale.
+    steady traffic too, when no gap comes — `rebuild_merged(budget_s)` while merged
+    weights are stale, and then `warm_heap(budget_s)` while recordings come faster than
+    idle gaps.
 The adapter's lifecycle marks merged weights stale when the adapter changes
 (`invalidate_merged`) and rebuilds them all at a resume (`merge_all`).
 """
 
 from __future__ import annotations
+
+import time
 
 from engine.malloc_tuning import HeapWarmer, return_freed_memory
 from trainer.adapter import merge_all, merge_stale
@@ -99,7 +102,7 @@ class Maintenance:
 
     def has_work(self) -> bool:
         return (self._merge_pending or self.cache.has_pending_release() or self._memory_due()
-                or self._warming_due())
+                or self.warming_due())
 
     def run_item(self) -> bool:
         """One bounded item of housekeeping (between jobs); False if none was due."""
@@ -108,22 +111,31 @@ class Maintenance:
         if self._memory_due():  # recording has paused: RSS follows the live activations
             self._return_freed_memory()
             return True
-        return self.warm_heap_item()
+        return self.warm_heap()
 
-    def warm_heap_item(self) -> bool:
-        """Faults in one more piece of heap for the next recording (engine/malloc_tuning.py);
-        False if it is warm enough. Between jobs, and also while a job is in progress: under
-        a backlog the trainer goes from job to job, and a recording made while a job holds
-        its memory otherwise lands on fresh pages and pays their faults in its prefill, where
-        requests wait (`alchemist:serving_step_page_faults_total`; BENCHMARKS.md)."""
-        return self._warming_due() and self.warmer.grow()
+    def warming_due(self) -> bool:
+        """Pages are warmed for the next recording while prefills are being recorded (a
+        cheap check)."""
+        return self.warmer is not None and self.warmer.wants_to_grow() and not self._recording_paused()
+
+    def warm_heap(self, budget_s: float = 0.0) -> bool:
+        """Faults in heap pages for the next recording (engine/malloc_tuning.py) for about
+        `budget_s`, at least one piece; False if it was warm enough. Wherever the device
+        has a moment: between jobs, between a job's slices, and between serving steps.
+        Recordings come in bursts, with requests running and jobs in progress; one made
+        before the heap is warm again lands on fresh pages and pays their faults in its
+        prefill, which requests wait for (`alchemist:serving_step_page_faults_total`;
+        BENCHMARKS.md, "Recorded prefills on fresh pages")."""
+        started = time.perf_counter()
+        grew = False
+        while self.warming_due() and self.warmer.grow():
+            grew = True
+            if time.perf_counter() - started >= budget_s:
+                break
+        return grew
 
     def _recording_paused(self) -> bool:
         return self.cache.clock() - self.cache.last_recorded >= TRIM_QUIET_S
-
-    def _warming_due(self) -> bool:
-        """Pages are warmed for the next recording while prefills are being recorded."""
-        return self.warmer is not None and self.warmer.wants_to_grow() and not self._recording_paused()
 
     def _memory_due(self) -> bool:
         """Recording has paused, and memory was freed since it was last given back (at

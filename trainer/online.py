@@ -182,7 +182,7 @@ class OnlineTraining:
             worked, item = self.apply_synced(), "replicas' step"
         elif self._scoring():  # no job starts before the candidate's verdict
             worked, item = self._gate_slice(), "eval gate"
-        elif self.maintenance.warm_heap_item() if self.trainer.in_job() else self.maintenance.run_item():
+        elif self.maintenance.warm_heap() if self.trainer.in_job() else self.maintenance.run_item():
             worked, item = True, "housekeeping"
         else:
             worked, item = self.trainer.run_slice(), self.trainer.slice_item

@@ -1,0 +1,73 @@
+"""A recorded prefill against a plain prefill of the same prompt, in one DPO training
+engine, alternating, with the page faults each step took. Between rounds the trainer
+runs a fixed number of items that do not finish its jobs (`--slices`, as the server's
+gaps under a backlog), or trains to idle (`--slices 0`). Run from the repository root:
+
+    .venv/bin/python docs/training-issue24/recorded_prefill_under_backlog.py --slices 60
+    .venv/bin/python docs/training-issue24/recorded_prefill_under_backlog.py --slices 0
+"""
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+from bench.traces import synthetic_tokens
+from engine.malloc_tuning import keep_freed_memory, minor_page_faults
+from engine.model_loader import load
+from engine.sampling_params import SamplingParams
+from server.build import build_training_engine
+from server.config import load_config
+from trainer.config import TrainConfig
+from trainer.feedback import FeedbackLabel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=100, help="prompt tokens")
+    parser.add_argument("--slices", type=int, default=60, help="training items per round; 0: train to idle")
+    args = parser.parse_args()
+    keep_freed_memory()
+    config = load_config(None)
+    model, tokenizer, _ = load(config.model)
+    engine, trainer = build_training_engine(model, tokenizer, config, TrainConfig(mode="dpo"))
+    trainer.maintenance.merge_all()
+    gc.collect()
+    gc.freeze()  # as the server does (server/gc_freeze.py)
+
+    def prefill(request_id: str, prompt: list[int], record: bool) -> tuple[float, int]:
+        engine.add_request(request_id, prompt, SamplingParams(max_tokens=24, min_tokens=24, temperature=0.0),
+                           train=record)
+        faults, started = minor_page_faults(), time.perf_counter()
+        engine.step()
+        seconds, faults = time.perf_counter() - started, minor_page_faults() - faults
+        while engine.has_unfinished():
+            engine.step()
+        return seconds, faults
+
+    seconds, faults = {"plain": [], "recorded": []}, {"plain": [], "recorded": []}
+    for i in range(args.rounds):
+        for _ in range(args.slices):
+            trainer.run_slice()
+        prompt = synthetic_tokens(tokenizer, args.tokens, i)
+        for record in ((False, True) if i % 2 else (True, False)):
+            took, faulted = prefill(f"r{i}-{record}", prompt, record)
+            if i >= 2:  # the first two rounds warm up
+                name = "recorded" if record else "plain"
+                seconds[name].append(took)
+                faults[name].append(faulted)
+        trainer.feedback.submit(FeedbackLabel(f"r{i}-True", "A short and friendly answer.", None, 0))
+        if not args.slices:
+            trainer.train_until_idle()
+    median_ms = {name: statistics.median(values) * 1000 for name, values in seconds.items()}
+    print(json.dumps({"slices": args.slices, **{f"{k}_ms": round(v, 1) for k, v in median_ms.items()},
+                      "recorded_over_plain": round(median_ms["recorded"] / median_ms["plain"], 3),
+                      **{f"{k}_page_faults": statistics.median(v) for k, v in faults.items()},
+                      "entries_waiting": len(list(trainer.cache.entries())),
+                      "adapter_version": trainer.optimizer.version}))
+
+
+if __name__ == "__main__":
+    main()
