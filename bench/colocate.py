@@ -225,7 +225,7 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
         - read_metric(before, "alchemist:train_busy_seconds_total"),
         **{f"{gap}_items": read_metric(after, f'alchemist:arbiter_slices_total{{gap="{gap}"}}')
            - read_metric(before, f'alchemist:arbiter_slices_total{{gap="{gap}"}}')
-           for gap in ("idle", "merge_between_steps")},
+           for gap in ("idle", "merge_between_steps", "warm_between_steps")},
         "optimizer_steps": read_metric(after, "alchemist:adapter_version")
         - read_metric(before, "alchemist:adapter_version"),
     }
