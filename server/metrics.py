@@ -29,6 +29,32 @@ STEP_KINDS = ("decode", "prefill", "mixed", "recorded_prefill")
 CONSTRAINTS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call")
 
 
+class StepsByKind:
+    """Engine steps by what they ran (`SchedulerOutput.kind`): their seconds, the tokens
+    they computed and the page faults they took."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry):
+        labels = ["model_name", "kind"]
+        seconds = Histogram(f"{PREFIX}serving_step_seconds", "Wall time of an engine step, by what it ran: decode "
+                            "(one token per sequence), prefill (prompt tokens only), mixed, recorded_prefill (a "
+                            "prompt recorded with autograd for training; decodes may follow it), in seconds.",
+                            labels, registry=registry, buckets=_LATENCY_BUCKETS)
+        tokens = Counter(f"{PREFIX}serving_step_tokens", "Tokens computed by engine steps, by the step's kind (as "
+                         "serving_step_seconds).", labels, registry=registry)
+        faults = Counter(f"{PREFIX}serving_step_page_faults", "Minor page faults the server process took during "
+                         "engine steps, by the step's kind (as serving_step_seconds): host memory written for the "
+                         "first time, which a recorded prefill pays for when its activations land on fresh pages.",
+                         labels, registry=registry)
+        self.seconds = {kind: seconds.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
+        self.tokens = {kind: tokens.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
+        self.page_faults = {kind: faults.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
+
+    def observe(self, stats: StepStats) -> None:
+        self.seconds[stats.kind].observe(stats.seconds)
+        self.tokens[stats.kind].inc(stats.num_scheduled_tokens)
+        self.page_faults[stats.kind].inc(stats.page_faults)
+
+
 class ServingMetrics:
     def __init__(self, model_name: str, cache_info: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
@@ -65,19 +91,7 @@ class ServingMetrics:
         self.gen_len = child(Histogram(f"{PREFIX}request_generation_tokens", "Tokens generated per finished "
                                        "request (all choices), in tokens.", labels, registry=r,
                                        buckets=_TOKEN_BUCKETS))
-        step_seconds = Histogram(f"{PREFIX}serving_step_seconds", "Wall time of an engine step, by what it ran: "
-                                 "decode (one token per sequence), prefill (prompt tokens only), mixed, "
-                                 "recorded_prefill (a prompt recorded with autograd for training; decodes may "
-                                 "follow it), in seconds.", labels + ["kind"], registry=r, buckets=_LATENCY_BUCKETS)
-        step_tokens = Counter(f"{PREFIX}serving_step_tokens", "Tokens computed by engine steps, by the step's kind "
-                              "(as serving_step_seconds).", labels + ["kind"], registry=r)
-        step_faults = Counter(f"{PREFIX}serving_step_page_faults", "Minor page faults the server process took "
-                              "during engine steps, by the step's kind (as serving_step_seconds): host memory "
-                              "written for the first time, which a recorded prefill pays for when its "
-                              "activations land on fresh pages.", labels + ["kind"], registry=r)
-        self.step_seconds = {kind: step_seconds.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
-        self.step_tokens = {kind: step_tokens.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
-        self.step_faults = {kind: step_faults.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
+        self.steps = StepsByKind(model_name, r)
         self.running = child(Gauge(f"{PREFIX}num_requests_running", "Sequences in the running batch.",
                                    labels, registry=r))
         self.waiting = child(Gauge(f"{PREFIX}num_requests_waiting", "Sequences waiting to be scheduled.",
@@ -128,9 +142,7 @@ class ServingMetrics:
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
         if stats.kind:
-            self.step_seconds[stats.kind].observe(stats.seconds)
-            self.step_tokens[stats.kind].inc(stats.num_scheduled_tokens)
-            self.step_faults[stats.kind].inc(stats.page_faults)
+            self.steps.observe(stats)
 
     def on_output(self, output: RequestOutput) -> None:
         rid, meta = output.request_id, output.metrics

@@ -93,7 +93,7 @@ def test_cpu_seconds_of_the_event_loop_and_the_device_thread_are_exported():
 
 def _steps(metrics, kind: str) -> tuple[int, int]:
     """(steps, tokens) of `kind` observed so far."""
-    return _count(metrics.step_seconds[kind]), int(metrics.step_tokens[kind]._value.get())
+    return _count(metrics.steps.seconds[kind]), int(metrics.steps.tokens[kind]._value.get())
 
 
 def test_engine_steps_are_timed_by_what_they_ran():
@@ -110,7 +110,7 @@ def test_engine_steps_are_timed_by_what_they_ran():
     while engine.has_unfinished():
         engine.step()
     assert _steps(metrics, "decode")[0] >= 2 and _steps(metrics, "recorded_prefill") == (0, 0)
-    assert metrics.step_seconds["prefill"]._sum.get() > 0
+    assert metrics.steps.seconds["prefill"]._sum.get() > 0
 
 
 def test_a_recorded_prefill_is_timed_as_one():
