@@ -132,3 +132,43 @@ def test_page_faults_count_memory_written_for_the_first_time():
     before = minor_page_faults()
     torch.ones(16 << 20)  # 64 MiB, above glibc's mmap threshold: mapped fresh, then written
     assert minor_page_faults() - before >= 16  # 4 KiB pages, or 2 MiB ones where huge pages are on
+
+
+def test_the_heap_asks_for_huge_pages_through_the_environment_once():
+    from engine.malloc_tuning import HUGE_PAGE_TUNABLE, huge_page_heap_environment
+
+    environ = huge_page_heap_environment({"PATH": "/bin"}, "madvise")
+    if platform.libc_ver()[0] != "glibc":
+        assert environ is None
+        return
+    assert environ == {"PATH": "/bin", "GLIBC_TUNABLES": HUGE_PAGE_TUNABLE}
+    assert huge_page_heap_environment(environ, "madvise") is None  # run again once, not forever
+    other = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    assert huge_page_heap_environment(other, "always")["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{HUGE_PAGE_TUNABLE}"
+    assert huge_page_heap_environment({}, "never") is None and huge_page_heap_environment({}, "") is None
+    assert huge_page_heap_environment({"ALCHEMIST_HUGE_PAGE_HEAP": "0"}, "madvise") is None
+
+
+def test_a_process_run_again_with_huge_pages_faults_its_heap_in_larger_pieces():
+    """What a recording's activations do: a few hundred tensors of hundreds of KiB, from
+    glibc's heap; in huge pages a first write faults 2 MiB in, not 4 KiB."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.malloc_tuning import HUGE_PAGE_TUNABLE, transparent_huge_pages_mode
+
+    code = ("import os, torch; from engine.malloc_tuning import keep_freed_memory, minor_page_faults, "
+            "run_again_with_huge_page_heap; run_again_with_huge_page_heap(); keep_freed_memory(); "
+            "before = minor_page_faults(); kept = [torch.ones(150 << 10) for _ in range(200)]; "
+            "print(os.environ.get('GLIBC_TUNABLES'), minor_page_faults() - before)")
+    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "ALCHEMIST_HUGE_PAGE_HEAP")}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tunables, faults = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                      cwd=repo, env={**environ, "PYTHONPATH": repo}).stdout.split()
+    if platform.libc_ver()[0] != "glibc" or transparent_huge_pages_mode() not in ("always", "madvise"):
+        assert tunables == "None"
+        return
+    assert tunables == HUGE_PAGE_TUNABLE
+    small_pages = 200 * (600 << 10) // 4096
+    assert int(faults) < small_pages // 2  # most of the heap came in huge pages
