@@ -9,8 +9,7 @@ FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     ALCHEMIST_CACHE=/var/cache/alchemist HF_HUB_OFFLINE=1 \
-    ALCHEMIST_ADAPTER_DIR=/var/lib/alchemist/adapters \
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=1
+    ALCHEMIST_ADAPTER_DIR=/var/lib/alchemist/adapters
 
 RUN useradd --create-home --uid 10001 alchemist
 WORKDIR /opt/alchemist

@@ -13,11 +13,7 @@ threshold are mapped fresh each time, so every recording pays first-touch page f
     recorded for a while, and again, at most as often, while jobs free more, so a server
     without traffic holds what it started with (`alchemist bench soak`; measured in BENCHMARKS.md,
     "Memory after the drain").
-  - `run_again_with_huge_page_heap()` restarts the command (at its start, once) with
-    glibc's malloc asking for transparent huge pages for its heaps: memory written for the
-    first time then faults in 2 MiB at a time, not 4 KiB (measured in BENCHMARKS.md,
-    "Recorded prefills on fresh pages"). ALCHEMIST_HUGE_PAGE_HEAP=0 turns it off.
-Elsewhere than glibc they do nothing and return False.
+Elsewhere than glibc both do nothing and return False.
 """
 
 from __future__ import annotations
@@ -25,11 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
-import platform
 import resource
-import sys
-from typing import Mapping
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
@@ -63,41 +55,6 @@ def return_freed_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
-
-
-# glibc's tunable that has malloc advise transparent huge pages for its heaps
-HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
-_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def transparent_huge_pages_mode() -> str:
-    """The kernel's transparent huge page mode (always, madvise, never), "" where unknown."""
-    try:
-        with open(_THP_ENABLED) as f:
-            text = f.read()
-    except OSError:
-        return ""
-    return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
-
-
-def huge_page_heap_environment(environ: Mapping[str, str], thp_mode: str) -> dict[str, str] | None:
-    """The environment to run this process again with, so that glibc's malloc asks for
-    transparent huge pages for its heaps; None where it does already, where it cannot (not
-    glibc, huge pages off) or where told not to (ALCHEMIST_HUGE_PAGE_HEAP=0)."""
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    if (environ.get("ALCHEMIST_HUGE_PAGE_HEAP", "1") == "0" or "glibc.malloc.hugetlb" in tunables
-            or thp_mode not in ("always", "madvise") or platform.libc_ver()[0] != "glibc"):
-        return None
-    return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGE_TUNABLE}" if tunables else HUGE_PAGE_TUNABLE}
-
-
-def run_again_with_huge_page_heap() -> None:
-    """Runs this process again, the same command line, with glibc's malloc on transparent
-    huge pages, if it is not already (`huge_page_heap_environment`); glibc reads its
-    tunables only at start. Returns where nothing is to be done."""
-    environ = huge_page_heap_environment(os.environ, transparent_huge_pages_mode())
-    if environ is not None:
-        os.execve(sys.executable, sys.orig_argv, environ)
 
 
 def minor_page_faults() -> int:

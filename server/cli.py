@@ -189,11 +189,9 @@ def export_feedback(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.malloc_tuning import keep_freed_memory, run_again_with_huge_page_heap
-    if argv is None:  # run as a program: glibc reads its tunables only at start
-        run_again_with_huge_page_heap()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from engine.malloc_tuning import keep_freed_memory
     keep_freed_memory()
     if args.command == "feedback":
         return feedback_command(args)
