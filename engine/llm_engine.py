@@ -211,6 +211,7 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         started, faults = time.perf_counter(), minor_page_faults()
         scheduled = self.scheduler.schedule()
+        kind = scheduled.kind  # before the step: it advances the sequences' computed tokens
         touched: set[str] = {s.request_id for s in scheduled.preempted}
         step_started = time.monotonic()
         if not scheduled.is_empty:
@@ -231,8 +232,7 @@ class LLMEngine:
                     hooks.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
             touched |= self.outputs.update(scheduled, model_output, step_started)
         outputs = [out for rid in touched if (out := self.outputs.collect(rid)) is not None]
-        stats = self._state(time.perf_counter() - started, scheduled.num_tokens, len(scheduled.preempted),
-                            scheduled.kind)
+        stats = self._state(time.perf_counter() - started, scheduled.num_tokens, len(scheduled.preempted), kind)
         stats.page_faults = minor_page_faults() - faults
         self._publish(outputs, stats)
         return outputs, stats

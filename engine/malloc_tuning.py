@@ -68,8 +68,9 @@ _PIECE = 16 << 20
 
 
 class HeapWarmer:
-    """Pre-faulted heap for the next recording: in idle slices, before any training job,
-    `grow()` touches fresh heap pages a piece at a time and holds them; `release()` (just
+    """Pre-faulted heap for the next recording: wherever the device has a moment (between
+    jobs, between a job's slices, after serving steps: trainer/maintenance.py), `grow()`
+    touches fresh heap pages a piece at a time and holds them; `release()` (just
     before a recording) frees them, so the recording's activations land on pages that no
     longer fault on first touch. A recording made while earlier ones are alive otherwise takes fresh
     pages (`alchemist bench recording`, cases kept and kept_cold; measured in

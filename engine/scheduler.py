@@ -41,7 +41,7 @@ class ScheduledSequence:
 
     @property
     def is_decode(self) -> bool:
-        """One new token of a sequence past its prompt."""
+        """One new token of a sequence past its prompt (read before the step runs)."""
         return self.num_new_tokens == 1 and self.seq.num_computed_tokens >= self.seq.num_prompt_tokens
 
 
@@ -76,8 +76,9 @@ class SchedulerOutput:
 
     @property
     def kind(self) -> str:
-        """What the step runs: "recorded_prefill" (decodes may follow it), "decode" (one
-        new token per sequence), "prefill" (prompt tokens only), "mixed", or "" (nothing)."""
+        """What the step runs (read before it runs): "recorded_prefill" (decodes may follow
+        it), "decode" (one new token per sequence), "prefill" (no decode row: prompts, or a
+        preempted sequence computing its tokens again), "mixed", or "" (nothing)."""
         if not self.scheduled:
             return ""
         if self.recorded:

@@ -41,8 +41,8 @@ class StepsByKind:
                             labels, registry=registry, buckets=_LATENCY_BUCKETS)
         tokens = Counter(f"{PREFIX}serving_step_tokens", "Tokens computed by engine steps, by the step's kind (as "
                          "serving_step_seconds).", labels, registry=registry)
-        faults = Counter(f"{PREFIX}serving_step_page_faults", "Minor page faults the server process took during "
-                         "engine steps, by the step's kind (as serving_step_seconds): host memory written for the "
+        faults = Counter(f"{PREFIX}serving_step_page_faults", "Minor page faults the server process (any of its "
+                         "threads) took during engine steps, by the step's kind (as serving_step_seconds): host memory written for the "
                          "first time, which a recorded prefill pays for when its activations land on fresh pages.",
                          labels, registry=registry)
         self.seconds = {kind: seconds.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}

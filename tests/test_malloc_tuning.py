@@ -75,6 +75,23 @@ def test_the_heap_is_warmed_again_between_the_slices_of_a_job():
                for rid in ("a", "b"))
 
 
+def test_pages_warmed_while_an_admitted_recording_waits_go_to_it():
+    """A recording admitted but not yet scheduled (its KV blocks not free) lets the heap be
+    warmed again between serving steps; those pages are freed for it when it runs."""
+    from tests.conftest import encode
+    from tests.test_stash import make_trainer
+    from tests.test_training import serve
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    trainer = make_trainer()
+    warmer, recorder, prompt = trainer.maintenance.warmer, trainer.recorder, encode("Hello there")
+    serve(trainer, "a")  # sets the warm heap's target
+    spec = recorder.admit("b", prompt)
+    assert spec is not None
+    assert trainer.maintenance.warm_heap() and warmer.held_bytes > 0  # warmed while it waits
+    assert recorder.confirm("b", prompt, spec) is spec and warmer.held_bytes == 0
+
+
 def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_back():
     from tests.test_stash import make_trainer
     from tests.test_training import serve

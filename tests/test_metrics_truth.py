@@ -125,3 +125,15 @@ def test_a_recorded_prefill_is_timed_as_one():
         engine.step()
     assert _steps(metrics, "recorded_prefill") == (1, len(prompt)) and _steps(metrics, "prefill") == (0, 0)
     assert _steps(metrics, "decode") == (2, 2)
+
+
+def test_a_prompt_of_one_token_and_a_last_prefill_chunk_of_one_token_are_prefills():
+    engine, metrics = observed_engine()  # at most 64 tokens per step
+    engine.add_request("one", encode("Hello")[:1], SamplingParams(max_tokens=1))
+    engine.step()
+    assert _steps(metrics, "prefill") == (1, 1)
+    prompt = (encode("Hello there, how are you today? ") * 20)[:65]
+    engine.add_request("long", prompt, SamplingParams(max_tokens=1))
+    engine.step()
+    engine.step()  # the prompt's last token, alone
+    assert _steps(metrics, "prefill") == (3, 66) and _steps(metrics, "decode") == (0, 0)

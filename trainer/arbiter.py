@@ -86,7 +86,7 @@ class ArbiterStats:
     between_step_slices: int = 0
     # times the slo policy stopped interleaving because the measured TPOT exceeded the SLO
     slo_backoffs: int = 0
-    # serving-maintenance items run between serving steps: merged weights rebuilt, heap
+    # serving-maintenance items run between serving steps: merged weights rebuilt; heap
     # pages pre-faulted for the next recording
     maintenance_slices: int = 0
     warming_slices: int = 0

@@ -96,8 +96,6 @@ class Recorder:
         if self.keeps_client_prompt and client_prompt is not None:
             self._client_prompts[request_id] = client_prompt
         spec = None if self.recording_paused() else self._decide(len(prompt_token_ids))
-        if spec is not None and self.warmer is not None:
-            self.warmer.release()  # the recording's activations take the warm pages
         if spec is None and self.method.uses_feedback:  # its label will train by recomputation
             self._label_only[request_id] = (list(prompt_token_ids), self.adapter_version())
             self._responses[request_id] = {}
@@ -108,6 +106,8 @@ class Recorder:
         version's and recording is not paused; otherwise its prefill runs unrecorded and
         the request gets a label entry, as one not drawn does."""
         if not self.recording_paused() and spec.adapter_version == self.adapter_version():
+            if self.warmer is not None:  # each time: pages warmed again while it waited for KV blocks
+                self.warmer.release()  # the recording's activations take the warm pages
             return spec
         if self.method.uses_feedback:
             self._label_only[request_id] = (list(prompt_token_ids), self.adapter_version())
