@@ -65,14 +65,21 @@ def _first_token_seconds(engine: LLMEngine, request_id: str, prompt: list[int], 
     return first, (decoded if decodes else None)
 
 
-def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) -> dict:
+def embedded_training_engine(config: AlchemistConfig, mode: str = "dpo", **options):
+    """The configured model (the embedded one by default) served with online training in
+    `mode` (`build_training`'s options), its merged serving weights built: (engine,
+    training, tokenizer)."""
     model, tokenizer, _ = load(config.model)
+    engine, trainer = build_training_engine(model, tokenizer, config, TrainConfig(mode=mode), **options)
+    trainer.maintenance.merge_all()
+    return engine, trainer, tokenizer
+
+
+def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) -> dict:
     if case == "beside_decodes_shared":
         config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
                                                                            recorded_prefill_alone=False))
-    engine, trainer = build_training_engine(model, tokenizer, config, TrainConfig(mode="dpo"),
-                                            heap_warming=case != "kept_cold")
-    trainer.maintenance.merge_all()
+    engine, trainer, tokenizer = embedded_training_engine(config, heap_warming=case != "kept_cold")
     seconds = {True: [], False: []}
     decoded = {True: [], False: []}
     for i in range(repeats + 2):  # the first two rounds warm up

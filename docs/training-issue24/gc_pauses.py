@@ -12,13 +12,11 @@ import json
 import statistics
 import time
 
+from bench.recording import embedded_training_engine
 from bench.traces import synthetic_tokens
 from engine.malloc_tuning import keep_freed_memory
-from engine.model_loader import load
 from engine.sampling_params import SamplingParams
-from server.build import build_training_engine
 from server.config import load_config
-from trainer.config import TrainConfig
 from trainer.feedback import FeedbackLabel
 
 
@@ -28,10 +26,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=24)
     args = parser.parse_args()
     keep_freed_memory()
-    config = load_config(None)
-    model, tokenizer, _ = load(config.model)
-    engine, trainer = build_training_engine(model, tokenizer, config, TrainConfig(mode="dpo"))
-    trainer.maintenance.merge_all()
+    engine, trainer, tokenizer = embedded_training_engine(load_config(None))
     if args.freeze:
         gc.collect()
         gc.freeze()

@@ -13,13 +13,11 @@ import json
 import statistics
 import time
 
+from bench.recording import embedded_training_engine
 from bench.traces import synthetic_tokens
 from engine.malloc_tuning import keep_freed_memory, minor_page_faults
-from engine.model_loader import load
 from engine.sampling_params import SamplingParams
-from server.build import build_training_engine
 from server.config import load_config
-from trainer.config import TrainConfig
 from trainer.feedback import FeedbackLabel
 
 
@@ -30,10 +28,7 @@ def main() -> None:
     parser.add_argument("--slices", type=int, default=60, help="training items per round; 0: train to idle")
     args = parser.parse_args()
     keep_freed_memory()
-    config = load_config(None)
-    model, tokenizer, _ = load(config.model)
-    engine, trainer = build_training_engine(model, tokenizer, config, TrainConfig(mode="dpo"))
-    trainer.maintenance.merge_all()
+    engine, trainer, tokenizer = embedded_training_engine(load_config(None))
     gc.collect()
     gc.freeze()  # as the server does (server/gc_freeze.py)
 

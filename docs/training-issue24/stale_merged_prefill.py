@@ -11,23 +11,18 @@ import time
 
 import torch
 
+from bench.recording import embedded_training_engine
 from bench.traces import synthetic_tokens
 from engine.malloc_tuning import keep_freed_memory
-from engine.model_loader import load
 from engine.sampling_params import SamplingParams
-from server.build import build_training_engine
 from server.config import load_config
 from trainer.adapter import lora_parameters
-from trainer.config import TrainConfig
 from trainer.entries import EntryState
 
 
 def main() -> None:
     keep_freed_memory()
-    config = load_config(None)
-    model, tokenizer, _ = load(config.model)
-    engine, trainer = build_training_engine(model, tokenizer, config, TrainConfig(mode="dpo"))
-    trainer.maintenance.merge_all()
+    engine, trainer, tokenizer = embedded_training_engine(load_config(None))
     params = lora_parameters(trainer.peft_model)
 
     def recorded_prefill(index: int) -> float:
