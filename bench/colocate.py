@@ -29,7 +29,7 @@ import httpx
 from bench.launch import running_server
 from bench.report import TRAINING_PATHS, percentile, pyplot, read_metric, reuse_share, trained_by_path, write_json
 from bench.traces import WORDS, TraceRequest, make_trace
-from server.metrics import STEP_KINDS
+from engine.scheduler import STEP_KINDS
 
 async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, start: float, feedback: bool,
                rng: random.Random) -> dict:

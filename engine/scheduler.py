@@ -45,6 +45,10 @@ class ScheduledSequence:
         return self.num_new_tokens == 1 and self.seq.num_computed_tokens >= self.seq.num_prompt_tokens
 
 
+# what a step runs (`SchedulerOutput.kind`)
+STEP_KINDS = ("decode", "prefill", "mixed", "recorded_prefill")
+
+
 @dataclass
 class Fork:
     """Choices that take `parent`'s prompt K/V in this step and sample their first token

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.outputs import RequestOutput, StepStats
+from engine.scheduler import STEP_KINDS
 from engine.thread_cpu import thread_cpu_seconds
 from server.training_metrics import PREFIX, TrainingCollector
 from trainer.arbiter import ArbiterStats
@@ -25,7 +26,6 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
 _E2E_BUCKETS_SHORT = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1) + _E2E_BUCKETS
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-STEP_KINDS = ("decode", "prefill", "mixed", "recorded_prefill")
 CONSTRAINTS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call")
 
 
@@ -36,14 +36,15 @@ class StepsByKind:
     def __init__(self, model_name: str, registry: CollectorRegistry):
         labels = ["model_name", "kind"]
         seconds = Histogram(f"{PREFIX}serving_step_seconds", "Wall time of an engine step, by what it ran: decode "
-                            "(one token per sequence), prefill (prompt tokens only), mixed, recorded_prefill (a "
-                            "prompt recorded with autograd for training; decodes may follow it), in seconds.",
+                            "(one token per sequence), prefill (no decode row), mixed, recorded_prefill (a prompt "
+                            "recorded with autograd for training; decodes may follow it), in seconds.",
                             labels, registry=registry, buckets=_LATENCY_BUCKETS)
         tokens = Counter(f"{PREFIX}serving_step_tokens", "Tokens computed by engine steps, by the step's kind (as "
                          "serving_step_seconds).", labels, registry=registry)
         faults = Counter(f"{PREFIX}serving_step_page_faults", "Minor page faults the server process (any of its "
-                         "threads) took during engine steps, by the step's kind (as serving_step_seconds): host memory written for the "
-                         "first time, which a recorded prefill pays for when its activations land on fresh pages.",
+                         "threads) took during engine steps, by the step's kind (as serving_step_seconds): host "
+                         "memory written for the first time, which a recorded prefill pays for when its "
+                         "activations land on fresh pages.",
                          labels, registry=registry)
         self.seconds = {kind: seconds.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
         self.tokens = {kind: tokens.labels(model_name=model_name, kind=kind) for kind in STEP_KINDS}
