@@ -63,8 +63,18 @@ def minor_page_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-# pieces below the mmap threshold, so that freed they stay in the heap
-_PIECE = 16 << 20
+# The heap is warmed in pieces the size of the largest tensor the largest recording saved
+# (its MLP rows): glibc hands out its free chunks best fit first, and freed, the pieces
+# are chunks that every tensor of the recording fits. Pieces of a fixed size miss them,
+# depending on the heap: 16 MiB pieces went to the top of the heap, 64 KiB ones to holes
+# a recording's larger tensors do not fit, and so did pieces of the recording's own sizes,
+# grown between other work (docs/training-issue24/recorded_prefill_under_backlog.py,
+# warm_heap_pieces.py).
+_FALLBACK_PIECE = 1 << 20
+# the work of one `grow()`, in bytes touched
+_GROW_BYTES = 16 << 20
+# glibc maps blocks from this size (keep_freed_memory) fresh each time: not warmed
+_MMAP_THRESHOLD = 32 << 20
 
 
 class HeapWarmer:
@@ -79,9 +89,12 @@ class HeapWarmer:
 
     def __init__(self, max_bytes: int = 512 << 20):
         self.max_bytes = max_bytes
-        # bytes to hold warm: the largest recording seen (set by the recorder)
+        # bytes to hold warm: the largest recording seen (`fit`)
         self.target = 0
+        # the size of that recording's largest saved tensor: the pieces'
+        self.piece_bytes = _FALLBACK_PIECE
         self._pieces: list[int] = []
+        self._held = 0
         self._libc = _libc()
         if self._libc is not None:
             self._libc.malloc.restype = ctypes.c_void_p
@@ -90,25 +103,36 @@ class HeapWarmer:
 
     @property
     def held_bytes(self) -> int:
-        return len(self._pieces) * _PIECE
+        return self._held
+
+    def fit(self, saved_sizes: list[int]) -> None:
+        """A recording saved tensors of these sizes (bytes): the heap is warmed for the
+        largest recording seen, in pieces the size of its largest tensor."""
+        sizes = [size for size in saved_sizes if size < _MMAP_THRESHOLD]  # mapped fresh anyway
+        if sizes and sum(sizes) > self.target:
+            self.target, self.piece_bytes = sum(sizes), max(sizes)
 
     def wants_to_grow(self) -> bool:
         return self._libc is not None and self.held_bytes < min(self.target, self.max_bytes)
 
     def grow(self) -> bool:
-        """Touches one more piece (a bounded slice of work); False if warm enough."""
-        if not self.wants_to_grow():
-            return False
-        address = self._libc.malloc(_PIECE)
-        if not address:
-            self.target = self.held_bytes  # out of memory: stay as warm as we are
-            return False
-        ctypes.memset(address, 0, _PIECE)  # the first touch: the page faults happen here
-        self._pieces.append(address)
-        return True
+        """Touches up to `_GROW_BYTES` more (a bounded slice of work); False if it was warm
+        enough."""
+        grew = 0
+        while grew < _GROW_BYTES and self.wants_to_grow():
+            size = self.piece_bytes
+            address = self._libc.malloc(size)
+            if not address:
+                self.target = self.held_bytes  # out of memory: stay as warm as we are
+                break
+            ctypes.memset(address, 0, size)  # the first touch: the page faults happen here
+            self._pieces.append(address)
+            self._held += size
+            grew += size
+        return grew > 0
 
     def release(self) -> None:
         """Frees the held pages into the heap, warm, for the allocations that follow."""
-        pieces, self._pieces = self._pieces, []
+        pieces, self._pieces, self._held = self._pieces, [], 0
         for address in reversed(pieces):
             self._libc.free(address)

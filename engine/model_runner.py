@@ -285,6 +285,7 @@ class ModelRunner:
         num_prompt = step.scheduled[0].num_new_tokens
         tracker = self.record_tracker or SavedTensorTracker()
         tracker.resolve_stale = stale_resolver
+        tracker.new_storage_sizes = saved_sizes = []
         bytes_before = tracker.live_bytes
         leaves: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
@@ -306,7 +307,7 @@ class ModelRunner:
             segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
             recording = RecordedPrefill(list(seq.prompt_token_ids), seq.record.adapter_version, segments,
                                         head_leaf, logits, all_rows, saved_bytes=tracker.live_bytes - bytes_before,
-                                        placement=placement)
+                                        saved_sizes=saved_sizes, placement=placement)
             if placement is not None:
                 placement.finish(recording, _collected(tracker, len(segments)))
         except BaseException:
@@ -314,7 +315,7 @@ class ModelRunner:
                 placement.release()
             raise
         finally:
-            tracker.segment = tracker.collected = None
+            tracker.segment = tracker.collected = tracker.new_storage_sizes = None
         output = ModelOutput(recording=recording)
         if packed.sample_rows:
             with torch.inference_mode():

@@ -53,6 +53,8 @@ class RecordedPrefill:
     all_logit_rows: bool
     # bytes autograd saved for this recording (measured)
     saved_bytes: int = 0
+    # the bytes of each storage it saved, in the order they were saved
+    saved_sizes: list[int] = field(default_factory=list)
     # where the segments' saved tensors live (offload/), when an offloader manages them
     placement: object | None = None
 
@@ -172,6 +174,9 @@ class SavedTensorTracker:
     # changed in place since (the LoRA weights of an older adapter version, stashed by
     # the trainer: trainer/stash.py); None: such a tensor raises, as in autograd
     resolve_stale: "Callable[[torch.Tensor, int], torch.Tensor | None] | None" = None
+    # when a list is given: the bytes of each storage first saved, in the order it was
+    # saved (a recording's allocations, which the heap warmer rehearses)
+    new_storage_sizes: list[int] | None = None
     # storage pointer -> (references, bytes)
     _storages: dict[int, list[int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -186,6 +191,8 @@ class SavedTensorTracker:
             entry = self._storages.get(key)
             if entry is None:
                 self._storages[key] = [1, storage.nbytes()]
+                if self.new_storage_sizes is not None:
+                    self.new_storage_sizes.append(storage.nbytes())
                 self.live_bytes += storage.nbytes()
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes)
             else:

@@ -52,6 +52,42 @@ def test_heap_warmer_holds_pages_up_to_its_target_and_releases_them_before_a_rec
     assert not HeapWarmer(max_bytes=0).grow()  # nothing to hold
 
 
+def test_a_heap_warmed_on_the_device_thread_keeps_recordings_off_fresh_pages():
+    """The device thread allocates from a glibc arena of its own. Recordings one after
+    another, then one after freed memory was given back to the OS (a quiet period) and
+    the heap warmed again: each recording's tensors must land on warmed pages (in 16 MiB
+    pieces a fifth and then half of them did not; docs/training-issue24/warm_heap_pieces.py)."""
+    import threading
+
+    from engine.malloc_tuning import HeapWarmer, minor_page_faults
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    sizes = (57600, 153600, 153600, 57600, 14400, 100, 230400)  # a recorded layer's, in floats
+    layers = 60
+    faults = []
+
+    def recordings():
+        warmer = HeapWarmer()
+        warmer.fit([4 * size for _ in range(layers) for size in sizes])  # as the recorder does
+        for index in range(3):
+            if index == 2:  # a quiet period
+                warmer.release()
+                return_freed_memory()
+            while warmer.grow():
+                pass
+            warmer.release()
+            before = minor_page_faults()
+            recording = [torch.empty(size).fill_(1.0) for _ in range(layers) for size in sizes]
+            faults.append(minor_page_faults() - before)
+            del recording
+
+    thread = threading.Thread(target=recordings)
+    thread.start()
+    thread.join()
+    pages = layers * sum(sizes) * 4 // 4096
+    assert len(faults) == 3 and max(faults[:2]) < pages // 20 and faults[2] < pages // 10, (faults, pages)
+
+
 def test_the_heap_is_warmed_again_between_the_slices_of_a_job():
     """Under a backlog the trainer goes from job to job: the pages for the next recording
     are faulted in between a job's slices, not in that recording's prefill."""

@@ -128,7 +128,7 @@ class Recorder:
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None:
         self._bytes_per_token = recording.saved_bytes / max(len(recording.prompt_token_ids), 1)
         if self.warmer is not None:
-            self.warmer.target = max(self.warmer.target, recording.saved_bytes)
+            self.warmer.fit(recording.saved_sizes)
         entry = self.method.make_entry(request_id, recording)
         self._write_request(request_id, entry.prompt_token_ids, entry.adapter_version)
         added = self.cache.add(entry)
