@@ -63,8 +63,8 @@ def minor_page_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-# The heap is warmed in pieces the size of the largest tensor the largest recording saved
-# (its MLP rows): glibc hands out its free chunks best fit first, and freed, the pieces
+# The heap is warmed in pieces the size of the largest tensor the largest recording
+# saved (its MLP rows): glibc hands out its free chunks best fit first, and freed, the pieces
 # are chunks that every tensor of the recording fits. Pieces of a fixed size miss them,
 # depending on the heap: 16 MiB pieces went to the top of the heap, 64 KiB ones to holes
 # a recording's larger tensors do not fit, and so did pieces of the recording's own sizes,
@@ -73,14 +73,15 @@ def minor_page_faults() -> int:
 _FALLBACK_PIECE = 1 << 20
 # the work of one `grow()`, in bytes touched
 _GROW_BYTES = 16 << 20
-# glibc maps blocks from this size (keep_freed_memory) fresh each time: not warmed
+# glibc maps blocks from this size (keep_freed_memory) fresh when no free chunk fits them:
+# pieces this large would not stay in the heap
 _MMAP_THRESHOLD = 32 << 20
 
 
 class HeapWarmer:
     """Pre-faulted heap for the next recording: wherever the device has a moment (between
     jobs, between a job's slices, after serving steps: trainer/maintenance.py), `grow()`
-    touches fresh heap pages a piece at a time and holds them; `release()` (just
+    touches fresh heap pages, a slice of work at a time, and holds them; `release()` (just
     before a recording) frees them, so the recording's activations land on pages that no
     longer fault on first touch. A recording made while earlier ones are alive otherwise takes fresh
     pages (`alchemist bench recording`, cases kept and kept_cold; measured in
@@ -108,7 +109,7 @@ class HeapWarmer:
     def fit(self, saved_sizes: list[int]) -> None:
         """A recording saved tensors of these sizes (bytes): the heap is warmed for the
         largest recording seen, in pieces the size of its largest tensor."""
-        sizes = [size for size in saved_sizes if size < _MMAP_THRESHOLD]  # mapped fresh anyway
+        sizes = [size for size in saved_sizes if size < _MMAP_THRESHOLD]
         if sizes and sum(sizes) > self.target:
             self.target, self.piece_bytes = sum(sizes), max(sizes)
 
@@ -116,8 +117,8 @@ class HeapWarmer:
         return self._libc is not None and self.held_bytes < min(self.target, self.max_bytes)
 
     def grow(self) -> bool:
-        """Touches up to `_GROW_BYTES` more (a bounded slice of work); False if it was warm
-        enough."""
+        """Touches pieces until `_GROW_BYTES` more are touched or the heap is warm enough
+        (a bounded slice of work: at least one piece); False if it was warm enough."""
         grew = 0
         while grew < _GROW_BYTES and self.wants_to_grow():
             size = self.piece_bytes

@@ -285,13 +285,14 @@ class ModelRunner:
         num_prompt = step.scheduled[0].num_new_tokens
         tracker = self.record_tracker or SavedTensorTracker()
         tracker.resolve_stale = stale_resolver
-        tracker.new_storage_sizes = saved_sizes = []
+        saved_sizes: list[int] = []
         bytes_before = tracker.live_bytes
         leaves: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         past = StepKV(self.kv_cache, packed.metadata, record=True)
         placement = segment_sink.begin_recording(num_prompt) if segment_sink is not None else None
         try:
+            tracker.new_storage_sizes = saved_sizes
             with torch.enable_grad(), tracker.hooks():
                 with torch.no_grad():
                     hidden = self.embed(packed.input_ids.unsqueeze(0))

@@ -120,7 +120,7 @@ class Maintenance:
 
     def warm_heap(self, budget_s: float = 0.0) -> bool:
         """Faults in heap pages for the next recording (engine/malloc_tuning.py) for about
-        `budget_s`, at least one piece; False if it was warm enough. Wherever the device
+        `budget_s`, at least one `HeapWarmer.grow`; False if it was warm enough. Wherever the device
         has a moment: between jobs, between a job's slices, and between serving steps.
         Recordings come in bursts, with requests running and jobs in progress; one made
         before the heap is warm again lands on fresh pages and pays their faults in its

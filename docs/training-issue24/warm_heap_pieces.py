@@ -1,5 +1,5 @@
 """Does a warm heap keep a recording off fresh pages? The page faults of writing a
-recording's worth of tensors (153 MiB in the sizes a 100-token recording of the embedded
+recording's worth of tensors (125 MiB in the sizes a 100-token recording of the embedded
 model saves) onto a heap warmed for it, by the size of the warmer's pieces (the server's:
 the recording's largest tensor's).
 
@@ -7,7 +7,7 @@ It runs where the server runs its recordings: on a second thread, whose allocati
 from a glibc arena of its own. Rounds 0-2 follow one another as under traffic; before
 rounds 3-5 the server has gone quiet, freed memory and the warm heap were given back to
 the OS (`malloc_trim`) and the heap was warmed again; round 6 is under traffic again. Without a warm
-heap every round takes about 41,000 faults. From the repository root:
+heap every round takes about 32,000 faults. From the repository root:
 
     .venv/bin/python docs/training-issue24/warm_heap_pieces.py
 """
@@ -23,10 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import engine.malloc_tuning as malloc_tuning  # noqa: E402
 
-# the sizes (float32 elements) of a recorded layer's tensors at 100 tokens, hidden 576,
-# MLP 1536, 9 heads: hidden rows, MLP rows, MLP rows, attention rows, K/V, norms, logits row
-RECORDING_SIZES = (57600, 153600, 153600, 57600, 14400, 100, 230400)
-LAYERS = 60
+# the sizes (float32 elements) of the tensors a recorded layer of the embedded model saves
+# at 100 tokens (hidden 576, K/V 192, MLP 1536, 9 heads), in order: the norm's input and
+# scale, Q/K/V's input, RoPE's tables, the attention's (positions, mask, K, Q, V, log-sum-exp,
+# output), the output projection's input, the second norm's, the MLP's (gate, SiLU, up, down)
+RECORDING_SIZES = (57600, 100, 57600, 12800, 12800, 200, 10000, 19200, 57600, 19200, 900, 57600,
+                   57600, 57600, 100, 57600, 153600, 153600, 153600, 153600)
+LAYERS = 30
 
 
 def rounds(piece_bytes: int, results: list) -> None:
@@ -57,7 +60,7 @@ def one_piece_size(piece: int) -> None:
     thread.start()
     thread.join()
     name = f"{piece >> 20} MiB" if piece >= 1 << 20 else f"{piece >> 10} KiB"
-    name = name if piece else "the largest tensor's (900 KiB)"
+    name = name if piece else "the largest tensor's (600 KiB)"
     print(f"| {name} | {', '.join(f'{f:,}' for f in results[:3])} | "
           f"{', '.join(f'{f:,}' for f in results[3:6])} | {results[6]:,} |", flush=True)
 
