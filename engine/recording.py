@@ -53,7 +53,7 @@ class RecordedPrefill:
     all_logit_rows: bool
     # bytes autograd saved for this recording (measured)
     saved_bytes: int = 0
-    # the bytes of each storage it saved, in the order they were saved
+    # the bytes of each storage it saved (HeapWarmer.fit)
     saved_sizes: list[int] = field(default_factory=list)
     # where the segments' saved tensors live (offload/), when an offloader manages them
     placement: object | None = None
@@ -174,8 +174,8 @@ class SavedTensorTracker:
     # changed in place since (the LoRA weights of an older adapter version, stashed by
     # the trainer: trainer/stash.py); None: such a tensor raises, as in autograd
     resolve_stale: "Callable[[torch.Tensor, int], torch.Tensor | None] | None" = None
-    # when a list is given: the bytes of each storage first saved, in the order it was
-    # saved (a recording's allocations, which the heap warmer rehearses)
+    # when a list is given: the bytes of each storage first saved (a recording's, which
+    # size the heap warmer's pieces: engine/malloc_tuning.py)
     new_storage_sizes: list[int] | None = None
     # storage pointer -> (references, bytes)
     _storages: dict[int, list[int]] = field(default_factory=dict)
