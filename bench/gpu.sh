@@ -27,10 +27,12 @@ for phase in "$@"; do
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
       bash "$0" gpu-tests
-      ALCHEMIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 120 -rf \
+      # CUDA_TESTS narrows the tiny-model tests run on the GPU (space-separated files) when device time is short
+      ALCHEMIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 120 -rf ${CUDA_TESTS:-\
         tests/test_engine_equivalence.py tests/test_training.py tests/test_stash.py tests/test_preemption.py \
         tests/test_sampling.py tests/test_offload.py tests/test_losses.py tests/test_adapter.py \
         tests/test_step_costs.py tests/test_decode_graphs.py tests/test_structured_outputs.py tests/test_fused_rope.py \
+        tests/test_fused_norm.py tests/test_serving_copy.py tests/test_backward_sweep.py tests/test_dpo_gradients.py} \
         2>&1 | tee "$OUT/cuda-tests.log" | tail -30
       ;;
     smoke)  # every benchmark once, short, on the 8B shape
@@ -83,11 +85,11 @@ for phase in "$@"; do
       ;;
     paged)  # decode attention reading the KV pool in place (FlexAttention, compiled; one graph per batch) against
       # gathered (issue 23, item 5): its tests on CUDA, then 1 / 8 / 32 streams with 16-token KV blocks (the default)
-      # and with 64 (in case FlexAttention's kernels want larger blocks)
+      # and with 64 (in case FlexAttention's kernels want larger blocks; PAGED_BLOCKS picks)
       ALCHEMIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 300 -rf tests/test_paged_decode.py \
         2>&1 | tee "$OUT/paged-tests.log" | tail -15
       python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/test_decode_graphs.py 2>&1 | tail -15
-      for block in 16 64; do
+      for block in ${PAGED_BLOCKS:-16 64}; do
         for n in 1 8 32; do
           ALCHEMIST_CACHE_BLOCK_SIZE=$block bench serving "${MODEL[@]}" --num-prompts $n --max-tokens 64 --repeats 3 \
             --max-num-seqs 32 --paths engine,engine_flex --kv-cache-bytes 8589934592 --json "$OUT/paged-$block-$n.json"

@@ -10,8 +10,9 @@ the same pieces inside one op, so the CPU's time does not change, only the count
 dispatched.
 
 The results are those of the model's own module, to the bit on the CPU (in float32 and
-bfloat16, forward and input gradient; `tests/test_fused_norm.py`): the module normalises
-in float32, rounds to the model's dtype and then multiplies by the weight in that dtype,
+bfloat16, forward and input gradient; `tests/test_fused_norm.py`); on an H100 to the bit in
+bfloat16, and in float32 not to the bit (the fused kernel sums in another order). The
+module normalises in float32, rounds to the model's dtype and then multiplies by the weight in that dtype,
 so outside float32 the weight stays a separate `mul` after the fused op.
 
 `install_fused_rms_norm(model)` swaps the class of each such module in place for a

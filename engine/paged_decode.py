@@ -37,6 +37,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 _QUERY_BLOCK = 128
 # the key tile FlexAttention's kernels start from; a smaller KV block gets a tile of its size
 _KEY_TILE = 64
+_MIN_GPU_KEY_TILE = 16
 # compiled shapes FlexAttention may keep: one per batch bucket (and sliding window) is
 # needed, past dynamo's default limit it would run unfused over the whole pool
 _RECOMPILE_LIMIT = 64
@@ -110,6 +111,9 @@ def compile_paged_decode(key_pool: torch.Tensor, value_pool: torch.Tensor, heads
     """Compiles the paged decode attention of every batch bucket now, on a pool of the
     serving one's shape (on a GPU: a compile is seconds, not for a request to wait on);
     returns the error that kept it from compiling, if one did."""
+    if key_pool.device.type == "cuda" and block_size < _MIN_GPU_KEY_TILE:
+        return ValueError(f"cache.block_size {block_size} is under the {_MIN_GPU_KEY_TILE} tokens that FlexAttention's "
+                          "GPU kernel needs as its key tile (Triton's dot)")
     head_dim = key_pool.shape[2]
     pool_blocks = key_pool.shape[0] // block_size
     try:

@@ -60,12 +60,13 @@ def test_padded_decode_rows_write_only_the_scratch_block():
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode_attention", ["gather", "flex"])
 def test_replayed_decode_equals_eager_before_and_after_an_optimizer_step_and_a_rollback(decode_attention):
-    config = make_config(max_num_seqs=4, max_model_len=64)
+    config = make_config(max_num_seqs=4, max_model_len=64, block_size=16)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, decode_attention=decode_attention))
     engine, training = build_training_engine(tiny_model("llama").to("cuda"), tiny_tokenizer(), config,
                                              TrainConfig(mode="cpt", lora_rank=8))
     graphs = engine.runner.decode_graphs
     assert graphs.enabled and graphs.graphs, "no CUDA graph was captured"
+    assert engine.runner.paged_decode == (decode_attention == "flex"), "FlexAttention did not compile"
     prompts = [encode(p) for p in PROMPTS]
 
     def both() -> tuple[list, list]:
@@ -108,11 +109,22 @@ def test_paged_decode_graphs_are_one_per_batch_and_serve_the_gathered_tokens():
     and the replayed, compiled FlexAttention serves the tokens the gathered path serves."""
     served = {}
     for mode in ("gather", "flex"):
-        config = make_config(max_num_seqs=4, max_model_len=64)
+        config = make_config(max_num_seqs=4, max_model_len=64, block_size=16)  # FlexAttention's smallest GPU key tile
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, decode_attention=mode))
         engine = LLMEngine.for_model(tiny_model("llama").to("cuda"), tiny_tokenizer(), config)
         graphs = engine.runner.decode_graphs
+        assert engine.runner.paged_decode == (mode == "flex"), "FlexAttention did not compile"
         served[mode] = engine.generate([encode(p) for p in PROMPTS], _greedy(24))
         if mode == "flex":
             assert len(graphs.graphs) == len(engine.runner.decode_batches) and graphs.replays > 0
     assert served["flex"] == served["gather"]
+
+
+@pytest.mark.gpu
+def test_kv_blocks_smaller_than_flex_attentions_gpu_key_tile_gather_instead():
+    """FlexAttention's GPU kernel needs key tiles of at least 16 tokens: with 4-token KV
+    blocks the engine says so at start and serves the gathered path."""
+    config = make_config(max_num_seqs=4, max_model_len=64, block_size=4)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, decode_attention="flex"))
+    engine = LLMEngine.for_model(tiny_model("llama").to("cuda"), tiny_tokenizer(), config)
+    assert not engine.runner.paged_decode and engine.runner.decode_graphs.graphs

@@ -15,7 +15,7 @@ def summed_logps(peft_model, prompt: list[int], responses: list[list[int]]) -> t
     """(len(responses),) log p(response | prompt), each row its own forward."""
     values = []
     for response in responses:
-        ids = torch.tensor([prompt + response])
+        ids = torch.tensor([prompt + response], device=peft_model.device)
         logits = peft_model(input_ids=ids).logits[0, len(prompt) - 1:-1]
         values.append(token_logprobs(logits, ids[0, len(prompt):]).sum())
     return torch.stack(values)

@@ -34,7 +34,7 @@ def test_serving_from_the_copy_equals_peft_forward(family):
     model, _, groups = _adapted(family)
     sizes = {len(group.layers) for group in groups}
     assert sizes == ({3, 1, 2} if family != "phi3" else {1})  # q/k/v and gate/up share their inputs
-    ids = torch.randint(3, model.config.vocab_size, (1, 9))
+    ids = torch.randint(3, model.config.vocab_size, (1, 9), device=model.device)
     assert torch.allclose(_logits(model, ids, peft=False), _logits(model, ids, peft=True), atol=1e-5, rtol=1e-5)
 
 
@@ -44,7 +44,7 @@ def test_bfloat16_serving_copy_errs_no_more_than_peft_with_its_float32_adapter()
     truth_model, _, _ = _adapted("llama", torch.float32)
     model, _, groups = _adapted("llama", torch.bfloat16)
     assert groups[0].a.dtype == torch.bfloat16
-    ids = torch.randint(3, model.config.vocab_size, (1, 9))
+    ids = torch.randint(3, model.config.vocab_size, (1, 9), device=model.device)
     truth = _logits(truth_model, ids, peft=True).log_softmax(-1)
     served = (_logits(model, ids, peft=False).float().log_softmax(-1) - truth).abs().max()
     peft = (_logits(model, ids, peft=True).float().log_softmax(-1) - truth).abs().max()
@@ -107,7 +107,7 @@ def test_the_base_weights_live_in_the_copy_and_a_refresh_leaves_them_unchanged()
     row_bytes = group.weight.stride(0) * group.weight.element_size()
     assert [w.data_ptr() for w in bases] == [start + row * row_bytes for row in (0, 64, 96)]
     versions = [w._version for w in bases]
-    ids = torch.randint(3, model.config.vocab_size, (1, 9))
+    ids = torch.randint(3, model.config.vocab_size, (1, 9), device=model.device)
     loss = model(ids).logits.float().logsumexp(-1).sum()  # a forward that saves the base weights
     a = group.layers[0].lora_A["default"].weight
     with torch.no_grad():
