@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import httpx
 
 from bench.launch import running_server
-from bench.report import TRAINING_PATHS, percentile, pyplot, read_metric, reuse_share, trained_by_path, write_json
+from bench.report import (TRAINING_PATHS, percentile, pyplot, read_metric, reuse_share, steps_by_kind, trained_by_path,
+                          write_json)
 from bench.traces import WORDS, TraceRequest, make_trace
 from engine.scheduler import STEP_KINDS
 
@@ -139,23 +140,6 @@ def _mean_delta(before: str, after: str, histogram: str) -> float:
     return total / count if count else math.nan
 
 
-def _steps_by_kind(before: str, after: str) -> dict[str, dict[str, float]]:
-    """The server's engine steps between two scrapes, by kind (server/metrics.py,
-    `serving_step_seconds`): how many, their mean seconds, and seconds per token."""
-    steps = {}
-    for kind in STEP_KINDS:
-        def delta(name: str) -> float:
-            return read_metric(after, f'{name}{{kind="{kind}"}}') - read_metric(before, f'{name}{{kind="{kind}"}}')
-
-        count, seconds = delta("alchemist:serving_step_seconds_count"), delta("alchemist:serving_step_seconds_sum")
-        tokens = delta("alchemist:serving_step_tokens_total")
-        steps[kind] = {"steps": count, "mean_s": seconds / count if count else math.nan,
-                       "s_per_token": seconds / tokens if tokens else math.nan,
-                       "page_faults_per_step": delta("alchemist:serving_step_page_faults_total") / count
-                       if count else math.nan}
-    return steps
-
-
 def _latency(results: list[dict]) -> dict:
     """Client-side TPOT (mean, p99) and TTFT (p50, p99) of a trace's requests, and its tokens."""
     tpots = [r["tpot"] for r in results if not math.isnan(r["tpot"])]
@@ -210,7 +194,7 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
                                ("prefill", "request_prefill_time"), ("tpot", "time_per_output_token"),
                                ("itl", "inter_token_latency"))},
         # engine steps by kind: a recorded prefill's seconds per token against a plain one's
-        "steps": _steps_by_kind(before, after),
+        "steps": steps_by_kind(before, after),
         "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
         "train_slice_max_item": _longest_slice_item(after),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'

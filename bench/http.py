@@ -11,7 +11,10 @@ Each round asks new questions, one filler word longer than the round before's; t
 round is reported apart as cold. Per path: the mean time per output token (a request's
 first token to its last, over the tokens between) and tokens per second. For HTTP also:
 the server's own mean TPOT (its histogram), and the CPU seconds per output token of its
-event loop's thread (HTTP, JSON, SSE) and of its device thread. The figure the issue sets
+event loop's thread (HTTP, JSON, SSE) and of its device thread. For both paths: the engine
+steps the round ran by kind (decode, prefill, mixed) and their mean seconds. Requests that
+reach the server one after another take prefill or mixed steps between the decodes of
+those already running, where the engine path admits every request before its first step. The figure the issue sets
 (issue 23): HTTP's TPOT within 1.1x of the engine's. The client runs on this machine too:
 on a two-core CPU its parsing competes with the server's threads.
 """
@@ -19,6 +22,7 @@ on a two-core CPU its parsing competes with the server's threads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import logging
@@ -29,7 +33,7 @@ import time
 import httpx
 
 from bench.launch import running_server
-from bench.report import read_metric, write_json
+from bench.report import read_metric, steps_by_kind, write_json
 from bench.traces import chat_questions
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load
@@ -64,18 +68,34 @@ def _tpot(first: float, last: float, tokens: int) -> float | None:
     return (last - first) / (tokens - 1) if tokens > 1 else None
 
 
+# the steps a round ran, by kind: an admission that arrives while others decode costs them a prefill or mixed step
+ROUND_STEP_KINDS = ("decode", "prefill", "mixed")
+
+
+def _step_figures(counts: dict[str, float], seconds: dict[str, float]) -> dict[str, float]:
+    figures = {}
+    for kind in ROUND_STEP_KINDS:
+        figures[f"{kind}_steps"] = counts.get(kind, 0)
+        figures[f"{kind}_step_mean_s"] = seconds.get(kind, 0.0) / counts[kind] if counts.get(kind) else math.nan
+    return figures
+
+
 def engine_round(engine: LLMEngine, tokenizer, questions: list[str], max_tokens: int) -> dict:
     """The questions through the engine at once; mean TPOT and tokens per second."""
     params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
     first, last, counts = {}, {}, {}
+    steps, step_seconds = collections.Counter(), collections.Counter()
     started = time.perf_counter()  # the HTTP path's time includes rendering and admission too
     for i, question in enumerate(questions):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
         engine.add(engine.make_request(f"r{i}", list(ids), params, time.monotonic()))
     while engine.has_unfinished():
-        outputs, _ = engine.step()
+        outputs, stats = engine.step()
         now = time.perf_counter()
+        if stats is not None:
+            steps[stats.kind] += 1
+            step_seconds[stats.kind] += stats.seconds
         for output in outputs:
             new = sum(len(c.token_ids) for c in output.outputs)
             if new:
@@ -85,7 +105,7 @@ def engine_round(engine: LLMEngine, tokenizer, questions: list[str], max_tokens:
     elapsed = time.perf_counter() - started
     tpots = [t for r in counts if (t := _tpot(first[r], last[r], counts[r])) is not None]
     return {"tpot_mean_s": _mean(tpots), "tokens_per_s": sum(counts.values()) / elapsed,
-            "tokens": sum(counts.values())}
+            "tokens": sum(counts.values()), **_step_figures(steps, step_seconds)}
 
 
 async def _stream_one(client: httpx.AsyncClient, model: str, question: str, max_tokens: int) -> dict:
@@ -133,6 +153,7 @@ def http_round(url: str, questions: list[str], max_tokens: int) -> dict:
 
     tokens = sum(r["tokens"] for r in results)
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
+    steps = steps_by_kind(before, after)
     histogram = "alchemist:time_per_output_token_seconds"
     return {"tpot_mean_s": _mean(tpots), "tokens_per_s": tokens / elapsed, "tokens": tokens,
             "server_tpot_mean_s": delta(f"{histogram}_sum") / max(delta(f"{histogram}_count"), 1),
@@ -140,7 +161,15 @@ def http_round(url: str, questions: list[str], max_tokens: int) -> dict:
             "step_gap_ms": 1000 * delta("alchemist:engine_step_gap_seconds_total")
             / max(delta("alchemist:engine_serving_steps_total"), 1),
             **{f"{thread}_cpu_ms_per_token": 1000 * cpu_seconds(thread) / max(tokens, 1)
-               for thread in ("event_loop", "device")}}
+               for thread in ("event_loop", "device")},
+            **_step_figures({kind: steps[kind]["steps"] for kind in ROUND_STEP_KINDS},
+                            {kind: steps[kind]["steps"] * steps[kind]["mean_s"] for kind in ROUND_STEP_KINDS
+                             if steps[kind]["steps"]})}
+
+
+def _steps_line(result: dict) -> str:
+    return ", ".join(f"{int(result[f'{kind}_steps'])} {kind} ({1000 * result[f'{kind}_step_mean_s']:.1f} ms)"
+                     for kind in ROUND_STEP_KINDS if result[f"{kind}_steps"])
 
 
 def _summary(rounds: list[dict]) -> dict:
@@ -171,8 +200,8 @@ def run_http_bench(config: AlchemistConfig, streams: list[int], max_tokens: int 
                              f"{result['event_loop_cpu_ms_per_token']:.3f} ms CPU/token  gap between steps "
                              f"{result['step_gap_ms']:.2f} ms") if path == "http" else ""
                     print(f"{n:3d} streams  round {round_index + 1}/{rounds}  {path:<6} TPOT "
-                          f"{1000 * result['tpot_mean_s']:7.1f} ms  {result['tokens_per_s']:7.1f} tokens/s{extra}",
-                          flush=True)
+                          f"{1000 * result['tpot_mean_s']:7.1f} ms  {result['tokens_per_s']:7.1f} tokens/s{extra}"
+                          f"  steps {_steps_line(result)}", flush=True)
             figures = {path: _summary(values) for path, values in paths.items()}
             warm = {path: figures[path]["warm"] for path in paths}
             figures["ratio_http_over_engine_tpot"] = warm["http"]["tpot_mean_s"] / warm["engine"]["tpot_mean_s"]

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from engine.scheduler import STEP_KINDS
+
 
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
@@ -64,6 +66,23 @@ def read_metric(text: str, name: str) -> float:
 
 
 TRAINING_PATHS = ("reuse", "stashed", "recompute")
+
+
+def steps_by_kind(before: str, after: str) -> dict[str, dict[str, float]]:
+    """The server's engine steps between two scrapes, by kind (server/metrics.py,
+    `serving_step_seconds`): how many, their mean seconds, and seconds per token."""
+    steps = {}
+    for kind in STEP_KINDS:
+        def delta(name: str) -> float:
+            return read_metric(after, f'{name}{{kind="{kind}"}}') - read_metric(before, f'{name}{{kind="{kind}"}}')
+
+        count, seconds = delta("alchemist:serving_step_seconds_count"), delta("alchemist:serving_step_seconds_sum")
+        tokens = delta("alchemist:serving_step_tokens_total")
+        steps[kind] = {"steps": count, "mean_s": seconds / count if count else math.nan,
+                       "s_per_token": seconds / tokens if tokens else math.nan,
+                       "page_faults_per_step": delta("alchemist:serving_step_page_faults_total") / count
+                       if count else math.nan}
+    return steps
 
 
 def trained_by_path(text: str, mode: str, before: str = "") -> dict[str, float]:

@@ -148,9 +148,7 @@ class Scheduler:
         seq = self.waiting[0]
         if seq.num_computed_tokens != 0:
             return None
-        if seq.awaits_admission:
-            seq.awaits_admission = False
-            seq.record = self.admit_recording(seq) if self.admit_recording is not None else None
+        self._decide_recording(seq)
         if seq.record is not None and self.confirm_recording is not None:
             seq.record = self.confirm_recording(seq)
         if seq.record is None or not self._grow(seq, seq.num_tokens):
@@ -163,6 +161,12 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)] + decodes, recorded=True)
+
+    def _decide_recording(self, seq: Sequence) -> None:
+        """Asks, once, whether a trainable sequence's first prefill is recorded."""
+        if seq.awaits_admission:
+            seq.awaits_admission = False
+            seq.record = self.admit_recording(seq) if self.admit_recording is not None else None
 
     def _fork(self, output: SchedulerOutput) -> None:
         """Forks the waiting choices of every prompt this step completes."""
@@ -221,8 +225,10 @@ class Scheduler:
             return output
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if (seq.record is not None or seq.awaits_admission) and seq.num_computed_tokens == 0:
-                break  # waits for a step of its own (see _schedule_recorded_prefill)
+            if seq.num_computed_tokens == 0:
+                self._decide_recording(seq)  # a trainable request not recorded joins this step like any other
+                if seq.record is not None:
+                    break  # waits for a step of its own (see _schedule_recorded_prefill)
             num_new = min(seq.num_pending_tokens, budget)
             if not self._grow(seq, seq.num_computed_tokens + num_new):
                 break

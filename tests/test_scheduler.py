@@ -113,3 +113,26 @@ def test_recording_is_decided_once_by_the_admission_callback_before_the_first_pr
     assert asked == [0, 1]  # once each, and never for a request that is not trainable
     assert refused.record is None and not refused.track_logprob
     assert (1, 15) in chunks  # refused: served like any other request, chunked to the budget
+
+
+def test_trainable_requests_not_recorded_join_one_step_together():
+    """Requests arriving together while another decodes: those the admission does not
+    record are prefilled in one step, as untrainable ones are (each took a step of its
+    own before: a burst of 32 over HTTP cost the running streams 31 mixed steps)."""
+    def admit(seq):
+        return RecordSpec(all_logit_rows=True, adapter_version=1) if seq.seq_id == 3 else None
+
+    scheduler = Scheduler(SchedulerConfig(8, 64), 64, 4, admit_recording=admit)
+    first = create_sequence(0, prompt_len=5)
+    scheduler.add(first)
+    complete_step(scheduler, scheduler.schedule())
+    burst = [create_sequence(i, prompt_len=6) for i in range(1, 5)]
+    for seq in burst:
+        seq.awaits_admission = True
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert [(e.seq.seq_id, e.num_new_tokens) for e in out.scheduled] == [(0, 1), (1, 6), (2, 6)]
+    assert not out.recorded and burst[2].record is not None  # 3 is recorded: it waits for a step of its own
+    complete_step(scheduler, out)
+    out = scheduler.schedule()
+    assert out.recorded and [e.seq.seq_id for e in out.scheduled][0] == 3
