@@ -85,14 +85,16 @@ for phase in "$@"; do
       ;;
     paged)  # decode attention reading the KV pool in place (FlexAttention, compiled; one graph per batch) against
       # gathered (issue 23, item 5): its tests on CUDA, then 1 / 8 / 32 streams with 16-token KV blocks (the default)
-      # and with 64 (in case FlexAttention's kernels want larger blocks; PAGED_BLOCKS picks)
+      # and with 64 (in case FlexAttention's kernels want larger blocks; PAGED_BLOCKS picks); `engine` gathers here,
+      # FlexAttention being the GPU's default (decode_attention = "auto")
       ALCHEMIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 300 -rf tests/test_paged_decode.py \
         2>&1 | tee "$OUT/paged-tests.log" | tail -15
       python3 -m pytest -q -p no:cacheprovider -m gpu -rf tests/test_decode_graphs.py 2>&1 | tail -15
       for block in ${PAGED_BLOCKS:-16 64}; do
         for n in 1 8 32; do
           ALCHEMIST_CACHE_BLOCK_SIZE=$block bench serving "${MODEL[@]}" --num-prompts $n --max-tokens 64 --repeats 3 \
-            --max-num-seqs 32 --paths engine,engine_flex --kv-cache-bytes 8589934592 --json "$OUT/paged-$block-$n.json"
+            --max-num-seqs 32 --paths engine,engine_flex --decode-attention gather --kv-cache-bytes 8589934592 \
+            --json "$OUT/paged-$block-$n.json"
         done
       done
       ;;

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 LOAD_FORMATS = ("auto", "dummy")
-DECODE_ATTENTION = ("gather", "flex")
+DECODE_ATTENTION = ("auto", "gather", "flex")
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -31,9 +31,9 @@ class ModelConfig:
     # --enforce-eager; engine/decode_graphs.py)
     enforce_eager: bool = False
     # how decode rows read the KV cache: gather (their K/V copied out of the block pool for
-    # SDPA) or flex (read in place through their block tables by FlexAttention, compiled on
-    # a GPU; engine/paged_decode.py)
-    decode_attention: str = "gather"
+    # SDPA), flex (read in place through their block tables by FlexAttention, compiled on
+    # a GPU; engine/paged_decode.py), or auto: flex on a GPU, gather on the CPU
+    decode_attention: str = "auto"
     # local tokenizer directory; "" uses the model directory's own (or, for a directory
     # holding no tokenizer, the embedded model's)
     tokenizer: str = ""

@@ -99,7 +99,7 @@ class ModelRunner:
         """`max_num_seqs`, `max_model_len`: the largest decode step (its CUDA graphs'
         shapes); `enforce_eager`: no CUDA graphs (engine/decode_graphs.py);
         `decode_attention`: "gather" (the decode rows' K/V copied out of the pool for
-        SDPA) or "flex" (read in place, engine/paged_decode.py)."""
+        SDPA), "flex" (read in place, engine/paged_decode.py) or "auto" (flex on a GPU)."""
         self.model = model
         self.device = next(model.parameters()).device
         use_engine_attention(model)
@@ -117,7 +117,8 @@ class ModelRunner:
         self._block_offsets = torch.arange(kv_spec.block_size, device=self.device)
         self.decode_batches = self.buckets.all_batches(max_num_seqs)
         self.decode_keys = self.buckets.all_keys(max_model_len)
-        self.paged_decode = decode_attention == "flex"
+        self.decode_attention = decode_attention
+        self.paged_decode = decode_attention == "flex" or (decode_attention == "auto" and self.device.type == "cuda")
         self.decode_graphs = DecodeGraphs(self, self.decode_batches[-1], self.decode_keys[-1], enforce_eager,
                                           self.paged_decode)
         self.sampler = sampler
@@ -224,8 +225,9 @@ class ModelRunner:
                                          self.decode_batches, self.decode_keys[-1] // self.block_size,
                                          self.block_size, getattr(config, "sliding_window", None))
             if error is not None:
-                logger.error("paged decode attention (FlexAttention) did not compile, decode gathers its K/V "
-                             "instead: %s", error)
+                log = logger.error if self.decode_attention == "flex" else logger.info  # auto: gather is a choice
+                log("paged decode attention (FlexAttention) did not compile, decode gathers its K/V instead: %s",
+                    error)
                 self.paged_decode = self.decode_graphs.paged = False
         return self.decode_graphs.capture_all(self.decode_batches, self.decode_keys)
 

@@ -34,8 +34,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_const", const=True,
                         help="on a GPU, run the decode step eagerly instead of replaying CUDA graphs")
     parser.add_argument("--decode-attention", choices=list(DECODE_ATTENTION),
-                        help="how decode rows read the KV cache: gather (copied out for SDPA, the default) or flex "
-                        "(read in place by FlexAttention)")
+                        help="how decode rows read the KV cache: gather (copied out for SDPA), flex (read in place "
+                        "by FlexAttention), or auto (the default: flex on a GPU, gather on the CPU)")
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--kv-cache-bytes", type=int)

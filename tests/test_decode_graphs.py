@@ -128,3 +128,11 @@ def test_kv_blocks_smaller_than_flex_attentions_gpu_key_tile_gather_instead():
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, decode_attention="flex"))
     engine = LLMEngine.for_model(tiny_model("llama").to("cuda"), tiny_tokenizer(), config)
     assert not engine.runner.paged_decode and engine.runner.decode_graphs.graphs
+
+
+@pytest.mark.gpu
+def test_auto_decode_attention_reads_the_pool_in_place_on_a_gpu():
+    config = make_config(max_num_seqs=4, max_model_len=64, block_size=16)
+    assert config.model.decode_attention == "auto"
+    engine = LLMEngine.for_model(tiny_model("llama").to("cuda"), tiny_tokenizer(), config)
+    assert engine.runner.paged_decode and len(engine.runner.decode_graphs.graphs) == len(engine.runner.decode_batches)

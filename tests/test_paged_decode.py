@@ -97,3 +97,10 @@ def test_forked_choices_read_their_shared_prompt_blocks_in_place():
     prompt = encode(PROMPTS[3])  # more than one block, so the choices share full blocks
     served = {mode: _engine("llama", mode).generate([prompt], params) for mode in ("gather", "flex")}
     assert served["flex"] == served["gather"]
+
+
+def test_auto_decode_attention_gathers_on_the_cpu():
+    """The default, auto: FlexAttention on a GPU (compiled), gathered K/V on the CPU, where
+    FlexAttention runs its slow eager reference."""
+    engine = _engine("llama", "auto")
+    assert engine.runner.paged_decode == (TEST_DEVICE.type == "cuda")
