@@ -93,9 +93,8 @@ def engine_round(engine: LLMEngine, tokenizer, questions: list[str], max_tokens:
     while engine.has_unfinished():
         outputs, stats = engine.step()
         now = time.perf_counter()
-        if stats is not None:
-            steps[stats.kind] += 1
-            step_seconds[stats.kind] += stats.seconds
+        steps[stats.kind] += 1
+        step_seconds[stats.kind] += stats.seconds
         for output in outputs:
             new = sum(len(c.token_ids) for c in output.outputs)
             if new:
@@ -173,9 +172,15 @@ def _steps_line(result: dict) -> str:
 
 
 def _summary(rounds: list[dict]) -> dict:
-    """The first round (cold) and the median of the others (warm), key by key."""
+    """The first round (cold) and the median of the others (warm), key by key; a figure a
+    round has none of (NaN: no step of that kind) is left out of its median."""
     warm = rounds[1:] or rounds
-    return {"cold": rounds[0], "warm": {key: statistics.median(r[key] for r in warm) for key in rounds[0]}}
+
+    def median(key: str) -> float:
+        values = [r[key] for r in warm if not math.isnan(r[key])]
+        return statistics.median(values) if values else math.nan
+
+    return {"cold": rounds[0], "warm": {key: median(key) for key in rounds[0]}}
 
 
 def run_http_bench(config: AlchemistConfig, streams: list[int], max_tokens: int = 64, rounds: int = 3,

@@ -22,7 +22,7 @@ from engine.fused_rope import SignedRotary, install_fused_rope
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionGroup, AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
-from engine.paged_decode import PagedDecode, compile_paged_decode
+from engine.paged_decode import BlockTooSmall, PagedDecode, compile_paged_decode
 from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, SegmentSink
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -95,7 +95,7 @@ def decoder_parts(model):
 class ModelRunner:
     def __init__(self, model, kv_spec: KVCacheSpec, num_blocks: int, sampler: Sampler, packed_linear: bool = True,
                  max_num_seqs: int = 256, max_model_len: int = 8192, enforce_eager: bool = False,
-                 decode_attention: str = "gather"):
+                 decode_attention: str = "auto"):
         """`max_num_seqs`, `max_model_len`: the largest decode step (its CUDA graphs'
         shapes); `enforce_eager`: no CUDA graphs (engine/decode_graphs.py);
         `decode_attention`: "gather" (the decode rows' K/V copied out of the pool for
@@ -224,10 +224,10 @@ class ModelRunner:
             error = compile_paged_decode(self.kv_cache.keys[0], self.kv_cache.values[0], config.num_attention_heads,
                                          self.decode_batches, self.decode_keys[-1] // self.block_size,
                                          self.block_size, getattr(config, "sliding_window", None))
-            if error is not None:
-                log = logger.error if self.decode_attention == "flex" else logger.info  # auto: gather is a choice
-                log("paged decode attention (FlexAttention) did not compile, decode gathers its K/V instead: %s",
-                    error)
+            if error is not None:  # asked for by name: an error; under auto, small blocks are a choice
+                log = logger.error if self.decode_attention == "flex" else \
+                    logger.info if isinstance(error, BlockTooSmall) else logger.warning
+                log("paged decode attention (FlexAttention) is off, decode gathers its K/V instead: %s", error)
                 self.paged_decode = self.decode_graphs.paged = False
         return self.decode_graphs.capture_all(self.decode_batches, self.decode_keys)
 

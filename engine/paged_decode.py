@@ -85,6 +85,10 @@ class PagedDecode:
                                         seq_lengths=(1, self.pool_blocks * size), compute_q_blocks=False)
 
 
+class BlockTooSmall(ValueError):
+    """KV blocks smaller than the key tile FlexAttention's GPU kernel can multiply."""
+
+
 @functools.cache
 def _compiled_flex_attention():
     config = torch._dynamo.config
@@ -112,8 +116,8 @@ def compile_paged_decode(key_pool: torch.Tensor, value_pool: torch.Tensor, heads
     serving one's shape (on a GPU: a compile is seconds, not for a request to wait on);
     returns the error that kept it from compiling, if one did."""
     if key_pool.device.type == "cuda" and block_size < _MIN_GPU_KEY_TILE:
-        return ValueError(f"cache.block_size {block_size} is under the {_MIN_GPU_KEY_TILE} tokens that FlexAttention's "
-                          "GPU kernel needs as its key tile (Triton's dot)")
+        return BlockTooSmall(f"cache.block_size {block_size} is under the {_MIN_GPU_KEY_TILE} tokens that "
+                             "FlexAttention's GPU kernel needs as its key tile (Triton's dot)")
     head_dim = key_pool.shape[2]
     pool_blocks = key_pool.shape[0] // block_size
     try:

@@ -3,6 +3,7 @@ scratch slot, the padded step is token-equal to generate, and on a GPU the repla
 graphs equal the eager step — before and after an optimizer step and a rollback."""
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -121,13 +122,15 @@ def test_paged_decode_graphs_are_one_per_batch_and_serve_the_gathered_tokens():
 
 
 @pytest.mark.gpu
-def test_kv_blocks_smaller_than_flex_attentions_gpu_key_tile_gather_instead():
+def test_kv_blocks_smaller_than_flex_attentions_gpu_key_tile_gather_instead(caplog):
     """FlexAttention's GPU kernel needs key tiles of at least 16 tokens: with 4-token KV
-    blocks the engine says so at start and serves the gathered path."""
+    blocks the engine says so at start, without trying to compile, and gathers."""
     config = make_config(max_num_seqs=4, max_model_len=64, block_size=4)
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, decode_attention="flex"))
-    engine = LLMEngine.for_model(tiny_model("llama").to("cuda"), tiny_tokenizer(), config)
+    with caplog.at_level(logging.ERROR, logger="engine.model_runner"):
+        engine = LLMEngine.for_model(tiny_model("llama").to("cuda"), tiny_tokenizer(), config)
     assert not engine.runner.paged_decode and engine.runner.decode_graphs.graphs
+    assert "key tile" in caplog.text
 
 
 @pytest.mark.gpu

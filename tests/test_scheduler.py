@@ -119,7 +119,10 @@ def test_trainable_requests_not_recorded_join_one_step_together():
     """Requests arriving together while another decodes: those the admission does not
     record are prefilled in one step, as untrainable ones are (each took a step of its
     own before: a burst of 32 over HTTP cost the running streams 31 mixed steps)."""
+    asked = []
+
     def admit(seq):
+        asked.append(seq.seq_id)
         return RecordSpec(all_logit_rows=True, adapter_version=1) if seq.seq_id == 3 else None
 
     scheduler = Scheduler(SchedulerConfig(8, 64), 64, 4, admit_recording=admit)
@@ -136,3 +139,30 @@ def test_trainable_requests_not_recorded_join_one_step_together():
     complete_step(scheduler, out)
     out = scheduler.schedule()
     assert out.recorded and [e.seq.seq_id for e in out.scheduled][0] == 3
+    complete_step(scheduler, out)
+    burst[2].record = None  # the engine clears it once the recording is made
+    while scheduler.waiting:  # 4, behind the recorded one, joins the next batch
+        complete_step(scheduler, scheduler.schedule())
+    assert asked == [1, 2, 3, 4]  # once each
+
+
+def test_a_request_not_recorded_that_finds_no_blocks_is_not_asked_again():
+    asked = []
+
+    def admit(seq):
+        asked.append(seq.seq_id)
+        return None
+
+    scheduler = Scheduler(SchedulerConfig(8, 64), 3, 4, admit_recording=admit)  # 3 blocks of 4 tokens
+    first = create_sequence(0, prompt_len=8)
+    scheduler.add(first)
+    complete_step(scheduler, scheduler.schedule())
+    late = create_sequence(1, prompt_len=6)
+    late.awaits_admission = True
+    scheduler.add(late)
+    out = scheduler.schedule()  # 1 block left: its 6 tokens do not fit; it waits, decided
+    assert [e.seq.seq_id for e in out.scheduled] == [0] and scheduler.waiting[0] is late
+    scheduler.finish(first, "length")
+    complete_step(scheduler, out)
+    out = scheduler.schedule()
+    assert [e.seq.seq_id for e in out.scheduled] == [1] and asked == [1]
