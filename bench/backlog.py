@@ -14,10 +14,11 @@ trained at the version that served it is recomputed at the current one), "steps_
 (`cohort_max_entries = 4`: steps of 4 whatever was recorded under one version, the
 default before cohorts) and "default" (the shipped config). Reported per condition:
 entries trained by path and the share on their recordings (reuse + stashed), optimizer
-steps, the held-out gain and its ratio to strict's, and the seconds from the last label
-to the last entry trained. `--warm-up N` first trains N labelled answers one at a time
-(waiting for each), as a server that has been learning for a while has: from a fresh
-adapter (LoRA's B = 0) the first step cannot move A.
+steps, the prefills recorded, the held-out gain and its ratio to strict's, the seconds the
+client took to serve and label, and those from the last label to the last entry trained.
+`--warm-up N` first trains N labelled answers one at a time (waiting for each), as a
+server that has been learning for a while has: from a fresh adapter (LoRA's B = 0) the
+first step cannot move A.
 """
 
 from __future__ import annotations
@@ -101,6 +102,7 @@ def run_condition(scenario: str, config_path: str, learning_rate: float, timeout
         _warm_up(client, model, scenario, warm_up, timeout_s)
         before_held_out = _held_out(url, model, scenario)
         before = client.get("/metrics").text
+        started = time.time()
         _serve_and_label(client, model, scenario, requests, first=warm_up)
         labelled = time.time()
         after = _wait_trained(client, scenario, before, requests, timeout_s)
@@ -108,8 +110,11 @@ def run_condition(scenario: str, config_path: str, learning_rate: float, timeout
         gain = _held_out(url, model, scenario) - before_held_out
     paths = trained_by_path(after, scenario, before)
     steps = read_metric(after, "alchemist:adapter_version") - read_metric(before, "alchemist:adapter_version")
+    recorded = "alchemist:recorded_prefills_total"
     return {"paths": paths, "reuse_share": round(reuse_share(paths), 3), "optimizer_steps": steps,
-            "gain_nats": round(gain, 3), "seconds_to_train_after_last_label": round(drained_s, 1)}
+            "recorded_prefills": read_metric(after, recorded) - read_metric(before, recorded),
+            "gain_nats": round(gain, 3), "seconds_to_serve_and_label": round(labelled - started, 1),
+            "seconds_to_train_after_last_label": round(drained_s, 1)}
 
 
 def run_backlog_bench(scenarios: list[str], conditions: dict[str, str], learning_rate: float = 1e-4,

@@ -69,7 +69,8 @@ class TrainingCollector:
         yield CounterMetricFamily(f"{PREFIX}memory_trims", "Idle slices that returned freed activation memory "
                                   "to the OS (glibc malloc_trim).", value=stats.memory_trims)
         yield CounterMetricFamily(f"{PREFIX}unrecorded_prefills", "Requests selected for training but not "
-                                  "recorded (cache full, prompt too long, or no room in the offload device budget).",
+                                  "recorded (cache full, prompt too long, no room in the offload device budget, "
+                                  "or so many recordings ahead that it would be trained stale).",
                                   value=stats.not_recorded)
         yield from _offload_metrics(status.offload)
         yield from _group_metrics(stats)

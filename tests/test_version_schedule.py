@@ -149,3 +149,25 @@ def test_freed_memory_is_given_back_only_once_recording_has_paused(monkeypatch):
     clock[0] += 11.0
     trainer.run_slice()
     assert trims == [clock[0]]
+
+
+def test_a_prefill_that_would_go_stale_behind_the_backlog_is_not_recorded():
+    """Two steps of two labelled recordings are ahead, one version of delay allowed: a
+    fifth request would train two versions late and be recomputed whatever it recorded,
+    so its prefill is served unrecorded and its label trains by recomputation."""
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=2, cohort_max_entries=2)
+    for request_id in "abcde":
+        serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
+        label(trainer, request_id)
+    assert trainer.cache.get("d").recording is not None and trainer.cache.get("e").recording is None
+    assert trainer.stats.recorded == 4 and trainer.stats.not_recorded == 1
+    trainer.train_until_idle()
+    assert trainer.stats.trained_entries == {("dpo", "reuse"): 2, ("dpo", "stashed"): 2, ("dpo", "recompute"): 1}
+
+
+def test_cpt_records_behind_any_backlog():
+    """CPT has no label entry to fall back on: an unrecorded prefill would not train."""
+    trainer = make_trainer(max_staleness=1, entries_per_step=2, cohort_max_entries=2)
+    for request_id in "abcde":
+        serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
+    assert trainer.stats.recorded == 5

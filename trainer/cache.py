@@ -373,6 +373,19 @@ class ActivationCache:
             if entry.completion_id in self._entries and entry.state is EntryState.TRAINING:
                 entry.state = EntryState.READY
 
+    def steps_ahead(self, version: int, max_staleness: int, cohort_limit: int) -> int:
+        """Optimizer steps before a recording made now at `version` would train, behind the
+        labelled recordings that can still be trained on (`take_ready`: one version per
+        step, oldest first, up to `cohort_limit` entries each)."""
+        with self._lock:
+            counts: dict[int, int] = {}
+            for e in self._entries.values():
+                if e.recording is not None and e.state in (EntryState.READY, EntryState.TRAINING) \
+                        and 0 <= version - e.adapter_version <= max_staleness:
+                    counts[e.adapter_version] = counts.get(e.adapter_version, 0) + 1
+        own = counts.pop(version, 0) // cohort_limit  # its own version's steps before the one it joins
+        return own + sum(-(-n // cohort_limit) for n in counts.values())
+
     def count(self, state: EntryState) -> int:
         with self._lock:
             return sum(1 for e in self._entries.values() if e.state is state)

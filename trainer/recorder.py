@@ -119,11 +119,20 @@ class Recorder:
             return None
         expected = (self._bytes_per_token or 0.0) * num_prompt_tokens
         if (num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
-                or (self.device_room is not None and not self.device_room.admits(num_prompt_tokens))):
+                or (self.device_room is not None and not self.device_room.admits(num_prompt_tokens))
+                or (self.method.uses_feedback and self._would_go_stale())):
             with self.stats.lock:
                 self.stats.not_recorded += 1
             return None
         return self.method.record_spec(self.adapter_version())
+
+    def _would_go_stale(self) -> bool:
+        """Whether the recordings ready to train before this one take more optimizer steps
+        than it may wait (`max_staleness`): it would be recomputed when its turn came, and
+        recording it would only cost its prefill and the cache's room. (Only where a label
+        entry trains an unrecorded request: CPT trains on what it recorded.)"""
+        bound = self.config.max_staleness
+        return self.cache.steps_ahead(self.adapter_version(), bound, self.config.cohort_max_entries) > bound
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None:
         self._bytes_per_token = recording.saved_bytes / max(len(recording.prompt_token_ids), 1)
