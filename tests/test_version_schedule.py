@@ -171,3 +171,31 @@ def test_cpt_records_behind_any_backlog():
     for request_id in "abcde":
         serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
     assert trainer.stats.recorded == 5
+
+
+def test_a_backlog_of_an_older_version_counts_only_the_steps_its_window_leaves():
+    """Four labelled recordings of version 0 wait at version 1 (one version of delay
+    allowed, steps of two): one step trains two of them, the other two go stale and wait
+    behind every usable recording. A request served now trains a step later, one version
+    stale, on its recording: it is recorded."""
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=2, cohort_max_entries=2)
+    for request_id in "abcdef":
+        serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
+        label(trainer, request_id)
+    while trainer.optimizer.version == 0:
+        trainer.run_slice()
+    serve(trainer, "g", prompt=f"{PROMPT} (g)")
+    assert trainer.cache.get("g").recording is not None
+    label(trainer, "g")
+    trainer.train_until_idle()
+    assert trainer.stats.trained_entries == {("dpo", "reuse"): 2, ("dpo", "stashed"): 3, ("dpo", "recompute"): 2}
+
+
+def test_with_stale_recordings_dropped_every_prefill_is_still_recorded():
+    """`stale_policy = "drop"` drops a stale recording's entry where a label entry would be
+    recomputed: the rule would change what trains, so it does not apply."""
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=2, cohort_max_entries=2, stale_policy="drop")
+    for request_id in "abcde":
+        serve(trainer, request_id, prompt=f"{PROMPT} ({request_id})")
+        label(trainer, request_id)
+    assert trainer.stats.recorded == 5

@@ -373,18 +373,26 @@ class ActivationCache:
             if entry.completion_id in self._entries and entry.state is EntryState.TRAINING:
                 entry.state = EntryState.READY
 
-    def steps_ahead(self, version: int, max_staleness: int, cohort_limit: int) -> int:
-        """Optimizer steps before a recording made now at `version` would train, behind the
-        labelled recordings that can still be trained on (`take_ready`: one version per
-        step, oldest first, up to `cohort_limit` entries each)."""
+    def lag_of_next_recording(self, trained: int, serving: int, max_staleness: int, cohort_limit: int) -> int:
+        """At least how many versions a recording made now (stamped `serving`) would be
+        stale when trained, the optimizer at `trained`: behind a running job that has no
+        room left for it, and the labelled recordings still usable, as `take_ready` orders
+        them (oldest version first, one version per step, up to `cohort_limit` entries each;
+        a version's rest goes stale when its window closes and waits behind every usable
+        recording). Where it could go either way, the lesser: a recording is kept."""
         with self._lock:
+            running = [e for e in self._entries.values() if e.state is EntryState.TRAINING]
             counts: dict[int, int] = {}
             for e in self._entries.values():
-                if e.recording is not None and e.state in (EntryState.READY, EntryState.TRAINING) \
-                        and 0 <= version - e.adapter_version <= max_staleness:
+                if e.recording is not None and e.state is EntryState.READY \
+                        and 0 <= trained - e.adapter_version <= max_staleness:
                     counts[e.adapter_version] = counts.get(e.adapter_version, 0) + 1
-        own = counts.pop(version, 0) // cohort_limit  # its own version's steps before the one it joins
-        return own + sum(-(-n // cohort_limit) for n in counts.values())
+        own = counts.pop(serving, 0) + sum(e.adapter_version == serving and e.recording is not None for e in running)
+        steps = int(len(running) >= cohort_limit and not any(e.adapter_version == serving for e in running))
+        for version in sorted(v for v in counts if v < serving):
+            window = max(0, max_staleness - (trained - version) - steps + 1)
+            steps += min(-(-counts[version] // cohort_limit), window)
+        return trained + steps + own // cohort_limit - serving
 
     def count(self, state: EntryState) -> int:
         with self._lock:

@@ -3,8 +3,9 @@
 `Recorder` is the engine's `PrefillRecorder` and one of its `EngineObserver`s (engine/
 hooks.py), called on the device thread:
   - `admit` is the one place that decides whether a trainable request's prefill is
-    recorded: the record fraction, the prompt length, room in the activation cache, and
-    room on the device (the offloader's budget); the spec it returns carries the adapter
+    recorded: the record fraction, the prompt length, room in the activation cache, room
+    on the device (the offloader's budget), and whether the labelled recordings ahead of it
+    leave it trainable within `max_staleness`; the spec it returns carries the adapter
     version serving runs under, so the recording is stamped when it is made;
   - `on_recorded` turns a recording into a cache entry (the training method's);
   - `on_output` collects the served responses and their log-probs, and completes the
@@ -17,8 +18,8 @@ group, whose choices share the one recording).
 With a feedback ledger, each request that gets an entry is written there (its prompt as
 the client wrote it and as tokens, the served choices and log-probs when it finishes).
 No label is lost: with a method that takes feedback, a trainable request whose prefill is
-not recorded (not drawn, too long, no room) still gets an entry when it finishes — its
-tokens, without activations — and its label trains by recomputation.
+not recorded (not drawn, too long, no room, too far behind) still gets an entry when it
+finishes — its tokens, without activations — and its label trains by recomputation.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class Recorder:
     def __init__(self, config: TrainConfig, method: TrainingMethod, cache: ActivationCache,
                  adapter_version: Callable[[], int], stats: TrainingStats, device_room: DeviceRoom | None = None,
                  warmer: HeapWarmer | None = None, rewards: RewardScorer | None = None,
-                 ledger: Ledger | None = None, recording_paused: Callable[[], bool] = lambda: False):
+                 ledger: Ledger | None = None, recording_paused: Callable[[], bool] = lambda: False,
+                 trained_version: Callable[[], int] | None = None):
         """`warmer`: pre-faulted heap (engine.malloc_tuning.HeapWarmer), released just
         before a recording and sized to the largest one; `rewards`: the reward function's
         scorer (trainer/rewards.py), which gets each finished group; `ledger`: the feedback
@@ -58,7 +60,9 @@ class Recorder:
         `recording_paused`: no prefill is recorded meanwhile (the weights serving runs
         under cannot be recorded with: the eval gate scores a candidate and the promoted
         version's weights are not stashed, as with `max_staleness` 0); `adapter_version`: the
-        version serving, which recordings and the ledger are stamped with."""
+        version serving, which recordings and the ledger are stamped with; `trained_version`:
+        the optimizer's, against which a recording's staleness is counted."""
+        self.trained_version = trained_version
         self.ledger = ledger
         self.recording_paused = recording_paused
         # what is kept of a request only for the reward function and the ledger
@@ -120,7 +124,7 @@ class Recorder:
         expected = (self._bytes_per_token or 0.0) * num_prompt_tokens
         if (num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
                 or (self.device_room is not None and not self.device_room.admits(num_prompt_tokens))
-                or (self.method.uses_feedback and self._would_go_stale())):
+                or self._would_go_stale()):
             with self.stats.lock:
                 self.stats.not_recorded += 1
             return None
@@ -129,10 +133,15 @@ class Recorder:
     def _would_go_stale(self) -> bool:
         """Whether the recordings ready to train before this one take more optimizer steps
         than it may wait (`max_staleness`): it would be recomputed when its turn came, and
-        recording it would only cost its prefill and the cache's room. (Only where a label
-        entry trains an unrecorded request: CPT trains on what it recorded.)"""
+        recording it would only cost its prefill and the cache's room. Only where its label
+        would train by recomputation just the same: a method with label entries (CPT trains
+        on what it recorded), and stale recordings recomputed rather than dropped."""
+        if not self.method.uses_feedback or self.config.stale_policy != "recompute" or self.trained_version is None:
+            return False
         bound = self.config.max_staleness
-        return self.cache.steps_ahead(self.adapter_version(), bound, self.config.cohort_max_entries) > bound
+        lag = self.cache.lag_of_next_recording(self.trained_version(), self.adapter_version(), bound,
+                                               self.config.cohort_max_entries)
+        return lag > bound
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None:
         self._bytes_per_token = recording.saved_bytes / max(len(recording.prompt_token_ids), 1)
