@@ -14,8 +14,8 @@ the server's own mean TPOT (its histogram), and the CPU seconds per output token
 event loop's thread (HTTP, JSON, SSE) and of its device thread. For both paths: the engine
 steps the round ran by kind (decode, prefill, mixed) and their mean seconds. Requests that
 reach the server one after another take prefill or mixed steps between the decodes of
-those already running, where the engine path admits every request before its first step. The figure the issue sets
-(issue 23): HTTP's TPOT within 1.1x of the engine's. The client runs on this machine too:
+those already running, where the engine path admits every request before its first step.
+The figure the issue sets (issue 23): HTTP's TPOT within 1.1x of the engine's. The client runs on this machine too:
 on a two-core CPU its parsing competes with the server's threads.
 """
 
@@ -73,6 +73,7 @@ ROUND_STEP_KINDS = ("decode", "prefill", "mixed")
 
 
 def _step_figures(counts: dict[str, float], seconds: dict[str, float]) -> dict[str, float]:
+    """Per kind: the steps a round ran and their mean seconds (NaN: none ran)."""
     figures = {}
     for kind in ROUND_STEP_KINDS:
         figures[f"{kind}_steps"] = counts.get(kind, 0)
@@ -153,6 +154,7 @@ def http_round(url: str, questions: list[str], max_tokens: int) -> dict:
     tokens = sum(r["tokens"] for r in results)
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
     steps = steps_by_kind(before, after)
+    step_counts = {kind: steps[kind]["steps"] for kind in ROUND_STEP_KINDS}
     histogram = "alchemist:time_per_output_token_seconds"
     return {"tpot_mean_s": _mean(tpots), "tokens_per_s": tokens / elapsed, "tokens": tokens,
             "server_tpot_mean_s": delta(f"{histogram}_sum") / max(delta(f"{histogram}_count"), 1),
@@ -161,9 +163,7 @@ def http_round(url: str, questions: list[str], max_tokens: int) -> dict:
             / max(delta("alchemist:engine_serving_steps_total"), 1),
             **{f"{thread}_cpu_ms_per_token": 1000 * cpu_seconds(thread) / max(tokens, 1)
                for thread in ("event_loop", "device")},
-            **_step_figures({kind: steps[kind]["steps"] for kind in ROUND_STEP_KINDS},
-                            {kind: steps[kind]["steps"] * steps[kind]["mean_s"] for kind in ROUND_STEP_KINDS
-                             if steps[kind]["steps"]})}
+            **_step_figures(step_counts, {kind: steps[kind]["seconds"] for kind in ROUND_STEP_KINDS})}
 
 
 def _steps_line(result: dict) -> str:

@@ -70,7 +70,7 @@ TRAINING_PATHS = ("reuse", "stashed", "recompute")
 
 def steps_by_kind(before: str, after: str) -> dict[str, dict[str, float]]:
     """The server's engine steps between two scrapes, by kind (server/metrics.py,
-    `serving_step_seconds`): how many, their mean seconds, and seconds per token."""
+    `serving_step_seconds`): how many, their seconds in all and on average, and seconds per token."""
     steps = {}
     for kind in STEP_KINDS:
         def delta(name: str) -> float:
@@ -78,7 +78,7 @@ def steps_by_kind(before: str, after: str) -> dict[str, dict[str, float]]:
 
         count, seconds = delta("alchemist:serving_step_seconds_count"), delta("alchemist:serving_step_seconds_sum")
         tokens = delta("alchemist:serving_step_tokens_total")
-        steps[kind] = {"steps": count, "mean_s": seconds / count if count else math.nan,
+        steps[kind] = {"steps": count, "seconds": seconds, "mean_s": seconds / count if count else math.nan,
                        "s_per_token": seconds / tokens if tokens else math.nan,
                        "page_faults_per_step": delta("alchemist:serving_step_page_faults_total") / count
                        if count else math.nan}

@@ -142,8 +142,8 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
         decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
         rewards = RewardScorer(load_reward_function(config.reward_function), config.reward_timeout_s, cache, stats,
                                feedback.submit, decode, wakeup or (lambda: None))
-    recorder = Recorder(config, method, cache, lifecycle.serving_version, stats, offloader, warmer, rewards, ledger,
-                        recording_paused=lambda: not lifecycle.can_record(), trained_version=lambda: optimizer.version)
+    recorder = Recorder(config, method, cache, lifecycle.serving_version, lambda: optimizer.version, stats, offloader,
+                        warmer, rewards, ledger, recording_paused=lambda: not lifecycle.can_record())
     lifecycle.resume()  # from the adapter directory (or version 0 saved), before anything is served
     if replicas is not None:  # rank 0's adapter (resumed, or initialised) is everyone's
         adopted = replicas.adopt_rank0(lifecycle.snapshot, lambda s: lifecycle.restore(s, s.version))

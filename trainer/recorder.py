@@ -49,10 +49,10 @@ class DeviceRoom(Protocol):
 
 class Recorder:
     def __init__(self, config: TrainConfig, method: TrainingMethod, cache: ActivationCache,
-                 adapter_version: Callable[[], int], stats: TrainingStats, device_room: DeviceRoom | None = None,
-                 warmer: HeapWarmer | None = None, rewards: RewardScorer | None = None,
-                 ledger: Ledger | None = None, recording_paused: Callable[[], bool] = lambda: False,
-                 trained_version: Callable[[], int] | None = None):
+                 adapter_version: Callable[[], int], trained_version: Callable[[], int], stats: TrainingStats,
+                 device_room: DeviceRoom | None = None, warmer: HeapWarmer | None = None,
+                 rewards: RewardScorer | None = None, ledger: Ledger | None = None,
+                 recording_paused: Callable[[], bool] = lambda: False):
         """`warmer`: pre-faulted heap (engine.malloc_tuning.HeapWarmer), released just
         before a recording and sized to the largest one; `rewards`: the reward function's
         scorer (trainer/rewards.py), which gets each finished group; `ledger`: the feedback
@@ -136,7 +136,7 @@ class Recorder:
         recording it would only cost its prefill and the cache's room. Only where its label
         would train by recomputation just the same: a method with label entries (CPT trains
         on what it recorded), and stale recordings recomputed rather than dropped."""
-        if not self.method.uses_feedback or self.config.stale_policy != "recompute" or self.trained_version is None:
+        if not self.method.uses_feedback or self.config.stale_policy != "recompute":
             return False
         bound = self.config.max_staleness
         lag = self.cache.lag_of_next_recording(self.trained_version(), self.adapter_version(), bound,
