@@ -144,3 +144,58 @@ def test_a_recording_does_not_count_the_copies_as_its_activations():
         logits = model(ids).logits
     copies = {t.untyped_storage().data_ptr() for g in groups for t in (g.training.current().a, g.training.current().b)}
     assert logits.requires_grad and tracker.live_bytes > 0 and not copies & set(tracker._storages)
+
+
+def _gemms(counter: AtenOps) -> int:
+    return counter.ops["mm"] + counter.ops["addmm"]
+
+
+def test_a_forward_under_autograd_runs_servings_gemms_while_the_serving_copy_holds_its_weights():
+    """Recording a prefill launches the GEMMs serving does (two per group); when the
+    serving copy holds other values (after an optimizer step, before its refresh) a group
+    takes three, and the gradients agree."""
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(5))
+    model, peft_model, groups = adapted("llama", torch.bfloat16, True)
+    counts = {}
+    for name, grad in (("serving", False), ("recorded", True)):
+        counts[name] = AtenOps()
+        with torch.set_grad_enabled(grad), counts[name].counting():
+            model(ids)
+    assert _gemms(counts["recorded"]) == _gemms(counts["serving"])
+    fused = gradients_on(model, peft_model, ids)
+    with torch.no_grad():
+        for p in lora_parameters(peft_model):
+            p.mul_(1.0)  # the same values under a new version: the serving copy no longer vouches for them
+    counter = AtenOps()
+    with counter.counting():
+        model(ids)
+    assert _gemms(counter) == _gemms(counts["serving"]) + len(groups)
+    assert relative_difference(gradients_on(model, peft_model, ids), fused) < 2e-2
+
+
+def test_the_gradient_lands_in_one_op_per_copy_weight_and_equals_adding_it_member_by_member():
+    """The float32 weights' gradients are views of one buffer per copy weight: a backward
+    adds to it in one op (B's blocks gathered first). The same sums as adding each member's
+    slice, as happens once someone else set a gradient (here: zeros set beforehand)."""
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(6))
+    model, peft_model, groups = adapted("llama", torch.bfloat16, True)
+    params = lora_parameters(peft_model)
+    sums = {}
+    for preset in (None, "zeros"):
+        for p in params:
+            p.grad = None if preset is None else torch.zeros_like(p)
+        for _ in range(2):  # a second backward adds to the first's
+            torch.nn.functional.cross_entropy(model(ids).logits.float()[0, :-1], ids[0, 1:]).backward()
+        sums[preset] = lora_gradients(peft_model)
+    assert all(torch.equal(sums[None][k], sums["zeros"][k]) for k in sums["zeros"])
+    for p in params:
+        p.grad = None
+    logits = model(ids).logits.float()
+    torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()  # links the views
+    logits = model(ids).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+    counter = AtenOps()
+    with counter.counting():
+        loss.backward()
+    # per layer: A's add for each of 4 groups; B's gather and add for q/k/v and gate/up, B's add for o and down
+    assert counter.ops["add_"] == 8 * len(model.model.layers) and counter.ops["gather"] == 2 * len(model.model.layers)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from engine.packed_linear import PackedLinear
-from trainer.training_copy import TrainingCopies
+from trainer.training_copy import TrainingCopies, masters_key
 
 
 def _rows_of(buffer: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -56,6 +56,9 @@ class SharedInputGroup:
         width = sum(outs)
         self.weight = torch.empty(width + sum(ranks), weights[0][0].shape[1], dtype=dtype, device=device)
         self._share_base_weights(bases, outs)
+        # the members' base weights together, as one frozen weight (a training forward's
+        # backward reads it: trainer/training_copy.py), and their A below them
+        self.base_weight = torch.nn.Parameter(_rows_of(self.weight, 0, width), requires_grad=False)
         self.a = self.weight[width:]
         self.b = torch.zeros(width, sum(ranks), dtype=dtype, device=device)
         biases = [base.bias for base in bases]
@@ -72,6 +75,8 @@ class SharedInputGroup:
             row, col = row + out, col + rank
         # the group's copies for autograd in the model's dtype (trainer/training_copy.py); None: PEFT's path
         self.training: TrainingCopies | None = None
+        # the identity and version of each master weight the copy holds now (None: none yet)
+        self.held: tuple | None = None
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._served = 0
@@ -102,6 +107,7 @@ class SharedInputGroup:
         for (rows, cols), (a, b, scale) in zip(self.blocks, self._masters):
             self.a[cols].copy_(a)
             self.b[rows, cols].copy_(b * scale)
+        self.held = masters_key(self._masters)
 
     def outputs(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every member's output (base + adapter) for the input `x` (its rows `flat`),
@@ -117,11 +123,14 @@ class SharedInputGroup:
         return outputs
 
     def _fused_outputs(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.fused_output(flat).split(self.outs, dim=1)
+
+    def fused_output(self, flat: torch.Tensor) -> torch.Tensor:
+        """The members' outputs side by side, (N, Σout), in two GEMMs."""
         width = self.b.shape[0]
         base_and_rank = (torch.addmm(self._fused_bias, flat, self.weight.t()) if self._fused_bias is not None
                          else torch.mm(flat, self.weight.t()))
-        out = torch.addmm(base_and_rank[:, :width], base_and_rank[:, width:], self.b.t())
-        return out.split(self.outs, dim=1)
+        return torch.addmm(base_and_rank[:, :width], base_and_rank[:, width:], self.b.t())
 
     def _packed_outputs(self, flat: torch.Tensor, packed: list) -> tuple[torch.Tensor, ...]:
         xa = flat @ self.a.t()

@@ -8,19 +8,28 @@ same input (trainer/serving_copy.py's groups: q/k/v, gate/up, o, down), a record
 training forward runs with a copy of the group's LoRA weights in the model's dtype as
 autograd leaves, laid out as the serving copy is:
 
-- `a`: the members' A stacked, (Σr, in): one GEMM for the group's x Aᵀ;
-- `b`: their s·B block-diagonal, (Σout, Σr), with the base biases: one GEMM for every
-  member's LoRA output at once, split (a view) among the members, each added to its
-  base GEMM in the same op (`addmm`).
+- `a`: the members' A stacked, (Σr, in);
+- `b`: their s·B block-diagonal, (Σout, Σr).
+
+`_GroupLoraFunction` computes the group's outputs (base + adapter, the members' side by
+side, split among them as views). Its forward is serving's own: two GEMMs from the
+serving copy (`x [W; A]ᵀ`, then `addmm` with (s·B)ᵀ), when that copy holds this copy's
+values (it follows the live weights; not while the eval gate pins it, nor for a stashed
+version) — so recording a prefill launches the GEMMs serving does — and three otherwise
+(the members' base weights as one, x Aᵀ, · (s·B)ᵀ). Its backward forms the group's
+input gradient in two GEMMs (`g W_base + (g s·B) A`) and the copy's gradients from the
+input it saved, x Aᵀ formed again there as `_MergedLoraFunction` (trainer/adapter.py)
+does: a graph saves only its input.
 
 A copy is built from the weights the layers hold at that moment (the live ones, or a
 stashed version's that trainer/stash.py swapped in) and never changed: a graph recorded
 under version v keeps v's copy, and the first forward after the weights change builds a
 new one (a cast of the adapter's weights, once per version, not per step). The gradient
 that autograd accumulates on a copy is cast onto the float32 weights it was built from
-at once (a post-accumulate hook), so the optimizer, clipping, the replicas' all-reduce
-and the stash find it where PEFT's path puts it. That is mixed precision as AMP does it:
-float32 master weights and optimizer state, low-precision compute.
+at once (a post-accumulate hook; one op per copy weight, `_SourceGradients`), so the
+optimizer, clipping, the replicas' all-reduce and the stash find it where PEFT's path
+puts it. That is mixed precision as AMP does it: float32 master weights and optimizer
+state, low-precision compute.
 
 Used where the model's dtype is not the adapter's (the GPU's bfloat16 models); a float32
 model keeps PEFT's path and the CPU's merged one (trainer/adapter.py). The gradient's
@@ -29,7 +38,6 @@ difference from PEFT's float32 path is measured in tests/test_training_copy.py.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import OrderedDict
 
@@ -40,11 +48,17 @@ import torch
 _KEPT_COPIES = 2
 
 
+def masters_key(masters: list[tuple[torch.Tensor, torch.Tensor, float]]) -> tuple:
+    """The identity and version counter of each (A, B): equal keys, equal values."""
+    return tuple((id(t), t._version) for a, b, _ in masters for t in (a, b))
+
+
 class _Copy:
     """One group's LoRA weights in the model's dtype, for one set of source weights."""
 
-    def __init__(self, group, sources: list[tuple[torch.Tensor, torch.Tensor, float]]):
+    def __init__(self, group, sources: list[tuple[torch.Tensor, torch.Tensor, float]], key: tuple):
         self.sources = sources  # kept alive: their identities key this copy
+        self.key = key
         a = torch.zeros_like(group.a)
         b = torch.zeros_like(group.b)
         with torch.no_grad():
@@ -53,29 +67,78 @@ class _Copy:
                 b[rows, cols].copy_(source_b * scale)
         # parameters, as the weights they copy: a recording's byte count skips them
         self.a, self.b = torch.nn.Parameter(a), torch.nn.Parameter(b)
-        # the hooks hold the sources, not the copy: a copy a graph no longer needs is freed
-        self.a.register_post_accumulate_grad_hook(functools.partial(_a_grad_to_sources, group.blocks, sources))
-        self.b.register_post_accumulate_grad_hook(functools.partial(_b_grad_to_sources, group.blocks, sources))
+        # the hooks hold where the gradients land, not the copy: a copy a graph no longer needs is freed
+        landing = _SourceGradients(group.blocks, sources)
+        self.a.register_post_accumulate_grad_hook(landing.add_a)
+        self.b.register_post_accumulate_grad_hook(landing.add_b)
 
 
-@torch.no_grad()
-def _a_grad_to_sources(blocks, sources, a: torch.Tensor) -> None:
-    try:
-        grad = a.grad.to(sources[0][0].dtype)  # one cast for the group
-        for (_, cols), (source, _, _) in zip(blocks, sources):
-            _accumulate(source, grad[cols], 1.0)
-    finally:
-        a.grad = None
+class _SourceGradients:
+    """A copy's gradients, cast onto the float32 weights it was built from. Their `.grad`
+    are views of one float32 buffer per copy tensor — the members' A stacked, their B
+    stacked — so that a backward's gradient lands in one op (two for a block-diagonal B:
+    its blocks gathered first), not in a cast and an add per member. Where a source's
+    `.grad` is not that view any more (the stash moved a gradient, the replicas'
+    all-reduce set one), the gradient is added member by member."""
 
+    def __init__(self, blocks: list[tuple[slice, slice]], sources: list[tuple[torch.Tensor, torch.Tensor, float]]):
+        self.blocks, self.sources = blocks, sources
+        # "a" / "b" -> (weak references to the sources' gradient views, and to their buffer)
+        self.linked: dict[str, tuple[list, weakref.ref]] = {}
+        scales = {scale for _, _, scale in sources}
+        ranks = {cols.stop - cols.start for _, cols in blocks}
+        self.scale = scales.pop() if len(scales) == 1 else None
+        # B's gradient is (Σout, Σr), block-diagonal: each row's own block's columns
+        self.b_columns = None
+        if len(blocks) > 1 and len(ranks) == 1:
+            device, rank = sources[0][1].device, ranks.pop()
+            self.b_columns = torch.cat([torch.arange(cols.start, cols.stop, device=device)
+                                        .expand(rows.stop - rows.start, rank) for rows, cols in blocks])
 
-@torch.no_grad()
-def _b_grad_to_sources(blocks, sources, b: torch.Tensor) -> None:
-    try:
-        grad = b.grad.to(sources[0][1].dtype)
-        for (rows, cols), (_, source, scale) in zip(blocks, sources):
+    @torch.no_grad()
+    def add_a(self, a: torch.Tensor) -> None:
+        grad, a.grad = a.grad, None
+        self._add("a", [source for source, _, _ in self.sources], grad, [cols for _, cols in self.blocks], 1.0)
+
+    @torch.no_grad()
+    def add_b(self, b: torch.Tensor) -> None:
+        grad, b.grad = b.grad, None
+        if self.scale is not None and (len(self.blocks) == 1 or self.b_columns is not None):
+            stacked = grad if len(self.blocks) == 1 else grad.gather(1, self.b_columns)
+            self._add("b", [source for _, source, _ in self.sources], stacked, [rows for rows, _ in self.blocks],
+                      self.scale)
+            return
+        grad = grad.to(self.sources[0][1].dtype)
+        for (rows, cols), (_, source, scale) in zip(self.blocks, self.sources):
             _accumulate(source, grad[rows, cols], scale)  # d(s·B) = s dB
-    finally:
-        b.grad = None
+
+    def _add(self, name: str, sources: list[torch.Tensor], stacked: torch.Tensor, rows: list[slice],
+             scale: float) -> None:
+        """Adds `scale` × `stacked` (the members' gradients, their rows `rows`) to `sources`."""
+        buffer = self._linked_buffer(name, sources)
+        if buffer is not None:
+            buffer.add_(stacked, alpha=scale)
+        elif all(source.grad is None for source in sources):
+            buffer = stacked.to(sources[0].dtype, copy=True)
+            if scale != 1.0:
+                buffer.mul_(scale)
+            for source, r in zip(sources, rows):
+                source.grad = buffer[r]
+            # weak: the buffer lives as long as the sources' gradients do (zero_grad frees it)
+            self.linked[name] = [weakref.ref(source.grad) for source in sources], weakref.ref(buffer)
+        else:
+            self.linked.pop(name, None)
+            grad = stacked.to(sources[0].dtype)
+            for source, r in zip(sources, rows):
+                _accumulate(source, grad[r], scale)
+
+    def _linked_buffer(self, name: str, sources: list[torch.Tensor]) -> torch.Tensor | None:
+        """The buffer whose views every source's `.grad` still is, or None."""
+        views, buffer = self.linked.get(name, ((), None))
+        if buffer is None or any(source.grad is None or source.grad is not view()
+                                 for source, view in zip(sources, views)):
+            return None
+        return buffer()
 
 
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
@@ -97,7 +160,7 @@ class TrainingCopies:
         # every copy alive, those graphs keep included
         self._alive: weakref.WeakSet[_Copy] = weakref.WeakSet()
         self._input: torch.Tensor | None = None
-        self._pieces: tuple[torch.Tensor, ...] = ()
+        self._outputs: tuple[torch.Tensor, ...] = ()
         self._served = 0
 
     def count_as_weights(self, parameter_keys: set[int]) -> None:
@@ -108,10 +171,10 @@ class TrainingCopies:
 
     def current(self) -> _Copy:
         sources = [layer.serving_masters() for layer in self.group.layers]
-        key = tuple((id(t), t._version) for a, b, _ in sources for t in (a, b))
+        key = masters_key(sources)
         copy = self._copies.get(key)
         if copy is None:
-            copy = self._copies[key] = _Copy(self.group, sources)
+            copy = self._copies[key] = _Copy(self.group, sources, key)
             self._alive.add(copy)
             self._track(copy)
             while len(self._copies) > _KEPT_COPIES:
@@ -137,28 +200,48 @@ class TrainingCopies:
             self.parameter_keys.add(key)
             weakref.finalize(tensor, self.parameter_keys.discard, key)
 
-    def pieces(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Every member's LoRA output (with its base bias) for the input `x` (rows `flat`),
-        computed by the group's first member to ask and kept until each has read it."""
+    def outputs(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every member's output (base + adapter) for the input `x` (rows `flat`), computed
+        by the group's first member to ask and kept until each has read it."""
         if self._input is not x:
             copy = self.current()
-            xa = flat @ copy.a.t()
-            bias = self.group.bias
-            delta = torch.addmm(bias, xa, copy.b.t()) if bias is not None else xa @ copy.b.t()
-            self._pieces = delta.split([rows.stop - rows.start for rows, _ in self.group.blocks], dim=1)
+            out = _GroupLoraFunction.apply(flat, copy.a, copy.b, self.group, self.group.held == copy.key)
+            self._outputs = out.split(self.group.outs, dim=1)
             self._input, self._served = x, 0
-        pieces = self._pieces
+        outputs = self._outputs
         self._served += 1
         if self._served == len(self.group.layers):
-            self._input, self._pieces = None, ()
-        return pieces
+            self._input, self._outputs = None, ()
+        return outputs
+
+
+class _GroupLoraFunction(torch.autograd.Function):
+    """A group's outputs side by side, (N, Σout), with gradients to the input `flat` and
+    to the copy's `a` and `b` (module docstring). Saves `flat` (and weights)."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group, from_serving: bool):
+        ctx.save_for_backward(flat, a, b, group.base_weight)
+        if from_serving:
+            return group.fused_output(flat)
+        base = (torch.addmm(group.bias, flat, group.base_weight.t()) if group.bias is not None
+                else flat @ group.base_weight.t())
+        return torch.addmm(base, flat @ a.t(), b.t())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        flat, a, b, base_weight = ctx.saved_tensors
+        grad_rank = grad @ b  # (N, Σr)
+        grad_x = torch.addmm(grad @ base_weight, grad_rank, a) if ctx.needs_input_grad[0] else None
+        grad_a = grad_rank.t() @ flat if ctx.needs_input_grad[1] else None
+        grad_b = grad.t() @ (flat @ a.t()) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_a, grad_b, None, None
 
 
 def train_from_copy(layer, x: torch.Tensor) -> torch.Tensor:
     """`layer`'s output (base + adapter) under autograd, the LoRA part in the model's dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    piece = layer.serving_group.training.pieces(x, flat)[layer.serving_index]
-    out = torch.addmm(piece, flat, layer.base_layer.weight.t())
+    out = layer.serving_group.training.outputs(x, flat)[layer.serving_index]
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
