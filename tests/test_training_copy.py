@@ -199,3 +199,31 @@ def test_the_gradient_lands_in_one_op_per_copy_weight_and_equals_adding_it_membe
         loss.backward()
     # per layer: A's add for each of 4 groups; B's gather and add for q/k/v and gate/up, B's add for o and down
     assert counter.ops["add_"] == 8 * len(model.model.layers) and counter.ops["gather"] == 2 * len(model.model.layers)
+
+
+def test_an_optimizer_steps_refresh_builds_the_training_copy_from_the_serving_copy():
+    """After the adapter changes, the refresh that serving follows makes the training copy
+    too, as two clones of the serving copy: the next recorded forward builds nothing, and
+    the copy equals one built member by member."""
+    from trainer.serving_copy import refresh_serving_copies
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(7))
+    model, peft_model, groups = adapted("llama", torch.bfloat16, True)
+    gradients_on(model, peft_model, ids)
+    with torch.no_grad():
+        for p in lora_parameters(peft_model):
+            p.add_(torch.randn_like(p) * 0.01)
+    refresh_serving_copies(groups)
+    counts = []
+    for _ in range(2):
+        counter = AtenOps()
+        with counter.counting():
+            model(ids)
+        counts.append(counter.total)
+    assert counts[0] == counts[1]
+    for group in groups:
+        copy = group.training.current()
+        assert copy.key == group.held
+        for (rows, cols), (a, b, scale) in zip(group.blocks, copy.sources):
+            assert torch.equal(copy.a[cols], a.to(copy.a.dtype)) and torch.equal(copy.b[rows, cols],
+                                                                               (b * scale).to(copy.b.dtype))
+        assert torch.count_nonzero(copy.b).item() == sum(torch.count_nonzero(b).item() for _, b, _ in copy.sources)

@@ -99,7 +99,9 @@ class SharedInputGroup:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Copies the master weights in, in place (the storage never changes)."""
+        """Copies the master weights in, in place (the storage never changes), and makes
+        the training copy of them now (two clones of the serving copy's), not in the
+        next recorded prefill."""
         storage = self.weight.untyped_storage().data_ptr()
         if any(layer.base_layer.weight.untyped_storage().data_ptr() != storage for layer in self.layers):
             raise RuntimeError("a base weight was replaced after the serving copy was built: serving and "
@@ -108,6 +110,8 @@ class SharedInputGroup:
             self.a[cols].copy_(a)
             self.b[rows, cols].copy_(b * scale)
         self.held = masters_key(self._masters)
+        if self.training is not None:  # the next recorded prefill finds the training copy built
+            self.training.current()
 
     def outputs(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every member's output (base + adapter) for the input `x` (its rows `flat`),

@@ -56,19 +56,22 @@ def masters_key(masters: list[tuple[torch.Tensor, torch.Tensor, float]]) -> tupl
 class _Copy:
     """One group's LoRA weights in the model's dtype, for one set of source weights."""
 
-    def __init__(self, group, sources: list[tuple[torch.Tensor, torch.Tensor, float]], key: tuple):
+    def __init__(self, group, sources: list[tuple[torch.Tensor, torch.Tensor, float]], key: tuple,
+                 b_columns: torch.Tensor | None):
         self.sources = sources  # kept alive: their identities key this copy
         self.key = key
-        a = torch.zeros_like(group.a)
-        b = torch.zeros_like(group.b)
         with torch.no_grad():
-            for (rows, cols), (source_a, source_b, scale) in zip(group.blocks, sources):
-                a[cols].copy_(source_a)
-                b[rows, cols].copy_(source_b * scale)
+            if group.held == key:  # the serving copy holds these very values, laid out the same
+                a, b = group.a.clone(), group.b.clone()
+            else:
+                a, b = torch.zeros_like(group.a), torch.zeros_like(group.b)
+                for (rows, cols), (source_a, source_b, scale) in zip(group.blocks, sources):
+                    a[cols].copy_(source_a)
+                    b[rows, cols].copy_(source_b * scale)
         # parameters, as the weights they copy: a recording's byte count skips them
         self.a, self.b = torch.nn.Parameter(a), torch.nn.Parameter(b)
         # the hooks hold where the gradients land, not the copy: a copy a graph no longer needs is freed
-        landing = _SourceGradients(group.blocks, sources)
+        landing = _SourceGradients(group.blocks, sources, b_columns)
         self.a.register_post_accumulate_grad_hook(landing.add_a)
         self.b.register_post_accumulate_grad_hook(landing.add_b)
 
@@ -81,19 +84,15 @@ class _SourceGradients:
     `.grad` is not that view any more (the stash moved a gradient, the replicas'
     all-reduce set one), the gradient is added member by member."""
 
-    def __init__(self, blocks: list[tuple[slice, slice]], sources: list[tuple[torch.Tensor, torch.Tensor, float]]):
-        self.blocks, self.sources = blocks, sources
+    def __init__(self, blocks: list[tuple[slice, slice]], sources: list[tuple[torch.Tensor, torch.Tensor, float]],
+                 b_columns: torch.Tensor | None):
+        """`b_columns`: for each row of B's gradient, (Σout, Σr), its member's block's
+        columns (`block_columns`), or None: B added member by member."""
+        self.blocks, self.sources, self.b_columns = blocks, sources, b_columns
         # "a" / "b" -> (weak references to the sources' gradient views, and to their buffer)
         self.linked: dict[str, tuple[list, weakref.ref]] = {}
         scales = {scale for _, _, scale in sources}
-        ranks = {cols.stop - cols.start for _, cols in blocks}
         self.scale = scales.pop() if len(scales) == 1 else None
-        # B's gradient is (Σout, Σr), block-diagonal: each row's own block's columns
-        self.b_columns = None
-        if len(blocks) > 1 and len(ranks) == 1:
-            device, rank = sources[0][1].device, ranks.pop()
-            self.b_columns = torch.cat([torch.arange(cols.start, cols.stop, device=device)
-                                        .expand(rows.stop - rows.start, rank) for rows, cols in blocks])
 
     @torch.no_grad()
     def add_a(self, a: torch.Tensor) -> None:
@@ -141,6 +140,17 @@ class _SourceGradients:
         return buffer()
 
 
+def block_columns(blocks: list[tuple[slice, slice]], device: torch.device) -> torch.Tensor | None:
+    """(Σout, r): the columns of each row's own block of a block-diagonal (Σout, Σr) whose
+    blocks are all r wide; None for a single block (the whole) or blocks of several widths."""
+    ranks = {cols.stop - cols.start for _, cols in blocks}
+    if len(blocks) == 1 or len(ranks) != 1:
+        return None
+    rank = ranks.pop()
+    return torch.cat([torch.arange(cols.start, cols.stop, device=device).expand(rows.stop - rows.start, rank)
+                      for rows, cols in blocks])
+
+
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
     if weight.grad is None:
         weight.grad = grad * scale if scale != 1.0 else grad.contiguous()
@@ -162,6 +172,7 @@ class TrainingCopies:
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._served = 0
+        self._b_columns = block_columns(group.blocks, group.b.device)
 
     def count_as_weights(self, parameter_keys: set[int]) -> None:
         """From now on (and for the copies alive now) the offloader counts copies as weights."""
@@ -174,7 +185,7 @@ class TrainingCopies:
         key = masters_key(sources)
         copy = self._copies.get(key)
         if copy is None:
-            copy = self._copies[key] = _Copy(self.group, sources, key)
+            copy = self._copies[key] = _Copy(self.group, sources, key, self._b_columns)
             self._alive.add(copy)
             self._track(copy)
             while len(self._copies) > _KEPT_COPIES:
