@@ -206,6 +206,15 @@ class AttentionMetadata:
         return cls([group], output_index.to(device))
 
 
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied if it is a view of a larger output: V is a slice of its layer's
+    fused q|k|v GEMM (trainer/training_copy.py, Phi-3's qkv_proj), and a recording that
+    kept the slice would keep all of it. The copy stays in the graph."""
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
+
+
 class StepKV:
     """The `past_key_values` a decoder layer sees during one engine step: `update()`
     stores the step's new K/V in the pool and returns the pools, (slots, KVH, D) each,
@@ -231,6 +240,6 @@ class StepKV:
         v_pool.index_copy_(0, slots, value[0].transpose(0, 1).detach())
         if not self.record:
             return k_pool, v_pool
-        self.recorded[layer_idx] = (key, value)
+        self.recorded[layer_idx] = (own_storage(key), own_storage(value))
         pad = self.metadata.single.num_keys - key.shape[2]
         return torch.nn.functional.pad(key, (0, 0, 0, pad)), torch.nn.functional.pad(value, (0, 0, 0, pad))

@@ -20,8 +20,10 @@ version and path of a trained entry.
 
 The cache alone moves an entry from state to state: every transition is one of its
 methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
-`expire`); nobody else assigns `entry.state`. Its lock is its own, held only around its
-own bookkeeping.
+`expire`); nobody else assigns `entry.state`. It keeps its entries indexed by state and
+by whether they hold a recording (trainer/cache_index.py), so that what serving asks per
+request does not grow with the entries waiting for labels. Its lock is its own, held
+only around its own bookkeeping.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections import OrderedDict
 from typing import Protocol
 
 from engine.recording import RecordedPrefill
+from trainer.cache_index import EntryIndex, lag_behind
 from trainer.entries import TERMINAL, CacheEntry, EntryState
 
 
@@ -66,6 +69,8 @@ class ActivationCache:
         self.label_timeout_s = label_timeout_s
         self.clock = clock
         self._entries: OrderedDict[str, CacheEntry] = OrderedDict()
+        # the same entries by state, and those holding a recording (under the lock)
+        self._index = EntryIndex()
         # recently ended entries (id -> final state), so feedback can tell "trained" from "unknown"
         self._ended: OrderedDict[str, EntryState] = OrderedDict()
         self._lock = threading.RLock()
@@ -109,7 +114,7 @@ class ActivationCache:
         """The entries whose activations give way to a new recording, in that order."""
         if self.full_policy == "drop_new":
             return []
-        return [e for e in self._entries.values() if e.recording is not None and e.state is not EntryState.TRAINING
+        return [e for e in self._index.recorded() if e.state is not EntryState.TRAINING
                 and (self.full_policy == "evict_oldest" or e.state is EntryState.WAITING_LABEL)]
 
     def _make_room(self, nbytes: int) -> bool:
@@ -129,7 +134,7 @@ class ActivationCache:
     def label_entries(self) -> int:
         """Entries without activations (they train by recomputation)."""
         with self._lock:
-            return sum(1 for e in self._entries.values() if e.recording is None)
+            return len(self._entries) - sum(1 for _ in self._index.recorded())
 
     def add(self, entry: CacheEntry) -> bool:
         """Admits an entry, applying the full-cache policy to its activations; False if
@@ -150,6 +155,7 @@ class ActivationCache:
                     logger.error("completion %r was recorded twice; dropping the older entry", entry.completion_id)
                     self._end(previous, EntryState.DROPPED)
                 self._entries[entry.completion_id] = entry
+                self._index.add(entry)
                 if entry.needs_label:
                     self._hold(entry)
                 self.bytes += entry.nbytes
@@ -190,6 +196,7 @@ class ActivationCache:
         if entry.recording is not None:
             self._detached.append(entry.recording)
             entry.recording = None
+            self._index.lost_recording(entry)
 
     def _free_detached(self) -> None:
         """Frees the recordings taken off their entries, with the lock dropped (device thread)."""
@@ -217,10 +224,13 @@ class ActivationCache:
         with self._lock:
             self._hold(entry)
 
-    @staticmethod
-    def _hold(entry: CacheEntry) -> None:
+    def _move(self, entry: CacheEntry, state: EntryState) -> None:
+        previous, entry.state = entry.state, state
+        self._index.moved(entry, previous)
+
+    def _hold(self, entry: CacheEntry) -> None:
         if entry.state is EntryState.READY:
-            entry.state = EntryState.WAITING_LABEL
+            self._move(entry, EntryState.WAITING_LABEL)
 
     def attach_label(self, entry: CacheEntry, label, skip: bool = False) -> bool:
         """Attaches `label` to an entry still waiting for one; the entry becomes ready for
@@ -235,7 +245,7 @@ class ActivationCache:
             if skip:
                 self._end(entry, EntryState.SKIPPED)  # its recording is freed by the device thread
             else:
-                entry.state = EntryState.READY
+                self._move(entry, EntryState.READY)
             return True
 
     def drop_unlabelled(self, entry: CacheEntry) -> None:
@@ -270,7 +280,7 @@ class ActivationCache:
         if self._entries.pop(entry.completion_id, None) is not None:
             self.bytes -= entry.nbytes
             self.released_bytes += entry.nbytes
-        entry.state = state
+        self._move(entry, state)
         self._detach(entry)
         self.ended_counts[state.value] += 1
         self._remember(entry.completion_id, state)
@@ -345,7 +355,7 @@ class ActivationCache:
                     return []
             taken = ready[:limit]
             for entry in taken:
-                entry.state = EntryState.TRAINING
+                self._move(entry, EntryState.TRAINING)
             return taken
 
     def release_stale(self, version: int, max_staleness: int = 0) -> None:
@@ -354,46 +364,34 @@ class ActivationCache:
         back-propagated (they take the recompute path or are dropped when their turn
         comes), so their memory is freed now rather than then."""
         with self._lock:
-            for entry in self._entries.values():
+            for entry in list(self._index.recorded()):
                 lag = version - entry.adapter_version
-                if entry.recording is not None and not 0 <= lag <= max_staleness \
-                        and entry.state is not EntryState.TRAINING:
+                if not 0 <= lag <= max_staleness and entry.state is not EntryState.TRAINING:
                     self._strip(entry)
         self._free_detached()
 
     def recorded_versions(self) -> set[int]:
         """The adapter versions of the recordings waiting to be trained."""
         with self._lock:
-            return {e.adapter_version for e in self._entries.values()
-                    if e.recording is not None and e.state is not EntryState.TRAINING}
+            return {e.adapter_version for e in self._index.recorded() if e.state is not EntryState.TRAINING}
 
     def requeue(self, entry: CacheEntry) -> None:
         """Puts an entry of an abandoned job back in line (it is retrained later)."""
         with self._lock:
             if entry.completion_id in self._entries and entry.state is EntryState.TRAINING:
-                entry.state = EntryState.READY
+                self._move(entry, EntryState.READY)
 
     def lag_of_next_recording(self, trained: int, serving: int, max_staleness: int, cohort_limit: int) -> int:
         """At least how many versions a recording made now (stamped `serving`) would be
-        stale when trained, the optimizer at `trained`: behind a running job that has no
-        room left for it, and the labelled recordings still usable, as `take_ready` orders
-        them (oldest version first, one version per step, up to `cohort_limit` entries each;
-        a version's rest goes stale when its window closes and waits behind every usable
-        recording). Where it could go either way, the lesser: a recording is kept."""
+        stale when trained, the optimizer at `trained` (`cache_index.lag_behind`)."""
         with self._lock:
-            running = [e for e in self._entries.values() if e.state is EntryState.TRAINING]
+            running = self._index.in_state(EntryState.TRAINING)
             counts: dict[int, int] = {}
-            for e in self._entries.values():
-                if e.recording is not None and e.state is EntryState.READY \
-                        and 0 <= trained - e.adapter_version <= max_staleness:
+            for e in self._index.recorded():
+                if e.state is EntryState.READY and 0 <= trained - e.adapter_version <= max_staleness:
                     counts[e.adapter_version] = counts.get(e.adapter_version, 0) + 1
-        own = counts.pop(serving, 0) + sum(e.adapter_version == serving and e.recording is not None for e in running)
-        steps = int(len(running) >= cohort_limit and not any(e.adapter_version == serving for e in running))
-        for version in sorted(v for v in counts if v < serving):
-            window = max(0, max_staleness - (trained - version) - steps + 1)
-            steps += min(-(-counts[version] // cohort_limit), window)
-        return trained + steps + own // cohort_limit - serving
+        return lag_behind(counts, running, trained, serving, max_staleness, cohort_limit)
 
     def count(self, state: EntryState) -> int:
         with self._lock:
-            return sum(1 for e in self._entries.values() if e.state is state)
+            return self._index.count(state)

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import AttentionMetadata
+from engine.kv_cache import AttentionMetadata, own_storage
 from engine.layerwise import LayerwiseModel
 from engine.recording import LayerSegment
 from trainer.losses import weighted_nll
@@ -54,7 +54,7 @@ class SequenceKV:
         return packed[0].transpose(0, 1)[self.metadata.single.query_index].transpose(1, 2)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.new[layer_idx] = (key, value)
+        self.new[layer_idx] = (own_storage(key), own_storage(value))
         key, value = self._per_sequence(key), self._per_sequence(value)
         if self.prefix is not None:
             prefix_key, prefix_value = (t.expand(key.shape[0], -1, -1, -1) for t in self.prefix[layer_idx])

@@ -19,7 +19,10 @@ version) — so recording a prefill launches the GEMMs serving does — and thre
 (the members' base weights as one, x Aᵀ, · (s·B)ᵀ). Its backward forms the group's
 input gradient in two GEMMs (`g W_base + (g s·B) A`) and the copy's gradients from the
 input it saved, x Aᵀ formed again there as `_MergedLoraFunction` (trainer/adapter.py)
-does: a graph saves only its input.
+does: a graph saves only its input (and a copy re-aimed at today's weights,
+`stale_weights = "live"`, gives today's LoRA products, as trainer/stash.py says). A member's
+output is a view of the group's: a recording keeps a copy of V (`engine.kv_cache.own_storage`),
+not the whole q|k|v.
 
 A copy is built from the weights the layers hold at that moment (the live ones, or a
 stashed version's that trainer/stash.py swapped in) and never changed: a graph recorded
@@ -56,8 +59,7 @@ def masters_key(masters: list[tuple[torch.Tensor, torch.Tensor, float]]) -> tupl
 class _Copy:
     """One group's LoRA weights in the model's dtype, for one set of source weights."""
 
-    def __init__(self, group, sources: list[tuple[torch.Tensor, torch.Tensor, float]], key: tuple,
-                 b_columns: torch.Tensor | None):
+    def __init__(self, group, sources: list[tuple[torch.Tensor, torch.Tensor, float]], key: tuple):
         self.sources = sources  # kept alive: their identities key this copy
         self.key = key
         with torch.no_grad():
@@ -71,7 +73,7 @@ class _Copy:
         # parameters, as the weights they copy: a recording's byte count skips them
         self.a, self.b = torch.nn.Parameter(a), torch.nn.Parameter(b)
         # the hooks hold where the gradients land, not the copy: a copy a graph no longer needs is freed
-        landing = _SourceGradients(group.blocks, sources, b_columns)
+        landing = _SourceGradients(group.blocks, sources)
         self.a.register_post_accumulate_grad_hook(landing.add_a)
         self.b.register_post_accumulate_grad_hook(landing.add_b)
 
@@ -80,15 +82,14 @@ class _SourceGradients:
     """A copy's gradients, cast onto the float32 weights it was built from. Their `.grad`
     are views of one float32 buffer per copy tensor — the members' A stacked, their B
     stacked — so that a backward's gradient lands in one op (two for a block-diagonal B:
-    its blocks gathered first), not in a cast and an add per member. Where a source's
+    its diagonal blocks stacked first), not in a cast and an add per member. Where a source's
     `.grad` is not that view any more (the stash moved a gradient, the replicas'
     all-reduce set one), the gradient is added member by member."""
 
-    def __init__(self, blocks: list[tuple[slice, slice]], sources: list[tuple[torch.Tensor, torch.Tensor, float]],
-                 b_columns: torch.Tensor | None):
-        """`b_columns`: for each row of B's gradient, (Σout, Σr), its member's block's
-        columns (`block_columns`), or None: B added member by member."""
-        self.blocks, self.sources, self.b_columns = blocks, sources, b_columns
+    def __init__(self, blocks: list[tuple[slice, slice]], sources: list[tuple[torch.Tensor, torch.Tensor, float]]):
+        self.blocks, self.sources = blocks, sources
+        # B's diagonal blocks stack into one (Σout, r) when all are r wide
+        self.stackable = len({cols.stop - cols.start for _, cols in blocks}) == 1
         # "a" / "b" -> (weak references to the sources' gradient views, and to their buffer)
         self.linked: dict[str, tuple[list, weakref.ref]] = {}
         scales = {scale for _, _, scale in sources}
@@ -102,8 +103,8 @@ class _SourceGradients:
     @torch.no_grad()
     def add_b(self, b: torch.Tensor) -> None:
         grad, b.grad = b.grad, None
-        if self.scale is not None and (len(self.blocks) == 1 or self.b_columns is not None):
-            stacked = grad if len(self.blocks) == 1 else grad.gather(1, self.b_columns)
+        if self.scale is not None and self.stackable:  # the diagonal blocks stacked: one op, or none for one member
+            stacked = grad if len(self.blocks) == 1 else torch.cat([grad[rows, cols] for rows, cols in self.blocks])
             self._add("b", [source for _, source, _ in self.sources], stacked, [rows for rows, _ in self.blocks],
                       self.scale)
             return
@@ -140,17 +141,6 @@ class _SourceGradients:
         return buffer()
 
 
-def block_columns(blocks: list[tuple[slice, slice]], device: torch.device) -> torch.Tensor | None:
-    """(Σout, r): the columns of each row's own block of a block-diagonal (Σout, Σr) whose
-    blocks are all r wide; None for a single block (the whole) or blocks of several widths."""
-    ranks = {cols.stop - cols.start for _, cols in blocks}
-    if len(blocks) == 1 or len(ranks) != 1:
-        return None
-    rank = ranks.pop()
-    return torch.cat([torch.arange(cols.start, cols.stop, device=device).expand(rows.stop - rows.start, rank)
-                      for rows, cols in blocks])
-
-
 def _accumulate(weight: torch.Tensor, grad: torch.Tensor, scale: float) -> None:
     if weight.grad is None:
         weight.grad = grad * scale if scale != 1.0 else grad.contiguous()
@@ -172,7 +162,6 @@ class TrainingCopies:
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._served = 0
-        self._b_columns = block_columns(group.blocks, group.b.device)
 
     def count_as_weights(self, parameter_keys: set[int]) -> None:
         """From now on (and for the copies alive now) the offloader counts copies as weights."""
@@ -185,7 +174,7 @@ class TrainingCopies:
         key = masters_key(sources)
         copy = self._copies.get(key)
         if copy is None:
-            copy = self._copies[key] = _Copy(self.group, sources, key, self._b_columns)
+            copy = self._copies[key] = _Copy(self.group, sources, key)
             self._alive.add(copy)
             self._track(copy)
             while len(self._copies) > _KEPT_COPIES:

@@ -1,0 +1,105 @@
+"""The activation cache's index (trainer/cache_index.py): what serving asks per request —
+entries by state, label entries, room for a recording, how late a recording would train —
+agrees with a scan of every entry through any sequence of the cache's transitions, and is
+answered without scanning the entries waiting for labels."""
+
+import random
+from collections import OrderedDict
+
+from tests.test_stash import make_trainer
+from tests.test_training import PROMPT, serve
+from trainer.cache_index import lag_behind
+from trainer.entries import TERMINAL, EntryState, PreferenceLabel
+
+LIVE_STATES = [s for s in EntryState if s not in TERMINAL]
+
+
+def scanned(cache, trained: int, serving: int, max_staleness: int, cohort_limit: int) -> dict:
+    """The answers, from every entry."""
+    entries = cache.entries()
+    giving_way = [e for e in entries if e.recording is not None and e.state is not EntryState.TRAINING
+                  and (cache.full_policy == "evict_oldest" or e.state is EntryState.WAITING_LABEL)]
+    ready: dict[int, int] = {}
+    for e in entries:
+        usable = 0 <= trained - e.adapter_version <= max_staleness
+        if e.recording is not None and e.state is EntryState.READY and usable:
+            ready[e.adapter_version] = ready.get(e.adapter_version, 0) + 1
+    running = [e for e in entries if e.state is EntryState.TRAINING]
+    return {
+        "counts": {s: sum(e.state is s for e in entries) for s in LIVE_STATES},
+        "label_entries": sum(e.recording is None for e in entries),
+        "giving_way": sum(e.nbytes for e in giving_way),
+        "versions": {e.adapter_version for e in entries if e.recording is not None
+                     and e.state is not EntryState.TRAINING},
+        "lag": lag_behind(ready, running, trained, serving, max_staleness, cohort_limit),
+    }
+
+
+def indexed(cache, trained: int, serving: int, max_staleness: int, cohort_limit: int) -> dict:
+    return {
+        "counts": {s: cache.count(s) for s in LIVE_STATES},
+        "label_entries": cache.label_entries,
+        "giving_way": sum(e.nbytes for e in cache._giving_way()),
+        "versions": cache.recorded_versions(),
+        "lag": cache.lag_of_next_recording(trained, serving, max_staleness, cohort_limit),
+    }
+
+
+def test_the_index_agrees_with_a_scan_through_every_transition():
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=2, cohort_max_entries=2)
+    cache, method = trainer.cache, trainer.method
+    clock = [0.0]
+    cache.clock = lambda: clock[0]
+    rng = random.Random(0)
+    for i in range(8):
+        serve(trainer, f"r{i}", prompt=f"{PROMPT} ({i})")  # recorded, waiting for a label
+    for i in range(20):
+        cache.add(method.make_label_entry(f"l{i}", [3, 4, 5], rng.randint(0, 2)))
+    label = PreferenceLabel([5, 6], [7, 8])
+    operations = ["label", "label", "take", "requeue", "end", "strip", "withdraw", "stale", "expire", "add"]
+    for step in range(300):
+        entries = cache.entries()
+        operation = rng.choice(operations)
+        entry = rng.choice(entries) if entries else None
+        if operation == "label" and entry is not None:
+            cache.attach_label(entry, label)
+        elif operation == "take":
+            cache.take_ready(rng.randint(1, 3), rng.randint(0, 3), rng.randint(0, 2), rng.randint(1, 2))
+        elif operation == "requeue" and entry is not None:
+            cache.requeue(entry)
+        elif operation == "end" and entry is not None and entry.state is EntryState.TRAINING:
+            cache.end(entry, EntryState.TRAINED, version=1, path="reuse")
+        elif operation == "strip" and entry is not None:
+            cache.free_activations(entry)
+        elif operation == "withdraw" and entry is not None:
+            cache.withdraw(entry.completion_id)
+        elif operation == "stale":
+            cache.release_stale(rng.randint(0, 3), rng.randint(0, 1))
+        elif operation == "expire":
+            clock[0] += 100.0
+            cache.expire()
+        elif operation == "add":
+            cache.add(method.make_label_entry(f"n{step}", [3, 4], rng.randint(0, 3)))
+        question = (rng.randint(0, 3), rng.randint(0, 3), rng.randint(0, 2), rng.randint(1, 3))
+        assert indexed(cache, *question) == scanned(cache, *question), (step, operation)
+    assert cache.ended_counts["trained"] > 0 and cache.count(EntryState.TRAINING) + cache.count(EntryState.READY) > 0
+
+
+class _NoScans(OrderedDict):
+    def values(self):
+        raise AssertionError("scanned every entry")
+
+    items = __iter__ = values
+
+
+def test_serving_asks_without_scanning_the_entries_waiting_for_labels():
+    """Thousands of answers waiting for labels (label entries) must not slow each admission."""
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=2, cohort_max_entries=2)
+    serve(trainer, "recorded")
+    for i in range(5000):
+        trainer.cache.add(trainer.method.make_label_entry(f"l{i}", [3, 4, 5], 0))
+    cache = trainer.cache
+    cache._entries = _NoScans(cache._entries)
+    assert cache.count(EntryState.WAITING_LABEL) == 5001 and cache.label_entries == 5000
+    assert cache.has_room_for(1 << 20) and cache.lag_of_next_recording(0, 0, 1, 2) == 0
+    trainer.has_work()  # the arbiter asks this between serving steps

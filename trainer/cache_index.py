@@ -1,0 +1,81 @@
+"""The activation cache's entries by state, and those holding a recording.
+
+The serving path asks the cache something for every request it admits (is there room
+for its recording, would it train too late to be worth recording) and the trainer at
+every turn (is anything ready). A busy server keeps thousands of entries waiting for
+labels — every answer waits up to the label timeout, most without their activations —
+so those questions are answered from this index, in time that grows with the entries
+holding recordings (bounded by the cache's bytes) or the few being trained, not with
+the entries waiting. The cache (trainer/cache.py) keeps it under its lock.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from trainer.entries import TERMINAL, CacheEntry, EntryState
+
+
+class EntryIndex:
+    def __init__(self) -> None:
+        # the entries in the cache, by state (a terminal state's entries have left it)
+        self._by_state: dict[EntryState, dict[str, CacheEntry]] = {s: {} for s in EntryState if s not in TERMINAL}
+        # entries admitted with a recording, oldest first; one whose recording was taken
+        # off leaves at the next `recorded()` that meets it
+        self._recorded: dict[str, CacheEntry] = {}
+
+    def add(self, entry: CacheEntry) -> None:
+        self._by_state[entry.state][entry.completion_id] = entry
+        if entry.recording is not None:
+            self._recorded[entry.completion_id] = entry
+
+    def moved(self, entry: CacheEntry, previous: EntryState) -> None:
+        """Files `entry` under the state the cache just gave it (from `previous`); an entry
+        in a terminal state leaves the index, one that was not in it stays out."""
+        indexed = self._pop(self._by_state.get(previous), entry)
+        if entry.state in TERMINAL:
+            self._pop(self._recorded, entry)
+        elif indexed:
+            self._by_state[entry.state][entry.completion_id] = entry
+
+    def lost_recording(self, entry: CacheEntry) -> None:
+        self._pop(self._recorded, entry)
+
+    def count(self, state: EntryState) -> int:
+        return len(self._by_state.get(state, ()))
+
+    def in_state(self, state: EntryState) -> list[CacheEntry]:
+        return list(self._by_state.get(state, {}).values())
+
+    def recorded(self) -> Iterator[CacheEntry]:
+        """The entries holding a recording, oldest first."""
+        for completion_id, entry in list(self._recorded.items()):
+            if entry.recording is None:
+                del self._recorded[completion_id]
+            else:
+                yield entry
+
+    @staticmethod
+    def _pop(entries: dict[str, CacheEntry] | None, entry: CacheEntry) -> bool:
+        if entries is None or entries.get(entry.completion_id) is not entry:
+            return False
+        del entries[entry.completion_id]
+        return True
+
+
+def lag_behind(ready_by_version: dict[int, int], running: list[CacheEntry], trained: int, serving: int,
+               max_staleness: int, cohort_limit: int) -> int:
+    """At least how many versions a recording stamped `serving` would be stale when trained,
+    the optimizer at `trained`: behind the running job `running` when it has no room left
+    for it, and the labelled recordings still usable (`ready_by_version`: how many of each
+    version), as `ActivationCache.take_ready` orders them — oldest version first, one
+    version per step, up to `cohort_limit` entries each; a version's rest goes stale when
+    its window closes and waits behind every usable recording. Where it could go either
+    way, the lesser: a recording is kept."""
+    counts = dict(ready_by_version)
+    own = counts.pop(serving, 0) + sum(e.adapter_version == serving and e.recording is not None for e in running)
+    steps = int(len(running) >= cohort_limit and not any(e.adapter_version == serving for e in running))
+    for version in sorted(v for v in counts if v < serving):
+        window = max(0, max_staleness - (trained - version) - steps + 1)
+        steps += min(-(-counts[version] // cohort_limit), window)
+    return trained + steps + own // cohort_limit - serving
