@@ -45,6 +45,28 @@ def indexed(cache, trained: int, serving: int, max_staleness: int, cohort_limit:
     }
 
 
+def scanned_take(entries, limit: int, version: int, max_staleness: int, cohort_limit: int) -> list[str]:
+    """The ids `take_ready` should take, from every entry in admission order."""
+    ready = [e for e in entries if e.state is EntryState.READY]
+    usable = [e for e in ready if e.recording is not None and 0 <= version - e.adapter_version <= max_staleness]
+    if usable:
+        oldest = min(e.adapter_version for e in usable)
+        ready, limit = [e for e in usable if e.adapter_version == oldest], cohort_limit
+    return [e.completion_id for e in ready[:limit]]
+
+
+def scanned_expiry(entries, now: float) -> set[str]:
+    return {e.completion_id for e in entries if e.state is EntryState.WAITING_LABEL
+            and e.label_deadline is not None and now > e.label_deadline}
+
+
+def add_label_entry(cache, method, completion_id: str, version: int, rng) -> None:
+    """An answer served without its activations, waiting for its label until a deadline."""
+    cache.add(method.make_label_entry(completion_id, [3, 4, 5], version))
+    cache.response_finished(completion_id, {0: [6, 7]}, aborted=rng.random() < 0.1,
+                            label_deadline=cache.clock() + rng.uniform(0, 400))
+
+
 def test_the_index_agrees_with_a_scan_through_every_transition():
     trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=2, cohort_max_entries=2)
     cache, method = trainer.cache, trainer.method
@@ -53,10 +75,14 @@ def test_the_index_agrees_with_a_scan_through_every_transition():
     rng = random.Random(0)
     for i in range(8):
         serve(trainer, f"r{i}", prompt=f"{PROMPT} ({i})")  # recorded, waiting for a label
+    # room for about three recordings: later ones make room, or are kept without activations
+    cache.budget_bytes = 3 * max(e.nbytes for e in cache.entries())
+    cache.full_policy = "unlabelled_give_way"
     for i in range(20):
-        cache.add(method.make_label_entry(f"l{i}", [3, 4, 5], rng.randint(0, 2)))
+        add_label_entry(cache, method, f"l{i}", rng.randint(0, 2), rng)
     label = PreferenceLabel([5, 6], [7, 8])
-    operations = ["label", "label", "take", "requeue", "end", "strip", "withdraw", "stale", "expire", "add"]
+    operations = ["label", "label", "take", "requeue", "end", "strip", "withdraw", "stale", "expire", "add",
+                  "record"]
     for step in range(300):
         entries = cache.entries()
         operation = rng.choice(operations)
@@ -64,7 +90,9 @@ def test_the_index_agrees_with_a_scan_through_every_transition():
         if operation == "label" and entry is not None:
             cache.attach_label(entry, label)
         elif operation == "take":
-            cache.take_ready(rng.randint(1, 3), rng.randint(0, 3), rng.randint(0, 2), rng.randint(1, 2))
+            question = (rng.randint(1, 3), rng.randint(0, 3), rng.randint(0, 2), rng.randint(1, 2))
+            expected = scanned_take(entries, *question)
+            assert [e.completion_id for e in cache.take_ready(*question)] == expected, step
         elif operation == "requeue" and entry is not None:
             cache.requeue(entry)
         elif operation == "end" and entry is not None and entry.state is EntryState.TRAINING:
@@ -76,13 +104,19 @@ def test_the_index_agrees_with_a_scan_through_every_transition():
         elif operation == "stale":
             cache.release_stale(rng.randint(0, 3), rng.randint(0, 1))
         elif operation == "expire":
-            clock[0] += 100.0
-            cache.expire()
+            clock[0] += rng.uniform(0, 150)
+            expected = scanned_expiry(entries, clock[0])
+            assert {e.completion_id for e in cache.expire()} == expected, step
         elif operation == "add":
-            cache.add(method.make_label_entry(f"n{step}", [3, 4], rng.randint(0, 3)))
+            add_label_entry(cache, method, f"n{step}", rng.randint(0, 3), rng)
+        elif operation == "record":
+            serve(trainer, f"s{step}", prompt=f"{PROMPT} [{step}]")
+            cache.response_finished(f"s{step}", {0: [6, 7]}, aborted=False,
+                                    label_deadline=clock[0] + rng.uniform(0, 400))
         question = (rng.randint(0, 3), rng.randint(0, 3), rng.randint(0, 2), rng.randint(1, 3))
         assert indexed(cache, *question) == scanned(cache, *question), (step, operation)
     assert cache.ended_counts["trained"] > 0 and cache.count(EntryState.TRAINING) + cache.count(EntryState.READY) > 0
+    assert cache.ended_counts["expired"] > 0 and cache.released_bytes > 0
 
 
 class _NoScans(OrderedDict):
@@ -103,3 +137,30 @@ def test_serving_asks_without_scanning_the_entries_waiting_for_labels():
     assert cache.count(EntryState.WAITING_LABEL) == 5001 and cache.label_entries == 5000
     assert cache.has_room_for(1 << 20) and cache.lag_of_next_recording(0, 0, 1, 2) == 0
     trainer.has_work()  # the arbiter asks this between serving steps
+    # and the trainer, at every slice and optimizer step
+    assert cache.expire() == [] and cache.take_ready(4, 0, 1, 2) == []
+
+
+def test_answers_expire_in_deadline_order_without_scanning_and_a_labelled_one_never():
+    trainer = make_trainer(mode="dpo")
+    cache, method = trainer.cache, trainer.method
+    clock = [0.0]
+    cache.clock = lambda: clock[0]
+    for i, deadline in enumerate((30.0, 10.0, 20.0)):
+        cache.add(method.make_label_entry(f"a{i}", [3, 4, 5], 0))
+        cache.response_finished(f"a{i}", {0: [6]}, aborted=False, label_deadline=deadline)
+    assert cache.attach_label(cache.get("a2"), PreferenceLabel([5, 6], [7, 8]))
+    cache._entries = _NoScans(cache._entries)
+    clock[0] = 25.0
+    assert [e.completion_id for e in cache.expire()] == ["a1"]  # a2 was labelled before its deadline
+    clock[0] = 31.0
+    assert [e.completion_id for e in cache.expire()] == ["a0"]
+    assert cache.count(EntryState.READY) == 1 and cache.ended_counts["expired"] == 2
+
+
+def test_the_same_entry_added_twice_stays_as_it_was():
+    trainer = make_trainer(mode="dpo")
+    entry = trainer.method.make_label_entry("once", [3, 4, 5], 0)
+    assert trainer.cache.add(entry) and trainer.cache.add(entry)
+    assert trainer.cache.get("once") is entry and entry.state is EntryState.WAITING_LABEL
+    assert trainer.cache.count(EntryState.WAITING_LABEL) == 1

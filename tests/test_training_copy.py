@@ -211,7 +211,10 @@ def test_an_optimizer_steps_refresh_builds_the_training_copy_from_the_serving_co
     with torch.no_grad():
         for p in lora_parameters(peft_model):
             p.add_(torch.randn_like(p) * 0.01)
-    refresh_serving_copies(groups)
+    refresh = AtenOps()
+    with refresh.counting():
+        refresh_serving_copies(groups)
+    assert refresh.ops["clone"] == 2 * len(groups) and refresh.ops["zeros_like"] + refresh.ops["zeros"] == 0
     counts = []
     for _ in range(2):
         counter = AtenOps()

@@ -21,13 +21,16 @@ version and path of a trained entry.
 The cache alone moves an entry from state to state: every transition is one of its
 methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
 `expire`); nobody else assigns `entry.state`. It keeps its entries indexed by state and
-by whether they hold a recording (trainer/cache_index.py), so that what serving asks per
-request does not grow with the entries waiting for labels. Its lock is its own, held
-only around its own bookkeeping.
+by whether they hold a recording (trainer/cache_index.py), and the answers waiting for
+labels by deadline, so that neither what serving asks per request nor what the trainer
+asks per slice (anything ready? anything expired?) grows with the entries waiting for
+labels. Its lock is its own, held only around its own bookkeeping.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
@@ -85,6 +88,10 @@ class ActivationCache:
         # the device thread (freeing a graph is tensor work, and not the lock's business);
         # those of entries ended off the device thread wait for its next call
         self._detached: list[RecordedPrefill] = []
+        # (label deadline, tie-break, entry) of the answers waiting for labels, soonest first;
+        # an entry labelled or ended since stays until its deadline passes, and is skipped
+        self._deadlines: list[tuple[float, int, CacheEntry]] = []
+        self._deadline_order = itertools.count()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -150,20 +157,26 @@ class ActivationCache:
                 self._end(entry, EntryState.DROPPED, reason="max_label_entries")
                 admitted = False
             else:
-                previous = self._entries.get(entry.completion_id)
-                if previous is not None:  # a bug upstream; keep the byte accounting right and say so
-                    logger.error("completion %r was recorded twice; dropping the older entry", entry.completion_id)
-                    self._end(previous, EntryState.DROPPED)
-                self._entries[entry.completion_id] = entry
-                self._index.add(entry)
-                if entry.needs_label:
-                    self._hold(entry)
-                self.bytes += entry.nbytes
-                if entry.recording is not None:
-                    self.last_recorded = self.clock()
-                admitted = True
+                admitted = self._admit(entry)
         self._free_detached()
         return admitted
+
+    def _admit(self, entry: CacheEntry) -> bool:
+        previous = self._entries.get(entry.completion_id)
+        if previous is entry:  # a bug upstream: the same entry added twice; it stays as it is
+            logger.error("completion %r was added twice", entry.completion_id)
+            return True
+        if previous is not None:  # a bug upstream; keep the byte accounting right and say so
+            logger.error("completion %r was recorded twice; dropping the older entry", entry.completion_id)
+            self._end(previous, EntryState.DROPPED)
+        self._entries[entry.completion_id] = entry
+        self._index.add(entry)
+        if entry.needs_label:
+            self._hold(entry)
+        self.bytes += entry.nbytes
+        if entry.recording is not None:
+            self.last_recorded = self.clock()
+        return True
 
     def _no_room(self, entry: CacheEntry) -> bool:
         """A new recording does not fit: it is dropped (False), or, if it waits for a
@@ -312,6 +325,7 @@ class ActivationCache:
                 elif entry.state is EntryState.WAITING_LABEL:
                     entry.label_deadline = (self.clock() + self.label_timeout_s if label_deadline is None
                                             else label_deadline)
+                    heapq.heappush(self._deadlines, (entry.label_deadline, next(self._deadline_order), entry))
                     waiting = entry
         self._free_detached()
         return waiting
@@ -320,11 +334,14 @@ class ActivationCache:
         """Ends entries whose label did not arrive in time, and frees the recordings of
         entries ended off the device thread (device thread)."""
         now = self.clock()
+        expired = []
         with self._lock:
-            expired = [e for e in self._entries.values() if e.state is EntryState.WAITING_LABEL
-                       and e.label_deadline is not None and now > e.label_deadline]
-            for entry in expired:
-                self._end(entry, EntryState.EXPIRED)
+            while self._deadlines and now > self._deadlines[0][0]:
+                deadline, _, entry = heapq.heappop(self._deadlines)
+                if (entry.state is EntryState.WAITING_LABEL and entry.label_deadline == deadline
+                        and self._entries.get(entry.completion_id) is entry):
+                    self._end(entry, EntryState.EXPIRED)
+                    expired.append(entry)
         self._free_detached()
         return expired
 
@@ -343,7 +360,7 @@ class ActivationCache:
         `limit` (they do not go staler: they are computed at the current version) —
         unless `recorded_only` (entries joining a cohort's step)."""
         with self._lock:
-            ready = [e for e in self._entries.values() if e.state is EntryState.READY]
+            ready = self._index.in_state(EntryState.READY)
             if version is not None:
                 usable = [e for e in ready if e.recording is not None
                           and 0 <= version - e.adapter_version <= max_staleness]

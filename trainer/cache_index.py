@@ -11,6 +11,7 @@ the entries waiting. The cache (trainer/cache.py) keeps it under its lock.
 
 from __future__ import annotations
 
+import itertools
 from typing import Iterator
 
 from trainer.entries import TERMINAL, CacheEntry, EntryState
@@ -23,9 +24,16 @@ class EntryIndex:
         # entries admitted with a recording, oldest first; one whose recording was taken
         # off leaves at the next `recorded()` that meets it
         self._recorded: dict[str, CacheEntry] = {}
+        # completion id -> when it was admitted (a counter): `in_state` lists by admission
+        self._admitted: dict[str, int] = {}
+        self._counter = itertools.count()
 
     def add(self, entry: CacheEntry) -> None:
+        """Files a newly admitted entry (one already ended stays out)."""
+        if entry.state in TERMINAL:
+            return
         self._by_state[entry.state][entry.completion_id] = entry
+        self._admitted[entry.completion_id] = next(self._counter)
         if entry.recording is not None:
             self._recorded[entry.completion_id] = entry
 
@@ -35,6 +43,8 @@ class EntryIndex:
         indexed = self._pop(self._by_state.get(previous), entry)
         if entry.state in TERMINAL:
             self._pop(self._recorded, entry)
+            if indexed:
+                self._admitted.pop(entry.completion_id, None)
         elif indexed:
             self._by_state[entry.state][entry.completion_id] = entry
 
@@ -45,7 +55,8 @@ class EntryIndex:
         return len(self._by_state.get(state, ()))
 
     def in_state(self, state: EntryState) -> list[CacheEntry]:
-        return list(self._by_state.get(state, {}).values())
+        """The entries in `state`, oldest admitted first."""
+        return sorted(self._by_state.get(state, {}).values(), key=lambda e: self._admitted[e.completion_id])
 
     def recorded(self) -> Iterator[CacheEntry]:
         """The entries holding a recording, oldest first."""

@@ -110,7 +110,9 @@ class SharedInputGroup:
             self.a[cols].copy_(a)
             self.b[rows, cols].copy_(b * scale)
         self.held = masters_key(self._masters)
-        if self.training is not None:  # the next recorded prefill finds the training copy built
+        # the next recorded prefill finds the training copy built (not while a stashed
+        # version is swapped in: its copy would push the live weights' out)
+        if self.training is not None and masters_key([layer.serving_masters() for layer in self.layers]) == self.held:
             self.training.current()
 
     def outputs(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
