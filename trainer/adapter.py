@@ -187,7 +187,9 @@ class adapters_disabled:
     """Context manager: the base model, adapters off. PEFT's `disable_adapter()` walks the
     whole model and flips `requires_grad` on every adapter parameter; entered once per
     training slice (reference log-probs) that costs more than the slice, so this flips
-    only the adapted layers' flag."""
+    only the adapted layers' flag — as a plain attribute (`object.__setattr__`): a
+    module's own `__setattr__` first asks whether the value is a parameter, a buffer or a
+    module, which on every adapted layer twice per slice is most of the flip's cost."""
 
     def __init__(self, peft_model: PeftModel):
         layers = getattr(peft_model, "_alchemist_lora_layers", None)
@@ -199,12 +201,12 @@ class adapters_disabled:
     def __enter__(self):
         self.previous = [layer._disable_adapters for layer in self.layers]
         for layer in self.layers:
-            layer._disable_adapters = True
+            object.__setattr__(layer, "_disable_adapters", True)
         return self
 
     def __exit__(self, *exc):
         for layer, previous in zip(self.layers, self.previous):
-            layer._disable_adapters = previous
+            object.__setattr__(layer, "_disable_adapters", previous)
 
 
 def merge_all(peft_model: PeftModel) -> None:
