@@ -21,6 +21,7 @@ off the device and back through these handles, which is why a handle may be empt
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -182,19 +183,25 @@ class SavedTensorTracker:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _acquire(self, tensor: torch.Tensor) -> int | None:
-        if isinstance(tensor._base if tensor._base is not None else tensor, torch.nn.Parameter) \
-                or tensor.device.type == "meta":
-            return None  # a parameter, or a view of one (addmm saves `weight.t()`)
+        base = tensor._base
+        if base is None:
+            base = tensor
+        # a parameter, or a view of one (addmm saves `weight.t()`); an activation is no
+        # leaf, which answers most calls before the slower isinstance (a Python metaclass check)
+        if (base.is_leaf and isinstance(base, torch.nn.Parameter)) or tensor.is_meta:
+            return None
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         with self._lock:
             entry = self._storages.get(key)
             if entry is None:
-                self._storages[key] = [1, storage.nbytes()]
+                nbytes = storage.nbytes()
+                self._storages[key] = [1, nbytes]
                 if self.new_storage_sizes is not None:
-                    self.new_storage_sizes.append(storage.nbytes())
-                self.live_bytes += storage.nbytes()
-                self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+                    self.new_storage_sizes.append(nbytes)
+                self.live_bytes += nbytes
+                if self.live_bytes > self.peak_bytes:
+                    self.peak_bytes = self.live_bytes
             else:
                 entry[0] += 1
         return key
@@ -208,4 +215,5 @@ class SavedTensorTracker:
                 del self._storages[key]
 
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: SavedTensor(t, self), SavedTensor.unpack)
+        return torch.autograd.graph.saved_tensors_hooks(functools.partial(SavedTensor, tracker=self),
+                                                        SavedTensor.unpack)

@@ -64,6 +64,35 @@ def test_a_graph_keeps_the_weights_it_was_recorded_under():
     assert gradients_on(model, peft_model, ids).keys() == before.keys()
 
 
+@pytest.mark.parametrize("changed", ["copy", "base weight"])
+def test_a_weight_the_graph_holds_changed_in_place_refuses_the_backward(changed):
+    """The weights are held on the graph's nodes, not saved through autograd (so that a
+    recorded prefill's saved-tensor hooks see activations only): their version check is
+    the node's own, and a backward after an in-place change raises as autograd would."""
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(3))
+    model, _, groups = adapted("llama", torch.bfloat16, True)
+    logits = model(ids).logits.float()
+    copy = groups[0].training.current()
+    with torch.no_grad():
+        (copy.a if changed == "copy" else groups[0].base_weight).mul_(1.0)
+    with pytest.raises(RuntimeError, match="modified (in place|by an inplace operation)"):
+        torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+
+
+def test_the_recorded_prefill_hooks_see_the_activations_not_the_weights():
+    from engine.recording import SavedTensorTracker
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(4))
+    model, _, groups = adapted("llama", torch.bfloat16, True)
+    seen = []
+    tracker = SavedTensorTracker()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or tracker.hooks().pack_hook(t),
+                                                  lambda saved: saved.unpack()):
+        model(ids)
+    weights = {id(w) for group in groups for w in (group.training.current().a, group.training.current().b,
+                                                   group.base_weight)}
+    assert seen and not any(id(t) in weights for t in seen)
+
+
 def test_a_recorded_prefill_counts_the_copies_as_weights_and_trains_on_the_stash():
     """A bfloat16 server: the recorded prefill saves the group copies (weights for the
     offloader), and a stale recording trains against its version's weights."""

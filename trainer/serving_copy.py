@@ -94,6 +94,17 @@ class SharedInputGroup:
             row += out
 
     @property
+    def live_masters(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """Each member's live (A, B, scale): what its layer holds unless the weight stash
+        has swapped a stashed version in (`weights_swapped`)."""
+        return self._masters
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The master weights' dtype (a stashed version's, swapped in, is the same)."""
+        return self._masters[0][0].dtype
+
+    @property
     def pinned(self) -> bool:
         return any(layer.serving_pinned for layer in self.layers)
 

@@ -170,7 +170,10 @@ class TrainingCopies:
             self._track(copy)
 
     def current(self) -> _Copy:
-        sources = [layer.serving_masters() for layer in self.group.layers]
+        group = self.group
+        # the layers hold the live masters unless a stashed version is swapped in
+        swapped = any(layer.weights_swapped for layer in group.layers)
+        sources = [layer.serving_masters() for layer in group.layers] if swapped else group.live_masters
         key = masters_key(sources)
         copy = self._copies.get(key)
         if copy is None:
@@ -217,11 +220,16 @@ class TrainingCopies:
 
 class _GroupLoraFunction(torch.autograd.Function):
     """A group's outputs side by side, (N, Σout), with gradients to the input `flat` and
-    to the copy's `a` and `b` (module docstring). Saves `flat` (and weights)."""
+    to the copy's `a` and `b` (module docstring). Saves `flat`; the weights — the copy,
+    never changed in place, and the frozen base weight — are held on the node with their
+    version counters, which backward checks as autograd would, so that a recorded
+    prefill's saved-tensor hooks (engine/recording.py) run for its activations only."""
 
     @staticmethod
     def forward(ctx, flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group, from_serving: bool):
-        ctx.save_for_backward(flat, a, b, group.base_weight)
+        ctx.save_for_backward(flat)
+        base_weight = group.base_weight
+        ctx.weights, ctx.versions = (a, b, base_weight), (a._version, b._version, base_weight._version)
         if from_serving:
             return group.fused_output(flat)
         base = (torch.addmm(group.bias, flat, group.base_weight.t()) if group.bias is not None
@@ -230,7 +238,10 @@ class _GroupLoraFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        flat, a, b, base_weight = ctx.saved_tensors
+        (flat,) = ctx.saved_tensors
+        a, b, base_weight = ctx.weights
+        if (a._version, b._version, base_weight._version) != ctx.versions:
+            raise RuntimeError("a LoRA copy or a frozen weight was modified in place between forward and backward")
         grad_rank = grad @ b  # (N, Σr)
         grad_x = torch.addmm(grad @ base_weight, grad_rank, a) if ctx.needs_input_grad[0] else None
         grad_a = grad_rank.t() @ flat if ctx.needs_input_grad[1] else None
@@ -249,6 +260,6 @@ def uses_training_copy(layer, x: torch.Tensor) -> bool:
     """Whether `layer` (single adapter, adapters on, in a group) should take this path for
     `x`: the model's dtype differs from the master weights'."""
     group = layer.serving_group
-    if group is None or group.training is None or layer.merged or layer.active_adapters[0] in layer.lora_variant:
+    if group is None or group.training is None or x.dtype == group.master_dtype:
         return False
-    return x.dtype != layer.serving_masters()[0].dtype
+    return not layer.merged and layer.active_adapters[0] not in layer.lora_variant

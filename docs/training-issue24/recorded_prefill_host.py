@@ -1,0 +1,76 @@
+"""The recorded prefill's cost to the host, where a GPU waits for it: a tiny Llama in
+bfloat16 (hidden 16, so that compute is negligible) with as many decoder layers as
+Llama-3.1-8B (32), LoRA on every linear, DPO mode with the LoRA math in the model's dtype
+(the GPU's path: serving and training copies). A 52-token prompt is prefilled recorded
+(`train=True`) and plain, alternating; reported: the Python function calls of each step
+(counted by cProfile: the same on every machine) and the median step time of each over
+the rounds, with their ratio (this CPU's times: a proxy for the GPU's host time — on
+this model the recorded step read 1.9–2.0x a plain one, as the H100's did at the 8B shape).
+On this CPU, unlike a GPU, the recorded step also decomposes RMSNorm under autograd.
+Run from the repository root (and in a worktree of an older tree to compare):
+
+    PYTHONPATH=. .venv/bin/python docs/training-issue24/recorded_prefill_host.py [--rounds 15]
+"""
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from server.build import build_training_engine
+from tests.conftest import encode, make_config
+from tests.tiny import tiny_model, tiny_tokenizer
+from trainer.config import TrainConfig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = tiny_model("llama", dtype=torch.bfloat16, num_layers=32, hidden_size=16)
+    engine, _ = build_training_engine(model, tiny_tokenizer(), make_config(),
+                                      TrainConfig(mode="dpo", lora_rank=8, lora_compute_dtype="model"),
+                                      init_lora_weights=False)
+    ids = encode("Online learning trains a LoRA adapter on what the server just served. " * 2)
+    counter = iter(range(1 << 30))
+
+    def prefill(recorded: bool, profile: cProfile.Profile | None = None) -> float:
+        engine.add_request(f"r{next(counter)}", ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                           train=recorded)
+        if profile is not None:
+            profile.enable()
+        started = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - started
+        if profile is not None:
+            profile.disable()
+        while engine.has_unfinished():
+            engine.step()
+        return seconds
+
+    for _ in range(3):  # warm-up: the copies, the caches, the allocator
+        prefill(True)
+        prefill(False)
+    calls = {}
+    for recorded in (True, False):
+        profile = cProfile.Profile()
+        prefill(recorded, profile)
+        calls[recorded] = sum(stat[1] for stat in pstats.Stats(profile).stats.values())
+    seconds = {True: [], False: []}
+    for _ in range(args.rounds):
+        for recorded in (True, False):
+            seconds[recorded].append(prefill(recorded))
+    recorded_ms, plain_ms = (statistics.median(seconds[k]) * 1e3 for k in (True, False))
+    print(f"Python calls per step: recorded {calls[True]:,}, plain {calls[False]:,}")
+    print(f"median step: recorded {recorded_ms:.1f} ms, plain {plain_ms:.1f} ms, "
+          f"recorded / plain {recorded_ms / plain_ms:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
