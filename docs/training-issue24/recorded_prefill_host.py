@@ -4,9 +4,10 @@ Llama-3.1-8B (32), LoRA on every linear, DPO mode with the LoRA math in the mode
 (the GPU's path: serving and training copies). A 52-token prompt is prefilled recorded
 (`train=True`) and plain, alternating; reported: the Python function calls of each step
 (counted by cProfile: the same on every machine) and the median step time of each over
-the rounds, with their ratio (this CPU's times: a proxy for the GPU's host time — on
-this model the recorded step read 1.9–2.0x a plain one, as the H100's did at the 8B shape).
-On this CPU, unlike a GPU, the recorded step also decomposes RMSNorm under autograd.
+the rounds, with their ratio (this CPU's times: a proxy for the GPU's host time; on
+this model the recorded step read 1.9–2.0x a plain one, where `bench training`'s
+recording column read 1.97–2.22x for DPO's prompts on the H100 at the 8B shape). On this
+CPU, unlike a GPU, the recorded step also decomposes RMSNorm under autograd.
 Run from the repository root (and in a worktree of an older tree to compare):
 
     PYTHONPATH=. .venv/bin/python docs/training-issue24/recorded_prefill_host.py [--rounds 15]
