@@ -227,6 +227,7 @@ def test_the_gradient_lands_in_one_op_per_copy_weight_and_equals_adding_it_membe
     with counter.counting():
         loss.backward()
     assert counter.ops["add_"] == 8 * len(model.model.layers)  # per layer and group, one for A and one for B
+    assert counter.ops["index"] + counter.ops["index_select"] == 0  # B's blocks: views stacked, no index tensor
 
 
 def test_an_optimizer_steps_refresh_builds_the_training_copy_from_the_serving_copy():

@@ -21,16 +21,13 @@ version and path of a trained entry.
 The cache alone moves an entry from state to state: every transition is one of its
 methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
 `expire`); nobody else assigns `entry.state`. It keeps its entries indexed by state and
-by whether they hold a recording (trainer/cache_index.py), and the answers waiting for
-labels by deadline, so that neither what serving asks per request nor what the trainer
-asks per slice (anything ready? anything expired?) grows with the entries waiting for
-labels. Its lock is its own, held only around its own bookkeeping.
+by whether they hold a recording, and by label deadline (trainer/cache_index.py), so that
+what serving asks per request and the trainer per slice does not grow with the entries
+waiting for labels. Its lock is its own, held only around its own bookkeeping.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import threading
 import time
@@ -88,10 +85,6 @@ class ActivationCache:
         # the device thread (freeing a graph is tensor work, and not the lock's business);
         # those of entries ended off the device thread wait for its next call
         self._detached: list[RecordedPrefill] = []
-        # (label deadline, tie-break, entry) of the answers waiting for labels, soonest first;
-        # an entry labelled or ended since stays until its deadline passes, and is skipped
-        self._deadlines: list[tuple[float, int, CacheEntry]] = []
-        self._deadline_order = itertools.count()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -157,26 +150,22 @@ class ActivationCache:
                 self._end(entry, EntryState.DROPPED, reason="max_label_entries")
                 admitted = False
             else:
-                admitted = self._admit(entry)
+                admitted = True
+                previous = self._entries.get(entry.completion_id)
+                if previous is not None:  # a bug upstream; keep the byte accounting right and say so
+                    logger.error("completion %r was recorded twice", entry.completion_id)
+                    if previous is not entry:  # the older one is dropped (the same one stays as it is)
+                        self._end(previous, EntryState.DROPPED)
+                if previous is not entry:
+                    self._entries[entry.completion_id] = entry
+                    self._index.add(entry)
+                    if entry.needs_label:
+                        self._hold(entry)
+                    self.bytes += entry.nbytes
+                    if entry.recording is not None:
+                        self.last_recorded = self.clock()
         self._free_detached()
         return admitted
-
-    def _admit(self, entry: CacheEntry) -> bool:
-        previous = self._entries.get(entry.completion_id)
-        if previous is entry:  # a bug upstream: the same entry added twice; it stays as it is
-            logger.error("completion %r was added twice", entry.completion_id)
-            return True
-        if previous is not None:  # a bug upstream; keep the byte accounting right and say so
-            logger.error("completion %r was recorded twice; dropping the older entry", entry.completion_id)
-            self._end(previous, EntryState.DROPPED)
-        self._entries[entry.completion_id] = entry
-        self._index.add(entry)
-        if entry.needs_label:
-            self._hold(entry)
-        self.bytes += entry.nbytes
-        if entry.recording is not None:
-            self.last_recorded = self.clock()
-        return True
 
     def _no_room(self, entry: CacheEntry) -> bool:
         """A new recording does not fit: it is dropped (False), or, if it waits for a
@@ -325,7 +314,7 @@ class ActivationCache:
                 elif entry.state is EntryState.WAITING_LABEL:
                     entry.label_deadline = (self.clock() + self.label_timeout_s if label_deadline is None
                                             else label_deadline)
-                    heapq.heappush(self._deadlines, (entry.label_deadline, next(self._deadline_order), entry))
+                    self._index.awaits_label(entry)
                     waiting = entry
         self._free_detached()
         return waiting
@@ -334,14 +323,10 @@ class ActivationCache:
         """Ends entries whose label did not arrive in time, and frees the recordings of
         entries ended off the device thread (device thread)."""
         now = self.clock()
-        expired = []
         with self._lock:
-            while self._deadlines and now > self._deadlines[0][0]:
-                deadline, _, entry = heapq.heappop(self._deadlines)
-                if (entry.state is EntryState.WAITING_LABEL and entry.label_deadline == deadline
-                        and self._entries.get(entry.completion_id) is entry):
-                    self._end(entry, EntryState.EXPIRED)
-                    expired.append(entry)
+            expired = self._index.past_deadline(now)
+            for entry in expired:
+                self._end(entry, EntryState.EXPIRED)
         self._free_detached()
         return expired
 

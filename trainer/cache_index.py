@@ -1,4 +1,5 @@
-"""The activation cache's entries by state, and those holding a recording.
+"""The activation cache's entries by state, those holding a recording, and the answers
+waiting for labels by deadline.
 
 The serving path asks the cache something for every request it admits (is there room
 for its recording, would it train too late to be worth recording) and the trainer at
@@ -6,11 +7,13 @@ every turn (is anything ready). A busy server keeps thousands of entries waiting
 labels — every answer waits up to the label timeout, most without their activations —
 so those questions are answered from this index, in time that grows with the entries
 holding recordings (bounded by the cache's bytes) or the few being trained, not with
-the entries waiting. The cache (trainer/cache.py) keeps it under its lock.
+the entries waiting; and the trainer's turn asks which labels are overdue, answered from
+a heap by deadline. The cache (trainer/cache.py) keeps it under its lock.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from typing import Iterator
 
@@ -27,6 +30,9 @@ class EntryIndex:
         # completion id -> when it was admitted (a counter): `in_state` lists by admission
         self._admitted: dict[str, int] = {}
         self._counter = itertools.count()
+        # (label deadline, tie-break, entry) of the answers waiting for labels, soonest first;
+        # an entry labelled or ended since stays until its deadline passes, and is skipped
+        self._deadlines: list[tuple[float, int, CacheEntry]] = []
 
     def add(self, entry: CacheEntry) -> None:
         """Files a newly admitted entry (one already ended stays out)."""
@@ -65,6 +71,21 @@ class EntryIndex:
                 del self._recorded[completion_id]
             else:
                 yield entry
+
+    def awaits_label(self, entry: CacheEntry) -> None:
+        """`entry` waits for its label until `entry.label_deadline`."""
+        heapq.heappush(self._deadlines, (entry.label_deadline, next(self._counter), entry))
+
+    def past_deadline(self, now: float) -> list[CacheEntry]:
+        """The entries still waiting for their labels whose deadline is before `now`,
+        soonest first (they leave the heap; the caller ends them)."""
+        overdue = []
+        while self._deadlines and now > self._deadlines[0][0]:
+            deadline, _, entry = heapq.heappop(self._deadlines)
+            if (entry.state is EntryState.WAITING_LABEL and entry.label_deadline == deadline
+                    and self._by_state[EntryState.WAITING_LABEL].get(entry.completion_id) is entry):
+                overdue.append(entry)
+        return overdue
 
     @staticmethod
     def _pop(entries: dict[str, CacheEntry] | None, entry: CacheEntry) -> bool:

@@ -15,12 +15,14 @@ import time
 import torch
 
 from engine.model_runner import run_to_end
+from engine.sampling_params import SamplingParams
 from server.build import build_training_engine
-from tests.conftest import _ENGINES, make_config
-from tests.test_training import label, serve
+from tests.conftest import encode, make_config
+from tests.test_training import PROMPT
 from tests.tiny import tiny_model, tiny_tokenizer
 from trainer.adapter import adapters_disabled
 from trainer.config import TrainConfig
+from trainer.feedback import FeedbackLabel
 
 
 def median_us(fn, repeats: int = 7, calls: int = 200) -> float:
@@ -39,7 +41,6 @@ def main() -> None:
     model = tiny_model("llama", num_layers=32, hidden_size=16)
     engine, trainer = build_training_engine(model, tiny_tokenizer(), make_config(),
                                             TrainConfig(mode="dpo", lora_rank=8), init_lora_weights=False)
-    _ENGINES[trainer] = engine
     switch = adapters_disabled(trainer.peft_model)
 
     def enter_and_exit() -> None:
@@ -48,8 +49,11 @@ def main() -> None:
 
     print(f"adapted layers: {len(switch.layers)}")
     print(f"adapters off and on again: {median_us(enter_and_exit):,.0f} µs")
-    serve(trainer, "entry", max_tokens=16)
-    label(trainer, "entry", chosen="Paris, of course. It is a lovely city.")
+    engine.add_request("entry", encode(PROMPT), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                       train=True)
+    while engine.has_unfinished():
+        engine.step()
+    assert trainer.feedback.submit(FeedbackLabel("entry", "Paris, of course. It is a lovely city.", None, 0)).accepted
     entry = trainer.cache.get("entry")
 
     def reference() -> None:
