@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from engine.kv_cache import AttentionMetadata
+from engine.kv_cache import AttentionMetadata, gather_rows
 from engine.paged_decode import paged_decode_attention
 
 ATTENTION_NAME = "alchemist"
@@ -38,7 +38,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     outputs = []
     window = kwargs.get("sliding_window")
     for group in meta.groups:
-        queries = packed[group.query_index].transpose(1, 2)  # (b, H, q, D)
+        queries = gather_rows(packed, group.query_index).transpose(1, 2)  # (b, H, q, D)
         if pooled and group.paged is not None:  # decode rows read the pool in place (engine/paged_decode.py)
             out = paged_decode_attention(queries, key, value, group.paged, scaling, window)
         else:
@@ -47,7 +47,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask(window), scale=scaling,
                                                  enable_gqa=keys.shape[1] != heads)  # (b, H, q, D)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
-    out = (outputs[0] if len(outputs) == 1 else torch.cat(outputs))[meta.output_index]
+    out = gather_rows(outputs[0] if len(outputs) == 1 else torch.cat(outputs), meta.output_index)
     return out.unsqueeze(0), None
 
 

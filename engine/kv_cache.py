@@ -206,6 +206,18 @@ class AttentionMetadata:
         return cls([group], output_index.to(device))
 
 
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`rows[index]` for a long `index` of any shape, as `index_select` on the first axis:
+    its backward adds the gradient back with `index_add`, where advanced indexing's
+    accumulates with `index_put_` — which on a GPU sorts the indices, launching several
+    kernels, on every training layer's query, key, value and output regrouping. The
+    values are the same, and so are the sums (a padding row points at row 0 with a zero
+    gradient)."""
+    if index.dim() == 1:
+        return rows.index_select(0, index)
+    return rows.index_select(0, index.reshape(-1)).view(*index.shape, *rows.shape[1:])
+
+
 def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor`, copied if it is a view of a larger output: V is a slice of its layer's
     fused q|k|v GEMM (trainer/training_copy.py, Phi-3's qkv_proj), and a recording that

@@ -54,3 +54,20 @@ def test_dpo_jobs_give_the_textbook_gradients(path, one_sweep, rejected):
     got = gradients_of(trainer, getattr(trainer.method, JOBS[path])(entry, trainer.context))
     assert set(got) == set(expected) and all(g.norm() > 0 for g in expected.values())
     assert relative_difference(got, expected) <= 1e-4
+
+
+@pytest.mark.parametrize("path", ["reuse", "recompute"])
+def test_the_jobs_regroup_rows_per_sequence_without_an_accumulating_index_put(path):
+    """Attention regroups packed rows per sequence (queries, keys, values) and back: each
+    gather is an `index_select`, whose backward is one `index_add`, where advanced
+    indexing's is an accumulating `index_put_` (on a GPU: a sort of the indices, several
+    kernels, for every layer's regrouping)."""
+    from bench.step_counts import AtenOps
+    from engine.model_runner import run_to_end
+    trainer = make_trainer(mode="dpo")
+    serve(trainer, "r", max_tokens=8)
+    label(trainer, "r", chosen="Paris, of course. It is a lovely city.")
+    counter = AtenOps()
+    with counter.counting():
+        run_to_end(getattr(trainer.method, JOBS[path])(trainer.cache.get("r"), trainer.context))
+    assert counter.ops["index_put"] == 0 and counter.ops["index"] == 0 and counter.ops["index_add"] > 0

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import AttentionMetadata, own_storage
+from engine.kv_cache import AttentionMetadata, gather_rows, own_storage
 from engine.layerwise import LayerwiseModel
 from engine.recording import LayerSegment
 from trainer.losses import weighted_nll
@@ -51,7 +51,7 @@ class SequenceKV:
 
     def _per_sequence(self, packed: torch.Tensor) -> torch.Tensor:
         # (1, KVH, T, D) -> (B, KVH, Qmax, D)
-        return packed[0].transpose(0, 1)[self.metadata.single.query_index].transpose(1, 2)
+        return gather_rows(packed[0].transpose(0, 1), self.metadata.single.query_index).transpose(1, 2)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.new[layer_idx] = (own_storage(key), own_storage(value))
