@@ -3,7 +3,9 @@ entries by state, label entries, room for a recording, how late a recording woul
 agrees with a scan of every entry through any sequence of the cache's transitions, and is
 answered without scanning the entries waiting for labels."""
 
+import gc
 import random
+import weakref
 from collections import OrderedDict
 
 from tests.test_stash import make_trainer
@@ -158,9 +160,28 @@ def test_answers_expire_in_deadline_order_without_scanning_and_a_labelled_one_ne
     assert cache.count(EntryState.READY) == 1 and cache.ended_counts["expired"] == 2
 
 
-def test_the_same_entry_added_twice_stays_as_it_was():
-    trainer = make_trainer(mode="dpo")
+def test_the_same_entry_added_twice_stays_as_it_was_and_an_ended_one_is_refused():
+    trainer = make_trainer(mode="dpo", max_label_entries=1)  # a second label entry would be refused
+    cache = trainer.cache
     entry = trainer.method.make_label_entry("once", [3, 4, 5], 0)
-    assert trainer.cache.add(entry) and trainer.cache.add(entry)
-    assert trainer.cache.get("once") is entry and entry.state is EntryState.WAITING_LABEL
-    assert trainer.cache.count(EntryState.WAITING_LABEL) == 1
+    assert cache.add(entry) and cache.add(entry)
+    assert cache.get("once") is entry and entry.state is EntryState.WAITING_LABEL
+    assert cache.count(EntryState.WAITING_LABEL) == 1 and cache.ended_counts["dropped"] == 0
+    assert cache.withdraw("once") and not cache.add(entry)
+    assert cache.get("once") is None and len(cache) == 0 and cache.label_entries == 0
+
+
+def test_answers_ended_before_their_deadline_are_not_kept_by_it():
+    """The deadlines hold ids, not entries: an answer labelled, trained or withdrawn long
+    before its label timeout frees its tokens at once, and the heap stays bounded."""
+    trainer = make_trainer(mode="dpo")
+    cache, method = trainer.cache, trainer.method
+    entries = []
+    for i in range(3000):
+        cache.add(method.make_label_entry(f"a{i}", [3, 4, 5] * 100, 0))
+        cache.response_finished(f"a{i}", {0: [6]}, aborted=False, label_deadline=1e9)
+        entries.append(weakref.ref(cache.get(f"a{i}")))
+        assert cache.withdraw(f"a{i}")
+    gc.collect()
+    assert all(ref() is None for ref in entries)
+    assert len(cache._index._deadlines) <= 1025

@@ -270,3 +270,50 @@ def test_a_recording_keeps_v_not_the_whole_fused_qkv_output():
     for segment in trainer.cache.get("a").recording.segments:
         for tensor in (segment.key, segment.value):
             assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def test_a_copy_a_graph_still_holds_is_re_aimed_after_it_left_the_kept_copies():
+    """A graph holds its copy's weights, not the copy: two weight changes later the copy
+    has left the kept ones, and `aim_at_sources` (stale_weights = "live") must still give
+    those weights the live values."""
+    import gc
+    from trainer.serving_copy import refresh_serving_copies
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(8))
+    model, peft_model, groups = adapted("llama", torch.bfloat16, True)
+    logits = model(ids).logits.float()  # a graph of version 0
+    held_a = groups[0].training.current().a
+    for _ in range(2):
+        with torch.no_grad():
+            for p in lora_parameters(peft_model):
+                p.add_(torch.randn_like(p) * 0.05)
+        refresh_serving_copies(groups)
+    gc.collect()
+    assert groups[0].training.current().a is not held_a
+    groups[0].training.aim_at_sources()
+    for (rows, cols), (a, _, _) in zip(groups[0].blocks, groups[0].live_masters):
+        assert torch.equal(held_a[cols], a.to(held_a.dtype))
+    torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()  # the graph reads them
+
+
+def test_a_stashed_version_swapped_into_the_layers_gets_a_copy_of_its_own():
+    """While the weight stash has another version's weights in the layers (weights_swapped),
+    the copy is built from what the layers hold; swapped back, the live copy serves again."""
+    model, peft_model, groups = adapted("llama", torch.bfloat16, True)
+    group = groups[0]
+    live = group.training.current()
+    layers = group.layers
+    swapped = [(torch.nn.Parameter(layer.lora_A[layer.active_adapters[0]].weight.detach() + 0.5),
+                torch.nn.Parameter(layer.lora_B[layer.active_adapters[0]].weight.detach() + 0.5)) for layer in layers]
+    originals = [(layer.lora_A[layer.active_adapters[0]].weight, layer.lora_B[layer.active_adapters[0]].weight)
+                 for layer in layers]
+    for layer, (a, b) in zip(layers, swapped):
+        layer.lora_A[layer.active_adapters[0]].weight, layer.lora_B[layer.active_adapters[0]].weight = a, b
+        layer.weights_swapped = True
+    stashed = group.training.current()
+    assert stashed is not live
+    for (rows, cols), (a, _) in zip(group.blocks, swapped):
+        assert torch.equal(stashed.a[cols], a.detach().to(stashed.a.dtype))
+    for layer, (a, b) in zip(layers, originals):
+        layer.lora_A[layer.active_adapters[0]].weight, layer.lora_B[layer.active_adapters[0]].weight = a, b
+        layer.weights_swapped = False
+    assert group.training.current() is live

@@ -141,7 +141,10 @@ class ActivationCache:
         dropped. An entry that waits for a label is never dropped for want of room: it
         stays without activations (a label entry), up to `max_label_entries`."""
         with self._lock:
-            if entry.recording is not None and not self._make_room(entry.nbytes) and not self._no_room(entry):
+            if self._entries.get(entry.completion_id) is entry or entry.state in TERMINAL:
+                logger.error("entry %r added again (%s)", entry.completion_id, entry.state.value)  # a bug upstream
+                admitted = entry.state not in TERMINAL  # it stays as it is
+            elif entry.recording is not None and not self._make_room(entry.nbytes) and not self._no_room(entry):
                 admitted = False
             elif entry.recording is None and self.label_entries >= self.max_label_entries:
                 self.refused_label_entries += 1
@@ -150,20 +153,18 @@ class ActivationCache:
                 self._end(entry, EntryState.DROPPED, reason="max_label_entries")
                 admitted = False
             else:
-                admitted = True
                 previous = self._entries.get(entry.completion_id)
                 if previous is not None:  # a bug upstream; keep the byte accounting right and say so
-                    logger.error("completion %r was recorded twice", entry.completion_id)
-                    if previous is not entry:  # the older one is dropped (the same one stays as it is)
-                        self._end(previous, EntryState.DROPPED)
-                if previous is not entry:
-                    self._entries[entry.completion_id] = entry
-                    self._index.add(entry)
-                    if entry.needs_label:
-                        self._hold(entry)
-                    self.bytes += entry.nbytes
-                    if entry.recording is not None:
-                        self.last_recorded = self.clock()
+                    logger.error("completion %r was recorded twice; dropping the older entry", entry.completion_id)
+                    self._end(previous, EntryState.DROPPED)
+                self._entries[entry.completion_id] = entry
+                self._index.add(entry)
+                if entry.needs_label:
+                    self._hold(entry)
+                self.bytes += entry.nbytes
+                if entry.recording is not None:
+                    self.last_recorded = self.clock()
+                admitted = True
         self._free_detached()
         return admitted
 

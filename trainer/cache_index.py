@@ -30,9 +30,11 @@ class EntryIndex:
         # completion id -> when it was admitted (a counter): `in_state` lists by admission
         self._admitted: dict[str, int] = {}
         self._counter = itertools.count()
-        # (label deadline, tie-break, entry) of the answers waiting for labels, soonest first;
-        # an entry labelled or ended since stays until its deadline passes, and is skipped
-        self._deadlines: list[tuple[float, int, CacheEntry]] = []
+        # (label deadline, tie-break, completion id) of the answers waiting for labels,
+        # soonest first; one labelled or ended since is skipped when its deadline comes up
+        # (only its id stays until then), and the heap is rebuilt once such ids outnumber
+        # the entries still waiting
+        self._deadlines: list[tuple[float, int, str]] = []
 
     def add(self, entry: CacheEntry) -> None:
         """Files a newly admitted entry (one already ended stays out)."""
@@ -74,16 +76,21 @@ class EntryIndex:
 
     def awaits_label(self, entry: CacheEntry) -> None:
         """`entry` waits for its label until `entry.label_deadline`."""
-        heapq.heappush(self._deadlines, (entry.label_deadline, next(self._counter), entry))
+        waiting = self._by_state[EntryState.WAITING_LABEL]
+        if len(self._deadlines) > 2 * len(waiting) + 1024:
+            self._deadlines = [(e.label_deadline, next(self._counter), cid) for cid, e in waiting.items()
+                               if e.label_deadline is not None]
+            heapq.heapify(self._deadlines)
+        heapq.heappush(self._deadlines, (entry.label_deadline, next(self._counter), entry.completion_id))
 
     def past_deadline(self, now: float) -> list[CacheEntry]:
         """The entries still waiting for their labels whose deadline is before `now`,
         soonest first (they leave the heap; the caller ends them)."""
-        overdue = []
+        overdue, waiting = [], self._by_state[EntryState.WAITING_LABEL]
         while self._deadlines and now > self._deadlines[0][0]:
-            deadline, _, entry = heapq.heappop(self._deadlines)
-            if (entry.state is EntryState.WAITING_LABEL and entry.label_deadline == deadline
-                    and self._by_state[EntryState.WAITING_LABEL].get(entry.completion_id) is entry):
+            deadline, _, completion_id = heapq.heappop(self._deadlines)
+            entry = waiting.get(completion_id)
+            if entry is not None and entry.label_deadline == deadline:
                 overdue.append(entry)
         return overdue
 

@@ -157,8 +157,9 @@ class TrainingCopies:
         self.group = group
         self.parameter_keys = parameter_keys
         self._copies: OrderedDict[tuple, _Copy] = OrderedDict()
-        # every copy alive, those graphs keep included
-        self._alive: weakref.WeakSet[_Copy] = weakref.WeakSet()
+        # every copy alive, those graphs keep included: a graph holds a copy's weights, not
+        # the copy, so by the id of its `a`: (a, b) weakly, and the sources it was built from
+        self._alive: dict[int, tuple[weakref.ref, weakref.ref, list]] = {}
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._served = 0
@@ -178,7 +179,8 @@ class TrainingCopies:
         copy = self._copies.get(key)
         if copy is None:
             copy = self._copies[key] = _Copy(self.group, sources, key)
-            self._alive.add(copy)
+            self._alive[id(copy.a)] = (weakref.ref(copy.a), weakref.ref(copy.b), copy.sources)
+            weakref.finalize(copy.a, self._alive.pop, id(copy.a), None)
             self._track(copy)
             while len(self._copies) > _KEPT_COPIES:
                 self._copies.popitem(last=False)
@@ -190,10 +192,13 @@ class TrainingCopies:
         """Gives every copy alive its sources' values now (`train.stale_weights = "live"`,
         trainer/stash.py), through `.data`: a graph that saved a copy reads them rather
         than refusing it as changed."""
-        for copy in list(self._alive):
-            for (rows, cols), (source_a, source_b, scale) in zip(self.group.blocks, copy.sources):
-                copy.a.data[cols].copy_(source_a)
-                copy.b.data[rows, cols].copy_(source_b * scale)
+        for a_ref, b_ref, sources in list(self._alive.values()):
+            a, b = a_ref(), b_ref()
+            if a is None or b is None:
+                continue
+            for (rows, cols), (source_a, source_b, scale) in zip(self.group.blocks, sources):
+                a.data[cols].copy_(source_a)
+                b.data[rows, cols].copy_(source_b * scale)
 
     def _track(self, copy: _Copy) -> None:
         if self.parameter_keys is None:
