@@ -8,6 +8,7 @@
 # the openai wheel by openai==3.54.0, as newer ones import httpx2, which the image lacks)
 # Issue 23 (serving), in order: bringup steps serving paged profile http colocate
 # Issue 24 (training): training grpo profile-dpo precision
+# With 15 device minutes: `http dpo` first (issue 23's last target; DPO's host time)
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -62,6 +63,11 @@ for phase in "$@"; do
         --repeats 2 --kv-cache-bytes 4294967296 --json "$OUT/training-grpo.json"
       bench training "${MODEL[@]}" --mode grpo --group-size 8 --prompt-tokens 1024 --response-tokens 64 \
         --repeats 2 --one-vs-two-sweeps --kv-cache-bytes 4294967296 --json "$OUT/sweeps-grpo.json"
+      ;;
+    dpo)  # the DPO part of `training` alone, for a session with little device time: reuse against recompute at
+      # 512 / 1,024 / 2,048 tokens, the recording column, and where the host's time goes
+      bench training "${MODEL[@]}" --mode dpo --given-responses --sweep 512,1024,2048 --repeats 2 \
+        --kv-cache-bytes 4294967296 --json "$OUT/training-dpo.json" --profile "$OUT/profile-dpo.txt"
       ;;
     profile-dpo)  # where the DPO reuse job's time goes on the GPU
       bench training "${MODEL[@]}" --mode dpo --given-responses --tokens 1024 --repeats 1 \
