@@ -37,9 +37,7 @@ class EntryIndex:
         self._deadlines: list[tuple[float, int, str]] = []
 
     def add(self, entry: CacheEntry) -> None:
-        """Files a newly admitted entry (one already ended stays out)."""
-        if entry.state in TERMINAL:
-            return
+        """Files a newly admitted entry (the cache admits none that has ended)."""
         self._by_state[entry.state][entry.completion_id] = entry
         self._admitted[entry.completion_id] = next(self._counter)
         if entry.recording is not None:

@@ -95,9 +95,13 @@ class SharedInputGroup:
 
     @property
     def live_masters(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
-        """Each member's live (A, B, scale): what its layer holds unless the weight stash
-        has swapped a stashed version in (`weights_swapped`)."""
+        """Each member's live (A, B, scale): what its layer holds unless `swapped`."""
         return self._masters
+
+    @property
+    def swapped(self) -> bool:
+        """The weight stash has another version's LoRA weights in a member's layer."""
+        return any(layer.weights_swapped for layer in self.layers)
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -123,7 +127,7 @@ class SharedInputGroup:
         self.held = masters_key(self._masters)
         # the next recorded prefill finds the training copy built (not while a stashed
         # version is swapped in: its copy would push the live weights' out)
-        if self.training is not None and masters_key([layer.serving_masters() for layer in self.layers]) == self.held:
+        if self.training is not None and not self.swapped:
             self.training.current()
 
     def outputs(self, x: torch.Tensor, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -172,9 +172,7 @@ class TrainingCopies:
 
     def current(self) -> _Copy:
         group = self.group
-        # the layers hold the live masters unless a stashed version is swapped in
-        swapped = any(layer.weights_swapped for layer in group.layers)
-        sources = [layer.serving_masters() for layer in group.layers] if swapped else group.live_masters
+        sources = [layer.serving_masters() for layer in group.layers] if group.swapped else group.live_masters
         key = masters_key(sources)
         copy = self._copies.get(key)
         if copy is None:
