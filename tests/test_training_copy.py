@@ -38,7 +38,7 @@ def test_bfloat16_gradient_lands_on_the_float32_weights_as_close_to_the_truth_as
     model, peft_model, groups = adapted(family, torch.bfloat16, True)
     mixed = gradients_on(model, peft_model, ids)
     assert all(g.dtype == torch.float32 for g in mixed.values()) and set(mixed) == set(truth)
-    assert all(group.training.current().a.grad is None for group in groups)  # cast onto the masters
+    assert all(group.training.current().a.grad is None for group in groups)  # landed on the masters
     peft = gradients_on(*adapted(family, torch.bfloat16, False)[:2], ids)
     mixed_error, peft_error = relative_difference(mixed, truth), relative_difference(peft, truth)
     assert mixed_error <= 1.5 * peft_error + 2e-2, (mixed_error, peft_error)
@@ -228,6 +228,19 @@ def test_the_gradient_lands_in_one_op_per_copy_weight_and_equals_adding_it_membe
         loss.backward()
     assert counter.ops["add_"] == 8 * len(model.model.layers)  # per layer and group, one for A and one for B
     assert counter.ops["index"] + counter.ops["index_select"] == 0  # B's blocks: views stacked, no index tensor
+
+
+def test_the_groups_backward_lands_the_gradient_without_autograds_accumulation_or_a_hook():
+    """The group's backward adds its copy's gradients onto the masters itself: autograd
+    accumulates nothing on the copy, and no Python hook runs per copy weight and backward."""
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(7))
+    model, peft_model, groups = adapted("llama", torch.bfloat16, True)
+    gradients = gradients_on(model, peft_model, ids)
+    assert all(g is not None and g.abs().sum() > 0 for g in gradients.values())
+    for group in groups:
+        copy = group.training.current()
+        assert copy.a.grad is None and copy.b.grad is None
+        assert not copy.a._post_accumulate_grad_hooks and not copy.b._post_accumulate_grad_hooks
 
 
 def test_an_optimizer_steps_refresh_builds_the_training_copy_from_the_serving_copy():

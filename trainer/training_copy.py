@@ -28,10 +28,11 @@ A copy is built from the weights the layers hold at that moment (the live ones, 
 stashed version's that trainer/stash.py swapped in) and never changed: a graph recorded
 under version v keeps v's copy, and the first forward after the weights change builds a
 new one (a cast of the adapter's weights, once per version, not per step). The gradient
-that autograd accumulates on a copy is cast onto the float32 weights it was built from
-at once (a post-accumulate hook; one op per copy weight, `_SourceGradients`), so the
-optimizer, clipping, the replicas' all-reduce and the stash find it where PEFT's path
-puts it. That is mixed precision as AMP does it: float32 master weights and optimizer
+of a copy's weights is added onto the float32 weights it was built from by the group's
+backward itself (one op per copy weight, `_SourceGradients`; autograd's accumulation on
+the copy, and a hook to move it on, would add a Python call and a cast per weight and
+backward), so the optimizer, clipping, the replicas' all-reduce and the stash find it
+where PEFT's path puts it. That is mixed precision as AMP does it: float32 master weights and optimizer
 state, low-precision compute.
 
 Used where the model's dtype is not the adapter's (the GPU's bfloat16 models); a float32
@@ -70,12 +71,12 @@ class _Copy:
                 for (rows, cols), (source_a, source_b, scale) in zip(group.blocks, sources):
                     a[cols].copy_(source_a)
                     b[rows, cols].copy_(source_b * scale)
-        # parameters, as the weights they copy: a recording's byte count skips them
+        # parameters, as the weights they copy: a recording's byte count skips them; they
+        # require grad so that every forward through them is recorded, but autograd never
+        # accumulates on them: the group's backward lands their gradients on the sources
         self.a, self.b = torch.nn.Parameter(a), torch.nn.Parameter(b)
-        # the hooks hold where the gradients land, not the copy: a copy a graph no longer needs is freed
-        landing = _SourceGradients(group.blocks, sources)
-        self.a.register_post_accumulate_grad_hook(landing.add_a)
-        self.b.register_post_accumulate_grad_hook(landing.add_b)
+        # a graph holds where the gradients land, not the copy: a copy a graph no longer needs is freed
+        self.landing = _SourceGradients(group.blocks, sources)
 
 
 class _SourceGradients:
@@ -95,14 +96,14 @@ class _SourceGradients:
         scales = {scale for _, _, scale in sources}
         self.scale = scales.pop() if len(scales) == 1 else None
 
-    @torch.no_grad()
-    def add_a(self, a: torch.Tensor) -> None:
-        grad, a.grad = a.grad, None
+    # called from `_GroupLoraFunction.backward` (grad mode off; the gradients and the
+    # sources' `.grad` never require grad, so these adds record no graph in any mode)
+    def add_a(self, grad: torch.Tensor) -> None:
+        """Adds the gradient of the copy's `a` (the members' A stacked) to the sources' A."""
         self._add("a", [source for source, _, _ in self.sources], grad, [cols for _, cols in self.blocks], 1.0)
 
-    @torch.no_grad()
-    def add_b(self, b: torch.Tensor) -> None:
-        grad, b.grad = b.grad, None
+    def add_b(self, grad: torch.Tensor) -> None:
+        """Adds the gradient of the copy's `b` (the members' s·B block-diagonal) to the sources' B."""
         if self.scale is not None and self.stackable:  # the diagonal blocks stacked: one op, or none for one member
             stacked = grad if len(self.blocks) == 1 else torch.cat([grad[rows, cols] for rows, cols in self.blocks])
             self._add("b", [source for _, source, _ in self.sources], stacked, [rows for rows, _ in self.blocks],
@@ -211,7 +212,8 @@ class TrainingCopies:
         by the group's first member to ask and kept until each has read it."""
         if self._input is not x:
             copy = self.current()
-            out = _GroupLoraFunction.apply(flat, copy.a, copy.b, self.group, self.group.held == copy.key)
+            out = _GroupLoraFunction.apply(flat, copy.a, copy.b, self.group, self.group.held == copy.key,
+                                           copy.landing)
             self._outputs = out.split(self.group.outs, dim=1)
             self._input, self._served = x, 0
         outputs = self._outputs
@@ -222,15 +224,18 @@ class TrainingCopies:
 
 
 class _GroupLoraFunction(torch.autograd.Function):
-    """A group's outputs side by side, (N, Σout), with gradients to the input `flat` and
-    to the copy's `a` and `b` (module docstring). Saves `flat`; the weights — the copy,
-    never changed in place, and the frozen base weight — are held on the node with their
+    """A group's outputs side by side, (N, Σout), with the gradient to the input `flat`
+    returned, and those of the copy's `a` and `b` added onto the weights the copy was
+    built from (`landing`; module docstring). Saves `flat`; the weights — the copy, never
+    changed in place, and the frozen base weight — are held on the node with their
     version counters, which backward checks as autograd would, so that a recorded
     prefill's saved-tensor hooks (engine/recording.py) run for its activations only."""
 
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group, from_serving: bool):
+    def forward(ctx, flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group, from_serving: bool,
+                landing: _SourceGradients):
         ctx.save_for_backward(flat)
+        ctx.landing = landing
         base_weight = group.base_weight
         ctx.weights, ctx.versions = (a, b, base_weight), (a._version, b._version, base_weight._version)
         if from_serving:
@@ -247,9 +252,11 @@ class _GroupLoraFunction(torch.autograd.Function):
             raise RuntimeError("a LoRA copy or a frozen weight was modified in place between forward and backward")
         grad_rank = grad @ b  # (N, Σr)
         grad_x = torch.addmm(grad @ base_weight, grad_rank, a) if ctx.needs_input_grad[0] else None
-        grad_a = grad_rank.t() @ flat if ctx.needs_input_grad[1] else None
-        grad_b = grad.t() @ (flat @ a.t()) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_a, grad_b, None, None
+        if ctx.needs_input_grad[1]:
+            ctx.landing.add_a(grad_rank.t() @ flat)
+        if ctx.needs_input_grad[2]:
+            ctx.landing.add_b(grad.t() @ (flat @ a.t()))
+        return grad_x, None, None, None, None, None
 
 
 def train_from_copy(layer, x: torch.Tensor) -> torch.Tensor:

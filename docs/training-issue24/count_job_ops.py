@@ -1,7 +1,9 @@
-"""Aten ops per training job on a tiny Llama (2 layers, hidden 64), reuse against recompute,
-for a float32 model and a bfloat16 one with the LoRA math in the model's dtype (the
-training copies, `train.lora_compute_dtype = "model"`) or in PEFT's float32. Each op is a
-kernel launch on a GPU. Run from the repository root:
+"""Aten ops per training job on a tiny Llama (hidden 64), reuse against recompute, for a
+float32 model and a bfloat16 one with the LoRA math in the model's dtype (the training
+copies, `train.lora_compute_dtype = "model"`) or in PEFT's float32: the whole job on 2
+layers, and per decoder layer (the issue's unit: the job on 4 layers less the job on 2,
+halved — what the head, the loss and the embedding cost drops out). Each op is a kernel
+launch on a GPU. Run from the repository root:
 
     .venv/bin/python docs/training-issue24/count_job_ops.py
 """
@@ -20,10 +22,10 @@ from tests.test_training import label, serve  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 
 
-def job_ops(mode: str, dtype: torch.dtype, compute: str) -> dict[str, AtenOps]:
+def job_ops(mode: str, dtype: torch.dtype, compute: str, num_layers: int = 2) -> dict[str, AtenOps]:
     torch.manual_seed(0)
     trainer = make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype=compute), dtype=dtype,
-                            init_lora_weights=False)
+                            num_layers=num_layers, init_lora_weights=False)
     counts = {}
     for path, job in (("reuse", trainer.method.reuse_job), ("recompute", trainer.method.recompute_job)):
         for request_id in ("warm-up", "counted"):  # each job computes its entry's reference itself
@@ -42,16 +44,21 @@ def job_ops(mode: str, dtype: torch.dtype, compute: str) -> dict[str, AtenOps]:
 
 
 def main() -> None:
-    print("| job | model, LoRA math | reuse ops (casts) | recompute ops (casts) | reuse / recompute |")
-    print("| --- | --- | ---: | ---: | ---: |")
+    print("| job | model, LoRA math | reuse ops (casts) | recompute ops (casts) | reuse / recompute "
+          "| per layer: reuse / recompute |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
     for mode in ("cpt", "dpo"):
         for dtype, compute in ((torch.float32, "model"), (torch.bfloat16, "float32"), (torch.bfloat16, "model")):
             counts = job_ops(mode, dtype, compute)
+            deeper = job_ops(mode, dtype, compute, num_layers=4)
             reuse, recompute = counts["reuse"], counts["recompute"]
+            per_layer = {path: (deeper[path].total - counts[path].total) / 2 for path in counts}
             math = "PEFT float32" if compute == "float32" else "bfloat16 copies"
             name = "float32" if dtype == torch.float32 else f"bfloat16, {math}"
             print(f"| {mode} | {name} | {reuse.total:,} ({reuse.ops['_to_copy']}) | "
-                  f"{recompute.total:,} ({recompute.ops['_to_copy']}) | {reuse.total / recompute.total:.2f}x |")
+                  f"{recompute.total:,} ({recompute.ops['_to_copy']}) | {reuse.total / recompute.total:.2f}x | "
+                  f"{per_layer['reuse']:.0f} / {per_layer['recompute']:.0f} = "
+                  f"{per_layer['reuse'] / per_layer['recompute']:.2f}x |")
 
 
 if __name__ == "__main__":
