@@ -82,11 +82,16 @@ def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) 
     engine, trainer, tokenizer = embedded_training_engine(config, heap_warming=case != "kept_cold")
     seconds = {True: [], False: []}
     decoded = {True: [], False: []}
+    kept_per_token = []  # the bytes each recording keeps (its saved activations), per prompt token
     for i in range(repeats + 2):  # the first two rounds warm up
         for recorded in ((True, False) if i % 2 else (False, True)):
             request_id = f"{case}-{i}-{recorded}"
-            took, decodes_took = _first_token_seconds(engine, request_id, synthetic_tokens(tokenizer, tokens, i),
-                                                      recorded, _DECODES if case.startswith("beside") else 0)
+            prompt = synthetic_tokens(tokenizer, tokens, i)
+            took, decodes_took = _first_token_seconds(engine, request_id, prompt, recorded,
+                                                      _DECODES if case.startswith("beside") else 0)
+            entry = trainer.cache.get(request_id) if recorded else None
+            if entry is not None and entry.recording is not None:
+                kept_per_token.append(entry.recording.saved_bytes / len(prompt))
             if recorded and case == "freed":
                 trainer.cache.end(trainer.cache.get(request_id), EntryState.DROPPED)
             elif recorded and case in ("trained", "beside_decodes", "beside_decodes_shared"):
@@ -98,13 +103,15 @@ def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) 
                     decoded[recorded].append(decodes_took)
     ratio = statistics.median(seconds[True]) / statistics.median(seconds[False])
     report = {"case": case, "tokens": tokens, "ratio": round(ratio, 3), "recorded_s": seconds[True],
-              "plain_s": seconds[False]}
+              "plain_s": seconds[False],
+              "recording_bytes_per_token": round(statistics.median(kept_per_token)) if kept_per_token else None}
     beside = ""
     if decoded[True]:
         report["decodes_ratio"] = round(statistics.median(decoded[True]) / statistics.median(decoded[False]), 3)
         report["decodes_recorded_s"], report["decodes_plain_s"] = decoded[True], decoded[False]
         beside = f"; the decodes' next token x{report['decodes_ratio']:.2f}"
-    print(f"  {case:8s} {tokens} tokens: recorded prefill x{ratio:.2f}{beside} "
+    kept = f", {report['recording_bytes_per_token'] / 1024:.0f} KiB kept per token" if kept_per_token else ""
+    print(f"  {case:8s} {tokens} tokens: recorded prefill x{ratio:.2f}{beside}{kept} "
           f"(recorded {[round(s * 1000) for s in seconds[True]]} ms, plain {[round(s * 1000) for s in seconds[False]]} ms)",
           flush=True)
     return report

@@ -19,6 +19,7 @@ from engine.attention import use_engine_attention
 from engine.decode_graphs import CaptureReport, DecodeGraphs
 from engine.fused_norm import install_fused_rms_norm
 from engine.fused_rope import SignedRotary, install_fused_rope
+from engine.gated_mlp import install_gated_mlp
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionGroup, AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
 from engine.outputs import TokenLogprob
@@ -105,6 +106,7 @@ class ModelRunner:
         use_engine_attention(model)
         install_fused_rms_norm(model)
         install_fused_rope(model)
+        install_gated_mlp(model)
         if packed_linear:
             install_packed_linear(model)
         self.embed, self.layers, self.norm, rotary, self.lm_head = decoder_parts(model)
