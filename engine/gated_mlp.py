@@ -5,9 +5,8 @@ The families the engine serves (Llama, Mistral, Qwen2, Phi-3) compute their MLP 
 `*` saves both its inputs: silu(gate) and up — one tensor the width of the MLP's
 intermediate more than the backward needs, since silu(gate) is one cheap elementwise op
 from the gate. Every recorded prefill keeps those tensors per token and layer until its
-label comes (the largest share of what a recording holds: at the Llama-3.1-8B shape, 14,336
-of about 85,000 values per token and layer), and every training forward holds them until
-its backward.
+label comes (the MLP's are the widest a recording holds), and every training forward holds
+them until its backward; the bytes a recording keeps per token are in BENCHMARKS.md.
 
 `SiluAndMul` saves the gate and up only, and forms silu(gate) again in its backward: one
 more elementwise op per layer and backward, the same ops otherwise, so that the values
