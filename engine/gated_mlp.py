@@ -11,6 +11,12 @@ them until its backward; the bytes a recording keeps per token are in BENCHMARKS
 `SiluAndMul` saves the gate and up only, and forms silu(gate) again in its backward: one
 more elementwise op per layer and backward, the same ops otherwise, so that the values
 and gradients are those of the model's own module to the bit (`tests/test_gated_mlp.py`).
+The product itself is the down projection's input, which its LoRA function saves for the
+adapter's gradients; the project's LoRA functions (trainer/adapter.py's merged one,
+trainer/training_copy.py's group one) save the gate and up instead — the same storages
+`SiluAndMul` saved — and form the product again in their backward (two elementwise ops).
+A recording then keeps two intermediate-wide tensors per token and layer where autograd
+alone keeps four.
 With grad disabled (every serving step but a recorded prefill) the module runs the
 model's own ops, with no autograd Function on the way.
 
@@ -50,9 +56,23 @@ class SiluAndMul(torch.autograd.Function):
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up: through `SiluAndMul` where a graph is recorded, else the plain ops."""
+    """silu(gate) * up: through `SiluAndMul` where a graph is recorded, else the plain ops.
+    Under autograd the product remembers its factors (`silu_and_mul_inputs`), so that the
+    down projection's LoRA function can save them (saved here already) in its place."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return SiluAndMul.apply(gate, up)
+        product = SiluAndMul.apply(gate, up)
+        product._silu_and_mul_of = (gate, up)
+        return product
+    return F.silu(gate) * up
+
+
+def silu_and_mul_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (gate, up) of which `x` is `silu_and_mul`'s product under autograd, else None."""
+    return getattr(x, "_silu_and_mul_of", None)
+
+
+def silu_and_mul_again(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The product once more, in a backward (the forward's ops: the same values to the bit)."""
     return F.silu(gate) * up
 
 

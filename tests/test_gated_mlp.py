@@ -1,13 +1,14 @@
-"""The gated MLP's activation saving gate and up only (engine/gated_mlp.py): the model's
-own values and gradients to the bit, one intermediate-wide tensor less per token and
-layer in a recording."""
+"""The gated MLP's activation saving gate and up only (engine/gated_mlp.py), and the down
+projection's LoRA functions forming their input again from them: the model's own values
+and gradients to the bit, two intermediate-wide tensors less per token and layer in a
+recording."""
 
 import pytest
 import torch
 
 from engine.gated_mlp import SiluAndMul, install_gated_mlp
 from tests.conftest import make_training
-from tests.test_training import serve
+from tests.test_training import gradients_of, serve
 from tests.tiny import FAMILIES, tiny_model
 from trainer.config import TrainConfig
 
@@ -50,17 +51,47 @@ def test_silu_and_mul_saves_gate_and_up_only():
     assert len(saved) == 2 and saved[0] is gate and saved[1] is up
 
 
+def _own_mlps(model) -> None:
+    for mlp in _mlps(model):  # back to the family's own class
+        if type(mlp).__name__.startswith("Gated"):
+            mlp.__class__ = type(mlp).__mro__[1]
+
+
 @pytest.mark.parametrize("family", ["llama", "phi3"])
-def test_a_recording_keeps_one_intermediate_wide_tensor_less_per_token_and_layer(family):
-    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4), family=family, init_lora_weights=False)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_recording_keeps_two_intermediate_wide_tensors_less_per_token_and_layer(family, dtype):
+    """silu(gate) (autograd's `*` saved it) and the product (the down projection's LoRA
+    function saved it: the merged one in float32, the training copies' in bfloat16)."""
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model"), family=family,
+                            dtype=dtype, init_lora_weights=False)
     model = trainer.peft_model
     serve(trainer, "gated", max_tokens=1)
     gated = trainer.cache.get("gated")
-    for mlp in _mlps(model):  # back to the family's own class
-        mlp.__class__ = type(mlp).__mro__[1]
+    _own_mlps(model)
     serve(trainer, "own", max_tokens=1)
     own = trainer.cache.get("own")
     config = model.config
     tokens = len(own.prompt_token_ids)
     assert own.recording.saved_bytes - gated.recording.saved_bytes == \
-        config.num_hidden_layers * tokens * config.intermediate_size * 4
+        2 * config.num_hidden_layers * tokens * config.intermediate_size * dtype.itemsize
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_adapters_gradients_are_the_models_own_to_the_bit(family, dtype):
+    """Reuse (the recorded prefill's backward) and recompute, through the merged LoRA
+    function (float32) and the training copies (bfloat16): the product formed again in
+    the down projection's backward gives the gradients the model's own MLP gives."""
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model"), family=family,
+                            dtype=dtype, init_lora_weights=False)
+    grads = {}
+    for name in ("gated", "own"):
+        if name == "own":
+            _own_mlps(trainer.peft_model)
+        serve(trainer, name, max_tokens=1)
+        entry = trainer.cache.get(name)
+        grads[name, "recompute"] = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+        grads[name, "reuse"] = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    for path in ("recompute", "reuse"):
+        gated, own = grads["gated", path], grads["own", path]
+        assert set(gated) == set(own) and all(torch.equal(gated[k], own[k]) for k in own), path

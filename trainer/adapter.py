@@ -30,6 +30,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
 
+from engine.gated_mlp import silu_and_mul_again, silu_and_mul_inputs
 from engine.packed_linear import packed_linear_available
 from trainer.config import TrainConfig
 from trainer.serving_copy import SharedInputGroup, serve_from_copy
@@ -51,20 +52,24 @@ class _MergedLoraFunction(torch.autograd.Function):
     """`x (W + s B A)^T` through the merged packed weight — one GEMM, as serving runs it —
     with gradients to the input and to A and B. The LoRA products (x A^T, g B) are formed
     in backward, which runs in a training slice, not in the forward that a recorded
-    prefill runs on the serving path. Saves only x (A and B are parameters)."""
+    prefill runs on the serving path. Saves only x (A and B are parameters), or, for the
+    down projection, the gate and up x is the product of (engine/gated_mlp.py)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: "LeanLoraLinear") -> torch.Tensor:
         ctx.layer = layer
         ctx.base_version = layer.base_layer.weight._version
-        ctx.save_for_backward(x, a, b)
+        factors = silu_and_mul_inputs(x)  # x = silu(gate) * up: saved already, x is formed again
+        ctx.x_again = factors is not None
+        ctx.save_for_backward(*(factors or (x,)), a, b)
         flat = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(flat, layer._merged_pack, layer.base_layer.bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, a, b = ctx.saved_tensors
+        *inputs, a, b = ctx.saved_tensors
+        x = silu_and_mul_again(*inputs) if ctx.x_again else inputs[0]
         layer = ctx.layer
         weight, scale = layer.base_layer.weight, layer.scaling[layer.active_adapters[0]]
         if weight._version != ctx.base_version:

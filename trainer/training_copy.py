@@ -47,6 +47,8 @@ from collections import OrderedDict
 
 import torch
 
+from engine.gated_mlp import silu_and_mul_again, silu_and_mul_inputs
+
 # copies kept per group: the live weights' and those of the stashed version a job swaps in
 # (a graph holds its own copy for as long as it lives)
 _KEPT_COPIES = 2
@@ -213,7 +215,7 @@ class TrainingCopies:
         if self._input is not x:
             copy = self.current()
             out = _GroupLoraFunction.apply(flat, copy.a, copy.b, self.group, self.group.held == copy.key,
-                                           copy.landing)
+                                           copy.landing, silu_and_mul_inputs(x))
             self._outputs = out.split(self.group.outs, dim=1)
             self._input, self._served = x, 0
         outputs = self._outputs
@@ -226,15 +228,18 @@ class TrainingCopies:
 class _GroupLoraFunction(torch.autograd.Function):
     """A group's outputs side by side, (N, Σout), with the gradient to the input `flat`
     returned, and those of the copy's `a` and `b` added onto the weights the copy was
-    built from (`landing`; module docstring). Saves `flat`; the weights — the copy, never
+    built from (`landing`; module docstring). Saves `flat` (or the gate and up it is the
+    product of: engine/gated_mlp.py); the weights — the copy, never
     changed in place, and the frozen base weight — are held on the node with their
     version counters, which backward checks as autograd would, so that a recorded
     prefill's saved-tensor hooks (engine/recording.py) run for its activations only."""
 
     @staticmethod
     def forward(ctx, flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group, from_serving: bool,
-                landing: _SourceGradients):
-        ctx.save_for_backward(flat)
+                landing: _SourceGradients, factors: tuple[torch.Tensor, torch.Tensor] | None):
+        # the down projection's input is silu(gate) * up: its factors are saved already (engine/gated_mlp.py)
+        ctx.save_for_backward(*(factors or (flat,)))
+        ctx.flat_again = factors is not None
         ctx.landing = landing
         base_weight = group.base_weight
         ctx.weights, ctx.versions = (a, b, base_weight), (a._version, b._version, base_weight._version)
@@ -246,7 +251,8 @@ class _GroupLoraFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (flat,) = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        flat = silu_and_mul_again(*saved).flatten(0, -2) if ctx.flat_again else saved[0]
         a, b, base_weight = ctx.weights
         if (a._version, b._version, base_weight._version) != ctx.versions:
             raise RuntimeError("a LoRA copy or a frozen weight was modified in place between forward and backward")
@@ -256,7 +262,7 @@ class _GroupLoraFunction(torch.autograd.Function):
             ctx.landing.add_a(grad_rank.t() @ flat)
         if ctx.needs_input_grad[2]:
             ctx.landing.add_b(grad.t() @ (flat @ a.t()))
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None
 
 
 def train_from_copy(layer, x: torch.Tensor) -> torch.Tensor:
