@@ -19,15 +19,11 @@ import pstats
 import statistics
 import time
 
-import torch
-
 from bench.step_counts import AtenOps
 from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
-from server.build import build_training_engine
-from tests.conftest import encode, make_config
-from tests.tiny import tiny_model, tiny_tokenizer
-from trainer.config import TrainConfig
+from host_proxy import host_proxy_engine
+from tests.conftest import encode
 from trainer.feedback import FeedbackLabel
 
 PROMPT = "Online learning trains a LoRA adapter on what the server just served. " * 2
@@ -39,12 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = tiny_model("llama", dtype=torch.bfloat16, num_layers=32, hidden_size=16)
-    engine, trainer = build_training_engine(model, tiny_tokenizer(), make_config(),
-                                            TrainConfig(mode="dpo", lora_rank=8, lora_compute_dtype="model"),
-                                            init_lora_weights=False)
+    engine, trainer = host_proxy_engine()
     ids = encode(PROMPT)
     counter = iter(range(1 << 30))
 

@@ -19,25 +19,16 @@ import pstats
 import statistics
 import time
 
-import torch
-
 from engine.sampling_params import SamplingParams
-from server.build import build_training_engine
-from tests.conftest import encode, make_config
-from tests.tiny import tiny_model, tiny_tokenizer
-from trainer.config import TrainConfig
+from host_proxy import host_proxy_engine
+from tests.conftest import encode
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = tiny_model("llama", dtype=torch.bfloat16, num_layers=32, hidden_size=16)
-    engine, _ = build_training_engine(model, tiny_tokenizer(), make_config(),
-                                      TrainConfig(mode="dpo", lora_rank=8, lora_compute_dtype="model"),
-                                      init_lora_weights=False)
+    engine, _ = host_proxy_engine()
     ids = encode("Online learning trains a LoRA adapter on what the server just served. " * 2)
     counter = iter(range(1 << 30))
 
