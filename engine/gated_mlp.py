@@ -61,14 +61,20 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     down projection's LoRA function can save them (saved here already) in its place."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         product = SiluAndMul.apply(gate, up)
-        product._silu_and_mul_of = (gate, up)
+        product._silu_and_mul_of = (gate, up, (product._version, gate._version, up._version))
         return product
     return F.silu(gate) * up
 
 
 def silu_and_mul_inputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (gate, up) of which `x` is `silu_and_mul`'s product under autograd, else None."""
-    return getattr(x, "_silu_and_mul_of", None)
+    """The (gate, up) of which `x` is `silu_and_mul`'s product under autograd, else None —
+    also when any of the three changed in place since (a hook's edit): then x is what a
+    backward must read, and it is saved as autograd would."""
+    made = getattr(x, "_silu_and_mul_of", None)
+    if made is None:
+        return None
+    gate, up, versions = made
+    return (gate, up) if (x._version, gate._version, up._version) == versions else None
 
 
 def silu_and_mul_again(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -95,3 +95,23 @@ def test_the_adapters_gradients_are_the_models_own_to_the_bit(family, dtype):
     for path in ("recompute", "reuse"):
         gated, own = grads["gated", path], grads["own", path]
         assert set(gated) == set(own) and all(torch.equal(gated[k], own[k]) for k in own), path
+
+
+def test_a_product_changed_in_place_before_the_down_projection_is_saved_as_autograd_would():
+    """A hook that edits the down projection's input in place: the product is no longer
+    silu(gate) * up, so the LoRA function saves what it was given, and the gradients are
+    those of the model's own MLP under the same hook."""
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model"), dtype=torch.bfloat16,
+                            init_lora_weights=False)
+    def double_in_place(module, args):
+        args[0].mul_(2)
+
+    for mlp in _mlps(trainer.peft_model):
+        mlp.down_proj.register_forward_pre_hook(double_in_place)
+    grads = {}
+    for name in ("gated", "own"):
+        if name == "own":
+            _own_mlps(trainer.peft_model)
+        serve(trainer, name, max_tokens=1)
+        grads[name] = gradients_of(trainer, trainer.method.reuse_job(trainer.cache.get(name), trainer.context))
+    assert all(torch.equal(grads["gated"][k], grads["own"][k]) for k in grads["own"])

@@ -243,6 +243,19 @@ def test_the_groups_backward_lands_the_gradient_without_autograds_accumulation_o
         assert not copy.a._post_accumulate_grad_hooks and not copy.b._post_accumulate_grad_hooks
 
 
+def test_a_backward_that_does_not_accumulate_into_the_adapter_lands_nothing_and_no_graph():
+    """`torch.autograd.grad` to another input leaves the masters' gradients alone, as
+    autograd leaves a leaf's; `create_graph` leaves none of its graph in them."""
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(8))
+    model, peft_model, _ = adapted("llama", torch.bfloat16, True)
+    params = lora_parameters(peft_model)
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    (grad,) = torch.autograd.grad(model(inputs_embeds=embeds).logits.float().sum(), embeds)
+    assert grad.abs().sum() > 0 and all(p.grad is None for p in params)
+    model(ids).logits.float().sum().backward(create_graph=True)
+    assert all(p.grad is not None and not p.grad.requires_grad for p in params)
+
+
 def test_an_optimizer_steps_refresh_builds_the_training_copy_from_the_serving_copy():
     """After the adapter changes, the refresh that serving follows makes the training copy
     too, as two clones of the serving copy: the next recorded forward builds nothing, and

@@ -42,6 +42,7 @@ difference from PEFT's float32 path is measured in tests/test_training_copy.py.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import OrderedDict
 
@@ -78,7 +79,13 @@ class _Copy:
         # accumulates on them: the group's backward lands their gradients on the sources
         self.a, self.b = torch.nn.Parameter(a), torch.nn.Parameter(b)
         # a graph holds where the gradients land, not the copy: a copy a graph no longer needs is freed
-        self.landing = _SourceGradients(group.blocks, sources)
+        self.landing = _SourceGradients(group.blocks, sources, (_accumulator(self.a), _accumulator(self.b)))
+
+
+def _accumulator(weight: torch.Tensor):
+    """The autograd node that accumulates `weight`'s gradient (held: the same node for as long as it lives)."""
+    with torch.enable_grad():  # a copy may be built under no_grad (the refresh)
+        return weight.view_as(weight).grad_fn.next_functions[0][0]
 
 
 class _SourceGradients:
@@ -89,8 +96,12 @@ class _SourceGradients:
     `.grad` is not that view any more (the stash moved a gradient, the replicas'
     all-reduce set one), the gradient is added member by member."""
 
-    def __init__(self, blocks: list[tuple[slice, slice]], sources: list[tuple[torch.Tensor, torch.Tensor, float]]):
+    def __init__(self, blocks: list[tuple[slice, slice]], sources: list[tuple[torch.Tensor, torch.Tensor, float]],
+                 accumulators: tuple = ()):
         self.blocks, self.sources = blocks, sources
+        # the copy's (a, b) accumulation nodes: a backward that would not accumulate into
+        # them (`torch.autograd.grad`, `backward(inputs=...)` elsewhere) lands nothing
+        self.accumulators = accumulators
         # B's diagonal blocks stack into one (Σout, r) when all are r wide
         self.stackable = len({cols.stop - cols.start for _, cols in blocks}) == 1
         # "a" / "b" -> (weak references to the sources' gradient views, and to their buffer)
@@ -98,8 +109,12 @@ class _SourceGradients:
         scales = {scale for _, _, scale in sources}
         self.scale = scales.pop() if len(scales) == 1 else None
 
-    # called from `_GroupLoraFunction.backward` (grad mode off; the gradients and the
-    # sources' `.grad` never require grad, so these adds record no graph in any mode)
+    def wanted(self, index: int) -> bool:
+        """Whether the running backward accumulates into the copy's `a` (0) or `b` (1), as
+        autograd would decide for a leaf (in a backward only)."""
+        return torch._C._will_engine_execute_node(self.accumulators[index])
+
+    # called from `_GroupLoraFunction.backward`, with grad mode off
     def add_a(self, grad: torch.Tensor) -> None:
         """Adds the gradient of the copy's `a` (the members' A stacked) to the sources' A."""
         self._add("a", [source for source, _, _ in self.sources], grad, [cols for _, cols in self.blocks], 1.0)
@@ -258,10 +273,12 @@ class _GroupLoraFunction(torch.autograd.Function):
             raise RuntimeError("a LoRA copy or a frozen weight was modified in place between forward and backward")
         grad_rank = grad @ b  # (N, Σr)
         grad_x = torch.addmm(grad @ base_weight, grad_rank, a) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1]:
-            ctx.landing.add_a(grad_rank.t() @ flat)
-        if ctx.needs_input_grad[2]:
-            ctx.landing.add_b(grad.t() @ (flat @ a.t()))
+        landing = ctx.landing
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():  # create_graph: no graph here
+            if ctx.needs_input_grad[1] and landing.wanted(0):
+                landing.add_a(grad_rank.t() @ flat)
+            if ctx.needs_input_grad[2] and landing.wanted(1):
+                landing.add_b(grad.t() @ (flat @ a.t()))
         return grad_x, None, None, None, None, None, None
 
 
