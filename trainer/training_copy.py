@@ -42,7 +42,6 @@ difference from PEFT's float32 path is measured in tests/test_training_copy.py.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections import OrderedDict
 
@@ -273,13 +272,21 @@ class _GroupLoraFunction(torch.autograd.Function):
             raise RuntimeError("a LoRA copy or a frozen weight was modified in place between forward and backward")
         grad_rank = grad @ b  # (N, Σr)
         grad_x = torch.addmm(grad @ base_weight, grad_rank, a) if ctx.needs_input_grad[0] else None
-        landing = ctx.landing
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():  # create_graph: no graph here
-            if ctx.needs_input_grad[1] and landing.wanted(0):
-                landing.add_a(grad_rank.t() @ flat)
-            if ctx.needs_input_grad[2] and landing.wanted(1):
-                landing.add_b(grad.t() @ (flat @ a.t()))
+        if torch.is_grad_enabled():  # a backward with create_graph: the landing records no graph
+            with torch.no_grad():
+                _land(ctx, grad, grad_rank, flat, a)
+        else:
+            _land(ctx, grad, grad_rank, flat, a)
         return grad_x, None, None, None, None, None, None
+
+
+def _land(ctx, grad: torch.Tensor, grad_rank: torch.Tensor, flat: torch.Tensor, a: torch.Tensor) -> None:
+    """`_GroupLoraFunction.backward`'s gradients of the copy's `a` and `b`, onto its sources."""
+    landing = ctx.landing
+    if ctx.needs_input_grad[1] and landing.wanted(0):
+        landing.add_a(grad_rank.t() @ flat)
+    if ctx.needs_input_grad[2] and landing.wanted(1):
+        landing.add_b(grad.t() @ (flat @ a.t()))
 
 
 def train_from_copy(layer, x: torch.Tensor) -> torch.Tensor:
