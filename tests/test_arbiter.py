@@ -168,7 +168,9 @@ def test_sigterm_finishes_in_flight_streams_parks_training_and_saves_the_adapter
         httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
             "model": "SmolLM2-135M-Instruct", "max_tokens": 4,
             "messages": [{"role": "user", "content": LONG_PROMPT}]})
-        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 48, "min_tokens": 48, "stream": True,
+        # the tokens left after the signal must stream within uvicorn's graceful-shutdown
+        # timeout (server/serve.py) on a loaded machine: a few, not dozens
+        body = {"model": "SmolLM2-135M-Instruct", "max_tokens": 12, "min_tokens": 12, "stream": True,
                 "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": "Count slowly."}], "train": False}
         chunks, finish_reason, usage, done = 0, None, None, False
@@ -186,7 +188,7 @@ def test_sigterm_finishes_in_flight_streams_parks_training_and_saves_the_adapter
                         if chunks == 3:
                             proc.send_signal(signal.SIGTERM)  # mid-stream, mid-training
         # every token, not a stream cut or aborted at shutdown (an abort ends with "stop")
-        assert done and finish_reason == "length" and usage["completion_tokens"] == 48
+        assert done and finish_reason == "length" and usage["completion_tokens"] == 12
         # uvicorn re-raises the signal after its graceful shutdown (exit status -SIGTERM)
         assert proc.wait(60) in (0, -signal.SIGTERM)
         log = open(proc.log_path).read()
