@@ -99,7 +99,6 @@ def _gated_class(original: type) -> type:
     return gated  # a module-level name, as pickle looks it up, in a process that installed it
 
 
-
 def _activation(module: nn.Module) -> nn.Module | None:
     return getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
 

@@ -265,8 +265,6 @@ class _GroupLoraFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        saved = ctx.saved_tensors
-        flat = silu_and_mul_again(*saved).flatten(0, -2) if ctx.flat_again else saved[0]
         a, b, base_weight = ctx.weights
         if (a._version, b._version, base_weight._version) != ctx.versions:
             raise RuntimeError("a LoRA copy or a frozen weight was modified in place between forward and backward")
@@ -274,18 +272,24 @@ class _GroupLoraFunction(torch.autograd.Function):
         grad_x = torch.addmm(grad @ base_weight, grad_rank, a) if ctx.needs_input_grad[0] else None
         if torch.is_grad_enabled():  # a backward with create_graph: the landing records no graph
             with torch.no_grad():
-                _land(ctx, grad, grad_rank, flat, a)
+                _land(ctx, grad, grad_rank, a)
         else:
-            _land(ctx, grad, grad_rank, flat, a)
+            _land(ctx, grad, grad_rank, a)
         return grad_x, None, None, None, None, None, None
 
 
-def _land(ctx, grad: torch.Tensor, grad_rank: torch.Tensor, flat: torch.Tensor, a: torch.Tensor) -> None:
-    """`_GroupLoraFunction.backward`'s gradients of the copy's `a` and `b`, onto its sources."""
+def _land(ctx, grad: torch.Tensor, grad_rank: torch.Tensor, a: torch.Tensor) -> None:
+    """`_GroupLoraFunction.backward`'s gradients of the copy's `a` and `b`, onto its sources
+    (the saved input, or the product formed again, is read only for them)."""
     landing = ctx.landing
-    if ctx.needs_input_grad[1] and landing.wanted(0):
+    want_a, want_b = ctx.needs_input_grad[1] and landing.wanted(0), ctx.needs_input_grad[2] and landing.wanted(1)
+    if not (want_a or want_b):
+        return
+    saved = ctx.saved_tensors
+    flat = silu_and_mul_again(*saved).flatten(0, -2) if ctx.flat_again else saved[0]
+    if want_a:
         landing.add_a(grad_rank.t() @ flat)
-    if ctx.needs_input_grad[2] and landing.wanted(1):
+    if want_b:
         landing.add_b(grad.t() @ (flat @ a.t()))
 
 
