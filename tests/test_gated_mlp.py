@@ -9,7 +9,7 @@ import torch
 from engine.gated_mlp import SiluAndMul, install_gated_mlp
 from tests.conftest import make_training
 from tests.test_training import gradients_of, serve
-from tests.tiny import FAMILIES, tiny_model
+from tests.tiny import FAMILIES, TEST_DEVICE, tiny_model
 from trainer.config import TrainConfig
 
 
@@ -23,7 +23,7 @@ def test_the_gated_mlp_equals_the_models_own_to_the_bit(family, dtype):
     """Output, input gradient and weight gradients with grad; output in inference mode."""
     model = tiny_model(family, dtype=dtype)
     mlp = _mlps(model)[0]
-    x = torch.randn(1, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x = torch.randn(1, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(TEST_DEVICE, dtype)
     grad = torch.randn_like(x)
 
     def run():
@@ -72,8 +72,11 @@ def test_a_recording_keeps_two_intermediate_wide_tensors_less_per_token_and_laye
     own = trainer.cache.get("own")
     config = model.config
     tokens = len(own.prompt_token_ids)
+    # a float32 model on a GPU runs PEFT's own LoRA layers (no merge, no copies), whose down
+    # projection saves the product: only silu(gate) is kept less there
+    kept_less = 1 if TEST_DEVICE.type != "cpu" and dtype == torch.float32 else 2
     assert own.recording.saved_bytes - gated.recording.saved_bytes == \
-        2 * config.num_hidden_layers * tokens * config.intermediate_size * dtype.itemsize
+        kept_less * config.num_hidden_layers * tokens * config.intermediate_size * dtype.itemsize
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3"])

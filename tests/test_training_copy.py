@@ -9,7 +9,7 @@ import torch
 from bench.step_counts import AtenOps
 from tests.conftest import make_training
 from tests.test_training import relative_difference, serve
-from tests.tiny import tiny_model
+from tests.tiny import TEST_DEVICE, tiny_model
 from trainer.adapter import LeanLoraLinear, attach_lora, lora_gradients, lora_parameters
 from trainer.config import TrainConfig
 from trainer.serving_copy import build_serving_copies
@@ -33,7 +33,7 @@ def gradients_on(model, peft_model, ids: torch.Tensor) -> dict:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 def test_bfloat16_gradient_lands_on_the_float32_weights_as_close_to_the_truth_as_peft(family):
-    ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(0)).to(TEST_DEVICE)
     truth = gradients_on(*adapted(family, torch.float32, True)[:2], ids)  # float32 model: PEFT's path
     model, peft_model, groups = adapted(family, torch.bfloat16, True)
     mixed = gradients_on(model, peft_model, ids)
@@ -48,7 +48,7 @@ def test_a_graph_keeps_the_weights_it_was_recorded_under():
     """An optimizer step between forward and backward changes the float32 weights in place:
     the graph's copy is not touched (no version error), and it yields the gradient at the
     weights of its forward; the next forward builds a copy of the new weights."""
-    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(1)).to(TEST_DEVICE)
     model, peft_model, groups = adapted("llama", torch.bfloat16, True)
     before = gradients_on(model, peft_model, ids)
     logits = model(ids).logits.float()
@@ -69,7 +69,7 @@ def test_a_weight_the_graph_holds_changed_in_place_refuses_the_backward(changed)
     """The weights are held on the graph's nodes, not saved through autograd (so that a
     recorded prefill's saved-tensor hooks see activations only): their version check is
     the node's own, and a backward after an in-place change raises as autograd would."""
-    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(3)).to(TEST_DEVICE)
     model, _, groups = adapted("llama", torch.bfloat16, True)
     logits = model(ids).logits.float()
     copy = groups[0].training.current()
@@ -81,7 +81,7 @@ def test_a_weight_the_graph_holds_changed_in_place_refuses_the_backward(changed)
 
 def test_the_recorded_prefill_hooks_see_the_activations_not_the_weights():
     from engine.recording import SavedTensorTracker
-    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(4)).to(TEST_DEVICE)
     model, _, groups = adapted("llama", torch.bfloat16, True)
     seen = []
     tracker = SavedTensorTracker()
@@ -113,7 +113,7 @@ def test_a_recorded_prefill_counts_the_copies_as_weights_and_trains_on_the_stash
 
 
 def test_a_training_forward_in_the_models_dtype_runs_fewer_ops_and_no_casts():
-    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(2)).to(TEST_DEVICE)
     counts = {}
     for mixed in (True, False):
         model, peft_model, _ = adapted("llama", torch.bfloat16, mixed)
@@ -135,7 +135,7 @@ def test_copies_no_graph_or_version_needs_are_freed():
     float32 weights, not the copy): one per adapter version would leak on a long run."""
     import gc
     import weakref
-    ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(3)).to(TEST_DEVICE)
     model, peft_model, groups = adapted("llama", torch.bfloat16, True)
     gradients_on(model, peft_model, ids)
     first = weakref.ref(groups[0].training.current().a)
@@ -167,7 +167,7 @@ def test_a_recording_does_not_count_the_copies_as_its_activations():
     weights they copy), not bytes of each recording."""
     from engine.recording import SavedTensorTracker
     model, _, groups = adapted("llama", torch.bfloat16, True)
-    ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 200, (1, 8), generator=torch.Generator().manual_seed(4)).to(TEST_DEVICE)
     tracker = SavedTensorTracker()
     with tracker.hooks():
         logits = model(ids).logits
@@ -183,7 +183,7 @@ def test_a_forward_under_autograd_runs_servings_gemms_while_the_serving_copy_hol
     """Recording a prefill launches the GEMMs serving does (two per group); when the
     serving copy holds other values (after an optimizer step, before its refresh) a group
     takes three, and the gradients agree."""
-    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(5)).to(TEST_DEVICE)
     model, peft_model, groups = adapted("llama", torch.bfloat16, True)
     counts = {}
     for name, grad in (("serving", False), ("recorded", True)):
@@ -206,7 +206,7 @@ def test_the_gradient_lands_in_one_op_per_copy_weight_and_equals_adding_it_membe
     """The float32 weights' gradients are views of one buffer per copy weight: a backward
     adds to it in one op (B's diagonal blocks stacked first). The same sums as adding each member's
     slice, as happens once someone else set a gradient (here: zeros set beforehand)."""
-    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(6)).to(TEST_DEVICE)
     model, peft_model, groups = adapted("llama", torch.bfloat16, True)
     params = lora_parameters(peft_model)
     sums = {}
@@ -233,7 +233,7 @@ def test_the_gradient_lands_in_one_op_per_copy_weight_and_equals_adding_it_membe
 def test_the_groups_backward_lands_the_gradient_without_autograds_accumulation_or_a_hook():
     """The group's backward adds its copy's gradients onto the masters itself: autograd
     accumulates nothing on the copy, and no Python hook runs per copy weight and backward."""
-    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(7)).to(TEST_DEVICE)
     model, peft_model, groups = adapted("llama", torch.bfloat16, True)
     gradients = gradients_on(model, peft_model, ids)
     assert all(g is not None and g.abs().sum() > 0 for g in gradients.values())
@@ -246,7 +246,7 @@ def test_the_groups_backward_lands_the_gradient_without_autograds_accumulation_o
 def test_a_backward_that_does_not_accumulate_into_the_adapter_lands_nothing_and_no_graph():
     """`torch.autograd.grad` to another input leaves the masters' gradients alone, as
     autograd leaves a leaf's; `create_graph` leaves none of its graph in them."""
-    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(8))
+    ids = torch.randint(3, 200, (1, 16), generator=torch.Generator().manual_seed(8)).to(TEST_DEVICE)
     model, peft_model, _ = adapted("llama", torch.bfloat16, True)
     params = lora_parameters(peft_model)
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
@@ -261,7 +261,7 @@ def test_an_optimizer_steps_refresh_builds_the_training_copy_from_the_serving_co
     too, as two clones of the serving copy: the next recorded forward builds nothing, and
     the copy equals one built member by member."""
     from trainer.serving_copy import refresh_serving_copies
-    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(7)).to(TEST_DEVICE)
     model, peft_model, groups = adapted("llama", torch.bfloat16, True)
     gradients_on(model, peft_model, ids)
     with torch.no_grad():
@@ -304,7 +304,7 @@ def test_a_copy_a_graph_still_holds_is_re_aimed_after_it_left_the_kept_copies():
     those weights the live values."""
     import gc
     from trainer.serving_copy import refresh_serving_copies
-    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(8))
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(8)).to(TEST_DEVICE)
     model, peft_model, groups = adapted("llama", torch.bfloat16, True)
     logits = model(ids).logits.float()  # a graph of version 0
     held_a = groups[0].training.current().a
