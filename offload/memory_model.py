@@ -50,9 +50,10 @@ class MemoryModel:
         heads = config.num_attention_heads
         kv = getattr(config, "num_key_value_heads", heads) * (hidden // heads)
         # saved per token by one decoder layer under LoRA training: the two norms' inputs and
-        # outputs, q/k/v and attention output, the MLP's gate, up and product, and the LoRA
-        # input of each adapted linear (shared with the above where they are the same tensor)
-        per_token = dtype_bytes * (6 * hidden + 2 * kv + 4 * inter)
+        # outputs, q/k/v and attention output, the MLP's gate and up (engine/gated_mlp.py forms
+        # silu(gate) and the product again in backward), and the LoRA input of each adapted
+        # linear (shared with the above where they are the same tensor)
+        per_token = dtype_bytes * (6 * hidden + 2 * kv + 2 * inter)
         step_per_token = dtype_bytes * (4 * hidden + 2 * kv + 3 * inter)
         # once per recording: the rotary tables (cos, sin and the signed sin of
         # engine/fused_rope.py), the head's input and the logits

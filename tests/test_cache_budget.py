@@ -19,10 +19,10 @@ LLAMA_8B = Path(__file__).resolve().parents[1] / "configs" / "models" / "llama-3
 def test_the_8b_shape_records_megabytes_per_token_so_a_fixed_two_gib_holds_a_few_prompts():
     config = AutoConfig.from_pretrained(LLAMA_8B)
     per_token = recorded_bytes_per_token(config, torch.bfloat16)
-    # 32 layers x 2 bytes x (6 x 4096 + 2 x 1024 + 4 x 14336), and the rotary tables (cos,
+    # 32 layers x 2 bytes x (6 x 4096 + 2 x 1024 + 2 x 14336), and the rotary tables (cos,
     # sin, the signed sin), the head's input and logits
-    assert per_token == 32 * 2 * (6 * 4096 + 2 * 1024 + 4 * 14336) + 2 * (3 * 128 + 4096 + 128256)
-    assert CPU_CACHE_BYTES // per_token < 400
+    assert per_token == 32 * 2 * (6 * 4096 + 2 * 1024 + 2 * 14336) + 2 * (3 * 128 + 4096 + 128256)
+    assert CPU_CACHE_BYTES // per_token < 600
 
 
 def test_a_configured_budget_is_kept_and_zero_sizes_it_to_the_device():

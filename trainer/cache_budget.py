@@ -5,7 +5,7 @@ to the device when the server starts, after the weights and the KV cache are all
 on a GPU, half the memory then free (the other half stays for training jobs, CUDA
 graphs and serving's transients); on the CPU (and any other device), where recordings
 share the memory with everything else, a fixed 2 GiB. A recording of the Llama-3.1-8B
-shape keeps 32 layers x 164 KiB per prompt token, so a fixed 2 GiB would hold two or three
+shape keeps 32 layers x 108 KiB per prompt token, so a fixed 2 GiB would hold two or three
 chat prompts on a GPU node and almost every labelled entry would be recomputed. With an
 offload device budget, the offloader bounds what stays on the device; this bounds the
 entries.
