@@ -105,6 +105,9 @@ def _add_serving_benches(benches, add_config_flags) -> None:
     http.add_argument("--streams", default="1,8,32", help="comma-separated concurrencies")
     http.add_argument("--max-tokens", type=int, default=64)
     http.add_argument("--rounds", type=int, default=3, help="engine and HTTP alternate, in rounds; the first is cold")
+    http.add_argument("--async-output", default="auto", choices=("auto", "on", "off"),
+                      help="the server's server.async_output: a step's tokens sent once the next step's device "
+                           "work is queued (on), or as each step ends (off); auto: on on a GPU")
     http.add_argument("--json", help="write the results to this JSON file")
 
 
@@ -188,7 +191,8 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
         return 0
     if args.bench == "http":
         from bench.http import run_http_bench
-        run_http_bench(config, [int(n) for n in args.streams.split(",")], args.max_tokens, args.rounds, args.json)
+        run_http_bench(config, [int(n) for n in args.streams.split(",")], args.max_tokens, args.rounds, args.json,
+                       args.async_output)
         return 0
     if args.bench == "structured":
         from bench.structured import run_structured_bench

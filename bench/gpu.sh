@@ -109,9 +109,13 @@ for phase in "$@"; do
         --json "$OUT/offload.json"
       ;;
     http)  # streaming over HTTP against the engine alone at 1 / 8 / 32 streams: TPOT, the event loop's CPU per
-      # token, the device's wait between steps (issue 23: HTTP within 1.1x of the engine)
-      bench http "${MODEL[@]}" --streams 1,8,32 --max-tokens 64 --rounds 3 --max-num-seqs 32 \
-        --kv-cache-bytes 8589934592 --json "$OUT/http.json"
+      # token, the device's wait between steps (issue 23: HTTP within 1.1x of the engine); the server's tokens sent
+      # once the next step's device work is queued (server.async_output, on by default on a GPU), then as each
+      # step ends, each against the engine alone in the same run
+      for mode in on off; do
+        bench http "${MODEL[@]}" --streams ${HTTP_STREAMS:-32,8,1} --max-tokens 64 --rounds 3 --max-num-seqs 32 \
+          --kv-cache-bytes 8589934592 --async-output $mode --json "$OUT/http-$mode.json"
+      done
       ;;
     colocate)  # the activation cache sized to the GPU (train.cache_bytes = 0), its longest slice named
       export ALCHEMIST_MODEL_MODEL=configs/models/llama-3.1-8b ALCHEMIST_MODEL_LOAD_FORMAT=dummy \

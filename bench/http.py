@@ -184,12 +184,14 @@ def _summary(rounds: list[dict]) -> dict:
 
 
 def run_http_bench(config: AlchemistConfig, streams: list[int], max_tokens: int = 64, rounds: int = 3,
-                   json_path: str | None = None) -> dict:
+                   json_path: str | None = None, async_output: str = "auto") -> dict:
+    """`async_output`: the server's `server.async_output` (auto, on, off)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
     model, tokenizer, _ = load(config.model)
     engine = LLMEngine.for_model(model, tokenizer, config)
-    report = {"max_tokens": max_tokens, "rounds": rounds, "streams": {}}
-    with running_server("--train-mode", "off", env=server_environment(config)) as url:
+    report = {"max_tokens": max_tokens, "rounds": rounds, "async_output": async_output, "streams": {}}
+    env = {**server_environment(config), "ALCHEMIST_SERVER_ASYNC_OUTPUT": async_output}
+    with running_server("--train-mode", "off", env=env) as url:
         engine_round(engine, tokenizer, round_questions(2, -1), 4)  # warm-ups, not reported
         http_round(url, round_questions(2, -1), 4)
         for n in streams:

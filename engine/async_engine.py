@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -75,9 +76,13 @@ class Wakeup:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_hook: IdleHook | None = None, wakeup: Wakeup | None = None):
-        """`wakeup`: how other threads wake the loop (see `Wakeup`)."""
+    def __init__(self, engine: LLMEngine, idle_hook: IdleHook | None = None, wakeup: Wakeup | None = None,
+                 async_output: bool = False):
+        """`wakeup`: how other threads wake the loop (see `Wakeup`). `async_output`: a chained
+        step's outputs reach the loop once the next step's device work is queued (see
+        `_serving_steps`); for a GPU, where the host waits for the device."""
         self.engine = engine
+        self.async_output = async_output
         self.idle_hook = idle_hook
         self.wakeup = wakeup or Wakeup()
         # seconds the engine had nothing runnable (spent in the idle hook or waiting)
@@ -270,15 +275,35 @@ class AsyncEngine:
         """Serving steps back to back while nothing else is due between them: no round
         trip through the event loop from one step to the next. Each step's results but the
         last go to the loop as they come (`_deliver`); the last's are returned, with its
-        seconds. New requests and aborts join at the next step boundary, as before."""
+        seconds. New requests and aborts join at the next step boundary, as before.
+
+        With `async_output`, a step's results go to the loop once the next step's device
+        work is queued, just before it waits for the device (`LLMEngine.before_next_read_back`).
+        Sent at once, they wake the loop as the next step begins: its per-token work (SSE,
+        JSON, sockets) holds the GIL that the step's launches need, and the step waits for
+        it. Sent then, that work runs while the device computes. The cost: each token
+        reaches its stream the next step's host part later."""
+        previous = None  # the step before's results, waiting for this step's device work
         while True:
+            if previous is not None:
+                self.engine.before_next_read_back(functools.partial(self._deliver_soon, previous))
             started = time.perf_counter()
             outputs, errors, stats = self._engine_item(messages)
             seconds = time.perf_counter() - started
+            if previous is not None and self.engine.before_next_read_back(None) is not None:
+                self._deliver_soon(previous)  # the step read nothing back: they go now, still first
+            results, previous = (outputs, errors, stats, seconds, time.perf_counter()), None
             if not self._next_step_follows(stats):
                 return outputs, errors, stats, seconds
-            self._loop.call_soon_threadsafe(self._deliver, outputs, errors, stats, seconds, time.perf_counter())
+            if self.async_output:
+                previous = results
+            else:
+                self._deliver_soon(results)
             messages = self._take_messages()
+
+    def _deliver_soon(self, results: tuple) -> None:
+        """From the device thread: `_deliver(*results)` on the loop, after what it was given before."""
+        self._loop.call_soon_threadsafe(self._deliver, *results)
 
     def _next_step_follows(self, stats: StepStats | None) -> bool:
         """Whether another serving step runs at once: requests are running, and neither

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -206,12 +207,26 @@ class LLMEngine:
     def request_ids(self) -> list[str]:
         return list(self.outputs.requests)
 
+    def before_next_read_back(self, callback: Callable[[], None] | None) -> Callable[[], None] | None:
+        """Sets what runs once in the next step: just before its first blocking read of
+        sampled ids (its device work queued by then) if it only decodes, as it begins
+        otherwise. Returns the callback set before, if it never ran."""
+        previous, self.runner.sampler.before_read_back = self.runner.sampler.before_read_back, callback
+        return previous
+
+    def _before_read_back_now(self) -> None:
+        callback = self.before_next_read_back(None)
+        if callback is not None:
+            callback()
+
     # -- the step ---------------------------------------------------------------------
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         started, faults = time.perf_counter(), minor_page_faults()
         scheduled = self.scheduler.schedule()
         kind = scheduled.kind  # before the step: it advances the sequences' computed tokens
+        if kind != "decode":  # a prefill's forward is longer and host-bound: what waits for it goes now
+            self._before_read_back_now()
         touched: set[str] = {s.request_id for s in scheduled.preempted}
         step_started = time.monotonic()
         if not scheduled.is_empty:

@@ -16,6 +16,7 @@ this processing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +152,9 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = eos_token_ids
         self._staging: HostStaging | None = None
+        # runs once, just before the next blocking read of sampled ids, when the step's
+        # device work is queued (the async engine delivers the step before's outputs there)
+        self.before_read_back: Callable[[], None] | None = None
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """logits: (N, V), one row per sequence, in the model's dtype; never modified."""
@@ -162,6 +166,9 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) \
             if any(s.params.logprobs is not None or s.track_logprob for s in seqs) else None
         token_ids = _drawn(_processed(logits, inputs), inputs, seqs)
+        if self.before_read_back is not None:
+            callback, self.before_read_back = self.before_read_back, None
+            callback()
         results = self._read_back(token_ids, raw_logprobs, seqs)
         for seq, result in zip(seqs, results):
             if seq.matcher is not None:

@@ -223,7 +223,9 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str, replica: R
         hooks = training.engine_hooks(hooks.observers)
         arbiter = Arbiter(training, config.arbiter)
     engine = LLMEngine(runner, tokenizer, config, hooks)
-    async_engine = AsyncEngine(engine, idle_hook=arbiter, wakeup=wakeup)
+    async_output = config.server.async_output == "on" or (config.server.async_output == "auto"
+                                                           and runner.device.type == "cuda")
+    async_engine = AsyncEngine(engine, idle_hook=arbiter, wakeup=wakeup, async_output=async_output)
     metrics.add_engine(async_engine, arbiter, config.arbiter.policy)
     if training is not None:
         metrics.add_trainer(training)

@@ -35,11 +35,18 @@ class ServerConfig:
     max_queued_requests: int = 256
     # request bodies larger than this get 413
     max_body_bytes: int = 4 << 20
+    # on: a serving step's tokens reach the HTTP streams once the next step's device work is
+    # queued, so that the event loop's per-token work runs while the device computes (vLLM's
+    # async output processing); off: as each step ends; auto: on on a GPU, off on the CPU
+    # (whose forward runs on the host: tokens would wait a whole step)
+    async_output: str = "auto"
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"server.port must be in 1..65535, got {self.port}")
         check_positive(self, "max_body_bytes")
+        if self.async_output not in ("auto", "on", "off"):
+            raise ValueError(f"server.async_output must be auto, on or off, got {self.async_output!r}")
         if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
             raise ValueError(f"server.max_queued_requests must be a non-negative integer, "
                              f"got {self.max_queued_requests!r}")

@@ -1,11 +1,15 @@
 """Serving steps follow each other on the device thread while nothing else is due: a
 request's steps take one device item, not one round trip through the event loop each; a
 device item that waits (an adapter rollback), or one cancelled before it began, is
-honoured; a failed step's error comes after the tokens that preceded it."""
+honoured; a failed step's error comes after the tokens that preceded it. With
+`async_output`, a step's tokens reach the loop from inside the next step, once its device
+work is queued, and nothing changes in what each stream gets."""
 
 import asyncio
 import threading
 import time
+
+import pytest
 
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
@@ -90,7 +94,8 @@ def test_a_device_item_ends_a_chain_and_a_cancelled_one_does_not_stop_chaining()
     assert len(chains) <= 4, len(chains)  # chaining goes on after the cancelled item
 
 
-def test_a_failed_steps_error_comes_after_the_tokens_before_it():
+@pytest.mark.parametrize("async_output", [False, True])
+def test_a_failed_steps_error_comes_after_the_tokens_before_it(async_output):
     engine = make_engine()
     step, calls = engine.step, []
 
@@ -101,7 +106,7 @@ def test_a_failed_steps_error_comes_after_the_tokens_before_it():
         return step()
 
     engine.step = failing_step
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, async_output=async_output)
 
     async def body():
         outputs = []
@@ -114,3 +119,88 @@ def test_a_failed_steps_error_comes_after_the_tokens_before_it():
     outputs = _run(async_engine, body)
     assert outputs[-1].error is not None and outputs[-1].finished
     assert sum(len(o.outputs[0].token_ids) for o in outputs[:-1]) == 11  # every token before the failure
+
+
+def _deliveries(async_engine: AsyncEngine) -> list[tuple[str, bool]]:
+    """For each chained step's results sent to the loop: the kind of the step running then,
+    and whether they were sent from inside its sampling (its device work queued, before
+    its read-back)."""
+    engine = async_engine.engine
+    sampler, scheduler, state, sent = engine.runner.sampler, engine.scheduler, threading.local(), []
+    sample, schedule, deliver_soon = sampler.sample, scheduler.schedule, async_engine._deliver_soon
+
+    def scheduling():
+        scheduled = schedule()
+        state.kind = scheduled.kind
+        return scheduled
+
+    def sampling(*args):
+        state.sampling = True
+        try:
+            return sample(*args)
+        finally:
+            state.sampling = False
+
+    def delivering(results):
+        sent.append((getattr(state, "kind", ""), getattr(state, "sampling", False)))
+        deliver_soon(results)
+
+    sampler.sample, scheduler.schedule, async_engine._deliver_soon = sampling, scheduling, delivering
+    return sent
+
+
+async def _streams(async_engine: AsyncEngine, prompts: dict[str, str], params: SamplingParams) -> dict[str, list]:
+    async def one(request_id, prompt):
+        ids = []
+        async for output in async_engine.generate(async_engine.make_request(request_id, encode(prompt), params)):
+            ids += output.outputs[0].token_ids
+        return ids
+    results = await asyncio.gather(*(one(r, p) for r, p in prompts.items()))
+    return dict(zip(prompts, results))
+
+
+PROMPTS = {"a": "Hello there", "b": "What is the capital of France?", "c": "The quick brown fox " * 12}
+
+
+@pytest.mark.parametrize("async_output", [False, True])
+def test_with_async_output_a_steps_tokens_go_to_the_loop_from_inside_the_next_decode_steps_sampling(async_output):
+    """Each stream gets the same tokens either way. With async_output a chained step's
+    results are sent from inside the next step: while a decode step's device work is
+    queued, before its read-back; as any other step begins (a prefill's forward is longer:
+    the long prompt is prefilled in chunks of 16 tokens, steps of their own)."""
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
+    reference_engine = make_engine(max_num_batched_tokens=16)
+    reference = {r: reference_engine.generate([encode(p)], params)[0][0] for r, p in PROMPTS.items()}
+    async_engine = AsyncEngine(make_engine(max_num_batched_tokens=16), async_output=async_output)
+    sent = _deliveries(async_engine)
+
+    async def body():  # the long one alone (its prefill's chunks are steps of their own), then two together
+        alone = await _streams(async_engine, {"c": PROMPTS["c"]}, params)
+        return {**alone, **await _streams(async_engine, {"a": PROMPTS["a"], "b": PROMPTS["b"]}, params)}
+
+    assert _run(async_engine, body) == reference
+    assert len(sent) >= 20
+    if async_output:
+        assert all(sampling == (kind == "decode") for kind, sampling in sent), sent
+        assert sum(kind == "prefill" for kind, _ in sent) >= -(-len(encode(PROMPTS["c"])) // 16) - 1, sent
+    else:
+        assert not any(sampling for _, sampling in sent)
+
+
+def test_a_server_with_async_output_streams_what_it_answers_whole_and_auto_is_off_on_the_cpu():
+    from fastapi.testclient import TestClient
+
+    from server.config import ServerConfig
+    from tests.servers import TINY_NAME, tiny_app
+    from tests.test_server import sse_events
+
+    assert not tiny_app().state.alchemist.engine.async_output
+    app = tiny_app(server=ServerConfig(async_output="on"))
+    assert app.state.alchemist.engine.async_output
+    body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 10,
+            "temperature": 0, "ignore_eos": True}
+    with TestClient(app) as client:
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+        with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = sse_events(r)[:-1]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == whole
