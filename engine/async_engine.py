@@ -288,10 +288,12 @@ class AsyncEngine:
             if previous is not None:
                 self.engine.before_next_read_back(functools.partial(self._deliver_soon, previous))
             started = time.perf_counter()
-            outputs, errors, stats = self._engine_item(messages)
+            try:
+                outputs, errors, stats = self._engine_item(messages)
+            finally:
+                if previous is not None and self.engine.before_next_read_back(None) is not None:
+                    self._deliver_soon(previous)  # the step read nothing back: they go now, still first
             seconds = time.perf_counter() - started
-            if previous is not None and self.engine.before_next_read_back(None) is not None:
-                self._deliver_soon(previous)  # the step read nothing back: they go now, still first
             results, previous = (outputs, errors, stats, seconds, time.perf_counter()), None
             if not self._next_step_follows(stats):
                 return outputs, errors, stats, seconds

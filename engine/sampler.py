@@ -166,29 +166,28 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) \
             if any(s.params.logprobs is not None or s.track_logprob for s in seqs) else None
         token_ids = _drawn(_processed(logits, inputs), inputs, seqs)
-        if self.before_read_back is not None:
-            callback, self.before_read_back = self.before_read_back, None
-            callback()
         results = self._read_back(token_ids, raw_logprobs, seqs)
         for seq, result in zip(seqs, results):
             if seq.matcher is not None:
                 seq.matcher.consume_token(result.token_id)
         return results
 
-    @staticmethod
-    def _read_back(token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
+    def _read_back(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
                    seqs: list[Sequence]) -> list[SampledToken]:
         """The sampled ids, with their log-probs and the top alternatives asked for, in one
-        host read (ids are exact in float64)."""
+        host read (ids are exact in float64), once everything it reads is queued."""
         if raw_logprobs is None:
+            self._queued()
             return [SampledToken(t, None) for t in token_ids.tolist()]
         k = max(s.params.logprobs or 0 for s in seqs)
         columns = [token_ids.unsqueeze(1).double(), raw_logprobs.gather(1, token_ids.unsqueeze(1)).double()]
         if k:
             values, indices = raw_logprobs.topk(k, dim=-1)
             columns += [values.double(), indices.double()]
+        rows = torch.cat(columns, 1)
+        self._queued()
         results = []
-        for row, seq in zip(torch.cat(columns, 1).tolist(), seqs):
+        for row, seq in zip(rows.tolist(), seqs):
             token, value = int(row[0]), row[1]
             logprob = None
             if seq.params.logprobs is not None:
@@ -196,3 +195,8 @@ class Sampler:
                 logprob = TokenLogprob(token, value, [(int(i), v) for i, v in zip(row[2 + k:2 + k + n], row[2:2 + n])])
             results.append(SampledToken(token, logprob, value if seq.track_logprob else None))
         return results
+
+    def _queued(self) -> None:
+        if self.before_read_back is not None:
+            callback, self.before_read_back = self.before_read_back, None
+            callback()

@@ -11,9 +11,15 @@ import time
 
 import pytest
 
+from fastapi.testclient import TestClient
+
 from engine.async_engine import AsyncEngine
 from engine.sampling_params import SamplingParams
+from server.config import ServerConfig
 from tests.conftest import encode, make_engine
+from tests.servers import TINY_NAME, tiny_app
+from tests.test_server import sse_events
+from tests.tiny import TEST_DEVICE
 
 PARAMS = SamplingParams(max_tokens=30, min_tokens=30, temperature=0.0)
 
@@ -94,18 +100,24 @@ def test_a_device_item_ends_a_chain_and_a_cancelled_one_does_not_stop_chaining()
     assert len(chains) <= 4, len(chains)  # chaining goes on after the cancelled item
 
 
+@pytest.mark.parametrize("fails", ["before sampling", "after sampling"])
 @pytest.mark.parametrize("async_output", [False, True])
-def test_a_failed_steps_error_comes_after_the_tokens_before_it(async_output):
+def test_a_failed_steps_error_comes_after_the_tokens_before_it(async_output, fails):
     engine = make_engine()
-    step, calls = engine.step, []
+    step, update, calls = engine.step, engine.outputs.update, []
 
     def failing_step():
         calls.append(1)
-        if len(calls) == 12:
+        if len(calls) == 12 and fails == "before sampling":
             raise RuntimeError("boom")
         return step()
 
-    engine.step = failing_step
+    def failing_update(*args):  # after the step sampled its token (async_output sent the step before's then)
+        if len(calls) == 12 and fails == "after sampling":
+            raise RuntimeError("boom")
+        return update(*args)
+
+    engine.step, engine.outputs.update = failing_step, failing_update
     async_engine = AsyncEngine(engine, async_output=async_output)
 
     async def body():
@@ -119,6 +131,7 @@ def test_a_failed_steps_error_comes_after_the_tokens_before_it(async_output):
     outputs = _run(async_engine, body)
     assert outputs[-1].error is not None and outputs[-1].finished
     assert sum(len(o.outputs[0].token_ids) for o in outputs[:-1]) == 11  # every token before the failure
+    assert engine.runner.sampler.before_read_back is None
 
 
 def _deliveries(async_engine: AsyncEngine) -> list[tuple[str, bool]]:
@@ -162,39 +175,31 @@ async def _streams(async_engine: AsyncEngine, prompts: dict[str, str], params: S
 PROMPTS = {"a": "Hello there", "b": "What is the capital of France?", "c": "The quick brown fox " * 12}
 
 
-@pytest.mark.parametrize("async_output", [False, True])
-def test_with_async_output_a_steps_tokens_go_to_the_loop_from_inside_the_next_decode_steps_sampling(async_output):
+def test_with_async_output_a_steps_tokens_go_to_the_loop_from_inside_the_next_decode_steps_sampling():
     """Each stream gets the same tokens either way. With async_output a chained step's
     results are sent from inside the next step: while a decode step's device work is
     queued, before its read-back; as any other step begins (a prefill's forward is longer:
     the long prompt is prefilled in chunks of 16 tokens, steps of their own)."""
-    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0)
-    reference_engine = make_engine(max_num_batched_tokens=16)
-    reference = {r: reference_engine.generate([encode(p)], params)[0][0] for r, p in PROMPTS.items()}
-    async_engine = AsyncEngine(make_engine(max_num_batched_tokens=16), async_output=async_output)
-    sent = _deliveries(async_engine)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, logprobs=2)
+    streamed, sent = {}, {}
+    for async_output in (False, True):
+        async_engine = AsyncEngine(make_engine(max_num_batched_tokens=16), async_output=async_output)
+        sent[async_output] = _deliveries(async_engine)
 
-    async def body():  # the long one alone (its prefill's chunks are steps of their own), then two together
-        alone = await _streams(async_engine, {"c": PROMPTS["c"]}, params)
-        return {**alone, **await _streams(async_engine, {"a": PROMPTS["a"], "b": PROMPTS["b"]}, params)}
+        async def body():  # the long one alone (its prefill's chunks are steps of their own), then two together
+            alone = await _streams(async_engine, {"c": PROMPTS["c"]}, params)
+            return {**alone, **await _streams(async_engine, {"a": PROMPTS["a"], "b": PROMPTS["b"]}, params)}
 
-    assert _run(async_engine, body) == reference
-    assert len(sent) >= 20
-    if async_output:
-        assert all(sampling == (kind == "decode") for kind, sampling in sent), sent
-        assert sum(kind == "prefill" for kind, _ in sent) >= -(-len(encode(PROMPTS["c"])) // 16) - 1, sent
-    else:
-        assert not any(sampling for _, sampling in sent)
+        streamed[async_output] = _run(async_engine, body)
+        assert async_engine.engine.runner.sampler.before_read_back is None  # nothing left for a later step
+    assert streamed[True] == streamed[False] and all(len(ids) == 12 for ids in streamed[True].values())
+    assert not any(sampling for _, sampling in sent[False])
+    assert len(sent[True]) >= 20 and all(sampling == (kind == "decode") for kind, sampling in sent[True]), sent
+    assert sum(kind == "prefill" for kind, _ in sent[True]) >= -(-len(encode(PROMPTS["c"])) // 16) - 1, sent
 
 
-def test_a_server_with_async_output_streams_what_it_answers_whole_and_auto_is_off_on_the_cpu():
-    from fastapi.testclient import TestClient
-
-    from server.config import ServerConfig
-    from tests.servers import TINY_NAME, tiny_app
-    from tests.test_server import sse_events
-
-    assert not tiny_app().state.alchemist.engine.async_output
+def test_a_server_with_async_output_streams_what_it_answers_whole_and_auto_is_on_only_on_a_gpu():
+    assert tiny_app().state.alchemist.engine.async_output == (TEST_DEVICE.type == "cuda")
     app = tiny_app(server=ServerConfig(async_output="on"))
     assert app.state.alchemist.engine.async_output
     body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 10,

@@ -3,8 +3,8 @@
 On the H100 the server's decode steps at 32 streams took 1.6 ms more than the engine's
 alone, about the event loop's CPU per step (1.9 ms), as if the loop's per-token work held
 the GIL while each step launched. A tiny model's step here is all host work, so to show
-the mechanism the sampler's read-back first sleeps `--device-ms` (a wait on the device:
-the GIL released, as `.tolist()` releases it while it copies from a GPU). The server is
+the mechanism the sampler's read-back sleeps `--device-ms` before it reads (a wait on the
+device: the GIL released, as `.tolist()` releases it while it copies from a GPU). The server is
 the real one (uvicorn, the OpenAI routes, SSE) in this process; the client, bench http's
 round (usage counted per chunk), runs in a subprocess so that its parsing does not take
 the server's GIL. Off and on alternate, one server each; reported per round: the
@@ -30,14 +30,16 @@ print(json.dumps(http_round(sys.argv[1], round_questions(int(sys.argv[2]), int(s
 
 
 def with_device_wait(app, seconds: float) -> None:
+    """Once the sampled ids are queued (and async_output has sent the step before's tokens),
+    the wait a GPU's `.tolist()` would make."""
     sampler = app.state.alchemist.engine.engine.runner.sampler
-    read_back = sampler._read_back
+    queued = sampler._queued
 
-    def waiting_then_reading(*args):
+    def queued_then_waiting():
+        queued()
         time.sleep(seconds)
-        return read_back(*args)
 
-    sampler._read_back = waiting_then_reading
+    sampler._queued = queued_then_waiting
 
 
 def run_round(url: str, streams: int, round_index: int, max_tokens: int) -> dict:
