@@ -8,7 +8,9 @@
 # the openai wheel by openai==3.54.0, as newer ones import httpx2, which the image lacks)
 # Issue 23 (serving), in order: bringup steps serving paged profile http colocate
 # Issue 24 (training): training grpo profile-dpo precision
-# With 15 device minutes: `http dpo` first (issue 23's last target; DPO's host time)
+# With 15 device minutes: `http dpo` first (issue 23's last target, server.async_output on and off; DPO's host
+# time), then `grpo` and `colocate` (the 4 req/s round); the tokenizer: the embedded model's tokenizer files
+# (engine.model_loader.embedded_model_dir()) copied into .gpu/tokenizer; carry .whl and .gpu
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
