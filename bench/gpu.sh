@@ -4,8 +4,8 @@
 # .gpu/tokenizer/. Every log and JSON goes to $OUT (or ./gpu-out).
 #   bench/gpu.sh bringup smoke profile training serving offload colocate
 # (fastapi needs opentelemetry-api, the server orjson, uvloop, httptools: ../shared/gpu/wheels.sh opentelemetry-api
-# importlib-metadata orjson uvloop httptools; then replace
-# the openai wheel by openai==3.54.0, as newer ones import httpx2, which the image lacks)
+# importlib-metadata orjson uvloop httptools; the openai wheel imports httpx2, which the image lacks: without
+# httpx2 httpcore2 truststore in that list, the tests that import openai are not collected there)
 # Issue 23 (serving), in order: bringup steps serving paged profile http colocate
 # Issue 24 (training): training grpo profile-dpo precision
 # With 15 device minutes: `http dpo` first (issue 23's last target, server.async_output on and off; DPO's host
@@ -35,7 +35,8 @@ for phase in "$@"; do
         tests/test_engine_equivalence.py tests/test_training.py tests/test_stash.py tests/test_preemption.py \
         tests/test_sampling.py tests/test_offload.py tests/test_losses.py tests/test_adapter.py \
         tests/test_step_costs.py tests/test_decode_graphs.py tests/test_structured_outputs.py tests/test_fused_rope.py \
-        tests/test_fused_norm.py tests/test_serving_copy.py tests/test_backward_sweep.py tests/test_dpo_gradients.py} \
+        tests/test_fused_norm.py tests/test_serving_copy.py tests/test_backward_sweep.py tests/test_dpo_gradients.py \
+        tests/test_gated_mlp.py tests/test_training_copy.py tests/test_serving_steps.py} \
         2>&1 | tee "$OUT/cuda-tests.log" | tail -30
       ;;
     smoke)  # every benchmark once, short, on the 8B shape
