@@ -7,7 +7,10 @@ prefill; DPO: responses against the recorded prompt K/V) and recompute (full for
 from tokens, then backward; DPO: `[prompt+chosen; prompt+rejected]` as TRL does). Both
 start from the same adapter and the same entry; their LoRA gradients are compared.
 Peak activation memory is measured by counting the bytes autograd really saves
-(engine/recording.py), including, for the reuse path, the recorded prefill it holds.
+(engine/recording.py), including, for the reuse path, the recorded prefill it holds —
+in a second recording and training of the same prompt each round: the counting hooks
+cost host time (a GPU's, on a launch-bound job), so the times are taken without them,
+as the server runs.
 
 Tokens: N trained tokens in all (CPT: an N-token prompt; DPO: N/2 prompt and N/4 for
 each response). Text is synthetic: a fixed English passage, cut to length. DPO follows
@@ -128,17 +131,18 @@ class Bench:
             copy.label = entry.label
         return copy
 
-    def run_job(self, job, tracker: SavedTensorTracker, weights=contextlib.nullcontext,
+    def run_job(self, job, tracker: SavedTensorTracker | None, weights=contextlib.nullcontext,
                 slices: list | None = None) -> tuple[float, dict, float]:
         """(seconds, LoRA gradients, longest slice's seconds) of a job run to its end, slice
-        by slice as the trainer runs it, with `weights()` entered. `slices`, when given,
-        gets each slice's (seconds, saved bytes live when it began, when it ended)."""
+        by slice as the trainer runs it, with `weights()` entered and `tracker` counting
+        what it saves (None: nothing counted, as the server runs it). `slices`, when
+        given, gets each slice's (seconds, saved bytes live when it began, when it ended)."""
         self.trainer.optimizer.zero_grad()
         longest = 0.0
-        with tracker.hooks(), weights():
+        with tracker.hooks() if tracker is not None else contextlib.nullcontext(), weights():
             started = last = synchronized_clock()
             while True:
-                live = tracker.live_bytes
+                live = tracker.live_bytes if tracker is not None else 0
                 try:
                     next(job)
                 except StopIteration:
@@ -146,7 +150,7 @@ class Bench:
                 finally:
                     now = synchronized_clock()
                     if slices is not None:
-                        slices.append((now - last, live, tracker.live_bytes))
+                        slices.append((now - last, live, tracker.live_bytes if tracker is not None else 0))
                     longest, last = max(longest, now - last), now
             seconds = last - started
         grads = lora_gradients(self.trainer.peft_model)
@@ -154,9 +158,37 @@ class Bench:
         return seconds, grads, longest
 
 
+def _paths(bench: Bench, prompt: list[int], r: int, chosen: list[int] | None, response_len: int, stale: bool,
+           trackers: dict[str, SavedTensorTracker] | None) -> tuple[dict, float]:
+    """Records `prompt` and trains on the entry both ways, in alternating order; with
+    `trackers` ({"reuse", "recompute"}), each path's saved bytes counted by its tracker,
+    the recording's by the reuse path's. -> ({path: run_job's result}, recorded prefill's seconds)."""
+    reuse_tracker = trackers["reuse"] if trackers else None
+    entry, recorded_s = bench.entry(prompt, r, chosen, response_len, reuse_tracker)
+    weights, restore = bench.make_stale() if stale else (contextlib.nullcontext, lambda: None)
+    tokens_only = bench.tokens_only(entry)
+    # alternating order on the CPU; on a GPU reuse first, so that the recording is gone
+    # before the recompute path runs (both at once would not fit at the longer lengths)
+    reuse_first = r % 2 == 0 or bench.engine.runner.device.type == "cuda"
+    results = {}
+    for path in (("reuse", "recompute") if reuse_first else ("recompute", "reuse")):
+        tracker = trackers[path] if trackers else None
+        if path == "reuse":
+            results[path] = bench.run_job(bench.method.reuse_job(entry, bench.context), tracker, weights)
+            bench.trainer.cache.end(entry, EntryState.TRAINED)
+        else:
+            results[path] = bench.run_job(bench.method.recompute_job(tokens_only, bench.context), tracker, weights)
+    restore()
+    return results, recorded_s
+
+
 def measure(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool = False) -> dict:
     """Reuse against recompute on fresh entries; with `stale`, on entries one adapter
-    version old: reuse with that version's weights stashed, recompute with them loaded."""
+    version old: reuse with that version's weights stashed, recompute with them loaded.
+    Each round trains twice: timed as the server runs (no tracker: a shape recorded
+    before is recorded without saved-tensor hooks where the server does so,
+    engine/saved_bytes_memo.py), then with the trackers' hooks, for the saved bytes and
+    the gradients."""
     if mode == "cpt":
         prompt_len, response_len = tokens, 0
     else:
@@ -168,29 +200,17 @@ def measure(bench: Bench, mode: str, tokens: int, repeats: int, stale: bool = Fa
         if mode == "dpo":
             chosen = synthetic_tokens(bench.tokenizer, response_len - 1, r + 50) + [bench.tokenizer.eos_token_id]
         plain_s = bench.serve(prompt, False, f"plain-{r}-{time.monotonic_ns()}")
-        reuse_tracker, recompute_tracker = SavedTensorTracker(), SavedTensorTracker()
-        entry, recorded_s = bench.entry(prompt, r, chosen, response_len, reuse_tracker)
-        weights, restore = bench.make_stale() if stale else (contextlib.nullcontext, lambda: None)
-        tokens_only = bench.tokens_only(entry)
-        # alternating order on the CPU; on a GPU reuse first, so that the recording is gone
-        # before the recompute path runs (both at once would not fit at the longer lengths)
-        reuse_first = r % 2 == 0 or bench.engine.runner.device.type == "cuda"
-        results = {}
-        for path in (("reuse", "recompute") if reuse_first else ("recompute", "reuse")):
-            if path == "reuse":
-                results[path] = bench.run_job(bench.method.reuse_job(entry, bench.context), reuse_tracker, weights)
-                bench.trainer.cache.end(entry, EntryState.TRAINED)
-            else:
-                results[path] = bench.run_job(bench.method.recompute_job(tokens_only, bench.context),
-                                              recompute_tracker, weights)
-        restore()
+        timed, recorded_s = _paths(bench, prompt, r, chosen, response_len, stale, None)
+        trackers = {"reuse": SavedTensorTracker(), "recompute": SavedTensorTracker()}
+        tracked, _ = _paths(bench, prompt, r, chosen, response_len, stale, trackers)
         if r == 0:
             continue
         rows.append({
-            "reuse_s": results["reuse"][0], "recompute_s": results["recompute"][0],
-            "reuse_peak_bytes": reuse_tracker.peak_bytes, "recompute_peak_bytes": recompute_tracker.peak_bytes,
-            "grad_rel_diff": rel_diff(results["reuse"][1], results["recompute"][1]),
-            "reuse_max_slice_s": results["reuse"][2], "recompute_max_slice_s": results["recompute"][2],
+            "reuse_s": timed["reuse"][0], "recompute_s": timed["recompute"][0],
+            "reuse_peak_bytes": trackers["reuse"].peak_bytes, "recompute_peak_bytes": trackers["recompute"].peak_bytes,
+            "grad_rel_diff": rel_diff(tracked["reuse"][1], tracked["recompute"][1]),
+            "untracked_grad_rel_diff": rel_diff(timed["reuse"][1], timed["recompute"][1]),
+            "reuse_max_slice_s": timed["reuse"][2], "recompute_max_slice_s": timed["recompute"][2],
             "recording_overhead": recorded_s / plain_s,
         })
         print(f"  {mode} {tokens:5d} tokens  round {r}/{repeats}: {'stashed ' if stale else ''}reuse {rows[-1]['reuse_s']:.3f}s  "

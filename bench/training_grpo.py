@@ -34,7 +34,7 @@ PATHS = ("reuse", "batched", "one_row")
 
 
 def serve_group(bench: Bench, prompt: list[int], group: int, response_tokens: int, request_id: str,
-                tracker: SavedTensorTracker, seed: int | None = None) -> GroupEntry:
+                tracker: SavedTensorTracker | None, seed: int | None = None) -> GroupEntry:
     """Serves one recorded request of `group` samples; returns its entry, rewarded. The
     samples and rewards follow `seed` (by default, the request id)."""
     bench.engine.runner.record_tracker = tracker
@@ -60,30 +60,42 @@ def tokens_only(bench: Bench, entry: GroupEntry) -> GroupEntry:
     return copy
 
 
-def measure(bench: Bench, group: int, prompt_tokens: int, response_tokens: int, repeats: int) -> dict:
+def _paths(bench: Bench, prompt: list[int], group: int, response_tokens: int, r: int,
+           trackers: dict[str, SavedTensorTracker] | None) -> dict:
+    """Serves `prompt` recorded (a group of `group` samples) and trains on it the three
+    ways, in rotating order; with `trackers` (one per path), what each saves is counted,
+    the recording's by the reuse path's. -> {path: run_job's result}."""
     method = bench.method
+    entry = serve_group(bench, prompt, group, response_tokens, f"grpo-{r}-{time.monotonic_ns()}",
+                        trackers["reuse"] if trackers else None, seed=r)
+    copy = tokens_only(bench, entry)
+    results = {}
+    for path in PATHS[r % 3:] + PATHS[:r % 3]:
+        tracker = trackers[path] if trackers else None
+        if path == "reuse":
+            results[path] = bench.run_job(method.reuse_job(entry, bench.context), tracker)
+            bench.trainer.cache.end(entry, EntryState.TRAINED)
+        else:
+            method.recompute_rows = 1 if path == "one_row" else group
+            results[path] = bench.run_job(method.recompute_job(copy, bench.context), tracker)
+    method.recompute_rows = None
+    return results
+
+
+def measure(bench: Bench, group: int, prompt_tokens: int, response_tokens: int, repeats: int) -> dict:
+    """Each round trains twice on the same group: timed as the server runs (no counting
+    hooks), then with a tracker per path, for the saved bytes and the gradients."""
     rows = []
     for r in range(repeats + 1):  # round 0 warms up and is not reported
         prompt = synthetic_tokens(bench.tokenizer, prompt_tokens, r)
+        timed = _paths(bench, prompt, group, response_tokens, r, None)
         trackers = {path: SavedTensorTracker() for path in PATHS}
-        entry = serve_group(bench, prompt, group, response_tokens, f"grpo-{r}-{time.monotonic_ns()}",
-                            trackers["reuse"])
-        copy = tokens_only(bench, entry)
-        results = {}
-        order = PATHS[r % 3:] + PATHS[:r % 3]
-        for path in order:
-            if path == "reuse":
-                results[path] = bench.run_job(method.reuse_job(entry, bench.context), trackers[path])
-                bench.trainer.cache.end(entry, EntryState.TRAINED)
-            else:
-                method.recompute_rows = 1 if path == "one_row" else group
-                results[path] = bench.run_job(method.recompute_job(copy, bench.context), trackers[path])
-        method.recompute_rows = None
+        results = _paths(bench, prompt, group, response_tokens, r, trackers)
         if r == 0:
             continue
-        rows.append({**{f"{p}_s": results[p][0] for p in PATHS},
+        rows.append({**{f"{p}_s": timed[p][0] for p in PATHS},
                      **{f"{p}_peak_bytes": trackers[p].peak_bytes for p in PATHS},
-                     **{f"{p}_max_slice_s": results[p][2] for p in PATHS},
+                     **{f"{p}_max_slice_s": timed[p][2] for p in PATHS},
                      "grad_rel_diff": max(rel_diff(results["reuse"][1], results["batched"][1]),
                                           rel_diff(results["one_row"][1], results["batched"][1]))})
         row = rows[-1]

@@ -26,6 +26,7 @@ from engine.outputs import TokenLogprob
 from engine.paged_decode import BlockTooSmall, PagedDecode, compile_paged_decode
 from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, SegmentSink
 from engine.sampler import SampledToken, Sampler, top_logprobs
+from engine.saved_bytes_memo import RecordingShape, SavedBytesMemo
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.step_inputs import HostStaging, StepBuckets, layout_step
 
@@ -127,6 +128,9 @@ class ModelRunner:
         # when set, recorded prefills are measured by this tracker (benchmarks measure a
         # recording and the training on it together); otherwise each gets its own
         self.record_tracker: SavedTensorTracker | None = None
+        # set where recorded graphs save activations only and nothing offloads them: a
+        # shape measured before is recorded without saved-tensor hooks (engine/saved_bytes_memo.py)
+        self.saved_bytes_memo: SavedBytesMemo | None = None
 
     def _pack(self, step: SchedulerOutput, buckets: StepBuckets | None) -> _PackedStep:
         """The step's inputs, built on the host and copied in one go (engine/step_inputs.py);
@@ -295,9 +299,14 @@ class ModelRunner:
         outs: list[torch.Tensor] = []
         past = StepKV(self.kv_cache, packed.metadata, record=True)
         placement = segment_sink.begin_recording(num_prompt) if segment_sink is not None else None
+        all_rows = seq.record.all_logit_rows
+        shape = RecordingShape(packed.input_ids.shape[0], packed.metadata.single.query_index.shape[1],
+                               packed.metadata.single.num_keys, all_rows)
+        memo = self.saved_bytes_memo if self.record_tracker is None and placement is None else None
+        known = memo.lookup(shape) if memo is not None else None
         try:
             tracker.new_storage_sizes = saved_sizes
-            with torch.enable_grad(), tracker.hooks():
+            with torch.enable_grad(), tracker.hooks() if known is None else contextlib.nullcontext():
                 with torch.no_grad():
                     hidden = self.embed(packed.input_ids.unsqueeze(0))
                 rotary = self.rotary(hidden, packed.positions.unsqueeze(0))
@@ -307,12 +316,15 @@ class ModelRunner:
                 hidden = self._record_layers(layers, tracker, placement, leaves, outs, past)
                 head_leaf = hidden.detach().requires_grad_()
                 normed = self.norm(head_leaf)[0]  # (T, hidden): the recorded prompt's rows
-                all_rows = seq.record.all_logit_rows
                 logits = self.lm_head(normed if all_rows else normed[-1:])
             segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
+            saved_bytes = tracker.live_bytes - bytes_before if known is None else known.total
+            if known is None and memo is not None:
+                memo.measured(shape, saved_bytes, saved_sizes)
             recording = RecordedPrefill(list(seq.prompt_token_ids), seq.record.adapter_version, segments,
-                                        head_leaf, logits, all_rows, saved_bytes=tracker.live_bytes - bytes_before,
-                                        saved_sizes=saved_sizes, placement=placement)
+                                        head_leaf, logits, all_rows, saved_bytes=saved_bytes,
+                                        saved_sizes=saved_sizes if known is None else known.sizes,
+                                        placement=placement)
             if placement is not None:
                 placement.finish(recording, _collected(tracker, len(segments)))
         except BaseException:

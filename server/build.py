@@ -35,6 +35,7 @@ from engine.llm_engine import LLMEngine, build_runner
 from engine.model_runner import ModelRunner
 from engine.packed_linear import PackedLinear
 from engine.malloc_tuning import HeapWarmer
+from engine.saved_bytes_memo import SavedBytesMemo
 from offload.build import build_offloader
 from offload.config import OffloadConfig
 from server.config import AlchemistConfig
@@ -111,6 +112,8 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     train_in_model_dtype = config.lora_compute_dtype == "model" and model_dtype != torch.float32
     serving_copies = build_serving_copies(runner.layers, lambda module: isinstance(module, LeanLoraLinear),
                                           model_dtype, train_in_model_dtype)
+    # every LoRA product of a recorded graph then comes from a training copy: it saves activations only
+    runner.saved_bytes_memo = SavedBytesMemo() if train_in_model_dtype else None
     if config.merged_serving:
         merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack
