@@ -131,3 +131,27 @@ def test_an_adapter_outside_the_decoder_layers_is_refused(target):
     model = tiny_model("llama")
     with pytest.raises(ValueError, match=f"decoder layers.*{target}"):
         attach_lora(model, TrainConfig(lora_rank=4, target_modules=("q_proj", target)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_base_model_runs_its_base_layers_alone_without_peft_forward(family, monkeypatch):
+    """With the adapters disabled (DPO's reference), each adapted layer runs its base layer
+    as PEFT's forward would, without that forward: the same logits as the model before
+    the adapter was attached."""
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from trainer.adapter import adapters_disabled
+
+    engine = make_engine(family)
+    ids = torch.tensor([encode("Hello there, how are you?")], device=TEST_DEVICE)
+    with torch.inference_mode():
+        before = engine.model(ids).logits
+    peft_model = attach_lora(engine.model, TrainConfig(mode="cpt", lora_rank=4), init_lora_weights=False)
+    calls = []
+    original = LoraLinear.forward
+    monkeypatch.setattr(LoraLinear, "forward", lambda self, *a, **k: calls.append(self) or original(self, *a, **k))
+    with adapters_disabled(peft_model), torch.no_grad():
+        base = peft_model(ids).logits
+    assert torch.equal(base, before) and not calls
+    with torch.enable_grad():
+        peft_model(ids)  # adapters on, under autograd on a float32 model: PEFT's forward
+    assert calls

@@ -21,7 +21,9 @@ the eval gate scores a candidate (trainer/eval_gate.py), serving is pinned to th
 copies of the promoted version, whatever the live weights. With
 autograd (a recorded prefill, a training forward) and a current merged copy, the forward
 is the same single GEMM and `_MergedLoraFunction` forms the LoRA products in backward;
-otherwise, and with disabled or several adapters, PEFT's own forward runs.
+otherwise, and with several adapters, PEFT's own forward runs. With the adapters disabled
+(the base model: DPO's reference) the base layer runs alone, as PEFT's forward would
+run it, without that forward's checks on every adapted layer.
 """
 
 from __future__ import annotations
@@ -114,6 +116,18 @@ class LeanLoraLinear(LoraLinear):
         """The live LoRA weights (A, B) and scale, as the serving copy is made of them."""
         return self._weights()[1:]
 
+    def plain_adapter(self) -> bool:
+        """One active adapter, not merged into the base weight by PEFT, without a variant
+        (DoRA): the adapter `attach_lora` makes. Read from PEFT's attributes, not its
+        properties, which cost a few Python calls each on every adapted layer of every
+        forward under autograd."""
+        active = self._active_adapter
+        if not isinstance(active, str):
+            if len(active) != 1:
+                return False
+            active = active[0]
+        return not self.merged_adapters and active not in self.lora_variant
+
     def _weights(self):
         name = self.active_adapters[0]
         return self.base_layer.weight, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
@@ -143,8 +157,10 @@ class LeanLoraLinear(LoraLinear):
             flat = x.reshape(-1, x.shape[-1])
             out = torch.ops.mkldnn._linear_pointwise(flat, self._merged_pack, self.base_layer.bias, "none", [], "")
             return out.view(*x.shape[:-1], out.shape[-1])
+        if self._disable_adapters and not args and not kwargs and not self.merged_adapters:
+            return self.base_layer(x)  # the base model (DPO's reference): all PEFT's forward would run
         if (torch.is_grad_enabled() and not args and not kwargs and not self._disable_adapters
-                and len(self.active_adapters) == 1 and uses_training_copy(self, x)):
+                and uses_training_copy(self, x)):
             return train_from_copy(self, x)  # before the merged path: a group's members all take it
         if (self._merged_pack is not None and not args and not kwargs and not self._disable_adapters
                 and not self.weights_swapped and torch.is_grad_enabled() and self.merged_is_current() and x.dtype == self._merged_pack.dtype):

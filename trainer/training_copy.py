@@ -306,4 +306,4 @@ def uses_training_copy(layer, x: torch.Tensor) -> bool:
     group = layer.serving_group
     if group is None or group.training is None or x.dtype == group.master_dtype:
         return False
-    return not layer.merged and layer.active_adapters[0] not in layer.lora_variant
+    return layer.plain_adapter()
