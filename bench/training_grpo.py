@@ -96,8 +96,9 @@ def measure(bench: Bench, group: int, prompt_tokens: int, response_tokens: int, 
         rows.append({**{f"{p}_s": timed[p][0] for p in PATHS},
                      **{f"{p}_peak_bytes": trackers[p].peak_bytes for p in PATHS},
                      **{f"{p}_max_slice_s": timed[p][2] for p in PATHS},
-                     "grad_rel_diff": max(rel_diff(results["reuse"][1], results["batched"][1]),
-                                          rel_diff(results["one_row"][1], results["batched"][1]))})
+                     # both passes (with the trackers' hooks and without), both paths against batched
+                     "grad_rel_diff": max(rel_diff(run[path][1], run["batched"][1])
+                                          for run in (results, timed) for path in ("reuse", "one_row"))})
         row = rows[-1]
         print(f"  grpo G={group} P={prompt_tokens} R={response_tokens} round {r}/{repeats}: reuse {row['reuse_s']:.2f}s"
               f"  batched {row['batched_s']:.2f}s  one row {row['one_row_s']:.2f}s  memory "

@@ -112,8 +112,12 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     train_in_model_dtype = config.lora_compute_dtype == "model" and model_dtype != torch.float32
     serving_copies = build_serving_copies(runner.layers, lambda module: isinstance(module, LeanLoraLinear),
                                           model_dtype, train_in_model_dtype)
-    # every LoRA product of a recorded graph then comes from a training copy: it saves activations only
-    runner.saved_bytes_memo = SavedBytesMemo() if train_in_model_dtype else None
+    # where every adapted layer's LoRA product under autograd comes from a training copy, a
+    # recorded graph saves activations only
+    adapted = [module for module in model.modules() if isinstance(module, LeanLoraLinear)]
+    copies_only = train_in_model_dtype and all(module.serving_group is not None and module.serving_group.training
+                                               is not None and module.plain_adapter() for module in adapted)
+    runner.saved_bytes_memo = SavedBytesMemo() if copies_only else None
     if config.merged_serving:
         merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack

@@ -118,6 +118,9 @@ def test_a_stale_recording_without_hooks_trains_as_one_with_them(packs, stale_we
 def test_a_float32_model_and_an_offloader_keep_the_hooks_on_every_recording(packs):
     float32 = make_training(TrainConfig(mode="dpo", lora_rank=4), init_lora_weights=False)
     assert engine_of(float32).runner.saved_bytes_memo is None  # PEFT's or the merged path saves the LoRA weights
+    peft_math = make_training(TrainConfig(mode="dpo", lora_rank=4, lora_compute_dtype="float32"),
+                              dtype=torch.bfloat16, init_lora_weights=False)
+    assert engine_of(peft_math).runner.saved_bytes_memo is None  # PEFT's float32 LoRA math on a bfloat16 model
     offloaded = bfloat16_training(offload=OffloadConfig(device_budget_bytes=1 << 30))
     _, first = recorded(offloaded, "first", packs)
     _, second = recorded(offloaded, "second", packs, OTHER)
