@@ -81,6 +81,15 @@ def default_method(config: TrainConfig) -> TrainingMethod:
     raise ValueError("the trainer needs train.mode cpt, dpo or grpo (or a custom method)")
 
 
+def _recordings_save_activations_only(model) -> bool:
+    """Whether every adapted layer's LoRA product under autograd comes from its group's
+    training copy (trainer/training_copy.py), so that a recorded graph saves activations
+    only, never a LoRA weight (engine/saved_bytes_memo.py)."""
+    adapted = [module for module in model.modules() if isinstance(module, LeanLoraLinear)]
+    return bool(adapted) and all(module.serving_group is not None and module.serving_group.training is not None
+                                 and module.plain_adapter() for module in adapted)
+
+
 def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: TrainConfig,
                    offload: OffloadConfig | None = None, method: TrainingMethod | None = None,
                    init_lora_weights: bool | str = True, checkpointer: AdapterCheckpointer | None = None,
@@ -112,12 +121,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     train_in_model_dtype = config.lora_compute_dtype == "model" and model_dtype != torch.float32
     serving_copies = build_serving_copies(runner.layers, lambda module: isinstance(module, LeanLoraLinear),
                                           model_dtype, train_in_model_dtype)
-    # where every adapted layer's LoRA product under autograd comes from a training copy, a
-    # recorded graph saves activations only
-    adapted = [module for module in model.modules() if isinstance(module, LeanLoraLinear)]
-    copies_only = train_in_model_dtype and all(module.serving_group is not None and module.serving_group.training
-                                               is not None and module.plain_adapter() for module in adapted)
-    runner.saved_bytes_memo = SavedBytesMemo() if copies_only else None
+    runner.saved_bytes_memo = SavedBytesMemo() if _recordings_save_activations_only(model) else None
     if config.merged_serving:
         merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack

@@ -147,3 +147,25 @@ def test_the_memo_keeps_the_most_recent_shapes():
     for n, shape in enumerate(shapes):
         memo.measured(shape, n, [n])
     assert memo.lookup(shapes[0]) is None and memo.lookup(shapes[2]).total == 2
+
+
+@pytest.mark.parametrize("stale_weights", ["live", "stashed"])
+def test_the_trainer_trains_recordings_without_hooks_fresh_and_stale(packs, stale_weights):
+    """The server's trainer on recordings of one shape, one entry per optimizer step: the
+    first is fresh, the rest stale by one version and more — each on its own recording,
+    none failed."""
+    torch.manual_seed(0)
+    trainer = make_training(TrainConfig(mode="dpo", lora_rank=4, lora_compute_dtype="model", max_staleness=4,
+                                        entries_per_step=1, cohort_max_entries=1, stale_weights=stale_weights),
+                            dtype=torch.bfloat16, init_lora_weights=False)
+    prompts = [PROMPT, OTHER, PROMPT, OTHER]
+    for i, prompt in enumerate(prompts):
+        serve(trainer, f"r{i}", prompt=prompt, max_tokens=4)
+        label(trainer, f"r{i}")
+    assert packs[0] > 0  # the first recording measured its shape
+    before = packs[0]
+    trainer.train_until_idle()
+    trained = trainer.stats.trained_entries
+    assert trainer.stats.failed_jobs == 0 and trainer.optimizer.version == len(prompts)
+    assert trained.get(("dpo", "reuse"), 0) == 1 and trained.get(("dpo", "stashed"), 0) == len(prompts) - 1
+    assert packs[0] == before  # nor did training make a saved-tensor object
