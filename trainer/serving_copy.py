@@ -101,7 +101,7 @@ class SharedInputGroup:
     @property
     def swapped(self) -> bool:
         """The weight stash has another version's LoRA weights in a member's layer."""
-        return any(layer.weights_swapped for layer in self.layers)
+        return any([layer.weights_swapped for layer in self.layers])
 
     @property
     def master_dtype(self) -> torch.dtype:
@@ -110,7 +110,7 @@ class SharedInputGroup:
 
     @property
     def pinned(self) -> bool:
-        return any(layer.serving_pinned for layer in self.layers)
+        return any([layer.serving_pinned for layer in self.layers])
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -56,7 +56,7 @@ _KEPT_COPIES = 2
 
 def masters_key(masters: list[tuple[torch.Tensor, torch.Tensor, float]]) -> tuple:
     """The identity and version counter of each (A, B): equal keys, equal values."""
-    return tuple((id(t), t._version) for a, b, _ in masters for t in (a, b))
+    return tuple([(id(t), t._version) for a, b, _ in masters for t in (a, b)])  # a list: no generator frames
 
 
 class _Copy:
@@ -135,7 +135,7 @@ class _SourceGradients:
         buffer = self._linked_buffer(name, sources)
         if buffer is not None:
             buffer.add_(stacked, alpha=scale)
-        elif all(source.grad is None for source in sources):
+        elif all([source.grad is None for source in sources]):
             buffer = stacked.to(sources[0].dtype, copy=True)
             if scale != 1.0:
                 buffer.mul_(scale)
@@ -152,8 +152,8 @@ class _SourceGradients:
     def _linked_buffer(self, name: str, sources: list[torch.Tensor]) -> torch.Tensor | None:
         """The buffer whose views every source's `.grad` still is, or None."""
         views, buffer = self.linked.get(name, ((), None))
-        if buffer is None or any(source.grad is None or source.grad is not view()
-                                 for source, view in zip(sources, views)):
+        if buffer is None or any([source.grad is None or source.grad is not view()
+                                  for source, view in zip(sources, views)]):
             return None
         return buffer()
 
@@ -228,8 +228,9 @@ class TrainingCopies:
         by the group's first member to ask and kept until each has read it."""
         if self._input is not x:
             copy = self.current()
-            out = _GroupLoraFunction.apply(flat, copy.a, copy.b, self.group, self.group.held == copy.key,
-                                           copy.landing, silu_and_mul_inputs(x))
+            # the non-tensor arguments in one tuple: `apply` walks its arguments in Python, one by one
+            out = _GroupLoraFunction.apply(flat, copy.a, copy.b, (self.group, self.group.held == copy.key,
+                                                                  copy.landing, silu_and_mul_inputs(x)))
             self._outputs = out.split(self.group.outs, dim=1)
             self._input, self._served = x, 0
         outputs = self._outputs
@@ -249,8 +250,10 @@ class _GroupLoraFunction(torch.autograd.Function):
     prefill's saved-tensor hooks (engine/recording.py) run for its activations only."""
 
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, group, from_serving: bool,
-                landing: _SourceGradients, factors: tuple[torch.Tensor, torch.Tensor] | None):
+    def forward(ctx, flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, call: tuple):
+        # (the group, whether the serving copy holds this copy's values, where the gradients
+        # land, the gate and up that `flat` is the product of, or None)
+        group, from_serving, landing, factors = call
         # the down projection's input is silu(gate) * up: its factors are saved already (engine/gated_mlp.py)
         ctx.save_for_backward(*(factors or (flat,)))
         ctx.flat_again = factors is not None
@@ -275,7 +278,7 @@ class _GroupLoraFunction(torch.autograd.Function):
                 _land(ctx, grad, grad_rank, a)
         else:
             _land(ctx, grad, grad_rank, a)
-        return grad_x, None, None, None, None, None, None
+        return grad_x, None, None, None
 
 
 def _land(ctx, grad: torch.Tensor, grad_rank: torch.Tensor, a: torch.Tensor) -> None:
