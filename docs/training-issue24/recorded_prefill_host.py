@@ -17,10 +17,8 @@ import argparse
 import cProfile
 import pstats
 import statistics
-import time
 
-from engine.sampling_params import SamplingParams
-from host_proxy import host_proxy_engine
+from host_proxy import host_proxy_engine, timed_prefill
 from tests.conftest import encode
 
 
@@ -33,18 +31,7 @@ def main() -> None:
     counter = iter(range(1 << 30))
 
     def prefill(recorded: bool, profile: cProfile.Profile | None = None) -> float:
-        engine.add_request(f"r{next(counter)}", ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
-                           train=recorded)
-        if profile is not None:
-            profile.enable()
-        started = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - started
-        if profile is not None:
-            profile.disable()
-        while engine.has_unfinished():
-            engine.step()
-        return seconds
+        return timed_prefill(engine, ids, f"r{next(counter)}", recorded, profile=profile)
 
     for _ in range(3):  # warm-up: the copies, the caches, the allocator
         prefill(True)

@@ -17,8 +17,7 @@ import time
 
 from dpo_job_host import CHOSEN, PROMPT, REJECTED
 from engine.model_runner import run_to_end
-from engine.sampling_params import SamplingParams
-from host_proxy import host_proxy_engine
+from host_proxy import host_proxy_engine, timed_prefill
 from tests.conftest import encode
 from trainer.entries import EntryState
 from trainer.feedback import FeedbackLabel
@@ -39,17 +38,7 @@ def main() -> None:
         """Serves the prompt (recorded unless `way` is None); -> (prefill step's seconds, request id)."""
         engine.runner.saved_bytes_memo = memo if way == WAYS[0] else None
         request_id = f"r{next(counter)}"
-        engine.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                           train=way is not None)
-        if profile is not None:
-            profile.enable()
-        started = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - started
-        if profile is not None:
-            profile.disable()
-        while engine.has_unfinished():
-            engine.step()
+        seconds = timed_prefill(engine, ids, request_id, way is not None, max_tokens=4, profile=profile)
         engine.runner.saved_bytes_memo = memo
         return seconds, request_id
 
