@@ -300,10 +300,12 @@ class ModelRunner:
         past = StepKV(self.kv_cache, packed.metadata, record=True)
         placement = segment_sink.begin_recording(num_prompt) if segment_sink is not None else None
         all_rows = seq.record.all_logit_rows
-        shape = RecordingShape(packed.input_ids.shape[0], packed.metadata.single.query_index.shape[1],
-                               packed.metadata.single.num_keys, all_rows)
         memo = self.saved_bytes_memo if self.record_tracker is None and placement is None else None
-        known = memo.lookup(shape) if memo is not None else None
+        known = shape = None
+        if memo is not None:
+            group = packed.metadata.single
+            shape = RecordingShape(packed.input_ids.shape[0], group.query_index.shape[1], group.num_keys, all_rows)
+            known = memo.lookup(shape)
         try:
             tracker.new_storage_sizes = saved_sizes
             with torch.enable_grad(), tracker.hooks() if known is None else contextlib.nullcontext():

@@ -55,7 +55,8 @@ class SavedBytesMemo:
         self.mismatches = 0
 
     def lookup(self, shape: RecordingShape) -> SavedBytes | None:
-        """The figures to record `shape` with, without hooks; None: measure this one."""
+        """The figures to record `shape` with, without hooks (read only: recordings share
+        them); None: measure this one."""
         known = self._known.get(shape)
         if known is None:
             return None
@@ -63,7 +64,7 @@ class SavedBytesMemo:
         if known.uses % self.remeasure_every == 0:
             return None
         self._known.move_to_end(shape)
-        return SavedBytes(known.total, list(known.sizes))
+        return known
 
     def measured(self, shape: RecordingShape, total: int, sizes: list[int]) -> None:
         """What the tracker measured for a recording of `shape`."""
