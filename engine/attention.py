@@ -24,8 +24,9 @@ ATTENTION_NAME = "alchemist"
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query: (1, H, T, D) packed; key/value: the pools (slots, KVH, D) from StepKV.update,
-    or a forward's own (1, KVH, S, D). Returns (1, T, H, D) as transformers' attention
+    """query: (1, H, T, D) packed; key/value: the pools (slots, KVH, D) from StepKV.update
+    (or a shared-prefix forward's own packed rows, AttentionMetadata.shared_prefix), or a
+    forward's own (1, KVH, S, D). Returns (1, T, H, D) as transformers' attention
     functions do: one SDPA call per group of the metadata, or for a decode group with a
     `paged` reading of the pool, one FlexAttention call."""
     if not isinstance(attention_mask, AttentionMetadata):
@@ -42,7 +43,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         if pooled and group.paged is not None:  # decode rows read the pool in place (engine/paged_decode.py)
             out = paged_decode_attention(queries, key, value, group.paged, scaling, window)
         else:
-            keys, values = (key[group.key_slots].transpose(1, 2), value[group.key_slots].transpose(1, 2)) if pooled \
+            keys, values = (gather_rows(key, group.key_slots).transpose(1, 2),
+                            gather_rows(value, group.key_slots).transpose(1, 2)) if pooled \
                 else (key, value)  # (b, KVH, S, D)
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask(window), scale=scaling,
                                                  enable_gqa=keys.shape[1] != heads)  # (b, H, q, D)

@@ -205,6 +205,45 @@ class AttentionMetadata:
         group = AttentionGroup(query_index.to(device), query_positions.to(device), num_keys)
         return cls([group], output_index.to(device))
 
+    @classmethod
+    def shared_prefix(cls, prefix_len: int, suffix_lengths: list[int], device: torch.device,
+                      buckets: StepBuckets | None = None) -> AttentionMetadata:
+        """A forward of one prompt and the suffixes that continue it (DPO's responses, a
+        GRPO group), packed as [prompt; suffix 1; …], so that every linear layer runs
+        once over all their rows. Two attention groups: the prompt's, causal on itself,
+        and the suffixes', each on the prompt's keys and then its own (positions
+        prefix_len …) — no suffix query pads to the prompt's length. Both gather their
+        keys from the forward's own packed K/V by `key_slots` (packed rows; padding
+        points at row 0 and is masked, as every column past a query's position is)."""
+        rows = [prefix_len, *suffix_lengths]
+        offsets = [sum(rows[:i]) for i in range(len(rows))]
+        q_prompt, q_suffix = prefix_len, max(suffix_lengths)
+        if buckets is not None:
+            q_prompt, q_suffix = buckets.query(q_prompt), buckets.query(q_suffix)
+        keys_prompt = buckets.keys(q_prompt) if buckets is not None else prefix_len
+        keys_suffix = buckets.keys(prefix_len + q_suffix) if buckets is not None else prefix_len + q_suffix
+        groups, output_index, first_output = [], torch.empty(sum(rows), dtype=torch.long), 0
+        for members, q_max, num_keys in (([0], q_prompt, keys_prompt), (range(1, len(rows)), q_suffix, keys_suffix)):
+            query_index = torch.zeros(len(members), q_max, dtype=torch.long)
+            query_positions = torch.full((len(members), q_max), -1, dtype=torch.long)
+            key_slots = torch.zeros(len(members), num_keys, dtype=torch.long)
+            for b, member in enumerate(members):
+                n, offset, start = rows[member], offsets[member], 0 if member == 0 else prefix_len
+                query_index[b, :n] = torch.arange(offset, offset + n)
+                query_positions[b, :n] = torch.arange(start, start + n)
+                key_slots[b, :prefix_len] = torch.arange(prefix_len)
+                key_slots[b, start:start + n] = torch.arange(offset, offset + n)
+                output_index[offset:offset + n] = torch.arange(first_output + b * q_max, first_output + b * q_max + n)
+            first_output += len(members) * q_max
+            groups.append(AttentionGroup(query_index.to(device), query_positions.to(device), num_keys,
+                                         key_slots.to(device)))
+        return cls(groups, output_index.to(device))
+
+    @property
+    def reads_packed_keys(self) -> bool:
+        """A forward whose groups gather their keys from its own packed K/V (`shared_prefix`)."""
+        return self.slot_mapping is None and self.groups[0].key_slots is not None
+
 
 def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`rows[index]` for a long `index` of any shape, as `index_select` on the first axis:

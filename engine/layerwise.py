@@ -30,6 +30,11 @@ class LayerwiseModel(Protocol):
         starts[b] .. starts[b] + lengths[b] - 1, attending to positions 0 .. that end."""
         ...
 
+    def shared_prefix_metadata(self, prefix_len: int, suffix_lengths: list[int]) -> AttentionMetadata:
+        """A prompt (positions 0 .. prefix_len - 1) and suffixes that each continue it,
+        packed along one axis in that order: AttentionMetadata.shared_prefix."""
+        ...
+
     def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
                     leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
                     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None

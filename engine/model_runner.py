@@ -182,6 +182,10 @@ class ModelRunner:
         """Packed sequences' metadata for a forward outside a serving step (LayerwiseModel)."""
         return AttentionMetadata.packed(lengths, starts, self.device, self.training_buckets)
 
+    def shared_prefix_metadata(self, prefix_len: int, suffix_lengths: list[int]) -> AttentionMetadata:
+        """A prompt and its suffixes in one pack (LayerwiseModel)."""
+        return AttentionMetadata.shared_prefix(prefix_len, suffix_lengths, self.device, self.training_buckets)
+
     def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
                     leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
                     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None):

@@ -56,7 +56,8 @@ from trainer.ledger import Ledger
 from trainer.ledger_db import LEDGER_FILE
 from trainer.lifecycle import AdapterLifecycle
 from trainer.maintenance import Maintenance
-from trainer.methods import CPTMethod, DPOMethod, TrainContext, TrainingMethod
+from trainer.dpo import DPOMethod
+from trainer.methods import CPTMethod, TrainContext, TrainingMethod
 from trainer.online import OnlineTraining
 from trainer.rewards import RewardScorer, load_reward_function
 from trainer.optimizer import AdapterOptimizer

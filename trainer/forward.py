@@ -44,6 +44,7 @@ class SequenceKV:
     expanded to every sequence, so that its gradients sum over them)."""
 
     def __init__(self, metadata: AttentionMetadata, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        assert prefix is None or not metadata.reads_packed_keys, "a shared-prefix pack holds its prefix itself"
         self.metadata = metadata
         self.prefix = prefix
         # layer -> the new tokens' (key, value), (1, KVH, T, D), graph-connected
@@ -55,6 +56,8 @@ class SequenceKV:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.new[layer_idx] = (own_storage(key), own_storage(value))
+        if self.metadata.reads_packed_keys:  # a prompt and its suffixes in one pack: (T, KVH, D) rows
+            return key[0].transpose(0, 1), value[0].transpose(0, 1)
         key, value = self._per_sequence(key), self._per_sequence(value)
         if self.prefix is not None:
             prefix_key, prefix_value = (t.expand(key.shape[0], -1, -1, -1) for t in self.prefix[layer_idx])
@@ -77,12 +80,19 @@ class SegmentedForward:
 
 
 def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], starts: list[int] | None = None,
-                     prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None, with_grad: bool = True):
-    """Generator: one slice per layer; returns a SegmentedForward (segments empty without grad)."""
+                     prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None, with_grad: bool = True,
+                     shared_prefix: bool = False):
+    """Generator: one slice per layer; returns a SegmentedForward (segments empty without
+    grad). `shared_prefix`: token_lists[0] is a prompt that each of the others continues
+    (they attend to it, then to themselves), all in one pack (`starts` is implied)."""
     device = runner.device
-    starts = starts or [0] * len(token_lists)
     lengths = [len(t) for t in token_lists]
-    metadata = runner.attention_metadata(lengths, starts)
+    if shared_prefix and len(lengths) > 1:
+        starts = [0] + [lengths[0]] * (len(lengths) - 1)
+        metadata = runner.shared_prefix_metadata(lengths[0], lengths[1:])
+    else:
+        starts = starts or [0] * len(token_lists)
+        metadata = runner.attention_metadata(lengths, starts)
     ids = torch.tensor([t for tokens in token_lists for t in tokens], device=device)
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
     past = SequenceKV(metadata, prefix)

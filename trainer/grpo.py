@@ -34,8 +34,8 @@ from engine.recording import RecordedPrefill
 from trainer.entries import GroupEntry
 from trainer.forward import backward_segments, forward_segments, head_token_loss, kv_leaves, within
 from trainer.losses import group_advantages, grpo_token_loss, token_logprobs
-from trainer.methods import (JobResult, TrainContext, TrainingMethod, base_model_no_grad, prompt_backward,
-                             suffixes_and_prompt_backward)
+from trainer.methods import (JobResult, TrainContext, TrainingMethod, base_model_no_grad, head_logits,
+                             prompt_backward, suffixes_and_prompt_backward)
 
 
 class GRPOMethod(TrainingMethod):
@@ -103,19 +103,20 @@ class GRPOMethod(TrainingMethod):
         return {"loss": loss, "mean_reward": rewards.mean().item(), "reward_std": rewards.std().item()}
 
     def reference_token_logps(self, entry: GroupEntry, ctx: TrainContext):
-        """Generator -> per choice, the base model's log-prob of each response token (no grad)."""
+        """Generator -> per choice, the base model's log-prob of each response token (no
+        grad): the prompt and every sample in one forward, the samples attending to the
+        prompt's keys (AttentionMetadata.shared_prefix)."""
         def compute():
-            prompt = yield from forward_segments(ctx.runner, [entry.prompt_token_ids], with_grad=False)
-            last = ctx.runner.lm_head(ctx.runner.norm(prompt.head_leaf[0, -1:]))
-            result = {}
-            for index, response in entry.responses.items():
-                values = token_logprobs(last, ctx.ids(response[:1])).tolist()
-                if len(response) > 1:
-                    fwd = yield from forward_segments(ctx.runner, [response[:-1]], [len(entry.prompt_token_ids)],
-                                                      prompt.kv, with_grad=False)
-                    logits = ctx.runner.lm_head(ctx.runner.norm(fwd.head_leaf[0]))
-                    values += token_logprobs(logits, ctx.ids(response[1:])).tolist()
-                result[index] = values
+            prompt = entry.prompt_token_ids
+            longer = [(index, response) for index, response in entry.responses.items() if len(response) > 1]
+            fwd = yield from forward_segments(ctx.runner, [prompt, *(response[:-1] for _, response in longer)],
+                                              with_grad=False, shared_prefix=True)
+            last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
+            result = {index: token_logprobs(last, ctx.ids(response[:1])).tolist()
+                      for index, response in entry.responses.items()}
+            for b, (index, response) in enumerate(longer):
+                rows = fwd.head_leaf[0, fwd.offsets[b + 1]:fwd.offsets[b + 2]]
+                result[index] += token_logprobs(head_logits(ctx, rows), ctx.ids(response[1:])).tolist()
             return result
 
         return (yield from within(lambda: base_model_no_grad(ctx), compute()))

@@ -1,4 +1,5 @@
-"""Aten ops per training job on a tiny Llama (hidden 64), reuse against recompute, for a
+"""Aten ops per training job on a tiny Llama (hidden 64), reuse against recompute — CPT,
+DPO (the `base` reference) and GRPO with the KL term to the base model (a group of 4) — for a
 float32 model and a bfloat16 one with the LoRA math in the model's dtype (the training
 copies, `train.lora_compute_dtype = "model"`) or in PEFT's float32: the whole job on 2
 layers, and per decoder layer (the issue's unit: the job on 4 layers less the job on 2,
@@ -18,17 +19,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.step_counts import AtenOps  # noqa: E402
 from engine.model_runner import run_to_end  # noqa: E402
 from tests.conftest import make_training  # noqa: E402
+from tests.test_grpo import reward, serve_group  # noqa: E402
 from tests.test_training import label, serve  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 
 
 def job_ops(mode: str, dtype: torch.dtype, compute: str, num_layers: int = 2) -> dict[str, AtenOps]:
     torch.manual_seed(0)
-    trainer = make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype=compute), dtype=dtype,
+    beta = {"grpo_beta": 0.04} if mode == "grpo" else {}
+    trainer = make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype=compute, **beta), dtype=dtype,
                             num_layers=num_layers, init_lora_weights=False)
     counts = {}
     for path, job in (("reuse", trainer.method.reuse_job), ("recompute", trainer.method.recompute_job)):
         for request_id in ("warm-up", "counted"):  # each job computes its entry's reference itself
+            if mode == "grpo":
+                serve_group(trainer, f"{path}-{request_id}")
+                assert reward(trainer, f"{path}-{request_id}").accepted
+                continue
             serve(trainer, f"{path}-{request_id}", max_tokens=8)
             if mode == "dpo":
                 label(trainer, f"{path}-{request_id}", chosen="Paris, of course. It is a lovely city.")
@@ -47,7 +54,7 @@ def main() -> None:
     print("| job | model, LoRA math | reuse ops (casts) | recompute ops (casts) | reuse / recompute "
           "| per layer: reuse / recompute |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for mode in ("cpt", "dpo"):
+    for mode in ("cpt", "dpo", "grpo"):
         for dtype, compute in ((torch.float32, "model"), (torch.bfloat16, "float32"), (torch.bfloat16, "model")):
             counts = job_ops(mode, dtype, compute)
             deeper = job_ops(mode, dtype, compute, num_layers=4)

@@ -1,0 +1,108 @@
+"""A prompt and the suffixes that continue it in one forward (AttentionMetadata.shared_prefix),
+as DPO's and GRPO's base references run: their log-probs equal Hugging Face's forward of
+each whole sequence under the base model, in every family, in the CPU's exact shapes
+and in a GPU's bucketed ones; the reference runs each decoder layer once; with grad, the
+adapter's gradients equal those of the whole sequences in one batch."""
+
+import pytest
+import torch
+
+from engine.model_runner import run_to_end
+from tests.conftest import encode, make_training
+from tests.test_grpo import reward, serve_group
+from tests.test_training import PROMPT, label, make_trainer, relative_difference, serve
+from tests.test_training_buckets import bucketed
+from tests.tiny import FAMILIES, TEST_DEVICE
+from trainer.adapter import lora_gradients
+from trainer.config import TrainConfig
+from trainer.forward import backward_segments, forward_segments
+from trainer.losses import token_logprobs
+from trainer.methods import head_logits
+
+CHOSEN, REJECTED = "Paris, of course. It is a lovely city.", "Rome."
+
+
+def token_logps_of_whole_sequences(peft_model, prompt: list[int], responses: list[list[int]],
+                                   base: bool = True) -> list[torch.Tensor]:
+    """Each response's per-token log-probs from the model's own forward of prompt +
+    response, all in one batch (the responses padded at the end), under the base model."""
+    width = len(prompt) + max(len(r) for r in responses)
+    ids = torch.tensor([prompt + r + [0] * (width - len(prompt) - len(r)) for r in responses], device=TEST_DEVICE)
+    if base:
+        with peft_model.disable_adapter(), torch.no_grad():
+            logits = peft_model(ids).logits
+    else:
+        logits = peft_model(ids).logits
+    first = len(prompt) - 1
+    return [token_logprobs(logits[b, first:first + len(r)], torch.tensor(r, device=TEST_DEVICE))
+            for b, r in enumerate(responses)]
+
+
+@pytest.mark.parametrize("shapes", ["exact", "bucketed"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_dpo_reference_is_the_base_models_log_probs_of_each_whole_sequence(family, shapes):
+    trainer = make_trainer(family, mode="dpo")
+    serve(trainer, "r", max_tokens=8)
+    label(trainer, "r", chosen=CHOSEN, rejected=REJECTED)
+    bucketed(trainer, shapes == "bucketed")
+    entry = trainer.cache.get("r")
+    chosen, rejected = run_to_end(trainer.method.reference_logps(entry, trainer.context))
+    expected = token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids,
+                                              [entry.label.chosen, entry.label.rejected])
+    assert [chosen, rejected] == pytest.approx([e.sum().item() for e in expected], abs=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_grpo_reference_is_the_base_models_log_prob_of_every_token(family):
+    torch.manual_seed(0)
+    trainer = make_training(TrainConfig(mode="grpo", lora_rank=4, grpo_beta=0.05), family, init_lora_weights=False)
+    serve_group(trainer, "g")
+    assert reward(trainer, "g").accepted
+    entry = trainer.cache.get("g")
+    result = run_to_end(trainer.method.reference_token_logps(entry, trainer.context))
+    indices = sorted(entry.responses)
+    expected = token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids,
+                                              [entry.responses[i] for i in indices])
+    assert sorted(result) == indices
+    for index, want in zip(indices, expected):
+        assert result[index] == pytest.approx(want.tolist(), abs=1e-4)
+
+
+def test_a_reference_runs_each_decoder_layer_once(monkeypatch):
+    trainer = make_trainer("llama", mode="dpo")
+    serve(trainer, "r", max_tokens=8)
+    label(trainer, "r", chosen=CHOSEN, rejected=REJECTED)
+    runner = trainer.context.runner
+    calls = []
+    run_layer = runner.run_layer
+    monkeypatch.setattr(runner, "run_layer", lambda index, *args: calls.append(index) or run_layer(index, *args))
+    run_to_end(trainer.method.reference_logps(trainer.cache.get("r"), trainer.context))
+    assert calls == list(range(len(runner.layers)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_with_grad_the_pack_gives_the_whole_sequences_gradients(family):
+    """The suffixes' log-probs back-propagated through the pack (the prompt's rows shared,
+    their gradients summed over the suffixes that attended to them) and through the
+    model's own forward of both whole sequences."""
+    trainer = make_trainer(family, mode="cpt")
+    ctx, peft = trainer.context, trainer.peft_model
+    prompt, responses = encode(PROMPT), [encode(CHOSEN), encode(REJECTED) + encode(" No.")]
+    fwd = run_to_end(forward_segments(ctx.runner, [prompt, *(r[:-1] for r in responses)], shared_prefix=True))
+    trainer.optimizer.zero_grad()
+    with torch.enable_grad():
+        last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
+        loss = -sum(token_logprobs(last, torch.tensor(r[:1])).sum() for r in responses)
+        for b, r in enumerate(responses):
+            rows = fwd.head_leaf[0, fwd.offsets[b + 1]:fwd.offsets[b + 2]]
+            loss = loss - token_logprobs(head_logits(ctx, rows), torch.tensor(r[1:])).sum()
+        loss.backward()
+    run_to_end(backward_segments(fwd.segments, fwd.head_leaf.grad))
+    packed = lora_gradients(peft)
+    trainer.optimizer.zero_grad()
+    with torch.enable_grad():
+        (-sum(t.sum() for t in token_logps_of_whole_sequences(peft, prompt, responses, base=False))).backward()
+    whole = lora_gradients(peft)
+    trainer.optimizer.zero_grad()
+    assert all(g.norm() > 0 for g in whole.values())
+    assert relative_difference(packed, whole) <= 1e-4
