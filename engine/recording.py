@@ -36,9 +36,10 @@ class LayerSegment:
     leaf: torch.Tensor
     # (1, T, hidden) the layer's output, with its graph back to `leaf` and the LoRA weights
     out: torch.Tensor
-    # (1, KVH, T, D) the layer's keys (after RoPE) and values, part of the same graph
-    key: torch.Tensor
-    value: torch.Tensor
+    # (1, KVH, T, D) the layer's keys (after RoPE) and values, part of the same graph: a
+    # prompt's, which its suffixes' gradients reach (None: a training forward's own)
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
 
 
 @dataclass

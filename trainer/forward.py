@@ -41,13 +41,18 @@ def within(context: Callable[[], contextlib.AbstractContextManager], generator):
 class SequenceKV:
     """`past_key_values` for a training forward: each sequence attends to its own new
     tokens, after the prefix K/V if one is given (the suffixes of one prefix: the prefix is
-    expanded to every sequence, so that its gradients sum over them)."""
+    expanded to every sequence, so that its gradients sum over them). With `keep`, each
+    layer's new K/V are kept (a prompt's layer run again, whose K/V its suffixes' gradients
+    reach); a training forward's own are not: nothing back-propagates into them but its
+    own attention, and a kept copy of a fused projection's slice would cost a copy."""
 
-    def __init__(self, metadata: AttentionMetadata, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    def __init__(self, metadata: AttentionMetadata, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 keep: bool = False):
         assert prefix is None or not metadata.reads_packed_keys, "a shared-prefix pack holds its prefix itself"
         self.metadata = metadata
         self.prefix = prefix
-        # layer -> the new tokens' (key, value), (1, KVH, T, D), graph-connected
+        self.keep = keep
+        # layer -> the new tokens' (key, value), (1, KVH, T, D), graph-connected (with `keep`)
         self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _per_sequence(self, packed: torch.Tensor) -> torch.Tensor:
@@ -55,7 +60,8 @@ class SequenceKV:
         return gather_rows(packed[0].transpose(0, 1), self.metadata.single.query_index).transpose(1, 2)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.new[layer_idx] = (own_storage(key), own_storage(value))
+        if self.keep:
+            self.new[layer_idx] = (own_storage(key), own_storage(value))
         if self.metadata.reads_packed_keys:  # a prompt and its suffixes in one pack: (T, KVH, D) rows
             return key[0].transpose(0, 1), value[0].transpose(0, 1)
         key, value = self._per_sequence(key), self._per_sequence(value)
@@ -75,8 +81,6 @@ class SegmentedForward:
     head_leaf: torch.Tensor
     # packed row ranges of each sequence: rows offsets[b] .. offsets[b + 1] - 1
     offsets: list[int]
-    # per layer, the new tokens' (key, value), (1, KVH, T, D)
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], starts: list[int] | None = None,
@@ -102,12 +106,12 @@ def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], start
         hidden = runner.embed(ids.unsqueeze(0))
     layers = runner.iter_layers(hidden, positions, metadata, past, leaves, outs)
     hidden = yield from within(lambda: torch.set_grad_enabled(with_grad), layers)
-    segments = [LayerSegment(leaf, out, *past.new[i]) for i, (leaf, out) in enumerate(zip(leaves or [], outs or []))]
+    segments = [LayerSegment(leaf, out) for leaf, out in zip(leaves or [], outs or [])]
     head_leaf = hidden.detach().requires_grad_(with_grad)
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    return SegmentedForward(segments, head_leaf, offsets, [past.new[i] for i in range(len(past.new))])
+    return SegmentedForward(segments, head_leaf, offsets)
 
 
 def head_score(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor, chunk_rows: int):
@@ -201,7 +205,7 @@ def recompute_segment(runner: LayerwiseModel, index: int, leaf_rows: torch.Tenso
     other sequences, which get no gradient)."""
     num = leaf_rows.shape[1]
     metadata = runner.attention_metadata([num], [0])
-    past = SequenceKV(metadata)
+    past = SequenceKV(metadata, keep=True)
     leaf = leaf_rows.detach().requires_grad_()
     position_ids = torch.arange(num, device=runner.device).unsqueeze(0)
     with torch.enable_grad():
