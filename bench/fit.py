@@ -46,7 +46,7 @@ def _attempt(bench, mode: str, tokens: int, path: str) -> int:
                                           synthetic_tokens(bench.tokenizer, response_len - 1, 2) + eos)
             entry.reference_logps = run_to_end(bench.method.reference_logps(entry, bench.context))
         job = bench.method.reuse_job(entry, bench.context) if path == "reuse" else \
-            bench.method.recompute_job(entry, bench.context)
+            bench.method.baseline_job(entry, bench.context)
         bench.trainer.optimizer.zero_grad()
         run_to_end(job)
         torch.cuda.synchronize()

@@ -3,8 +3,9 @@
 On the embedded model, each round serves a fresh prompt through the engine twice — once
 plainly and once recorded (their ratio is the recording overhead) — then trains on the
 recorded entry both ways, in alternating order: reuse (backward from the recorded
-prefill; DPO: responses against the recorded prompt K/V) and recompute (full forward
-from tokens, then backward; DPO: `[prompt+chosen; prompt+rejected]` as TRL does). Both
+prefill; DPO: responses against the recorded prompt K/V) and recompute, the separate
+trainer (the method's `baseline_job`: full forward from tokens, then backward; DPO:
+`[prompt+chosen; prompt+rejected]` as TRL does). Both
 start from the same adapter and the same entry; their LoRA gradients are compared.
 Peak activation memory is measured by counting the bytes autograd really saves
 (engine/recording.py), including, for the reuse path, the recorded prefill it holds —
@@ -177,7 +178,7 @@ def _paths(bench: Bench, prompt: list[int], r: int, chosen: list[int] | None, re
             results[path] = bench.run_job(bench.method.reuse_job(entry, bench.context), tracker, weights)
             bench.trainer.cache.end(entry, EntryState.TRAINED)
         else:
-            results[path] = bench.run_job(bench.method.recompute_job(tokens_only, bench.context), tracker, weights)
+            results[path] = bench.run_job(bench.method.baseline_job(tokens_only, bench.context), tracker, weights)
     restore()
     return results, recorded_s
 
@@ -265,7 +266,7 @@ def profile_jobs(bench: Bench, mode: str, tokens: int, path: str) -> None:
                            SavedTensorTracker())
     tokens_only = bench.tokens_only(entry)
     write_profile(path, {"reuse": lambda: run_to_end(bench.method.reuse_job(entry, bench.context)),
-                         "recompute": lambda: run_to_end(bench.method.recompute_job(tokens_only, bench.context))})
+                         "recompute": lambda: run_to_end(bench.method.baseline_job(tokens_only, bench.context))})
     bench.trainer.optimizer.zero_grad()
     bench.trainer.cache.end(entry, EntryState.TRAINED)
 

@@ -77,7 +77,7 @@ def _paths(bench: Bench, prompt: list[int], group: int, response_tokens: int, r:
             bench.trainer.cache.end(entry, EntryState.TRAINED)
         else:
             method.recompute_rows = 1 if path == "one_row" else group
-            results[path] = bench.run_job(method.recompute_job(copy, bench.context), tracker)
+            results[path] = bench.run_job(method.baseline_job(copy, bench.context), tracker)
     method.recompute_rows = None
     return results
 

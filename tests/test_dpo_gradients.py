@@ -36,13 +36,14 @@ def textbook_gradients(trainer, entry) -> dict:
     return grads
 
 
-JOBS = {"reuse": "reuse_job", "recompute": "recompute_job",
+JOBS = {"reuse": "reuse_job", "recompute": "recompute_job", "baseline": "baseline_job",
         # the reuse job's schedule when a device budget has no room for both responses' graphs
         "reuse_one_at_a_time": "_reuse_one_response_at_a_time"}
 
 
 @pytest.mark.parametrize("path, one_sweep, rejected", [
-    ("reuse", True, None), ("reuse", False, None), ("recompute", True, None),
+    ("reuse", True, None), ("reuse", False, None), ("recompute", True, None), ("recompute", True, "Rome."),
+    ("baseline", True, None),
     ("reuse_one_at_a_time", True, None), ("reuse_one_at_a_time", True, "Rome.")])
 def test_dpo_jobs_give_the_textbook_gradients(path, one_sweep, rejected):
     """rejected None: the served response, its log-prob taken from decoding; else given."""
@@ -56,7 +57,7 @@ def test_dpo_jobs_give_the_textbook_gradients(path, one_sweep, rejected):
     assert relative_difference(got, expected) <= 1e-4
 
 
-@pytest.mark.parametrize("path", ["reuse", "recompute"])
+@pytest.mark.parametrize("path", ["reuse", "recompute", "baseline"])
 def test_the_jobs_regroup_rows_per_sequence_without_an_accumulating_index_put(path):
     """Attention regroups packed rows per sequence (queries, keys, values) and back: each
     gather is an `index_select`, whose backward is one `index_add`, where advanced

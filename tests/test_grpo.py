@@ -96,17 +96,22 @@ def test_reuse_and_recompute_give_the_same_gradients(family, beta):
     assert reward(trainer).accepted
     method, context = trainer.method, trainer.context
     reuse = gradients_of(trainer, method.reuse_job(entry, context))
-    method.recompute_rows = GROUP
-    batched = gradients_of(trainer, method.recompute_job(entry, context))
+    packed = gradients_of(trainer, method.recompute_job(entry, context))  # the prompt once, the group after it
+    method.recompute_rows = GROUP  # the dense trainer's: the prompt once per row
+    batched = gradients_of(trainer, method.baseline_job(entry, context))
     method.recompute_rows = 1
-    one_row = gradients_of(trainer, method.recompute_job(entry, context))
+    one_row = gradients_of(trainer, method.baseline_job(entry, context))
     method.recompute_rows = None  # micro-batches of as many rows as fit the token bound
-    method.recompute_tokens = 2 * (len(entry.prompt_token_ids) + max(map(len, served)))
-    assert method._rows_per_forward(len(entry.prompt_token_ids), method._samples(entry)) == 2
-    micro = gradients_of(trainer, method.recompute_job(entry, context))
+    prompt_len, longest = len(entry.prompt_token_ids), max(map(len, served))
+    method.recompute_tokens = 2 * (prompt_len + longest)
+    assert method._rows_per_forward(prompt_len, method._samples(entry)) == 2
+    micro = gradients_of(trainer, method.baseline_job(entry, context))
+    method.recompute_tokens = prompt_len + 2 * longest  # packs of the prompt and two samples
+    assert method._samples_per_pack(prompt_len, method._samples(entry)) == 2
+    packs = gradients_of(trainer, method.recompute_job(entry, context))
     assert len(reuse) == len(lora_parameters(trainer.peft_model))
     assert all(g.norm() > 0 for g in batched.values())
-    for other in (reuse, one_row, micro):
+    for other in (reuse, packed, one_row, micro, packs):
         assert relative_difference(other, batched) <= 1e-5
 
 

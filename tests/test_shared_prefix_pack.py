@@ -106,3 +106,36 @@ def test_with_grad_the_pack_gives_the_whole_sequences_gradients(family):
     trainer.optimizer.zero_grad()
     assert all(g.norm() > 0 for g in whole.values())
     assert relative_difference(packed, whole) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["dpo", "grpo"])
+def test_the_servers_recompute_computes_the_prompt_once_and_the_baseline_once_per_response(mode, monkeypatch):
+    """An entry without a usable recording trains on one pack of the prompt and its
+    responses (`recompute_job`); the separate trainer the benchmarks compare against
+    (`baseline_job`) computes the prompt once per response, as TRL's trainers do."""
+    if mode == "grpo":
+        torch.manual_seed(0)
+        trainer = make_training(TrainConfig(mode="grpo", lora_rank=4), init_lora_weights=False)
+        serve_group(trainer, "e")
+        assert reward(trainer, "e").accepted
+    else:
+        trainer = make_trainer("llama", mode="dpo")
+        serve(trainer, "e", max_tokens=8)
+        label(trainer, "e", chosen=CHOSEN, rejected=REJECTED)
+    entry = trainer.cache.get("e")
+    responses = list(entry.responses.values()) if mode == "grpo" else [entry.label.chosen, entry.label.rejected]
+    prompt_len = len(entry.prompt_token_ids)
+    runner, rows = trainer.context.runner, []
+    run_layer = runner.run_layer
+
+    def counted(index, hidden, *args):
+        if index == 0:
+            rows.append(hidden.shape[1])  # the rows of each forward
+        return run_layer(index, hidden, *args)
+
+    monkeypatch.setattr(runner, "run_layer", counted)
+    run_to_end(trainer.method.recompute_job(entry, trainer.context))
+    assert rows[-1] == prompt_len + sum(len(r) - 1 for r in responses)
+    run_to_end(trainer.method.baseline_job(entry, trainer.context))
+    assert rows[-1] == sum(prompt_len + len(r) - (mode == "grpo") for r in responses)
+    trainer.optimizer.zero_grad()

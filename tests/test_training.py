@@ -76,9 +76,11 @@ def test_reuse_and_recompute_paths_give_the_same_lora_gradients(family, mode):
     context = trainer.context
     reuse = gradients_of(trainer, trainer.method.reuse_job(entry, context))
     recompute = gradients_of(trainer, trainer.method.recompute_job(entry, context))
-    assert set(reuse) == set(recompute) and len(reuse) == len(lora_parameters(trainer.peft_model))
-    assert all(g.norm() > 0 for g in recompute.values())
-    assert relative_difference(reuse, recompute) <= 1e-4
+    baseline = gradients_of(trainer, trainer.method.baseline_job(entry, context))  # the separate trainer's
+    assert set(reuse) == set(recompute) == set(baseline) and len(reuse) == len(lora_parameters(trainer.peft_model))
+    assert all(g.norm() > 0 for g in baseline.values())
+    assert relative_difference(reuse, baseline) <= 1e-4
+    assert relative_difference(recompute, baseline) <= 1e-4
 
 
 def test_training_steps_bump_the_adapter_version_and_change_the_model():

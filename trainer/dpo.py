@@ -8,8 +8,10 @@ the base model, or the served adapter version). Two jobs, as for every method
   - `reuse_job`, the shared-prefix schedule (papers/shared-prefix-reuse.txt) on the
     served recording: both responses forwarded as one batch against the prompt's K/V as
     detached leaves, their gK/gV accumulating there, and the prompt's backward run once;
-  - `recompute_job`, the separate trainer: `[prompt+chosen; prompt+rejected]` in one
-    batch, as TRL does, so the prompt is computed twice.
+  - `recompute_job`, for an entry without a usable recording: the prompt and both
+    responses in one forward (AttentionMetadata.shared_prefix), the prompt computed once;
+  - `baseline_job`, the separate trainer (benchmarks): `[prompt+chosen; prompt+rejected]`
+    in one batch, as TRL does, so the prompt is computed twice.
 The base reference is computed once per entry, for both jobs alike: the prompt and both
 responses in one forward without grad (AttentionMetadata.shared_prefix).
 """
@@ -180,16 +182,25 @@ class DPOMethod(TrainingMethod):
         responses = {"chosen": label.chosen, "rejected": label.rejected}
         values, fwd, rows = yield from self.response_logps(ctx, len(entry.prompt_token_ids), responses, last, prefix,
                                                            with_grad=True)
-        metrics, weights = yield from self._loss_weights(values, entry)
-        with torch.enable_grad():  # each response's first token, scored by the prompt's last row
-            sum(token_logprobs(last, ctx.ids(r[:1])).sum() * weights[name] for name, r in responses.items()).backward()
+        metrics = yield from self._loss_onto_heads(ctx, entry, responses, values, last, fwd, rows)
         if fwd is None:
             yield from prompt_backward(recording, last, prefix, ctx)
-            return JobResult(metrics["loss"], entry.num_tokens, metrics)
+        else:
+            yield from suffixes_and_prompt_backward(recording, last, fwd, prefix, ctx)
+        return JobResult(metrics["loss"], entry.num_tokens, metrics)
+
+    def _loss_onto_heads(self, ctx: TrainContext, entry: PreferenceEntry, responses: dict[str, list[int]],
+                         values: dict, last: torch.Tensor, fwd: SegmentedForward | None, rows: dict):
+        """Generator -> the loss's metrics, from the responses' log-prob `values`; its
+        gradient left where the backward starts: through `last` (the prompt's last logits
+        row, which scored each response's first token), and on `fwd`'s head rows (`rows`,
+        from `_score`)."""
+        metrics, weights = yield from self._loss_weights(values, entry)
+        with torch.enable_grad():
+            sum(token_logprobs(last, ctx.ids(r[:1])).sum() * weights[name] for name, r in responses.items()).backward()
         for name, (start, gradient) in rows.items():
             gradient.add_to(fwd.head_leaf, start, weights[name])
-        yield from suffixes_and_prompt_backward(recording, last, fwd, prefix, ctx)
-        return JobResult(metrics["loss"], entry.num_tokens, metrics)
+        return metrics
 
     def _reuse_one_response_at_a_time(self, entry: PreferenceEntry, ctx: TrainContext):
         """`reuse_job` holding as little as possible: only one response graph is alive at a time: the
@@ -236,6 +247,24 @@ class DPOMethod(TrainingMethod):
         return metrics, {k: leaf.grad for k, leaf in leaves.items()}
 
     def recompute_job(self, entry: PreferenceEntry, ctx: TrainContext):
+        """The prompt and both responses in one forward (AttentionMetadata.shared_prefix:
+        the prompt computed once, as the reuse job's recording computed it), the loss from
+        that forward, one backward through all of it."""
+        yield from self._base_reference(entry, ctx)
+        prompt = entry.prompt_token_ids
+        responses = {"chosen": entry.label.chosen, "rejected": entry.label.rejected}
+        fwd = yield from forward_segments(ctx.runner, [prompt, *(r[:-1] for r in responses.values() if len(r) > 1)],
+                                          shared_prefix=True)
+        with torch.enable_grad():  # the prompt's last row scores each response's first token
+            last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
+        values, rows = yield from self._score(ctx, responses, last.detach(), fwd, 1, with_grad=True)
+        metrics = yield from self._loss_onto_heads(ctx, entry, responses, values, last, fwd, rows)
+        yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+        return JobResult(metrics["loss"], entry.num_tokens, metrics)
+
+    def baseline_job(self, entry: PreferenceEntry, ctx: TrainContext):
+        """TRL's DPO: `[prompt+chosen; prompt+rejected]` in one batch, the prompt computed
+        twice."""
         yield from self._base_reference(entry, ctx)
         prompt, label = entry.prompt_token_ids, entry.label
         fwd = yield from forward_segments(ctx.runner, [prompt + label.chosen, prompt + label.rejected])

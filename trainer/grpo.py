@@ -19,10 +19,14 @@ Two jobs, as for every method (trainer/methods.py):
     sweep first, the prompt's layer needing every one's gK/gV (measured in BENCHMARKS.md,
     "One backward sweep for suffixes and prompt"). The prompt's forward is serving's:
     it is not computed here at all;
-  - `recompute_job`, the dense trainer the paper compares against (TRL's GRPOTrainer):
+  - `recompute_job`, for a group without a usable recording: the prompt and the samples
+    packed in one forward (AttentionMetadata.shared_prefix), the prompt computed once,
+    in packs of as many samples as fit beside it in `recompute_tokens` (the server's
+    `train.max_record_tokens`);
+  - `baseline_job`, the dense trainer the paper compares against (TRL's GRPOTrainer):
     each sample a row `prompt + response`, the group in one batch where it fits in
-    `recompute_tokens` (the server's `train.max_record_tokens`), else in micro-batches
-    of as many rows as fit; the prompt is computed once per row.
+    `recompute_tokens`, else in micro-batches of as many rows as fit; the prompt is
+    computed once per row.
 A sample whose advantage is 0 gives no gradient (without the KL term) and is skipped.
 """
 
@@ -47,11 +51,11 @@ class GRPOMethod(TrainingMethod):
     def __init__(self, beta: float = 0.0, clip_eps: float = 0.2, recompute_tokens: int | None = None):
         """`beta`: weight of the KL to the base model (0, as in current practice, needs no
         reference forward); `clip_eps`: the ratio's clip range; `recompute_tokens`: tokens
-        per forward on the recompute path (None: the whole group in one batch)."""
+        per forward on the recompute paths (None: the whole group in one batch)."""
         self.beta = beta
         self.clip_eps = clip_eps
         self.recompute_tokens = recompute_tokens
-        # rows per forward on the recompute path, when set (benchmarks: 1, or the group)
+        # rows per forward of the baseline, when set (benchmarks: 1, or the group)
         self.recompute_rows: int | None = None
 
     def _rows_per_forward(self, prompt_len: int, samples: list) -> int:
@@ -169,6 +173,42 @@ class GRPOMethod(TrainingMethod):
         return JobResult(total, entry.num_tokens, self._metrics(entry, total))
 
     def recompute_job(self, entry: GroupEntry, ctx: TrainContext):
+        """The prompt and the samples in one forward (AttentionMetadata.shared_prefix: the
+        prompt computed once, not once per sample), in packs of as many samples as
+        `recompute_tokens` holds beside the prompt; each pack's backward at once."""
+        yield from self._reference(entry, ctx)
+        prompt = entry.prompt_token_ids
+        samples = self._samples(entry)
+        rows = self._samples_per_pack(len(prompt), samples)
+        total = 0.0
+        for start in range(0, len(samples), rows):
+            batch = samples[start:start + rows]
+            longer = [sample for sample in batch if len(sample[1]) > 1]
+            fwd = yield from forward_segments(ctx.runner, [prompt, *(response[:-1] for _, response, _, _ in longer)],
+                                              shared_prefix=True)
+            losses = {index: self._token_loss(entry, index, response, advantage, weight, fwd.head_leaf.device)
+                      for index, response, advantage, weight in batch}
+            with torch.enable_grad():  # the prompt's last row scores every sample's first token
+                last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
+                first = sum(losses[index](last, 0) for index, _, _, _ in batch)
+                first.backward()
+            total += first.item()
+            for b, (index, response, _, _) in enumerate(longer):
+                total += yield from head_token_loss(ctx.runner, fwd.head_leaf, fwd.offsets[b + 1], len(response) - 1,
+                                                    lambda logits, a, loss=losses[index]: loss(logits, a + 1),
+                                                    ctx.head_chunk_rows)
+            yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+        return JobResult(total, entry.num_tokens, self._metrics(entry, total))
+
+    def _samples_per_pack(self, prompt_len: int, samples: list) -> int:
+        if self.recompute_tokens is None or not samples:
+            return max(len(samples), 1)
+        longest = max(len(response) for _, response, _, _ in samples)
+        return max(1, (self.recompute_tokens - prompt_len) // longest)
+
+    def baseline_job(self, entry: GroupEntry, ctx: TrainContext):
+        """TRL's GRPOTrainer: each sample a row `prompt + response`, the prompt computed
+        once per row."""
         yield from self._reference(entry, ctx)
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)

@@ -4,8 +4,9 @@ Each method has one loss (trainer/losses.py) fed by two jobs:
   - `reuse_job`: from the recorded prefill — backward only for the prompt (CPT), or the
     responses forwarded against the prompt's recorded K/V and the prompt's backward run
     once (DPO, trainer/dpo.py; GRPO, trainer/grpo.py);
-  - `recompute_job`: the separate trainer the paper compares against — a full forward
-    from tokens, then backward.
+  - `recompute_job`: from the entry's tokens, a full forward then backward — the
+    server's job for an entry without a usable recording. `baseline_job` is the
+    separate trainer the paper compares against (benchmarks), where it differs.
 Jobs are generators: each `yield` ends one slice (one layer's forward or backward, the
 loss); they accumulate gradients into the LoRA parameters and return a `JobResult`. The
 optimizer step is the trainer's. Subclass `TrainingMethod` (with its own `CacheEntry`)
@@ -139,7 +140,15 @@ class TrainingMethod:
         raise NotImplementedError
 
     def recompute_job(self, entry: CacheEntry, ctx: TrainContext):
+        """The server's job for an entry without a usable recording: from its tokens."""
         raise NotImplementedError
+
+    def baseline_job(self, entry: CacheEntry, ctx: TrainContext):
+        """The separate trainer the paper compares against, as benchmarks run it: the same
+        gradients as the two jobs above. `recompute_job` unless the method recomputes more
+        cheaply than a separate trainer would (DPO and GRPO pack the prompt once, its
+        responses after it, where TRL's trainers compute it once per response)."""
+        return self.recompute_job(entry, ctx)
 
 
 class CPTMethod(TrainingMethod):

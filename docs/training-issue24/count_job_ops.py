@@ -30,7 +30,7 @@ def job_ops(mode: str, dtype: torch.dtype, compute: str, num_layers: int = 2) ->
     trainer = make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype=compute, **beta), dtype=dtype,
                             num_layers=num_layers, init_lora_weights=False)
     counts = {}
-    for path, job in (("reuse", trainer.method.reuse_job), ("recompute", trainer.method.recompute_job)):
+    for path, job in (("reuse", trainer.method.reuse_job), ("recompute", trainer.method.baseline_job)):
         for request_id in ("warm-up", "counted"):  # each job computes its entry's reference itself
             if mode == "grpo":
                 serve_group(trainer, f"{path}-{request_id}")

@@ -35,7 +35,7 @@ def shapes(bucketed: bool) -> dict[str, int]:
             serve(trainer, f"r{i}", prompt=prompt + " What is the capital of France?", max_tokens=4)
         label(trainer, f"r{i}", chosen="Paris" + "!" * rng.randint(1, 40), rejected="Rome" + "." * rng.randint(1, 40))
         entry = trainer.cache.get(f"r{i}")
-        job = trainer.method.reuse_job if i % 2 == 0 else trainer.method.recompute_job
+        job = trainer.method.reuse_job if i % 2 == 0 else trainer.method.baseline_job
         with jobs.recording():
             run_to_end(job(entry, trainer.context))
         trainer.optimizer.zero_grad()

@@ -47,7 +47,7 @@ def main() -> None:
         assert trainer.feedback.submit(FeedbackLabel(request_id, CHOSEN, REJECTED, 0)).accepted
         return trainer.cache.get(request_id)
 
-    jobs = {"reuse": trainer.method.reuse_job, "recompute": trainer.method.recompute_job}
+    jobs = {"reuse": trainer.method.reuse_job, "recompute": trainer.method.baseline_job}
 
     def run(path: str, measure=None) -> float:
         job = jobs[path](entry(), trainer.context)

@@ -47,7 +47,7 @@ def main() -> None:
         _, request_id = prefill(way)
         assert trainer.feedback.submit(FeedbackLabel(request_id, CHOSEN, REJECTED, 0)).accepted
         entry = trainer.cache.get(request_id)
-        work = (trainer.method.reuse_job if path == "reuse" else trainer.method.recompute_job)(entry, trainer.context)
+        work = (trainer.method.reuse_job if path == "reuse" else trainer.method.baseline_job)(entry, trainer.context)
         if profile is not None:
             profile.enable()
         started = time.perf_counter()
