@@ -4,7 +4,8 @@ For each path on its own, lengths are tried in increasing order until one runs o
 device memory (paper: DPO on Llama-3.1-8B, 80 GB: about 3,000 tokens for the separate
 trainer, 7,000 for alchemist):
   - reuse: the prompt is served recorded, then trained from its recording;
-  - recompute: the entry holds tokens only (nothing recorded) and trains from them.
+  - recompute: the entry holds tokens only (nothing recorded) and the separate trainer
+    trains from them (the method's `baseline_job`: TRL's layout).
 Both share the model, its KV cache and the adapter, so the difference is the training
 activations. DPO here takes both responses as given (N/4 tokens each, nothing decoded),
 so that a 16k-token attempt does not decode 4k tokens first.

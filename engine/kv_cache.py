@@ -136,7 +136,8 @@ class AttentionGroup:
     query_positions: torch.Tensor
     # S: key positions per sequence (0 .. S-1), at least the group's longest context
     num_keys: int
-    # (b, S) cache slot of each key position (a serving step); padding points at slot 0 (masked)
+    # (b, S) cache slot of each key position (a serving step), or packed row of the forward's
+    # own K/V (AttentionMetadata.shared_prefix); padding points at slot 0 (masked)
     key_slots: torch.Tensor | None = None
     # a decode group that reads the pool in place instead (engine/paged_decode.py): no key_slots
     paged: PagedDecode | None = None
@@ -173,7 +174,8 @@ class AttentionMetadata:
 
     @property
     def single(self) -> AttentionGroup:
-        """The one group of a forward whose K/V are its own (training, a recorded prefill)."""
+        """The one group of a forward whose K/V are its own (training, a recorded prefill),
+        but for a shared-prefix pack's, which has two."""
         assert len(self.groups) == 1, "a forward with its own K/V runs one attention group"
         return self.groups[0]
 

@@ -7,14 +7,17 @@ adapter's gradients equal those of the whole sequences in one batch."""
 import pytest
 import torch
 
-from engine.model_runner import run_to_end
+from engine.attention import paged_attention_forward
+from engine.kv_cache import AttentionMetadata
+from engine.model_runner import run_to_end, training_buckets
 from tests.conftest import encode, make_training
 from tests.test_grpo import reward, serve_group
-from tests.test_training import PROMPT, label, make_trainer, relative_difference, serve
+from tests.test_training import PROMPT, gradients_of, label, make_trainer, relative_difference, serve
 from tests.test_training_buckets import bucketed
 from tests.tiny import FAMILIES, TEST_DEVICE
 from trainer.adapter import lora_gradients
 from trainer.config import TrainConfig
+from trainer.entries import PreferenceLabel
 from trainer.forward import backward_segments, forward_segments
 from trainer.losses import token_logprobs
 from trainer.methods import head_logits
@@ -92,10 +95,10 @@ def test_with_grad_the_pack_gives_the_whole_sequences_gradients(family):
     trainer.optimizer.zero_grad()
     with torch.enable_grad():
         last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
-        loss = -sum(token_logprobs(last, torch.tensor(r[:1])).sum() for r in responses)
+        loss = -sum(token_logprobs(last, torch.tensor(r[:1], device=TEST_DEVICE)).sum() for r in responses)
         for b, r in enumerate(responses):
             rows = fwd.head_leaf[0, fwd.offsets[b + 1]:fwd.offsets[b + 2]]
-            loss = loss - token_logprobs(head_logits(ctx, rows), torch.tensor(r[1:])).sum()
+            loss = loss - token_logprobs(head_logits(ctx, rows), torch.tensor(r[1:], device=TEST_DEVICE)).sum()
         loss.backward()
     run_to_end(backward_segments(fwd.segments, fwd.head_leaf.grad))
     packed = lora_gradients(peft)
@@ -139,3 +142,70 @@ def test_the_servers_recompute_computes_the_prompt_once_and_the_baseline_once_pe
     run_to_end(trainer.method.baseline_job(entry, trainer.context))
     assert rows[-1] == sum(prompt_len + len(r) - (mode == "grpo") for r in responses)
     trainer.optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("shapes", ["exact", "bucketed"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_the_packs_attention_is_each_whole_sequences(window, shapes):
+    """At the attention call: queries of a prompt and of suffixes of lengths 3, 1 and 5,
+    grouped-query heads, a sliding window shorter than the prompt — each row attends as
+    in causal attention over its own whole sequence."""
+    torch.manual_seed(0)
+    prompt_len, suffixes, heads, kv_heads, dim = 6, [3, 1, 5], 4, 2, 8
+    buckets = training_buckets(torch.device("cuda"), 16, 64) if shapes == "bucketed" else None
+    meta = AttentionMetadata.shared_prefix(prompt_len, suffixes, TEST_DEVICE, buckets)
+    total = prompt_len + sum(suffixes)
+    query = torch.randn(1, heads, total, dim, device=TEST_DEVICE)
+    key, value = (torch.randn(total, kv_heads, dim, device=TEST_DEVICE) for _ in range(2))
+    out, _ = paged_attention_forward(None, query, key, value, meta, scaling=dim ** -0.5, sliding_window=window)
+    offsets = [prompt_len + sum(suffixes[:i]) for i in range(len(suffixes))]
+    for offset, n in zip([0, *offsets], [0, *suffixes]):
+        rows = list(range(prompt_len)) + list(range(offset, offset + n))  # the whole sequence, in position order
+        positions = torch.arange(len(rows), device=TEST_DEVICE)
+        allowed = positions[None, :] <= positions[:, None]
+        if window is not None:
+            allowed &= positions[None, :] > positions[:, None] - window
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, rows], key[rows].transpose(0, 1)[None], value[rows].transpose(0, 1)[None],
+            attn_mask=allowed, scale=dim ** -0.5, enable_gqa=True)[0].transpose(0, 1)  # (rows, heads, dim)
+        mine = rows if n == 0 else rows[prompt_len:]
+        want = expected if n == 0 else expected[prompt_len:]
+        assert torch.allclose(out[0, mine], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", [(1, 1), (6, 1), (1, 4)])
+def test_responses_of_one_token_recompute_as_the_separate_trainer(lengths):
+    trainer = make_trainer("llama", mode="dpo")
+    serve(trainer, "r", max_tokens=8)
+    label(trainer, "r", chosen=CHOSEN, rejected=REJECTED)
+    entry = trainer.cache.get("r")
+    eos = entry.label.chosen[-1:]
+    chosen, rejected = lengths  # a one-token rejected response is not the end of turn: the two differ
+    entry.label = PreferenceLabel(encode(CHOSEN)[:chosen - 1] + eos,
+                                  encode(REJECTED)[:rejected - 1] + eos if rejected > 1 else encode(REJECTED)[:1])
+    assert [len(r) for r in (entry.label.chosen, entry.label.rejected)] == list(lengths)
+    packed = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+    baseline = gradients_of(trainer, trainer.method.baseline_job(entry, trainer.context))
+    assert all(g.norm() > 0 for g in baseline.values())
+    assert relative_difference(packed, baseline) <= 1e-4  # as every DPO path's (tests/test_training.py)
+
+
+@pytest.mark.parametrize("max_tokens, tokens_bound", [(1, None), (4, 1)])
+def test_a_group_recomputes_in_packs_of_any_size_as_the_dense_trainer(max_tokens, tokens_bound):
+    """Samples of one token (nothing after the prompt), and a token bound below the
+    prompt's length: packs of one sample, the KL term's base reference packed the same."""
+    torch.manual_seed(0)
+    trainer = make_training(TrainConfig(mode="grpo", lora_rank=4, grpo_beta=0.05), init_lora_weights=False)
+    serve_group(trainer, "g", max_tokens=max_tokens)
+    assert reward(trainer, "g").accepted
+    entry, method = trainer.cache.get("g"), trainer.method
+    method.recompute_tokens = tokens_bound
+    packed = gradients_of(trainer, method.recompute_job(entry, trainer.context))
+    packed_reference, entry.reference_token_logps = entry.reference_token_logps, None
+    method.recompute_tokens = None
+    baseline = gradients_of(trainer, method.baseline_job(entry, trainer.context))
+    assert sorted(packed_reference) == sorted(entry.reference_token_logps)
+    for index, values in packed_reference.items():
+        assert values == pytest.approx(entry.reference_token_logps[index], abs=1e-5)
+    assert all(g.norm() > 0 for g in baseline.values())
+    assert relative_difference(packed, baseline) <= 1e-5

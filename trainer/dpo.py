@@ -4,7 +4,7 @@ A served answer is recorded; a label (POST /v1/feedback) names the chosen and th
 rejected response — the served one and one the client gives, or two served choices. The
 loss is DPO's sigmoid loss (trainer/losses.py) against a reference (`train.dpo_reference`:
 the base model, or the served adapter version). Two jobs, as for every method
-(trainer/methods.py):
+(trainer/methods.py), and the separate trainer that benchmarks compare them against:
   - `reuse_job`, the shared-prefix schedule (papers/shared-prefix-reuse.txt) on the
     served recording: both responses forwarded as one batch against the prompt's K/V as
     detached leaves, their gK/gV accumulating there, and the prompt's backward run once;
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.recording import RecordedPrefill
 from trainer.config import DPO_REFERENCES
 from trainer.entries import PreferenceEntry
 from trainer.forward import (HeadGradient, SegmentedForward, backward_segments, forward_segments, head_backward,

@@ -91,6 +91,7 @@ def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], start
     (they attend to it, then to themselves), all in one pack (`starts` is implied)."""
     device = runner.device
     lengths = [len(t) for t in token_lists]
+    assert starts is None or not shared_prefix, "a shared-prefix pack's positions follow from its lengths"
     if shared_prefix and len(lengths) > 1:
         starts = [0] + [lengths[0]] * (len(lengths) - 1)
         metadata = runner.shared_prefix_metadata(lengths[0], lengths[1:])

@@ -108,19 +108,25 @@ class GRPOMethod(TrainingMethod):
 
     def reference_token_logps(self, entry: GroupEntry, ctx: TrainContext):
         """Generator -> per choice, the base model's log-prob of each response token (no
-        grad): the prompt and every sample in one forward, the samples attending to the
-        prompt's keys (AttentionMetadata.shared_prefix)."""
+        grad): the prompt and the samples in one forward, the samples attending to the
+        prompt's keys (AttentionMetadata.shared_prefix), in packs of as many as fit
+        beside the prompt in `recompute_tokens` (a slice's rows stay bounded)."""
         def compute():
             prompt = entry.prompt_token_ids
             longer = [(index, response) for index, response in entry.responses.items() if len(response) > 1]
-            fwd = yield from forward_segments(ctx.runner, [prompt, *(response[:-1] for _, response in longer)],
-                                              with_grad=False, shared_prefix=True)
-            last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
-            result = {index: token_logprobs(last, ctx.ids(response[:1])).tolist()
-                      for index, response in entry.responses.items()}
-            for b, (index, response) in enumerate(longer):
-                rows = fwd.head_leaf[0, fwd.offsets[b + 1]:fwd.offsets[b + 2]]
-                result[index] += token_logprobs(head_logits(ctx, rows), ctx.ids(response[1:])).tolist()
+            result = {index: None for index in entry.responses}
+            per_pack = self._samples_per_pack(len(prompt), [(i, r, 0.0, 0.0) for i, r in longer])
+            for start in range(0, max(len(longer), 1), per_pack):
+                pack = longer[start:start + per_pack]
+                fwd = yield from forward_segments(ctx.runner, [prompt, *(response[:-1] for _, response in pack)],
+                                                  with_grad=False, shared_prefix=True)
+                if start == 0:
+                    last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
+                    result = {index: token_logprobs(last, ctx.ids(response[:1])).tolist()
+                              for index, response in entry.responses.items()}
+                for b, (index, response) in enumerate(pack):
+                    rows = fwd.head_leaf[0, fwd.offsets[b + 1]:fwd.offsets[b + 2]]
+                    result[index] += token_logprobs(head_logits(ctx, rows), ctx.ids(response[1:])).tolist()
             return result
 
         return (yield from within(lambda: base_model_no_grad(ctx), compute()))
