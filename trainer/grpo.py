@@ -114,13 +114,12 @@ class GRPOMethod(TrainingMethod):
         def compute():
             prompt = entry.prompt_token_ids
             longer = [(index, response) for index, response in entry.responses.items() if len(response) > 1]
-            result = {index: None for index in entry.responses}
-            per_pack = self._samples_per_pack(len(prompt), [(i, r, 0.0, 0.0) for i, r in longer])
+            per_pack = self._samples_per_pack(len(prompt), [response for _, response in longer])
             for start in range(0, max(len(longer), 1), per_pack):
                 pack = longer[start:start + per_pack]
                 fwd = yield from forward_segments(ctx.runner, [prompt, *(response[:-1] for _, response in pack)],
                                                   with_grad=False, shared_prefix=True)
-                if start == 0:
+                if start == 0:  # the first pack's prompt scores every sample's first token
                     last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
                     result = {index: token_logprobs(last, ctx.ids(response[:1])).tolist()
                               for index, response in entry.responses.items()}
@@ -185,7 +184,7 @@ class GRPOMethod(TrainingMethod):
         yield from self._reference(entry, ctx)
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
-        rows = self._samples_per_pack(len(prompt), samples)
+        rows = self._samples_per_pack(len(prompt), [response for _, response, _, _ in samples])
         total = 0.0
         for start in range(0, len(samples), rows):
             batch = samples[start:start + rows]
@@ -206,11 +205,11 @@ class GRPOMethod(TrainingMethod):
             yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
         return JobResult(total, entry.num_tokens, self._metrics(entry, total))
 
-    def _samples_per_pack(self, prompt_len: int, samples: list) -> int:
-        if self.recompute_tokens is None or not samples:
-            return max(len(samples), 1)
-        longest = max(len(response) for _, response, _, _ in samples)
-        return max(1, (self.recompute_tokens - prompt_len) // longest)
+    def _samples_per_pack(self, prompt_len: int, responses: list[list[int]]) -> int:
+        """How many of `responses` fit beside the prompt in `recompute_tokens` (all, unbounded)."""
+        if self.recompute_tokens is None or not responses:
+            return max(len(responses), 1)
+        return max(1, (self.recompute_tokens - prompt_len) // max(map(len, responses)))
 
     def baseline_job(self, entry: GroupEntry, ctx: TrainContext):
         """TRL's GRPOTrainer: each sample a row `prompt + response`, the prompt computed

@@ -24,11 +24,8 @@ from bench.traces import synthetic_tokens
 from bench.training import Bench
 from bench.training_grpo import serve_group, tokens_only
 from server.config import load_config
+from tests.test_training import relative_difference
 from trainer.entries import EntryState
-
-
-def _relative_difference(a: dict, b: dict) -> float:
-    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
 
 
 def _rounds(bench: Bench, make_entry, rounds: int) -> dict:
@@ -44,7 +41,7 @@ def _rounds(bench: Bench, make_entry, rounds: int) -> dict:
             started = time.perf_counter()
             _, grads[path], _ = bench.run_job(jobs[path](entry, bench.context), None)
             seconds[path].append(time.perf_counter() - started)
-        difference = max(difference, _relative_difference(grads["recompute"], grads["baseline"]))
+        difference = max(difference, relative_difference(grads["recompute"], grads["baseline"]))
     median = {path: statistics.median(s) for path, s in seconds.items()}
     return {"recompute_s": round(median["recompute"], 3), "baseline_s": round(median["baseline"], 3),
             "baseline_over_recompute": round(median["baseline"] / median["recompute"], 3),
