@@ -15,8 +15,8 @@ step), recorded over plain, per case:
     and the decodes the next (`scheduler.recorded_prefill_alone`, the default); a plain
     prefill shares its step with them. The figures: the prompt's first token, and the
     decodes' next token, each recorded over plain;
-  - `beside_decodes_shared`: the same with the decodes sharing the recorded prefill's
-    step (their rows run apart from the recorded ones, after them).
+  - `beside_decodes_shared`: the same with the decodes riding along in the recorded
+    prefill's forward (`recorded_prefill_alone` off).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from engine.kv_cache import AttentionMetadata, gather_rows
+from engine.kv_cache import AttentionMetadata, RecordedStepKV, gather_rows
 from engine.paged_decode import paged_decode_attention
 
 ATTENTION_NAME = "alchemist"
@@ -28,26 +28,38 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     (or a shared-prefix forward's own packed rows, AttentionMetadata.shared_prefix), or a
     forward's own (1, KVH, S, D). Returns (1, T, H, D) as transformers' attention
     functions do: one SDPA call per group of the metadata, or for a decode group with a
-    `paged` reading of the pool, one FlexAttention call."""
+    `paged` reading of the pool, one FlexAttention call. In a recorded step with other
+    sequences' decodes riding along (`RecordedStepKV`), group 0 is the recorded prompt,
+    on its own K/V, and the others read the pool."""
     if not isinstance(attention_mask, AttentionMetadata):
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     meta = attention_mask
     heads, head_dim = query.shape[1], query.shape[3]
     packed = query[0].transpose(0, 1)  # (T, H, D)
+    riding = isinstance(key, RecordedStepKV)  # a recorded prompt (group 0) with others' decodes
+    if riding:
+        (own_key, key), (own_value, value) = key, value
     pooled = key.dim() == 3
     outputs = []
     window = kwargs.get("sliding_window")
-    for group in meta.groups:
-        queries = gather_rows(packed, group.query_index).transpose(1, 2)  # (b, H, q, D)
-        if pooled and group.paged is not None:  # decode rows read the pool in place (engine/paged_decode.py)
+    for g, group in enumerate(meta.groups):
+        # in a recorded step, another sequence's rows get no gradient: nothing of their attention is saved
+        rows = packed.detach() if riding and g > 0 else packed
+        queries = gather_rows(rows, group.query_index).transpose(1, 2)  # (b, H, q, D)
+        if riding and g == 0:
+            keys, values = own_key, own_value
+        elif pooled and group.paged is not None:  # decode rows read the pool in place (engine/paged_decode.py)
             out = paged_decode_attention(queries, key, value, group.paged, scaling, window)
+            outputs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
+            continue
+        elif pooled:
+            keys, values = gather_rows(key, group.key_slots).transpose(1, 2), \
+                gather_rows(value, group.key_slots).transpose(1, 2)  # (b, KVH, S, D)
         else:
-            keys, values = (gather_rows(key, group.key_slots).transpose(1, 2),
-                            gather_rows(value, group.key_slots).transpose(1, 2)) if pooled \
-                else (key, value)  # (b, KVH, S, D)
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask(window), scale=scaling,
-                                                 enable_gqa=keys.shape[1] != heads)  # (b, H, q, D)
+            keys, values = key, value
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask(window), scale=scaling,
+                                             enable_gqa=keys.shape[1] != heads)  # (b, H, q, D)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
     out = gather_rows(outputs[0] if len(outputs) == 1 else torch.cat(outputs), meta.output_index)
     return out.unsqueeze(0), None

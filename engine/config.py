@@ -73,8 +73,8 @@ class SchedulerConfig:
     # choice prefills the prompt itself (the plain path `alchemist bench serving --n` compares)
     fork_choices: bool = True
     # a recorded prefill takes its step alone, and the decoding sequences the next one, before
-    # any other recorded prefill: its first token comes one decode forward sooner, and theirs
-    # when they would have had it (a recorded step runs their rows apart, after it, anyway)
+    # any other recorded prefill; off, their rows ride along in its forward (one GEMM per
+    # linear layer over all rows, no gradient for theirs): one step gives every token
     recorded_prefill_alone: bool = True
 
 

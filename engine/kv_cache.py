@@ -15,6 +15,7 @@ Memory per token: 2 (K, V) * num_layers * num_kv_heads * head_dim * dtype bytes
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 from dataclasses import dataclass
 
 import torch
@@ -268,31 +269,52 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class RecordedStepKV(NamedTuple):
+    """A recorded step's keys (or values) for attention when other sequences' decodes ride
+    along in it: the recorded prompt's own, graph-connected rows, padded to the key length
+    of its group (group 0), and the pool, from which the other groups gather theirs."""
+
+    own: torch.Tensor  # (1, KVH, S, D)
+    pool: torch.Tensor  # (slots, KVH, D)
+
+
 class StepKV:
     """The `past_key_values` a decoder layer sees during one engine step: `update()`
     stores the step's new K/V in the pool and returns the pools, (slots, KVH, D) each,
     from which attention gathers each group's keys (engine/attention.py).
 
-    With `record=True` (a recorded prefill: one sequence, whole prompt) the pool gets
-    detached copies while attention uses the live, graph-connected K/V, padded to the
-    group's key length, which are kept in `recorded` per layer; decode later reads only
-    the pool, so it never touches the graph.
+    With `record=True` (a recorded prefill: one sequence's whole prompt, its rows first)
+    the pool gets detached copies while the prompt's attention uses its live,
+    graph-connected K/V, padded to its group's key length, which are kept in `recorded`
+    per layer; decode later reads only the pool, so it never touches the graph. Decodes
+    riding along in the step (rows past `recorded_rows`) read the pool
+    (`RecordedStepKV`).
     """
 
-    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, record: bool = False):
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, record: bool = False,
+                 recorded_rows: int | None = None):
         self.cache = cache
         self.metadata = metadata
         self.record = record
+        self.recorded_rows = recorded_rows
         self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key, value: (1, KVH, T, D) -> the pools, or (1, KVH, S, D) each when recording."""
+        """key, value: (1, KVH, T, D) -> the pools; when recording, (1, KVH, S, D) each, or
+        a `RecordedStepKV` each when decodes ride along."""
         slots = self.metadata.slot_mapping
         k_pool, v_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         k_pool.index_copy_(0, slots, key[0].transpose(0, 1).detach())
         v_pool.index_copy_(0, slots, value[0].transpose(0, 1).detach())
         if not self.record:
             return k_pool, v_pool
-        self.recorded[layer_idx] = (own_storage(key), own_storage(value))
-        pad = self.metadata.single.num_keys - key.shape[2]
-        return torch.nn.functional.pad(key, (0, 0, 0, pad)), torch.nn.functional.pad(value, (0, 0, 0, pad))
+        key, value = own_storage(key), own_storage(value)
+        rows = key.shape[2] if self.recorded_rows is None else self.recorded_rows
+        if rows < key.shape[2]:  # the prompt's rows; the riding decodes' few stay in the storage
+            key, value = key[:, :, :rows], value[:, :, :rows]
+        self.recorded[layer_idx] = (key, value)
+        pad = self.metadata.groups[0].num_keys - rows
+        key, value = torch.nn.functional.pad(key, (0, 0, 0, pad)), torch.nn.functional.pad(value, (0, 0, 0, pad))
+        if len(self.metadata.groups) == 1:
+            return key, value
+        return RecordedStepKV(key, k_pool), RecordedStepKV(value, v_pool)

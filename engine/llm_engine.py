@@ -232,7 +232,7 @@ class LLMEngine:
         if not scheduled.is_empty:
             hooks = self.hooks
             if hooks.memory_guard is not None:
-                recorded = scheduled.scheduled[0].num_new_tokens if scheduled.recorded else 0
+                recorded = scheduled.num_tokens if scheduled.recorded else 0  # riding decodes' rows too
                 hooks.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
             try:
                 model_output = self.runner.execute(scheduled, hooks.segment_sink, hooks.stale_resolver,

@@ -132,10 +132,13 @@ class ModelRunner:
         # shape measured before is recorded without saved-tensor hooks (engine/saved_bytes_memo.py)
         self.saved_bytes_memo: SavedBytesMemo | None = None
 
-    def _pack(self, step: SchedulerOutput, buckets: StepBuckets | None) -> _PackedStep:
+    def _pack(self, step: SchedulerOutput, buckets: StepBuckets | None, recorded: bool = False) -> _PackedStep:
         """The step's inputs, built on the host and copied in one go (engine/step_inputs.py);
         with `buckets`, attention's batch, query and key lengths are rounded up to them
-        (the packed rows, which the linear layers see, never are)."""
+        (the packed rows, which the linear layers see, never are). `recorded`: the first
+        sequence is a recorded prefill, its own attention group; the decodes riding along
+        gather their K/V from the pool (never the paged reading, compiled for serving's
+        shapes without autograd)."""
         ids: list[int] = []
         sample_rows, sample_entries, prompt_rows = [], [], []
         for entry in step.scheduled:
@@ -154,13 +157,13 @@ class ModelRunner:
         layout = layout_step([entry.num_new_tokens for entry in step.scheduled],
                              [entry.seq.num_computed_tokens for entry in step.scheduled],
                              [entry.seq.block_ids for entry in step.scheduled], ids, sample_rows,
-                             buckets, self.block_size, self.kv_cache.scratch_slot)
+                             buckets, self.block_size, self.kv_cache.scratch_slot, first_alone=recorded)
         inputs = self.staging.upload(**layout.arrays)
         groups = []
         for g, (batch, num_keys) in enumerate(layout.shapes):
             table, query_index, query_positions = inputs[f"table{g}"], inputs[f"query_index{g}"], \
                 inputs[f"query_positions{g}"]
-            if self.paged_decode and buckets is not None and query_index.shape[1] == 1:
+            if self.paged_decode and not recorded and buckets is not None and query_index.shape[1] == 1:
                 # every step's table as wide as the longest context's: one compiled shape per batch bucket
                 table = torch.nn.functional.pad(table, (0, self.decode_keys[-1] // self.block_size - table.shape[1]))
                 paged = PagedDecode(table, query_positions[:, 0], self.block_size, self.kv_cache.num_blocks + 1)
@@ -269,30 +272,21 @@ class ModelRunner:
 
     def _execute_recorded(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
                           stale_resolver, recording_weights=None) -> ModelOutput:
-        """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only;
-        base weights are frozen), kept as per-layer segments plus a head segment. The other
-        sequences of the step (decodes) run after it in an inference-mode forward of their
-        own: under autograd they rode along in the recorded graph, padded to the prompt's
-        length in attention (measured in BENCHMARKS.md, "Recording": `alchemist bench
-        recording`, case beside_decodes)."""
-        recorded, others = step.scheduled[0], step.scheduled[1:]
-        weights = (recording_weights(recorded.seq.record.adapter_version) if recording_weights is not None
+        """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only; base
+        weights are frozen), kept as per-layer segments plus a head segment. Other
+        sequences' decodes in the step ride along: one GEMM per linear layer over all rows,
+        their attention on the pool and their logits without autograd; no gradient reaches
+        them (`bench recording`, cases beside_decodes*)."""
+        weights = (recording_weights(step.scheduled[0].seq.record.adapter_version) if recording_weights is not None
                    else contextlib.nullcontext())
         with weights:
-            output = self._record_prefill(SchedulerOutput([recorded], recorded=True, forks=step.forks), segment_sink,
-                                          stale_resolver)
-        if others:
-            with torch.inference_mode():
-                rest = self._execute(SchedulerOutput(others, forks=step.forks))
-            output.sampled.update(rest.sampled)
-            output.prompt_logprobs.update(rest.prompt_logprobs)
-            output.fork_logits.update(rest.fork_logits)
-        return output
+            return self._record_prefill(step, segment_sink, stale_resolver)
 
     def _record_prefill(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
                         stale_resolver) -> ModelOutput:
-        """`_execute_recorded` for a step of the recorded sequence alone."""
-        packed = self._pack(step, self.training_buckets)
+        """`_execute_recorded` once the recorded version's weights are in place."""
+        assert all(entry.num_new_tokens == 1 for entry in step.scheduled[1:]), "only decodes ride along"
+        packed = self._pack(step, self.training_buckets, recorded=True)
         seq = step.scheduled[0].seq
         num_prompt = step.scheduled[0].num_new_tokens
         tracker = self.record_tracker or SavedTensorTracker()
@@ -301,14 +295,15 @@ class ModelRunner:
         bytes_before = tracker.live_bytes
         leaves: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
-        past = StepKV(self.kv_cache, packed.metadata, record=True)
+        past = StepKV(self.kv_cache, packed.metadata, record=True, recorded_rows=num_prompt)
         placement = segment_sink.begin_recording(num_prompt) if segment_sink is not None else None
         all_rows = seq.record.all_logit_rows
         memo = self.saved_bytes_memo if self.record_tracker is None and placement is None else None
         known = shape = None
         if memo is not None:
-            group = packed.metadata.single
-            shape = RecordingShape(packed.input_ids.shape[0], group.query_index.shape[1], group.num_keys, all_rows)
+            group = packed.metadata.groups[0]
+            shape = RecordingShape(packed.input_ids.shape[0], len(step.scheduled) - 1, group.query_index.shape[1],
+                                   group.num_keys, all_rows)
             known = memo.lookup(shape)
         try:
             tracker.new_storage_sizes = saved_sizes
@@ -320,7 +315,7 @@ class ModelRunner:
                     placement.keep(*rotary, rotary.signed_sin)
                 layers = self.iter_layers(hidden, packed.positions, packed.metadata, past, leaves, outs, rotary)
                 hidden = self._record_layers(layers, tracker, placement, leaves, outs, past)
-                head_leaf = hidden.detach().requires_grad_()
+                head_leaf = hidden[:, :num_prompt].detach().requires_grad_()
                 normed = self.norm(head_leaf)[0]  # (T, hidden): the recorded prompt's rows
                 logits = self.lm_head(normed if all_rows else normed[-1:])
             segments = [LayerSegment(leaf, out, *past.recorded[i]) for i, (leaf, out) in enumerate(zip(leaves, outs))]
@@ -340,13 +335,27 @@ class ModelRunner:
         finally:
             tracker.segment = tracker.collected = tracker.new_storage_sizes = None
         output = ModelOutput(recording=recording)
-        if packed.sample_rows:
-            with torch.inference_mode():
-                last = logits[-1:].detach().clone()
-                output.sampled[seq.seq_id] = self.sampler.sample(last, [seq])[0]
-                if any(fork.parent is seq for fork in step.forks):
-                    output.fork_logits[seq.seq_id] = last[0]
+        with torch.inference_mode():
+            self._sample_recorded_step(step, packed, logits, hidden, output)
         return output
+
+    def _sample_recorded_step(self, step: SchedulerOutput, packed: _PackedStep, logits: torch.Tensor,
+                              hidden: torch.Tensor, output: ModelOutput) -> None:
+        """The recorded prompt's first token, from its recorded logits' last row, and the
+        riding decodes' next tokens, from their rows of the last layer's output."""
+        seq, entries = step.scheduled[0].seq, packed.sample_entries
+        prompt_samples = bool(entries) and entries[0] is step.scheduled[0]  # scheduled first, sampled first
+        if prompt_samples:
+            last = logits[-1:].detach().clone()
+            output.sampled[seq.seq_id] = self.sampler.sample(last, [seq])[0]
+            if any(fork.parent is seq for fork in step.forks):
+                output.fork_logits[seq.seq_id] = last[0]
+        riders = [entry.seq for entry in entries[1 if prompt_samples else 0:]]
+        if riders:
+            rows = packed.sample_index[1 if prompt_samples else 0:]
+            rider_logits = self.lm_head(self.norm(hidden[0].detach().index_select(0, rows)))
+            for rider, token in zip(riders, self.sampler.sample(rider_logits, riders)):
+                output.sampled[rider.seq_id] = token
 
     @staticmethod
     def _record_layers(layers, tracker: SavedTensorTracker, placement, leaves, outs, past) -> torch.Tensor:

@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 class RecordingShape:
     """What the tensors a recorded prefill saves depend on, besides the model."""
 
-    rows: int  # the step's packed rows (the recorded prompt's tokens)
+    rows: int  # the step's packed rows (the recorded prompt's tokens, then any decodes riding along)
+    riders: int  # of which decodes of other sequences
     query_rows: int  # its attention's query rows, padded to a bucket
     num_keys: int  # its attention's key length, padded to a bucket
     all_logit_rows: bool  # the head's logits kept for every row, or the last one only

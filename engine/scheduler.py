@@ -139,10 +139,9 @@ class Scheduler:
     def _schedule_recorded_prefill(self) -> SchedulerOutput | None:
         """A sequence selected for training is prefilled whole (not chunked), first in its
         step, so its graph covers exactly its prompt. Running sequences that are decoding
-        would run their rows apart from it in any case (engine/model_runner.py): with
-        `recorded_prefill_alone` they take the next step, before any other recorded prefill
-        (`schedule`), so the prompt's first token does not wait for their forward and theirs
-        comes when it would have; otherwise they share this one (one token each)."""
+        ride along in its forward (engine/model_runner.py), one token each; with
+        `recorded_prefill_alone` they take the next step instead, before any other recorded
+        prefill (`schedule`)."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         seq = self.waiting[0]

@@ -88,20 +88,24 @@ class StepLayout:
 
 def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[int]], token_ids: list[int],
                 sample_rows: list[int], buckets: StepBuckets | None, block_size: int,
-                scratch_slot: int) -> StepLayout:
+                scratch_slot: int, first_alone: bool = False) -> StepLayout:
     """Sequence b computes `lengths[b]` tokens from position `starts[b]`, packed in order
     into rows `token_ids`. The decodes form one attention group and the prefill chunks
     another, each padded to its own bucketed shape (`buckets`; None: one exact group, as a
-    recorded prefill runs). A decode-only step also pads its rows to the batch bucket:
-    padded rows read token 0 at position 0 and write their K/V to `scratch_slot`."""
+    recorded prefill runs). With `first_alone` the first sequence is group 0 by itself
+    (a recorded prefill, which attends to its own graph-connected K/V) and the others
+    follow, grouped as above (decodes riding along in its step). A decode-only step also
+    pads its rows to the batch bucket: padded rows read token 0 at position 0 and write
+    their K/V to `scratch_slot`."""
     lengths_, starts_ = np.array(lengths), np.array(starts)
     num_rows = len(token_ids)
     row_offsets = np.cumsum(lengths_) - lengths_
     seq_of_row = np.repeat(np.arange(len(lengths_)), lengths_)
     row_in_seq = np.arange(num_rows) - row_offsets[seq_of_row]
     positions = starts_[seq_of_row] + row_in_seq
-    members = [np.arange(len(lengths_))] if buckets is None else \
-        [m for m in (np.flatnonzero(lengths_ == 1), np.flatnonzero(lengths_ > 1)) if m.size]
+    rest = np.arange(1 if first_alone else 0, len(lengths_))
+    kinds = [rest] if buckets is None else [rest[lengths_[rest] == 1], rest[lengths_[rest] > 1]]
+    members = ([np.arange(1)] if first_alone else []) + [m for m in kinds if m.size]
     arrays: dict[str, np.ndarray] = {"input_ids": np.array(token_ids, dtype=np.int64), "positions": positions,
                                      "sample_rows": np.array(sample_rows, dtype=np.int64),
                                      "slot_mapping": np.empty(num_rows, dtype=np.int64),
@@ -129,7 +133,7 @@ def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[i
         output_offset += batch * q_max
         arrays.update({f"table{g}": table, f"query_index{g}": query_index, f"query_positions{g}": query_positions})
         shapes.append((batch, num_keys))
-    static = buckets is not None and bool((lengths_ == 1).all())
+    static = buckets is not None and not first_alone and bool((lengths_ == 1).all())
     if static:
         batch = shapes[0][0]
         pad = batch - num_rows

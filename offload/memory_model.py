@@ -66,7 +66,7 @@ class MemoryModel:
     def recording_in_flight_bytes(self, rows: int) -> int:
         """What a recorded prefill of `rows` tokens adds at most before the offloader can
         free its layers: one layer, that layer's kept tensors, and the once-per-recording
-        tensors (the step's decodes run apart, without autograd)."""
+        tensors (`rows`: the prompt's and any riding decodes', whose attention saves nothing)."""
         layer = self.layer_bytes(rows)
         kept_per_layer = (self.kept_per_token - self.head_per_token) / max(self.num_layers, 1)
         return int(layer + (kept_per_layer + self.head_per_token) * rows)

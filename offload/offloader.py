@@ -214,7 +214,7 @@ class ActivationOffloader:
             self._step_bytes = self.map.serving_bytes(num_tokens, batch_size)
             self._max_step_bytes = max(self._max_step_bytes, self._step_bytes)
             in_flight = 0
-            if recorded_tokens:  # the recorded graph holds the recorded prompt's rows (decodes run apart)
+            if recorded_tokens:  # the rows the recorded graph holds: the prompt's, and any riding decodes'
                 in_flight = self.in_flight_bytes(recorded_tokens)
             self._allowed_bytes = max(0, self.budget_bytes - self._step_bytes - in_flight)
             if not self.free_to(self._allowed_bytes):

@@ -96,6 +96,26 @@ def test_recomputed_and_reloaded_layers_mixed_in_one_backward(family):
     assert relative_difference(grads, reference) <= 1e-5
 
 
+@pytest.mark.parametrize("policy", ["load", "recompute"])
+def test_decodes_riding_in_a_recorded_step_leave_its_gradients_alone(policy):
+    """Decodes riding along in a recorded prefill's forward (`recorded_prefill_alone` off)
+    add their rows to its layers' saved inputs, not to its gradients: loaded back, or
+    recomputed from the prompt's rows alone, its layers train as the prompt recorded alone."""
+    reference = gradients_after_serving(make_trainer(mode="dpo"), "dpo")
+    trainer = make_trainer(mode="dpo", offload=OffloadConfig(device_budget_bytes=1 << 40, policy=policy))
+    scheduler = engine_of(trainer).scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, recorded_prefill_alone=False)
+    serve_two(trainer)
+    entry = trainer.cache.get("b")
+    assert {s.leaf.shape[1] for s in entry.recording.segments} == {len(encode(PROMPT)) + 1}  # "a" rode along
+    trainer.offloader.free_to(0)
+    label(trainer, "b", chosen="Paris, of course. It is a lovely city.")
+    grads = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    stats = trainer.offloader.stats
+    assert stats.reloaded_layers + stats.recomputed_layers == len(entry.recording.segments)
+    assert relative_difference(grads, reference) <= 1e-5
+
+
 def test_layers_are_copied_while_recording_or_only_when_freed():
     eager = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40, copy_to_host="recording"))
     serve_two(eager)

@@ -129,7 +129,7 @@ def test_a_float32_model_and_an_offloader_keep_the_hooks_on_every_recording(pack
 
 def test_the_memo_measures_again_every_so_often_and_takes_a_different_figure_with_a_warning(caplog):
     memo = SavedBytesMemo(remeasure_every=3)
-    shape = RecordingShape(rows=12, query_rows=16, num_keys=16, all_logit_rows=False)
+    shape = RecordingShape(rows=12, riders=0, query_rows=16, num_keys=16, all_logit_rows=False)
     assert memo.lookup(shape) is None
     memo.measured(shape, 100, [60, 40])
     assert [memo.lookup(shape) is None for _ in range(6)] == [False, False, True, False, False, True]
@@ -143,7 +143,7 @@ def test_the_memo_measures_again_every_so_often_and_takes_a_different_figure_wit
 
 def test_the_memo_keeps_the_most_recent_shapes():
     memo = SavedBytesMemo(max_shapes=2)
-    shapes = [RecordingShape(rows=n, query_rows=n, num_keys=n, all_logit_rows=False) for n in (1, 2, 3)]
+    shapes = [RecordingShape(rows=n, riders=0, query_rows=n, num_keys=n, all_logit_rows=False) for n in (1, 2, 3)]
     for n, shape in enumerate(shapes):
         memo.measured(shape, n, [n])
     assert memo.lookup(shapes[0]) is None and memo.lookup(shapes[2]).total == 2

@@ -228,11 +228,11 @@ def test_sampling_edits_do_not_touch_the_recorded_logits():
 
 @pytest.mark.parametrize("alone", [True, False])
 @pytest.mark.parametrize("mode", ["cpt", "dpo-served"])
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything(family, mode, alone):
     """With `recorded_prefill_alone` (the default) a recorded prefill takes its step alone
-    and the decodes the next one, before another recorded prefill; without it they share
-    its step, their rows run apart from the recorded ones. Either way: the same tokens."""
+    and the decodes the next one, before another recorded prefill; without it their rows
+    ride along in its forward. Either way: the same tokens, and the same gradients."""
     trainer = make_trainer(family, mode.split("-")[0])
     engine = engine_of(trainer)
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config, recorded_prefill_alone=alone)
@@ -269,8 +269,17 @@ def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything
     assert trainer.cache.get("other") is None and len(trainer.cache) == 1 and trainer.stats.recorded == 2
     entry = trainer.cache.get("rec")
     assert trainer.cache.bytes == entry.nbytes
-    # the decodes ran apart, without autograd: the recording holds the prompt's rows only
-    assert {s.leaf.shape[1] for s in entry.recording.segments} == {len(recorded_ids)}
+    # the recording's K/V and head rows are the prompt's; its layers' inputs hold the riders' rows too
+    recording, riders = entry.recording, 0 if alone else 2
+    assert {s.leaf.shape[1] for s in recording.segments} == {len(recorded_ids) + riders}
+    assert {s.key.shape[2] for s in recording.segments} == {len(recorded_ids)}
+    assert recording.head_leaf.shape[1] == len(recorded_ids)
+    # the riders' rows cost what rows do in the layers' saved inputs, and nothing of their attention
+    engine.add_request("again", recorded_ids, params, train=True)
+    while engine.has_unfinished():
+        engine.step()
+    alone_bytes = trainer.cache.get("again").recording.saved_bytes
+    assert alone_bytes <= recording.saved_bytes <= alone_bytes * (len(recorded_ids) + riders) / len(recorded_ids)
     if mode == "dpo-served":
         label(trainer, "rec", chosen="Paris, of course.")
     reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
