@@ -9,7 +9,7 @@
 # Issue 23 (serving), in order: bringup steps serving paged profile http colocate
 # Issue 24 (training): training grpo profile-dpo precision
 # With 15 device minutes: `http dpo` first (issue 23's last target, server.async_output on and off; DPO's host
-# time), then `grpo` and `colocate` (the 4 req/s round); the tokenizer: the embedded model's tokenizer files
+# time), then `grpo`, `recording` and `colocate` (the 4 req/s round); the tokenizer: the embedded model's tokenizer files
 # (engine.model_loader.embedded_model_dir()) copied into .gpu/tokenizer; carry .whl and .gpu
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -119,6 +119,11 @@ for phase in "$@"; do
         bench http "${MODEL[@]}" --streams ${HTTP_STREAMS:-32,8,1} --max-tokens 64 --rounds 3 --max-num-seqs 32 \
           --kv-cache-bytes 8589934592 --async-output $mode --json "$OUT/http-$mode.json"
       done
+      ;;
+    recording)  # a short recorded prefill over a plain one, trained before the next, and beside three decodes: the
+      # default (its step alone, the decodes the next) against the decodes riding along in its forward
+      bench recording "${MODEL[@]}" --tokens 100 --repeats 6 --kv-cache-bytes 4294967296 \
+        --cases trained,beside_decodes,beside_decodes_shared --json "$OUT/recording.json"
       ;;
     colocate)  # the activation cache sized to the GPU (train.cache_bytes = 0), its longest slice named
       export ALCHEMIST_MODEL_MODEL=configs/models/llama-3.1-8b ALCHEMIST_MODEL_LOAD_FORMAT=dummy \
