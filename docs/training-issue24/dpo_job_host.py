@@ -24,6 +24,7 @@ from engine.model_runner import run_to_end
 from engine.sampling_params import SamplingParams
 from host_proxy import host_proxy_engine
 from tests.conftest import encode
+from trainer.entries import EntryState
 from trainer.feedback import FeedbackLabel
 
 PROMPT = "Online learning trains a LoRA adapter on what the server just served. " * 2
@@ -50,7 +51,8 @@ def main() -> None:
     jobs = {"reuse": trainer.method.reuse_job, "recompute": trainer.method.baseline_job}
 
     def run(path: str, measure=None) -> float:
-        job = jobs[path](entry(), trainer.context)
+        served = entry()
+        job = jobs[path](served, trainer.context)
         started = time.perf_counter()
         if measure is None:
             run_to_end(job)
@@ -59,6 +61,7 @@ def main() -> None:
                 run_to_end(job)
         seconds = time.perf_counter() - started
         trainer.optimizer.zero_grad()
+        trainer.cache.end(served, EntryState.DROPPED)  # its recording's memory back to the cache's budget
         return seconds
 
     for path in (*jobs, *jobs):  # warm-up: the copies, the caches, the allocator
