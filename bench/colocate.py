@@ -88,8 +88,9 @@ class TrainingSide:
     # the share of answers that get feedback (the rest never do: their entries wait out the label timeout)
     feedback_fraction: float = 1.0
     # what the two conditions differ in: "training" (off, on), "ledger" (training on, with
-    # an adapter directory, without and with the feedback ledger) or "gate" (training on,
-    # without and with the eval gate on `eval_set`)
+    # an adapter directory, without and with the feedback ledger), "gate" (training on,
+    # without and with the eval gate on `eval_set`) or "ride" (training on, a recorded
+    # prefill's step alone, then with running decodes riding along in its forward)
     compare: str = "training"
     eval_set: str = "examples/capital_probes.jsonl"
 
@@ -99,6 +100,8 @@ class TrainingSide:
             return True, {"ALCHEMIST_LEDGER_ENABLED": "true" if variant else "false"}
         if self.compare == "gate":
             return True, {"ALCHEMIST_TRAIN_EVAL_SET": self.eval_set if variant else ""}
+        if self.compare == "ride":
+            return True, {"ALCHEMIST_SCHEDULER_RECORDED_PREFILL_ALONE": "false" if variant else "true"}
         return variant, {}
 
 
