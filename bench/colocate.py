@@ -90,7 +90,7 @@ class TrainingSide:
     # what the two conditions differ in: "training" (off, on), "ledger" (training on, with
     # an adapter directory, without and with the feedback ledger), "gate" (training on,
     # without and with the eval gate on `eval_set`) or "ride" (training on, a recorded
-    # prefill's step alone, then with running decodes riding along in its forward)
+    # prefill's step alone, then with running decodes riding along in its forward: the default)
     compare: str = "training"
     eval_set: str = "examples/capital_probes.jsonl"
 

@@ -12,11 +12,11 @@ step), recorded over plain, per case:
     client that sends feedback at once causes);
   - `beside_decodes`: as `trained`, with three other requests decoding when the prompt
     arrives (the common case under traffic). The recorded prefill takes its step alone
-    and the decodes the next (`scheduler.recorded_prefill_alone`, the default); a plain
-    prefill shares its step with them. The figures: the prompt's first token, and the
-    decodes' next token, each recorded over plain;
+    and the decodes the next (`scheduler.recorded_prefill_alone`); a plain prefill
+    shares its step with them. The figures: the prompt's first token, and the decodes'
+    next token, each recorded over plain;
   - `beside_decodes_shared`: the same with the decodes riding along in the recorded
-    prefill's forward (`recorded_prefill_alone` off).
+    prefill's forward (the default).
 """
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def embedded_training_engine(config: AlchemistConfig, mode: str = "dpo", **optio
 
 
 def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) -> dict:
-    if case == "beside_decodes_shared":
-        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler,
-                                                                           recorded_prefill_alone=False))
+    if case.startswith("beside"):
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(
+            config.scheduler, recorded_prefill_alone=case == "beside_decodes"))
     engine, trainer, tokenizer = embedded_training_engine(config, heap_warming=case != "kept_cold")
     seconds = {True: [], False: []}
     decoded = {True: [], False: []}

@@ -72,10 +72,10 @@ class SchedulerConfig:
     # a request's n choices share one prefill (they fork choice 0's KV blocks); off, each
     # choice prefills the prompt itself (the plain path `alchemist bench serving --n` compares)
     fork_choices: bool = True
-    # a recorded prefill takes its step alone, and the decoding sequences the next one, before
-    # any other recorded prefill; off, their rows ride along in its forward (one GEMM per
-    # linear layer over all rows, no gradient for theirs): one step gives every token
-    recorded_prefill_alone: bool = True
+    # running decodes ride along in a recorded prefill's forward (one GEMM per linear layer
+    # over all rows, no gradient for theirs), as they share a plain prefill's step; on, the
+    # recorded prefill takes its step alone and they take the next, before any other
+    recorded_prefill_alone: bool = False
 
 
 @dataclass(frozen=True)

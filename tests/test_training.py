@@ -230,9 +230,9 @@ def test_sampling_edits_do_not_touch_the_recorded_logits():
 @pytest.mark.parametrize("mode", ["cpt", "dpo-served"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything(family, mode, alone):
-    """With `recorded_prefill_alone` (the default) a recorded prefill takes its step alone
-    and the decodes the next one, before another recorded prefill; without it their rows
-    ride along in its forward. Either way: the same tokens, and the same gradients."""
+    """Running decodes ride along in a recorded prefill's forward (the default); with
+    `recorded_prefill_alone` it takes its step alone and the decodes the next one, before
+    another recorded prefill. Either way: the same tokens, and the same gradients."""
     trainer = make_trainer(family, mode.split("-")[0])
     engine = engine_of(trainer)
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config, recorded_prefill_alone=alone)
