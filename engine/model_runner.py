@@ -28,7 +28,7 @@ from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, 
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.saved_bytes_memo import RecordingShape, SavedBytesMemo
 from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.step_inputs import HostStaging, StepBuckets, layout_step
+from engine.step_inputs import HostStaging, StepBuckets, layout_step, training_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +62,6 @@ class _PackedStep:
     prompt_logprob_rows: list[tuple[ScheduledSequence, list[int], list[int]]]
     # a decode-only step padded to static shapes (rows past the sequences' are padding)
     static: bool = False
-
-
-def training_buckets(device: torch.device, block_size: int, max_model_len: int) -> StepBuckets | None:
-    """The shapes of recorded prefills' and training forwards' attention. On a GPU each
-    new shape builds a fused kernel's graph (cuDNN's on sm90) in the middle of a request
-    or a training slice: half-octave buckets. The CPU has none to build, and runs them
-    unpadded (padding costs compute and grows what a recording saves): None."""
-    if device.type != "cuda":
-        return None
-    return StepBuckets(block_size, half_octaves=True, max_len=max_model_len)
 
 
 def run_to_end(generator):
@@ -296,13 +286,14 @@ class ModelRunner:
         leaves: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         past = StepKV(self.kv_cache, packed.metadata, record=True, recorded_rows=num_prompt)
-        placement = segment_sink.begin_recording(num_prompt) if segment_sink is not None else None
+        rows = packed.input_ids.shape[0]  # the prompt's, then the riders'
+        placement = segment_sink.begin_recording(num_prompt, rows) if segment_sink is not None else None
         all_rows = seq.record.all_logit_rows
         memo = self.saved_bytes_memo if self.record_tracker is None and placement is None else None
         known = shape = None
         if memo is not None:
             group = packed.metadata.groups[0]
-            shape = RecordingShape(packed.input_ids.shape[0], len(step.scheduled) - 1, group.query_index.shape[1],
+            shape = RecordingShape(rows, len(step.scheduled) - 1, group.query_index.shape[1],
                                    group.num_keys, all_rows)
             known = memo.lookup(shape)
         try:
@@ -323,7 +314,7 @@ class ModelRunner:
             if known is None and memo is not None:
                 memo.measured(shape, saved_bytes, saved_sizes)
             recording = RecordedPrefill(list(seq.prompt_token_ids), seq.record.adapter_version, segments,
-                                        head_leaf, logits, all_rows, saved_bytes=saved_bytes,
+                                        head_leaf, logits, all_rows, rows=rows, saved_bytes=saved_bytes,
                                         saved_sizes=saved_sizes if known is None else known.sizes,
                                         placement=placement)
             if placement is not None:
@@ -342,7 +333,8 @@ class ModelRunner:
     def _sample_recorded_step(self, step: SchedulerOutput, packed: _PackedStep, logits: torch.Tensor,
                               hidden: torch.Tensor, output: ModelOutput) -> None:
         """The recorded prompt's first token, from its recorded logits' last row, and the
-        riding decodes' next tokens, from their rows of the last layer's output."""
+        riders' next tokens (a chunked prompt's last token may ride too, and fork), from
+        their rows of the last layer's output."""
         seq, entries = step.scheduled[0].seq, packed.sample_entries
         prompt_samples = bool(entries) and entries[0] is step.scheduled[0]  # scheduled first, sampled first
         if prompt_samples:
@@ -354,8 +346,11 @@ class ModelRunner:
         if riders:
             rows = packed.sample_index[1 if prompt_samples else 0:]
             rider_logits = self.lm_head(self.norm(hidden[0].detach().index_select(0, rows)))
-            for rider, token in zip(riders, self.sampler.sample(rider_logits, riders)):
+            parents = {fork.parent.seq_id for fork in step.forks}
+            for row, (rider, token) in enumerate(zip(riders, self.sampler.sample(rider_logits, riders))):
                 output.sampled[rider.seq_id] = token
+                if rider.seq_id in parents:
+                    output.fork_logits[rider.seq_id] = rider_logits[row]
 
     @staticmethod
     def _record_layers(layers, tracker: SavedTensorTracker, placement, leaves, outs, past) -> torch.Tensor:

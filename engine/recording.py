@@ -53,6 +53,8 @@ class RecordedPrefill:
     # (R, V) logits with their graph back to head_leaf: every prompt row, or only the last
     logits: torch.Tensor
     all_logit_rows: bool
+    # the recorded step's rows: the prompt's, then any riding decodes' (its layers' inputs hold them)
+    rows: int = 0
     # bytes autograd saved for this recording (measured)
     saved_bytes: int = 0
     # the bytes of each storage it saved (HeapWarmer.fit)
@@ -94,7 +96,9 @@ class SegmentPlacement(Protocol):
 
 
 class SegmentSink(Protocol):
-    def begin_recording(self, num_tokens: int) -> SegmentPlacement: ...
+    def begin_recording(self, num_tokens: int, rows: int) -> SegmentPlacement:
+        """A recording of a `num_tokens`-token prompt begins, in a step of `rows` rows
+        (the prompt's, then any riding decodes', which its layers' saved inputs hold)."""
 
 
 @dataclass(frozen=True)

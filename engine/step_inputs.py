@@ -190,3 +190,13 @@ class HostStaging:
                 out[name] = copied[offset:offset + array.size].view(array.shape)
                 offset += array.size
         return out
+
+
+def training_buckets(device: torch.device, block_size: int, max_model_len: int) -> StepBuckets | None:
+    """The shapes of recorded prefills' and training forwards' attention. On a GPU each
+    new shape builds a fused kernel's graph (cuDNN's on sm90) in the middle of a request
+    or a training slice: half-octave buckets. The CPU has none to build, and runs them
+    unpadded (padding costs compute and grows what a recording saves): None."""
+    if device.type != "cuda":
+        return None
+    return StepBuckets(block_size, half_octaves=True, max_len=max_model_len)

@@ -147,10 +147,10 @@ class ActivationOffloader:
 
     # -- recording (engine.recording.SegmentSink) ---------------------------------------
 
-    def begin_recording(self, num_tokens: int) -> RecordingPlacement:
+    def begin_recording(self, num_tokens: int, rows: int) -> RecordingPlacement:
         with self._lock:
             self._sequence += 1
-            placement = RecordingPlacement(self, num_tokens, self._sequence)
+            placement = RecordingPlacement(self, num_tokens, self._sequence, rows)
             self._recordings.append(placement)
             return placement
 
@@ -158,7 +158,7 @@ class ActivationOffloader:
         """A layer of `recording` finished recording: it is accounted, copied to the host
         when copies are eager, and layers are freed if the budget is exceeded."""
         with self._lock:
-            self._layer_per_token = max(self._layer_per_token, layer.nbytes / max(recording.num_tokens, 1))
+            self._layer_per_token = max(self._layer_per_token, layer.nbytes / max(recording.rows, 1))
             self.account(layer.nbytes)
             if self.config.policy != "recompute" and self.copy_while_recording:
                 for storage in layer.storages:
@@ -170,7 +170,7 @@ class ActivationOffloader:
         """A recording's kept tensors are all known: they refine the prediction of a new
         recording's kept bytes, and its layers are freed to the step's allowance."""
         with self._lock:
-            self._kept_per_token = max(self._kept_per_token, recording.kept_bytes / max(recording.num_tokens, 1))
+            self._kept_per_token = max(self._kept_per_token, recording.kept_bytes / max(recording.rows, 1))
             self.free_to(self._allowed_bytes)
 
     def _copy_to_host(self, storage: StorageCopy) -> bool:

@@ -73,9 +73,10 @@ class LayerPlacement:
 class RecordingPlacement:
     """One recording's segments, as the offloader sees them (engine.recording.SegmentPlacement)."""
 
-    def __init__(self, offloader, num_tokens: int, sequence: int):
+    def __init__(self, offloader, num_tokens: int, sequence: int, rows: int):
         self.offloader = offloader
-        self.num_tokens = num_tokens
+        self.num_tokens = num_tokens  # the prompt's: a layer recomputed runs these rows alone
+        self.rows = rows  # the recorded step's (the riding decodes' too): what its saved inputs hold
         # registration order: later recordings are trained later, so they are freed first
         self.sequence = sequence
         self.layers: list[LayerPlacement] = []

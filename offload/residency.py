@@ -25,6 +25,7 @@ class Residency:
         self.placement = placement
         self.choices: list[str] | None = None
         self._backward_started = 0.0
+        self._backward_rows = 0
         placement.active = True
 
     def _plan(self) -> None:
@@ -68,6 +69,7 @@ class Residency:
             self.offloader.stats.recomputed_layers += 1
             self._observe_recompute(time.perf_counter() - started)
         self._backward_started = time.perf_counter()
+        self._backward_rows = segment.out.shape[1]  # a kept layer's hold the riding decodes' rows too
         return segment
 
     def after(self, index: int) -> None:
@@ -83,6 +85,6 @@ class Residency:
         timings.recompute_per_token_s = 0.8 * timings.recompute_per_token_s + 0.2 * per_token
 
     def _observe_backward(self, seconds: float) -> None:
-        timings, num = self.offloader.timings, max(self.placement.num_tokens, 1)
+        timings, num = self.offloader.timings, max(self._backward_rows, 1)
         per_token = max(seconds - timings.backward_fixed_s, 0.0) / num
         timings.backward_per_token_s = 0.8 * timings.backward_per_token_s + 0.2 * per_token

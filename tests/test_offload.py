@@ -101,7 +101,10 @@ def test_decodes_riding_in_a_recorded_step_leave_its_gradients_alone(policy):
     """Decodes riding along in a recorded prefill's forward (`recorded_prefill_alone` off)
     add their rows to its layers' saved inputs, not to its gradients: loaded back, or
     recomputed from the prompt's rows alone, its layers train as the prompt recorded alone."""
-    reference = gradients_after_serving(make_trainer(mode="dpo"), "dpo")
+    alone = make_trainer(mode="dpo")
+    scheduler = engine_of(alone).scheduler
+    scheduler.config = dataclasses.replace(scheduler.config, recorded_prefill_alone=True)
+    reference = gradients_after_serving(alone, "dpo")
     trainer = make_trainer(mode="dpo", offload=OffloadConfig(device_budget_bytes=1 << 40, policy=policy))
     scheduler = engine_of(trainer).scheduler
     scheduler.config = dataclasses.replace(scheduler.config, recorded_prefill_alone=False)

@@ -9,7 +9,8 @@ import torch
 
 from engine.attention import paged_attention_forward
 from engine.kv_cache import AttentionMetadata
-from engine.model_runner import run_to_end, training_buckets
+from engine.model_runner import run_to_end
+from engine.step_inputs import training_buckets
 from tests.conftest import encode, make_training
 from tests.test_grpo import reward, serve_group
 from tests.test_training import PROMPT, gradients_of, label, make_trainer, relative_difference, serve

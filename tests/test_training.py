@@ -287,6 +287,32 @@ def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything
     assert relative_difference(reuse, recompute) <= 1e-4
 
 
+def test_a_chunked_prompt_riding_along_completes_and_forks_its_choices():
+    """A prompt chunked down to its last token rides along in a recorded prefill's step
+    as a decode does (one row), completes its prompt there and forks its n choices from
+    that row: the same tokens as served with no recorded prefill beside it."""
+    trainer = make_trainer("llama", "cpt")
+    engine = engine_of(trainer)
+    ids, recorded_ids = encode(PROMPT), encode("Hi there!")
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_batched_tokens=len(ids) - 1)
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = engine.generate([ids], params)[0]
+    steps, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    choices = [[], []]
+    engine.add_request("chunked", ids, params)
+    engine.step()  # all but its last token
+    engine.add_request("rec", recorded_ids, SamplingParams(temperature=0.0, max_tokens=4), train=True)
+    while engine.has_unfinished():
+        for out in engine.step()[0]:
+            if out.request_id == "chunked":
+                for completion in out.outputs:
+                    choices[completion.index] += completion.token_ids
+    recorded = steps[1]
+    assert recorded.recorded and [(e.seq.request_id, e.num_new_tokens) for e in recorded.scheduled][1] == ("chunked", 1)
+    assert recorded.forks and choices == expected
+
+
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])
 def test_an_entry_dropped_without_backward_frees_its_whole_graph(mode):
     """Expired, evicted and stale entries are released without a backward; the saved-

@@ -7,7 +7,7 @@ a few shapes."""
 import pytest
 import torch
 
-from engine.model_runner import training_buckets
+from engine.step_inputs import training_buckets
 from tests.conftest import make_training
 from tests.test_grpo import reward, serve_group
 from tests.test_training import gradients_of, label, make_trainer, relative_difference, serve

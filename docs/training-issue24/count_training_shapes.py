@@ -15,7 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.step_counts import AttentionShapes  # noqa: E402
-from engine.model_runner import run_to_end, training_buckets  # noqa: E402
+from engine.model_runner import run_to_end  # noqa: E402
+from engine.step_inputs import training_buckets  # noqa: E402
 from tests.test_training import label, make_trainer, serve  # noqa: E402
 
 PROMPTS = 24
