@@ -105,8 +105,8 @@ class Scheduler:
         self.allocator = BlockAllocator(num_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        # the decoding sequences sat out the last step, a recorded prefill's: the next is theirs
-        self._decodes_sat_out = False
+        # running sequences sat out the last step, a recorded prefill's: the next is theirs
+        self._running_sat_out = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -141,7 +141,8 @@ class Scheduler:
         step, so its graph covers exactly its prompt. Running sequences that are decoding
         ride along in its forward (engine/model_runner.py), one token each; with
         `recorded_prefill_alone` they take the next step instead, before any other recorded
-        prefill (`schedule`)."""
+        prefill (`schedule`), as do the running sequences that could not ride: a prompt
+        still being prefilled in chunks waits one recorded prefill at most, not a queue of them."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         seq = self.waiting[0]
@@ -156,7 +157,7 @@ class Scheduler:
         decoding = [s for s in self.running if s.num_pending_tokens == 1]
         join = not self.config.recorded_prefill_alone
         decodes = [ScheduledSequence(s, 1) for s in decoding if join and self._grow(s, s.num_tokens)]
-        self._decodes_sat_out = bool(decoding) and not join
+        self._running_sat_out = len(decodes) < len(self.running)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)] + decodes, recorded=True)
@@ -195,14 +196,14 @@ class Scheduler:
                 output.forks.append(fork)
 
     def schedule(self) -> SchedulerOutput:
-        # decodes that sat out a recorded prefill's step take the next one, before any other
-        recorded = None if self._decodes_sat_out else self._schedule_recorded_prefill()
+        # running sequences that sat out a recorded prefill's step take the next one, before any other
+        recorded = None if self._running_sat_out else self._schedule_recorded_prefill()
         output = recorded or self._schedule_batch()
         self._fork(output)
         return output
 
     def _schedule_batch(self) -> SchedulerOutput:
-        self._decodes_sat_out = False
+        self._running_sat_out = False
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Running sequences first, oldest first; the newest is preempted when blocks run out.

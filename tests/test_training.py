@@ -313,6 +313,29 @@ def test_a_chunked_prompt_riding_along_completes_and_forks_its_choices():
     assert recorded.forks and choices == expected
 
 
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_prompt_prefilled_in_chunks_waits_one_recorded_prefill_at_most(alone):
+    """A running prompt still being prefilled in chunks cannot ride along in a recorded
+    prefill's step; it takes the next step, before the next recorded prefill in the queue."""
+    trainer = make_trainer("llama", "cpt")
+    engine = engine_of(trainer)
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_batched_tokens=6,
+                                                  recorded_prefill_alone=alone)
+    steps, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: steps.append(schedule()) or steps[-1]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("chunked", encode(PROMPT), params)
+    engine.step()  # its first chunk
+    for request_id in ("rec1", "rec2"):
+        engine.add_request(request_id, encode("Hi there!"), params, train=True)
+    while engine.has_unfinished():
+        engine.step()
+    ids = [[e.seq.request_id for e in s.scheduled] for s in steps]
+    first, second = [i for i, s in enumerate(steps) if s.recorded]
+    assert ids[first] == ["rec1"] and ids[second][0] == "rec2"
+    assert second == first + 2 and ids[first + 1][0] == "chunked"
+
+
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])
 def test_an_entry_dropped_without_backward_frees_its_whole_graph(mode):
     """Expired, evicted and stale entries are released without a backward; the saved-
