@@ -15,8 +15,8 @@ Memory per token: 2 (K, V) * num_layers * num_kv_heads * head_dim * dtype bytes
 from __future__ import annotations
 
 from collections import deque
-from typing import NamedTuple
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -283,19 +283,16 @@ class StepKV:
     stores the step's new K/V in the pool and returns the pools, (slots, KVH, D) each,
     from which attention gathers each group's keys (engine/attention.py).
 
-    With `record=True` (a recorded prefill: one sequence's whole prompt, its rows first)
-    the pool gets detached copies while the prompt's attention uses its live,
+    With `recorded_rows` (a recorded prefill: one sequence's whole prompt, the step's first
+    rows) the pool gets detached copies while the prompt's attention uses its live,
     graph-connected K/V, padded to its group's key length, which are kept in `recorded`
     per layer; decode later reads only the pool, so it never touches the graph. Decodes
-    riding along in the step (rows past `recorded_rows`) read the pool
-    (`RecordedStepKV`).
+    riding along in the step (the rows past those) read the pool (`RecordedStepKV`).
     """
 
-    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, record: bool = False,
-                 recorded_rows: int | None = None):
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, recorded_rows: int | None = None):
         self.cache = cache
         self.metadata = metadata
-        self.record = record
         self.recorded_rows = recorded_rows
         self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -306,10 +303,10 @@ class StepKV:
         k_pool, v_pool = self.cache.keys[layer_idx], self.cache.values[layer_idx]
         k_pool.index_copy_(0, slots, key[0].transpose(0, 1).detach())
         v_pool.index_copy_(0, slots, value[0].transpose(0, 1).detach())
-        if not self.record:
+        rows = self.recorded_rows
+        if rows is None:
             return k_pool, v_pool
         key, value = own_storage(key), own_storage(value)
-        rows = key.shape[2] if self.recorded_rows is None else self.recorded_rows
         if rows < key.shape[2]:  # the prompt's rows; the riding decodes' few stay in the storage
             key, value = key[:, :, :rows], value[:, :, :rows]
         self.recorded[layer_idx] = (key, value)

@@ -122,7 +122,8 @@ class ModelRunner:
         # shape measured before is recorded without saved-tensor hooks (engine/saved_bytes_memo.py)
         self.saved_bytes_memo: SavedBytesMemo | None = None
 
-    def _pack(self, step: SchedulerOutput, buckets: StepBuckets | None, recorded: bool = False) -> _PackedStep:
+    def _pack(self, step: SchedulerOutput, buckets: StepBuckets | None,
+              recorded: bool = False) -> _PackedStep:
         """The step's inputs, built on the host and copied in one go (engine/step_inputs.py);
         with `buckets`, attention's batch, query and key lengths are rounded up to them
         (the packed rows, which the linear layers see, never are). `recorded`: the first
@@ -285,7 +286,7 @@ class ModelRunner:
         bytes_before = tracker.live_bytes
         leaves: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
-        past = StepKV(self.kv_cache, packed.metadata, record=True, recorded_rows=num_prompt)
+        past = StepKV(self.kv_cache, packed.metadata, recorded_rows=num_prompt)
         rows = packed.input_ids.shape[0]  # the prompt's, then the riders'
         placement = segment_sink.begin_recording(num_prompt, rows) if segment_sink is not None else None
         all_rows = seq.record.all_logit_rows

@@ -54,7 +54,7 @@ class RecordedPrefill:
     logits: torch.Tensor
     all_logit_rows: bool
     # the recorded step's rows: the prompt's, then any riding decodes' (its layers' inputs hold them)
-    rows: int = 0
+    rows: int
     # bytes autograd saved for this recording (measured)
     saved_bytes: int = 0
     # the bytes of each storage it saved (HeapWarmer.fit)

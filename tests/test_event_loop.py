@@ -15,7 +15,7 @@ from trainer.config import TrainConfig
 
 
 def test_releasing_a_recording_on_the_event_loop_raises():
-    recording = RecordedPrefill([1, 2, 3], 0, [], None, None, True)
+    recording = RecordedPrefill([1, 2, 3], 0, [], None, None, True, 3)
 
     async def on_the_loop():
         recording.release()

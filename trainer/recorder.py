@@ -144,7 +144,7 @@ class Recorder:
         return lag > bound
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None:
-        self._bytes_per_token = recording.saved_bytes / max(recording.rows, len(recording.prompt_token_ids), 1)
+        self._bytes_per_token = recording.saved_bytes / max(recording.rows, 1)
         if self.warmer is not None:
             self.warmer.fit(recording.saved_sizes)
         entry = self.method.make_entry(request_id, recording)
