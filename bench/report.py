@@ -78,7 +78,8 @@ def steps_by_kind(before: str, after: str) -> dict[str, dict[str, float]]:
 
         count, seconds = delta("alchemist:serving_step_seconds_count"), delta("alchemist:serving_step_seconds_sum")
         tokens = delta("alchemist:serving_step_tokens_total")
-        steps[kind] = {"steps": count, "seconds": seconds, "mean_s": seconds / count if count else math.nan,
+        steps[kind] = {"steps": count, "seconds": seconds, "tokens": tokens,
+                       "mean_s": seconds / count if count else math.nan,
                        "s_per_token": seconds / tokens if tokens else math.nan,
                        "page_faults_per_step": delta("alchemist:serving_step_page_faults_total") / count
                        if count else math.nan}

@@ -46,7 +46,7 @@ class ScheduledSequence:
 
 
 # what a step runs (`SchedulerOutput.kind`)
-STEP_KINDS = ("decode", "prefill", "mixed", "recorded_prefill")
+STEP_KINDS = ("decode", "prefill", "mixed", "recorded_prefill", "recorded_mixed")
 
 
 @dataclass
@@ -80,13 +80,15 @@ class SchedulerOutput:
 
     @property
     def kind(self) -> str:
-        """What the step runs (read before it runs): "recorded_prefill" (decodes may follow
-        it), "decode" (one new token per sequence), "prefill" (no decode row: prompts, or a
-        preempted sequence computing its tokens again), "mixed", or "" (nothing)."""
+        """What the step runs (read before it runs): "decode" (one new token per sequence),
+        "prefill" (no decode row: prompts, or a preempted sequence computing its tokens
+        again), "mixed", "recorded_prefill" (a recorded prompt alone), "recorded_mixed" (one
+        with running sequences riding along), or "" (nothing). A recorded step compares
+        with the plain step of the same composition: prefill, or mixed."""
         if not self.scheduled:
             return ""
         if self.recorded:
-            return "recorded_prefill"
+            return "recorded_prefill" if len(self.scheduled) == 1 else "recorded_mixed"
         decodes = sum(s.is_decode for s in self.scheduled)
         return "decode" if decodes == len(self.scheduled) else "prefill" if not decodes else "mixed"
 

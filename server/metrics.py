@@ -37,7 +37,8 @@ class StepsByKind:
         labels = ["model_name", "kind"]
         seconds = Histogram(f"{PREFIX}serving_step_seconds", "Wall time of an engine step, by what it ran: decode "
                             "(one token per sequence), prefill (no decode row), mixed, recorded_prefill (a prompt "
-                            "recorded with autograd for training; decodes may follow it), in seconds.",
+                            "recorded with autograd for training, alone), recorded_mixed (one with running "
+                            "sequences riding along), in seconds.",
                             labels, registry=registry, buckets=_LATENCY_BUCKETS)
         tokens = Counter(f"{PREFIX}serving_step_tokens", "Tokens computed by engine steps, by the step's kind (as "
                          "serving_step_seconds).", labels, registry=registry)

@@ -127,6 +127,21 @@ def test_a_recorded_prefill_is_timed_as_one():
     assert _steps(metrics, "decode") == (2, 2)
 
 
+def test_a_recorded_prefill_with_decodes_riding_along_is_a_recorded_mixed_step():
+    from tests.conftest import engine_of, make_training
+    from trainer.config import TrainConfig
+
+    metrics = ServingMetrics(TINY_NAME)
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4), observers=(metrics,))
+    engine, first, second = engine_of(trainer), encode("Hello there"), encode("Hi you")
+    engine.add_request("plain", first, SamplingParams(max_tokens=4, min_tokens=4))
+    engine.step()
+    engine.add_request("recorded", second, SamplingParams(max_tokens=2, min_tokens=2), train=True)
+    engine.step()  # the recorded prompt, with "plain"'s next token riding along
+    assert _steps(metrics, "recorded_mixed") == (1, len(second) + 1)
+    assert _steps(metrics, "recorded_prefill") == (0, 0) and _steps(metrics, "mixed") == (0, 0)
+
+
 def test_a_prompt_of_one_token_and_a_last_prefill_chunk_of_one_token_are_prefills():
     engine, metrics = observed_engine()  # at most 64 tokens per step
     engine.add_request("one", encode("Hello")[:1], SamplingParams(max_tokens=1))
@@ -137,3 +152,15 @@ def test_a_prompt_of_one_token_and_a_last_prefill_chunk_of_one_token_are_prefill
     engine.step()
     engine.step()  # the prompt's last token, alone
     assert _steps(metrics, "prefill") == (3, 66) and _steps(metrics, "decode") == (0, 0)
+
+
+def test_the_colocate_bench_compares_a_recorded_prefill_with_a_plain_one_of_its_composition():
+    from bench.colocate import recorded_over_plain
+
+    summary = {"on_recorded_prefill_step_s_per_token": 1.2, "off_prefill_step_s_per_token": 1.0,
+               "on_recorded_mixed_step_s_per_token": 3.3, "off_mixed_step_s_per_token": 3.0}
+    runs = [{"steps": {"recorded_prefill": {"tokens": 100.0}, "recorded_mixed": {"tokens": 200.0}}},
+            {"steps": {"recorded_prefill": {"tokens": 0.0}, "recorded_mixed": {"tokens": 100.0}}}]
+    ratios = recorded_over_plain(summary, runs)
+    assert ratios["recorded_alone_per_token_ratio"] == 1.2 and ratios["recorded_mixed_per_token_ratio"] == 1.1
+    assert ratios["recorded_prefill_per_token_ratio"] == round((1.2 * 100 + 1.1 * 300) / 400, 4)
