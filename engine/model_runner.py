@@ -291,6 +291,7 @@ class ModelRunner:
         placement = segment_sink.begin_recording(num_prompt, rows) if segment_sink is not None else None
         all_rows = seq.record.all_logit_rows
         memo = self.saved_bytes_memo if self.record_tracker is None and placement is None else None
+        memo = memo if memo is not None and memo.applies() else None
         known = shape = None
         if memo is not None:
             group = packed.metadata.groups[0]

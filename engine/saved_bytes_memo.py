@@ -8,8 +8,10 @@ per decoder layer, each a handful of Python calls, which is host time a GPU wait
 The hooks do more than count only where something needs them: an offloader placing a
 recording's tensors, or a saved LoRA weight that a stale recording must resolve to its
 version's stashed copy. Neither happens when every adapted layer's LoRA math runs from
-a training copy (trainer/training_copy.py: the graph's nodes hold the copies and check
-their versions themselves, and save activations only) and no offloader is set. Then the
+a training copy (trainer/training_copy.py) or through the CPU's current merged copy
+(trainer/adapter.py, `_MergedLoraFunction`) — their graph nodes hold the LoRA weights
+and check their versions themselves, and save activations only — and no offloader is
+set. Then the
 hooks count, and a recording of the same shape saves the same tensors — so a shape is
 measured with them the first time it is recorded (and every `remeasure_every`-th time
 after, to catch a path that changed), and recorded without them in between, with the
@@ -21,6 +23,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,10 @@ class SavedBytes:
 class SavedBytesMemo:
     """`RecordingShape` -> the `SavedBytes` the tracker measured for it (module docstring)."""
 
-    def __init__(self, remeasure_every: int = 64, max_shapes: int = 4096):
+    def __init__(self, remeasure_every: int = 64, max_shapes: int = 4096, applies: Callable[[], bool] | None = None):
+        # asked before each recorded prefill: whether it saves activations only (a model
+        # whose LoRA path depends on the moment: the CPU's merged copies, current or not)
+        self.applies = applies or (lambda: True)
         self.remeasure_every = remeasure_every
         self.max_shapes = max_shapes
         self._known: OrderedDict[RecordingShape, SavedBytes] = OrderedDict()

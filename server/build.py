@@ -40,7 +40,7 @@ from offload.build import build_offloader
 from offload.config import OffloadConfig
 from server.config import AlchemistConfig
 from server.metrics import ServingMetrics
-from trainer.adapter import LeanLoraLinear, attach_lora, lora_parameters, merge_all
+from trainer.adapter import LeanLoraLinear, attach_lora, lora_parameters, merge_all, records_through_merged
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.arbiter import Arbiter
 from trainer.cache import ActivationCache
@@ -91,6 +91,18 @@ def _recordings_save_activations_only(model) -> bool:
                                  and module.plain_adapter() for module in adapted)
 
 
+def _saved_bytes_memo(model, config: TrainConfig) -> SavedBytesMemo | None:
+    """Recordings without saved-tensor hooks where they save activations only: always, with
+    every adapted layer on its training copy; with merged serving on the CPU, whenever
+    every adapted layer's merged copy is current (not just after an optimizer step)."""
+    if _recordings_save_activations_only(model):
+        return SavedBytesMemo()
+    adapted = [module for module in model.modules() if isinstance(module, LeanLoraLinear)]
+    if config.merged_serving and adapted and all(module.can_merge() for module in adapted):
+        return SavedBytesMemo(applies=functools.partial(records_through_merged, adapted))
+    return None
+
+
 def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: TrainConfig,
                    offload: OffloadConfig | None = None, method: TrainingMethod | None = None,
                    init_lora_weights: bool | str = True, checkpointer: AdapterCheckpointer | None = None,
@@ -122,7 +134,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     train_in_model_dtype = config.lora_compute_dtype == "model" and model_dtype != torch.float32
     serving_copies = build_serving_copies(runner.layers, lambda module: isinstance(module, LeanLoraLinear),
                                           model_dtype, train_in_model_dtype)
-    runner.saved_bytes_memo = SavedBytesMemo() if _recordings_save_activations_only(model) else None
+    runner.saved_bytes_memo = _saved_bytes_memo(model, config)
     if config.merged_serving:
         merge_all(peft_model)  # merged serving weights are built now, while nobody is waiting
     # with merged serving, decode never touches the base layers' packed weights; pack

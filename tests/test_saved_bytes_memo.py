@@ -1,8 +1,10 @@
 """Recorded prefills without saved-tensor hooks (engine/saved_bytes_memo.py): where every
-LoRA product comes from a training copy (a bfloat16 model) and nothing offloads, a
-shape recorded before is recorded without hooks, counted as it was measured, and trains
-to the same gradients — fresh and stale, with the live or the stashed weights; a float32
-model and an offloader keep the hooks on every recording."""
+LoRA product comes from a training copy (a bfloat16 model) or from the CPU's current
+merged copy (a float32 model) and nothing offloads, a shape recorded before is recorded
+without hooks, counted as it was measured, and trains to the same gradients — fresh and
+stale, with the live or the stashed weights; a float32 model whose merged copies are
+stale (just after an optimizer step), PEFT's float32 LoRA math on a bfloat16 model and an
+offloader keep the hooks."""
 
 import logging
 
@@ -16,7 +18,7 @@ from offload.config import OffloadConfig
 from tests.conftest import engine_of, make_training
 from tests.test_training import gradients_of, label, serve
 from tests.tiny import FAMILIES
-from trainer.adapter import lora_parameters
+from trainer.adapter import lora_parameters, merge_all
 from trainer.config import TrainConfig
 
 PROMPT = "The quick brown fox jumps over the lazy dog. What is the capital of France?"
@@ -38,10 +40,21 @@ def packs(monkeypatch):
     return counted
 
 
+# the two ways a recording saves activations only: bfloat16 training copies, float32 merged copies
+PATHS = ("copies", "merged")
+
+
 def bfloat16_training(mode: str = "dpo", offload: OffloadConfig | None = None, family: str = "llama"):
     torch.manual_seed(0)
     return make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype="model"), family,
                          dtype=torch.bfloat16, offload=offload, init_lora_weights=False)
+
+
+def training(path: str, mode: str = "dpo", family: str = "llama"):
+    if path == "copies":
+        return bfloat16_training(mode, family=family)
+    torch.manual_seed(0)
+    return make_training(TrainConfig(mode=mode, lora_rank=4), family, init_lora_weights=False)
 
 
 def recorded(trainer, request_id: str, packs, prompt: str = PROMPT) -> tuple[object, int]:
@@ -51,8 +64,9 @@ def recorded(trainer, request_id: str, packs, prompt: str = PROMPT) -> tuple[obj
     return trainer.cache.get(request_id), packs[0] - before
 
 
-def test_a_shape_recorded_before_runs_without_hooks_and_counts_what_the_hooks_measured(packs):
-    trainer = bfloat16_training()
+@pytest.mark.parametrize("path", PATHS)
+def test_a_shape_recorded_before_runs_without_hooks_and_counts_what_the_hooks_measured(packs, path):
+    trainer = training(path)
     first, first_packs = recorded(trainer, "first", packs)
     second, second_packs = recorded(trainer, "second", packs, OTHER)
     assert first_packs > 0 and second_packs == 0
@@ -69,9 +83,10 @@ def test_a_shape_recorded_before_runs_without_hooks_and_counts_what_the_hooks_me
     assert other_length_packs > 0
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("mode,family", [("dpo", f) for f in FAMILIES] + [("cpt", "llama")])
-def test_a_recording_without_hooks_trains_to_the_same_gradients(packs, mode, family):
-    trainer = bfloat16_training(mode, family=family)
+def test_a_recording_without_hooks_trains_to_the_same_gradients(packs, mode, family, path):
+    trainer = training(path, mode, family)
     hooked, hooked_packs = recorded(trainer, "hooked", packs)
     plain, plain_packs = recorded(trainer, "without", packs)
     assert hooked_packs > 0 and plain_packs == 0
@@ -83,13 +98,14 @@ def test_a_recording_without_hooks_trains_to_the_same_gradients(packs, mode, fam
     assert expected.keys() == got.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("stale_weights", ["live", "stashed"])
-def test_a_stale_recording_without_hooks_trains_as_one_with_them(packs, stale_weights):
+def test_a_stale_recording_without_hooks_trains_as_one_with_them(packs, stale_weights, path):
     """The live LoRA weights change in place after both recordings (as an optimizer step
-    does): neither graph saved them, so the one without hooks, which autograd's own
-    version check guards, trains as the one with them — with the stash's copies swapped
-    in, or re-aimed at the live values."""
-    trainer = bfloat16_training("cpt")
+    does): neither graph saved them (their nodes hold them, and resolve them to the stash's
+    copies), so the one without hooks trains as the one with them — with the stash's
+    copies swapped in, or re-aimed at the live values."""
+    trainer = training(path, "cpt")
     hooked, _ = recorded(trainer, "hooked", packs)
     plain, plain_packs = recorded(trainer, "without", packs)
     assert plain_packs == 0
@@ -115,9 +131,33 @@ def test_a_stale_recording_without_hooks_trains_as_one_with_them(packs, stale_we
     assert expected and all(torch.equal(got[k], expected[k]) for k in expected)
 
 
-def test_a_float32_model_and_an_offloader_keep_the_hooks_on_every_recording(packs):
-    float32 = make_training(TrainConfig(mode="dpo", lora_rank=4), init_lora_weights=False)
-    assert engine_of(float32).runner.saved_bytes_memo is None  # PEFT's or the merged path saves the LoRA weights
+def test_a_graph_that_holds_the_lora_weights_refuses_them_changed_without_a_stashed_copy():
+    trainer = training("merged", "cpt")
+    serve(trainer, "r", prompt=PROMPT, max_tokens=4)
+    entry = trainer.cache.get("r")
+    with torch.no_grad():
+        for p in lora_parameters(trainer.peft_model):
+            p.add_(1e-2)  # no stash.keep: nothing to resolve them to
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+
+
+def test_float32_merged_copies_made_stale_by_an_optimizer_step_record_with_the_hooks(packs):
+    """Until the merged copies are rebuilt, a recorded forward runs PEFT's path, which
+    saves the LoRA weights: the hooks resolve them if the recording goes stale."""
+    trainer = training("merged")
+    _, first = recorded(trainer, "first", packs)
+    _, known = recorded(trainer, "known", packs, OTHER)
+    with torch.no_grad():
+        for p in lora_parameters(trainer.peft_model):
+            p.add_(1e-2)
+    _, after_step = recorded(trainer, "after-step", packs)
+    merge_all(trainer.peft_model)
+    _, merged_again = recorded(trainer, "merged-again", packs, OTHER)
+    assert first > 0 and known == 0 and after_step > 0 and merged_again == 0
+
+
+def test_peft_float32_math_and_an_offloader_keep_the_hooks_on_every_recording(packs):
     peft_math = make_training(TrainConfig(mode="dpo", lora_rank=4, lora_compute_dtype="float32"),
                               dtype=torch.bfloat16, init_lora_weights=False)
     assert engine_of(peft_math).runner.saved_bytes_memo is None  # PEFT's float32 LoRA math on a bfloat16 model

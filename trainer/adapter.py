@@ -28,6 +28,8 @@ run it, without that forward's checks on every adapted layer.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
@@ -54,28 +56,35 @@ class _MergedLoraFunction(torch.autograd.Function):
     """`x (W + s B A)^T` through the merged packed weight — one GEMM, as serving runs it —
     with gradients to the input and to A and B. The LoRA products (x A^T, g B) are formed
     in backward, which runs in a training slice, not in the forward that a recorded
-    prefill runs on the serving path. Saves only x (A and B are parameters), or, for the
-    down projection, the gate and up x is the product of (engine/gated_mlp.py)."""
+    prefill runs on the serving path. Saves only x, or, for the down projection, the gate
+    and up x is the product of (engine/gated_mlp.py). A and B are held on the node with
+    their version counters, as the training copies' node holds its weights: backward
+    takes a version's stashed copy for a weight an optimizer step changed since
+    (`stale_resolver`, trainer/stash.py) and refuses one without, as autograd would; so a
+    recorded prefill's saved-tensor hooks (engine/recording.py) see activations only, and
+    a shape recorded before runs without them (engine/saved_bytes_memo.py)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: "LeanLoraLinear") -> torch.Tensor:
         ctx.layer = layer
-        ctx.base_version = layer.base_layer.weight._version
+        ctx.weights = (a, b)
+        ctx.versions = (a._version, b._version, layer.base_layer.weight._version)
         factors = silu_and_mul_inputs(x)  # x = silu(gate) * up: saved already, x is formed again
         ctx.x_again = factors is not None
-        ctx.save_for_backward(*(factors or (x,)), a, b)
+        ctx.save_for_backward(*(factors or (x,)))
         flat = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(flat, layer._merged_pack, layer.base_layer.bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        *inputs, a, b = ctx.saved_tensors
+        inputs = ctx.saved_tensors
         x = silu_and_mul_again(*inputs) if ctx.x_again else inputs[0]
         layer = ctx.layer
         weight, scale = layer.base_layer.weight, layer.scaling[layer.active_adapters[0]]
-        if weight._version != ctx.base_version:
+        if weight._version != ctx.versions[2]:
             raise RuntimeError("a frozen weight was modified in place between forward and backward")
+        a, b = (layer.weight_at(w, version) for w, version in zip(ctx.weights, ctx.versions))
         g = grad.reshape(-1, grad.shape[-1])  # (N, out)
         flat = x.reshape(-1, x.shape[-1])  # (N, in)
         g_b = g @ b  # (N, r)
@@ -97,6 +106,8 @@ class LeanLoraLinear(LoraLinear):
     # the serving copy (trainer/serving_copy.py) this layer serves from, and its place in it
     serving_group: SharedInputGroup | None = None
     serving_index: int = 0
+    # (a LoRA weight, its version counter then) -> its values then, or None (WeightStash.resolve)
+    stale_resolver: Callable[[torch.Tensor, int], torch.Tensor | None] | None = None
 
     @property
     def serving_pinned(self) -> bool:
@@ -115,6 +126,20 @@ class LeanLoraLinear(LoraLinear):
     def serving_masters(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """The live LoRA weights (A, B) and scale, as the serving copy is made of them."""
         return self._weights()[1:]
+
+    def weight_at(self, weight: torch.Tensor, version: int) -> torch.Tensor:
+        """`weight` (a LoRA weight of this layer) as it was at version counter `version`:
+        itself if unchanged since, else its stashed copy; raises as autograd would if there
+        is none."""
+        if weight._version == version:
+            return weight
+        stashed = self.stale_resolver(weight, version) if self.stale_resolver is not None else None
+        if stashed is None:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"{tuple(weight.shape)} is at version {weight._version}; expected version {version} "
+                "(a graph recorded under older weights must not be back-propagated)")
+        return stashed
 
     def plain_adapter(self) -> bool:
         """One active adapter, not merged into the base weight by PEFT, without a variant
@@ -228,6 +253,17 @@ class adapters_disabled:
     def __exit__(self, *exc):
         for layer, previous in zip(self.layers, self.previous):
             object.__setattr__(layer, "_disable_adapters", previous)
+
+
+def records_through_merged(layers: list[LeanLoraLinear]) -> bool:
+    """Whether a recorded forward now takes every one of `layers` through
+    `_MergedLoraFunction` (its merged copy current, its own weights in place, adapters on),
+    so that the recording saves activations only (engine/saved_bytes_memo.py)."""
+    for layer in layers:
+        if (layer._merged_pack is None or layer.weights_swapped or layer._disable_adapters
+                or not layer.merged_is_current()):
+            return False
+    return bool(layers)
 
 
 def merge_all(peft_model: PeftModel) -> None:

@@ -40,6 +40,8 @@ class WeightStash:
         # (layer, adapter name) of every adapted layer, and the live LoRA parameters
         self._layers = [(m, m.active_adapters[0]) for m in peft_model.modules() if isinstance(m, LeanLoraLinear)]
         self._live = [p for m, name in self._layers for p in (m.lora_A[name].weight, m.lora_B[name].weight)]
+        for layer, _ in self._layers:  # graphs that hold the weights on their nodes resolve them here
+            layer.stale_resolver = self.resolve
         # version -> copies of the live parameters (same order), as nn.Parameters
         self._versions: dict[int, list[torch.nn.Parameter]] = {}
         # (storage pointer, version counter) of a live parameter -> (its copy at that
