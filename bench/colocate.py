@@ -221,21 +221,27 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
 RECORDED_AND_PLAIN = (("recorded_prefill", "prefill"), ("recorded_mixed", "mixed"))
 
 
-def recorded_over_plain(summary: dict, on_runs: list[dict]) -> dict:
-    """A recorded prefill's seconds per token over a plain prefill's of the same composition:
-    alone over a prefill step, with decodes riding along over a mixed step (the medians of
-    the rounds); and the two together, weighted by the tokens each kind of recorded step
-    computed in the training rounds."""
-    ratios, weights = {}, {}
+def recorded_over_plain(runs: dict[bool, list[dict]]) -> dict:
+    """A recorded prefill's seconds per token over a plain one's of the same composition
+    (the medians of the rounds, training on over off): alone over a prefill step, with
+    decodes riding along over a mixed step; and the training rounds' recorded steps in all
+    over what plain steps of their kinds and tokens take (NaN: a kind never ran)."""
+    def per_token(variant: bool, kind: str) -> float:
+        values = [r["steps"][kind]["s_per_token"] for r in runs[variant]
+                  if not math.isnan(r["steps"][kind]["s_per_token"])]
+        return statistics.median(values) if values else math.nan
+
+    ratios, recorded_s, plain_s = {}, 0.0, 0.0
     for recorded, plain in RECORDED_AND_PLAIN:
-        ratios[recorded] = summary[f"on_{recorded}_step_s_per_token"] / summary[f"off_{plain}_step_s_per_token"]
-        weights[recorded] = sum(r["steps"][recorded]["tokens"] for r in on_runs)
-    counted = {kind: ratio for kind, ratio in ratios.items() if weights[kind] and not math.isnan(ratio)}
-    total = sum(weights[kind] for kind in counted)
+        plain_per_token = per_token(False, plain)
+        ratios[recorded] = per_token(True, recorded) / plain_per_token
+        tokens = sum(r["steps"][recorded]["tokens"] for r in runs[True])
+        if tokens:
+            recorded_s += sum(r["steps"][recorded]["seconds"] for r in runs[True])
+            plain_s += tokens * plain_per_token
     return {"recorded_alone_per_token_ratio": round(ratios["recorded_prefill"], 4),
             "recorded_mixed_per_token_ratio": round(ratios["recorded_mixed"], 4),
-            "recorded_prefill_per_token_ratio": round(
-                sum(ratio * weights[kind] for kind, ratio in counted.items()) / total, 4) if total else math.nan}
+            "recorded_over_plain_of_its_composition": round(recorded_s / plain_s, 4) if plain_s else math.nan}
 
 
 def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, seed: int,
@@ -256,7 +262,9 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
                   f"{result['steps']['prefill']['s_per_token'] * 1000:.2f} ms alone, "
                   f"{result['steps']['mixed']['s_per_token'] * 1000:.2f} ms beside decodes; recorded "
                   f"{result['steps']['recorded_prefill']['s_per_token'] * 1000:.2f} ms alone, "
-                  f"{result['steps']['recorded_mixed']['s_per_token'] * 1000:.2f} ms beside decodes, "
+                  f"{result['steps']['recorded_mixed']['s_per_token'] * 1000:.2f} ms beside decodes "
+                  f"({result['steps']['recorded_prefill']['page_faults_per_step']:.0f}, "
+                  f"{result['steps']['recorded_mixed']['page_faults_per_step']:.0f} page faults per step), "
                   f"CPU per token: event loop {result['event_loop_cpu_per_token_ms']:.2f} ms, "
                   f"device thread {result['device_cpu_per_token_ms']:.2f} ms, "
                   + (f"cold TPOT {result['cold_tpot_mean_s'] * 1000:.1f} ms, " if warmup else "")
@@ -295,7 +303,7 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
     # in the server under the trace: a recorded prefill's seconds per token over a plain
     # one's (the off server's) of the same composition, and a decode step's with training
     # on over off
-    summary.update(recorded_over_plain(summary, runs[True]))
+    summary.update(recorded_over_plain(runs))
     summary["decode_step_ratio"] = round(summary["on_decode_step_mean_s"] / summary["off_decode_step_mean_s"], 4)
     longest = max(runs[True], key=lambda r: r["train_slice_max_s"])
     summary["train_slice_max_s"] = round(longest["train_slice_max_s"], 4)

@@ -2,7 +2,10 @@
 steps), prefill time is measured, and vLLM's inter-token latency sits beside the
 per-request time per output token."""
 
+import math
+
 from engine.sampling_params import SamplingParams
+from engine.scheduler import STEP_KINDS
 from server.metrics import ServingMetrics
 from tests.conftest import encode, make_engine
 from tests.servers import TINY_NAME, tiny_app
@@ -157,10 +160,17 @@ def test_a_prompt_of_one_token_and_a_last_prefill_chunk_of_one_token_are_prefill
 def test_the_colocate_bench_compares_a_recorded_prefill_with_a_plain_one_of_its_composition():
     from bench.colocate import recorded_over_plain
 
-    summary = {"on_recorded_prefill_step_s_per_token": 1.2, "off_prefill_step_s_per_token": 1.0,
-               "on_recorded_mixed_step_s_per_token": 3.3, "off_mixed_step_s_per_token": 3.0}
-    runs = [{"steps": {"recorded_prefill": {"tokens": 100.0}, "recorded_mixed": {"tokens": 200.0}}},
-            {"steps": {"recorded_prefill": {"tokens": 0.0}, "recorded_mixed": {"tokens": 100.0}}}]
-    ratios = recorded_over_plain(summary, runs)
+    def run(**kinds) -> dict:
+        steps = {kind: {"s_per_token": math.nan, "seconds": 0.0, "tokens": 0.0} for kind in STEP_KINDS}
+        for kind, (seconds, tokens) in kinds.items():
+            steps[kind] = {"s_per_token": seconds / tokens, "seconds": seconds, "tokens": tokens}
+        return {"steps": steps}
+
+    off = [run(prefill=(1.0, 100.0), mixed=(3.0, 100.0)), run(prefill=(3.0, 100.0), mixed=(3.0, 100.0))]
+    on = [run(recorded_prefill=(2.4, 100.0), recorded_mixed=(6.6, 200.0)), run(recorded_mixed=(3.3, 100.0))]
+    ratios = recorded_over_plain({False: off, True: on})
+    # medians of the rounds: plain alone 0.02 s per token, mixed 0.03; recorded alone 0.024, mixed 0.033
     assert ratios["recorded_alone_per_token_ratio"] == 1.2 and ratios["recorded_mixed_per_token_ratio"] == 1.1
-    assert ratios["recorded_prefill_per_token_ratio"] == round((1.2 * 100 + 1.1 * 300) / 400, 4)
+    # the recorded steps' 12.3 s over what plain steps of their kinds take for their tokens: 100 × 0.02 + 300 × 0.03
+    assert ratios["recorded_over_plain_of_its_composition"] == round(12.3 / 11.0, 4)
+    assert math.isnan(recorded_over_plain({False: off, True: on[1:]})["recorded_alone_per_token_ratio"])

@@ -261,7 +261,7 @@ def records_through_merged(layers: list[LeanLoraLinear]) -> bool:
     so that the recording saves activations only (engine/saved_bytes_memo.py)."""
     for layer in layers:
         if (layer._merged_pack is None or layer.weights_swapped or layer._disable_adapters
-                or not layer.merged_is_current()):
+                or not layer.merged_is_current() or layer._merged_pack.dtype != layer.base_layer.weight.dtype):
             return False
     return bool(layers)
 

@@ -7,7 +7,8 @@ optimizer step the weights of the version about to be replaced are copied here i
 recording still needs them (a few MB: only the adapter), and a job on a stale recording
 runs against them:
   - the recording's saved weights are resolved to the copies when backward unpacks them
-    (`resolve`, the recording's `SavedTensorTracker.resolve_stale`);
+    (`resolve`, the recording's `SavedTensorTracker.resolve_stale`), or when backward
+    reads them from its node (the CPU's merged path, `LeanLoraLinear.weight_at`);
   - every forward the job runs itself (DPO's responses, a recomputed offloaded layer)
     runs with the copies swapped into the model (`weights_of`), slice by slice;
   - the gradient, ∇L(θ_v), lands on the live weights and the optimizer applies it to
