@@ -113,6 +113,15 @@ class RecordSpec:
     adapter_version: int
 
 
+def stale_tensor_error(tensor: torch.Tensor, expected_version: int) -> RuntimeError:
+    """What backward raises for a tensor a graph needs that was changed in place since (as
+    autograd words it), when no stashed copy stands for it."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"{tuple(tensor.shape)} is at version {tensor._version}; expected version {expected_version} "
+        "(a graph recorded under older weights must not be back-propagated)")
+
+
 class SavedTensor:
     """What autograd holds instead of a saved tensor while the tracker is active."""
 
@@ -140,10 +149,7 @@ class SavedTensor:
             stashed = self.tracker.resolve_stale(self.tensor, self.version) if self.tracker.resolve_stale else None
             if stashed is not None:
                 return stashed
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"{tuple(self.tensor.shape)} is at version {self.tensor._version}; expected version {self.version} "
-                "(a graph recorded under older weights must not be back-propagated)")
+            raise stale_tensor_error(self.tensor, self.version)
         return self.tensor
 
     def rebind(self, tensor: torch.Tensor | None) -> None:

@@ -36,6 +36,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
 
 from engine.gated_mlp import silu_and_mul_again, silu_and_mul_inputs
 from engine.packed_linear import packed_linear_available
+from engine.recording import stale_tensor_error
 from trainer.config import TrainConfig
 from trainer.serving_copy import SharedInputGroup, serve_from_copy
 from trainer.training_copy import train_from_copy, uses_training_copy
@@ -135,11 +136,15 @@ class LeanLoraLinear(LoraLinear):
             return weight
         stashed = self.stale_resolver(weight, version) if self.stale_resolver is not None else None
         if stashed is None:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"{tuple(weight.shape)} is at version {weight._version}; expected version {version} "
-                "(a graph recorded under older weights must not be back-propagated)")
+            raise stale_tensor_error(weight, version)
         return stashed
+
+    def records_merged(self, dtype: torch.dtype) -> bool:
+        """Whether a forward under autograd of an input in `dtype` runs `_MergedLoraFunction`:
+        the merged copy current and in that dtype, this layer's own weights in place, adapters on."""
+        pack = self._merged_pack
+        return (pack is not None and pack.dtype == dtype and not self._disable_adapters and not self.weights_swapped
+                and self.merged_is_current())
 
     def plain_adapter(self) -> bool:
         """One active adapter, not merged into the base weight by PEFT, without a variant
@@ -187,8 +192,7 @@ class LeanLoraLinear(LoraLinear):
         if (torch.is_grad_enabled() and not args and not kwargs and not self._disable_adapters
                 and uses_training_copy(self, x)):
             return train_from_copy(self, x)  # before the merged path: a group's members all take it
-        if (self._merged_pack is not None and not args and not kwargs and not self._disable_adapters
-                and not self.weights_swapped and torch.is_grad_enabled() and self.merged_is_current() and x.dtype == self._merged_pack.dtype):
+        if torch.is_grad_enabled() and not args and not kwargs and self.records_merged(x.dtype):
             name = self.active_adapters[0]
             return _MergedLoraFunction.apply(x, self.lora_A[name].weight, self.lora_B[name].weight, self)
         if (self.serving_group is not None and not args and not kwargs and not torch.is_grad_enabled()
@@ -259,11 +263,7 @@ def records_through_merged(layers: list[LeanLoraLinear]) -> bool:
     """Whether a recorded forward now takes every one of `layers` through
     `_MergedLoraFunction` (its merged copy current, its own weights in place, adapters on),
     so that the recording saves activations only (engine/saved_bytes_memo.py)."""
-    for layer in layers:
-        if (layer._merged_pack is None or layer.weights_swapped or layer._disable_adapters
-                or not layer.merged_is_current() or layer._merged_pack.dtype != layer.base_layer.weight.dtype):
-            return False
-    return bool(layers)
+    return bool(layers) and all([layer.records_merged(layer.base_layer.weight.dtype) for layer in layers])
 
 
 def merge_all(peft_model: PeftModel) -> None:
