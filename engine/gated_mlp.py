@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.direct_apply import direct_apply
+
 # the MLPs computing `down(act(gate(x)) * up(x))`, and Phi-3's with gate and up fused in one linear
 _GATE_AND_UP = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
 _FUSED_GATE_UP = ("Phi3MLP",)
@@ -55,12 +57,15 @@ class SiluAndMul(torch.autograd.Function):
         return grad_gate, grad_up
 
 
+_silu_and_mul = direct_apply(SiluAndMul)
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up: through `SiluAndMul` where a graph is recorded, else the plain ops.
     Under autograd the product remembers its factors (`silu_and_mul_inputs`), so that the
     down projection's LoRA function can save them (saved here already) in its place."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        product = SiluAndMul.apply(gate, up)
+        product = _silu_and_mul(gate, up)
         product._silu_and_mul_of = (gate, up, (product._version, gate._version, up._version))
         return product
     return F.silu(gate) * up

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.direct_apply import direct_apply
+
 # batch-size hint for oneDNN's weight layout; the packed weight serves any row count
 _PACK_ROWS_HINT = 8
 
@@ -51,6 +53,9 @@ class _PackedLinearFunction(torch.autograd.Function):
         return grad.matmul(layer.weight), None
 
 
+_packed_linear = direct_apply(_PackedLinearFunction)
+
+
 class PackedLinear(nn.Linear):
     _packed: torch.Tensor | None = None
     _packed_version: int = -1
@@ -76,7 +81,7 @@ class PackedLinear(nn.Linear):
         if torch.is_grad_enabled() and self._params_need_grad():
             return F.linear(x, self.weight, self.bias)
         if torch.is_grad_enabled() and x.requires_grad:
-            return _PackedLinearFunction.apply(x, self)
+            return _packed_linear(x, self)
         return self._packed_forward(x)
 
 

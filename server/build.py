@@ -99,7 +99,8 @@ def _saved_bytes_memo(model, config: TrainConfig) -> SavedBytesMemo | None:
         return SavedBytesMemo()
     adapted = [module for module in model.modules() if isinstance(module, LeanLoraLinear)]
     if config.merged_serving and adapted and all(module.can_merge() for module in adapted):
-        return SavedBytesMemo(applies=functools.partial(records_through_merged, adapted))
+        dtype = adapted[0].base_layer.weight.dtype  # the model's: the hidden states' a recorded forward reads
+        return SavedBytesMemo(applies=functools.partial(records_through_merged, adapted, dtype))
     return None
 
 

@@ -47,9 +47,11 @@ def test_merged_serving_equals_lean_and_goes_stale_with_the_weights():
     ids = torch.tensor([encode("Hello there, how are you?")], device=TEST_DEVICE)
     with torch.inference_mode():
         lean_logits = peft_model(ids).logits
+    keys = list(peft_model.state_dict())
     while merge_stale(peft_model, budget_s=0.01):  # a slice at a time, as between jobs
         pass
     assert all(layer.merged_is_current() for layer in layers)
+    assert list(peft_model.state_dict()) == keys  # the pack and the bias it holds are no parameters
     with torch.inference_mode():
         merged_logits = peft_model(ids).logits
     assert torch.allclose(merged_logits, lean_logits, atol=1e-4)

@@ -34,6 +34,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
 
+from engine.direct_apply import direct_apply
 from engine.gated_mlp import silu_and_mul_again, silu_and_mul_inputs
 from engine.packed_linear import packed_linear_available
 from engine.recording import stale_tensor_error
@@ -69,12 +70,12 @@ class _MergedLoraFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: "LeanLoraLinear") -> torch.Tensor:
         ctx.layer = layer
         ctx.weights = (a, b)
-        ctx.versions = (a._version, b._version, layer.base_layer.weight._version)
+        ctx.versions = (a._version, b._version, layer._merged_from[0]._version)  # [0]: the base weight
         factors = silu_and_mul_inputs(x)  # x = silu(gate) * up: saved already, x is formed again
         ctx.x_again = factors is not None
         ctx.save_for_backward(*(factors or (x,)))
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, layer._merged_pack, layer.base_layer.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(flat, layer._merged_pack, layer._merged_bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -95,11 +96,17 @@ class _MergedLoraFunction(torch.autograd.Function):
         return grad_x, grad_a, grad_b, None
 
 
+_merged_lora = direct_apply(_MergedLoraFunction)
+
+
 class LeanLoraLinear(LoraLinear):
     _merged_pack: torch.Tensor | None = None
     # the (base, A, B) weights the merged pack was built from, and their versions then
     _merged_from: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     _merged_key: tuple[int, int, int] | None = None
+    # the base layer's bias (frozen), held with the pack: `self.base_layer.bias` is two
+    # `nn.Module.__getattr__` calls on every adapted layer of every step
+    _merged_bias: torch.Tensor | None = None
     # an older version's LoRA weights are swapped in (trainer/stash.py): the merged copy,
     # built from the live ones, does not stand for them
     weights_swapped: bool = False
@@ -143,8 +150,18 @@ class LeanLoraLinear(LoraLinear):
         """Whether a forward under autograd of an input in `dtype` runs `_MergedLoraFunction`:
         the merged copy current and in that dtype, this layer's own weights in place, adapters on."""
         pack = self._merged_pack
-        return (pack is not None and pack.dtype == dtype and not self._disable_adapters and not self.weights_swapped
-                and self.merged_is_current())
+        if pack is None or pack.dtype != dtype or self._disable_adapters or self.weights_swapped:
+            return False
+        w, a, b = self._merged_from  # merged_is_current(), inline: it runs on every adapted layer
+        return (w._version, a._version, b._version) == self._merged_key
+
+    def _lora_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The active adapter's A and B (one adapter), from the modules' own dictionaries:
+        PEFT's `active_adapters` and `nn.Module.__getattr__` cost a Python call per read."""
+        name = self._active_adapter
+        name = name if isinstance(name, str) else name[0]
+        return (self._modules["lora_A"]._modules[name]._parameters["weight"],
+                self._modules["lora_B"]._modules[name]._parameters["weight"])
 
     def plain_adapter(self) -> bool:
         """One active adapter, not merged into the base weight by PEFT, without a variant
@@ -178,26 +195,29 @@ class LeanLoraLinear(LoraLinear):
         key = (w._version, a._version, b._version)
         self._merged_pack = torch.ops.mkldnn._reorder_linear_weight(torch.addmm(w, b, a, alpha=scale), 8)
         self._merged_from, self._merged_key = (w, a, b), key
+        object.__setattr__(self, "_merged_bias", self.base_layer.bias)  # a plain attribute, not a second parameter
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        # the hot path of serving in training mode: a few attribute reads, then one GEMM
-        if (self._merged_pack is not None and not args and not kwargs and not self._disable_adapters
-                and not self.weights_swapped and not torch.is_grad_enabled()
-                and (self.serving_pinned or self.merged_is_current()) and x.dtype == self._merged_pack.dtype):
-            flat = x.reshape(-1, x.shape[-1])
-            out = torch.ops.mkldnn._linear_pointwise(flat, self._merged_pack, self.base_layer.bias, "none", [], "")
-            return out.view(*x.shape[:-1], out.shape[-1])
-        if self._disable_adapters and not args and not kwargs and not self.merged_adapters:
-            return self.base_layer(x)  # the base model (DPO's reference): all PEFT's forward would run
-        if (torch.is_grad_enabled() and not args and not kwargs and not self._disable_adapters
-                and uses_training_copy(self, x)):
-            return train_from_copy(self, x)  # before the merged path: a group's members all take it
-        if torch.is_grad_enabled() and not args and not kwargs and self.records_merged(x.dtype):
-            name = self.active_adapters[0]
-            return _MergedLoraFunction.apply(x, self.lora_A[name].weight, self.lora_B[name].weight, self)
-        if (self.serving_group is not None and not args and not kwargs and not torch.is_grad_enabled()
-                and not self._disable_adapters and not self.weights_swapped):
-            return serve_from_copy(self, x)
+        # the hot paths (serving, and recording, in training mode) read plain attributes only, then one GEMM
+        if not args and not kwargs:
+            if self._disable_adapters:
+                if not self.merged_adapters:
+                    return self.base_layer(x)  # the base model (DPO's reference): all PEFT's forward would run
+            elif not torch.is_grad_enabled():
+                pack = self._merged_pack
+                if (pack is not None and not self.weights_swapped and x.dtype == pack.dtype
+                        and (self._serving_pinned or self.merged_is_current())):
+                    flat = x.reshape(-1, x.shape[-1])
+                    out = torch.ops.mkldnn._linear_pointwise(flat, pack, self._merged_bias, "none", [], "")
+                    return out.view(*x.shape[:-1], out.shape[-1])
+                if self.serving_group is not None and not self.weights_swapped:
+                    return serve_from_copy(self, x)
+            elif uses_training_copy(self, x):
+                return train_from_copy(self, x)  # before the merged path: a group's members all take it
+            elif self.records_merged(x.dtype):
+                a, b = self._lora_weights()
+                if a is self._merged_from[1] and b is self._merged_from[2]:  # the weights the pack stands for
+                    return _merged_lora(x, a, b, self)
         adapters = self.active_adapters
         if (args or kwargs or torch.is_grad_enabled() or self.disable_adapters or self.merged
                 or len(adapters) != 1 or adapters[0] in self.lora_variant or adapters[0] not in self.lora_A):
@@ -259,11 +279,12 @@ class adapters_disabled:
             object.__setattr__(layer, "_disable_adapters", previous)
 
 
-def records_through_merged(layers: list[LeanLoraLinear]) -> bool:
-    """Whether a recorded forward now takes every one of `layers` through
-    `_MergedLoraFunction` (its merged copy current, its own weights in place, adapters on),
-    so that the recording saves activations only (engine/saved_bytes_memo.py)."""
-    return bool(layers) and all([layer.records_merged(layer.base_layer.weight.dtype) for layer in layers])
+def records_through_merged(layers: list[LeanLoraLinear], dtype: torch.dtype) -> bool:
+    """Whether a recorded forward (of hidden states in `dtype`, the model's) now takes every
+    one of `layers` through `_MergedLoraFunction` (its merged copy current, its own weights
+    in place, adapters on), so that the recording saves activations only
+    (engine/saved_bytes_memo.py)."""
+    return bool(layers) and all([layer.records_merged(dtype) for layer in layers])
 
 
 def merge_all(peft_model: PeftModel) -> None:

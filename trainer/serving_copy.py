@@ -49,6 +49,9 @@ class SharedInputGroup:
         # the live master parameters, changed in place by the optimizer and a restore (the
         # weight stash swaps other tensors into the layers only inside training slices)
         self._masters = weights = [layer.serving_masters() for layer in layers]
+        # the master weights' dtype (a stashed version's, swapped in, is the same); an
+        # attribute, not a property: every adapted layer's forward under autograd reads it
+        self.master_dtype = weights[0][0].dtype
         bases = [layer.base_layer for layer in layers]
         device = weights[0][0].device
         ranks = [a.shape[0] for a, _, _ in weights]
@@ -104,11 +107,6 @@ class SharedInputGroup:
         return any([layer.weights_swapped for layer in self.layers])
 
     @property
-    def master_dtype(self) -> torch.dtype:
-        """The master weights' dtype (a stashed version's, swapped in, is the same)."""
-        return self._masters[0][0].dtype
-
-    @property
     def pinned(self) -> bool:
         return any([layer.serving_pinned for layer in self.layers])
 
@@ -144,7 +142,7 @@ class SharedInputGroup:
         return outputs
 
     def _fused_outputs(self, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.fused_output(flat).split(self.outs, dim=1)
+        return self.fused_output(flat).split_with_sizes(self.outs, dim=1)  # not `split`: its Python wrapper
 
     def fused_output(self, flat: torch.Tensor) -> torch.Tensor:
         """The members' outputs side by side, (N, Σout), in two GEMMs."""

@@ -47,6 +47,7 @@ from collections import OrderedDict
 
 import torch
 
+from engine.direct_apply import direct_apply
 from engine.gated_mlp import silu_and_mul_again, silu_and_mul_inputs
 
 # copies kept per group: the live weights' and those of the stashed version a job swaps in
@@ -228,10 +229,9 @@ class TrainingCopies:
         by the group's first member to ask and kept until each has read it."""
         if self._input is not x:
             copy = self.current()
-            # the non-tensor arguments in one tuple: `apply` walks its arguments in Python, one by one
-            out = _GroupLoraFunction.apply(flat, copy.a, copy.b, (self.group, self.group.held == copy.key,
-                                                                  copy.landing, silu_and_mul_inputs(x)))
-            self._outputs = out.split(self.group.outs, dim=1)
+            out = _group_lora(flat, copy.a, copy.b, (self.group, self.group.held == copy.key, copy.landing,
+                                                     silu_and_mul_inputs(x)))
+            self._outputs = out.split_with_sizes(self.group.outs, dim=1)
             self._input, self._served = x, 0
         outputs = self._outputs
         self._served += 1
@@ -279,6 +279,9 @@ class _GroupLoraFunction(torch.autograd.Function):
         else:
             _land(ctx, grad, grad_rank, a)
         return grad_x, None, None, None
+
+
+_group_lora = direct_apply(_GroupLoraFunction)
 
 
 def _land(ctx, grad: torch.Tensor, grad_rank: torch.Tensor, a: torch.Tensor) -> None:
