@@ -2,7 +2,8 @@
 Llama in bfloat16 (hidden 16, so that compute is negligible) with as many decoder layers
 as Llama-3.1-8B (32), LoRA on every linear, DPO mode with the LoRA math in the model's
 dtype — the GPU's code path (serving and training copies), where the host is what a GPU
-waits for."""
+waits for. In float32 the same model takes the CPU's path instead (merged weights, each
+adapted layer's recorded forward through `_MergedLoraFunction`)."""
 
 import cProfile
 import time
@@ -16,11 +17,11 @@ from tests.tiny import tiny_model, tiny_tokenizer
 from trainer.config import TrainConfig
 
 
-def host_proxy_engine():
+def host_proxy_engine(dtype: torch.dtype = torch.bfloat16):
     """(engine, trainer), single-threaded and seeded."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = tiny_model("llama", dtype=torch.bfloat16, num_layers=32, hidden_size=16)
+    model = tiny_model("llama", dtype=dtype, num_layers=32, hidden_size=16)
     return build_training_engine(model, tiny_tokenizer(), make_config(),
                                  TrainConfig(mode="dpo", lora_rank=8, lora_compute_dtype="model"),
                                  init_lora_weights=False)

@@ -7,16 +7,19 @@ Llama-3.1-8B (32), LoRA on every linear, DPO mode with the LoRA math in the mode
 the rounds, with their ratio (this CPU's times: a proxy for the GPU's host time; on
 this model the recorded step read 1.9–2.0x a plain one, where `bench training`'s
 recording column read 1.97–2.22x for DPO's prompts on the H100 at the 8B shape). On this
-CPU, unlike a GPU, the recorded step also decomposes RMSNorm under autograd.
+CPU, unlike a GPU, the recorded step also decomposes RMSNorm under autograd. With
+`--float32` the model is float32 and takes the CPU's path (merged weights).
 Run from the repository root (and in a worktree of an older tree to compare):
 
-    PYTHONPATH=. .venv/bin/python docs/training-issue24/recorded_prefill_host.py [--rounds 15]
+    PYTHONPATH=. .venv/bin/python docs/training-issue24/recorded_prefill_host.py [--rounds 15] [--float32]
 """
 
 import argparse
 import cProfile
 import pstats
 import statistics
+
+import torch
 
 from host_proxy import host_proxy_engine, timed_prefill
 from tests.conftest import encode
@@ -25,8 +28,9 @@ from tests.conftest import encode
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--float32", action="store_true", help="the CPU's merged path, not the GPU's copies")
     args = parser.parse_args()
-    engine, _ = host_proxy_engine()
+    engine, _ = host_proxy_engine(torch.float32 if args.float32 else torch.bfloat16)
     ids = encode("Online learning trains a LoRA adapter on what the server just served. " * 2)
     counter = iter(range(1 << 30))
 
