@@ -69,8 +69,9 @@ class _MergedLoraFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: "LeanLoraLinear") -> torch.Tensor:
         ctx.layer = layer
-        ctx.weights = (a, b)
-        ctx.versions = (a._version, b._version, layer._merged_from[0]._version)  # [0]: the base weight
+        weight = layer._merged_from[0]  # the base weight the pack was built from: this layer's (records_merged)
+        ctx.weights = (a, b, weight)
+        ctx.versions = (a._version, b._version, weight._version)
         factors = silu_and_mul_inputs(x)  # x = silu(gate) * up: saved already, x is formed again
         ctx.x_again = factors is not None
         ctx.save_for_backward(*(factors or (x,)))
@@ -83,10 +84,10 @@ class _MergedLoraFunction(torch.autograd.Function):
         inputs = ctx.saved_tensors
         x = silu_and_mul_again(*inputs) if ctx.x_again else inputs[0]
         layer = ctx.layer
-        weight, scale = layer.base_layer.weight, layer.scaling[layer.active_adapters[0]]
+        weight, scale = ctx.weights[2], layer.scaling[layer.active_adapters[0]]
         if weight._version != ctx.versions[2]:
             raise RuntimeError("a frozen weight was modified in place between forward and backward")
-        a, b = (layer.weight_at(w, version) for w, version in zip(ctx.weights, ctx.versions))
+        a, b = (layer.weight_at(w, version) for w, version in zip(ctx.weights[:2], ctx.versions))
         g = grad.reshape(-1, grad.shape[-1])  # (N, out)
         flat = x.reshape(-1, x.shape[-1])  # (N, in)
         g_b = g @ b  # (N, r)
@@ -148,20 +149,22 @@ class LeanLoraLinear(LoraLinear):
 
     def records_merged(self, dtype: torch.dtype) -> bool:
         """Whether a forward under autograd of an input in `dtype` runs `_MergedLoraFunction`:
-        the merged copy current and in that dtype, this layer's own weights in place, adapters on."""
+        the merged copy current and in that dtype, built from the very weights this layer
+        holds (a weight replaced by another tensor, not changed in place, is not what it
+        stands for), adapters on. It runs on every adapted layer of every recorded forward:
+        the weights are read from the modules' own dictionaries (PEFT's `active_adapters`
+        and `nn.Module.__getattr__` cost a Python call per read)."""
         pack = self._merged_pack
         if pack is None or pack.dtype != dtype or self._disable_adapters or self.weights_swapped:
             return False
-        w, a, b = self._merged_from  # merged_is_current(), inline: it runs on every adapted layer
-        return (w._version, a._version, b._version) == self._merged_key
-
-    def _lora_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The active adapter's A and B (one adapter), from the modules' own dictionaries:
-        PEFT's `active_adapters` and `nn.Module.__getattr__` cost a Python call per read."""
+        w, a, b = self._merged_from
+        if (w._version, a._version, b._version) != self._merged_key:  # merged_is_current(), inline
+            return False
         name = self._active_adapter
         name = name if isinstance(name, str) else name[0]
-        return (self._modules["lora_A"]._modules[name]._parameters["weight"],
-                self._modules["lora_B"]._modules[name]._parameters["weight"])
+        return (a is self._modules["lora_A"]._modules[name]._parameters["weight"]
+                and b is self._modules["lora_B"]._modules[name]._parameters["weight"]
+                and w is self._modules["base_layer"]._parameters["weight"])
 
     def plain_adapter(self) -> bool:
         """One active adapter, not merged into the base weight by PEFT, without a variant
@@ -215,9 +218,8 @@ class LeanLoraLinear(LoraLinear):
             elif uses_training_copy(self, x):
                 return train_from_copy(self, x)  # before the merged path: a group's members all take it
             elif self.records_merged(x.dtype):
-                a, b = self._lora_weights()
-                if a is self._merged_from[1] and b is self._merged_from[2]:  # the weights the pack stands for
-                    return _merged_lora(x, a, b, self)
+                _, a, b = self._merged_from  # this layer's own, as records_merged checked
+                return _merged_lora(x, a, b, self)
         adapters = self.active_adapters
         if (args or kwargs or torch.is_grad_enabled() or self.disable_adapters or self.merged
                 or len(adapters) != 1 or adapters[0] in self.lora_variant or adapters[0] not in self.lora_A):
