@@ -59,8 +59,8 @@ class _MergedLoraFunction(torch.autograd.Function):
     with gradients to the input and to A and B. The LoRA products (x A^T, g B) are formed
     in backward, which runs in a training slice, not in the forward that a recorded
     prefill runs on the serving path. Saves only x, or, for the down projection, the gate
-    and up x is the product of (engine/gated_mlp.py). A and B are held on the node with
-    their version counters, as the training copies' node holds its weights: backward
+    and up x is the product of (engine/gated_mlp.py). A, B and the base weight are held on
+    the node with their version counters, as the training copies' node holds its weights: backward
     takes a version's stashed copy for a weight an optimizer step changed since
     (`stale_resolver`, trainer/stash.py) and refuses one without, as autograd would; so a
     recorded prefill's saved-tensor hooks (engine/recording.py) see activations only, and
@@ -158,7 +158,7 @@ class LeanLoraLinear(LoraLinear):
         if pack is None or pack.dtype != dtype or self._disable_adapters or self.weights_swapped:
             return False
         w, a, b = self._merged_from
-        if (w._version, a._version, b._version) != self._merged_key:  # merged_is_current(), inline
+        if (w._version, a._version, b._version) != self._merged_key:  # merged_is_current(), inline: a call per layer
             return False
         name = self._active_adapter
         name = name if isinstance(name, str) else name[0]
