@@ -8,9 +8,14 @@
 # httpx2 httpcore2 truststore in that list, the tests that import openai are not collected there)
 # Issue 23 (serving), in order: bringup steps serving paged profile http colocate
 # Issue 24 (training): training grpo profile-dpo precision
-# With 15 device minutes: `http dpo` first (issue 23's last target, server.async_output on and off; DPO's host
-# time), then `grpo`, `recording` and `colocate` (the 4 req/s round); the tokenizer: the embedded model's tokenizer files
-# (engine.model_loader.embedded_model_dir()) copied into .gpu/tokenizer; carry .whl and .gpu
+# With 15 device minutes (machine start included; 10 minutes and 8 files back per call), three calls:
+#   1. CUDA_TESTS="tests/test_serving_steps.py tests/test_shared_prefix_pack.py tests/test_direct_apply.py" \
+#      bash bench/gpu.sh bringup http   (the paths never yet run on a GPU first: decodes riding along in a
+#      recorded prefill, server.async_output, shared-prefix packs; then issue 23's last target, HTTP at 32 streams)
+#   2. bash bench/gpu.sh dpo            (DPO's table and where its host time goes)
+#   3. bash bench/gpu.sh grpo recording (then `colocate` if time is left)
+# carry .whl and .gpu: the tokenizer is the embedded model's files (engine.model_loader.embedded_model_dir())
+# copied into .gpu/tokenizer
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -71,7 +76,8 @@ for phase in "$@"; do
     dpo)  # the DPO part of `training` alone, for a session with little device time: reuse against recompute at
       # 512 / 1,024 / 2,048 tokens, the recording column, and where the host's time goes
       bench training "${MODEL[@]}" --mode dpo --given-responses --sweep 512,1024,2048 --repeats 2 \
-        --kv-cache-bytes 4294967296 --json "$OUT/training-dpo.json" --profile "$OUT/profile-dpo.txt"
+        --kv-cache-bytes 4294967296 --plot-prefix "$OUT/training-dpo" --json "$OUT/training-dpo.json" \
+        --profile "$OUT/profile-dpo.txt"
       ;;
     profile-dpo)  # where the DPO reuse job's time goes on the GPU
       bench training "${MODEL[@]}" --mode dpo --given-responses --tokens 1024 --repeats 1 \

@@ -22,8 +22,11 @@ step), recorded over plain, per case:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import statistics
 import time
+
+import torch
 
 from bench.report import write_json
 from bench.traces import synthetic_tokens
@@ -123,7 +126,10 @@ def run_recording_bench(config: AlchemistConfig, tokens: int, repeats: int, json
     if unknown:
         raise SystemExit(f"--cases: unknown {sorted(unknown)}; choose from {', '.join(CASES)}")
     keep_freed_memory()  # as the server does
-    report = {"tokens": tokens, "repeats": repeats,
-              "cases": [measure_case(config, c, tokens, repeats) for c in cases or CASES]}
+    report = {"tokens": tokens, "repeats": repeats, "cases": []}
+    for case in cases or CASES:
+        report["cases"].append(measure_case(config, case, tokens, repeats))
+        gc.collect()  # each case's engine (cycles hold it) gone before the next one's loads: one model at a time
+        torch.cuda.empty_cache()
     write_json(report, json_path)
     return report

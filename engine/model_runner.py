@@ -336,23 +336,23 @@ class ModelRunner:
                               hidden: torch.Tensor, output: ModelOutput) -> None:
         """The recorded prompt's first token, from its recorded logits' last row, and the
         riders' next tokens (a chunked prompt's last token may ride too, and fork), from
-        their rows of the last layer's output."""
-        seq, entries = step.scheduled[0].seq, packed.sample_entries
+        their rows of the last layer's output: one draw, so one host read for the step."""
+        entries = packed.sample_entries
         prompt_samples = bool(entries) and entries[0] is step.scheduled[0]  # scheduled first, sampled first
+        rows, seqs = [], [entry.seq for entry in entries]
         if prompt_samples:
-            last = logits[-1:].detach().clone()
-            output.sampled[seq.seq_id] = self.sampler.sample(last, [seq])[0]
-            if any(fork.parent is seq for fork in step.forks):
-                output.fork_logits[seq.seq_id] = last[0]
-        riders = [entry.seq for entry in entries[1 if prompt_samples else 0:]]
-        if riders:
-            rows = packed.sample_index[1 if prompt_samples else 0:]
-            rider_logits = self.lm_head(self.norm(hidden[0].detach().index_select(0, rows)))
-            parents = {fork.parent.seq_id for fork in step.forks}
-            for row, (rider, token) in enumerate(zip(riders, self.sampler.sample(rider_logits, riders))):
-                output.sampled[rider.seq_id] = token
-                if rider.seq_id in parents:
-                    output.fork_logits[rider.seq_id] = rider_logits[row]
+            rows.append(logits[-1:].detach())
+        if len(seqs) > prompt_samples:
+            riders = packed.sample_index[1 if prompt_samples else 0:]
+            rows.append(self.lm_head(self.norm(hidden[0].detach().index_select(0, riders))))
+        if not seqs:
+            return
+        drawn = torch.cat(rows)  # a copy: no view keeps the recorded logits alive
+        parents = {fork.parent.seq_id for fork in step.forks}
+        for row, (sampled, token) in enumerate(zip(seqs, self.sampler.sample(drawn, seqs))):
+            output.sampled[sampled.seq_id] = token
+            if sampled.seq_id in parents:
+                output.fork_logits[sampled.seq_id] = drawn[row]
 
     @staticmethod
     def _record_layers(layers, tracker: SavedTensorTracker, placement, leaves, outs, past) -> torch.Tensor:

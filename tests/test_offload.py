@@ -96,6 +96,30 @@ def test_recomputed_and_reloaded_layers_mixed_in_one_backward(family):
     assert relative_difference(grads, reference) <= 1e-5
 
 
+def test_measured_layer_costs_refine_the_planner_once_the_backward_sweep_ends():
+    """Every recomputed layer's recompute and every layer's backward are timed, and the
+    planner's per-token costs take the measurements when the sweep ends: on a GPU their
+    events are read then, one wait on the device per recording rather than one per layer."""
+    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40, policy="recompute"))
+    serve_two(trainer)
+    trainer.offloader.free_to(0)
+    entry = trainer.cache.get("b")
+    timings = trainer.offloader.timings
+    timings.recompute_per_token_s = timings.backward_per_token_s = 1.0  # far above what a tiny layer takes
+    residency = trainer.offloader.residency(entry.recording)
+    during = []
+    before = residency.before
+    residency.before = lambda index: during.append((timings.recompute_per_token_s,
+                                                    timings.backward_per_token_s)) or before(index)
+    trainer.context.residency = lambda recording: residency
+    gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    layers = len(entry.recording.placement.layers)
+    assert during == [(1.0, 1.0)] * layers
+    for refined in (timings.recompute_per_token_s, timings.backward_per_token_s):  # one step of the average per layer
+        assert 0.8 ** layers <= refined < 0.8 ** layers + 0.05
+    assert trainer.offloader.stats.recomputed_layers == layers
+
+
 @pytest.mark.parametrize("policy", ["load", "recompute"])
 def test_decodes_riding_in_a_recorded_step_leave_its_gradients_alone(policy):
     """Decodes riding along in a recorded prefill's forward (`recorded_prefill_alone` off)

@@ -99,3 +99,26 @@ def test_draws_follow_the_distribution_and_greedy_rows_in_the_same_batch_take_th
         draws[sampled.token_id] += 1
     assert draws[4:].sum() == 0  # a token of probability 0 is never drawn
     assert torch.allclose(draws[:4] / 4000, probs[:4], atol=0.03), draws[:4] / 4000
+
+
+def test_a_recorded_prefill_with_decodes_riding_along_reads_the_host_once():
+    """The recorded prompt's first token and the riders' next ones come from one draw."""
+    from bench.step_counts import HostSyncCounter
+    from tests.conftest import encode, engine_of, make_training
+    from trainer.config import TrainConfig
+
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4))
+    engine = engine_of(trainer)
+    params = SamplingParams(temperature=1.0, max_tokens=16, min_tokens=8, seed=3)
+    for i in range(3):
+        engine.add_request(f"rider-{i}", _prompts(3)[i], params)
+        engine.step()
+    engine.add_request("recorded", encode("A recorded prompt, long enough to span several rows."), params,
+                       train=True)
+    counter = HostSyncCounter()
+    with counter.counting():
+        outputs, stats = engine.step()
+    assert stats.kind == "recorded_mixed", stats
+    assert {output.request_id for output in outputs} >= {"recorded", "rider-0", "rider-1", "rider-2"}
+    assert trainer.cache.get("recorded").recording is not None
+    assert counter.reads <= 1, dict(counter.sites)

@@ -206,6 +206,9 @@ class ReplicaSync:
         """Makes `step`'s summed gradients the parameters' (device thread)."""
         if step.done is not None:
             torch.cuda.current_stream().wait_event(step.done)
+            # a buffer of zeros was allocated on the rounds' stream: without this, the allocator
+            # could hand its block to that stream again while the optimizer still reads it here
+            step.grads.record_stream(torch.cuda.current_stream())
         offset = 0
         for p in self.params:
             n = p.numel()
