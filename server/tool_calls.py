@@ -189,6 +189,7 @@ class ToolCallParser:
         self._inside = False
         self._open: _OpenCall | None = None
         self._held_space = ""
+        self._space_before_block = ""
         self.calls: list[ToolCall] = []
         # <tool_call> blocks that did not parse as a call (left in the content)
         self.invalid_blocks = 0
@@ -214,7 +215,7 @@ class ToolCallParser:
                     self._pending = self._pending[len(self._pending) - keep:]
                     break
                 content.append(self._text(self._pending[:start]))
-                self._held_space = ""
+                self._space_before_block, self._held_space = self._held_space, ""  # back if it is no call
                 self._pending = self._pending[start + len(TOOL_CALL_OPEN):]
                 self._inside = True
         return "".join(content), deltas
@@ -280,7 +281,9 @@ class ToolCallParser:
             self.calls.append(call)
         else:
             self.invalid_blocks += 1
-            content.append(self._text(TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else "")))
+            block = TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else "")
+            content.append(self._text(self._space_before_block + block))
+        self._space_before_block = ""
 
     def _cut_name(self, body: str) -> str | None:
         """The function a forced call cut before its arguments names: the one offered

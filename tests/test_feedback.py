@@ -79,6 +79,28 @@ def test_feedback_edge_cases(dpo_client):
     assert r.status_code == 400
 
 
+def test_a_completion_of_several_prompts_takes_a_label_per_choice_as_its_response_numbers_them(dpo_client):
+    """`/v1/completions` with a list of prompts answers with one id; choice i·n + j is
+    prompt i's j-th: a label names it by `choice_index` (or a pair by their indices)."""
+    r = dpo_client.post("/v1/completions", json={"model": TINY_NAME, "prompt": ["One", "Two", "Three"], "n": 2,
+                                                 "max_tokens": 4, "temperature": 1.0, "seed": 0})
+    assert r.status_code == 200, r.text
+    completion = r.json()["id"]
+    assert [c["index"] for c in r.json()["choices"]] == list(range(6))
+    assert feedback(dpo_client, id=completion, chosen="A better answer.", choice_index=3).status_code == 200
+    r = feedback(dpo_client, id=completion, rejected="Worse.", choice_index=2)  # prompt 1's other choice
+    assert r.status_code == 409 and r.json()["error"]["code"] == "label_exists"
+    r = feedback(dpo_client, id=completion, chosen_index=0, rejected_index=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rejected_index", r.text
+    r = feedback(dpo_client, id=completion, chosen="x", choice_index=6)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "choice_index", r.text
+    r = feedback(dpo_client, id=completion, chosen_index=5, rejected_index=4)
+    assert r.status_code in (200, 400), r.text  # 400 only if the two samples are the same text
+    assert feedback(dpo_client, id=completion, rejected="Worse.").status_code == 200  # choice 0: prompt 0
+    r = feedback(dpo_client, id=f"{completion}-0", chosen="x")
+    assert r.status_code == 409 and r.json()["error"]["code"] == "label_exists"
+
+
 def test_feedback_after_the_label_timeout_is_404():
     with TestClient(train_app("dpo", label_timeout_s=0.2)) as client:
         completion = chat(client)

@@ -269,6 +269,9 @@ CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_c', "", ["f"]),
     ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),  # cut by max_tokens
     ("a <tool_ca", "a <tool_ca", []),
+    ("It uses <tool_call> tags, like <tool_call>x", "It uses <tool_call> tags, like <tool_call>x", []),  # spaces kept
+    ("Look: <tool_call>not json</tool_call> done", "Look: <tool_call>not json</tool_call> done", []),
+    ("Sure. \n" + CALL + " Done.", "Sure. Done.", ["f"]),
     ("1 < 2 and <b>", "1 < 2 and <b>", []),
 ])
 def test_the_parser_gives_the_same_split_whatever_the_chunks(text, content, names):

@@ -15,7 +15,9 @@ label's texts are tokenized before the cache is consulted, and no lock is held m
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -101,8 +103,9 @@ def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: C
     """Validates `request` against its entry and attaches the label (the entry becomes
     ready for training); `response_ids` tokenizes a response text. With a `ledger`, the
     label is committed there before it is attached: accepted means on disk."""
-    to = _Labels(cache, ledger, request)
     try:
+        request = _for_prompt_of_batch(cache, request)
+        to = _Labels(cache, ledger, request)
         if label_kind == REWARDS:
             return _attach_rewards(to, request)
         if request.rewards is not None:
@@ -116,6 +119,43 @@ def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: C
     except _Refused as refused:
         return refused.result
     return ACCEPTED
+
+
+def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> FeedbackLabel:
+    """A `/v1/completions` request of several prompts keeps an entry per prompt (`<id>-<i>`)
+    and numbers its choices across them, as its response does: with n choices per prompt,
+    prompt i's j-th is choice i·n + j. A label naming such a completion is `request` for the
+    entry of the prompt its choices belong to; any other label is `request` itself."""
+    cid = request.completion_id
+
+    def known(i) -> bool:
+        return cache.get(f"{cid}-{i}") is not None or cache.ended_state(f"{cid}-{i}") is not None
+
+    if cache.get(cid) is not None or cache.ended_state(cid) is not None or not known(0):
+        return request
+    entries = [cache.get(f"{cid}-{i}") for i in itertools.takewhile(known, itertools.count())]
+    if request.rewards is not None:
+        raise _refuse(FeedbackOutcome.INVALID, f"completion {cid!r} answered {len(entries)} prompts; send each "
+                      f"prompt's rewards on its own, with id '{cid}-<prompt index>'", "rewards", "invalid_value")
+    pair = request.chosen_index is not None or request.rejected_index is not None
+    names = ("chosen_index", "rejected_index") if pair else ("choice_index",)
+    indices = {name: getattr(request, name) for name in names if getattr(request, name) is not None}
+    per_prompt = next((len(e.responses) for e in entries if e is not None and e.response_finished), None)
+    if per_prompt is None and any(indices.values()):  # choice 0 is prompt 0's first, whatever n is
+        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {cid!r} is still being generated; send its label "
+                      "once it has finished", "id", "response_pending")
+    prompts = {name: index // (per_prompt or 1) for name, index in indices.items()}
+    for name, prompt in prompts.items():
+        if prompt >= len(entries):
+            raise _refuse(FeedbackOutcome.INVALID, f"{name} {indices[name]} does not exist; the completion has "
+                          f"choices 0 to {len(entries) * per_prompt - 1}", name, "invalid_value")
+    if len(set(prompts.values())) > 1:
+        raise _refuse(FeedbackOutcome.INVALID, f"choices {indices['chosen_index']} and "
+                      f"{indices['rejected_index']} answer different prompts; a preference compares two "
+                      "answers to one prompt", "rejected_index", "invalid_value")
+    prompt = next(iter(prompts.values()), 0)
+    return dataclasses.replace(request, completion_id=f"{cid}-{prompt}",
+                               **{name: index - prompt * (per_prompt or 1) for name, index in indices.items()})
 
 
 def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
