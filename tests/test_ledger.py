@@ -17,6 +17,7 @@ from tests.test_no_label_lost import metric
 from tests.test_training import label, serve
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.config import AdapterConfig, LedgerConfig, TrainConfig
+from trainer.feedback import FeedbackLabel, FeedbackOutcome
 from trainer.ledger import Ledger, LabelExists, LedgerUnavailable
 from trainer.ledger_db import LEDGER_FILE, LabelRecord, RequestRecord, read_ledger
 
@@ -152,6 +153,8 @@ def test_deleting_a_label_or_a_stored_completion_over_http(tmp_path):
         for path in (f"/v1/feedback/{labelled}", f"/v1/chat/completions/{stored}", "/v1/feedback/nope"):
             r = client.delete(path)
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", path
+        r = client.post("/v1/feedback", json={"id": stored, "chosen": "Lyon."})  # deleted: 404, saying so
+        assert r.status_code == 404 and "deleted" in r.json()["error"]["message"], r.text
 
 
 def test_a_deleted_label_is_not_trained_on(tmp_path):
@@ -160,6 +163,8 @@ def test_a_deleted_label_is_not_trained_on(tmp_path):
     label(training, "r0")
     assert training.forget("r0", label_only=True)
     assert training.cache.get("r0") is None
+    again = training.feedback.submit(FeedbackLabel("r0", "A new label.", None, 0))
+    assert again.outcome is FeedbackOutcome.UNKNOWN and "deleted" in again.message
     training.train_until_idle()
     assert training.stats.copy().trained_entries == {}
     training.ledger.flush()

@@ -73,6 +73,7 @@ class ActivationCache:
         self._index = EntryIndex()
         # recently ended entries (id -> final state), so feedback can tell "trained" from "unknown"
         self._ended: OrderedDict[str, EntryState] = OrderedDict()
+        self._deleted: set[str] = set()  # the ended whose data a user deleted (a subset of _ended)
         self._lock = threading.RLock()
         self.bytes = 0
         # how entries ended, by state
@@ -100,6 +101,11 @@ class ActivationCache:
     def ended_state(self, completion_id: str) -> EntryState | None:
         with self._lock:
             return self._ended.get(completion_id)
+
+    def was_deleted(self, completion_id: str) -> bool:
+        """Whether the completion's entry ended because its label or request was deleted."""
+        with self._lock:
+            return completion_id in self._deleted
 
     def has_room_for(self, nbytes: int) -> bool:
         """Whether a new recording of `nbytes` would be kept, as the full policy decides."""
@@ -215,11 +221,13 @@ class ActivationCache:
             if completion_id not in self._entries:
                 self._remember(completion_id, state)
 
-    def _remember(self, completion_id: str, state: EntryState) -> None:
+    def _remember(self, completion_id: str, state: EntryState, deleted: bool = False) -> None:
         """How a completion's entry ended (or why it never had one), for its feedback."""
         self._ended[completion_id] = state
+        if deleted:
+            self._deleted.add(completion_id)
         while len(self._ended) > 10_000:
-            self._ended.popitem(last=False)
+            self._deleted.discard(self._ended.popitem(last=False)[0])
 
     def hold(self, entry: CacheEntry) -> None:
         """Keeps a ready entry out of training until `attach_label`, as an entry that
@@ -286,7 +294,7 @@ class ActivationCache:
         self._move(entry, state)
         self._detach(entry)
         self.ended_counts[state.value] += 1
-        self._remember(entry.completion_id, state)
+        self._remember(entry.completion_id, state, deleted=reason == "deleted")
         if self.journal is not None:
             self.journal.record_fate(entry.completion_id, state.value, version, path, reason)
 

@@ -174,6 +174,10 @@ def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
         if ended is EntryState.NOT_A_GROUP:
             raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group: this server "
                           "trains on groups of samples; request them with n >= 2", "id", "not_a_group")
+        if cache.was_deleted(completion_id):
+            raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: its data "
+                          "were deleted (DELETE /v1/feedback/{id} or /v1/chat/completions/{id}), and a deleted "
+                          "completion takes no new label", "id", "entry_not_found")
         reason = {EntryState.EXPIRED: "it expired (no feedback within the label timeout)",
                   EntryState.DROPPED: "it was dropped (its request was cut short, or the bound on entries "
                                       "waiting for a label, train.max_label_entries, was reached)"}.get(
