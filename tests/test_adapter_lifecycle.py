@@ -20,6 +20,7 @@ from tests.servers import TINY_NAME, tiny_app, wait_for
 from tests.test_training import make_trainer, serve
 from tests.tiny import tiny_model
 from trainer.adapter_store import AdapterStore
+from trainer.ledger_db import LEDGER_FILE, read_ledger
 from trainer.lifecycle import AdapterMismatchError
 
 TRAIN = TrainConfig(mode="cpt", lora_rank=4, learning_rate=1e-2)
@@ -87,10 +88,15 @@ def test_rollback_restores_a_saved_version_as_a_new_version(tmp_path):
         assert r.status_code == 200, r.text
         status = r.json()
         assert status["version"] == 4 and status["restored_from"] == 1
+        assert (tmp_path / "v00000004" / "adapter_model.safetensors").is_file()  # saved before the answer
+        assert [v["version"] for v in status["saved"]] == [0, 1, 2, 3, 4]
         assert complete(client) == at_v1
-        client.app.state.alchemist.training.lifecycle.checkpointer.wait()
-        saved = [v["version"] for v in client.get("/v1/adapters").json()["saved"]]
-        assert saved == [0, 1, 2, 3, 4]  # the rolled-back adapter is saved as version 4
+        training = client.app.state.alchemist.training
+        training.ledger.flush()
+        fates = {row.request.prompt: (row.fate, row.fate_version) for row in read_ledger(tmp_path / LEDGER_FILE)}
+        assert fates["first prompt about dogs"] == ("trained", 1)
+        for undone in ("second prompt about birds", "third prompt about fish"):  # `feedback release` retrains them
+            assert fates[undone][0] == "quarantined", fates
 
         r = client.post("/v1/adapters/rollback", json={"version": 99})
         assert r.status_code == 404 and r.json()["error"]["code"] == "version_not_found"

@@ -150,6 +150,14 @@ class Ledger:
             f"UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? WHERE id IN ({marks})",
             (reason, at, *request_ids))))
 
+    def quarantine_trained_after(self, version: int, reason: str) -> None:
+        """A rollback to saved `version` undid every version after it: what trained into
+        those is quarantined, as the gate's rejections are (queued)."""
+        at = self.clock()
+        self._put(_Write(lambda c: c.execute(
+            "UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? "
+            "WHERE fate = 'trained' AND fate_version > ?", (reason, at, version))))
+
     def withdraw_label(self, request_id: str) -> None:
         """Removes a label whose entry ended before it could be attached (queued)."""
         self._put(_Write(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))

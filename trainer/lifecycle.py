@@ -195,8 +195,10 @@ class AdapterLifecycle:
 
     def rollback(self, snapshot: AdapterSnapshot) -> int:
         """Makes the saved `snapshot` the live adapter. Versions only go forward: the
-        rolled-back adapter is a new version (saved at once), so nothing recorded under
-        the weights being replaced is mistaken for current."""
+        rolled-back adapter is a new version, saved before this returns (a restart resumes
+        from it, not from a version it undid), so nothing recorded under the weights being
+        replaced is mistaken for current. The labels the undone versions trained on are
+        quarantined in the ledger (`alchemist feedback release` trains them again)."""
         version = self.optimizer.version + 1
         self.restore(snapshot, version)
         with self.stats.lock:
@@ -204,8 +206,11 @@ class AdapterLifecycle:
         if self.gate is not None:  # a candidate being scored is dropped; the new weights are scored as the bar
             self.gate.rebaseline(version)
             self.promoted_snapshot = self.snapshot()
+        if self.ledger is not None:
+            self.ledger.quarantine_trained_after(snapshot.version, f"rolled back to version {snapshot.version} "
+                                                 f"(as version {version})")
         if self.checkpointer is not None:
-            self.checkpointer.save_async(self.snapshot())
+            self.checkpointer.save_async(self.snapshot()).result()  # the writer flushes the ledger first
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
         return version
 
