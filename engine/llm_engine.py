@@ -108,11 +108,12 @@ class LLMEngine:
             self.grammars.check(params.grammar)
         requested = len(prompt_token_ids) + (params.max_tokens or 0)
         if len(prompt_token_ids) >= self.max_model_len or requested > self.max_model_len:
+            prompt_alone = len(prompt_token_ids) >= self.max_model_len  # then no max_tokens would fit it
             raise InvalidParameter(
-                "max_tokens" if params.max_tokens else "messages",
+                "prompt" if prompt_alone or not params.max_tokens else "max_tokens",
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{requested} tokens ({len(prompt_token_ids)} in the messages, {params.max_tokens or 0} in the "
-                f"completion). Please reduce the length of the messages or completion.", "context_length_exceeded")
+                f"{requested} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens or 0} in the "
+                f"completion). Please reduce the length of the prompt or completion.", "context_length_exceeded")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, train: bool = False,

@@ -57,16 +57,35 @@ def make_request(async_engine, request_id: str, prompt_ids: list[int], params: S
         raise
 
 
-def render_chat(tokenizer, body, add_generation_prompt: bool = True, tools: ToolUse | None = None) -> list[int]:
+# what the server itself passes to the chat template; `chat_template_kwargs` may not set them
+_TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                 "add_generation_prompt", "continue_final_message", "return_dict",
+                                 "return_tensors", "padding", "truncation", "max_length"})
+
+
+def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
     """The prompt's token ids: the messages (and the tools offered) through the chat
     template, or through the fallback tool prompt (server/tool_prompt.py) where the
-    template has no tool section."""
+    template has no tool section; with the body's template controls (vLLM's)."""
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
         raise APIError(400, "This model has no chat template; use /v1/completions.", "messages")
+    add_generation_prompt = body.add_generation_prompt
+    continue_final_message = body.continue_final_message
+    if add_generation_prompt and continue_final_message:
+        raise APIError(400, "continue_final_message goes on with the last message; it cannot be combined with "
+                       "add_generation_prompt, which opens a new one (send add_generation_prompt: false)",
+                       "continue_final_message")
+    if continue_final_message and body.messages[-1].role != "assistant":
+        raise APIError(400, "continue_final_message goes on with the last message, which must be the assistant's",
+                       "continue_final_message")
+    extra = dict(body.chat_template_kwargs or {})
+    reserved = sorted(_TEMPLATE_ARGUMENTS & set(extra))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: the request's own fields do",
+                       "chat_template_kwargs")
     messages = [message.template_dict() for message in body.messages]
     functions = tools.functions if tools is not None else None
-    extra = {}
     if template_has_tools(template):
         messages = native_messages(messages)
         if functions:
@@ -75,7 +94,7 @@ def render_chat(tokenizer, body, add_generation_prompt: bool = True, tools: Tool
         messages = fallback_messages(messages, functions)
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             **extra)
+                                             continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the user's to fix
         raise APIError(400, f"The chat template rejected the messages: {exc}", "messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -6,10 +6,15 @@ response models (server/response_schemas.py).
 Strict: wrong types are rejected, not coerced ("5" is not a number), and unknown fields
 are rejected with OpenAI's "Unrecognized request argument supplied" so that a typo like
 `max_token` does not pass silently. Fields the OpenAI API defines but that do not change
-generation here (user, metadata, store, service_tier) are accepted and ignored.
-vLLM's extra sampling fields (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
-stop_token_ids, ...) are accepted under vLLM's names, and so are its structured outputs
-(`structured_outputs`, and the `guided_*` fields vLLM had before 0.12).
+generation here (user, metadata, store, service_tier, reasoning_effort, verbosity,
+prediction, prompt_cache_key, safety_identifier, modalities of text) are accepted and
+ignored; where OpenAI's schema lets a field be null, null takes its default, and a field
+this server does not offer (audio, web search, the deprecated functions) is refused by
+name unless it is null. vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
+min_tokens, ignore_eos, stop_token_ids, ...) are accepted under vLLM's names, and so are
+its structured outputs (`structured_outputs`, and the `guided_*` fields vLLM had before
+0.12) and its chat template controls (`add_generation_prompt`, `continue_final_message`,
+`chat_template_kwargs`).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
@@ -29,11 +34,30 @@ from server.tool_calls import ToolUse
 from trainer.feedback import FeedbackLabel
 
 
+# not offered here (server/errors.py says what to send instead), but null means not asked
+_NOT_OFFERED = ("audio", "web_search_options", "functions", "function_call", "prompt_logprobs")
+
+
 class _SamplingFields(Strict):
     """Fields shared by chat and text completions."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unasked(cls, data):
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in _NOT_OFFERED):
+            return {k: v for k, v in data.items() if not (k in _NOT_OFFERED and v is None)}
+        return data
+
+    @model_validator(mode="after")
+    def _null_takes_the_default(self):
+        for name in ("n", "stream", "logprobs", "echo"):
+            field = type(self).model_fields.get(name)
+            if field is not None and getattr(self, name) is None:
+                setattr(self, name, field.default)
+        return self
+
     model: str
-    n: Annotated[int, Field(ge=1, le=128), INTEGRAL] = 1
+    n: Annotated[int, Field(ge=1, le=128), INTEGRAL] | None = 1
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -41,7 +65,7 @@ class _SamplingFields(Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -109,12 +133,24 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Int | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's, without effect on this model's generation
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[Literal["text"]] | None = None
+    # vLLM's chat template controls: end with the assistant's turn opening, or go on with the
+    # last message (an assistant's, left open), and more variables for the template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_use(self) -> ToolUse | None:
         """What this request allows of tools; None when it offers none (or `tool_choice` is "none")."""
@@ -173,7 +209,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: Int | None = 16
-    echo: bool = False
+    echo: bool | None = False
     logprobs: Int | None = None
     best_of: Int | None = None
     suffix: str | None = None
@@ -263,8 +299,10 @@ class TokenizeChatRequest(_TokenizeFields):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[Tool] | None = None
-    # end with the assistant's turn opening
+    # as in /v1/chat/completions (vLLM's chat template controls)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_use(self) -> ToolUse | None:
         return ToolUse(functions(self.tools)) if self.tools else None

@@ -140,7 +140,8 @@ def test_every_post_route_documents_its_body_and_errors(live_server):
     chat = document["components"]["schemas"]["ChatCompletionRequest"]
     assert chat["additionalProperties"] is False  # unknown fields are refused, and the schema says so
     assert {"messages", "model"} <= set(chat["required"])
-    assert (chat["properties"]["n"]["minimum"], chat["properties"]["n"]["maximum"]) == (1, 128)
+    n = next(option for option in chat["properties"]["n"]["anyOf"] if option["type"] == "integer")
+    assert (n["minimum"], n["maximum"]) == (1, 128)  # or null, as OpenAI's schema has it: the default
     token_id = document["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert token_id == {"type": "integer", "minimum": 0, "maximum": len(tiny_tokenizer()) - 1}
 

@@ -125,6 +125,14 @@ BAD_BODIES = [
     ("unknown model", {"model": "gpt-9"}, 404, "model"),
     ("context too long", {"max_tokens": 100000}, 400, "max_tokens"),
     ("stream_options without stream", {"stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("audio output", {"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"]}, 400, None),
+    ("deprecated functions", {"functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
+    ("web search", {"web_search_options": {}}, 400, "web_search_options"),
+    ("continuing a user's message", {"continue_final_message": True, "add_generation_prompt": False}, 400,
+     "continue_final_message"),
+    ("continuing and opening a turn", {"continue_final_message": True}, 400, "continue_final_message"),
+    ("template argument the request sets", {"chat_template_kwargs": {"add_generation_prompt": False}}, 400,
+     "chat_template_kwargs"),
 ]
 
 
@@ -144,6 +152,46 @@ def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+def test_openai_fields_without_effect_here_are_accepted_and_null_means_the_default(client):
+    r = chat(client, max_tokens=3, n=None, stream=None, logprobs=None, audio=None, functions=None,
+             reasoning_effort="low", verbosity="low", prompt_cache_key="k", safety_identifier="s",
+             prediction={"type": "content", "content": "Hi"}, modalities=["text"], user="u", store=False)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hi", "max_tokens": 2, "echo": None,
+                                             "n": None, "stream": None, "prompt_logprobs": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+    r = chat(client, functions=[{"name": "f"}])
+    assert "deprecated" in r.json()["error"]["message"] and "tools" in r.json()["error"]["message"]
+
+
+def test_chat_template_controls_as_vllm_takes_them(client):
+    """`continue_final_message` goes on with the assistant's last message, left open;
+    `add_generation_prompt: false` ends with the user's turn; `chat_template_kwargs` reach the template."""
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My answer is"}]
+
+    def rendered(**controls) -> str:
+        r = client.post("/tokenize", json={"model": TINY_NAME, "messages": messages, **controls})
+        assert r.status_code == 200, r.text
+        return client.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+    assert rendered(continue_final_message=True, add_generation_prompt=False).endswith("My answer is")
+    closed = rendered(add_generation_prompt=False)
+    assert "My answer is" in closed and not closed.endswith("My answer is")
+    assert rendered(chat_template_kwargs={"unused_variable": 1}) == rendered()
+    r = chat(client, messages=messages, continue_final_message=True, add_generation_prompt=False, max_tokens=3)
+    assert r.status_code == 200, r.text
+
+
+def test_a_prompt_longer_than_the_context_is_named_as_the_prompt_whatever_max_tokens_is(client):
+    long_text = "word " * 400  # past the fixture's 256-token context
+    r = chat(client, messages=[{"role": "user", "content": long_text}], max_tokens=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": long_text, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
 def test_bad_completion_requests(client):
