@@ -13,6 +13,7 @@ from engine.sampling_params import InvalidParameter, SamplingParams
 from server.errors import APIError, validation_error
 from server.tool_calls import ToolUse
 from server.tool_prompt import fallback_messages, native_messages, openai_tools, template_has_tools
+from trainer.ledger_db import ClientPrompt
 
 
 async def parse_body(request: Request, model: type[BaseModel] | TypeAdapter):
@@ -98,6 +99,20 @@ def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the user's to fix
         raise APIError(400, f"The chat template rejected the messages: {exc}", "messages") from None
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def ledger_prompt(tokenizer, body, tools: ToolUse | None) -> ClientPrompt:
+    """What the ledger keeps of a chat request's prompt (and a reward function is shown):
+    the client's messages, and the tools offered — as their own column where the chat
+    template renders them itself, or else inside the messages the template was given (the
+    fallback tool prompt's), so that TRL renders from the export the prompt that was served."""
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    if tools is None:
+        return ClientPrompt(messages)
+    if template_has_tools(getattr(tokenizer, "chat_template", None)):
+        return ClientPrompt(messages, openai_tools(tools.functions))
+    return ClientPrompt(messages, rendered=fallback_messages([m.template_dict() for m in body.messages],
+                                                             tools.functions))
 
 
 def completion_prompts(tokenizer, prompt) -> list[tuple[list[int], str]]:

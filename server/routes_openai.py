@@ -13,7 +13,8 @@ from fastapi import APIRouter, Request, Response
 from sse_starlette.sse import EventSourceResponse
 
 from server.errors import APIError
-from server.parsing import check_model, check_unsupported, completion_prompts, make_request, parse_body, render_chat
+from server.parsing import (check_model, check_unsupported, completion_prompts, ledger_prompt, make_request,
+                            parse_body, render_chat)
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Choices, chat_completion, text_completion
 from server.streams import (STREAM_DRAIN_S, chat_events, completion_events, engine_stream, merge,
@@ -71,7 +72,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     params = body.sampling_params(tools=tools, tool_call_token=state.tool_call_token, defaults=state.sampling_defaults)
     prompt_ids = render_chat(state.tokenizer, body, tools=tools)
     request_id = state.completion_id("chatcmpl")
-    client_prompt = [m.model_dump(exclude_none=True) for m in body.messages] if state.keeps_client_prompt else None
+    client_prompt = ledger_prompt(state.tokenizer, body, tools) if state.keeps_client_prompt else None
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages",
                                   client_prompt)
     state.metrics.count_constraints(params.grammar, tools)

@@ -17,13 +17,14 @@ TINY_NAME = "tiny-llama"
 
 
 def tiny_app(family: str = "llama", *, train=None, adapter=None, server=None, offload=None, model=None,
-             **config_kwargs):
+             tokenizer=None, **config_kwargs):
     """A server app on a tiny model; `train`, `adapter`, `server`, `offload` replace those config sections."""
     config = make_config(**config_kwargs)
     sections = {k: v for k, v in (("train", train), ("adapter", adapter), ("server", server), ("offload", offload))
                 if v is not None}
     config = dataclasses.replace(config, **sections)
-    return build_server(config, model=model or tiny_model(family), tokenizer=tiny_tokenizer(), model_name=TINY_NAME)
+    return build_server(config, model=model or tiny_model(family), tokenizer=tokenizer or tiny_tokenizer(),
+                        model_name=TINY_NAME)
 
 
 class ServerThread:

@@ -2,6 +2,7 @@
 with `datasets` and checked with TRL's own format helpers, from a real server's ledger
 (DPO texts and indices over HTTP) and from a ledger holding every kind of label."""
 
+import copy
 import json
 import time
 
@@ -98,3 +99,54 @@ def test_bad_export_arguments_get_a_clear_error(tmp_path, capsys):
         parse_since("last tuesday")
     assert parse_since("1970-01-02") == 86400.0
     json.dumps(parse_since("2026-11-24T09:30:00+01:00"))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_request_that_offered_tools_exports_them_as_trl_renders_them(tmp_path, capsys, native):
+    """The tools a chat request offered were rendered into its prompt: a template with a
+    tool section gets them as TRL's `tools` column, one without gets the messages the
+    fallback tool prompt rendered; either way TRL renders the served prompt from the row."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())  # the shared one stays as it is
+    if native:  # the tiny template, with a tool section as Qwen's has
+        tokenizer.chat_template = ("{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n"
+                                   "{% endif %}" + tokenizer.chat_template)
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)),
+                   max_model_len=1024, tokenizer=tokenizer)  # the tool prompt is long
+    with TestClient(app) as client:
+        body = {"model": TINY_NAME, "max_tokens": 4, "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+        with_tools = client.post("/v1/chat/completions", json={**body, "tools": [WEATHER]}).json()["id"]
+        plain = client.post("/v1/chat/completions", json=body).json()["id"]
+        for completion in (with_tools, plain):
+            assert client.post("/v1/feedback", json={"id": completion, "chosen": "Sunny."}).status_code == 200
+        client.app.state.alchemist.training.ledger.flush()
+        served = client.post("/tokenize", json={"model": TINY_NAME, "messages": body["messages"],
+                                                "tools": [WEATHER]}).json()["tokens"]
+    rows = export(tmp_path, capsys, "--format", "preference")
+    tools = [json.loads(row["tools"]) if row.get("tools") else None for row in rows]
+    assert tools == ([[WEATHER], None] if native else [None, None])
+    rendered = maybe_apply_chat_template({"prompt": rows[0]["prompt"], "chosen": rows[0]["chosen"],
+                                          "rejected": rows[0]["rejected"]}, tokenizer, tools=tools[0])
+    assert tokenizer(rendered["prompt"], add_special_tokens=False)["input_ids"] == served
+
+
+def test_a_ledger_written_before_requests_kept_their_tools_is_read_and_extended(tmp_path):
+    import sqlite3
+
+    path = tmp_path / LEDGER_FILE
+    Ledger(path).close()
+    conn = sqlite3.connect(path)
+    conn.execute("ALTER TABLE requests DROP COLUMN tools")  # as an older server wrote it
+    conn.execute("INSERT INTO requests (id, served_at, adapter_version, method, prompt, prompt_token_ids) "
+                 "VALUES ('old', 1.0, 0, 'dpo', '\"Hi\"', '[1]')")
+    conn.commit()
+    conn.close()
+    assert [(row.request.id, row.request.tools) for row in read_ledger(path)] == [("old", None)]
+    ledger = Ledger(path)  # the writer adds the column
+    ledger.record_request(RequestRecord("new", 2.0, 0, "dpo", [1], MESSAGES, [WEATHER]))
+    ledger.close()
+    assert [(row.request.id, row.request.tools) for row in read_ledger(path)] == [("old", None), ("new", [WEATHER])]

@@ -13,14 +13,16 @@ to TRL's trainers unchanged.
                      samples its own completions, so rewards travel as data)
 
 A request from `/v1/chat/completions` gives conversational rows (`prompt` its message
-list, each completion one assistant message); one from `/v1/completions` gives standard
-rows (plain text). One file holds one style: `style` picks it when the ledger holds both.
+list, each completion one assistant message, and `tools`, as JSON text, the tools it
+offered: TRL's trainers render them into the prompt as the server did); one from
+`/v1/completions` gives standard rows (plain text). One file holds one style: `style` picks it when the ledger holds both.
 Quarantined labels are left out unless asked for.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -74,7 +76,8 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
         if _style(row) != wanted:
             skipped += 1
             continue
-        out.extend(_FORMATTERS[format](row))
+        tools = {"tools": json.dumps(row.request.tools)} if row.request.tools else {}
+        out.extend({**made, **tools} for made in _FORMATTERS[format](row))
     return out, ExportCounts(len(out), skipped)
 
 

@@ -32,7 +32,8 @@ CREATE TABLE IF NOT EXISTS requests (
     fate_version INTEGER,
     fate_path TEXT,
     fate_reason TEXT,
-    fate_at REAL
+    fate_at REAL,
+    tools TEXT
 );
 CREATE INDEX IF NOT EXISTS requests_served_at ON requests (served_at);
 CREATE TABLE IF NOT EXISTS labels (
@@ -76,6 +77,20 @@ class RequestRecord:
     prompt_token_ids: list[int]
     # the prompt as the client wrote it: chat messages (a list) or text; None if not known
     prompt: object = None
+    # the tools a chat request offered (OpenAI's format), rendered into its prompt's tokens
+    tools: list[dict] | None = None
+
+
+@dataclass(frozen=True)
+class ClientPrompt:
+    """A request's prompt as the client wrote it, and the tools it offered: what the
+    server hands the recorder for the ledger (and a reward function is shown `prompt`).
+    `rendered`: the messages the chat template was given, where they are not the
+    client's (the fallback tool prompt's): the ledger keeps those, which hold the tools."""
+
+    prompt: object
+    tools: list[dict] | None = None
+    rendered: list[dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,8 @@ def open_database(path: Path, max_bytes: int | None = None, read_only: bool = Fa
     conn.execute("PRAGMA synchronous = FULL")  # a commit is on disk before its label is acknowledged
     conn.execute("PRAGMA foreign_keys = ON")
     conn.executescript(SCHEMA)
+    if "tools" not in _columns(conn, "requests"):  # a ledger written before requests kept their tools
+        conn.execute("ALTER TABLE requests ADD COLUMN tools TEXT")
     conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
     if max_bytes is not None:
         page_size = conn.execute("PRAGMA page_size").fetchone()[0]
@@ -155,16 +172,21 @@ _ROW_COLUMNS = ("r.id, r.served_at, r.finished_at, r.adapter_version, r.method, 
                 "l.chosen_token_ids, l.rejected_token_ids, l.served_logps, l.rewards")
 
 
+def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+
+
 def read_rows(conn: sqlite3.Connection, where: str = "1", params: tuple = ()) -> list[LedgerRow]:
     """Requests with their labels, oldest first, filtered by an SQL condition on `r`
     (requests) and `l` (labels)."""
-    rows = conn.execute(f"SELECT {_ROW_COLUMNS} FROM requests r LEFT JOIN labels l ON l.request_id = r.id "
+    tools = "r.tools" if "tools" in _columns(conn, "requests") else "NULL"  # an older ledger, read only
+    rows = conn.execute(f"SELECT {_ROW_COLUMNS}, {tools} FROM requests r LEFT JOIN labels l ON l.request_id = r.id "
                         f"WHERE {where} ORDER BY r.served_at, r.id", params).fetchall()
     return [_row(r) for r in rows]
 
 
 def _row(r: tuple) -> LedgerRow:
-    request = RequestRecord(r[0], r[1], r[3], r[4], from_json(r[6]), from_json(r[5]))
+    request = RequestRecord(r[0], r[1], r[3], r[4], from_json(r[6]), from_json(r[5]), from_json(r[25]))
     choices = [ChoiceRecord(c["index"], c["token_ids"], c["text"], c.get("token_logprobs"))
                for c in from_json(r[7]) or []]
     label = None

@@ -35,7 +35,7 @@ from trainer.cache import ActivationCache
 from trainer.entries import EntryState, GroupEntry
 from trainer.config import TrainConfig
 from trainer.ledger import Ledger
-from trainer.ledger_db import ChoiceRecord, RequestRecord
+from trainer.ledger_db import ChoiceRecord, ClientPrompt, RequestRecord
 from trainer.methods import TrainingMethod
 from trainer.rewards import RewardScorer
 from trainer.status import TrainingStats
@@ -86,7 +86,7 @@ class Recorder:
         self._token_logps: dict[str, dict[int, list[float]]] = {}
         self._texts: dict[str, dict[int, str]] = {}
         # completion id -> the prompt as the client wrote it (kept for the reward function and the ledger)
-        self._client_prompts: dict[str, object] = {}
+        self._client_prompts: dict[str, ClientPrompt] = {}
         # completion id -> (prompt token ids, adapter version) of trainable requests in
         # flight that were not recorded: they get a label entry when they finish
         self._label_only: dict[str, tuple[list[int], int]] = {}
@@ -98,7 +98,8 @@ class Recorder:
         if not self.method.trains_on(num_choices):
             return None
         if self.keeps_client_prompt and client_prompt is not None:
-            self._client_prompts[request_id] = client_prompt
+            self._client_prompts[request_id] = client_prompt if isinstance(client_prompt, ClientPrompt) \
+                else ClientPrompt(client_prompt)
         spec = None if self.recording_paused() else self._decide(len(prompt_token_ids))
         if spec is None and self.method.uses_feedback:  # its label will train by recomputation
             self._label_only[request_id] = (list(prompt_token_ids), self.adapter_version())
@@ -194,16 +195,20 @@ class Recorder:
                     ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i)) for i in sorted(responses)],
                     aborted)
             waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps)
-            client_prompt = self._client_prompts.pop(request_id, None)
+            client = self._client_prompts.pop(request_id, None)
             if self.rewards is not None and isinstance(waiting, GroupEntry):
-                self.rewards.score(waiting, client_prompt, [texts[i] for i in sorted(texts)])
+                self.rewards.score(waiting, client.prompt if client is not None else None,
+                                   [texts[i] for i in sorted(texts)])
 
     def _write_request(self, request_id: str, prompt_token_ids: list[int], adapter_version: int) -> None:
         """Writes a request to the ledger before its entry exists, so a label never
         reaches the ledger before its request."""
         if self.ledger is not None:
+            client = self._client_prompts.get(request_id) or ClientPrompt(None)
             self.ledger.record_request(RequestRecord(request_id, time.time(), adapter_version, self.method.name,
-                                                     list(prompt_token_ids), self._client_prompts.get(request_id)))
+                                                     list(prompt_token_ids),
+                                                     client.prompt if client.rendered is None else client.rendered,
+                                                     client.tools))
 
 
 def _aborted(output: RequestOutput) -> bool:
