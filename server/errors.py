@@ -46,7 +46,7 @@ _NOT_OFFERED = {
     "function_call": "it is deprecated in OpenAI's API; send 'tool_choice'",
     "audio": "this server answers in text only",
     "web_search_options": "this server does not search the web",
-    "prompt_logprobs": "ask for the prompt's log-probabilities with 'echo': true and 'logprobs'",
+    "prompt_logprobs": "/v1/completions gives the prompt's log-probabilities with 'echo': true and 'logprobs'",
 }
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -109,10 +109,10 @@ def ledger_prompt(tokenizer, body, tools: ToolUse | None) -> ClientPrompt:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     if tools is None:
         return ClientPrompt(messages)
+    given = [m.template_dict() for m in body.messages]
     if template_has_tools(getattr(tokenizer, "chat_template", None)):
-        return ClientPrompt(messages, openai_tools(tools.functions))
-    return ClientPrompt(messages, rendered=fallback_messages([m.template_dict() for m in body.messages],
-                                                             tools.functions))
+        return ClientPrompt(messages, openai_tools(tools.functions), native_messages(given))
+    return ClientPrompt(messages, rendered=fallback_messages(given, tools.functions))
 
 
 def completion_prompts(tokenizer, prompt) -> list[tuple[list[int], str]]:

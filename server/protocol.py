@@ -50,7 +50,7 @@ class _SamplingFields(Strict):
 
     @model_validator(mode="after")
     def _null_takes_the_default(self):
-        for name in ("n", "stream", "logprobs", "echo"):
+        for name in ("n", "stream", "logprobs", "echo", "max_tokens"):
             field = type(self).model_fields.get(name)
             if field is not None and getattr(self, name) is None:
                 setattr(self, name, field.default)

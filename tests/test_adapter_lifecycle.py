@@ -108,6 +108,28 @@ def test_rollback_restores_a_saved_version_as_a_new_version(tmp_path):
         assert client.get("/v1/adapters").json()["version"] == 5
 
 
+def test_a_rollback_that_cannot_be_saved_serves_and_quarantines_nothing(tmp_path):
+    """A restart would resume from the last saved version, which holds the labels the
+    rollback undid: they stay trained in the ledger, and the answer's saved list says so."""
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        serve_and_train(client, ["first prompt about dogs"])
+        serve_and_train(client, ["second prompt about birds"])
+        training = client.app.state.alchemist.training
+        store = training.lifecycle.checkpointer.store
+
+        def full_disk(snapshot):
+            raise OSError("No space left on device")
+
+        store.save = full_disk
+        r = client.post("/v1/adapters/rollback", json={"version": 1})
+        assert r.status_code == 200 and r.json()["version"] == 3, r.text
+        assert 3 not in [v["version"] for v in r.json()["saved"]]
+        training.ledger.flush()
+        fates = {row.request.prompt: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
+        assert fates["second prompt about birds"] == "trained"
+
+
 def test_adapter_routes_explain_when_saving_is_off():
     with TestClient(tiny_app(train=TRAIN)) as client:
         status = client.get("/v1/adapters").json()

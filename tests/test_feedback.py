@@ -108,6 +108,12 @@ def test_feedback_after_the_label_timeout_is_404():
         r = feedback(client, id=completion, chosen="Paris.")
         assert r.status_code == 404 and "expired" in r.json()["error"]["message"]
         assert metric(client, "alchemist:activation_cache_bytes") == 0
+        batch = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": ["One", "Two"],
+                                                     "max_tokens": 3}).json()["id"]
+        wait_for(lambda: metric(client, 'alchemist:activation_cache_ended_entries_total{state="expired"}') >= 3)
+        for index in (0, 1):  # every prompt's entry expired: said so, whichever choice is named
+            r = feedback(client, id=batch, chosen="x", choice_index=index)
+            assert r.status_code == 404 and "expired" in r.json()["error"]["message"], r.text
 
 
 def test_entries_expire_while_the_engine_never_idles():

@@ -252,3 +252,17 @@ def test_group_rewards_survive_a_restart_and_train_with_the_served_log_probs(tmp
     second.train_until_idle()
     assert second.stats.copy().trained_entries == {("grpo", "recompute"): 2}
     second.close()
+
+
+def test_a_rollback_quarantines_only_the_versions_it_undid(tmp_path):
+    """Restoring version 2 as version 5 undoes versions 3 and 4; what trained into version
+    5 or later (another replica may apply the same rollback later) is left alone."""
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    for version in range(1, 7):
+        ledger.record_request(RequestRecord(f"r{version}", float(version), 0, "dpo", [1, 2]))
+        ledger.record_fate(f"r{version}", "trained", version)
+    ledger.quarantine_trained_between(2, 5, "rolled back to version 2 (as version 5)")
+    ledger.close()
+    fates = {row.request.id: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
+    assert fates == {"r1": "trained", "r2": "trained", "r3": "quarantined", "r4": "quarantined",
+                     "r5": "trained", "r6": "trained"}

@@ -15,8 +15,7 @@ An entry that waits for a label never loses its tokens for want of room: without
 activations it stays as a label entry and trains by recomputation.
 
 The entries and their states are in trainer/entries.py. Thread-safe: labels arrive on worker threads.
-With a feedback ledger (trainer/ledger.py) every ending is written there too, with the
-version and path of a trained entry.
+With a feedback ledger (trainer/ledger.py) every ending is written there too, with a trained entry's version and path.
 
 The cache alone moves an entry from state to state: every transition is one of its
 methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
@@ -73,7 +72,7 @@ class ActivationCache:
         self._index = EntryIndex()
         # recently ended entries (id -> final state), so feedback can tell "trained" from "unknown"
         self._ended: OrderedDict[str, EntryState] = OrderedDict()
-        self._deleted: set[str] = set()  # the ended whose data a user deleted (a subset of _ended)
+        self.deleted_ids: set[str] = set()  # of those, the deleted (a membership test needs no lock)
         self._lock = threading.RLock()
         self.bytes = 0
         # how entries ended, by state
@@ -82,9 +81,8 @@ class ActivationCache:
         self.released_bytes = 0
         # when the last entry holding a recording was added (clock time; -inf: never)
         self.last_recorded = float("-inf")
-        # recordings taken off their entries under the lock, freed once it is dropped, on
-        # the device thread (freeing a graph is tensor work, and not the lock's business);
-        # those of entries ended off the device thread wait for its next call
+        # recordings taken off their entries under the lock, freed once it is dropped, on the device thread
+        # (freeing a graph is tensor work, not the lock's); those ended off it wait for its next call
         self._detached: list[RecordedPrefill] = []
 
     def __len__(self) -> int:
@@ -101,11 +99,6 @@ class ActivationCache:
     def ended_state(self, completion_id: str) -> EntryState | None:
         with self._lock:
             return self._ended.get(completion_id)
-
-    def was_deleted(self, completion_id: str) -> bool:
-        """Whether the completion's entry ended because its label or request was deleted."""
-        with self._lock:
-            return completion_id in self._deleted
 
     def has_room_for(self, nbytes: int) -> bool:
         """Whether a new recording of `nbytes` would be kept, as the full policy decides."""
@@ -221,13 +214,11 @@ class ActivationCache:
             if completion_id not in self._entries:
                 self._remember(completion_id, state)
 
-    def _remember(self, completion_id: str, state: EntryState, deleted: bool = False) -> None:
+    def _remember(self, completion_id: str, state: EntryState) -> None:
         """How a completion's entry ended (or why it never had one), for its feedback."""
         self._ended[completion_id] = state
-        if deleted:
-            self._deleted.add(completion_id)
         while len(self._ended) > 10_000:
-            self._deleted.discard(self._ended.popitem(last=False)[0])
+            self.deleted_ids.discard(self._ended.popitem(last=False)[0])
 
     def hold(self, entry: CacheEntry) -> None:
         """Keeps a ready entry out of training until `attach_label`, as an entry that
@@ -284,6 +275,7 @@ class ActivationCache:
             if entry is None or entry.state is EntryState.TRAINING:
                 return False
             self._end(entry, EntryState.DROPPED, reason="deleted")
+            self.deleted_ids.add(completion_id)
             return True
 
     def _end(self, entry: CacheEntry, state: EntryState, version: int | None = None, path: str | None = None,
@@ -294,7 +286,7 @@ class ActivationCache:
         self._move(entry, state)
         self._detach(entry)
         self.ended_counts[state.value] += 1
-        self._remember(entry.completion_id, state, deleted=reason == "deleted")
+        self._remember(entry.completion_id, state)
         if self.journal is not None:
             self.journal.record_fate(entry.completion_id, state.value, version, path, reason)
 

@@ -14,7 +14,8 @@ to TRL's trainers unchanged.
 
 A request from `/v1/chat/completions` gives conversational rows (`prompt` its message
 list, each completion one assistant message, and `tools`, as JSON text, the tools it
-offered: TRL's trainers render them into the prompt as the server did); one from
+offered where the chat template renders them itself: TRL's trainers render them into the
+prompt as the server did); one from
 `/v1/completions` gives standard rows (plain text). One file holds one style: `style` picks it when the ledger holds both.
 Quarantined labels are left out unless asked for.
 """

@@ -142,6 +142,13 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
     indices = {name: getattr(request, name) for name in names if getattr(request, name) is not None}
     per_prompt = next((len(e.responses) for e in entries if e is not None and e.response_finished), None)
     if per_prompt is None and any(indices.values()):  # choice 0 is prompt 0's first, whatever n is
+        if all(entry is None for entry in entries):  # every prompt's entry ended: say how, if they agree
+            ended = {cache.ended_state(f"{cid}-{i}") for i in range(len(entries))}
+            if len(ended) == 1:
+                _waiting_entry(cache, f"{cid}-0")
+            raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry is left for completion {cid!r}: its "
+                          f"prompts' entries ended ({', '.join(sorted(s.value for s in ended))})", "id",
+                          "entry_not_found")
         raise _refuse(FeedbackOutcome.CONFLICT, f"completion {cid!r} is still being generated; send its label "
                       "once it has finished", "id", "response_pending")
     prompts = {name: index // (per_prompt or 1) for name, index in indices.items()}
@@ -174,7 +181,7 @@ def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
         if ended is EntryState.NOT_A_GROUP:
             raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group: this server "
                           "trains on groups of samples; request them with n >= 2", "id", "not_a_group")
-        if cache.was_deleted(completion_id):
+        if completion_id in cache.deleted_ids:
             raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: its data "
                           "were deleted (DELETE /v1/feedback/{id} or /v1/chat/completions/{id}), and a deleted "
                           "completion takes no new label", "id", "entry_not_found")

@@ -150,13 +150,16 @@ class Ledger:
             f"UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? WHERE id IN ({marks})",
             (reason, at, *request_ids))))
 
-    def quarantine_trained_after(self, version: int, reason: str) -> None:
-        """A rollback to saved `version` undid every version after it: what trained into
-        those is quarantined, as the gate's rejections are (queued)."""
+    def quarantine_trained_between(self, restored: int, rolled_back_as: int, reason: str) -> None:
+        """A rollback to saved version `restored`, as version `rolled_back_as`, undid the
+        versions between: what trained into those is quarantined, as the gate's rejections
+        are (queued). Bounded above, so that a replica applying the same rollback later
+        does not touch what another trained after it."""
         at = self.clock()
         self._put(_Write(lambda c: c.execute(
             "UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? "
-            "WHERE fate = 'trained' AND fate_version > ?", (reason, at, version))))
+            "WHERE fate = 'trained' AND fate_version > ? AND fate_version < ?",
+            (reason, at, restored, rolled_back_as))))
 
     def withdraw_label(self, request_id: str) -> None:
         """Removes a label whose entry ended before it could be attached (queued)."""

@@ -75,9 +75,11 @@ class RequestRecord:
     # the training method's name (cpt, dpo, grpo)
     method: str
     prompt_token_ids: list[int]
-    # the prompt as the client wrote it: chat messages (a list) or text; None if not known
+    # the prompt as the client wrote it: chat messages (a list) or text; None if not known. For
+    # a chat request that offered tools, the messages the chat template was given instead
+    # (ClientPrompt.rendered), so that rendering them again gives the prompt that was served
     prompt: object = None
-    # the tools a chat request offered (OpenAI's format), rendered into its prompt's tokens
+    # the tools a chat request offered (OpenAI's format), where the chat template renders them itself
     tools: list[dict] | None = None
 
 
@@ -156,7 +158,11 @@ def open_database(path: Path, max_bytes: int | None = None, read_only: bool = Fa
     conn.execute("PRAGMA foreign_keys = ON")
     conn.executescript(SCHEMA)
     if "tools" not in _columns(conn, "requests"):  # a ledger written before requests kept their tools
-        conn.execute("ALTER TABLE requests ADD COLUMN tools TEXT")
+        try:
+            conn.execute("ALTER TABLE requests ADD COLUMN tools TEXT")
+        except sqlite3.OperationalError as exc:  # another process added it first
+            if "duplicate column" not in str(exc):
+                raise
     conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
     if max_bytes is not None:
         page_size = conn.execute("PRAGMA page_size").fetchone()[0]

@@ -197,8 +197,9 @@ class AdapterLifecycle:
         """Makes the saved `snapshot` the live adapter. Versions only go forward: the
         rolled-back adapter is a new version, saved before this returns (a restart resumes
         from it, not from a version it undid), so nothing recorded under the weights being
-        replaced is mistaken for current. The labels the undone versions trained on are
-        quarantined in the ledger (`alchemist feedback release` trains them again)."""
+        replaced is mistaken for current. Once it is saved, the labels the undone versions
+        trained on are quarantined in the ledger (`alchemist feedback release` trains them
+        again); if the save fails, the rollback serves but a restart resumes from before it."""
         version = self.optimizer.version + 1
         self.restore(snapshot, version)
         with self.stats.lock:
@@ -206,11 +207,14 @@ class AdapterLifecycle:
         if self.gate is not None:  # a candidate being scored is dropped; the new weights are scored as the bar
             self.gate.rebaseline(version)
             self.promoted_snapshot = self.snapshot()
-        if self.ledger is not None:
-            self.ledger.quarantine_trained_after(snapshot.version, f"rolled back to version {snapshot.version} "
-                                                 f"(as version {version})")
         if self.checkpointer is not None:
-            self.checkpointer.save_async(self.snapshot()).result()  # the writer flushes the ledger first
+            saved = self.checkpointer.save_async(self.snapshot()).result() is not None  # the ledger flushed first
+            if not saved:
+                logger.error("the rollback to version %d (now version %d) serves, but it could not be saved: a "
+                             "restart resumes from the last saved version", snapshot.version, version)
+            elif self.ledger is not None:
+                self.ledger.quarantine_trained_between(snapshot.version, version, f"rolled back to version "
+                                                       f"{snapshot.version} (as version {version})")
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
         return version
 
