@@ -18,6 +18,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.sampling_params import InvalidParameter
+from server.protocol import NOT_OFFERED
 from server.route_table import PLAIN_PATHS
 
 logger = logging.getLogger(__name__)
@@ -38,16 +39,6 @@ class APIError(Exception):
         self.code = code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
-
-
-# fields of OpenAI's API that this server does not offer, and what to send instead
-_NOT_OFFERED = {
-    "functions": "it is deprecated in OpenAI's API; send 'tools'",
-    "function_call": "it is deprecated in OpenAI's API; send 'tool_choice'",
-    "audio": "this server answers in text only",
-    "web_search_options": "this server does not search the web",
-    "prompt_logprobs": "/v1/completions gives the prompt's log-probabilities with 'echo': true and 'logprobs'",
-}
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
                type: str | None = None) -> dict:
@@ -76,7 +67,7 @@ def validation_error(exc: ValidationError | RequestValidationError, tagged: bool
     first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
     param = _loc_to_param(tuple(first.get("loc", ()))[1 if tagged else 0:])
     if first.get("type") == "extra_forbidden":
-        why = _NOT_OFFERED.get(param)
+        why = NOT_OFFERED.get(param)
         message = f"{param} is not supported: {why}" if why else f"Unrecognized request argument supplied: {param}"
         return APIError(400, message, param, "unrecognized_argument")
     if first.get("type") == "missing":

@@ -34,8 +34,15 @@ from server.tool_calls import ToolUse
 from trainer.feedback import FeedbackLabel
 
 
-# not offered here (server/errors.py says what to send instead), but null means not asked
-_NOT_OFFERED = ("audio", "web_search_options", "functions", "function_call", "prompt_logprobs")
+# fields of OpenAI's API (and vLLM's) that this server does not offer, and what to send instead
+# (server/errors.py says it); null means not asked
+NOT_OFFERED = {
+    "functions": "it is deprecated in OpenAI's API; send 'tools'",
+    "function_call": "it is deprecated in OpenAI's API; send 'tool_choice'",
+    "audio": "this server answers in text only",
+    "web_search_options": "this server does not search the web",
+    "prompt_logprobs": "/v1/completions gives the prompt's log-probabilities with 'echo': true and 'logprobs'",
+}
 
 
 class _SamplingFields(Strict):
@@ -44,8 +51,8 @@ class _SamplingFields(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unasked(cls, data):
-        if isinstance(data, dict) and any(data.get(name, 0) is None for name in _NOT_OFFERED):
-            return {k: v for k, v in data.items() if not (k in _NOT_OFFERED and v is None)}
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NOT_OFFERED):
+            return {k: v for k, v in data.items() if not (k in NOT_OFFERED and v is None)}
         return data
 
     @model_validator(mode="after")

@@ -13,11 +13,12 @@ to TRL's trainers unchanged.
                      samples its own completions, so rewards travel as data)
 
 A request from `/v1/chat/completions` gives conversational rows (`prompt` its message
-list, each completion one assistant message, and `tools`, as JSON text, the tools it
-offered where the chat template renders them itself: TRL's trainers render them into the
-prompt as the server did); one from
-`/v1/completions` gives standard rows (plain text). One file holds one style: `style` picks it when the ledger holds both.
-Quarantined labels are left out unless asked for.
+list, each completion one assistant message); one from `/v1/completions` gives standard
+rows (plain text). A request that offered tools has them as a `tools` column (JSON text)
+where the chat template renders tools itself, or inside its prompt's messages where the
+fallback tool prompt rendered them: either way TRL renders the prompt that was served.
+One file holds one style: `style` picks it when the ledger holds both. Quarantined labels
+are left out unless asked for.
 """
 
 from __future__ import annotations
