@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.conftest import engine_of, make_training
-from tests.servers import TINY_NAME, tiny_app
+from tests.servers import TINY_NAME, tiny_app, wait_for
 from tests.test_no_label_lost import metric
 from tests.test_training import label, serve
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
@@ -155,6 +155,48 @@ def test_deleting_a_label_or_a_stored_completion_over_http(tmp_path):
             assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", path
         r = client.post("/v1/feedback", json={"id": stored, "chosen": "Lyon."})  # deleted: 404, saying so
         assert r.status_code == 404 and "deleted" in r.json()["error"]["message"], r.text
+
+
+def test_a_completion_of_several_prompts_is_deleted_by_its_id_with_every_prompt(tmp_path):
+    """`/v1/completions` with a list of prompts keeps a request per prompt (`<id>-<i>`);
+    deleting the id the client was given deletes them all, and nothing else."""
+    app = tiny_app(train=DPO, adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": ["One", "Two"], "max_tokens": 3})
+        batch, other = r.json()["id"], chat(client)
+        assert client.post("/v1/feedback", json={"id": batch, "chosen": "Better.", "choice_index": 1}).status_code \
+            == 200
+        r = client.delete(f"/v1/feedback/{batch}")
+        assert r.status_code == 200 and r.json()["deleted"], r.text
+        training = app.state.alchemist.training
+        training.ledger.flush()
+        rows = rows_by_id(tmp_path / LEDGER_FILE)
+        assert rows[f"{batch}-1"].label is None and {f"{batch}-0", f"{batch}-1", other} <= set(rows)
+        r = client.delete(f"/v1/chat/completions/{batch}")
+        assert r.status_code == 200 and r.json()["deleted"], r.text
+        assert training.cache.get(f"{batch}-0") is None
+        wait_for(lambda: training.cache.get(f"{batch}-1") is None)  # withdrawn, or its training had begun
+        training.ledger.flush()
+        assert set(rows_by_id(tmp_path / LEDGER_FILE)) == {other}
+        r = client.post("/v1/feedback", json={"id": batch, "chosen": "x", "choice_index": 0})
+        assert r.status_code == 404 and "deleted" in r.json()["error"]["message"], r.text
+        assert client.delete(f"/v1/chat/completions/{batch}").status_code == 404
+
+
+def test_deleting_an_id_deletes_its_prompts_and_no_other_id(tmp_path):
+    ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig())
+    ids = ["cmpl-a-0", "cmpl-a-12", "cmpl-a-1x", "cmpl-a-", "cmpl-a-0-1", "cmpl-ab-0", "cmpl-a.0", "cmpl-a", "*-0",
+           "%-0"]
+    try:
+        for request_id in ids:
+            ledger.record_request(RequestRecord(request_id, time.time(), 0, "dpo", [1, 2], "hi"))
+        for pattern in ("*", "%", "cmpl-[a]", "cmpl-?"):  # an id's characters are never a pattern
+            assert not ledger.delete(pattern) or pattern in ("*", "%")
+        assert ledger.delete("cmpl-a")
+        assert set(rows_by_id(tmp_path / LEDGER_FILE)) == {"cmpl-a-1x", "cmpl-a-", "cmpl-a-0-1", "cmpl-ab-0",
+                                                           "cmpl-a.0"}
+    finally:
+        ledger.close()
 
 
 def test_a_deleted_label_is_not_trained_on(tmp_path):

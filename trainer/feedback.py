@@ -121,19 +121,28 @@ def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: C
     return ACCEPTED
 
 
+def entry_ids_of(cache: ActivationCache, completion_id: str) -> list[str]:
+    """The ids of the cache's entries (live or ended) for `completion_id`: its own, or, for
+    a `/v1/completions` request of several prompts, its prompts' (`<id>-<i>`)."""
+    def known(entry_id: str) -> bool:
+        return cache.get(entry_id) is not None or cache.ended_state(entry_id) is not None
+
+    if known(completion_id) or not known(f"{completion_id}-0"):
+        return [completion_id]
+    per_prompt = (f"{completion_id}-{i}" for i in itertools.count())
+    return list(itertools.takewhile(known, per_prompt))
+
+
 def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> FeedbackLabel:
     """A `/v1/completions` request of several prompts keeps an entry per prompt (`<id>-<i>`)
     and numbers its choices across them, as its response does: with n choices per prompt,
     prompt i's j-th is choice i·n + j. A label naming such a completion is `request` for the
     entry of the prompt its choices belong to; any other label is `request` itself."""
     cid = request.completion_id
-
-    def known(i) -> bool:
-        return cache.get(f"{cid}-{i}") is not None or cache.ended_state(f"{cid}-{i}") is not None
-
-    if cache.get(cid) is not None or cache.ended_state(cid) is not None or not known(0):
+    entry_ids = entry_ids_of(cache, cid)
+    if entry_ids == [cid]:
         return request
-    entries = [cache.get(f"{cid}-{i}") for i in itertools.takewhile(known, itertools.count())]
+    entries = [cache.get(entry_id) for entry_id in entry_ids]
     if request.rewards is not None:
         raise _refuse(FeedbackOutcome.INVALID, f"completion {cid!r} answered {len(entries)} prompts; send each "
                       f"prompt's rewards on its own, with id '{cid}-<prompt index>'", "rewards", "invalid_value")

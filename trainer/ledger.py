@@ -166,12 +166,18 @@ class Ledger:
         self._put(_Write(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))
 
     def delete(self, request_id: str, label_only: bool = False) -> bool:
-        """Deletes a request (with its label), or only its label; whether there was one
-        (blocks until committed; LedgerUnavailable)."""
+        """Deletes a request (with its label), or only its label, and those of its prompts
+        (`<request_id>-<i>`) where it is a completion of several prompts; whether there was
+        one (blocks until committed; LedgerUnavailable)."""
         table, column = ("labels", "request_id") if label_only else ("requests", "id")
+        # its prompts' ids by their range (an id's characters are never a pattern), then digits
+        of_its_prompts = (f"{column} >= ? AND {column} < ? AND substr({column}, ?) GLOB '[0-9]*' "
+                          f"AND substr({column}, ?) NOT GLOB '*[^0-9]*'")
+        suffix_at = len(request_id) + 2
+        arguments = (request_id, f"{request_id}-", f"{request_id}.", suffix_at, suffix_at)
         found = []
-        self._wait(_Write(lambda c: found.append(
-            c.execute(f"DELETE FROM {table} WHERE {column} = ?", (request_id,)).rowcount > 0),
+        self._wait(_Write(lambda c: found.append(c.execute(
+            f"DELETE FROM {table} WHERE {column} = ? OR ({of_its_prompts})", arguments).rowcount > 0),
             concurrent.futures.Future()), COMMIT_TIMEOUT_S)
         return bool(found and found[0])
 

@@ -31,7 +31,7 @@ from trainer.cache import ActivationCache
 from trainer.entries import EntryState
 from trainer.eval_gate import Verdict
 from trainer.config import TrainConfig
-from trainer.feedback import FeedbackIntake
+from trainer.feedback import FeedbackIntake, entry_ids_of
 from trainer.ledger import Ledger
 from trainer.lifecycle import AdapterLifecycle
 from trainer.maintenance import Maintenance
@@ -225,11 +225,14 @@ class OnlineTraining:
         """Deletes what the server keeps of a completion — its label, or its request and
         label (users' data): the rows leave the ledger first (LedgerUnavailable if it
         cannot be written, with nothing changed), then its entry leaves the cache, unless
-        it is being trained. Whether there was anything. A worker thread's call."""
+        it is being trained. A completion of several prompts is deleted with all of them.
+        Whether there was anything. A worker thread's call."""
         deleted = self.ledger.delete(completion_id, label_only) if self.ledger is not None else False
-        entry = self.cache.get(completion_id)
-        labelled = entry is not None and getattr(entry, "label", None) is not None
-        withdrawn = (labelled or not label_only) and self.cache.withdraw(completion_id)
+        withdrawn = False
+        for entry_id in entry_ids_of(self.cache, completion_id):
+            entry = self.cache.get(entry_id)
+            labelled = entry is not None and getattr(entry, "label", None) is not None
+            withdrawn = ((labelled or not label_only) and self.cache.withdraw(entry_id)) or withdrawn
         return deleted or withdrawn
 
     # -- status and shutdown ----------------------------------------------------------
