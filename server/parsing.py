@@ -85,14 +85,9 @@ def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {reserved[0]!r}: the request's own fields do",
                        "chat_template_kwargs")
-    messages = [message.template_dict() for message in body.messages]
-    functions = tools.functions if tools is not None else None
-    if template_has_tools(template):
-        messages = native_messages(messages)
-        if functions:
-            extra["tools"] = openai_tools(functions)
-    else:
-        messages = fallback_messages(messages, functions)
+    messages, offered = template_input(template, body.messages, tools)
+    if offered:
+        extra["tools"] = offered
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                              continue_final_message=continue_final_message, **extra)
@@ -101,18 +96,25 @@ def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def template_input(template: str, messages: list, tools: ToolUse | None) -> tuple[list[dict], list[dict] | None]:
+    """The messages a chat template is given, and the tools it renders itself (OpenAI's
+    format; None where the fallback tool prompt puts them inside the messages)."""
+    given = [message.template_dict() for message in messages]
+    functions = tools.functions if tools is not None else None
+    if template_has_tools(template):
+        return native_messages(given), openai_tools(functions) if functions else None
+    return fallback_messages(given, functions), None
+
+
 def ledger_prompt(tokenizer, body, tools: ToolUse | None) -> ClientPrompt:
     """What the ledger keeps of a chat request's prompt (and a reward function is shown):
-    the client's messages, and the tools offered — as their own column where the chat
-    template renders them itself, or else inside the messages the template was given (the
-    fallback tool prompt's), so that TRL renders from the export the prompt that was served."""
+    the client's messages, and the tools offered where the chat template renders them
+    itself — or the messages the template was given, where those are not the client's
+    (content parts joined, the developer role as system, tool calls and the fallback tool
+    prompt rendered), so that TRL renders from the export the prompt that was served."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    if tools is None:
-        return ClientPrompt(messages)
-    given = [m.template_dict() for m in body.messages]
-    if template_has_tools(getattr(tokenizer, "chat_template", None)):
-        return ClientPrompt(messages, openai_tools(tools.functions), native_messages(given))
-    return ClientPrompt(messages, rendered=fallback_messages(given, tools.functions))
+    given, offered = template_input(getattr(tokenizer, "chat_template", None), body.messages, tools)
+    return ClientPrompt(messages, offered, None if given == messages else given)
 
 
 def completion_prompts(tokenizer, prompt) -> list[tuple[list[int], str]]:

@@ -134,6 +134,32 @@ def test_a_request_that_offered_tools_exports_them_as_trl_renders_them(tmp_path,
     assert tokenizer(rendered["prompt"], add_special_tokens=False)["input_ids"] == served
 
 
+def test_content_parts_and_the_developer_role_export_as_the_template_was_given_them(tmp_path, capsys):
+    """A request written with content parts, the developer role and the SDK's extra fields
+    exports the messages the chat template was given (text, system), so that TRL renders
+    the served prompt; a plain request exports the client's own messages."""
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    parts = [{"type": "text", "text": "Answer "}, {"type": "text", "text": "briefly."}]
+    messages = [{"role": "developer", "content": parts},
+                {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]},
+                {"role": "assistant", "content": "Paris.", "refusal": None, "annotations": []},
+                {"role": "user", "content": "And of Italy?"}]
+    with TestClient(app) as client:
+        served = client.post("/tokenize", json={"model": TINY_NAME, "messages": messages}).json()["tokens"]
+        for chat_messages in (messages, MESSAGES):
+            completion = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 4,
+                                                                   "messages": chat_messages}).json()["id"]
+            assert client.post("/v1/feedback", json={"id": completion, "chosen": "Rome."}).status_code == 200
+        client.app.state.alchemist.training.ledger.flush()
+    rows = export(tmp_path, capsys, "--format", "preference")
+    assert rows[0]["prompt"][:2] == [{"role": "system", "content": "Answer briefly."},
+                                     {"role": "user", "content": "Capital of France?"}]
+    assert rows[1]["prompt"] == MESSAGES
+    tokenizer = tiny_tokenizer()
+    rendered = maybe_apply_chat_template({key: rows[0][key] for key in ("prompt", "chosen", "rejected")}, tokenizer)
+    assert tokenizer(rendered["prompt"], add_special_tokens=False)["input_ids"] == served
+
+
 def test_a_ledger_written_before_requests_kept_their_tools_is_read_and_extended(tmp_path):
     import sqlite3
 

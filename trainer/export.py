@@ -14,9 +14,10 @@ to TRL's trainers unchanged.
 
 A request from `/v1/chat/completions` gives conversational rows (`prompt` its message
 list, each completion one assistant message); one from `/v1/completions` gives standard
-rows (plain text). A request that offered tools has them as a `tools` column (JSON text)
-where the chat template renders tools itself, or inside its prompt's messages where the
-fallback tool prompt rendered them: either way TRL renders the prompt that was served.
+rows (plain text), the messages the chat template was given (ledger_db.ClientPrompt). A
+request that offered tools has them as a `tools` column (JSON text) where the chat
+template renders tools itself, or inside its prompt's messages where the fallback tool
+prompt rendered them: either way TRL renders the prompt that was served.
 One file holds one style: `style` picks it when the ledger holds both. Quarantined labels
 are left out unless asked for.
 """

@@ -76,7 +76,7 @@ class RequestRecord:
     method: str
     prompt_token_ids: list[int]
     # the prompt as the client wrote it: chat messages (a list) or text; None if not known. For
-    # a chat request that offered tools, the messages the chat template was given instead
+    # a chat request whose messages the template was given otherwise, those instead
     # (ClientPrompt.rendered), so that rendering them again gives the prompt that was served
     prompt: object = None
     # the tools a chat request offered (OpenAI's format), where the chat template renders them itself
@@ -88,7 +88,8 @@ class ClientPrompt:
     """A request's prompt as the client wrote it, and the tools it offered: what the
     server hands the recorder for the ledger (and a reward function is shown `prompt`).
     `rendered`: the messages the chat template was given, where they are not the
-    client's (the fallback tool prompt's): the ledger keeps those, which hold the tools."""
+    client's (content parts joined, developer as system, the fallback tool prompt's):
+    the ledger keeps those."""
 
     prompt: object
     tools: list[dict] | None = None
