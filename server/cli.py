@@ -215,12 +215,16 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
     or one of those replicas (started by it or by torchrun)."""
     import dataclasses
 
+    from engine.model_loader import embedded_model_dir
     from server.replicas import join_group, launch, replica_device, replica_from_env
 
     if args.data_parallel_size < 1:
         print("alchemist: configuration error: --data-parallel-size must be at least 1", file=sys.stderr)
         return 2
     replica = replica_from_env()
+    if replica is not None or args.data_parallel_size > 1:
+        if not config.model.model:  # converted outside any group: transformers writes only on rank 0
+            embedded_model_dir()
     if replica is None and args.data_parallel_size > 1:
         return launch(argv, args.data_parallel_size, args.max_restarts)
     from server.serve import build_server, run, run_replica

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.model_loader import load, load_model, resolve_device, resolve_dtype
+from engine.model_loader import (EMBEDDED_MODEL_NAME, embedded_model_dir, load, load_model, resolve_device,
+                                 resolve_dtype)
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -64,3 +65,48 @@ def test_the_paper_model_shape_is_llama_3_1_8b():
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_config(config)
     assert 8.0e9 < sum(p.numel() for p in model.parameters()) < 8.1e9
+
+
+@pytest.fixture
+def tiny_gguf(monkeypatch, tmp_path):
+    """The embedded model's conversion, with a tiny model standing in for the GGUF's
+    (the real conversion takes tens of seconds), into a cache of its own."""
+    import transformers
+
+    monkeypatch.setenv("ALCHEMIST_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *args, **kwargs: tiny_model("llama"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: tiny_tokenizer())
+    return tmp_path / "cache" / "models" / EMBEDDED_MODEL_NAME
+
+
+def test_a_cached_model_directory_without_its_config_is_converted_again(tiny_gguf):
+    tiny_gguf.mkdir(parents=True)
+    (tiny_gguf / "tokenizer.json").write_text("{}")  # what a replica of rank 1 once left there
+    assert embedded_model_dir() == tiny_gguf
+    assert (tiny_gguf / "config.json").exists() and list(tiny_gguf.glob("*.safetensors"))
+    assert load_model(str(tiny_gguf), "float32", "cpu")[0].config.num_hidden_layers == 2
+
+
+def test_a_conversion_that_writes_no_model_is_refused_and_leaves_no_directory(tiny_gguf, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", lambda self, *a, **k: None)  # rank ≠ 0
+    with pytest.raises(RuntimeError, match="no config or weights"):
+        embedded_model_dir()
+    assert not tiny_gguf.exists() and not list(tiny_gguf.parent.iterdir())
+
+
+def test_a_replica_converts_the_embedded_model_before_it_joins_its_group(monkeypatch):
+    import server.replicas
+    import server.serve
+    from server.cli import main
+
+    calls = []
+    monkeypatch.setattr("engine.model_loader.embedded_model_dir", lambda: calls.append("convert"))
+    monkeypatch.setattr(server.replicas, "join_group", lambda replica, device: calls.append("join"))
+    monkeypatch.setattr(server.serve, "run_replica", lambda config, replica: calls.append("serve"))
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["serve", "--device", "cpu", "--data-parallel-size", "2"]) == 0
+    assert calls == ["convert", "join", "serve"]
