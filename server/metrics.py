@@ -29,6 +29,14 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 CONSTRAINTS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call")
 
 
+def request_finish_reason(choice_reasons: set[str]) -> str:
+    """A request's finish reason from its choices': abort (or none), else length, else the
+    first by name."""
+    if not choice_reasons or "abort" in choice_reasons:
+        return "abort"
+    return "length" if "length" in choice_reasons else min(choice_reasons)
+
+
 class StepsByKind:
     """Engine steps by what they ran (`SchedulerOutput.kind`): their seconds, the tokens
     they computed and the page faults they took."""
@@ -109,7 +117,8 @@ class ServingMetrics:
         self.http_responses = Counter(f"{PREFIX}http_requests", "HTTP responses, by route and status code "
                                       "(401 unauthenticated, 413 body too large, 429 over capacity, 499 "
                                       "client gone).", ["handler", "status"], registry=r)
-        self.success = Counter(f"{PREFIX}request_success", "Finished requests, by finish reason.",
+        self.success = Counter(f"{PREFIX}request_success", "Finished requests, each once, by finish reason (of "
+                               "several choices' reasons: abort, else length, else the first by name).",
                                labels + ["finished_reason"], registry=r)
         self.constrained = Counter(f"{PREFIX}constrained_requests", "Requests whose output a grammar constrained, "
                                    "by constraint (json_object, json_schema, regex, choice, grammar, tool_call: a "
@@ -135,6 +144,7 @@ class ServingMetrics:
         self._last_token_time: dict[str, float] = {}
         # request id -> choice index -> tokens generated so far
         self._choice_tokens: dict[str, dict[int, int]] = {}
+        self._finish_reasons: dict[str, set[str]] = {}  # of the choices finished before their request
 
     # EngineObserver
     def on_step(self, stats: StepStats) -> None:
@@ -168,6 +178,9 @@ class ServingMetrics:
             counts = self._choice_tokens.setdefault(rid, {})
             for c in output.outputs:
                 counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+        finished_choices = {c.finish_reason for c in output.outputs if c.finish_reason}
+        if finished_choices and not output.finished:  # choices finished before the others
+            self._finish_reasons.setdefault(rid, set()).update(finished_choices)
         if output.finished:
             longest = max(self._choice_tokens.pop(rid, {}).values(), default=0)
             if meta.finish_time is not None:
@@ -178,9 +191,8 @@ class ServingMetrics:
                         self.tpot.observe((meta.finish_time - meta.first_token_time) / (longest - 1))
             self.prompt_len.observe(meta.num_prompt_tokens)
             self.gen_len.observe(meta.num_generation_tokens)
-            reasons = {c.finish_reason for c in output.outputs if c.finish_reason}
-            for reason in reasons or {"abort"}:
-                self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
+            reason = request_finish_reason(self._finish_reasons.pop(rid, set()) | finished_choices)
+            self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
             self._started.discard(rid)
             self._last_token_time.pop(rid, None)
 

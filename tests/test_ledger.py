@@ -257,6 +257,18 @@ def test_after_a_restart_every_label_not_in_the_resumed_version_trains_and_recen
     second.close()
 
 
+def test_feedback_for_a_request_a_crash_cut_short_says_so_after_the_restart(tmp_path):
+    first = _training(tmp_path)
+    first.ledger.record_request(RequestRecord("cut", time.time(), 0, "dpo", [1, 2, 3], "Hi"))  # never finished
+    _crash(first)
+    second = _training(tmp_path)
+    result = second.feedback.submit(FeedbackLabel("cut", "A label.", None, 0))
+    assert result.outcome is FeedbackOutcome.UNKNOWN and "dropped" in result.message, result.message
+    second.ledger.flush()
+    assert (rows_by_id(tmp_path / LEDGER_FILE)["cut"].fate_reason) == "interrupted"
+    second.close()
+
+
 def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):
     first = _training(tmp_path, save_every=1)
     serve(first, "r0")

@@ -2,11 +2,13 @@
 steps), prefill time is measured, and vLLM's inter-token latency sits beside the
 per-request time per output token."""
 
+import dataclasses
 import math
 
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import STEP_KINDS
-from server.metrics import ServingMetrics
+from server.metrics import ServingMetrics, request_finish_reason
 from tests.conftest import encode, make_engine
 from tests.servers import TINY_NAME, tiny_app
 from tests.test_feedback import metric
@@ -174,3 +176,21 @@ def test_the_colocate_bench_compares_a_recorded_prefill_with_a_plain_one_of_its_
     # the recorded steps' 12.3 s over what plain steps of their kinds take for their tokens: 100 × 0.02 + 300 × 0.03
     assert ratios["recorded_over_plain_of_its_composition"] == round(12.3 / 11.0, 4)
     assert math.isnan(recorded_over_plain({False: off, True: on[1:]})["recorded_alone_per_token_ratio"])
+
+
+def test_a_request_of_several_choices_is_counted_once_whenever_its_choices_finish():
+    """`request_success_total` counts requests (its sum is `requests_served`): choices
+    ending with different reasons, in different outputs, count their request once."""
+    metrics = ServingMetrics(TINY_NAME)
+    timing = RequestMetrics(0.0, 0.1, None, 3, 2)
+    metrics.on_output(RequestOutput("a", [CompletionOutput(0, "x", [5], None, "stop"),
+                                          CompletionOutput(1, "y", [6], None)], False, timing))
+    metrics.on_output(RequestOutput("a", [CompletionOutput(1, "z", [7], None, "length")], True,
+                                    dataclasses.replace(timing, finish_time=0.2)))
+    metrics.on_output(RequestOutput("b", [CompletionOutput(0, "x", [5], None, "stop"),
+                                          CompletionOutput(1, "y", [6], None, "stop")], True,
+                                    dataclasses.replace(timing, finish_time=0.2)))
+    counted = {s.labels["finished_reason"]: s.value for m in metrics.success.collect() for s in m.samples
+               if s.name.endswith("_total")}
+    assert counted == {"length": 1, "stop": 1} and metrics.requests_served() == 2
+    assert request_finish_reason(set()) == "abort" and request_finish_reason({"abort", "length"}) == "abort"

@@ -207,9 +207,9 @@ class ActivationCache:
         for recording in recordings:
             recording.release()
 
-    def note_not_trainable(self, completion_id: str, state: EntryState = EntryState.NOT_TRAINABLE) -> None:
-        """A finished request that can never get an entry (NOT_TRAINABLE or NOT_A_GROUP),
-        so that feedback for it says why."""
+    def note_ended(self, completion_id: str, state: EntryState) -> None:
+        """A request that can never get an entry (NOT_TRAINABLE, NOT_A_GROUP; EXPIRED or
+        DROPPED, as a restart finds it), so that feedback for it says why."""
         with self._lock:
             if completion_id not in self._entries:
                 self._remember(completion_id, state)

@@ -170,7 +170,7 @@ class Recorder:
         if responses is None:
             if output.finished and self.method.uses_feedback and not _aborted(output):
                 group = self.method.trains_on(len(output.outputs))
-                self.cache.note_not_trainable(request_id, EntryState.NOT_TRAINABLE if group else EntryState.NOT_A_GROUP)
+                self.cache.note_ended(request_id, EntryState.NOT_TRAINABLE if group else EntryState.NOT_A_GROUP)
             if output.finished:
                 self._client_prompts.pop(request_id, None)
             return

@@ -69,8 +69,9 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
         deadline = None if row.finished_at is None else row.finished_at + label_timeout_s
         if row.aborted or deadline is None or deadline <= now_wall:
             reason = "interrupted" if row.finished_at is None else None
-            ledger.record_fate(row.request.id, EntryState.EXPIRED.value if reason is None else
-                               EntryState.DROPPED.value, reason=reason)
+            state = EntryState.EXPIRED if reason is None else EntryState.DROPPED
+            ledger.record_fate(row.request.id, state.value, reason=reason)
+            cache.note_ended(row.request.id, state)  # its feedback says why
             closed += 1
             continue
         cache.add(entry)
