@@ -185,6 +185,10 @@ def export_feedback(args: argparse.Namespace) -> int:
     skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
     print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{skipped}",
           file=sys.stderr)
+    if not counts.rows:  # an empty JSONL file is not a dataset `datasets` loads
+        print("alchemist: nothing to export in this format: DPO labels and rewarded groups export as preference "
+              "or unpaired rows, what a CPT server served and rewarded samples as prompt-completion rows",
+              file=sys.stderr)
     return 0
 
 
