@@ -11,6 +11,7 @@ transformers writes a model only on a group's rank 0.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import logging
 import os
@@ -64,10 +65,20 @@ def _embedded_gguf_dir() -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """The embedded model as a safetensors directory, converting it on first use."""
+    """The embedded model as a safetensors directory, converting it on first use (one
+    process converts; others starting at the same time wait for it, under a file lock)."""
     target = cache_dir() / "models" / EMBEDDED_MODEL_NAME
     if (target / "config.json").exists():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{EMBEDDED_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():  # not converted by the process that held the lock
+            _convert_embedded(target)
+    return target
+
+
+def _convert_embedded(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = _embedded_gguf_dir()
@@ -79,7 +90,6 @@ def embedded_model_dir() -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL_NAME}-", dir=target.parent))
     try:
         model.save_pretrained(staging)
@@ -87,18 +97,13 @@ def embedded_model_dir() -> Path:
         if not (staging / "config.json").exists() or not any(staging.glob("*.safetensors")):
             raise RuntimeError(f"converting the embedded model wrote no config or weights into {staging} (a "
                                "torch.distributed group's rank other than 0 does not write: convert before joining)")
-        if target.exists() and not (target / "config.json").exists():  # an incomplete cache: replaced
+        if target.exists():  # an incomplete cache (no config.json): replaced
             logger.warning("replacing %s, which has no config.json", target)
-            shutil.rmtree(target, ignore_errors=True)
-        try:
-            staging.rename(target)
-        except OSError:  # another process finished first
-            if not (target / "config.json").exists():
-                raise
+            shutil.rmtree(target)
+        staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     logger.info("converted in %.1f s", time.perf_counter() - started)
-    return target
 
 
 def load(config: ModelConfig):

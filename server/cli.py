@@ -185,9 +185,12 @@ def export_feedback(args: argparse.Namespace) -> int:
     skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
     print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{skipped}",
           file=sys.stderr)
-    if not counts.rows:  # an empty JSONL file is not a dataset `datasets` loads
-        print("alchemist: nothing to export in this format: DPO labels and rewarded groups export as preference "
-              "or unpaired rows, what a CPT server served and rewarded samples as prompt-completion rows",
+    if not counts.rows and counts.selected:  # an empty JSONL file is not a dataset `datasets` loads
+        print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
+              "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
+              "prompt-completion rows", file=sys.stderr)
+    elif not counts.rows:
+        print("alchemist: no request passed the filters (--since; quarantined labels need --include-quarantined)",
               file=sys.stderr)
     return 0
 
@@ -219,6 +222,7 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
     or one of those replicas (started by it or by torchrun)."""
     import dataclasses
 
+    from engine.malloc_tuning import return_freed_memory
     from engine.model_loader import embedded_model_dir
     from server.replicas import join_group, launch, replica_device, replica_from_env
 
@@ -226,9 +230,13 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
         print("alchemist: configuration error: --data-parallel-size must be at least 1", file=sys.stderr)
         return 2
     replica = replica_from_env()
-    if replica is not None or args.data_parallel_size > 1:
-        if not config.model.model:  # converted outside any group: transformers writes only on rank 0
+    if (replica is not None or args.data_parallel_size > 1) and not config.model.model:
+        try:  # converted outside any group: transformers writes only on rank 0
             embedded_model_dir()
+        except FileNotFoundError as exc:  # the package that ships the model is missing
+            print(f"alchemist: configuration error: {exc}", file=sys.stderr)
+            return 2
+        return_freed_memory()  # the conversion's heap, not kept by an agent that only supervises
     if replica is None and args.data_parallel_size > 1:
         return launch(argv, args.data_parallel_size, args.max_restarts)
     from server.serve import build_server, run, run_replica

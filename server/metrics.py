@@ -144,7 +144,6 @@ class ServingMetrics:
         self._last_token_time: dict[str, float] = {}
         # request id -> choice index -> tokens generated so far
         self._choice_tokens: dict[str, dict[int, int]] = {}
-        self._finish_reasons: dict[str, set[str]] = {}  # of the choices finished before their request
 
     # EngineObserver
     def on_step(self, stats: StepStats) -> None:
@@ -178,9 +177,6 @@ class ServingMetrics:
             counts = self._choice_tokens.setdefault(rid, {})
             for c in output.outputs:
                 counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
-        finished_choices = {c.finish_reason for c in output.outputs if c.finish_reason}
-        if finished_choices and not output.finished:  # choices finished before the others
-            self._finish_reasons.setdefault(rid, set()).update(finished_choices)
         if output.finished:
             longest = max(self._choice_tokens.pop(rid, {}).values(), default=0)
             if meta.finish_time is not None:
@@ -191,7 +187,7 @@ class ServingMetrics:
                         self.tpot.observe((meta.finish_time - meta.first_token_time) / (longest - 1))
             self.prompt_len.observe(meta.num_prompt_tokens)
             self.gen_len.observe(meta.num_generation_tokens)
-            reason = request_finish_reason(self._finish_reasons.pop(rid, set()) | finished_choices)
+            reason = request_finish_reason({c.finish_reason for c in output.outputs if c.finish_reason})
             self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
             self._started.discard(rid)
             self._last_token_time.pop(rid, None)

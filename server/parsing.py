@@ -107,11 +107,12 @@ def template_input(template: str, messages: list, tools: ToolUse | None) -> tupl
 
 
 def ledger_prompt(tokenizer, body, tools: ToolUse | None) -> ClientPrompt:
-    """What the ledger keeps of a chat request's prompt (and a reward function is shown):
-    the client's messages, and the tools offered where the chat template renders them
+    """What the ledger keeps of a chat request's prompt: the client's messages (a reward
+    function is shown those), and the tools offered where the chat template renders them
     itself — or the messages the template was given, where those are not the client's
     (content parts joined, the developer role as system, tool calls and the fallback tool
-    prompt rendered), so that TRL renders from the export the prompt that was served."""
+    prompt rendered), so that TRL renders from the export the prompt that was served. A
+    group scored again after a restart shows its reward function the ledger's messages."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     given, offered = template_input(getattr(tokenizer, "chat_template", None), body.messages, tools)
     return ClientPrompt(messages, offered, None if given == messages else given)

@@ -52,7 +52,7 @@ def test_a_dpo_servers_feedback_exports_as_trl_preference_and_unpaired_datasets(
     assert [row["label"] for row in unpaired] == [True, False, True, False]
     assert export(tmp_path, capsys, "--format", "preference", "--since", "2999-01-01") == []
     assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--format", "prompt-completion"]) == 0
-    assert "nothing to export in this format" in capsys.readouterr().err  # a DPO server served no CPT rows
+    assert "none with rows in this format" in capsys.readouterr().err  # a DPO server served no CPT rows
 
 
 def _ledger_with_every_kind(root) -> None:

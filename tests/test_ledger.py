@@ -259,13 +259,36 @@ def test_after_a_restart_every_label_not_in_the_resumed_version_trains_and_recen
 
 def test_feedback_for_a_request_a_crash_cut_short_says_so_after_the_restart(tmp_path):
     first = _training(tmp_path)
-    first.ledger.record_request(RequestRecord("cut", time.time(), 0, "dpo", [1, 2, 3], "Hi"))  # never finished
+    for request_id in ("cut", "aborted"):
+        first.ledger.record_request(RequestRecord(request_id, time.time(), 0, "dpo", [1, 2, 3], "Hi"))
+    first.ledger.record_finished("aborted", [], True)  # "cut" never finished
     _crash(first)
     second = _training(tmp_path)
-    result = second.feedback.submit(FeedbackLabel("cut", "A label.", None, 0))
-    assert result.outcome is FeedbackOutcome.UNKNOWN and "dropped" in result.message, result.message
+    for request_id in ("cut", "aborted"):
+        result = second.feedback.submit(FeedbackLabel(request_id, "A label.", None, 0))
+        assert result.outcome is FeedbackOutcome.UNKNOWN and "dropped" in result.message, result.message
     second.ledger.flush()
-    assert (rows_by_id(tmp_path / LEDGER_FILE)["cut"].fate_reason) == "interrupted"
+    rows = rows_by_id(tmp_path / LEDGER_FILE)
+    assert (rows["cut"].fate_reason, rows["aborted"].fate_reason) == ("interrupted", "aborted")
+    second.close()
+
+
+def test_deleting_a_batch_after_a_restart_withdraws_the_prompts_the_restart_took_back(tmp_path):
+    """The first prompt was trained and saved before the crash (the restart does not take
+    it back), the second waits to be trained: deleting the batch's id withdraws it."""
+    first = _training(tmp_path, save_every=1)
+    serve(first, "cmpl-x-0")
+    label(first, "cmpl-x-0")
+    first.train_until_idle()
+    serve(first, "cmpl-x-1")
+    label(first, "cmpl-x-1")
+    _crash(first)
+    second = _training(tmp_path, save_every=1)
+    assert second.cache.get("cmpl-x-0") is None and second.cache.get("cmpl-x-1").state.value == "ready"
+    assert second.forget("cmpl-x")
+    assert second.cache.get("cmpl-x-1") is None
+    second.train_until_idle()
+    assert second.stats.copy().trained_entries == {}
     second.close()
 
 

@@ -178,14 +178,16 @@ def test_the_colocate_bench_compares_a_recorded_prefill_with_a_plain_one_of_its_
     assert math.isnan(recorded_over_plain({False: off, True: on[1:]})["recorded_alone_per_token_ratio"])
 
 
-def test_a_request_of_several_choices_is_counted_once_whenever_its_choices_finish():
+def test_a_request_of_several_choices_is_counted_once_whatever_its_choices_finish_with():
     """`request_success_total` counts requests (its sum is `requests_served`): choices
-    ending with different reasons, in different outputs, count their request once."""
+    ending with different reasons count their request once. A request's every output
+    carries all its choices (engine/output_processor.py), finished ones too."""
     metrics = ServingMetrics(TINY_NAME)
     timing = RequestMetrics(0.0, 0.1, None, 3, 2)
     metrics.on_output(RequestOutput("a", [CompletionOutput(0, "x", [5], None, "stop"),
                                           CompletionOutput(1, "y", [6], None)], False, timing))
-    metrics.on_output(RequestOutput("a", [CompletionOutput(1, "z", [7], None, "length")], True,
+    metrics.on_output(RequestOutput("a", [CompletionOutput(0, "", [], None, "stop"),
+                                          CompletionOutput(1, "z", [7], None, "length")], True,
                                     dataclasses.replace(timing, finish_time=0.2)))
     metrics.on_output(RequestOutput("b", [CompletionOutput(0, "x", [5], None, "stop"),
                                           CompletionOutput(1, "y", [6], None, "stop")], True,

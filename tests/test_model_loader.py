@@ -73,6 +73,7 @@ def tiny_gguf(monkeypatch, tmp_path):
     (the real conversion takes tens of seconds), into a cache of its own."""
     import transformers
 
+    monkeypatch.setattr("engine.model_loader._embedded_gguf_dir", lambda: tmp_path / "gguf")
     monkeypatch.setenv("ALCHEMIST_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda *args, **kwargs: tiny_model("llama"))
@@ -88,13 +89,30 @@ def test_a_cached_model_directory_without_its_config_is_converted_again(tiny_ggu
     assert load_model(str(tiny_gguf), "float32", "cpu")[0].config.num_hidden_layers == 2
 
 
+def test_processes_starting_together_convert_the_embedded_model_once(tiny_gguf, monkeypatch):
+    import threading
+
+    import transformers
+
+    conversions, convert = [], transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *args, **kwargs: conversions.append(1) or convert(*args, **kwargs))
+    found = []
+    starts = [threading.Thread(target=lambda: found.append(embedded_model_dir())) for _ in range(3)]
+    for start in starts:
+        start.start()
+    for start in starts:
+        start.join()
+    assert found == [tiny_gguf] * 3 and len(conversions) == 1
+
+
 def test_a_conversion_that_writes_no_model_is_refused_and_leaves_no_directory(tiny_gguf, monkeypatch):
     import transformers
 
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", lambda self, *a, **k: None)  # rank ≠ 0
     with pytest.raises(RuntimeError, match="no config or weights"):
         embedded_model_dir()
-    assert not tiny_gguf.exists() and not list(tiny_gguf.parent.iterdir())
+    assert not tiny_gguf.exists() and [p.name for p in tiny_gguf.parent.iterdir()] == [f".{EMBEDDED_MODEL_NAME}.lock"]
 
 
 def test_a_replica_converts_the_embedded_model_before_it_joins_its_group(monkeypatch):

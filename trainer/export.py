@@ -12,9 +12,9 @@ to TRL's trainers unchanged.
                      with its `reward` as an extra column (SFTTrainer; TRL's GRPOTrainer
                      samples its own completions, so rewards travel as data)
 
-A request from `/v1/chat/completions` gives conversational rows (`prompt` its message
-list, each completion one assistant message); one from `/v1/completions` gives standard
-rows (plain text), the messages the chat template was given (ledger_db.ClientPrompt). A
+A request from `/v1/chat/completions` gives conversational rows (`prompt` the message list
+the chat template was given, ledger_db.ClientPrompt; each completion one assistant
+message); one from `/v1/completions` gives standard rows (plain text). A
 request that offered tools has them as a `tools` column (JSON text) where the chat
 template renders tools itself, or inside its prompt's messages where the fallback tool
 prompt rendered them: either way TRL renders the prompt that was served.
@@ -44,6 +44,8 @@ class ExportCounts:
     rows: int = 0
     # requests left out: no prompt as the client wrote it, or of the other style
     skipped: int = 0
+    # requests that passed the filters (time, quarantine) and the style, whatever the format made of them
+    selected: int = 0
 
 
 def parse_since(text: str | None) -> float | None:
@@ -81,7 +83,7 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
             continue
         tools = {"tools": json.dumps(row.request.tools)} if row.request.tools else {}
         out.extend({**made, **tools} for made in _FORMATTERS[format](row))
-    return out, ExportCounts(len(out), skipped)
+    return out, ExportCounts(len(out), skipped, len(chosen) - skipped)
 
 
 def _selected(row: LedgerRow, since: float | None, include_quarantined: bool) -> bool:

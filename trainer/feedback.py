@@ -121,6 +121,13 @@ def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: C
     return ACCEPTED
 
 
+def is_prompt_of(completion_id: str, entry_id: str) -> bool:
+    """Whether `entry_id` is one prompt's entry (`<id>-<i>`) of a `/v1/completions`
+    request of several prompts, `completion_id`."""
+    prefix, _, index = entry_id.rpartition("-")
+    return prefix == completion_id and index.isascii() and index.isdigit()
+
+
 def entry_ids_of(cache: ActivationCache, completion_id: str) -> list[str]:
     """The ids of the cache's entries (live or ended) for `completion_id`: its own, or, for
     a `/v1/completions` request of several prompts, its prompts' (`<id>-<i>`)."""

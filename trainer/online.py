@@ -31,7 +31,7 @@ from trainer.cache import ActivationCache
 from trainer.entries import EntryState
 from trainer.eval_gate import Verdict
 from trainer.config import TrainConfig
-from trainer.feedback import FeedbackIntake, entry_ids_of
+from trainer.feedback import FeedbackIntake, is_prompt_of
 from trainer.ledger import Ledger
 from trainer.lifecycle import AdapterLifecycle
 from trainer.maintenance import Maintenance
@@ -229,10 +229,11 @@ class OnlineTraining:
         Whether there was anything. A worker thread's call."""
         deleted = self.ledger.delete(completion_id, label_only) if self.ledger is not None else False
         withdrawn = False
-        for entry_id in entry_ids_of(self.cache, completion_id):
-            entry = self.cache.get(entry_id)
-            labelled = entry is not None and getattr(entry, "label", None) is not None
-            withdrawn = ((labelled or not label_only) and self.cache.withdraw(entry_id)) or withdrawn
+        for entry in self.cache.entries():
+            if entry.completion_id != completion_id and not is_prompt_of(completion_id, entry.completion_id):
+                continue
+            labelled = getattr(entry, "label", None) is not None
+            withdrawn = ((labelled or not label_only) and self.cache.withdraw(entry.completion_id)) or withdrawn
         return deleted or withdrawn
 
     # -- status and shutdown ----------------------------------------------------------

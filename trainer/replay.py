@@ -68,7 +68,7 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
             continue
         deadline = None if row.finished_at is None else row.finished_at + label_timeout_s
         if row.aborted or deadline is None or deadline <= now_wall:
-            reason = "interrupted" if row.finished_at is None else None
+            reason = "interrupted" if row.finished_at is None else "aborted" if row.aborted else None
             state = EntryState.EXPIRED if reason is None else EntryState.DROPPED
             ledger.record_fate(row.request.id, state.value, reason=reason)
             cache.note_ended(row.request.id, state)  # its feedback says why
