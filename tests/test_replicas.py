@@ -11,6 +11,7 @@ every replica's, each quarantining the labels it trained.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -249,6 +250,9 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
         assert [c["rank"] for c in cards] == [0, 1] and cards[0]["digest"] == cards[1]["digest"]
         assert cards[0]["version"] == cards[1]["version"] == status["version"] >= 1
         assert status["training"]["trained_entries"] == 2
+        saved_state = adapter_dir / f"v{status['version']:08d}" / "alchemist_state.json"
+        wait_for(saved_state.is_file)  # rank 0 saved the version: the entries in it, both replicas'
+        assert json.loads(saved_state.read_text())["trained_entries"] == 2
         fates = {row.request.id: row.fate for row in read_ledger(adapter_dir / LEDGER_FILE)}
         assert fates[ids[0][0]] == fates[ids[1][0]] == "trained"
 

@@ -3,7 +3,7 @@
     DIR/v00000012/adapter_model.safetensors   LoRA weights, PEFT's keys (PeftModel.from_pretrained,
     DIR/v00000012/adapter_config.json         vLLM --lora-modules and TRL load the directory as it is)
     DIR/v00000012/optimizer.pt                AdamW state, so training resumes where it stopped
-    DIR/v00000012/alchemist_state.json        version, time, training counters — written last
+    DIR/v00000012/alchemist_state.json        version, time, the entries trained into it — written last
 
 A version is written into `DIR/.tmp-…`, every file fsynced, and renamed into place, so a
 process killed at any moment (SIGKILL mid-save) leaves either the complete version or a
