@@ -115,7 +115,7 @@ def ledger_prompt(tokenizer, body, tools: ToolUse | None) -> ClientPrompt:
     group scored again after a restart shows its reward function the ledger's messages."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     given, offered = template_input(getattr(tokenizer, "chat_template", None), body.messages, tools)
-    return ClientPrompt(messages, offered, None if given == messages else given)
+    return ClientPrompt(messages, offered, None if given == messages else given, body.chat_template_kwargs or None)
 
 
 def completion_prompts(tokenizer, prompt) -> list[tuple[list[int], str]]:

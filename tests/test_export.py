@@ -136,6 +136,30 @@ def test_a_request_that_offered_tools_exports_them_as_trl_renders_them(tmp_path,
     assert tokenizer(rendered["prompt"], add_special_tokens=False)["input_ids"] == served
 
 
+def test_chat_template_kwargs_export_as_trls_column_of_that_name(tmp_path, capsys):
+    """What a request gave its chat template (vLLM's `chat_template_kwargs`) goes with its
+    row, and TRL hands it to the template: every row renders the prompt that was served."""
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.chat_template = ("{% if terse is defined and terse %}<|im_start|>system\nBe terse.<|im_end|>\n"
+                               "{% endif %}" + tokenizer.chat_template)
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)),
+                   tokenizer=tokenizer)
+    served = []
+    with TestClient(app) as client:
+        for extra in ({"chat_template_kwargs": {"terse": True}}, {}):
+            body = {"model": TINY_NAME, "messages": MESSAGES, **extra}
+            completion = client.post("/v1/chat/completions", json={**body, "max_tokens": 4}).json()["id"]
+            assert client.post("/v1/feedback", json={"id": completion, "chosen": "Paris."}).status_code == 200
+            served.append(client.post("/tokenize", json=body).json()["tokens"])
+        client.app.state.alchemist.training.ledger.flush()
+    assert served[0] != served[1]
+    rows = export(tmp_path, capsys, "--format", "preference")
+    assert [row["chat_template_kwargs"] for row in rows] == [{"terse": True}, {}]
+    for row, tokens in zip(rows, served):
+        rendered = maybe_apply_chat_template(row, tokenizer)
+        assert tokenizer(rendered["prompt"], add_special_tokens=False)["input_ids"] == tokens
+
+
 def test_content_parts_and_the_developer_role_export_as_the_template_was_given_them(tmp_path, capsys):
     """A request written with content parts, the developer role and the SDK's extra fields
     exports the messages the chat template was given (text, system), so that TRL renders
@@ -168,13 +192,15 @@ def test_a_ledger_written_before_requests_kept_their_tools_is_read_and_extended(
     path = tmp_path / LEDGER_FILE
     Ledger(path).close()
     conn = sqlite3.connect(path)
-    conn.execute("ALTER TABLE requests DROP COLUMN tools")  # as an older server wrote it
+    for column in ("tools", "chat_template_kwargs"):  # as an older server wrote it
+        conn.execute(f"ALTER TABLE requests DROP COLUMN {column}")
     conn.execute("INSERT INTO requests (id, served_at, adapter_version, method, prompt, prompt_token_ids) "
                  "VALUES ('old', 1.0, 0, 'dpo', '\"Hi\"', '[1]')")
     conn.commit()
     conn.close()
     assert [(row.request.id, row.request.tools) for row in read_ledger(path)] == [("old", None)]
-    ledger = Ledger(path)  # the writer adds the column
-    ledger.record_request(RequestRecord("new", 2.0, 0, "dpo", [1], MESSAGES, [WEATHER]))
+    ledger = Ledger(path)  # the writer adds the columns
+    ledger.record_request(RequestRecord("new", 2.0, 0, "dpo", [1], MESSAGES, [WEATHER], {"terse": True}))
     ledger.close()
-    assert [(row.request.id, row.request.tools) for row in read_ledger(path)] == [("old", None), ("new", [WEATHER])]
+    assert [(row.request.id, row.request.tools, row.request.chat_template_kwargs) for row in read_ledger(path)] == [
+        ("old", None, None), ("new", [WEATHER], {"terse": True})]

@@ -17,7 +17,9 @@ the chat template was given, ledger_db.ClientPrompt; each completion one assista
 message); one from `/v1/completions` gives standard rows (plain text). A
 request that offered tools has them as a `tools` column (JSON text) where the chat
 template renders tools itself, or inside its prompt's messages where the fallback tool
-prompt rendered them: either way TRL renders the prompt that was served.
+prompt rendered them: either way TRL renders the prompt that was served. What a request
+gave its chat template besides (vLLM's `chat_template_kwargs`) is TRL's column of that
+name, on every row once any row has one (`{}` where a request gave none).
 One file holds one style: `style` picks it when the ledger holds both. Quarantined labels
 are left out unless asked for.
 """
@@ -76,14 +78,16 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
         raise ExportError("the ledger holds chat requests (conversational rows) and text completions (standard "
                           "rows); one dataset holds one style: pass --style conversational or --style standard")
     wanted = style if style != "auto" else next(iter(styles), "conversational")
-    out, skipped = [], 0
-    for row in chosen:
-        if _style(row) != wanted:
-            skipped += 1
-            continue
-        tools = {"tools": json.dumps(row.request.tools)} if row.request.tools else {}
-        out.extend({**made, **tools} for made in _FORMATTERS[format](row))
-    return out, ExportCounts(len(out), skipped, len(chosen) - skipped)
+    kept = [row for row in chosen if _style(row) == wanted]
+    # TRL hands a row's `chat_template_kwargs` to the template: every row has one if any has
+    with_kwargs = any(row.request.chat_template_kwargs for row in kept)
+    out = []
+    for row in kept:
+        extra = {"tools": json.dumps(row.request.tools)} if row.request.tools else {}
+        if with_kwargs:
+            extra["chat_template_kwargs"] = row.request.chat_template_kwargs or {}
+        out.extend({**made, **extra} for made in _FORMATTERS[format](row))
+    return out, ExportCounts(len(out), len(chosen) - len(kept), len(kept))
 
 
 def _selected(row: LedgerRow, since: float | None, include_quarantined: bool) -> bool:

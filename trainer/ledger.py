@@ -105,9 +105,9 @@ class Ledger:
         """A request got a cache entry (device thread: queued, not waited for)."""
         self._put(_Write(lambda c: c.execute(  # encoded on the writer thread
             "INSERT OR REPLACE INTO requests (id, served_at, adapter_version, method, prompt, prompt_token_ids, "
-            "tools) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "tools, chat_template_kwargs) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (record.id, record.served_at, record.adapter_version, record.method, to_json(record.prompt),
-             to_json(record.prompt_token_ids), to_json(record.tools)))))
+             to_json(record.prompt_token_ids), to_json(record.tools), to_json(record.chat_template_kwargs)))))
 
     def record_finished(self, request_id: str, choices: list[ChoiceRecord], aborted: bool) -> None:
         """A request's responses, when it finished (device thread: queued)."""

@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS requests (
     fate_path TEXT,
     fate_reason TEXT,
     fate_at REAL,
-    tools TEXT
+    tools TEXT,
+    chat_template_kwargs TEXT
 );
 CREATE INDEX IF NOT EXISTS requests_served_at ON requests (served_at);
 CREATE TABLE IF NOT EXISTS labels (
@@ -81,6 +82,8 @@ class RequestRecord:
     prompt: object = None
     # the tools a chat request offered (OpenAI's format), where the chat template renders them itself
     tools: list[dict] | None = None
+    # what a chat request gave its chat template besides the messages (vLLM's chat_template_kwargs)
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,7 @@ class ClientPrompt:
     prompt: object
     tools: list[dict] | None = None
     rendered: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -158,9 +162,9 @@ def open_database(path: Path, max_bytes: int | None = None, read_only: bool = Fa
     conn.execute("PRAGMA synchronous = FULL")  # a commit is on disk before its label is acknowledged
     conn.execute("PRAGMA foreign_keys = ON")
     conn.executescript(SCHEMA)
-    if "tools" not in _columns(conn, "requests"):  # a ledger written before requests kept their tools
+    for column in _ADDED_COLUMNS - _columns(conn, "requests"):  # a ledger written before requests kept them
         try:
-            conn.execute("ALTER TABLE requests ADD COLUMN tools TEXT")
+            conn.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
         except sqlite3.OperationalError as exc:  # another process added it first
             if "duplicate column" not in str(exc):
                 raise
@@ -179,6 +183,11 @@ _ROW_COLUMNS = ("r.id, r.served_at, r.finished_at, r.adapter_version, r.method, 
                 "l.chosen_token_ids, l.rejected_token_ids, l.served_logps, l.rewards")
 
 
+# columns of `requests` added since the first schema, in the order rows are read
+_ADDED_ORDER = ("tools", "chat_template_kwargs")
+_ADDED_COLUMNS = frozenset(_ADDED_ORDER)
+
+
 def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
     return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
 
@@ -186,14 +195,16 @@ def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
 def read_rows(conn: sqlite3.Connection, where: str = "1", params: tuple = ()) -> list[LedgerRow]:
     """Requests with their labels, oldest first, filtered by an SQL condition on `r`
     (requests) and `l` (labels)."""
-    tools = "r.tools" if "tools" in _columns(conn, "requests") else "NULL"  # an older ledger, read only
-    rows = conn.execute(f"SELECT {_ROW_COLUMNS}, {tools} FROM requests r LEFT JOIN labels l ON l.request_id = r.id "
+    present = _columns(conn, "requests")
+    added = ", ".join(f"r.{c}" if c in present else "NULL" for c in _ADDED_ORDER)  # an older ledger, read only
+    rows = conn.execute(f"SELECT {_ROW_COLUMNS}, {added} FROM requests r LEFT JOIN labels l ON l.request_id = r.id "
                         f"WHERE {where} ORDER BY r.served_at, r.id", params).fetchall()
     return [_row(r) for r in rows]
 
 
 def _row(r: tuple) -> LedgerRow:
-    request = RequestRecord(r[0], r[1], r[3], r[4], from_json(r[6]), from_json(r[5]), from_json(r[25]))
+    request = RequestRecord(r[0], r[1], r[3], r[4], from_json(r[6]), from_json(r[5]), from_json(r[25]),
+                            from_json(r[26]))
     choices = [ChoiceRecord(c["index"], c["token_ids"], c["text"], c.get("token_logprobs"))
                for c in from_json(r[7]) or []]
     label = None

@@ -208,7 +208,7 @@ class Recorder:
             self.ledger.record_request(RequestRecord(request_id, time.time(), adapter_version, self.method.name,
                                                      list(prompt_token_ids),
                                                      client.prompt if client.rendered is None else client.rendered,
-                                                     client.tools))
+                                                     client.tools, client.chat_template_kwargs))
 
 
 def _aborted(output: RequestOutput) -> bool:
