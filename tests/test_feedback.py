@@ -7,7 +7,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from trainer.config import TrainConfig
+from trainer.feedback import FeedbackLabel
+from tests.conftest import make_training
 from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
+from tests.test_training import serve
 
 
 def train_app(mode: str, **train_kwargs):
@@ -155,3 +158,13 @@ def test_feedback_without_training_is_a_clear_400():
     with TestClient(tiny_app()) as client:
         r = feedback(client, id="x", chosen="y")
         assert r.status_code == 400 and "training is off" in r.json()["error"]["message"]
+
+
+def test_a_label_reaches_a_prompt_of_a_batch_whose_first_prompt_the_cache_no_longer_remembers():
+    """A busy server forgets entries that ended long ago: the batch's prompt 1, still
+    waiting, takes its label though prompt 0 is forgotten (here: never served)."""
+    training = make_training(TrainConfig(mode="dpo", lora_rank=4))
+    serve(training, "cmpl-z-1")
+    assert training.feedback.submit(FeedbackLabel("cmpl-z", "A better answer.", None, 1)).accepted
+    assert training.cache.get("cmpl-z-1").label is not None
+    training.close()

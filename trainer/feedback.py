@@ -129,15 +129,18 @@ def is_prompt_of(completion_id: str, entry_id: str) -> bool:
 
 
 def entry_ids_of(cache: ActivationCache, completion_id: str) -> list[str]:
-    """The ids of the cache's entries (live or ended) for `completion_id`: its own, or, for
-    a `/v1/completions` request of several prompts, its prompts' (`<id>-<i>`)."""
+    """The ids of the cache's entries for `completion_id`: its own, or, for a
+    `/v1/completions` request of several prompts, its prompts' (`<id>-<i>`, up to the last
+    the cache knows, live or ended: an ended one it no longer remembers is still counted)."""
     def known(entry_id: str) -> bool:
         return cache.get(entry_id) is not None or cache.ended_state(entry_id) is not None
 
-    if known(completion_id) or not known(f"{completion_id}-0"):
+    if known(completion_id):
         return [completion_id]
-    per_prompt = (f"{completion_id}-{i}" for i in itertools.count())
-    return list(itertools.takewhile(known, per_prompt))
+    indices = {int(entry.completion_id.rpartition("-")[2]) for entry in cache.entries()
+               if is_prompt_of(completion_id, entry.completion_id)}
+    indices.update(itertools.takewhile(lambda i: known(f"{completion_id}-{i}"), itertools.count()))
+    return [f"{completion_id}-{i}" for i in range(max(indices) + 1)] if indices else [completion_id]
 
 
 def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> FeedbackLabel:
