@@ -99,7 +99,9 @@ class ToolUse:
         if not self.forced:
             return None
         offered = [f for f in self.functions if self.choice == "required" or f["name"] == self.named]
-        schema = {"anyOf": [_call_schema(f) for f in offered], "x-guidance": JSON_LAYOUT}
+        parameters = {f"f{i}": rerooted(_parameters(f), f"#/$defs/f{i}") for i, f in enumerate(offered)}
+        schema = {"$defs": parameters, "anyOf": [_call_schema(f, f"#/$defs/f{i}") for i, f in enumerate(offered)],
+                  "x-guidance": JSON_LAYOUT}
         opening = f"<[{open_token_id}]>" if open_token_id is not None else json.dumps(TOOL_CALL_OPEN)
         calls = 'call ("\\n" call)*' if self.choice == "required" and self.parallel else "call"
         text = (f"start: {calls}\n"
@@ -107,10 +109,38 @@ class ToolUse:
         return lark_grammar(text, "tools", "tool_call")
 
 
-def _call_schema(function: dict) -> dict:
-    parameters = function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+def _parameters(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _call_schema(function: dict, parameters_ref: str) -> dict:
+    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": {"$ref": parameters_ref}},
             "required": ["name", "arguments"], "additionalProperties": False}
+
+
+# keywords whose values are data, not schemas: a `$ref` inside them is not a reference
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def rerooted(schema, root: str):
+    """`schema` to be placed at the JSON pointer `root` of another document: its references
+    into itself (`#`, `#/$defs/…`, `#/definitions/…`) point below `root`."""
+    if isinstance(schema, list):
+        return [rerooted(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            moved[key] = root + value[1:]
+        elif key in _DATA_KEYWORDS:
+            moved[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # its keys are names, each value a schema
+            moved[key] = {name: rerooted(sub, root) for name, sub in value.items()}
+        else:
+            moved[key] = rerooted(value, root)
+    return moved
 
 
 # a call's body in the layout the fallback prompt and the forced grammar write

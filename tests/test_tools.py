@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.structured import GrammarCompiler
-from server.tool_calls import ToolCallParser, ToolUse
+from server.tool_calls import ToolCallParser, ToolUse, rerooted
 from server.tool_prompt import FALLBACK_PROMPT, fallback_messages, native_messages
 from tests.servers import TINY_NAME, ServerThread, tiny_app
 from tests.tiny import tiny_model, tiny_tokenizer
@@ -59,6 +59,41 @@ def test_required_gives_one_valid_call_without_parallel_calls(client):
         assert choice["message"]["content"] is None
         assert len(choice["message"]["tool_calls"]) == 1
         assert_valid_call(choice["message"]["tool_calls"][0])
+
+
+PAINT = {"name": "paint", "parameters": {  # references as pydantic writes them, and one as older tools do
+    "$defs": {"Color": {"enum": ["red", "green"]}},
+    "definitions": {"Point": {"type": "object", "properties": {"x": {"type": "integer", "maximum": 9}},
+                              "required": ["x"], "additionalProperties": False}},
+    "type": "object", "properties": {"color": {"$ref": "#/$defs/Color"}, "at": {"$ref": "#/definitions/Point"},
+                                     "$ref": {"const": {"$ref": "#"}}},
+    "required": ["color", "at"], "additionalProperties": False}}
+TREE = {"name": "tree", "parameters": {  # recursive: "#" is the parameters' own root
+    "type": "object", "properties": {"name": {"enum": ["a", "b"]},
+                                     "children": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}}},
+    "required": ["name", "children"], "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("function", [PAINT, TREE], ids=["defs", "recursive"])
+def test_a_forced_call_is_valid_against_parameters_that_refer_to_themselves(client, function):
+    """`$ref`s resolve against the function's parameters, not the grammar's call wrapper."""
+    r = chat(client, tools=[{"type": "function", "function": function}], tool_choice="required",
+             parallel_tool_calls=False, temperature=1.0, seed=3, n=4, max_tokens=200)
+    assert r.status_code == 200, r.text
+    complete = [c for c in r.json()["choices"] if c["finish_reason"] == "tool_calls"]
+    assert complete
+    for choice in complete:
+        call = choice["message"]["tool_calls"][0]
+        assert call["function"]["name"] == function["name"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), function["parameters"])
+
+
+def test_a_schema_moved_below_a_pointer_keeps_its_data_and_its_foreign_references():
+    schema = {"$ref": "#", "properties": {"$ref": {"$ref": "#/$defs/A"}, "const": {"const": {"$ref": "#"}}},
+              "$defs": {"enum": {"enum": [{"$ref": "#"}]}, "A": {"$ref": "other.json#/A"}}}
+    assert rerooted(schema, "#/$defs/f1") == {
+        "$ref": "#/$defs/f1", "properties": {"$ref": {"$ref": "#/$defs/f1/$defs/A"}, "const": {"const": {"$ref": "#"}}},
+        "$defs": {"enum": {"enum": [{"$ref": "#"}]}, "A": {"$ref": "other.json#/A"}}}
 
 
 def test_required_with_parallel_calls_validates_every_call(client):
