@@ -1,20 +1,18 @@
 """Rendering engine outputs as OpenAI response bodies: pure functions and accumulators,
 no I/O (server/streams.py streams them; tests/test_responses.py checks them alone).
 
-`token_text(token_id) -> str` is how a token is shown; logprobs below the floor are
-clamped, since JSON cannot carry -inf (vLLM reports the same floor).
+`tokens` (server/token_shown.py) is how a token is shown: its text and raw bytes;
+logprobs below the floor are clamped, since JSON cannot carry -inf (vLLM reports the
+same floor).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 from engine.outputs import RequestOutput, TokenLogprob
+from server.token_shown import TokenShown
 from server.tool_calls import ToolCall, ToolCallParser
 
 MIN_LOGPROB = -9999.0
-
-TokenText = Callable[[int], str]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -47,23 +45,23 @@ def clamp_logprob(value: float) -> float:
     return max(value, MIN_LOGPROB)
 
 
-def chat_logprobs(token_text: TokenText, logprobs: list[TokenLogprob]) -> list[dict]:
+def chat_logprobs(tokens: TokenShown, logprobs: list[TokenLogprob]) -> list[dict]:
     """`choices[i].logprobs.content` of a chat completion."""
     def entry(token_id, value):
-        text = token_text(token_id)
-        return {"token": text, "logprob": clamp_logprob(value), "bytes": list(text.encode("utf-8"))}
+        return {"token": tokens.text(token_id), "logprob": clamp_logprob(value),
+                "bytes": list(tokens.raw_bytes(token_id))}
 
     return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
             for lp in logprobs]
 
 
-def completion_logprobs(token_text: TokenText, logprobs: list[TokenLogprob | None], token_ids: list[int],
+def completion_logprobs(tokens: TokenShown, logprobs: list[TokenLogprob | None], token_ids: list[int],
                         offset: int) -> dict:
     """`choices[i].logprobs` of a text completion; `offset`: the text offset of the first token."""
-    tokens, values, tops, offsets = [], [], [], []
+    texts, values, tops, offsets = [], [], [], []
     for token_id, lp in zip(token_ids, logprobs):
-        text = token_text(token_id)
-        tokens.append(text)
+        text = tokens.text(token_id)
+        texts.append(text)
         offsets.append(offset)
         offset += len(text)
         if lp is None:
@@ -71,10 +69,10 @@ def completion_logprobs(token_text: TokenText, logprobs: list[TokenLogprob | Non
             tops.append(None)
         else:
             values.append(clamp_logprob(lp.logprob))
-            top = {token_text(t): clamp_logprob(v) for t, v in lp.top}
+            top = {tokens.text(t): clamp_logprob(v) for t, v in lp.top}
             top.setdefault(text, clamp_logprob(lp.logprob))
             tops.append(top)
-    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 class Choices:
@@ -109,7 +107,7 @@ class Choices:
 
 
 def chat_completion(request_id: str, model: str, created: int, choices: Choices, num_prompt_tokens: int,
-                    token_text: TokenText, with_logprobs: bool, parsers: list[ToolCallParser] | None = None) -> dict:
+                    tokens: TokenShown, with_logprobs: bool, parsers: list[ToolCallParser] | None = None) -> dict:
     """A whole `chat.completion` body; `parsers`: one per choice when tools were offered."""
     rendered = []
     for i, text in enumerate(choices.texts):
@@ -117,7 +115,7 @@ def chat_completion(request_id: str, model: str, created: int, choices: Choices,
         rendered.append({
             "index": i,
             "message": message,
-            "logprobs": {"content": chat_logprobs(token_text, choices.logprobs[i])} if with_logprobs else None,
+            "logprobs": {"content": chat_logprobs(tokens, choices.logprobs[i])} if with_logprobs else None,
             "finish_reason": finish_reason(choices.reasons[i], bool(calls)),
             "stop_reason": choices.stop_reasons[i],
         })
@@ -126,7 +124,7 @@ def chat_completion(request_id: str, model: str, created: int, choices: Choices,
 
 
 def text_completion(request_id: str, model: str, created: int, choices: Choices,
-                    prompts: list[tuple[list[int], str]], token_text: TokenText, echo: bool,
+                    prompts: list[tuple[list[int], str]], tokens: TokenShown, echo: bool,
                     with_logprobs: bool) -> dict:
     """A whole `text_completion` body (`echo`: each choice starts with its prompt)."""
     n = choices.n
@@ -141,7 +139,7 @@ def text_completion(request_id: str, model: str, created: int, choices: Choices,
             if echo:
                 ids = prompt_ids + ids
                 values = list(choices.prompt_logprobs.get(k // n) or [None] * len(prompt_ids)) + values
-            lp = completion_logprobs(token_text, values, ids, 0)
+            lp = completion_logprobs(tokens, values, ids, 0)
         rendered.append({"index": k, "text": text, "logprobs": lp, "finish_reason": finish_reason(choices.reasons[k]),
                          "stop_reason": choices.stop_reasons[k]})
     prompt_tokens = sum(len(ids) for ids, _ in prompts)

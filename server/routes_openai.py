@@ -83,7 +83,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
                    for _ in range(params.n)]
     if body.stream:
         events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
-                             body.stream_options, state.token_text, parsers)
+                             body.stream_options, state.tokens, parsers)
         return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
 
     async def whole():
@@ -91,7 +91,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
         async for output in stream:
             choices.add(output)
         return chat_completion(request_id, state.model_name, int(time.time()), choices, len(prompt_ids),
-                               state.token_text, params.logprobs is not None, parsers)
+                               state.tokens, params.logprobs is not None, parsers)
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)
@@ -117,7 +117,7 @@ async def serve_completion(state: ServerState, request: Request):
     streams = [engine_stream(state.engine, r) for r in engine_requests]
     if body.stream:
         events = completion_events(request_id, state.model_name, streams, prompts, params.n, body.echo,
-                                   body.logprobs, body.stream_options, state.token_text)
+                                   body.logprobs, body.stream_options, state.tokens)
         return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
 
     async def whole():
@@ -125,7 +125,7 @@ async def serve_completion(state: ServerState, request: Request):
         async for prompt_index, output in merge(streams):
             choices.add(output, prompt_index)
         return text_completion(request_id, state.model_name, int(time.time()), choices, prompts,
-                               state.token_text, body.echo, body.logprobs is not None)
+                               state.tokens, body.echo, body.logprobs is not None)
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)

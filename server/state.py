@@ -13,6 +13,7 @@ from typing import Protocol
 from engine.async_engine import AsyncEngine
 from server.fanout import Peers
 from server.metrics import ServingMetrics
+from server.token_shown import TokenShown
 from server.tool_calls import TOOL_CALL_OPEN
 from trainer.adapter_store import AdapterSnapshot, SavedVersion
 from trainer.feedback import FeedbackLabel, FeedbackResult
@@ -83,22 +84,19 @@ class ServerState:
     replica: Replica | None = None
     peers: Peers | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    _token_text: dict[int, str] = field(default_factory=dict)
     # `<tool_call>` as one special token (Qwen's), or None where the tokenizer spells it in text
     tool_call_token: int | None = field(init=False)
+    # tokens as logprobs show them
+    tokens: TokenShown = field(init=False)
 
     def __post_init__(self) -> None:
         added = getattr(self.tokenizer, "get_added_vocab", dict)()
         self.tool_call_token = added.get(TOOL_CALL_OPEN)
+        self.tokens = TokenShown(self.tokenizer)
 
     def completion_id(self, prefix: str) -> str:
         """A new completion's id; among replicas it names the one serving it."""
         tag = self.replica.tag(prefix) if self.replica is not None else f"{prefix}-"
         return tag + uuid.uuid4().hex
 
-    def token_text(self, token_id: int) -> str:
-        """A token as shown in logprobs (decoded once, then cached)."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
+

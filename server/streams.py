@@ -15,7 +15,8 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import ErrorKind
 from engine.request import EngineRequest
 from server.errors import APIError, error_body
-from server.responses import (TokenText, chat_logprobs, chunk, completion_logprobs, finish_reason, usage)
+from server.responses import chat_logprobs, chunk, completion_logprobs, finish_reason, usage
+from server.token_shown import TokenShown
 from server.tool_calls import ToolCallParser
 
 # on SIGTERM, streams in flight get this long to finish before they are cut (uvicorn's
@@ -144,7 +145,7 @@ def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tup
 
 
 async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_tokens: int, stream_options,
-                      token_text: TokenText, parsers: list[ToolCallParser] | None = None):
+                      tokens: TokenShown, parsers: list[ToolCallParser] | None = None):
     """SSE events of a streamed chat completion: a role chunk per choice, content (and,
     with `parsers`, one per choice, tool-call) deltas, finish reasons, the usage chunk,
     then [DONE] (an error becomes an error event)."""
@@ -167,7 +168,7 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
                 if not delta and not c.finish_reason and not c.logprobs:
                     continue
                 choice = {"index": c.index, "delta": delta,
-                          "logprobs": {"content": chat_logprobs(token_text, c.logprobs)} if c.logprobs else None,
+                          "logprobs": {"content": chat_logprobs(tokens, c.logprobs)} if c.logprobs else None,
                           "finish_reason": finish_reason(c.finish_reason, called_tools)}
                 if c.finish_reason:
                     choice["stop_reason"] = c.stop_reason
@@ -180,7 +181,7 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
 
 
 async def completion_events(request_id: str, model: str, streams, prompts: list[tuple[list[int], str]], n: int,
-                            echo: bool, logprobs: int | None, stream_options, token_text: TokenText):
+                            echo: bool, logprobs: int | None, stream_options, tokens: TokenShown):
     """SSE events of a streamed text completion (several prompts merged; choice k of
     prompt p is p * n + index)."""
     created = int(time.time())
@@ -206,7 +207,7 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
                     values = list(output.prompt_logprobs or [None] * len(prompt_ids)) + values
                 if not text and not c.finish_reason and not ids:
                     continue
-                lp = completion_logprobs(token_text, values, ids, offsets[k]) if logprobs is not None else None
+                lp = completion_logprobs(tokens, values, ids, offsets[k]) if logprobs is not None else None
                 offsets[k] += len(text)
                 yield event([{"index": k, "text": text, "logprobs": lp,
                               "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])

@@ -3,8 +3,20 @@
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from server.responses import (MIN_LOGPROB, Choices, chat_completion, chat_logprobs, completion_logprobs,
                               finish_reason, text_completion, usage)
+from server.token_shown import TokenShown
 
-TEXT = {1: "Hel", 2: "lo", 3: "!"}
+class _Tokenizer:
+    """Three tokens, and one that holds a character's first byte (byte-level BPE's piece)."""
+    pieces = {1: "Hel", 2: "lo", 3: "!", 4: "Ã"}
+
+    def decode(self, ids):
+        return "".join("\ufffd" if i == 4 else self.pieces[i] for i in ids)
+
+    def convert_ids_to_tokens(self, token_id):
+        return self.pieces[token_id]
+
+
+TEXT = TokenShown(_Tokenizer())
 
 
 def output(index: int, text: str, ids: list[int], reason=None, logprobs=None, prompt_logprobs=None):
@@ -18,10 +30,12 @@ def test_usage_and_finish_reasons():
 
 
 def test_logprobs_are_clamped_and_carry_bytes():
-    rendered = chat_logprobs(TEXT.get, [TokenLogprob(1, float("-inf"), [(2, -0.5)])])
+    rendered = chat_logprobs(TEXT, [TokenLogprob(1, float("-inf"), [(2, -0.5)])])
     assert rendered == [{"token": "Hel", "logprob": MIN_LOGPROB, "bytes": [72, 101, 108],
                          "top_logprobs": [{"token": "lo", "logprob": -0.5, "bytes": [108, 111]}]}]
-    legacy = completion_logprobs(TEXT.get, [None, TokenLogprob(2, -1.0, [(3, -2.0)])], [1, 2], 5)
+    partial = chat_logprobs(TEXT, [TokenLogprob(4, -1.0, [])])  # OpenAI's bytes: the token's own, not U+FFFD's
+    assert partial == [{"token": "\ufffd", "logprob": -1.0, "bytes": [0xC3], "top_logprobs": []}]
+    legacy = completion_logprobs(TEXT, [None, TokenLogprob(2, -1.0, [(3, -2.0)])], [1, 2], 5)
     assert legacy == {"tokens": ["Hel", "lo"], "token_logprobs": [None, -1.0],
                       "top_logprobs": [None, {"!": -2.0, "lo": -1.0}], "text_offset": [5, 8]}
 
@@ -31,7 +45,7 @@ def test_chat_completion_accumulates_deltas_per_choice():
     choices.add(output(0, "Hel", [1]))
     choices.add(output(1, "!", [3], reason="stop"))
     choices.add(output(0, "lo", [2], reason="length"))
-    body = chat_completion("chatcmpl-1", "m", 7, choices, 2, TEXT.get, with_logprobs=False)
+    body = chat_completion("chatcmpl-1", "m", 7, choices, 2, TEXT, with_logprobs=False)
     assert [c["message"]["content"] for c in body["choices"]] == ["Hello", "!"]
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "stop"]
     assert body["usage"] == usage(2, 3) and body["object"] == "chat.completion" and body["created"] == 7
@@ -41,7 +55,7 @@ def test_text_completion_echoes_the_prompt_with_its_logprobs():
     choices = Choices(1, 1)
     prompt_lps = [None, TokenLogprob(2, -0.25)]
     choices.add(output(0, "!", [3], reason="stop", logprobs=[TokenLogprob(3, -1.5)], prompt_logprobs=prompt_lps))
-    body = text_completion("cmpl-1", "m", 7, choices, [([1, 2], "Hello")], TEXT.get, echo=True, with_logprobs=True)
+    body = text_completion("cmpl-1", "m", 7, choices, [([1, 2], "Hello")], TEXT, echo=True, with_logprobs=True)
     choice = body["choices"][0]
     assert choice["text"] == "Hello!"
     assert choice["logprobs"]["token_logprobs"] == [None, -0.25, -1.5]

@@ -62,6 +62,14 @@ def test_chat_logprobs(client):
     assert all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
 
 
+def test_chat_logprobs_bytes_rebuild_characters_that_span_tokens(client):
+    """A character of several tokens: each token's text is U+FFFD, its bytes its own."""
+    body = chat(client, max_tokens=8, temperature=0, logprobs=True, structured_outputs={"regex": "🌍 日本"}).json()
+    content = body["choices"][0]["logprobs"]["content"]
+    assert body["choices"][0]["message"]["content"] == "🌍 日本" and "\ufffd" in {c["token"] for c in content}
+    assert b"".join(bytes(c["bytes"]) for c in content).decode("utf-8") == "🌍 日本"
+
+
 def test_completions_echo_with_logprobs_scores_the_prompt(client):
     r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "The quick brown fox", "max_tokens": 3,
                                              "echo": True, "logprobs": 1, "temperature": 0})
