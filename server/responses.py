@@ -35,7 +35,7 @@ def assistant_message(text: str, parser: ToolCallParser | None) -> tuple[dict, l
     content, _ = parser.feed(text)
     rest, _ = parser.finish()
     content += rest
-    message = {"role": "assistant", "content": content if content or not parser.calls else None}
+    message = {"role": "assistant", "content": content if content or not (parser.calls or parser.forced) else None}
     if parser.calls:
         message["tool_calls"] = [call.as_openai() for call in parser.calls]
     return message, parser.calls

@@ -158,8 +158,9 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
         return _event(chunk(request_id, "chat.completion.chunk", model, created, choices, value, counts.include))
 
     try:
-        for i in range(n):
-            yield event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        for i in range(n):  # a forced tool call's content is null, as OpenAI's
+            content = None if parsers[i] is not None and parsers[i].forced else ""
+            yield event([{"index": i, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                           "finish_reason": None}])
         async for output in stream:
             for c in output.outputs:

@@ -224,6 +224,11 @@ class ToolCallParser:
         # <tool_call> blocks that did not parse as a call (left in the content)
         self.invalid_blocks = 0
 
+    @property
+    def forced(self) -> bool:
+        """The output is a forced call's: it has no content."""
+        return bool(self._forced_names)
+
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._pending += text
         content: list[str] = []

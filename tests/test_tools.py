@@ -154,9 +154,20 @@ def test_a_forced_call_cut_by_max_tokens_is_returned_as_far_as_it_got(client, ma
 
 def test_a_required_call_cut_before_its_name_is_certain_is_no_call_and_no_markup(client):
     whole = chat(client, tool_choice="required", temperature=0.0, max_tokens=16).json()["choices"][0]
-    assert whole["finish_reason"] == "length" and not whole["message"]["content"], whole
+    assert whole["finish_reason"] == "length" and whole["message"]["content"] is None, whole  # OpenAI's null
     assert "tool_calls" not in whole["message"]
     assert streamed_choice(client, tool_choice="required", temperature=0.0, max_tokens=16) == ("", [], "length")
+
+
+def test_a_streamed_forced_call_opens_with_null_content_and_a_free_answer_with_empty_content(client):
+    """OpenAI's first delta: `content` null where a tool call is forced (the SDK's stream
+    helper then sends no content event), "" where the answer may be text."""
+    for tool_choice, opening in (("required", None), ("auto", "")):
+        body = {"model": TINY_NAME, "messages": QUESTION, "tools": TOOLS, "tool_choice": tool_choice,
+                "max_tokens": 4, "stream": True}
+        with client.stream("POST", "/v1/chat/completions", json=body) as r:
+            first = json.loads(next(line for line in r.iter_lines() if line.startswith("data: {"))[6:])
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": opening}, first
 
 
 def test_none_offers_no_tools(client):
