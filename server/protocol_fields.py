@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 
 class Strict(BaseModel):
@@ -42,6 +43,17 @@ class TextPart(Strict):
     text: str
 
 
+def _text_parts_only(content):
+    """Content parts other than text (images, audio, files) are refused by their type, not
+    as a list that should have been a string."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise PydanticCustomError("unsupported_content_part", "content parts of type '{kind}' are not supported: "
+                                      "this server's model reads text (send parts of type 'text')", {"kind": kind})
+    return content
+
+
 class FunctionCall(Strict):
     name: str
     arguments: str  # a JSON object, as text
@@ -59,7 +71,7 @@ class MessageToolCall(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None

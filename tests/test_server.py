@@ -141,6 +141,9 @@ BAD_BODIES = [
     ("continuing and opening a turn", {"continue_final_message": True}, 400, "continue_final_message"),
     ("template argument the request sets", {"chat_template_kwargs": {"add_generation_prompt": False}}, 400,
      "chat_template_kwargs"),
+    ("an image part", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
+     400, "messages[0].content"),
 ]
 
 
@@ -150,7 +153,7 @@ def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
         full = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], **body}
         if "messages" not in body and name == "missing messages":
             full.pop("messages")
-        if name in ("empty messages", "bad role"):
+        if name in ("empty messages", "bad role", "an image part"):
             full["messages"] = body["messages"]
         r = client.post("/v1/chat/completions", json=full)
     else:
@@ -158,6 +161,8 @@ def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if name == "an image part":
+        assert "type 'image_url' are not supported" in error["message"]
     if param is not None:
         assert error["param"] == param
 
