@@ -50,7 +50,7 @@ def _text_parts_only(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if isinstance(kind, str) and kind != "text":
             raise PydanticCustomError("unsupported_content_part", "content parts of type '{kind}' are not supported: "
-                                      "this server's model reads text (send parts of type 'text')", {"kind": kind})
+                                      "only parts of type 'text' are accepted", {"kind": kind})
     return content
 
 

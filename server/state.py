@@ -98,5 +98,3 @@ class ServerState:
         """A new completion's id; among replicas it names the one serving it."""
         tag = self.replica.tag(prefix) if self.replica is not None else f"{prefix}-"
         return tag + uuid.uuid4().hex
-
-

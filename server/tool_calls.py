@@ -114,7 +114,8 @@ def _parameters(function: dict) -> dict:
 
 
 def _call_schema(function: dict, parameters_ref: str) -> dict:
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": {"$ref": parameters_ref}},
+    return {"type": "object",
+            "properties": {"name": {"const": function["name"]}, "arguments": {"$ref": parameters_ref}},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -125,10 +126,14 @@ _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitio
 
 def rerooted(schema, root: str):
     """`schema` to be placed at the JSON pointer `root` of another document: its references
-    into itself (`#`, `#/$defs/…`, `#/definitions/…`) point below `root`."""
+    into itself (`#`, `#/$defs/…`, `#/definitions/…`) point below `root`; a subschema with
+    an `$id` of its own is a resource its references resolve in, and stays as it is."""
     if isinstance(schema, list):
         return [rerooted(item, root) for item in schema]
     if not isinstance(schema, dict):
+        return schema
+    resource = schema.get("$id")
+    if isinstance(resource, str) and not resource.startswith("#"):  # its references resolve against its own $id
         return schema
     moved = {}
     for key, value in schema.items():

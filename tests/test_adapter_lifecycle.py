@@ -62,14 +62,14 @@ def test_restart_resumes_the_version_and_the_saved_adapter_loads_in_peft(tmp_pat
     with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
         status = client.get("/v1/adapters").json()
         assert status["version"] == 3 and status["restored_from"] == 3
-        assert json.loads((tmp_path / "v00000003" / "alchemist_state.json").read_text())["trained_entries"] == 3
+        assert json.loads((tmp_path / "v00000003" / "alchemist_state.json").read_text())["entries_in_weights"] == 3
         assert complete(client) == reference  # the same adapter serves the same tokens
         resumed = client.app.state.alchemist.training
         assert resumed.optimizer.optimizer.state  # AdamW's moments came back too
         serve_and_train(client, ["one more prompt"])
         assert client.get("/v1/adapters").json()["version"] == 4
     # the entries in each version's weights, across the restart
-    assert json.loads((tmp_path / "v00000004" / "alchemist_state.json").read_text())["trained_entries"] == 4
+    assert json.loads((tmp_path / "v00000004" / "alchemist_state.json").read_text())["entries_in_weights"] == 4
 
     # PEFT loads a saved version as it is, and computes what the server computed
     peft = PeftModel.from_pretrained(tiny_model("llama"), str(tmp_path / "v00000003"))
@@ -92,7 +92,7 @@ def test_rollback_restores_a_saved_version_as_a_new_version(tmp_path):
         assert r.status_code == 200, r.text
         status = r.json()
         assert status["version"] == 4 and status["restored_from"] == 1
-        assert json.loads((tmp_path / "v00000004" / "alchemist_state.json").read_text())["trained_entries"] == 1
+        assert json.loads((tmp_path / "v00000004" / "alchemist_state.json").read_text())["entries_in_weights"] == 1
         assert (tmp_path / "v00000004" / "adapter_model.safetensors").is_file()  # saved before the answer
         assert [v["version"] for v in status["saved"]] == [0, 1, 2, 3, 4]
         assert complete(client) == at_v1

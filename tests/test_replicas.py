@@ -252,7 +252,7 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
         assert status["training"]["trained_entries"] == 2
         saved_state = adapter_dir / f"v{status['version']:08d}" / "alchemist_state.json"
         wait_for(saved_state.is_file)  # rank 0 saved the version: the entries in it, both replicas'
-        assert json.loads(saved_state.read_text())["trained_entries"] == 2
+        assert json.loads(saved_state.read_text())["entries_in_weights"] == 2
         fates = {row.request.id: row.fate for row in read_ledger(adapter_dir / LEDGER_FILE)}
         assert fates[ids[0][0]] == fates[ids[1][0]] == "trained"
 

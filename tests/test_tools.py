@@ -74,7 +74,12 @@ TREE = {"name": "tree", "parameters": {  # recursive: "#" is the parameters' own
     "required": ["name", "children"], "additionalProperties": False}}
 
 
-@pytest.mark.parametrize("function", [PAINT, TREE], ids=["defs", "recursive"])
+IDENTIFIED = {"name": "pick", "parameters": {  # a resource of its own: its references resolve against its $id
+    "$id": "https://example.com/pick", "$defs": {"A": {"enum": ["x", "y"]}}, "type": "object",
+    "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"], "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("function", [PAINT, TREE, IDENTIFIED], ids=["defs", "recursive", "id"])
 def test_a_forced_call_is_valid_against_parameters_that_refer_to_themselves(client, function):
     """`$ref`s resolve against the function's parameters, not the grammar's call wrapper."""
     r = chat(client, tools=[{"type": "function", "function": function}], tool_choice="required",
@@ -91,6 +96,8 @@ def test_a_forced_call_is_valid_against_parameters_that_refer_to_themselves(clie
 def test_a_schema_moved_below_a_pointer_keeps_its_data_and_its_foreign_references():
     schema = {"$ref": "#", "properties": {"$ref": {"$ref": "#/$defs/A"}, "const": {"const": {"$ref": "#"}}},
               "$defs": {"enum": {"enum": [{"$ref": "#"}]}, "A": {"$ref": "other.json#/A"}}}
+    assert rerooted({"$id": "https://x/p", "$ref": "#/$defs/A"}, "#/$defs/f1") == {"$id": "https://x/p",
+                                                                                  "$ref": "#/$defs/A"}
     assert rerooted(schema, "#/$defs/f1") == {
         "$ref": "#/$defs/f1", "properties": {"$ref": {"$ref": "#/$defs/f1/$defs/A"}, "const": {"const": {"$ref": "#"}}},
         "$defs": {"enum": {"enum": [{"$ref": "#"}]}, "A": {"$ref": "other.json#/A"}}}

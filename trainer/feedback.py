@@ -129,9 +129,9 @@ def is_prompt_of(completion_id: str, entry_id: str) -> bool:
 
 
 def entry_ids_of(cache: ActivationCache, completion_id: str) -> list[str]:
-    """The ids of the cache's entries for `completion_id`: its own, or, for a
-    `/v1/completions` request of several prompts, its prompts' (`<id>-<i>`, up to the last
-    the cache knows, live or ended: an ended one it no longer remembers is still counted)."""
+    """The ids of the cache's entries for `completion_id`: its own, or its prompts' (`<id>-<i>`,
+    a `/v1/completions` request of several) up to the last live one or the last known in
+    order from the first (an ended one the cache no longer remembers counts, as unknown)."""
     def known(entry_id: str) -> bool:
         return cache.get(entry_id) is not None or cache.ended_state(entry_id) is not None
 
@@ -162,9 +162,10 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
     per_prompt = next((len(e.responses) for e in entries if e is not None and e.response_finished), None)
     if per_prompt is None and any(indices.values()):  # choice 0 is prompt 0's first, whatever n is
         if all(entry is None for entry in entries):  # every prompt's entry ended: say how, if they agree
-            ended = {cache.ended_state(f"{cid}-{i}") for i in range(len(entries))}
+            states = {entry_id: cache.ended_state(entry_id) for entry_id in entry_ids}
+            ended = set(states.values()) - {None}  # (one the cache no longer remembers: None)
             if len(ended) == 1:
-                _waiting_entry(cache, f"{cid}-0")
+                _waiting_entry(cache, next(entry_id for entry_id, state in states.items() if state is not None))
             raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry is left for completion {cid!r}: its "
                           f"prompts' entries ended ({', '.join(sorted(s.value for s in ended))})", "id",
                           "entry_not_found")

@@ -162,7 +162,7 @@ class AdapterLifecycle:
 
         weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.peft_model).items()}
         state = {"mode": self.mode, "restored_from": self.restored_from,
-                 "trained_entries": self.optimizer.entries_trained}
+                 "entries_in_weights": self.optimizer.entries_trained}
         if self.gate is not None and self.gate.promoted is not None and not self.gate.pending:
             state["gate"] = {"status": "promoted", "scores": self.gate.promoted.as_dict()}
         return AdapterSnapshot(self.optimizer.version, weights, self.peft_model.peft_config["default"],
@@ -186,7 +186,7 @@ class AdapterLifecycle:
         with torch.no_grad():
             for name, tensor in live.items():
                 tensor.copy_(snapshot.weights[name])
-        self.optimizer.load_state_dict(snapshot.optimizer_state, version, snapshot.state.get("trained_entries", 0))
+        self.optimizer.load_state_dict(snapshot.optimizer_state, version, snapshot.state.get("entries_in_weights", 0))
         self.cache.release_stale(version)
         self.stash.release_except(self.cache.recorded_versions())
         self.restored_from = snapshot.version
