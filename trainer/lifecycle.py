@@ -162,7 +162,7 @@ class AdapterLifecycle:
 
         weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.peft_model).items()}
         state = {"mode": self.mode, "restored_from": self.restored_from,
-                 "entries_in_weights": self.optimizer.entries_trained}
+                 "entries_in_weights": self.optimizer.entries_in_weights}
         if self.gate is not None and self.gate.promoted is not None and not self.gate.pending:
             state["gate"] = {"status": "promoted", "scores": self.gate.promoted.as_dict()}
         return AdapterSnapshot(self.optimizer.version, weights, self.peft_model.peft_config["default"],

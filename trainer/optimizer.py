@@ -21,7 +21,7 @@ class AdapterOptimizer:
         self.version = 0
         # the entries these weights were trained on since version 0, every replica's
         # (restored with a saved version)
-        self.entries_trained = 0
+        self.entries_in_weights = 0
         self.skipped_steps = 0
 
     def step(self, loss_is_finite: bool = True, entries: int = 1, updates: int = 1) -> bool:
@@ -51,14 +51,14 @@ class AdapterOptimizer:
                 group["lr"] = lr
         self.zero_grad()
         self.version += 1
-        self.entries_trained += entries
+        self.entries_in_weights += entries
         return True
 
     def state_dict(self) -> dict:
         """A copy of AdamW's state (moments, step counts), independent of later steps."""
         return copy.deepcopy(self.optimizer.state_dict())
 
-    def load_state_dict(self, state: dict, version: int, entries_trained: int = 0) -> None:
+    def load_state_dict(self, state: dict, version: int, entries_in_weights: int = 0) -> None:
         """Restores AdamW's state and sets the version and the entries trained; the
         configured learning rate wins over the saved one."""
         learning_rates = [group["lr"] for group in self.optimizer.param_groups]
@@ -67,7 +67,7 @@ class AdapterOptimizer:
             group["lr"] = lr
         self.zero_grad()
         self.version = version
-        self.entries_trained = entries_trained
+        self.entries_in_weights = entries_in_weights
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
