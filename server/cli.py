@@ -190,8 +190,8 @@ def export_feedback(args: argparse.Namespace) -> int:
               "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
               "prompt-completion rows", file=sys.stderr)
     elif not counts.rows:
-        print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need --include-quarantined)",
-              file=sys.stderr)
+        print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need "
+              "--include-quarantined)", file=sys.stderr)
     return 0
 
 
