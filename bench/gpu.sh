@@ -4,7 +4,7 @@
 # .gpu/tokenizer/. Every log and JSON goes to $OUT (or ./gpu-out).
 #   bench/gpu.sh bringup smoke profile training serving offload colocate
 # (fastapi needs opentelemetry-api, the server orjson, uvloop, httptools: ../shared/gpu/wheels.sh opentelemetry-api
-# importlib-metadata orjson uvloop httptools; the openai wheel imports httpx2, which the image lacks: without
+# importlib-metadata orjson uvloop httptools pytest-timeout; the openai wheel imports httpx2, which the image lacks: without
 # httpx2 httpcore2 truststore in that list, the tests that import openai are not collected there)
 # Issue 23 (serving), in order: bringup steps serving paged profile http colocate
 # Issue 24 (training): training grpo profile-dpo precision
@@ -18,8 +18,10 @@
 # copied into .gpu/tokenizer
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
+if [ ! -f /tmp/site/.alchemist-wheels ]; then  # once per machine: a later call on the warm machine skips it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.alchemist-wheels || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 MODEL=(--model configs/models/llama-3.1-8b --load-format dummy --tokenizer .gpu/tokenizer --dtype bfloat16)
 bench() { python3 -m server.cli --log-level WARNING bench "$@"; }
@@ -34,8 +36,9 @@ for phase in "$@"; do
     bringup)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
       python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
-      bash "$0" gpu-tests
-      # CUDA_TESTS narrows the tiny-model tests run on the GPU (space-separated files) when device time is short
+      bash "$0" gpu-tests cuda-tests
+      ;;
+    cuda-tests)  # the tiny-model tests on CUDA; CUDA_TESTS narrows them (space-separated files) when time is short
       ALCHEMIST_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider --timeout 120 -rf ${CUDA_TESTS:-\
         tests/test_engine_equivalence.py tests/test_training.py tests/test_stash.py tests/test_preemption.py \
         tests/test_sampling.py tests/test_offload.py tests/test_losses.py tests/test_adapter.py \
