@@ -8,16 +8,27 @@
 # httpx2 httpcore2 truststore in that list, the tests that import openai are not collected there)
 # Issue 23 (serving), in order: bringup steps serving paged profile http colocate
 # Issue 24 (training): training grpo profile-dpo precision
-# With 15 device minutes (machine start included; 10 minutes and 8 files back per call), three calls:
-#   1. CUDA_TESTS="tests/test_serving_steps.py tests/test_shared_prefix_pack.py tests/test_direct_apply.py" \
-#      bash bench/gpu.sh bringup http   (the paths never yet run on a GPU first: decodes riding along in a
-#      recorded prefill, server.async_output, shared-prefix packs; then issue 23's last target, HTTP at 32 streams)
-#   2. bash bench/gpu.sh dpo            (DPO's table and where its host time goes)
-#   3. bash bench/gpu.sh grpo recording (then `colocate` if time is left)
+# With 15 device minutes (machine start included; 10 minutes and 8 files back per call; a machine idle for 30 s is
+# given back), one long call, its phases within one deadline, then short ones while the machine is warm:
+#   bash bench/gpu.sh --deadline 565 cuda-tests training colocate-4 gpu-tests   (timeout_s 595)
+# --deadline runs each phase under `timeout` with what is left of it, logs to $OUT/gpu.log and tars every phase's
+# files into $OUT/results.tgz as it ends, so that a phase cut short costs only itself. Not measured since the H100's
+# 2026-11-25 session: CPT's sweep (in `training`), 4 req/s with training on (`colocate-4`), the whole CUDA test list.
 # carry .whl and .gpu: the tokenizer is the embedded model's files (engine.model_loader.embedded_model_dir())
 # copied into .gpu/tokenizer
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+if [ "${1:-}" = "--deadline" ]; then  # bash bench/gpu.sh --deadline SECONDS phase...
+  deadline=$2; shift 2; log_dir=$OUT; export OUT=/tmp/gpu-results; mkdir -p "$OUT"
+  for phase in "$@"; do
+    left=$((deadline - SECONDS))
+    if [ $left -lt 25 ]; then echo "=== $phase skipped: ${left} s left" >> "$log_dir/gpu.log"; continue; fi
+    timeout -k 5 $left bash "$0" "$phase" 2>&1 | grep --line-buffered -v "weights are RANDOM" >> "$log_dir/gpu.log"
+    echo "=== $phase ended (rc ${PIPESTATUS[0]}) at ${SECONDS} s" >> "$log_dir/gpu.log"
+    tar czf "$log_dir/results.tgz" -C "$OUT" .
+  done
+  tail -c 11000 "$log_dir/gpu.log"; exit 0
+fi
 if [ ! -f /tmp/site/.alchemist-wheels ]; then  # once per machine: a later call on the warm machine skips it
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.alchemist-wheels || exit 1
@@ -138,9 +149,14 @@ for phase in "$@"; do
     colocate)  # the activation cache sized to the GPU (train.cache_bytes = 0), its longest slice named
       export ALCHEMIST_MODEL_MODEL=configs/models/llama-3.1-8b ALCHEMIST_MODEL_LOAD_FORMAT=dummy \
         ALCHEMIST_MODEL_TOKENIZER=.gpu/tokenizer ALCHEMIST_CACHE_KV_CACHE_BYTES=8589934592
-      for rate in 1 4; do  # about 3 minutes each: one JSON per rate, so a call cut at its limit keeps the first
+      for rate in 1 4; do  # 140 s at 1 req/s on an H200 (two servers, graphs, 15 s of warm-up each), over 190 s at 4
         bench colocate --rate $rate --seconds 30 --rounds 1 --json "$OUT/colocate-$rate.json"
       done
+      ;;
+    colocate-4)  # the 4 req/s run alone: how many entries train on their recordings when labels outrun idle gaps
+      export ALCHEMIST_MODEL_MODEL=configs/models/llama-3.1-8b ALCHEMIST_MODEL_LOAD_FORMAT=dummy \
+        ALCHEMIST_MODEL_TOKENIZER=.gpu/tokenizer ALCHEMIST_CACHE_KV_CACHE_BYTES=8589934592
+      bench colocate --rate 4 --seconds 30 --rounds 1 --json "$OUT/colocate-4.json"
       ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
