@@ -71,8 +71,10 @@ def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
     template = getattr(tokenizer, "chat_template", None)
     if template is None:
         raise APIError(400, "This model has no chat template; use /v1/completions.", "messages")
-    add_generation_prompt = body.add_generation_prompt
     continue_final_message = body.continue_final_message
+    # going on with the last message opens no new turn unless the body asks for both (refused)
+    add_generation_prompt = body.add_generation_prompt and (
+        not continue_final_message or "add_generation_prompt" in body.model_fields_set)
     if add_generation_prompt and continue_final_message:
         raise APIError(400, "continue_final_message goes on with the last message; it cannot be combined with "
                        "add_generation_prompt, which opens a new one (send add_generation_prompt: false)",

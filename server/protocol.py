@@ -27,7 +27,8 @@ from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar
-from server.protocol_fields import INTEGRAL, ChatMessage, Int, StreamOptions, Strict, TokenId
+from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, ChatMessage, Int, StreamOptions, Strict,
+                                    TokenId)
 from server.protocol_formats import (NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, build_grammar,
                                      functions)
 from server.tool_calls import ToolUse
@@ -137,6 +138,8 @@ class _SamplingFields(Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra=TEMPLATE_CONTROLS_SCHEMA)
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
@@ -154,7 +157,8 @@ class ChatCompletionRequest(_SamplingFields):
     safety_identifier: str | None = None
     modalities: list[Literal["text"]] | None = None
     # vLLM's chat template controls: end with the assistant's turn opening, or go on with the
-    # last message (an assistant's, left open), and more variables for the template
+    # last message (an assistant's, left open; then no turn opens unless asked), and more
+    # variables for the template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -303,6 +307,8 @@ class TokenizePromptRequest(_TokenizeFields):
 class TokenizeChatRequest(_TokenizeFields):
     """POST /tokenize (vLLM's) with chat messages (and tools), rendered as
     /v1/chat/completions renders them."""
+
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra=TEMPLATE_CONTROLS_SCHEMA)
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[Tool] | None = None

@@ -17,6 +17,14 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
+# vLLM's chat template controls: `continue_final_message` goes on with the last message, and
+# `add_generation_prompt` (true unless sent, or unless `continue_final_message` is) opens a new
+# one: both sent true is refused (server/parsing.py), and the schema says so
+TEMPLATE_CONTROLS_SCHEMA = {"not": {
+    "required": ["add_generation_prompt", "continue_final_message"],
+    "properties": {"add_generation_prompt": {"const": True}, "continue_final_message": {"const": True}}}}
+
+
 def _integral(value):
     """22.0 is the integer 22 in JSON (and in JSON Schema's `integer`); 22.5 stays a float, and is refused."""
     if isinstance(value, float) and value.is_integer():
@@ -70,6 +78,11 @@ class MessageToolCall(Strict):
 
 
 class ChatMessage(Strict):
+    # a tool result names the call it answers (the schema says so; server/protocol.py refuses it without)
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra={"anyOf": [
+        {"properties": {"role": {"not": {"const": "tool"}}}},
+        {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
     name: str | None = None

@@ -142,6 +142,13 @@ def test_every_post_route_documents_its_body_and_errors(live_server):
     assert {"messages", "model"} <= set(chat["required"])
     n = next(option for option in chat["properties"]["n"]["anyOf"] if option["type"] == "integer")
     assert (n["minimum"], n["maximum"]) == (1, 128)  # or null, as OpenAI's schema has it: the default
+    # what the server refuses across fields, where a schema can say it: a tool result without its call's id,
+    # and both chat template controls sent true
+    message = document["components"]["schemas"]["ChatMessage"]
+    assert {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}} in message["anyOf"]
+    for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
+        both = document["components"]["schemas"][name]["not"]
+        assert set(both["required"]) == {"add_generation_prompt", "continue_final_message"}
     token_id = document["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert token_id == {"type": "integer", "minimum": 0, "maximum": len(tiny_tokenizer()) - 1}
 

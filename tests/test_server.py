@@ -138,7 +138,10 @@ BAD_BODIES = [
     ("web search", {"web_search_options": {}}, 400, "web_search_options"),
     ("continuing a user's message", {"continue_final_message": True, "add_generation_prompt": False}, 400,
      "continue_final_message"),
-    ("continuing and opening a turn", {"continue_final_message": True}, 400, "continue_final_message"),
+    ("continuing and opening a turn", {"messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": "It"}],
+                                       "continue_final_message": True, "add_generation_prompt": True}, 400,
+     "continue_final_message"),
     ("template argument the request sets", {"chat_template_kwargs": {"add_generation_prompt": False}}, 400,
      "chat_template_kwargs"),
     ("an image part", {"messages": [{"role": "user", "content": [
@@ -153,7 +156,7 @@ def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
         full = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], **body}
         if "messages" not in body and name == "missing messages":
             full.pop("messages")
-        if name in ("empty messages", "bad role", "an image part"):
+        if name in ("empty messages", "bad role", "an image part", "continuing and opening a turn"):
             full["messages"] = body["messages"]
         r = client.post("/v1/chat/completions", json=full)
     else:
@@ -191,11 +194,14 @@ def test_chat_template_controls_as_vllm_takes_them(client):
         return client.post("/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
 
     assert rendered(continue_final_message=True, add_generation_prompt=False).endswith("My answer is")
+    # going on with the last message opens no turn unless add_generation_prompt is sent (true: refused)
+    assert rendered(continue_final_message=True) == rendered(continue_final_message=True, add_generation_prompt=False)
     closed = rendered(add_generation_prompt=False)
     assert "My answer is" in closed and not closed.endswith("My answer is")
     assert rendered(chat_template_kwargs={"unused_variable": 1}) == rendered()
     r = chat(client, messages=messages, continue_final_message=True, add_generation_prompt=False, max_tokens=3)
     assert r.status_code == 200, r.text
+    assert chat(client, messages=messages, continue_final_message=True, max_tokens=3).status_code == 200
 
 
 def test_a_prompt_longer_than_the_context_is_named_as_the_prompt_whatever_max_tokens_is(client):
