@@ -257,6 +257,49 @@ def test_after_a_restart_every_label_not_in_the_resumed_version_trains_and_recen
     second.close()
 
 
+def test_a_label_the_crash_took_back_stays_to_train_through_a_version_saved_before_it_and_a_second_crash(tmp_path):
+    """A restart resumes at the saved version and numbers the next ones as the lost ones
+    were: a label trained into a lost version is untrained in the ledger at once, so that
+    a version saved before it trains again does not pass for one that holds it."""
+    first = _training(tmp_path)
+    for i in range(2):
+        serve(first, f"r{i}")
+        label(first, f"r{i}")
+    first.train_until_idle()
+    _crash(first)
+    second = _training(tmp_path)
+    rows = rows_by_id(tmp_path / LEDGER_FILE)
+    assert [(rows[i].fate, rows[i].fate_version) for i in ("r0", "r1")] == [(None, None)] * 2
+    second.optimizer.step(entries=0)  # a version of the second process, saved before r0 and r1 train again
+    second.lifecycle.checkpointer.save_async(second.lifecycle.snapshot())
+    _crash(second)
+    third = _training(tmp_path)
+    assert third.lifecycle.restored_from == 1
+    assert {third.cache.get(f"r{i}").state.value for i in range(2)} == {"ready"}
+    third.train_until_idle()
+    assert third.stats.copy().trained_entries == {("dpo", "recompute"): 2}
+    third.close()
+
+
+def test_a_label_deleted_while_it_trained_into_a_lost_version_takes_no_new_label_after_the_restart(tmp_path):
+    first = _training(tmp_path)
+    serve(first, "r0")
+    label(first, "r0")
+    first.train_until_idle()
+    first.ledger.delete("r0", label_only=True)  # what DELETE /v1/feedback/{id} leaves of an entry being trained
+    _crash(first)
+    second = _training(tmp_path)
+    assert second.cache.get("r0") is None
+    again = second.feedback.submit(FeedbackLabel("r0", "A new label.", None, 0))
+    assert again.outcome is FeedbackOutcome.UNKNOWN and "deleted" in again.message, again.message
+    second.train_until_idle()
+    assert second.stats.copy().trained_entries == {}
+    second.ledger.flush()
+    row = rows_by_id(tmp_path / LEDGER_FILE)["r0"]
+    assert (row.fate, row.fate_reason) == ("dropped", "deleted")
+    second.close()
+
+
 def test_feedback_for_a_request_a_crash_cut_short_says_so_after_the_restart(tmp_path):
     first = _training(tmp_path)
     for request_id in ("cut", "aborted"):

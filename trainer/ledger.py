@@ -161,6 +161,16 @@ class Ledger:
             "WHERE fate = 'trained' AND fate_version > ? AND fate_version < ?",
             (reason, at, restored, rolled_back_as))))
 
+    def reopen(self, request_ids: list[str]) -> None:
+        """These requests' labels trained into versions a crash lost before they were saved:
+        until they are trained again they are in no weights, and a later saved version must
+        not pass for one that holds them (queued; replay flushes)."""
+        for start in range(0, len(request_ids), 500):
+            chunk = request_ids[start:start + 500]
+            self._put(_Write(lambda c, chunk=chunk: c.execute(
+                "UPDATE requests SET fate = NULL, fate_version = NULL, fate_path = NULL, fate_reason = NULL "
+                f"WHERE fate = 'trained' AND id IN ({','.join('?' * len(chunk))})", chunk)))
+
     def withdraw_label(self, request_id: str) -> None:
         """Removes a label whose entry ended before it could be attached (queued)."""
         self._put(_Write(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))

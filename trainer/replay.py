@@ -10,7 +10,12 @@ saved adapter version includes it, so on start, for the training method the serv
     an entry waiting for one again, until the same deadline it had (a reward function,
     if one is set, scores its group again);
   - requests that can no longer take a label (their timeout passed while the server was
-    down, or they were cut short by the crash) get that fate written.
+    down, they were cut short by the crash, or their label was deleted while it trained
+    into a version the crash lost) get that fate written.
+
+A label trained into a version that was not saved is marked untrained again at once, so
+that a version saved later, under the same numbers, does not pass for one that holds it
+if the server crashes again before it has trained.
 """
 
 from __future__ import annotations
@@ -54,10 +59,20 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
     if owns is not None:
         rows = [row for row in rows if owns(row.request.id)]
     rows.sort(key=lambda row: row.label is None)  # labels first: the bound on label entries never refuses one
+    lost = [row.request.id for row in rows if row.fate == "trained"]
+    if lost:  # trained into versions that died unsaved: untrained again, before any later version is saved
+        ledger.reopen(lost)
     now_wall, now_clock = time.time(), cache.clock()
     to_train = awaiting = closed = 0
     for row in rows:
         entry = _entry(method, row, version)
+        if row.label is None and row.fate == "trained" and entry.needs_label:
+            # its label was deleted while it trained, into a version the crash lost: it takes no new one
+            ledger.record_fate(row.request.id, EntryState.DROPPED.value, reason="deleted")
+            cache.note_ended(row.request.id, EntryState.DROPPED)
+            cache.deleted_ids.add(row.request.id)
+            closed += 1
+            continue
         if row.label is not None or not entry.needs_label:
             if row.label is not None and not _labelled(cache, entry, row):
                 closed += 1
@@ -81,6 +96,8 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
             rewards.score(waiting, row.request.prompt, [c.text for c in row.choices])
         awaiting += 1
     counts = ReplayCounts(to_train, awaiting, closed)
+    if lost:
+        ledger.flush()
     if rows:
         logger.info("feedback ledger: %d labels to train again (after saved version %s), %d requests still take "
                     "feedback, %d can no longer", to_train, saved_version, awaiting, closed)
