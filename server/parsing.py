@@ -125,17 +125,17 @@ def completion_prompts(tokenizer, prompt) -> list[tuple[list[int], str]]:
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
-        raise APIError(400, "prompt must not be empty.", "prompt")
+        raise APIError(400, "prompt must not be empty.", "prompt", "invalid_value")
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
     result = []
     for p in prompt:
+        if not p:  # also a text that a tokenizer adding BOS would make one token: the schema says minLength 1
+            raise APIError(400, "prompt must not be empty.", "prompt", "invalid_value")
         if isinstance(p, str):
             result.append((tokenizer(p)["input_ids"], p))
         else:
-            if not p:
-                raise APIError(400, "prompt must not be empty.", "prompt")
             if any(t < 0 for t in p):
-                raise APIError(400, "prompt token ids must be non-negative.", "prompt")
+                raise APIError(400, "prompt token ids must be non-negative.", "prompt", "invalid_value")
             result.append((list(p), tokenizer.decode(p)))
     return result

@@ -28,7 +28,7 @@ from pydantic.json_schema import SkipJsonSchema
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar
 from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, ChatMessage, Int, StreamOptions, Strict,
-                                    TokenId)
+                                    TokenId, non_empty_alternatives)
 from server.protocol_formats import (NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, build_grammar,
                                      functions)
 from server.tool_calls import ToolUse
@@ -218,7 +218,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
+                      Field(json_schema_extra=non_empty_alternatives)]
     max_tokens: Int | None = 16
     echo: bool | None = False
     logprobs: Int | None = None

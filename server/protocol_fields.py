@@ -25,6 +25,21 @@ TEMPLATE_CONTROLS_SCHEMA = {"not": {
     "properties": {"add_generation_prompt": {"const": True}, "continue_final_message": {"const": True}}}}
 
 
+def non_empty_alternatives(schema: dict) -> None:
+    """A union field's schema (`json_schema_extra`) says what the server refuses in every
+    alternative: an empty string, or an empty array at any depth. The server's own check
+    keeps its message; the schema only stops promising that an empty one is accepted."""
+    def visit(node: dict) -> None:
+        if node.get("type") == "string":
+            node["minLength"] = 1
+        elif node.get("type") == "array":
+            node["minItems"] = 1
+            visit(node.get("items", {}))
+
+    for alternative in schema.get("anyOf", []):
+        visit(alternative)
+
+
 def _integral(value):
     """22.0 is the integer 22 in JSON (and in JSON Schema's `integer`); 22.5 stays a float, and is refused."""
     if isinstance(value, float) and value.is_integer():

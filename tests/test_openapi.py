@@ -149,6 +149,11 @@ def test_every_post_route_documents_its_body_and_errors(live_server):
     for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
         both = document["components"]["schemas"][name]["not"]
         assert set(both["required"]) == {"add_generation_prompt", "continue_final_message"}
+    # a completion's prompt is never empty, in any of its forms, at any depth
+    prompt = document["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert [(form.get("minLength"), form.get("minItems"), form.get("items", {}).get("minLength"),
+             form.get("items", {}).get("minItems")) for form in prompt] == [
+        (1, None, None, None), (None, 1, 1, None), (None, 1, None, None), (None, 1, None, 1)]
     token_id = document["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert token_id == {"type": "integer", "minimum": 0, "maximum": len(tiny_tokenizer()) - 1}
 
@@ -168,6 +173,17 @@ def test_an_integer_may_be_written_without_a_fraction_only(live_server):
     for bad in ({"n": 2.5}, {"n": "2"}, {"n": True}, {"max_tokens": 1.5}):
         refused = ask(**bad)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == next(iter(bad)), refused.text
+
+
+@pytest.mark.parametrize("prompt", ["", [""], ["Hi", ""], [], [[]], [[5], []]])
+def test_an_empty_prompt_in_any_form_is_refused_as_the_schema_says(live_server, prompt):
+    import httpx
+
+    refused = httpx.post(live_server.url + "/v1/completions", json={"model": TINY_NAME, "prompt": prompt},
+                         timeout=REQUEST_TIMEOUT_S)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"] | {"message": None} == {
+        "message": None, "type": "invalid_request_error", "param": "prompt", "code": "invalid_value"}
 
 
 def test_the_app_serves_exactly_the_route_table():
