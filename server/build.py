@@ -48,7 +48,7 @@ from trainer.cache_budget import size_cache
 from trainer.eval_gate import EvalGate
 from trainer.eval_set import load_eval_set
 from trainer.config import TrainConfig
-from trainer.feedback import FeedbackIntake
+from trainer.intake import FeedbackIntake
 from trainer.forward import recompute_segment
 from trainer.frozen import ServedAdapter, merge_frozen_adapter
 from trainer.grpo import GRPOMethod

@@ -10,6 +10,9 @@ streams and hide client disconnects from the routes). For every HTTP request it:
   - admits at most `max_num_seqs + max_queued_requests` generation requests at once;
     beyond that a new one gets 429 with `Retry-After` at once, never a hang or a 5xx.
   - counts responses by route and status (`alchemist:http_requests_total`).
+  - answers every response with an `x-request-id` header, as OpenAI does (the SDK's
+    `.request_id`): the client's own `X-Request-Id` when it sent a usable one (vLLM's
+    echo), else a fresh `req_…`.
 Refusals carry OpenAI's error body, so the SDK raises AuthenticationError,
 RateLimitError, and so on.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import uuid
 from dataclasses import dataclass
 
 from server.errors import APIError, error_body
@@ -27,6 +31,8 @@ GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ADMIN_PREFIX = "/v1/adapters"
 # routes counted under their own label; anything else is counted as "other"
 KNOWN_ROUTES = frozenset(PLAIN_PATHS)
+# the longest client X-Request-Id echoed back (a longer one gets a new id)
+MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -52,10 +58,12 @@ class RequestGuard:
         path = scope["path"]
         route = path if path in KNOWN_ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
         status_seen = []
+        request_id = _request_id(scope)
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 status_seen.append(message["status"])
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
             await send(message)
 
         try:
@@ -123,6 +131,15 @@ def _header(scope, name: bytes) -> str | None:
         if key.lower() == name:
             return value.decode("latin-1").strip()
     return None
+
+
+def _request_id(scope) -> bytes:
+    """The client's X-Request-Id if it is short printable ASCII (it goes back in a header),
+    else a new one."""
+    given = _header(scope, b"x-request-id")
+    if given and len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable():
+        return given.encode()
+    return f"req_{uuid.uuid4().hex}".encode()
 
 
 def _bearer(scope) -> str | None:

@@ -29,6 +29,10 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 CONSTRAINTS = ("json_object", "json_schema", "regex", "choice", "grammar", "tool_call")
 
 
+# the engine's finish reasons (engine/output_processor.py, engine/llm_engine.py)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
 def request_finish_reason(choice_reasons: set[str]) -> str:
     """A request's finish reason from its choices': abort (or none), else length, else the
     first by name."""
@@ -129,6 +133,8 @@ class ServingMetrics:
                                   "max_tokens is returned as far as it got), and <tool_call> blocks that did not "
                                   "parse and were left in the content (invalid).", ["outcome"],
                                   registry=r)
+        for reason in FINISH_REASONS:  # every series from the first scrape: rate() sees each first increment
+            self.success.labels(model_name=model_name, finished_reason=reason)
         for kind in CONSTRAINTS:
             self.constrained.labels(constraint=kind)
         for choice in ("auto", "required", "named"):

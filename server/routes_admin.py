@@ -25,7 +25,7 @@ from server.parsing import parse_body
 from server.protocol import FeedbackRequest, RollbackRequest
 from server.state import ServerState, Training
 from trainer.adapter_store import AdapterLoadError
-from trainer.feedback import FeedbackOutcome
+from trainer.feedback import FeedbackOutcome, FeedbackResult
 from trainer.ledger import LedgerUnavailable
 from trainer.lifecycle import AdapterMismatchError
 
@@ -55,7 +55,12 @@ def admin_router(state: ServerState) -> APIRouter:
 
     @router.post("/v1/feedback")
     async def feedback(request: Request):
-        body: FeedbackRequest = await parse_body(request, FeedbackRequest)
+        try:
+            body: FeedbackRequest = await parse_body(request, FeedbackRequest)
+        except APIError as refused:  # malformed: counted with the labels the trainer refused
+            if state.training is not None:
+                state.training.feedback.count(FeedbackResult(FeedbackOutcome.INVALID, refused.message))
+            raise
         owner = owner_elsewhere(state, request, body.id)
         if owner is not None:  # the label trains where its recording is
             return await state.peers.forward(owner, request, await request.body())

@@ -64,9 +64,20 @@ def test_feedback_is_accepted_once_and_trained_on(dpo_client):
     ({"id": "x", "chosen": "a", "extra": 1}, 400, "extra"),
 ])
 def test_bad_feedback_gets_openai_errors(dpo_client, body, status, param):
+    outcome = "unknown" if status == 404 else "invalid"
+    before = metric(dpo_client, f'alchemist:feedback_total{{status="{outcome}"}}')
     r = feedback(dpo_client, **body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+    # counted by outcome, also a body refused before it reached the trainer (a wrong type, an unknown field)
+    assert metric(dpo_client, f'alchemist:feedback_total{{status="{outcome}"}}') == before + 1
+
+
+def test_a_body_that_is_not_json_is_counted_as_invalid_feedback(dpo_client):
+    before = metric(dpo_client, 'alchemist:feedback_total{status="invalid"}')
+    r = dpo_client.post("/v1/feedback", content=b"not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert metric(dpo_client, 'alchemist:feedback_total{status="invalid"}') == before + 1
 
 
 def test_feedback_edge_cases(dpo_client):

@@ -51,6 +51,29 @@ def test_missing_key_gets_401_with_openai_body_and_probes_stay_open(keyed_server
     assert 'alchemist:http_requests_total{handler="/v1/chat/completions",status="401"}' in metrics.text
 
 
+def test_every_response_carries_a_request_id_the_client_may_choose(keyed_server):
+    """OpenAI answers every request with `x-request-id` (the SDK's `.request_id`); a client's
+    own short printable X-Request-Id comes back (vLLM's echo), any other gets a new one."""
+    client = openai.OpenAI(base_url=f"{keyed_server.url}/v1", api_key=KEY, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model=TINY_NAME, max_tokens=2,
+                                                           messages=[{"role": "user", "content": "hi"}])
+    first = raw.headers["x-request-id"]
+    assert first.startswith("req_") and raw.parse()._request_id == first
+    again = client.models.with_raw_response.list().headers["x-request-id"]
+    assert again.startswith("req_") and again != first
+    mine = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "trace-42"}
+    with httpx.stream("POST", f"{keyed_server.url}/v1/completions", headers=mine, timeout=300,
+                      json={"model": TINY_NAME, "prompt": "hi", "max_tokens": 2, "stream": True}) as stream:
+        assert stream.status_code == 200 and stream.headers["x-request-id"] == "trace-42"
+        assert "[DONE]" in "".join(stream.iter_text())
+    refused = get(f"{keyed_server.url}/v1/models", headers={"X-Request-Id": "trace-43"})  # no key: 401
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "trace-43"
+    for unusable in ("x" * 300, "tab\there"):
+        answer = get(f"{keyed_server.url}/health", headers={"X-Request-Id": unusable})
+        assert answer.headers["x-request-id"].startswith("req_")
+    assert len(get(f"{keyed_server.url}/health").headers.get_list("x-request-id")) == 1
+
+
 def test_bodies_over_the_limit_get_413(keyed_server):
     headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     big = json.dumps({"model": TINY_NAME, "prompt": "x " * (40 << 10), "max_tokens": 1})

@@ -194,5 +194,13 @@ def test_a_request_of_several_choices_is_counted_once_whatever_its_choices_finis
                                     dataclasses.replace(timing, finish_time=0.2)))
     counted = {s.labels["finished_reason"]: s.value for m in metrics.success.collect() for s in m.samples
                if s.name.endswith("_total")}
-    assert counted == {"length": 1, "stop": 1} and metrics.requests_served() == 2
+    assert counted == {"length": 1, "stop": 1, "abort": 0} and metrics.requests_served() == 2
     assert request_finish_reason(set()) == "abort" and request_finish_reason({"abort", "length"}) == "abort"
+
+
+def test_every_finish_reason_is_a_series_from_the_first_scrape():
+    """Prometheus' rate() and increase() see a series' first increment only if the series
+    was there, at 0, in the scrape before it."""
+    text = ServingMetrics(TINY_NAME).render().decode()
+    for reason in ("stop", "length", "abort"):
+        assert f'alchemist:request_success_total{{finished_reason="{reason}",model_name="{TINY_NAME}"}} 0.0' in text

@@ -7,8 +7,8 @@ returns a typed `FeedbackResult` (accepted, or why not, with OpenAI's `param` an
 `code`), which the server maps to 200/400/404/409/503. With a feedback ledger
 (trainer/ledger.py) a label is committed there before the cache attaches it: 200 means
 it survives a crash; a ledger that cannot be written refuses it (503), changing nothing.
-`FeedbackIntake` is what the server
-calls: it counts the outcomes. Both run on a worker thread, never on the event loop: a
+`FeedbackIntake` (trainer/intake.py)
+is what the server calls. Both run on a worker thread, never on the event loop: a
 label's texts are tokenized before the cache is consulted, and no lock is held meanwhile
 (the cache attaches the label only if the entry still waits for one).
 """
@@ -26,8 +26,6 @@ from trainer.cache import ActivationCache
 from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, PreferenceLabel
 from trainer.ledger import LabelExists, Ledger, LedgerUnavailable
 from trainer.ledger_db import LabelRecord
-from trainer.methods import TrainingMethod
-from trainer.status import TrainingStats
 
 
 class FeedbackOutcome(str, enum.Enum):
@@ -358,43 +356,3 @@ def _attach(to: _Labels, request: FeedbackLabel, response_ids, max_model_len: in
         side = "rejected" if rejected is None else "chosen"
         label.served_logps[side] = entry.served_logps[choice_index]
     _commit(to, entry, label)
-
-
-class FeedbackIntake:
-    """Where labels come in (`POST /v1/feedback`, the reward function): attaches each to
-    its entry and counts the outcomes. Call it on a worker thread."""
-
-    def __init__(self, method: TrainingMethod, cache: ActivationCache, stats: TrainingStats, tokenizer,
-                 max_model_len: int, ledger: Ledger | None = None):
-        """`ledger`: the feedback ledger, where a label is committed before it is accepted."""
-        self.ledger = ledger
-        self.method = method
-        self.cache = cache
-        self.stats = stats
-        self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
-
-    def submit(self, request: FeedbackLabel) -> FeedbackResult:
-        """Attaches a label (a preference, or a group's rewards) to a completion's entry."""
-        if not self.method.uses_feedback:
-            result = FeedbackResult(FeedbackOutcome.INVALID, f"feedback is used by preference and group training; "
-                                    f"this server trains in {self.method.name!r} mode (start it with --train-mode "
-                                    "dpo or grpo)", None, "feedback_not_used")
-        else:
-            result = attach_label(self.cache, request, self._response_ids, self.max_model_len,
-                                  self.method.label_kind, self.ledger)
-        with self.stats.lock:
-            key = result.outcome.value
-            self.stats.feedback[key] = self.stats.feedback.get(key, 0) + 1
-            if result.accepted and request.rewards is not None:
-                self.stats.rewarded_groups += 1
-                self.stats.rewards_received += len(request.rewards)
-                self.stats.reward_sum += sum(request.rewards)
-                self.stats.last_group_mean_reward = sum(request.rewards) / len(request.rewards)
-                self.stats.zero_advantage_groups += result.skipped
-        return result
-
-    def _response_ids(self, text: str) -> list[int]:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        eos = self.tokenizer.eos_token_id
-        return ids + ([eos] if eos is not None else [])

@@ -9,7 +9,7 @@ owns their states, hands out: the recordings of one adapter version (a cohort, u
 `entries_per_step` entries trained by recomputation. A step over more than
 `entries_per_step` entries is applied as one AdamW update per `entries_per_step` of
 them. What is recorded is the recorder's (trainer/recorder.py); labels come in through
-`FeedbackIntake` (trainer/feedback.py); housekeeping between jobs is `Maintenance`'s
+`FeedbackIntake` (trainer/intake.py); housekeeping between jobs is `Maintenance`'s
 (trainer/maintenance.py); what becomes of a new version (merged weights, checkpoints) is
 `AdapterLifecycle`'s (trainer/lifecycle.py).
 

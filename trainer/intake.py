@@ -1,0 +1,59 @@
+"""Where labels come in: `POST /v1/feedback` and the reward function hand each label to
+`FeedbackIntake`, which attaches it to its entry (trainer/feedback.py's `attach_label`)
+and counts the outcomes that `alchemist:feedback_total` reports. Call it on a worker
+thread: a label's texts are tokenized here.
+"""
+
+from __future__ import annotations
+
+from trainer.cache import ActivationCache
+from trainer.feedback import FeedbackLabel, FeedbackOutcome, FeedbackResult, attach_label
+from trainer.ledger import Ledger
+from trainer.methods import TrainingMethod
+from trainer.status import TrainingStats
+
+
+class FeedbackIntake:
+    """Where labels come in (`POST /v1/feedback`, the reward function): attaches each to
+    its entry and counts the outcomes. Call it on a worker thread."""
+
+    def __init__(self, method: TrainingMethod, cache: ActivationCache, stats: TrainingStats, tokenizer,
+                 max_model_len: int, ledger: Ledger | None = None):
+        """`ledger`: the feedback ledger, where a label is committed before it is accepted."""
+        self.ledger = ledger
+        self.method = method
+        self.cache = cache
+        self.stats = stats
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def submit(self, request: FeedbackLabel) -> FeedbackResult:
+        """Attaches a label (a preference, or a group's rewards) to a completion's entry."""
+        if not self.method.uses_feedback:
+            result = FeedbackResult(FeedbackOutcome.INVALID, f"feedback is used by preference and group training; "
+                                    f"this server trains in {self.method.name!r} mode (start it with --train-mode "
+                                    "dpo or grpo)", None, "feedback_not_used")
+        else:
+            result = attach_label(self.cache, request, self._response_ids, self.max_model_len,
+                                  self.method.label_kind, self.ledger)
+        self.count(result, request.rewards if result.accepted else None)
+        return result
+
+    def count(self, result: FeedbackResult, rewards: list[float] | None = None) -> None:
+        """Counts a label's outcome (`alchemist:feedback_total`), and an accepted group's
+        `rewards`. The server also counts here a body refused before it reached `submit`
+        (malformed JSON, a wrong type, an unknown field: INVALID)."""
+        with self.stats.lock:
+            key = result.outcome.value
+            self.stats.feedback[key] = self.stats.feedback.get(key, 0) + 1
+            if rewards is not None:
+                self.stats.rewarded_groups += 1
+                self.stats.rewards_received += len(rewards)
+                self.stats.reward_sum += sum(rewards)
+                self.stats.last_group_mean_reward = sum(rewards) / len(rewards)
+                self.stats.zero_advantage_groups += result.skipped
+
+    def _response_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        return ids + ([eos] if eos is not None else [])
