@@ -113,7 +113,10 @@ class LLMEngine:
                 "prompt" if prompt_alone or not params.max_tokens else "max_tokens",
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{requested} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens or 0} in the "
-                f"completion). Please reduce the length of the prompt or completion.", "context_length_exceeded")
+                f"completion). Please reduce the length of the prompt or completion." + (
+                    " A prompt must leave the context one position for the token it is answered with, so it "
+                    f"may have at most {self.max_model_len - 1} tokens." if prompt_alone else ""),
+                "context_length_exceeded")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, train: bool = False,

@@ -61,10 +61,19 @@ def _loc_to_param(loc: tuple) -> str:
     return out or "body"
 
 
+def _best_match(errors: list[dict]) -> dict:
+    """The first error's field, as the member of a union that got furthest explains it: the
+    deepest location, a value's constraint before a type mismatch (`[[-1]]` as a prompt is
+    a negative token id, not a list that should have been a string)."""
+    field = tuple(errors[0]["loc"])[:1]
+    same = [e for e in errors if tuple(e["loc"])[:1] == field]
+    return max(same, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
+
+
 def validation_error(exc: ValidationError | RequestValidationError, tagged: bool = False) -> APIError:
     """`tagged`: a tagged union's error, whose location starts with the member's tag."""
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first = _best_match(errors) if errors else {"loc": (), "msg": "invalid request", "type": ""}
     param = _loc_to_param(tuple(first.get("loc", ()))[1 if tagged else 0:])
     if first.get("type") == "extra_forbidden":
         why = NOT_OFFERED.get(param)

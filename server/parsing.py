@@ -120,8 +120,9 @@ def ledger_prompt(tokenizer, body, tools: ToolUse | None) -> ClientPrompt:
     return ClientPrompt(messages, offered, None if given == messages else given, body.chat_template_kwargs or None)
 
 
-def completion_prompts(tokenizer, prompt) -> list[tuple[list[int], str]]:
-    """(token ids, text) per prompt of a /v1/completions body."""
+def completion_prompts(tokenizer, prompt, tail: int | None = None) -> list[tuple[list[int], str]]:
+    """(token ids, text) per prompt of a /v1/completions body; with `tail`, each prompt's
+    last `tail` tokens only (vLLM's truncate_prompt_tokens), the text theirs."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -138,4 +139,7 @@ def completion_prompts(tokenizer, prompt) -> list[tuple[list[int], str]]:
             if any(t < 0 for t in p):
                 raise APIError(400, "prompt token ids must be non-negative.", "prompt", "invalid_value")
             result.append((list(p), tokenizer.decode(p)))
+    if tail is not None:
+        result = [(ids[-tail:], tokenizer.decode(ids[-tail:])) if len(ids) > tail else (ids, text)
+                  for ids, text in result]
     return result

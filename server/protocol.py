@@ -94,8 +94,36 @@ class _SamplingFields(Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: as many as the served context holds)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
+    # Hugging Face's generation names, which lm-evaluation-harness passes on from a task's
+    # generation_kwargs: max_new_tokens limits the output beside the other limits (the
+    # smallest applies); beam search is not offered, so num_beams is 1
+    max_new_tokens: Int | None = None
+    num_beams: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": 1}), INTEGRAL] = 1
     # alchemist: false keeps this request out of online training
     train: bool = True
+
+    def _output_limit(self, given: int | None) -> int | None:
+        """The output's limit: `given` (the request's own field, checked by the caller) and
+        max_new_tokens, the smaller of those sent."""
+        if self.num_beams != 1:
+            raise InvalidParameter("num_beams", f"beam search is not supported; num_beams must be 1, got "
+                                   f"{self.num_beams}")
+        if self.max_new_tokens is None:
+            return given
+        if self.max_new_tokens < 0:
+            raise InvalidParameter("max_new_tokens", f"max_new_tokens must be at least 0, got {self.max_new_tokens}")
+        return self.max_new_tokens if given is None else min(given, self.max_new_tokens)
+
+    def prompt_tail(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens to keep (`truncate_prompt_tokens`), or None: all."""
+        if self.truncate_prompt_tokens is None:
+            return None
+        if self.truncate_prompt_tokens == 0:
+            raise InvalidParameter("truncate_prompt_tokens", "truncate_prompt_tokens must be at least 1, or -1 "
+                                   "for as many as the context holds")
+        return max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
 
     def _grammar(self, response_format: ResponseFormat | None = None) -> Grammar | None:
         """The one constraint on the output this request asks for, if any."""
@@ -196,7 +224,8 @@ class ChatCompletionRequest(_SamplingFields):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise InvalidParameter(name, f"{name} must be at least 0, got {value}")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = self._output_limit(self.max_completion_tokens if self.max_completion_tokens is not None
+                                        else self.max_tokens)
         top = None
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise InvalidParameter("top_logprobs", f"top_logprobs must be between 0 and {MAX_LOGPROBS}, "
@@ -228,7 +257,9 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        params = self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, defaults)
+        # max_tokens' default (16) is no limit the client set: max_new_tokens alone replaces it
+        sent = self.max_tokens if "max_tokens" in self.model_fields_set or self.max_new_tokens is None else None
+        params = self._sampling_params(self._output_limit(sent), self.logprobs, prompt_logprobs, defaults)
         params.grammar = self._grammar()
         return params
 

@@ -250,5 +250,20 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    """vLLM's `/tokenizer_info`: what a client needs to tokenize as the server does, through
+    `/tokenize` and `/detokenize` (lm-evaluation-harness's remote tokenizer)."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    # the served context (what /tokenize calls max_model_len), not the tokenizer file's
+    model_max_length: int
+    # the template /v1/chat/completions renders with; None: the model has none
+    chat_template: str | None = None
+
+
 class Health(BaseModel):
     status: Literal["ok"]

@@ -8,6 +8,8 @@ same floor).
 
 from __future__ import annotations
 
+import codecs
+
 from engine.outputs import RequestOutput, TokenLogprob
 from server.token_shown import TokenShown
 from server.tool_calls import ToolCall, ToolCallParser
@@ -57,13 +59,16 @@ def chat_logprobs(tokens: TokenShown, logprobs: list[TokenLogprob]) -> list[dict
 
 def completion_logprobs(tokens: TokenShown, logprobs: list[TokenLogprob | None], token_ids: list[int],
                         offset: int) -> dict:
-    """`choices[i].logprobs` of a text completion; `offset`: the text offset of the first token."""
+    """`choices[i].logprobs` of a text completion; `offset`: the text offset of the first token.
+    A token's offset counts the characters the tokens before it completed: a token holding
+    part of a character (shown as U+FFFD) adds none until the one that completes it."""
     texts, values, tops, offsets = [], [], [], []
+    characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for token_id, lp in zip(token_ids, logprobs):
         text = tokens.text(token_id)
         texts.append(text)
         offsets.append(offset)
-        offset += len(text)
+        offset += len(characters.decode(tokens.raw_bytes(token_id)))
         if lp is None:
             values.append(None)
             tops.append(None)

@@ -48,6 +48,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                      (protocol.TokenizePromptRequest, protocol.TokenizeChatRequest), (400, 404, 413)),
     ("post", "/detokenize"): Operation("Token ids back to text (vLLM's)", out.DetokenizeResponse,
                                        protocol.DetokenizeRequest, (400, 404, 413)),
+    ("get", "/tokenizer_info"): Operation("The served tokenizer's special tokens and chat template (vLLM's)",
+                                          out.TokenizerInfo),
     ("get", "/health"): Operation("Liveness: 200 while the engine runs", out.Health, errors=(503,)),
     ("get", "/metrics"): Operation("Prometheus metrics", None),
 }

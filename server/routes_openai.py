@@ -71,8 +71,14 @@ async def serve_chat_completion(state: ServerState, request: Request):
     tools = body.tool_use()
     params = body.sampling_params(tools=tools, tool_call_token=state.tool_call_token, defaults=state.sampling_defaults)
     prompt_ids = render_chat(state.tokenizer, body, tools=tools)
+    tail = body.prompt_tail(state.max_model_len)
+    truncated = tail is not None and len(prompt_ids) > tail
+    if truncated:
+        prompt_ids = prompt_ids[-tail:]
     request_id = state.completion_id("chatcmpl")
-    client_prompt = ledger_prompt(state.tokenizer, body, tools) if state.keeps_client_prompt else None
+    # a prompt cut short is not the messages' rendering: no client prompt for the ledger's export
+    client_prompt = ledger_prompt(state.tokenizer, body, tools) if state.keeps_client_prompt and not truncated \
+        else None
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages",
                                   client_prompt)
     state.metrics.count_constraints(params.grammar, tools)
@@ -106,7 +112,7 @@ async def serve_completion(state: ServerState, request: Request):
         raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
                        "best_of")
     params = body.sampling_params(defaults=state.sampling_defaults)
-    prompts = completion_prompts(state.tokenizer, body.prompt)
+    prompts = completion_prompts(state.tokenizer, body.prompt, body.prompt_tail(state.max_model_len))
     request_id = state.completion_id("cmpl")
     # with one prompt, the completion id is the training entry's id (for feedback)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]

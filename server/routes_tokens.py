@@ -2,7 +2,11 @@
 
 `/tokenize` takes `prompt` (text, as `/v1/completions` tokenizes it) or `messages` (and
 `tools`, rendered with the chat template as `/v1/chat/completions` does) and returns `tokens`,
-`count` and `max_model_len`; `/detokenize` takes `tokens` and returns `prompt`.
+`count` and `max_model_len`; `/detokenize` takes `tokens` and returns `prompt`;
+`/tokenizer_info` gives the special tokens and the chat template (vLLM's, there behind a
+flag; here always: /tokenize already serves the tokenizer). With the three,
+lm-evaluation-harness tokenizes through the server (`tokenizer_backend=remote`, which its
+default `auto` picks), with no copy of the tokenizer on the client's side.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from fastapi import APIRouter, Request
 from server.errors import APIError
 from server.parsing import check_model, parse_body, render_chat
 from server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
+from server.response_schemas import TokenizerInfo
 from server.state import ServerState
 
 
@@ -42,5 +47,14 @@ def tokens_router(state: ServerState) -> APIRouter:
         if bad is not None:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad}.", "tokens", "invalid_value")
         return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info():
+        tokenizer = state.tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        return TokenizerInfo(tokenizer_class=type(tokenizer).__name__, bos_token=tokenizer.bos_token,
+                             eos_token=tokenizer.eos_token, pad_token=tokenizer.pad_token,
+                             unk_token=tokenizer.unk_token, model_max_length=state.max_model_len,
+                             chat_template=template if isinstance(template, str) else None)
 
     return router

@@ -6,11 +6,11 @@ from server.responses import (MIN_LOGPROB, Choices, chat_completion, chat_logpro
 from server.token_shown import TokenShown
 
 class _Tokenizer:
-    """Three tokens, and one that holds a character's first byte (byte-level BPE's piece)."""
-    pieces = {1: "Hel", 2: "lo", 3: "!", 4: "Ã"}
+    """Three tokens, and two that hold a character's bytes (byte-level BPE's pieces: é is C3 A9)."""
+    pieces = {1: "Hel", 2: "lo", 3: "!", 4: "Ã", 5: "©"}
 
     def decode(self, ids):
-        return "".join("\ufffd" if i == 4 else self.pieces[i] for i in ids)
+        return "".join("\ufffd" if i in (4, 5) else self.pieces[i] for i in ids)
 
     def convert_ids_to_tokens(self, token_id):
         return self.pieces[token_id]
@@ -38,6 +38,14 @@ def test_logprobs_are_clamped_and_carry_bytes():
     legacy = completion_logprobs(TEXT, [None, TokenLogprob(2, -1.0, [(3, -2.0)])], [1, 2], 5)
     assert legacy == {"tokens": ["Hel", "lo"], "token_logprobs": [None, -1.0],
                       "top_logprobs": [None, {"!": -2.0, "lo": -1.0}], "text_offset": [5, 8]}
+
+
+def test_a_text_offset_counts_the_characters_the_tokens_before_it_completed():
+    """OpenAI's text_offset indexes the text: the two halves of é (each shown as U+FFFD)
+    start where é does, and the token after them one character later."""
+    rendered = completion_logprobs(TEXT, [None] * 4, [1, 4, 5, 3], 0)
+    assert rendered["tokens"] == ["Hel", "\ufffd", "\ufffd", "!"] and rendered["text_offset"] == [0, 3, 3, 4]
+    assert "Helé!"[rendered["text_offset"][3]:] == "!"
 
 
 def test_chat_completion_accumulates_deltas_per_choice():

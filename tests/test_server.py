@@ -215,11 +215,15 @@ def test_a_prompt_longer_than_the_context_is_named_as_the_prompt_whatever_max_to
 
 def test_bad_completion_requests(client):
     for body, param in [({"prompt": []}, "prompt"), ({"prompt": "x", "suffix": "y"}, "suffix"),
-                        ({"prompt": [[-1]]}, "prompt"), ({"prompt": [10**9]}, "prompt"),
+                        ({"prompt": [[-1]]}, "prompt[0][0]"), ({"prompt": [10**9]}, "prompt"),
                         ({"prompt": "x", "best_of": 3}, "best_of")]:
         r = client.post("/v1/completions", json={"model": TINY_NAME, **body})
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param
+    # a union's error is the one of the member that got furthest: a negative token id, not "a valid string"
+    r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": [[5, -1]]})
+    assert r.json()["error"]["message"] == "Invalid value for 'prompt[0][1]': Input should be greater than or " \
+        "equal to 0 (got -1).", r.text
 
 
 def test_unknown_route_and_method_get_openai_errors(client):
@@ -262,3 +266,35 @@ def test_continuous_usage_stats_put_running_usage_in_every_chunk(client):
 def test_cache_config_is_exported(client):
     line = next(l for l in client.get("/metrics").text.splitlines() if l.startswith("alchemist:cache_config_info"))
     assert 'bytes_per_token="512"' in line  # 2 (K,V) * 2 layers * 2 kv heads * 16 head_dim * 4 bytes
+
+
+def test_the_generation_fields_lm_evaluation_harness_passes_on(client):
+    """A task's generation_kwargs reach the server as they are: Hugging Face's
+    `max_new_tokens` limits the output beside the other limits (the smallest applies; alone,
+    it replaces max_tokens' default of 16), `num_beams` is 1 (no beam search), and vLLM's
+    `truncate_prompt_tokens` keeps the prompt's last tokens."""
+    def complete(**body):
+        r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hi", "ignore_eos": True,
+                                                 "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert complete(max_tokens=8, max_new_tokens=3, num_beams=1)["usage"]["completion_tokens"] == 3
+    assert complete(max_tokens=2, max_new_tokens=5)["usage"]["completion_tokens"] == 2
+    assert complete(max_new_tokens=20)["usage"]["completion_tokens"] == 20
+    r = chat(client, max_completion_tokens=2, max_new_tokens=5, ignore_eos=True)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    for bad, param in (({"num_beams": 4}, "num_beams"), ({"max_new_tokens": -1}, "max_new_tokens"),
+                       ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                       ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens")):
+        r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hi", **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ids = [5, 6, 7, 8, 9]
+    kept = complete(prompt=ids, max_tokens=1, echo=True, logprobs=0, truncate_prompt_tokens=3)
+    assert kept["usage"]["prompt_tokens"] == 3 and len(kept["choices"][0]["logprobs"]["tokens"]) == 4
+    whole = complete(prompt=ids, max_tokens=1, echo=True, truncate_prompt_tokens=9)
+    assert whole["usage"]["prompt_tokens"] == 5
+    long_text = "word " * 400  # past the fixture's 256-token context: the last 200 tokens fit it
+    assert complete(prompt=long_text, max_tokens=1, truncate_prompt_tokens=200)["usage"]["prompt_tokens"] == 200
+    r = chat(client, max_tokens=1, truncate_prompt_tokens=4)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4, r.text

@@ -51,3 +51,24 @@ def test_bad_bodies_get_openai_errors(client, path, body, status, param):
     r = client.post(path, json=body)
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_tokenizer_info_lets_a_client_tokenize_and_render_chats_as_the_server_does(client):
+    """What lm-evaluation-harness's remote tokenizer reads (vLLM's `/tokenizer_info`): the
+    special tokens, which it encodes through `/tokenize` (their ids), and the chat template,
+    which it renders itself with jinja2 before tokenizing the text."""
+    import jinja2
+
+    info = client.get("/tokenizer_info")
+    assert info.status_code == 200, info.text
+    info = info.json()
+    tokenizer = tiny_tokenizer()
+    assert info["tokenizer_class"] == type(tokenizer).__name__ and info["eos_token"] == tokenizer.eos_token
+    eos = client.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()
+    assert eos["tokens"] == [tokenizer.eos_token_id]
+    assert info["model_max_length"] == eos["max_model_len"]  # the served context
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    text = jinja2.Environment().from_string(info["chat_template"]).render(messages=messages,
+                                                                          add_generation_prompt=True)
+    rendered = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert rendered == client.post("/tokenize", json={"messages": messages}).json()["tokens"]
