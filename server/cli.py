@@ -224,12 +224,14 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
 
     from engine.malloc_tuning import return_freed_memory
     from engine.model_loader import embedded_model_dir
-    from server.replicas import join_group, launch, replica_device, replica_from_env
+    from server.replicas import die_with_parent, join_group, launch, replica_device, replica_from_env
 
     if args.data_parallel_size < 1:
         print("alchemist: configuration error: --data-parallel-size must be at least 1", file=sys.stderr)
         return 2
     replica = replica_from_env()
+    if replica is not None:
+        die_with_parent()  # before anything that waits: the model's conversion, the group's forming
     if (replica is not None or args.data_parallel_size > 1) and not config.model.model:
         try:  # converted outside any group: transformers writes only on rank 0
             embedded_model_dir()

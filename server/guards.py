@@ -9,7 +9,9 @@ streams and hide client disconnects from the routes). For every HTTP request it:
     while reading for chunked bodies.
   - admits at most `max_num_seqs + max_queued_requests` generation requests at once;
     beyond that a new one gets 429 with `Retry-After` at once, never a hang or a 5xx.
-  - counts responses by route and status (`alchemist:http_requests_total`).
+  - counts responses by route and status (`alchemist:http_requests_total`): the client's
+    only, not a replica's question to another on its behalf (server/fanout.py), which
+    would count one request twice in a sum over the replicas.
   - answers every response with an `x-request-id` header, as OpenAI does (the SDK's
     `.request_id`): the client's own `X-Request-Id` when it sent a usable one (vLLM's
     echo), else a fresh `req_…`.
@@ -25,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 
 from server.errors import APIError, error_body
+from server.fanout import LOCAL_HEADER
 from server.route_table import PLAIN_PATHS
 
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -59,6 +62,7 @@ class RequestGuard:
         route = path if path in KNOWN_ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
         status_seen = []
         request_id = _request_id(scope)
+        asked_by_replica = _header(scope, LOCAL_HEADER.encode()) == "1"
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
@@ -83,7 +87,8 @@ class RequestGuard:
                 if admitted:
                     self.in_flight -= 1
         finally:
-            self.count_response(route, status_seen[0] if status_seen else 499)
+            if not asked_by_replica:
+                self.count_response(route, status_seen[0] if status_seen else 499)
 
     def _refusal(self, scope, path: str) -> APIError | None:
         if path.startswith("/v1/"):

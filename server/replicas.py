@@ -84,12 +84,17 @@ def join_group(replica: Replica, device: str) -> None:
 
 def die_with_parent() -> None:
     """SIGTERM to this process when the agent that started it dies (Linux), so that no
-    orphaned replica keeps serving the shared port."""
+    orphaned replica keeps serving the shared port, nor waits for a group that will never
+    form. Called first thing in a replica: an agent killed while its replicas start (or
+    restart) takes them along. One whose agent died before this call (reparented to init)
+    exits now."""
     import ctypes
     import signal
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        raise SystemExit("alchemist: the agent that started this replica is gone")
 
 
 def exchange_addresses(own: str) -> list[str]:

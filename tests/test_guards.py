@@ -74,6 +74,22 @@ def test_every_response_carries_a_request_id_the_client_may_choose(keyed_server)
     assert len(get(f"{keyed_server.url}/health").headers.get_list("x-request-id")) == 1
 
 
+def test_a_replicas_question_to_another_is_not_counted_as_a_request(keyed_server):
+    """A label forwarded to the replica that served it, or /metrics gathered from every
+    replica, is one client request: counted where the client asked, not again where a
+    replica asked on its behalf (server/fanout.py's header)."""
+    def health_count() -> float:
+        sample = 'alchemist:http_requests_total{handler="/health",status="200"}'
+        lines = [line for line in get(f"{keyed_server.url}/metrics").text.splitlines() if line.startswith(sample)]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    before = health_count()
+    assert get(f"{keyed_server.url}/health", headers={"x-alchemist-replica-local": "1"}).status_code == 200
+    assert health_count() == before
+    assert get(f"{keyed_server.url}/health").status_code == 200
+    assert health_count() == before + 1
+
+
 def test_bodies_over_the_limit_get_413(keyed_server):
     headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     big = json.dumps({"model": TINY_NAME, "prompt": "x " * (40 << 10), "max_tokens": 1})

@@ -349,6 +349,30 @@ def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):
     second.close()
 
 
+def test_a_label_sent_again_after_a_restart_is_told_it_exists_as_before_the_restart(tmp_path):
+    """A client whose 200 a crash lost sends its label again: 409 label_exists, whether the
+    label trained into the saved version (the restarted cache never knew the entry) or
+    waits to train again; an id the ledger never held stays a 404 (an outside pass had 404)."""
+    first = _training(tmp_path, save_every=1)
+    for request_id in ("saved", "pending"):
+        serve(first, request_id)
+    label(first, "saved")
+    first.train_until_idle()
+    label(first, "pending")
+    again = first.feedback.submit(FeedbackLabel("saved", "Lyon."))
+    assert again.outcome is FeedbackOutcome.CONFLICT and again.code == "label_exists"
+    _crash(first)
+    second = _training(tmp_path, save_every=1)
+    assert second.cache.get("saved") is None and second.cache.get("pending") is not None
+    for request_id, how in (("saved", "trained into version 1"), ("pending", "")):
+        again = second.feedback.submit(FeedbackLabel(request_id, "Lyon."))
+        assert again.outcome is FeedbackOutcome.CONFLICT and again.code == "label_exists", again
+        assert how in again.message
+    unknown = second.feedback.submit(FeedbackLabel("never-served", "Lyon."))
+    assert unknown.outcome is FeedbackOutcome.UNKNOWN and unknown.code == "entry_not_found"
+    second.close()
+
+
 def test_group_rewards_survive_a_restart_and_train_with_the_served_log_probs(tmp_path):
     from tests.test_grpo import reward, serve_group
 

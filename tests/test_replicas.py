@@ -311,3 +311,46 @@ def test_rank_0s_gate_verdict_is_every_replicas(tmp_path):
             assert {c["digest"] for c in status["replicas"]} == {start["replicas"][0]["digest"]}  # promoted weights
             wait_for(lambda: {row.request.id: row.fate for row in read_ledger(
                 tmp_path / "adapters" / LEDGER_FILE)}.get(completion) == "quarantined")
+
+
+def _gone_or_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True
+
+
+def test_a_replica_dies_with_its_agent_even_while_it_waits_for_its_group(tmp_path):
+    """`kill -9` of the agent while its replicas start: a replica sets the parent-death
+    signal before anything that waits (the model's conversion, the group's forming), so none
+    is left behind (an outside pass found replicas orphaned for the group's 30-minute start
+    timeout). Here rank 1 of 2 waits for a group whose rank 0 never comes."""
+    import subprocess
+    import sys
+
+    tiny_model().save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    agent = tmp_path / "agent.py"
+    agent.write_text(
+        "import subprocess, sys, time\n"
+        f"replica = subprocess.Popen([sys.executable, '-m', 'server.cli', 'serve', '--device', 'cpu', "
+        f"'--model', {str(tmp_path / 'model')!r}])\n"
+        "print(replica.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    root = Path(__file__).resolve().parents[1]
+    group = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    process = subprocess.Popen([sys.executable, str(agent)], stdout=subprocess.PIPE, cwd=root,
+                               env={**os.environ, "PYTHONPATH": str(root), **group})
+    try:
+        replica = int(process.stdout.readline())
+        time.sleep(5)  # importing, then waiting for rank 0
+        assert not _gone_or_zombie(replica)
+    finally:
+        process.kill()
+        process.wait()
+    try:
+        wait_for(lambda: _gone_or_zombie(replica), timeout=60)
+    finally:
+        if not _gone_or_zombie(replica):
+            os.kill(replica, signal.SIGKILL)

@@ -19,13 +19,14 @@ import dataclasses
 import enum
 import itertools
 import math
+import sqlite3
 from dataclasses import dataclass
 from typing import Callable
 
 from trainer.cache import ActivationCache
 from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, PreferenceLabel
 from trainer.ledger import LabelExists, Ledger, LedgerUnavailable
-from trainer.ledger_db import LabelRecord
+from trainer.ledger_db import LabelRecord, read_ledger
 
 
 class FeedbackOutcome(str, enum.Enum):
@@ -183,8 +184,10 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
                                **{name: index - prompt * (per_prompt or 1) for name, index in indices.items()})
 
 
-def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
-    """The completion's entry, still without a label; refuses (404/409/400) otherwise."""
+def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | None = None) -> CacheEntry:
+    """The completion's entry, still without a label; refuses (404/409/400) otherwise. An
+    entry this process never had may have had its label before a restart: the `ledger`
+    says so (409, as before the restart)."""
     entry = cache.get(completion_id)
     if entry is None:
         ended = cache.ended_state(completion_id)
@@ -203,6 +206,8 @@ def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
             raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: its data "
                           "were deleted (DELETE /v1/feedback/{id} or /v1/chat/completions/{id}), and a deleted "
                           "completion takes no new label", "id", "entry_not_found")
+        if ended is None:
+            _labelled_before(ledger, completion_id)
         reason = {EntryState.EXPIRED: "it expired (no feedback within the label timeout)",
                   EntryState.DROPPED: "it was dropped (its request was cut short, or the bound on entries "
                                       "waiting for a label, train.max_label_entries, was reached)"}.get(
@@ -213,6 +218,23 @@ def _waiting_entry(cache: ActivationCache, completion_id: str) -> CacheEntry:
         raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
                       "label_exists")
     return entry
+
+
+def _labelled_before(ledger: Ledger | None, completion_id: str) -> None:
+    """Refuses with 409 a completion whose label the ledger holds (a label sent again after
+    a restart, when this process's cache never knew the entry)."""
+    if ledger is None:
+        return
+    try:
+        rows = read_ledger(ledger.path, "r.id = ? AND l.request_id IS NOT NULL", (completion_id,))
+    except sqlite3.Error:
+        return  # unreadable now: answered as the cache alone would
+    if rows:
+        fate = rows[0].fate
+        how = f"was trained into version {rows[0].fate_version}" if fate == "trained" else (
+            f"is {fate}" if fate else "waits to be trained")
+        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label, kept in the "
+                      f"feedback ledger (it {how})", "id", "label_exists")
 
 
 def _commit(to: _Labels, entry: CacheEntry, label, skip: bool = False) -> None:
@@ -232,7 +254,7 @@ def _commit(to: _Labels, entry: CacheEntry, label, skip: bool = False) -> None:
     if not to.cache.attach_label(entry, label, skip):
         if to.ledger is not None:
             to.ledger.withdraw_label(completion_id)  # answered as refused: it must not train after a restart
-        _waiting_entry(to.cache, completion_id)
+        _waiting_entry(to.cache, completion_id, to.ledger)
         raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
                       "label_exists")
 
@@ -268,7 +290,7 @@ def _attach_rewards(to: _Labels, request: FeedbackLabel) -> FeedbackResult:
     if bad:
         raise _refuse(FeedbackOutcome.INVALID, f"rewards must be finite numbers; rewards[{bad[0]}] is "
                       f"{rewards[bad[0]]}", "rewards", "invalid_value")
-    entry = _waiting_entry(to.cache, completion_id)
+    entry = _waiting_entry(to.cache, completion_id, to.ledger)
     if not isinstance(entry, GroupEntry):
         raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group",
                       "id", "not_a_group")
@@ -296,7 +318,7 @@ def _attach_indices(to: _Labels, request: FeedbackLabel) -> None:
         missing = "chosen_index" if chosen is None else "rejected_index"
         raise _refuse(FeedbackOutcome.INVALID, "give both 'chosen_index' and 'rejected_index'", missing,
                       "missing_required_parameter")
-    entry = _waiting_entry(to.cache, completion_id)  # an unknown id is a 404 before the pair is compared
+    entry = _waiting_entry(to.cache, completion_id, to.ledger)  # an unknown id is a 404 before the pair is compared
     if chosen == rejected:
         raise _refuse(FeedbackOutcome.INVALID, "'chosen_index' and 'rejected_index' are the same choice",
                       "rejected_index", "invalid_value")
@@ -327,7 +349,7 @@ def _attach(to: _Labels, request: FeedbackLabel, response_ids, max_model_len: in
     # the texts are tokenized first, with nothing locked: a large label stalls no one
     texts_ids = {name: response_ids(text) for name, text in (("chosen", chosen), ("rejected", rejected))
                  if text is not None}
-    entry = _waiting_entry(to.cache, completion_id)
+    entry = _waiting_entry(to.cache, completion_id, to.ledger)
     served = None
     if chosen is None or rejected is None:
         if not entry.response_finished:
