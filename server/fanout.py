@@ -58,15 +58,15 @@ class Peers:
             self._client = httpx.AsyncClient(timeout=PEER_TIMEOUT_S)
         return self._client
 
-    async def ask(self, rank: int, request: Request, path: str | None = None, body: bytes | None = None
-                  ) -> httpx.Response:
-        """`request` (or `path` with its headers), as another replica's question to `rank`;
-        a replica that cannot be reached is a 503 for the client, to send again."""
+    async def ask(self, rank: int, request: Request, path: str | None = None, body: bytes | None = None,
+                  method: str | None = None) -> httpx.Response:
+        """`request` (or `method` `path` with its headers), as another replica's question to
+        `rank`; a replica that cannot be reached is a 503 for the client, to send again."""
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
         headers[LOCAL_HEADER] = "1"
         url = f"http://{self.addresses[rank]}{path or request.url.path}"
         try:
-            return await self.client().request(request.method, url, headers=headers, content=body,
+            return await self.client().request(method or request.method, url, headers=headers, content=body,
                                                params=None if path else request.query_params)
         except httpx.HTTPError as exc:
             raise APIError(503, f"replica {rank} did not answer ({type(exc).__name__}); it may be restarting: "
@@ -79,10 +79,10 @@ class Peers:
         headers = {k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")}
         return Response(answer.content, answer.status_code, headers=headers)
 
-    async def ask_all(self, request: Request, path: str) -> list[httpx.Response]:
+    async def ask_all(self, request: Request, path: str, method: str | None = None) -> list[httpx.Response]:
         """`path` asked of every other replica, by rank (this one's slot is None)."""
         others = [r for r in range(self.world_size) if r != self.rank]
-        answers = await asyncio.gather(*(self.ask(r, request, path) for r in others))
+        answers = await asyncio.gather(*(self.ask(r, request, path, method=method) for r in others))
         result: list = [None] * self.world_size
         for rank, answer in zip(others, answers):
             if not answer.is_success:

@@ -108,12 +108,16 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
             adapter = state.served_adapter
             return {"object": "adapter", "version": adapter.version, "mode": "off", "frozen": True,
                     "path": adapter.path, "name": adapter.name or state.model_name}
+        return await server_status(request, whole=not (state.peers is not None and state.peers.is_local(request)))
+
+    async def server_status(request: Request, whole: bool) -> dict:
+        """This replica's `/v1/adapters`, or (`whole`) the server's: every replica's, merged."""
         status = adapter_status(state)
         status["replicas"] = [await replica_card(state)]
-        if state.peers is None or state.peers.is_local(request):
+        if state.peers is None or not whole:
             return status
-        answers = [a.json() if a is not None else status for a in await state.peers.ask_all(request, "/v1/adapters")]
-        return whole_server_status(answers)
+        answers = await state.peers.ask_all(request, "/v1/adapters", method="GET")
+        return whole_server_status([a.json() if a is not None else status for a in answers])
 
     @router.post("/v1/adapters/rollback")
     async def rollback(request: Request):
@@ -141,7 +145,7 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
         except RuntimeError as exc:  # the replicas' rounds stopped
             raise APIError(503, f"the rollback did not reach every replica: {exc}", code="replica_unavailable",
                            headers={"Retry-After": "1"}) from None
-        return adapter_status(state)
+        return await server_status(request, whole=True)  # as GET /v1/adapters answers, every replica's
 
 
 def owner_elsewhere(state: ServerState, request: Request, completion_id: str) -> int | None:
@@ -173,6 +177,9 @@ def whole_server_status(answers: list[dict]) -> dict:
     # a skipped step is every replica's (the same combined gradients): counted once
     merged["training"] = {key: value if key in ("last_loss", "skipped_steps") else
                           sum(a["training"][key] for a in answers) for key, value in answers[0]["training"].items()}
+    # each replica's last job's loss, averaged over those that trained (rank 0 alone read null)
+    losses = [a["training"]["last_loss"] for a in answers if a["training"].get("last_loss") is not None]
+    merged["training"]["last_loss"] = sum(losses) / len(losses) if losses else None
     if merged.get("gate"):  # rank 0 judges; each replica quarantines the labels it trained
         merged["gate"] = {**merged["gate"], "quarantined_labels": sum(a["gate"]["quarantined_labels"]
                                                                       for a in answers)}

@@ -85,8 +85,11 @@ def test_the_whole_servers_adapter_status_sums_the_training_counters():
                                                          "requests_served": rank + 1}],
                 "training": {"trained_entries": entries, "last_loss": loss, "train_tokens": 10 * entries}}
     merged = whole_server_status([answer(0, 2, 0.5), answer(1, 3, 0.7)])
-    assert merged["training"] == {"trained_entries": 5, "last_loss": 0.5, "train_tokens": 50}
+    assert merged["training"] == {"trained_entries": 5, "last_loss": 0.6, "train_tokens": 50}
     assert [r["rank"] for r in merged["replicas"]] == [0, 1]
+    # the replicas' last losses, averaged over those that trained: rank 0 alone may not have
+    assert whole_server_status([answer(0, 0, None), answer(1, 3, 0.7)])["training"]["last_loss"] == 0.7
+    assert whole_server_status([answer(0, 0, None), answer(1, 0, None)])["training"]["last_loss"] is None
 
 
 # -- the rounds over gloo -------------------------------------------------------------------
@@ -259,6 +262,9 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
         # a rollback asked of replica 1 is applied by both
         r = httpx.post(f"http://{addresses[1]}/v1/adapters/rollback", json={"version": 0}, timeout=60)
         assert r.status_code == 200, r.text
+        answered = r.json()  # the whole server's, as GET answers: every replica's card, the counters summed
+        assert [c["rank"] for c in answered["replicas"]] == [0, 1] and answered["version"] == status["version"] + 1
+        assert answered["training"]["trained_entries"] == 2
         rolled = _status(url)
         assert rolled["version"] == status["version"] + 1 and rolled["rollbacks"]["manual"] == 1
         assert {c["digest"] for c in rolled["replicas"]} == {rolled["replicas"][0]["digest"]} != {cards[0]["digest"]}
