@@ -82,19 +82,25 @@ def join_group(replica: Replica, device: str) -> None:
     logger.info("replica %d of %d joined the group (%s, %s)", replica.rank, replica.world_size, backend, device)
 
 
+# the environment variable in which `launch` names the agent to its replicas
+AGENT_PID_VARIABLE = "ALCHEMIST_AGENT_PID"
+
+
 def die_with_parent() -> None:
     """SIGTERM to this process when the agent that started it dies (Linux), so that no
     orphaned replica keeps serving the shared port, nor waits for a group that will never
     form. Called first thing in a replica: an agent killed while its replicas start (or
-    restart) takes them along. One whose agent died before this call (reparented to init)
-    exits now."""
+    restart) takes them along. One whose agent (`alchemist serve -dp N`, which names itself
+    in the environment; torchrun does not) died before this call, and so is no longer its
+    parent, exits now. (Not "the parent is init": in a container the agent is PID 1.)"""
     import ctypes
     import signal
 
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
-        raise SystemExit("alchemist: the agent that started this replica is gone")
+    agent = os.environ.get(AGENT_PID_VARIABLE)
+    if agent is not None and os.getppid() != int(agent):
+        raise SystemExit(f"alchemist: the agent that started this replica (pid {agent}) is gone")
 
 
 def exchange_addresses(own: str) -> list[str]:
@@ -141,6 +147,7 @@ def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
                           monitor_interval=0.5)
     logger.info("starting %d replicas (restarted up to %d times)", replicas, max_restarts)
+    os.environ[AGENT_PID_VARIABLE] = str(os.getpid())  # the replicas' parent: die_with_parent checks it
     try:
         elastic_launch(config, entrypoint=sys.executable)("-m", "server.cli", *argv)
     except ChildFailedError as exc:

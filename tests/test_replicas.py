@@ -360,3 +360,22 @@ def test_a_replica_dies_with_its_agent_even_while_it_waits_for_its_group(tmp_pat
     finally:
         if not _gone_or_zombie(replica):
             os.kill(replica, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("agent_alive", [True, False], ids=["its-parent", "gone"])
+def test_a_replica_whose_agent_is_gone_before_it_starts_exits(agent_alive):
+    """The agent names itself (ALCHEMIST_AGENT_PID): a replica whose parent is no longer it
+    exits; one whose parent is, runs on — also where the agent is PID 1, in a container."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    agent = os.getpid() if agent_alive else 2 ** 22 + 7  # the test process is the replica's parent
+    run = subprocess.run([sys.executable, "-c", "from server.replicas import die_with_parent; die_with_parent(); "
+                          "print('serving')"], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root), "ALCHEMIST_AGENT_PID": str(agent)})
+    if agent_alive:
+        assert run.returncode == 0 and run.stdout.strip() == "serving", run.stderr
+    else:
+        assert run.returncode != 0 and f"(pid {agent}) is gone" in run.stderr
+
