@@ -54,26 +54,29 @@ def error_response(err: APIError) -> JSONResponse:
 def _loc_to_param(loc: tuple) -> str:
     parts = [str(p) for p in loc if p not in ("body",)]
     # pydantic appends the union member it tried ("str", "list[TextPart]"); drop those
-    parts = [p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int", "float", "bool")]
+    # and a union's model by its class name ("NamedToolChoice"): fields are snake_case
+    parts = [p for p in parts if not any(c in p for c in "[]") and p not in ("str", "int", "float", "bool")
+             and not p[:1].isupper()]
     out = ""
     for p in parts:
         out += f"[{p}]" if p.isdigit() else (f".{p}" if out else p)
     return out or "body"
 
 
-def _best_match(errors: list[dict]) -> dict:
+def _best_match(errors: list[dict], tagged: bool = False) -> dict:
     """The first error's field, as the member of a union that got furthest explains it: the
     deepest location, a value's constraint before a type mismatch (`[[-1]]` as a prompt is
-    a negative token id, not a list that should have been a string)."""
-    field = tuple(errors[0]["loc"])[:1]
-    same = [e for e in errors if tuple(e["loc"])[:1] == field]
+    a negative token id, not a list that should have been a string). `tagged`: the
+    location starts with the body's tag, then the field."""
+    field = tuple(errors[0]["loc"])[:2 if tagged else 1]
+    same = [e for e in errors if tuple(e["loc"])[:len(field)] == field]
     return max(same, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
 
 
 def validation_error(exc: ValidationError | RequestValidationError, tagged: bool = False) -> APIError:
     """`tagged`: a tagged union's error, whose location starts with the member's tag."""
     errors = exc.errors()
-    first = _best_match(errors) if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    first = _best_match(errors, tagged) if errors else {"loc": (), "msg": "invalid request", "type": ""}
     param = _loc_to_param(tuple(first.get("loc", ()))[1 if tagged else 0:])
     if first.get("type") == "extra_forbidden":
         why = NOT_OFFERED.get(param)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ADMIN_PREFIX = "/v1/adapters"
 # routes counted under their own label; anything else is counted as "other"
 KNOWN_ROUTES = frozenset(PLAIN_PATHS)
+logger = logging.getLogger(__name__)
 # the longest client X-Request-Id echoed back (a longer one gets a new id)
 MAX_REQUEST_ID_CHARS = 256
 
@@ -83,6 +85,12 @@ class RequestGuard:
                 self.in_flight += 1
             try:
                 await self.app(scope, self._limited(receive), counting_send)
+            except Exception as exc:  # past the app's handlers: answered here, with the request id
+                if status_seen:
+                    raise  # a response began: nothing can be sent any more
+                logger.exception("unhandled error")
+                await _send_error(counting_send, APIError(500, f"internal error: {type(exc).__name__}",
+                                                          type="server_error"))
             finally:
                 if admitted:
                     self.in_flight -= 1

@@ -116,14 +116,18 @@ class _SamplingFields(Strict):
             raise InvalidParameter("max_new_tokens", f"max_new_tokens must be at least 0, got {self.max_new_tokens}")
         return self.max_new_tokens if given is None else min(given, self.max_new_tokens)
 
-    def prompt_tail(self, max_model_len: int) -> int | None:
-        """How many of the prompt's last tokens to keep (`truncate_prompt_tokens`), or None: all."""
+    def prompt_tail(self, max_model_len: int, max_tokens: int | None) -> int | None:
+        """How many of the prompt's last tokens to keep (`truncate_prompt_tokens`), or None:
+        all. -1 keeps as many as the context holds beside the output (`max_tokens`, at least
+        the one token a prompt is answered with)."""
         if self.truncate_prompt_tokens is None:
             return None
         if self.truncate_prompt_tokens == 0:
             raise InvalidParameter("truncate_prompt_tokens", "truncate_prompt_tokens must be at least 1, or -1 "
                                    "for as many as the context holds")
-        return max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        if self.truncate_prompt_tokens == -1:
+            return max(1, max_model_len - max(1, max_tokens or 0))
+        return self.truncate_prompt_tokens
 
     def _grammar(self, response_format: ResponseFormat | None = None) -> Grammar | None:
         """The one constraint on the output this request asks for, if any."""

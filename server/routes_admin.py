@@ -145,7 +145,10 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
         except RuntimeError as exc:  # the replicas' rounds stopped
             raise APIError(503, f"the rollback did not reach every replica: {exc}", code="replica_unavailable",
                            headers={"Retry-After": "1"}) from None
-        return await server_status(request, whole=True)  # as GET /v1/adapters answers, every replica's
+        try:  # as GET /v1/adapters answers: every replica's
+            return await server_status(request, whole=True)
+        except APIError:  # a replica did not answer: the rollback is done all the same; this one's
+            return await server_status(request, whole=False)
 
 
 def owner_elsewhere(state: ServerState, request: Request, completion_id: str) -> int | None:

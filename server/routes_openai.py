@@ -71,7 +71,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     tools = body.tool_use()
     params = body.sampling_params(tools=tools, tool_call_token=state.tool_call_token, defaults=state.sampling_defaults)
     prompt_ids = render_chat(state.tokenizer, body, tools=tools)
-    tail = body.prompt_tail(state.max_model_len)
+    tail = body.prompt_tail(state.max_model_len, params.max_tokens)
     truncated = tail is not None and len(prompt_ids) > tail
     if truncated:
         prompt_ids = prompt_ids[-tail:]
@@ -112,7 +112,7 @@ async def serve_completion(state: ServerState, request: Request):
         raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
                        "best_of")
     params = body.sampling_params(defaults=state.sampling_defaults)
-    prompts = completion_prompts(state.tokenizer, body.prompt, body.prompt_tail(state.max_model_len))
+    prompts = completion_prompts(state.tokenizer, body.prompt, body.prompt_tail(state.max_model_len, params.max_tokens))
     request_id = state.completion_id("cmpl")
     # with one prompt, the completion id is the training entry's id (for feedback)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]

@@ -6,7 +6,8 @@
 `/tokenizer_info` gives the special tokens and the chat template (vLLM's, there behind a
 flag; here always: /tokenize already serves the tokenizer). With the three,
 lm-evaluation-harness tokenizes through the server (`tokenizer_backend=remote`, which its
-default `auto` picks), with no copy of the tokenizer on the client's side.
+default picked in lm_eval 0.4.13, the version tried), with no copy of the tokenizer on the
+client's side.
 """
 
 from __future__ import annotations

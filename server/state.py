@@ -28,6 +28,10 @@ class FeedbackSink(Protocol):
         """Attaches a label to its completion's entry (blocking: call on a worker thread)."""
         ...
 
+    def count(self, result: FeedbackResult, rewards: list[float] | None = None) -> None:
+        """Counts an outcome: also a body refused before it reached `submit`."""
+        ...
+
 
 class SavedAdapters(Protocol):
     def saved_versions(self) -> list[SavedVersion]: ...

@@ -74,6 +74,23 @@ def test_every_response_carries_a_request_id_the_client_may_choose(keyed_server)
     assert len(get(f"{keyed_server.url}/health").headers.get_list("x-request-id")) == 1
 
 
+def test_an_unhandled_error_is_a_500_in_openai_format_with_its_request_id():
+    from fastapi.testclient import TestClient
+
+    app = tiny_app()
+
+    async def broken():
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/broken", broken, methods=["GET"])
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.get("/broken", headers={"X-Request-Id": "trace-500"})
+        assert r.status_code == 500 and r.headers["x-request-id"] == "trace-500"
+        assert r.json()["error"] == {"message": "internal error: RuntimeError", "type": "server_error",
+                                     "param": None, "code": None}
+        assert 'alchemist:http_requests_total{handler="other",status="500"} 1.0' in client.get("/metrics").text
+
+
 def test_a_replicas_question_to_another_is_not_counted_as_a_request(keyed_server):
     """A label forwarded to the replica that served it, or /metrics gathered from every
     replica, is one client request: counted where the client asked, not again where a

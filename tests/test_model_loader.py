@@ -122,9 +122,10 @@ def test_a_replica_converts_the_embedded_model_before_it_joins_its_group(monkeyp
 
     calls = []
     monkeypatch.setattr("engine.model_loader.embedded_model_dir", lambda: calls.append("convert"))
+    monkeypatch.setattr(server.replicas, "die_with_parent", lambda: calls.append("die with the agent"))
     monkeypatch.setattr(server.replicas, "join_group", lambda replica, device: calls.append("join"))
     monkeypatch.setattr(server.serve, "run_replica", lambda config, replica: calls.append("serve"))
     for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
     assert main(["serve", "--device", "cpu", "--data-parallel-size", "2"]) == 0
-    assert calls == ["convert", "join", "serve"]
+    assert calls == ["die with the agent", "convert", "join", "serve"]

@@ -224,6 +224,8 @@ def test_bad_completion_requests(client):
     r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": [[5, -1]]})
     assert r.json()["error"]["message"] == "Invalid value for 'prompt[0][1]': Input should be greater than or " \
         "equal to 0 (got -1).", r.text
+    r = chat(client, tool_choice={"type": "function"})  # a union member is named by its field, not its class
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function", r.text
 
 
 def test_unknown_route_and_method_get_openai_errors(client):
@@ -296,5 +298,7 @@ def test_the_generation_fields_lm_evaluation_harness_passes_on(client):
     assert whole["usage"]["prompt_tokens"] == 5
     long_text = "word " * 400  # past the fixture's 256-token context: the last 200 tokens fit it
     assert complete(prompt=long_text, max_tokens=1, truncate_prompt_tokens=200)["usage"]["prompt_tokens"] == 200
+    # -1: as many as the context holds beside the output
+    assert complete(prompt=long_text, max_tokens=6, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == 250
     r = chat(client, max_tokens=1, truncate_prompt_tokens=4)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4, r.text

@@ -227,7 +227,7 @@ def _labelled_before(ledger: Ledger | None, completion_id: str) -> None:
         return
     try:
         rows = read_ledger(ledger.path, "r.id = ? AND l.request_id IS NOT NULL", (completion_id,))
-    except sqlite3.Error:
+    except (sqlite3.Error, OSError):
         return  # unreadable now: answered as the cache alone would
     if rows:
         fate = rows[0].fate
