@@ -107,9 +107,6 @@ class _SamplingFields(Strict):
     def _output_limit(self, given: int | None) -> int | None:
         """The output's limit: `given` (the request's own field, checked by the caller) and
         max_new_tokens, the smaller of those sent."""
-        if self.num_beams != 1:
-            raise InvalidParameter("num_beams", f"beam search is not supported; num_beams must be 1, got "
-                                   f"{self.num_beams}")
         if self.max_new_tokens is None:
             return given
         if self.max_new_tokens < 0:
@@ -149,6 +146,9 @@ class _SamplingFields(Strict):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                          defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """`defaults`: for the sampling fields the body leaves out (server/generation_config.py)."""
+        if self.num_beams != 1:
+            raise InvalidParameter("num_beams", f"beam search is not supported; num_beams must be 1, got "
+                                   f"{self.num_beams}")
         optional = {
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,

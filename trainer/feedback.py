@@ -254,7 +254,7 @@ def _commit(to: _Labels, entry: CacheEntry, label, skip: bool = False) -> None:
     if not to.cache.attach_label(entry, label, skip):
         if to.ledger is not None:
             to.ledger.withdraw_label(completion_id)  # answered as refused: it must not train after a restart
-        _waiting_entry(to.cache, completion_id, to.ledger)
+        _waiting_entry(to.cache, completion_id)  # (not the ledger: it still holds the label just withdrawn)
         raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
                       "label_exists")
 
