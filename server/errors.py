@@ -63,14 +63,27 @@ def _loc_to_param(loc: tuple) -> str:
     return out or "body"
 
 
+# what a type error's member expected, as JSON kinds (bool is not a number to a schema)
+_EXPECTED_KINDS = {"string_type": (str,), "int_type": (int, float), "float_type": (int, float), "list_type": (list,),
+                   "dict_type": (dict,), "bool_type": (bool,)}
+
+
 def _best_match(errors: list[dict], tagged: bool = False) -> dict:
     """The first error's field, as the member of a union that got furthest explains it: the
     deepest location, a value's constraint before a type mismatch (`[[-1]]` as a prompt is
-    a negative token id, not a list that should have been a string). `tagged`: the
-    location starts with the body's tag, then the field."""
+    a negative token id, not a list that should have been a string), the furthest item of
+    a list (`["a", 1]`: its item 1 should be a string), then the member that expected the
+    value's kind (`[1.5]`: a token id should be an integer). `tagged`: the location starts
+    with the body's tag, then the field."""
     field = tuple(errors[0]["loc"])[:2 if tagged else 1]
     same = [e for e in errors if tuple(e["loc"])[:len(field)] == field]
-    return max(same, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
+    return max(same, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type"),
+                                    [part for part in e["loc"] if isinstance(part, int)], _expected_its_kind(e)))
+
+
+def _expected_its_kind(error: dict) -> bool:
+    value, kinds = error.get("input"), _EXPECTED_KINDS.get(error["type"], ())
+    return isinstance(value, kinds) and (isinstance(value, bool) == (bool in kinds))
 
 
 def validation_error(exc: ValidationError | RequestValidationError, tagged: bool = False) -> APIError:

@@ -57,18 +57,32 @@ def chat_logprobs(tokens: TokenShown, logprobs: list[TokenLogprob]) -> list[dict
             for lp in logprobs]
 
 
+class TextOffsets:
+    """A choice's `text_offset`s: each token's counts the characters the tokens before it
+    completed, so a token holding part of a UTF-8 character (shown as U+FFFD) adds none
+    until the one that completes it. A stream keeps one per choice across its chunks,
+    whose tokens may split a character between them."""
+
+    def __init__(self, start: int = 0):
+        self.offset = start
+        self._characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset of the token whose bytes are `raw`; moves past what they complete."""
+        at = self.offset
+        self.offset += len(self._characters.decode(raw))
+        return at
+
+
 def completion_logprobs(tokens: TokenShown, logprobs: list[TokenLogprob | None], token_ids: list[int],
-                        offset: int) -> dict:
-    """`choices[i].logprobs` of a text completion; `offset`: the text offset of the first token.
-    A token's offset counts the characters the tokens before it completed: a token holding
-    part of a character (shown as U+FFFD) adds none until the one that completes it."""
-    texts, values, tops, offsets = [], [], [], []
-    characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                        offsets: TextOffsets) -> dict:
+    """`choices[i].logprobs` of a text completion; `offsets` carries on from the choice's
+    tokens before these."""
+    texts, values, tops, text_offsets = [], [], [], []
     for token_id, lp in zip(token_ids, logprobs):
         text = tokens.text(token_id)
         texts.append(text)
-        offsets.append(offset)
-        offset += len(characters.decode(tokens.raw_bytes(token_id)))
+        text_offsets.append(offsets.advance(tokens.raw_bytes(token_id)))
         if lp is None:
             values.append(None)
             tops.append(None)
@@ -77,7 +91,7 @@ def completion_logprobs(tokens: TokenShown, logprobs: list[TokenLogprob | None],
             top = {tokens.text(t): clamp_logprob(v) for t, v in lp.top}
             top.setdefault(text, clamp_logprob(lp.logprob))
             tops.append(top)
-    return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offsets}
 
 
 class Choices:
@@ -144,7 +158,7 @@ def text_completion(request_id: str, model: str, created: int, choices: Choices,
             if echo:
                 ids = prompt_ids + ids
                 values = list(choices.prompt_logprobs.get(k // n) or [None] * len(prompt_ids)) + values
-            lp = completion_logprobs(tokens, values, ids, 0)
+            lp = completion_logprobs(tokens, values, ids, TextOffsets())
         rendered.append({"index": k, "text": text, "logprobs": lp, "finish_reason": finish_reason(choices.reasons[k]),
                          "stop_reason": choices.stop_reasons[k]})
     prompt_tokens = sum(len(ids) for ids, _ in prompts)

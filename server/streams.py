@@ -15,7 +15,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import ErrorKind
 from engine.request import EngineRequest
 from server.errors import APIError, error_body
-from server.responses import chat_logprobs, chunk, completion_logprobs, finish_reason, usage
+from server.responses import TextOffsets, chat_logprobs, chunk, completion_logprobs, finish_reason, usage
 from server.token_shown import TokenShown
 from server.tool_calls import ToolCallParser
 
@@ -192,7 +192,7 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
         value = usage_value or (counts.now() if counts.continuous else None)
         return _event(chunk(request_id, "text_completion", model, created, choices, value, counts.include))
 
-    offsets = [0] * (len(prompts) * n)
+    offsets = [TextOffsets() for _ in range(len(prompts) * n)]
     echoed = [False] * (len(prompts) * n)
     try:
         async for prompt_index, output in merge(streams):
@@ -209,7 +209,6 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
                 if not text and not c.finish_reason and not ids:
                     continue
                 lp = completion_logprobs(tokens, values, ids, offsets[k]) if logprobs is not None else None
-                offsets[k] += len(text)
                 yield event([{"index": k, "text": text, "logprobs": lp,
                               "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])
         if counts.include:

@@ -373,6 +373,29 @@ def test_a_label_sent_again_after_a_restart_is_told_it_exists_as_before_the_rest
     second.close()
 
 
+def test_a_label_sent_again_to_a_batch_of_prompts_after_a_restart_is_told_which_prompt_has_it(tmp_path):
+    """A `/v1/completions` request of two prompts keeps an entry per prompt (`<id>-<i>`);
+    both were labelled, trained and saved before the crash, so the restarted cache knows
+    neither. A label sent again to the request's id is the label of the prompt its choice
+    answers: 409, naming that prompt's entry (it was a 404); a choice past the batch's
+    prompts stays a 404."""
+    first = _training(tmp_path, save_every=1)
+    for prompt in range(2):
+        serve(first, f"cmpl-x-{prompt}")
+        label(first, f"cmpl-x-{prompt}")
+    first.train_until_idle()
+    _crash(first)
+    second = _training(tmp_path, save_every=1)
+    assert all(second.cache.get(f"cmpl-x-{prompt}") is None for prompt in range(2))
+    for prompt in range(2):
+        again = second.feedback.submit(FeedbackLabel("cmpl-x", "Lyon.", None, prompt))
+        assert again.outcome is FeedbackOutcome.CONFLICT and again.code == "label_exists", again
+        assert f"'cmpl-x-{prompt}'" in again.message and "trained into version" in again.message
+    past = second.feedback.submit(FeedbackLabel("cmpl-x", "Lyon.", None, 2))
+    assert past.outcome is FeedbackOutcome.UNKNOWN and past.code == "entry_not_found"
+    second.close()
+
+
 def test_group_rewards_survive_a_restart_and_train_with_the_served_log_probs(tmp_path):
     from tests.test_grpo import reward, serve_group
 

@@ -1,8 +1,8 @@
 """Response rendering alone (server/responses.py): no server, no model."""
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from server.responses import (MIN_LOGPROB, Choices, chat_completion, chat_logprobs, completion_logprobs,
-                              finish_reason, text_completion, usage)
+from server.responses import (MIN_LOGPROB, Choices, TextOffsets, chat_completion, chat_logprobs,
+                              completion_logprobs, finish_reason, text_completion, usage)
 from server.token_shown import TokenShown
 
 class _Tokenizer:
@@ -35,7 +35,7 @@ def test_logprobs_are_clamped_and_carry_bytes():
                          "top_logprobs": [{"token": "lo", "logprob": -0.5, "bytes": [108, 111]}]}]
     partial = chat_logprobs(TEXT, [TokenLogprob(4, -1.0, [])])  # OpenAI's bytes: the token's own, not U+FFFD's
     assert partial == [{"token": "\ufffd", "logprob": -1.0, "bytes": [0xC3], "top_logprobs": []}]
-    legacy = completion_logprobs(TEXT, [None, TokenLogprob(2, -1.0, [(3, -2.0)])], [1, 2], 5)
+    legacy = completion_logprobs(TEXT, [None, TokenLogprob(2, -1.0, [(3, -2.0)])], [1, 2], TextOffsets(5))
     assert legacy == {"tokens": ["Hel", "lo"], "token_logprobs": [None, -1.0],
                       "top_logprobs": [None, {"!": -2.0, "lo": -1.0}], "text_offset": [5, 8]}
 
@@ -43,9 +43,18 @@ def test_logprobs_are_clamped_and_carry_bytes():
 def test_a_text_offset_counts_the_characters_the_tokens_before_it_completed():
     """OpenAI's text_offset indexes the text: the two halves of é (each shown as U+FFFD)
     start where é does, and the token after them one character later."""
-    rendered = completion_logprobs(TEXT, [None] * 4, [1, 4, 5, 3], 0)
+    rendered = completion_logprobs(TEXT, [None] * 4, [1, 4, 5, 3], TextOffsets())
     assert rendered["tokens"] == ["Hel", "\ufffd", "\ufffd", "!"] and rendered["text_offset"] == [0, 3, 3, 4]
     assert "Helé!"[rendered["text_offset"][3]:] == "!"
+
+
+def test_a_character_split_between_stream_chunks_is_counted_once():
+    """A stream renders each chunk's tokens apart: é's first byte ends one chunk and its
+    second opens the next, and the choice's offsets carry on as if they were one call."""
+    offsets = TextOffsets()
+    first = completion_logprobs(TEXT, [None] * 2, [1, 4], offsets)
+    second = completion_logprobs(TEXT, [None] * 2, [5, 3], offsets)
+    assert first["text_offset"] + second["text_offset"] == [0, 3, 3, 4]
 
 
 def test_chat_completion_accumulates_deltas_per_choice():

@@ -83,6 +83,21 @@ def test_completions_echo_with_logprobs_scores_the_prompt(client):
     assert lp["text_offset"][0] == 0
 
 
+def test_a_streamed_completions_text_offsets_are_the_whole_ones_across_split_characters(client):
+    """Characters of several tokens, streamed a token or so per chunk: each chunk's offsets
+    carry on from the last chunk's, partial characters included, as the whole response's."""
+    body = {"model": TINY_NAME, "prompt": "Hi", "max_tokens": 24, "temperature": 0, "logprobs": 0,
+            "structured_outputs": {"regex": "🌍 日本!"}}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [e for e in sse_events(r) if e != "[DONE]" and e["choices"]]
+    assert len(chunks) > 2 and whole["text"] == "🌍 日本!"
+    streamed = [offset for c in chunks for offset in (c["choices"][0]["logprobs"] or {}).get("text_offset", [])]
+    assert streamed == whole["logprobs"]["text_offset"]
+    tokens, offsets = whole["logprobs"]["tokens"], whole["logprobs"]["text_offset"]
+    assert whole["text"][offsets[tokens.index("!")]:] == "!"
+
+
 def test_completions_batch_of_prompts_and_n(client):
     r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": ["Hello", "Paris"], "max_tokens": 2,
                                              "n": 2, "seed": 1})
@@ -224,6 +239,10 @@ def test_bad_completion_requests(client):
     r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": [[5, -1]]})
     assert r.json()["error"]["message"] == "Invalid value for 'prompt[0][1]': Input should be greater than or " \
         "equal to 0 (got -1).", r.text
+    for prompt, message in (([1.5], "'prompt[0]': Input should be a valid integer (got 1.5)"),  # the member for numbers
+                            (["a", 1], "'prompt[1]': Input should be a valid string (got 1)")):  # the furthest item
+        r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": prompt})
+        assert r.status_code == 400 and r.json()["error"]["message"] == f"Invalid value for {message}.", r.text
     r = chat(client, tool_choice={"type": "function"})  # a union member is named by its field, not its class
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function", r.text
 

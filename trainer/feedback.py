@@ -26,7 +26,8 @@ from typing import Callable
 from trainer.cache import ActivationCache
 from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, PreferenceLabel
 from trainer.ledger import LabelExists, Ledger, LedgerUnavailable
-from trainer.ledger_db import LabelRecord, read_ledger
+from trainer.label_history import is_prompt_of, kept_label
+from trainer.ledger_db import LabelRecord
 
 
 class FeedbackOutcome(str, enum.Enum):
@@ -120,13 +121,6 @@ def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: C
     return ACCEPTED
 
 
-def is_prompt_of(completion_id: str, entry_id: str) -> bool:
-    """Whether `entry_id` is one prompt's entry (`<id>-<i>`) of a `/v1/completions`
-    request of several prompts, `completion_id`."""
-    prefix, _, index = entry_id.rpartition("-")
-    return prefix == completion_id and index.isascii() and index.isdigit()
-
-
 def entry_ids_of(cache: ActivationCache, completion_id: str) -> list[str]:
     """The ids of the cache's entries for `completion_id`: its own, or its prompts' (`<id>-<i>`,
     a `/v1/completions` request of several) up to the last live one or the last known in
@@ -184,10 +178,11 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
                                **{name: index - prompt * (per_prompt or 1) for name, index in indices.items()})
 
 
-def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | None = None) -> CacheEntry:
+def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | None = None,
+                   choice: int = 0) -> CacheEntry:
     """The completion's entry, still without a label; refuses (404/409/400) otherwise. An
     entry this process never had may have had its label before a restart: the `ledger`
-    says so (409, as before the restart)."""
+    says so (409, as before the restart), of a batch's prompt by the label's `choice`."""
     entry = cache.get(completion_id)
     if entry is None:
         ended = cache.ended_state(completion_id)
@@ -207,7 +202,7 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
                           "were deleted (DELETE /v1/feedback/{id} or /v1/chat/completions/{id}), and a deleted "
                           "completion takes no new label", "id", "entry_not_found")
         if ended is None:
-            _labelled_before(ledger, completion_id)
+            _labelled_before(ledger, completion_id, choice)
         reason = {EntryState.EXPIRED: "it expired (no feedback within the label timeout)",
                   EntryState.DROPPED: "it was dropped (its request was cut short, or the bound on entries "
                                       "waiting for a label, train.max_label_entries, was reached)"}.get(
@@ -220,21 +215,19 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
     return entry
 
 
-def _labelled_before(ledger: Ledger | None, completion_id: str) -> None:
+def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int) -> None:
     """Refuses with 409 a completion whose label the ledger holds (a label sent again after
-    a restart, when this process's cache never knew the entry)."""
+    a restart, when this process's cache never knew the entry): its own, or for a batch's
+    id, that of the prompt its choice `choice` answers."""
     if ledger is None:
         return
     try:
-        rows = read_ledger(ledger.path, "r.id = ? AND l.request_id IS NOT NULL", (completion_id,))
+        kept = kept_label(ledger.path, completion_id, choice)
     except (sqlite3.Error, OSError):
         return  # unreadable now: answered as the cache alone would
-    if rows:
-        fate = rows[0].fate
-        how = f"was trained into version {rows[0].fate_version}" if fate == "trained" else (
-            f"is {fate}" if fate else "waits to be trained")
-        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label, kept in the "
-                      f"feedback ledger (it {how})", "id", "label_exists")
+    if kept is not None:
+        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {kept.entry_id!r} already has its label, kept in the "
+                      f"feedback ledger (it {kept.how()})", "id", "label_exists")
 
 
 def _commit(to: _Labels, entry: CacheEntry, label, skip: bool = False) -> None:
@@ -318,7 +311,7 @@ def _attach_indices(to: _Labels, request: FeedbackLabel) -> None:
         missing = "chosen_index" if chosen is None else "rejected_index"
         raise _refuse(FeedbackOutcome.INVALID, "give both 'chosen_index' and 'rejected_index'", missing,
                       "missing_required_parameter")
-    entry = _waiting_entry(to.cache, completion_id, to.ledger)  # an unknown id is a 404 before the pair is compared
+    entry = _waiting_entry(to.cache, completion_id, to.ledger, chosen)  # an unknown id: 404 before the pair's checks
     if chosen == rejected:
         raise _refuse(FeedbackOutcome.INVALID, "'chosen_index' and 'rejected_index' are the same choice",
                       "rejected_index", "invalid_value")
@@ -349,7 +342,7 @@ def _attach(to: _Labels, request: FeedbackLabel, response_ids, max_model_len: in
     # the texts are tokenized first, with nothing locked: a large label stalls no one
     texts_ids = {name: response_ids(text) for name, text in (("chosen", chosen), ("rejected", rejected))
                  if text is not None}
-    entry = _waiting_entry(to.cache, completion_id, to.ledger)
+    entry = _waiting_entry(to.cache, completion_id, to.ledger, choice_index)
     served = None
     if chosen is None or rejected is None:
         if not entry.response_finished:

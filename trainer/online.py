@@ -31,8 +31,8 @@ from trainer.cache import ActivationCache
 from trainer.entries import EntryState
 from trainer.eval_gate import Verdict
 from trainer.config import TrainConfig
-from trainer.feedback import is_prompt_of
 from trainer.intake import FeedbackIntake
+from trainer.label_history import is_prompt_of
 from trainer.ledger import Ledger
 from trainer.lifecycle import AdapterLifecycle
 from trainer.maintenance import Maintenance
