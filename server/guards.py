@@ -47,6 +47,9 @@ class GuardConfig:
     # generation requests in flight at once (running + queued); more get 429
     max_in_flight: int = 1 << 30
     max_body_bytes: int = 4 << 20
+    # the private port a replica is asked on by the others (server/fanout.py): their
+    # questions, which carry its header there, are not counted as requests
+    replica_port: int | None = None
 
 
 class RequestGuard:
@@ -64,7 +67,9 @@ class RequestGuard:
         route = path if path in KNOWN_ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
         status_seen = []
         request_id = _request_id(scope)
-        asked_by_replica = _header(scope, LOCAL_HEADER.encode()) == "1"
+        port = (scope.get("server") or (None, None))[1]
+        asked_by_replica = (self.config.replica_port is not None and port == self.config.replica_port
+                            and _header(scope, LOCAL_HEADER.encode()) == "1")
 
         async def counting_send(message):
             if message["type"] == "http.response.start":

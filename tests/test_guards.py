@@ -91,20 +91,36 @@ def test_an_unhandled_error_is_a_500_in_openai_format_with_its_request_id():
         assert 'alchemist:http_requests_total{handler="other",status="500"} 1.0' in client.get("/metrics").text
 
 
-def test_a_replicas_question_to_another_is_not_counted_as_a_request(keyed_server):
+def test_a_replicas_question_to_another_is_not_counted_as_a_request():
     """A label forwarded to the replica that served it, or /metrics gathered from every
     replica, is one client request: counted where the client asked, not again where a
-    replica asked on its behalf (server/fanout.py's header)."""
-    def health_count() -> float:
-        sample = 'alchemist:http_requests_total{handler="/health",status="200"}'
-        lines = [line for line in get(f"{keyed_server.url}/metrics").text.splitlines() if line.startswith(sample)]
-        return float(lines[0].split()[-1]) if lines else 0.0
+    replica asked on its behalf, with server/fanout.py's header on the private port. The
+    header on any other port (a client's) is counted."""
+    from server.fanout import LOCAL_HEADER
+    from server.guards import GuardConfig, RequestGuard
 
-    before = health_count()
-    assert get(f"{keyed_server.url}/health", headers={"x-alchemist-replica-local": "1"}).status_code == 200
-    assert health_count() == before
-    assert get(f"{keyed_server.url}/health").status_code == 200
-    assert health_count() == before + 1
+    async def health(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    counted = []
+    guard = RequestGuard(health, GuardConfig(replica_port=5002), lambda route, status: counted.append(port))
+
+    async def nothing():
+        return {"type": "http.disconnect"}
+
+    async def ignore(message):
+        pass
+
+    for port, header in ((5002, True), (8000, True), (5002, False)):
+        headers = [(LOCAL_HEADER.encode(), b"1")] if header else []
+        scope = {"type": "http", "path": "/health", "headers": headers, "server": ("127.0.0.1", port)}
+        asyncio.run(guard(scope, nothing, ignore))
+    assert counted == [8000, 5002]
+    unreplicated = RequestGuard(health, GuardConfig(), lambda route, status: counted.append("single"))
+    asyncio.run(unreplicated({"type": "http", "path": "/health", "headers": [(LOCAL_HEADER.encode(), b"1")],
+                              "server": ("127.0.0.1", 5002)}, nothing, ignore))
+    assert counted[-1] == "single"
 
 
 def test_bodies_over_the_limit_get_413(keyed_server):
