@@ -37,10 +37,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
                                         out.FeedbackAccepted, protocol.FeedbackRequest, (400, 404, 409, 413, 503)),
     ("delete", "/v1/feedback/{completion_id}"): Operation(
         "Delete a completion's label (it is no longer trained on, nor kept)", out.FeedbackDeleted,
-        errors=(400, 404, 503)),
+        errors=(400, 404, 409, 503)),
     ("delete", "/v1/chat/completions/{completion_id}"): Operation(
         "Delete what the server keeps of a completion: its request and label (OpenAI's stored completions)",
-        out.CompletionDeleted, errors=(400, 404, 503)),
+        out.CompletionDeleted, errors=(400, 404, 409, 503)),
     ("get", "/v1/adapters"): Operation("The live adapter and the saved versions", out.AdapterStatus, errors=(400,)),
     ("post", "/v1/adapters/rollback"): Operation("Make a saved adapter version the live one", out.AdapterStatus,
                                                  protocol.RollbackRequest, (400, 404, 409, 413, 503)),

@@ -191,13 +191,23 @@ def whole_server_status(answers: list[dict]) -> dict:
 
 async def forget(state: ServerState, completion_id: str, label_only: bool) -> None:
     """Deletes what the server keeps of a completion (404 if it keeps nothing; 503 if the
-    feedback ledger cannot be written now)."""
+    feedback ledger cannot be written now). A label being trained is withdrawn from its
+    job on the device thread, the job's other labels requeued; one whose step is already
+    being combined across replicas trains (409 if the server kept nothing else of it)."""
     training = live_training(state)
     try:
-        found = await asyncio.to_thread(training.forget, completion_id, label_only)
+        forgotten = await asyncio.to_thread(training.forget, completion_id, label_only)
     except LedgerUnavailable as exc:
         raise APIError(503, f"nothing was deleted: {exc}; send it again later", code="ledger_unavailable",
                        headers={"Retry-After": str(LEDGER_RETRY_AFTER_S)}) from None
+    found = forgotten.found
+    if forgotten.training:
+        withdrawn = await state.engine.run_on_device(training.withdraw_from_training, forgotten.training)
+        if not (withdrawn or found):
+            raise APIError(409, f"the label of completion {completion_id!r} is in an optimizer step being "
+                                "applied on every replica, and trains into the next version; nothing else of "
+                                "it is kept", "id", "label_in_training")
+        found = True
     if not found:
         what = "label" if label_only else "stored request"
         raise APIError(404, f"no {what} for completion {completion_id!r}", "id", "not_found")

@@ -17,6 +17,7 @@ from engine.llm_engine import LLMEngine
 from engine.hooks import EngineHooks
 from server.build import build_training_engine
 from tests.tiny import tiny_model, tiny_tokenizer
+from trainer.entries import EntryState
 
 # One intra-op thread unless OMP_NUM_THREADS says otherwise: the models here are tiny, so a
 # second thread buys little, and on a shared 2-core CI machine whose other core is busy it
@@ -78,3 +79,15 @@ def make_training(config, family: str = "llama", offload: OffloadConfig | None =
 
 def engine_of(trainer) -> LLMEngine:
     return _ENGINES[trainer]
+
+
+def run_into_a_backward(training) -> None:
+    """Runs slices until the job in progress has consumed part of its entry's recording."""
+    def consumed(entry) -> bool:
+        return entry.recording is not None and any(segment is None for segment in entry.recording.segments)
+
+    for _ in range(1000):
+        if any(consumed(e) for e in training.cache.entries() if e.state is EntryState.TRAINING):
+            return
+        assert training.run_slice()
+    raise AssertionError("no backward began")

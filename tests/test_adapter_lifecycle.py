@@ -18,7 +18,8 @@ from peft import PeftModel, get_peft_model_state_dict
 
 from trainer.config import AdapterConfig, TrainConfig
 from tests.servers import TINY_NAME, tiny_app, wait_for
-from tests.test_training import make_trainer, serve
+from tests.conftest import make_training, run_into_a_backward
+from tests.test_training import label, make_trainer, serve
 from tests.tiny import tiny_model
 from trainer.adapter_store import AdapterStore
 from trainer.ledger_db import LEDGER_FILE, read_ledger
@@ -222,6 +223,24 @@ def test_rollback_in_the_middle_of_a_job_requeues_its_entry_on_the_recompute_pat
     trainer.train_until_idle()
     assert trainer.optimizer.version == 3
     assert trainer.stats.trained_entries == {("cpt", "reuse"): 1, ("cpt", "recompute"): 1}
+
+
+def test_a_job_abandoned_in_its_backward_retrains_the_half_consumed_entry_by_recomputation():
+    """Dropping a job (a rollback, a label deleted while it trains) in the middle of an
+    entry's backward: that entry's recording is partly freed, so it is recomputed, not
+    back-propagated a second time (which failed the job and dropped both labels)."""
+    training = make_training(TrainConfig(mode="dpo", lora_rank=4))
+    for request_id in ("first", "second"):
+        serve(training, request_id)
+        label(training, request_id)
+    run_into_a_backward(training)
+    dropped = training.trainer.abandon_job()
+    training.train_until_idle()
+    assert training.stats.failed_jobs == 0, "a half-consumed recording was back-propagated again"
+    assert dropped is True
+    trained = training.stats.copy().trained_entries
+    assert sum(trained.values()) == 2 and trained.get(("dpo", "recompute"), 0) >= 1, trained
+    training.close()
 
 
 def test_a_rollback_refused_as_incompatible_leaves_the_job_in_progress():

@@ -11,12 +11,13 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.conftest import engine_of, make_training
+from tests.conftest import engine_of, make_training, run_into_a_backward
 from tests.servers import TINY_NAME, tiny_app, wait_for
 from tests.test_no_label_lost import metric
 from tests.test_training import label, serve
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.config import AdapterConfig, LedgerConfig, TrainConfig
+from trainer.entries import EntryState
 from trainer.feedback import FeedbackLabel, FeedbackOutcome
 from trainer.ledger import Ledger, LabelExists, LedgerUnavailable
 from trainer.ledger_db import LEDGER_FILE, LabelRecord, RequestRecord, read_ledger
@@ -203,7 +204,7 @@ def test_a_deleted_label_is_not_trained_on(tmp_path):
     training = _training(tmp_path)
     serve(training, "r0")
     label(training, "r0")
-    assert training.forget("r0", label_only=True)
+    assert training.forget("r0", label_only=True).found
     assert training.cache.get("r0") is None
     again = training.feedback.submit(FeedbackLabel("r0", "A new label.", None, 0))
     assert again.outcome is FeedbackOutcome.UNKNOWN and "deleted" in again.message
@@ -328,7 +329,7 @@ def test_deleting_a_batch_after_a_restart_withdraws_the_prompts_the_restart_took
     _crash(first)
     second = _training(tmp_path, save_every=1)
     assert second.cache.get("cmpl-x-0") is None and second.cache.get("cmpl-x-1").state.value == "ready"
-    assert second.forget("cmpl-x")
+    assert second.forget("cmpl-x").found
     assert second.cache.get("cmpl-x-1") is None
     second.train_until_idle()
     assert second.stats.copy().trained_entries == {}
@@ -347,6 +348,31 @@ def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):
     second.train_until_idle()
     assert second.stats.copy().trained_entries == {}
     second.close()
+
+
+def test_a_label_deleted_while_it_trains_is_withdrawn_from_its_job_and_the_others_train(tmp_path):
+    """DELETE /v1/feedback/{id} just after the label (an idle server starts its job at
+    once): the job is dropped and its other entry requeued — the one half back-propagated
+    recomputed — so the deleted label never reaches the weights (an outside pass had a 404
+    and the label trained)."""
+    training = _training(tmp_path)
+    for request_id in ("kept", "deleted"):
+        serve(training, request_id)
+        label(training, request_id)
+    run_into_a_backward(training)
+    forgotten = training.forget("deleted", label_only=True)
+    assert forgotten.found and forgotten.training == ["deleted"]  # the ledger's rows went; the entry trains
+    assert training.withdraw_from_training(forgotten.training)
+    assert training.cache.get("deleted") is None and training.cache.get("kept").state is EntryState.READY
+    training.train_until_idle()
+    assert sum(training.stats.copy().trained_entries.values()) == 1 and training.stats.failed_jobs == 0
+    assert training.optimizer.version == 1
+    again = training.feedback.submit(FeedbackLabel("deleted", "A new label.", None, 0))
+    assert again.outcome is FeedbackOutcome.UNKNOWN and "deleted" in again.message
+    training.ledger.flush()
+    rows = rows_by_id(tmp_path / LEDGER_FILE)
+    assert rows["kept"].fate == "trained" and rows["deleted"].label is None
+    training.close()
 
 
 def test_a_label_sent_again_after_a_restart_is_told_it_exists_as_before_the_restart(tmp_path):

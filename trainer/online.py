@@ -49,6 +49,16 @@ from trainer.trainer import Trainer
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Forgotten:
+    """What `OnlineTraining.forget` deleted."""
+
+    # whether the server kept anything of the completion (ledger rows or a cache entry)
+    found: bool
+    # its entries being trained, which `OnlineTraining.withdraw_from_training` withdraws
+    training: list[str]
+
+
 @dataclass(eq=False)
 class OnlineTraining:
     config: TrainConfig
@@ -222,20 +232,32 @@ class OnlineTraining:
             self._digest = (version, weights_digest(self.optimizer.params))
         return self._digest[1]
 
-    def forget(self, completion_id: str, label_only: bool = False) -> bool:
+    def forget(self, completion_id: str, label_only: bool = False) -> Forgotten:
         """Deletes what the server keeps of a completion — its label, or its request and
         label (users' data): the rows leave the ledger first (LedgerUnavailable if it
-        cannot be written, with nothing changed), then its entry leaves the cache, unless
-        it is being trained. A completion of several prompts is deleted with all of them.
-        Whether there was anything. A worker thread's call."""
+        cannot be written, with nothing changed), then its entry leaves the cache. An entry
+        being trained is left for `withdraw_from_training`. A completion of several prompts
+        is deleted with all of them. A worker thread's call."""
         deleted = self.ledger.delete(completion_id, label_only) if self.ledger is not None else False
-        withdrawn = False
+        withdrawn, training = False, []
         for entry in self.cache.entries():
             if entry.completion_id != completion_id and not is_prompt_of(completion_id, entry.completion_id):
                 continue
-            labelled = getattr(entry, "label", None) is not None
-            withdrawn = ((labelled or not label_only) and self.cache.withdraw(entry.completion_id)) or withdrawn
-        return deleted or withdrawn
+            if label_only and getattr(entry, "label", None) is None:
+                continue
+            if self.cache.withdraw(entry.completion_id):
+                withdrawn = True
+            elif entry.state is EntryState.TRAINING:
+                training.append(entry.completion_id)
+        return Forgotten(deleted or withdrawn, training)
+
+    def withdraw_from_training(self, completion_ids: list[str]) -> bool:
+        """Withdraws entries whose data were deleted while they trained (device thread): the
+        job training them is dropped, its other entries requeued, so that a deleted label
+        never reaches the weights — unless the job's gradients already went to a replicas'
+        round. Whether every entry was withdrawn."""
+        self.trainer.abandon_job(of=set(completion_ids))
+        return all([self.cache.withdraw(completion_id) for completion_id in completion_ids])
 
     # -- status and shutdown ----------------------------------------------------------
 

@@ -282,13 +282,20 @@ class Trainer:
         come (the version serving), needs."""
         self.stash.release_except(self.cache.recorded_versions() | {self.lifecycle.serving_version()})
 
-    def abandon_job(self) -> None:
-        """Drops the job in progress: its gradients are discarded, its entries requeued."""
-        job, self._job = self._job, None
-        if job is None:
-            return
+    def abandon_job(self, of: set[str] | None = None) -> bool:
+        """Drops the job in progress — or, with `of`, only a job training one of those
+        completions, and only before its gradients went to a replicas' round: its gradients
+        are discarded and its entries requeued. The entry it was working on is recomputed:
+        its backward may have consumed part of its recording. Whether a job was dropped."""
+        job = self._job
+        if job is None or (of is not None and (job.contributed or not any(e.completion_id in of
+                                                                            for e in job.entries))):
+            return False
+        self._job = None
         if job.current is not None:
             job.current.close()
+            self.cache.free_activations(job.entries[job.index])
         self.optimizer.zero_grad()
         for entry in job.entries:
             self.cache.requeue(entry)
+        return True
