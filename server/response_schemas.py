@@ -267,3 +267,8 @@ class TokenizerInfo(BaseModel):
 
 class Health(BaseModel):
     status: Literal["ok"]
+
+
+class Version(BaseModel):
+    # the installed alchemist package's version
+    version: str

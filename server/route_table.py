@@ -51,6 +51,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/tokenizer_info"): Operation("The served tokenizer's special tokens and chat template (vLLM's)",
                                           out.TokenizerInfo),
     ("get", "/health"): Operation("Liveness: 200 while the engine runs", out.Health, errors=(503,)),
+    ("get", "/version"): Operation("The server's version (vLLM's route)", out.Version),
     ("get", "/metrics"): Operation("Prometheus metrics", None),
 }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.metadata
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -43,6 +44,13 @@ def admin_router(state: ServerState) -> APIRouter:
         if not state.engine.is_alive:
             return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
         return {"status": "ok"}
+
+    @router.get("/version")
+    async def version():
+        try:
+            return {"version": importlib.metadata.version("alchemist")}
+        except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+            return {"version": "unknown"}
 
     @router.get("/metrics", response_class=Response)
     async def metrics(request: Request):
@@ -194,7 +202,11 @@ async def forget(state: ServerState, completion_id: str, label_only: bool) -> No
     feedback ledger cannot be written now). A label being trained is withdrawn from its
     job on the device thread, the job's other labels requeued; one whose step is already
     being combined across replicas trains (409 if the server kept nothing else of it)."""
-    training = live_training(state)
+    what = "label" if label_only else "stored request"
+    training = state.training
+    if training is None:
+        raise APIError(404, f"no {what} for completion {completion_id!r}: training is off on this server, so it "
+                            "keeps no completions", "id", "not_found")
     try:
         forgotten = await asyncio.to_thread(training.forget, completion_id, label_only)
     except LedgerUnavailable as exc:
@@ -204,12 +216,12 @@ async def forget(state: ServerState, completion_id: str, label_only: bool) -> No
     if forgotten.training:
         withdrawn = await state.engine.run_on_device(training.withdraw_from_training, forgotten.training)
         if not (withdrawn or found):
-            raise APIError(409, f"the label of completion {completion_id!r} is in an optimizer step being "
-                                "applied on every replica, and trains into the next version; nothing else of "
-                                "it is kept", "id", "label_in_training")
+            raise APIError(409, f"the label of completion {completion_id!r} was already in an optimizer step "
+                                "that could not be stopped (being applied, or combined across replicas): it "
+                                "trains into the next version; nothing else of it is kept", "id",
+                           "label_in_training")
         found = True
     if not found:
-        what = "label" if label_only else "stored request"
         raise APIError(404, f"no {what} for completion {completion_id!r}", "id", "not_found")
 
 

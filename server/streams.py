@@ -206,8 +206,8 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
                     text = prompt_text + text
                     ids = prompt_ids + ids
                     values = list(output.prompt_logprobs or [None] * len(prompt_ids)) + values
-                if not text and not c.finish_reason and not ids:
-                    continue
+                if not text and not c.finish_reason and (logprobs is None or not ids):
+                    continue  # text held back (a stop string may begin): a chunk once there is some
                 lp = completion_logprobs(tokens, values, ids, offsets[k]) if logprobs is not None else None
                 yield event([{"index": k, "text": text, "logprobs": lp,
                               "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])

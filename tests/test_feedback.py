@@ -169,6 +169,9 @@ def test_feedback_without_training_is_a_clear_400():
     with TestClient(tiny_app()) as client:
         r = feedback(client, id="x", chosen="y")
         assert r.status_code == 400 and "training is off" in r.json()["error"]["message"]
+        for route in ("/v1/feedback/x", "/v1/chat/completions/x"):  # nothing is kept: OpenAI's 404 for an id
+            r = client.delete(route)
+            assert r.status_code == 404 and "keeps no completions" in r.json()["error"]["message"], r.text
 
 
 def test_a_label_reaches_a_prompt_of_a_batch_whose_first_prompt_the_cache_no_longer_remembers():

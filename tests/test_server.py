@@ -98,6 +98,18 @@ def test_a_streamed_completions_text_offsets_are_the_whole_ones_across_split_cha
     assert whole["text"][offsets[tokens.index("!")]:] == "!"
 
 
+def test_a_streamed_completion_sends_no_empty_chunk_while_a_stop_string_may_begin(client):
+    """Text held back because a stop string may begin there is sent once it is known; no
+    chunk without text, finish reason or log-probs comes before it."""
+    body = {"model": TINY_NAME, "prompt": "Hello", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = full[10:16]
+    with client.stream("POST", "/v1/completions", json={**body, "stop": [stop], "stream": True}) as r:
+        choices = [e["choices"][0] for e in sse_events(r) if e != "[DONE]" and e["choices"]]
+    assert "".join(c["text"] for c in choices) == full[:full.index(stop)]
+    assert all(c["text"] or c["finish_reason"] for c in choices), choices
+
+
 def test_completions_batch_of_prompts_and_n(client):
     r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": ["Hello", "Paris"], "max_tokens": 2,
                                              "n": 2, "seed": 1})
@@ -245,6 +257,13 @@ def test_bad_completion_requests(client):
         assert r.status_code == 400 and r.json()["error"]["message"] == f"Invalid value for {message}.", r.text
     r = chat(client, tool_choice={"type": "function"})  # a union member is named by its field, not its class
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function", r.text
+
+
+def test_version_is_the_installed_packages_as_vllms_route_gives_it(client):
+    import importlib.metadata
+
+    r = client.get("/version")
+    assert r.status_code == 200 and r.json() == {"version": importlib.metadata.version("alchemist")}
 
 
 def test_unknown_route_and_method_get_openai_errors(client):
