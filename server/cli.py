@@ -167,7 +167,7 @@ def export_feedback(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from trainer.export import ExportError, export_rows, parse_since
+    from trainer.export import ExportError, export_rows, parse_since, write_jsonl
     from trainer.ledger_db import LEDGER_FILE, read_ledger
 
     try:
@@ -177,11 +177,10 @@ def export_feedback(args: argparse.Namespace) -> int:
     except (ExportError, FileNotFoundError) as exc:
         print(f"alchemist: {exc}", file=sys.stderr)
         return 2
-    lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in dataset)
     if args.out:
-        Path(args.out).write_text(lines)
+        write_jsonl(args.out, dataset)
     else:
-        sys.stdout.write(lines)
+        sys.stdout.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in dataset))
     skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
     print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{skipped}",
           file=sys.stderr)

@@ -15,7 +15,7 @@ from server.cli import main
 from tests.servers import TINY_NAME, tiny_app
 from tests.tiny import tiny_tokenizer
 from trainer.config import AdapterConfig, TrainConfig
-from trainer.export import ExportError, export_rows, parse_since
+from trainer.export import ExportError, export_rows, parse_since, write_jsonl
 from trainer.ledger import Ledger
 from trainer.ledger_db import LEDGER_FILE, ChoiceRecord, LabelRecord, RequestRecord, read_ledger
 
@@ -204,3 +204,16 @@ def test_a_ledger_written_before_requests_kept_their_tools_is_read_and_extended(
     ledger.close()
     assert [(row.request.id, row.request.tools, row.request.chat_template_kwargs) for row in read_ledger(path)] == [
         ("old", None, None), ("new", [WEATHER], {"terse": True})]
+
+
+def test_an_export_interrupted_midway_leaves_the_file_that_was_there(tmp_path):
+    """The rows go to a temporary file renamed into place once whole: an export that dies
+    midway (here: a row it cannot write; an outside pass killed one with -9) leaves the
+    previous dataset, loadable, and no half line."""
+    out = tmp_path / "prefs.jsonl"
+    write_jsonl(out, [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    with pytest.raises(TypeError):
+        write_jsonl(out, [{"prompt": "x", "chosen": "y", "rejected": "z"}, {"prompt": {"not", "json"}}])
+    assert list(load_dataset("json", data_files=str(out), split="train")) == [
+        {"prompt": "a", "chosen": "b", "rejected": "c"}]
+    assert [p.name for p in tmp_path.iterdir()] == ["prefs.jsonl"]

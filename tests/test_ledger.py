@@ -350,6 +350,19 @@ def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):
     second.close()
 
 
+def test_a_deleted_label_is_still_said_deleted_after_a_restart(tmp_path):
+    """The 404 says why, before and after a crash (an outside pass read "unknown" after)."""
+    first = _training(tmp_path)
+    serve(first, "r0")
+    label(first, "r0")
+    assert first.forget("r0", label_only=True).found
+    _crash(first)
+    second = _training(tmp_path)
+    again = second.feedback.submit(FeedbackLabel("r0", "A new label.", None, 0))
+    assert again.outcome is FeedbackOutcome.UNKNOWN and "data were deleted" in again.message, again
+    second.close()
+
+
 def test_a_label_deleted_while_it_trains_is_withdrawn_from_its_job_and_the_others_train(tmp_path):
     """DELETE /v1/feedback/{id} just after the label (an idle server starts its job at
     once): the job is dropped and its other entry requeued — the one half back-propagated
@@ -444,6 +457,28 @@ def test_group_rewards_survive_a_restart_and_train_with_the_served_log_probs(tmp
     assert reward(second, "h", (0.0, 1.0, 0.0, 0.0)).accepted  # served before the crash, rewarded after it
     second.train_until_idle()
     assert second.stats.copy().trained_entries == {("grpo", "recompute"): 2}
+    second.close()
+
+
+def test_a_rollback_killed_before_its_quarantine_landed_quarantines_at_the_restart(tmp_path):
+    """The rollback's version is saved, then its quarantine is queued: a kill between the
+    two left the undone versions' labels "trained", in no weights served (an outside pass
+    found it). The restart, resuming at the rollback's version, quarantines them."""
+    first = _training(tmp_path, save_every=1)
+    for request_id in ("kept", "undone"):
+        serve(first, request_id)
+        label(first, request_id)
+        first.train_until_idle()
+    assert first.optimizer.version == 2
+    first.ledger.quarantine_trained_between = lambda *args: None  # killed before it landed
+    assert first.rollback(first.lifecycle.load_saved(1)) == 3
+    _crash(first)
+    second = _training(tmp_path, save_every=1)
+    assert second.optimizer.version == 3
+    second.ledger.flush()
+    rows = rows_by_id(tmp_path / LEDGER_FILE)
+    assert (rows["kept"].fate, rows["undone"].fate) == ("trained", "quarantined")
+    assert "rolled back to version 1 (as version 3)" in rows["undone"].fate_reason
     second.close()
 
 

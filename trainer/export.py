@@ -21,14 +21,16 @@ prompt rendered them: either way TRL renders the prompt that was served. What a 
 gave its chat template besides (vLLM's `chat_template_kwargs`) is TRL's column of that
 name, on every row once any row has one (`{}` where a request gave none).
 One file holds one style: `style` picks it when the ledger holds both. Quarantined labels
-are left out unless asked for.
+are left out unless asked for. A file is written whole or not at all (`write_jsonl`).
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 from trainer.ledger_db import LedgerRow
@@ -169,3 +171,24 @@ def _prompt_completion(row: LedgerRow) -> Iterator[dict]:
 
 
 _FORMATTERS = {"preference": _preference, "unpaired": _unpaired, "prompt-completion": _prompt_completion}
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """Writes `rows` as JSONL at `path` through a temporary file, fsynced and renamed into
+    place: a kill midway leaves the file that was there, never half a dataset."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

@@ -26,7 +26,7 @@ from typing import Callable
 from trainer.cache import ActivationCache
 from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, PreferenceLabel
 from trainer.ledger import LabelExists, Ledger, LedgerUnavailable
-from trainer.label_history import is_prompt_of, kept_label
+from trainer.label_history import is_prompt_of, remembered
 from trainer.ledger_db import LabelRecord
 
 
@@ -198,9 +198,7 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
             raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group: this server "
                           "trains on groups of samples; request them with n >= 2", "id", "not_a_group")
         if completion_id in cache.deleted_ids:
-            raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: its data "
-                          "were deleted (DELETE /v1/feedback/{id} or /v1/chat/completions/{id}), and a deleted "
-                          "completion takes no new label", "id", "entry_not_found")
+            raise _refuse(FeedbackOutcome.UNKNOWN, _deleted_message(completion_id), "id", "entry_not_found")
         if ended is None:
             _labelled_before(ledger, completion_id, choice)
         reason = {EntryState.EXPIRED: "it expired (no feedback within the label timeout)",
@@ -216,18 +214,25 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
 
 
 def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int) -> None:
-    """Refuses with 409 a completion whose label the ledger holds (a label sent again after
-    a restart, when this process's cache never knew the entry): its own, or for a batch's
-    id, that of the prompt its choice `choice` answers."""
+    """Refuses a completion this process's cache never knew as the ledger remembers it (a
+    label sent again after a restart): 409 if its label is kept there, 404 if it was
+    deleted — its own, or for a batch's id, the prompt's its choice `choice` answers."""
     if ledger is None:
         return
     try:
-        kept = kept_label(ledger.path, completion_id, choice)
+        memory = remembered(ledger.path, completion_id, choice)
     except (sqlite3.Error, OSError):
         return  # unreadable now: answered as the cache alone would
-    if kept is not None:
-        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {kept.entry_id!r} already has its label, kept in the "
-                      f"feedback ledger (it {kept.how()})", "id", "label_exists")
+    if memory is not None and memory.labelled:
+        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {memory.entry_id!r} already has its label, kept in "
+                      f"the feedback ledger (it {memory.how()})", "id", "label_exists")
+    if memory is not None and memory.deleted:
+        raise _refuse(FeedbackOutcome.UNKNOWN, _deleted_message(memory.entry_id), "id", "entry_not_found")
+
+
+def _deleted_message(completion_id: str) -> str:
+    return (f"no training entry for completion {completion_id!r}: its data were deleted (DELETE "
+            "/v1/feedback/{id} or /v1/chat/completions/{id}), and a deleted completion takes no new label")
 
 
 def _commit(to: _Labels, entry: CacheEntry, label, skip: bool = False) -> None:

@@ -1,6 +1,7 @@
-"""What the feedback ledger remembers of a completion's label when this process's cache
-does not: a client whose 200 a crash lost sends its label again after the restart, and is
-told that the label exists (409), as it would have been before the crash.
+"""What the feedback ledger remembers of a completion when this process's cache does not:
+a client whose 200 a crash lost sends its label again after the restart, and is told
+that the label exists (409), or that its data were deleted (404), as it would have been
+before the crash.
 
 A `/v1/completions` request of several prompts keeps an entry per prompt, `<id>-<i>`, and
 numbers its choices across them (with n choices per prompt, prompt i's j-th is i·n + j);
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.ledger_db import LedgerRow, read_ledger
+from trainer.ledger_db import read_ledger
 
 
 def is_prompt_of(completion_id: str, entry_id: str) -> bool:
@@ -23,12 +24,19 @@ def is_prompt_of(completion_id: str, entry_id: str) -> bool:
 
 
 @dataclass(frozen=True)
-class KeptLabel:
-    # the entry the label belongs to: the completion's, or one prompt's of a batch
+class LedgerMemory:
+    # the entry the ledger row is of: the completion's, or one prompt's of a batch
     entry_id: str
-    # the ledger's fate of it: "trained" (into `fate_version`), another fate, or None (waits to train)
+    labelled: bool
+    # the row's fate: "trained" (into `fate_version`), another fate, or None (waits to train)
     fate: str | None
     fate_version: int | None
+    fate_reason: str | None
+
+    @property
+    def deleted(self) -> bool:
+        """Its label was deleted (DELETE /v1/feedback/{id}): it takes no new one."""
+        return not self.labelled and self.fate == "dropped" and self.fate_reason == "deleted"
 
     def how(self) -> str:
         if self.fate == "trained":
@@ -36,21 +44,19 @@ class KeptLabel:
         return f"is {self.fate}" if self.fate else "waits to be trained"
 
 
-def kept_label(ledger_path: str | Path, completion_id: str, choice: int = 0) -> KeptLabel | None:
-    """The label the ledger holds for `completion_id`, or for the prompt of a batch that
-    its choice `choice` answers; None if it holds none. Raises sqlite3.Error or OSError
-    when the ledger cannot be read."""
-    rows = read_ledger(ledger_path, "r.id = ? AND l.request_id IS NOT NULL", (completion_id,))
+def remembered(ledger_path: str | Path, completion_id: str, choice: int = 0) -> LedgerMemory | None:
+    """The ledger's row of `completion_id`, or of the prompt of a batch that its choice
+    `choice` answers; None if it holds none. Raises sqlite3.Error or OSError when the
+    ledger cannot be read."""
+    rows = read_ledger(ledger_path, "r.id = ?", (completion_id,))
     if not rows:
         prefix = completion_id + "-"
         prompts = {row.request.id: row for row in read_ledger(ledger_path, "substr(r.id, 1, ?) = ?",
                                                                (len(prefix), prefix))
                    if is_prompt_of(completion_id, row.request.id)}
-        rows = [row for row in [prompts.get(f"{prefix}{choice // _choices_per_prompt(prompts.values())}")]
-                if row is not None and row.label is not None]
-    return KeptLabel(rows[0].request.id, rows[0].fate, rows[0].fate_version) if rows else None
-
-
-def _choices_per_prompt(rows) -> int:
-    """n of a batch: every prompt of it has n choices (a prompt cut short may hold fewer)."""
-    return max((len(row.choices) for row in rows), default=0) or 1
+        per_prompt = max((len(row.choices) for row in prompts.values()), default=0) or 1  # (a cut prompt: fewer)
+        rows = [row for row in [prompts.get(f"{prefix}{choice // per_prompt}")] if row is not None]
+    if not rows:
+        return None
+    row = rows[0]
+    return LedgerMemory(row.request.id, row.label is not None, row.fate, row.fate_version, row.fate_reason)

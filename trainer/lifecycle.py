@@ -74,6 +74,8 @@ class AdapterLifecycle:
                 self.restore(snapshot, snapshot.version)
                 self.maintenance.merge_all()
                 logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
+                if "rolled_back_to" in snapshot.state:  # a crash may have come before its quarantine landed
+                    self._quarantine_rolled_back(snapshot.state["rolled_back_to"], snapshot.version)
             else:
                 self.checkpointer.save_async(self.snapshot()).result()
 
@@ -207,15 +209,24 @@ class AdapterLifecycle:
             self.gate.rebaseline(version)
             self.promoted_snapshot = self.snapshot()
         if self.checkpointer is not None:
-            saved = self.checkpointer.save_async(self.snapshot()).result() is not None  # the ledger flushed first
+            rolled_back = self.snapshot()
+            rolled_back.state["rolled_back_to"] = snapshot.version  # a restart quarantines again (`resume`)
+            saved = self.checkpointer.save_async(rolled_back).result() is not None  # the ledger flushed first
             if not saved:
                 logger.error("the rollback to version %d (now version %d) serves, but it could not be saved: a "
                              "restart resumes from the last saved version", snapshot.version, version)
-            elif self.ledger is not None:
-                self.ledger.quarantine_trained_between(snapshot.version, version, f"rolled back to version "
-                                                       f"{snapshot.version} (as version {version})")
+            else:
+                self._quarantine_rolled_back(snapshot.version, version)
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
         return version
+
+    def _quarantine_rolled_back(self, restored: int, version: int) -> None:
+        """Quarantines the labels trained into the versions a rollback to `restored`, as
+        `version`, undid (again after a restart resumed at `version`: it changes nothing if
+        the rollback's own landed, as nothing trains into those versions since)."""
+        if self.ledger is not None:
+            self.ledger.quarantine_trained_between(restored, version, f"rolled back to version {restored} (as "
+                                                   f"version {version})")
 
     def save_final(self, candidate_waits: bool = False) -> None:
         """At shutdown (after the engine stopped): saves the final version, if new — the
