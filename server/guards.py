@@ -10,8 +10,9 @@ streams and hide client disconnects from the routes). For every HTTP request it:
   - admits at most `max_num_seqs + max_queued_requests` generation requests at once;
     beyond that a new one gets 429 with `Retry-After` at once, never a hang or a 5xx.
   - counts responses by route and status (`alchemist:http_requests_total`): the client's
-    only, not a replica's question to another on its behalf (server/fanout.py), which
-    would count one request twice in a sum over the replicas.
+    only, not a replica's question to another on its behalf (server/fanout.py's header,
+    on the private port replicas ask on), which would count one request twice in a sum
+    over the replicas.
   - answers every response with an `x-request-id` header, as OpenAI does (the SDK's
     `.request_id`): the client's own `X-Request-Id` when it sent a usable one (vLLM's
     echo), else a fresh `req_…`.

@@ -1,4 +1,4 @@
-"""The routes beside the OpenAI ones: `/health`, `/metrics`, `POST /v1/feedback`, the
+"""The routes beside the OpenAI ones: `/health`, `/version`, `/metrics`, `POST /v1/feedback`, the
 deletion of what the server keeps of a completion (`DELETE /v1/feedback/{id}`, its label;
 `DELETE /v1/chat/completions/{id}`, the request and its label, as OpenAI's stored
 completions are deleted), and the adapter routes (`GET /v1/adapters`,
@@ -200,8 +200,8 @@ def whole_server_status(answers: list[dict]) -> dict:
 async def forget(state: ServerState, completion_id: str, label_only: bool) -> None:
     """Deletes what the server keeps of a completion (404 if it keeps nothing; 503 if the
     feedback ledger cannot be written now). A label being trained is withdrawn from its
-    job on the device thread, the job's other labels requeued; one whose step is already
-    being combined across replicas trains (409 if the server kept nothing else of it)."""
+    job on the device thread, the job's other labels requeued; one whose step could not be
+    stopped trains, and the answer is a 409 that says so."""
     what = "label" if label_only else "stored request"
     training = state.training
     if training is None:
@@ -214,11 +214,17 @@ async def forget(state: ServerState, completion_id: str, label_only: bool) -> No
                        headers={"Retry-After": str(LEDGER_RETRY_AFTER_S)}) from None
     found = forgotten.found
     if forgotten.training:
-        withdrawn = await state.engine.run_on_device(training.withdraw_from_training, forgotten.training)
-        if not (withdrawn or found):
-            raise APIError(409, f"the label of completion {completion_id!r} was already in an optimizer step "
-                                "that could not be stopped (being applied, or combined across replicas): it "
-                                "trains into the next version; nothing else of it is kept", "id",
+        try:
+            trained = await state.engine.run_on_device(training.withdraw_from_training, forgotten.training)
+        except EngineDeadError:  # shutting down: no step runs any more
+            if not found:
+                raise APIError(503, "the server is shutting down") from None
+            trained = []
+        if trained:
+            rest = "the rest the server kept of it was deleted" if found else "nothing else of it is kept"
+            raise APIError(409, f"the label of completion {completion_id!r} was already in an optimizer step that "
+                                "could not be stopped (being applied, or combined across replicas): it is in the "
+                                f"adapter from the next version on (a rollback undoes it); {rest}", "id",
                            "label_in_training")
         found = True
     if not found:

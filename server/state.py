@@ -59,9 +59,14 @@ class Training(Protocol):
         """A hash of the adapter's weights (device thread)."""
         ...
 
-    def forget(self, completion_id: str, label_only: bool = False) -> bool:
+    def forget(self, completion_id: str, label_only: bool = False) -> Forgotten:
         """Deletes a completion's label, or its request and label (a worker thread's call;
         LedgerUnavailable)."""
+        ...
+
+    def withdraw_from_training(self, completion_ids: list[str]) -> list[str]:
+        """Takes entries deleted while they train out of their job (device thread); the
+        ids it could not withdraw (their step could not be stopped)."""
         ...
 
     def close(self) -> None: ...

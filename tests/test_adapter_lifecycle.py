@@ -243,6 +243,26 @@ def test_a_job_abandoned_in_its_backward_retrains_the_half_consumed_entry_by_rec
     training.close()
 
 
+def test_a_dropped_job_of_stale_recordings_loses_none_of_its_other_labels():
+    """Recordings one version old train on the stashed path. Dropping their job
+    mid-backward requeues them as label entries, recomputed: under `stale_policy = "drop"`
+    the ones whose recordings the job spent are not taken for stale and dropped."""
+    training = make_training(TrainConfig(mode="dpo", lora_rank=4, max_staleness=1, stale_policy="drop"))
+    for request_id in ("earlier", "first", "second"):
+        serve(training, request_id)
+    label(training, "earlier")
+    training.train_until_idle()
+    assert training.optimizer.version == 1
+    for request_id in ("first", "second"):  # recorded under version 0: one version stale
+        label(training, request_id)
+    run_into_a_backward(training)
+    assert training.trainer.abandon_job()
+    training.train_until_idle()
+    trained = training.stats.copy()
+    assert sum(trained.trained_entries.values()) == 3 and trained.stale_dropped == 0, trained
+    training.close()
+
+
 def test_a_rollback_refused_as_incompatible_leaves_the_job_in_progress():
     trainer = make_trainer()
     serve(trainer, "a")

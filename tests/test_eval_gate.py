@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from peft import get_peft_model_state_dict
 
 from server.cli import main
-from tests.conftest import make_training
+from tests.conftest import make_training, run_into_a_backward
 from tests.servers import tiny_app
 from tests.test_no_label_lost import metric
 from tests.test_stash import live_weights, load_weights, stashed_gradients
@@ -259,3 +259,19 @@ def test_the_kl_is_zero_for_the_base_weights_and_its_cached_base_side_matches_a_
     plain = float((live.exp() * (live - base)).sum(-1).mean())
     assert plain > 1e-3 and first == pytest.approx(plain, rel=1e-2)
     assert KLSample.of(ids, []).rows == 0 and KLSample.of(ids, [5, 6]).rows == 2
+
+
+def test_a_job_dropped_while_a_candidate_waits_leaves_no_gradient_on_the_promoted_copies(tmp_path):
+    """While a candidate waits for its verdict, prompts are recorded under the promoted
+    version's stashed weights, and their backward lands gradients on those copies until
+    the entry ends. A job dropped mid-backward (a rollback, a label deleted while it
+    trains) drops those too: none reaches a later step."""
+    training = gated(tmp_path)
+    labelled_batch(training, "a", RIGHT, WRONG)
+    run_until_pending(training)
+    labelled_batch(training, "b", RIGHT, WRONG)  # recorded under the promoted version 0
+    run_into_a_backward(training)
+    assert training.trainer.abandon_job()
+    training.stash.collect_gradients(0)  # what the dropped job left on version 0's copies, if anything
+    assert all(p.grad is None for p in training.optimizer.params)
+    training.close()

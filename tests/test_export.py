@@ -4,6 +4,8 @@ with `datasets` and checked with TRL's own format helpers, from a real server's 
 
 import copy
 import json
+import os
+import subprocess
 import time
 
 import pytest
@@ -212,8 +214,16 @@ def test_an_export_interrupted_midway_leaves_the_file_that_was_there(tmp_path):
     previous dataset, loadable, and no half line."""
     out = tmp_path / "prefs.jsonl"
     write_jsonl(out, [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    out.chmod(0o600)  # users' prompts: the replacement keeps the mode
+    write_jsonl(out, [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    assert out.stat().st_mode & 0o777 == 0o600
     with pytest.raises(TypeError):
         write_jsonl(out, [{"prompt": "x", "chosen": "y", "rejected": "z"}, {"prompt": {"not", "json"}}])
     assert list(load_dataset("json", data_files=str(out), split="train")) == [
         {"prompt": "a", "chosen": "b", "rejected": "c"}]
-    assert [p.name for p in tmp_path.iterdir()] == ["prefs.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prefs.jsonl"]
+    fifo = tmp_path / "pipe"  # `--out /dev/stdout` or `>(gzip …)`: written through, not replaced
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    write_jsonl(fifo, [{"prompt": "p"}])
+    assert reader.communicate(timeout=30)[0] == b'{"prompt": "p"}\n' and fifo.exists() and not fifo.is_file()

@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 
 from trainer.config import TrainConfig
 from trainer.feedback import FeedbackLabel
+from trainer.status import Forgotten
 from tests.conftest import make_training
 from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
 from tests.test_training import serve
@@ -182,3 +183,18 @@ def test_a_label_reaches_a_prompt_of_a_batch_whose_first_prompt_the_cache_no_lon
     assert training.feedback.submit(FeedbackLabel("cmpl-z", "A better answer.", None, 1)).accepted
     assert training.cache.get("cmpl-z-1").label is not None
     training.close()
+
+
+def test_a_deletion_that_comes_after_its_labels_step_is_a_409_that_says_so():
+    """DELETE /v1/feedback/{id} while the label trains, when its step could not be stopped
+    (applied meanwhile, or combined across replicas): the client is told the label is in
+    the adapter, not 200 nor 404."""
+    with TestClient(tiny_app(train=TrainConfig(mode="dpo", lora_rank=4))) as client:
+        training = client.app.state.alchemist.training
+        training.forget = lambda completion_id, label_only=False: Forgotten(True, [completion_id])
+        training.withdraw_from_training = lambda completion_ids: list(completion_ids)
+        r = client.delete("/v1/feedback/chatcmpl-x")
+        assert r.status_code == 409 and r.json()["error"]["code"] == "label_in_training", r.text
+        assert "in the adapter from the next version on" in r.json()["error"]["message"]
+        training.withdraw_from_training = lambda completion_ids: []  # withdrawn from its job
+        assert client.delete("/v1/feedback/chatcmpl-x").status_code == 200

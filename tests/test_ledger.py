@@ -353,13 +353,17 @@ def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):
 def test_a_deleted_label_is_still_said_deleted_after_a_restart(tmp_path):
     """The 404 says why, before and after a crash (an outside pass read "unknown" after)."""
     first = _training(tmp_path)
-    serve(first, "r0")
-    label(first, "r0")
+    for request_id in ("r0", "r1"):
+        serve(first, request_id)
+        label(first, request_id)
     assert first.forget("r0", label_only=True).found
+    assert first.ledger.delete("r1", label_only=True)  # killed before the cache withdrew its entry
     _crash(first)
     second = _training(tmp_path)
-    again = second.feedback.submit(FeedbackLabel("r0", "A new label.", None, 0))
-    assert again.outcome is FeedbackOutcome.UNKNOWN and "data were deleted" in again.message, again
+    for request_id in ("r0", "r1"):
+        assert second.cache.get(request_id) is None  # not waiting for a label again
+        again = second.feedback.submit(FeedbackLabel(request_id, "A new label.", None, 0))
+        assert again.outcome is FeedbackOutcome.UNKNOWN and "data were deleted" in again.message, again
     second.close()
 
 
@@ -375,7 +379,7 @@ def test_a_label_deleted_while_it_trains_is_withdrawn_from_its_job_and_the_other
     run_into_a_backward(training)
     forgotten = training.forget("deleted", label_only=True)
     assert forgotten.found and forgotten.training == ["deleted"]  # the ledger's rows went; the entry trains
-    assert training.withdraw_from_training(forgotten.training)
+    assert training.withdraw_from_training(forgotten.training) == []  # none it could not withdraw
     assert training.cache.get("deleted") is None and training.cache.get("kept").state is EntryState.READY
     training.train_until_idle()
     assert sum(training.stats.copy().trained_entries.values()) == 1 and training.stats.failed_jobs == 0
@@ -385,6 +389,21 @@ def test_a_label_deleted_while_it_trains_is_withdrawn_from_its_job_and_the_other
     training.ledger.flush()
     rows = rows_by_id(tmp_path / LEDGER_FILE)
     assert rows["kept"].fate == "trained" and rows["deleted"].label is None
+    training.close()
+
+
+def test_a_label_whose_step_was_applied_before_its_deletion_reached_the_job_is_reported(tmp_path):
+    """The deletion reaches the device thread after the job's optimizer step: the label is
+    in the weights, and withdrawing it says so (the route answers 409 label_in_training)."""
+    training = _training(tmp_path)
+    serve(training, "late")
+    label(training, "late")
+    run_into_a_backward(training)
+    forgotten = training.forget("late", label_only=True)
+    assert forgotten.training == ["late"]
+    training.train_until_idle()  # the step lands first
+    assert training.withdraw_from_training(forgotten.training) == ["late"]
+    assert training.optimizer.version == 1
     training.close()
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -175,13 +176,21 @@ _FORMATTERS = {"preference": _preference, "unpaired": _unpaired, "prompt-complet
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
     """Writes `rows` as JSONL at `path` through a temporary file, fsynced and renamed into
-    place: a kill midway leaves the file that was there, never half a dataset."""
+    place with the mode of the file it replaces: a kill midway leaves the file that was
+    there, never half a dataset. A path that is not a regular file (`/dev/stdout`, a
+    pipe) is written as it is."""
     path = Path(path)
+    lines = (json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+    if path.exists() and not path.is_file():
+        with open(path, "w", encoding="utf-8") as out:
+            out.writelines(lines)
+        return
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w", encoding="utf-8") as out:
-            for row in rows:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            if path.exists():
+                os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+            out.writelines(lines)
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)

@@ -50,9 +50,9 @@ def remembered(ledger_path: str | Path, completion_id: str, choice: int = 0) -> 
     ledger cannot be read."""
     rows = read_ledger(ledger_path, "r.id = ?", (completion_id,))
     if not rows:
-        prefix = completion_id + "-"
-        prompts = {row.request.id: row for row in read_ledger(ledger_path, "substr(r.id, 1, ?) = ?",
-                                                               (len(prefix), prefix))
+        prefix = completion_id + "-"  # its prompts' ids by their range, which the primary key's index serves
+        prompts = {row.request.id: row for row in read_ledger(ledger_path, "r.id >= ? AND r.id < ?",
+                                                               (prefix, completion_id + "."))
                    if is_prompt_of(completion_id, row.request.id)}
         per_prompt = max((len(row.choices) for row in prompts.values()), default=0) or 1  # (a cut prompt: fewer)
         rows = [row for row in [prompts.get(f"{prefix}{choice // per_prompt}")] if row is not None]

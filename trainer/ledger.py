@@ -185,10 +185,17 @@ class Ledger:
                           f"AND substr({column}, ?) NOT GLOB '*[^0-9]*'")
         suffix_at = len(request_id) + 2
         arguments = (request_id, f"{request_id}-", f"{request_id}.", suffix_at, suffix_at)
-        found = []
-        self._wait(_Write(lambda c: found.append(c.execute(
-            f"DELETE FROM {table} WHERE {column} = ? OR ({of_its_prompts})", arguments).rowcount > 0),
-            concurrent.futures.Future()), COMMIT_TIMEOUT_S)
+        found, at = [], self.clock()
+
+        def apply(c: sqlite3.Connection) -> None:
+            if label_only:  # a label deleted before it trained: its request takes no new one, after a restart too
+                c.execute("UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? WHERE fate IS "
+                          f"NULL AND id IN (SELECT request_id FROM labels WHERE request_id = ? OR ({of_its_prompts}))",
+                          (at, *arguments))
+            found.append(c.execute(f"DELETE FROM {table} WHERE {column} = ? OR ({of_its_prompts})",
+                                   arguments).rowcount > 0)
+
+        self._wait(_Write(apply, concurrent.futures.Future()), COMMIT_TIMEOUT_S)
         return bool(found and found[0])
 
     def _wait(self, write: _Write, timeout_s: float) -> None:

@@ -11,6 +11,8 @@ hands to each other, and the few things done across them.
     with data-parallel replicas, it asks every replica to roll back at the same round,
     and the rounds' steps and rollbacks are applied here, between jobs
     (trainer/replicated.py);
+  - `forget()` deletes what is kept of a completion (ledger rows, cache entries), and
+    `withdraw_from_training()` takes an entry deleted while it trains out of its job;
   - `close()` stops the offloader's copies and the reward workers, saves the final
     version and closes the feedback ledger.
 Each part keeps its own role; this object only holds them and orders those steps.
@@ -42,21 +44,11 @@ from trainer.recorder import Recorder
 from trainer.replicated import ReplicaSync, ReplicatedRollback, ReplicatedVerdict, weights_digest
 from trainer.rewards import RewardScorer
 from trainer.stash import WeightStash
-from trainer.status import (SLICE_BUCKETS, CacheStatus, GateStatus, OffloadStatus, SaveStatus, TrainerStatus,
-                            TrainingStats)
+from trainer.status import (SLICE_BUCKETS, CacheStatus, Forgotten, GateStatus, OffloadStatus, SaveStatus,
+                            TrainerStatus, TrainingStats)
 from trainer.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Forgotten:
-    """What `OnlineTraining.forget` deleted."""
-
-    # whether the server kept anything of the completion (ledger rows or a cache entry)
-    found: bool
-    # its entries being trained, which `OnlineTraining.withdraw_from_training` withdraws
-    training: list[str]
 
 
 @dataclass(eq=False)
@@ -251,13 +243,15 @@ class OnlineTraining:
                 training.append(entry.completion_id)
         return Forgotten(deleted or withdrawn, training)
 
-    def withdraw_from_training(self, completion_ids: list[str]) -> bool:
+    def withdraw_from_training(self, completion_ids: list[str]) -> list[str]:
         """Withdraws entries whose data were deleted while they trained (device thread): the
         job training them is dropped, its other entries requeued, so that a deleted label
-        never reaches the weights — unless the job's gradients already went to a replicas'
-        round. Whether every entry was withdrawn."""
+        never reaches the weights. The ids it could not withdraw: their step was applied
+        meanwhile, or its gradients already went to a replicas' round."""
         self.trainer.abandon_job(of=set(completion_ids))
-        return all([self.cache.withdraw(completion_id) for completion_id in completion_ids])
+        return [completion_id for completion_id in completion_ids if not self.cache.withdraw(completion_id)
+                and (self.cache.get(completion_id) is not None
+                     or self.cache.ended_state(completion_id) is EntryState.TRAINED)]
 
     # -- status and shutdown ----------------------------------------------------------
 

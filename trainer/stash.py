@@ -131,6 +131,11 @@ class WeightStash:
         if version in self._versions:
             _move_gradients(list(zip(self._live, self._versions[version])))
 
+    def discard_gradients(self, version: int) -> None:
+        """Drops the gradients `version`'s copies received for a job that was dropped."""
+        for copy in self._versions.get(version, ()):
+            copy.grad = None
+
     def _swap(self, params: list[torch.nn.Parameter]) -> None:
         swapped = params is not self._live
         for i, (layer, name) in enumerate(self._layers):

@@ -145,3 +145,13 @@ class TrainerStatus:
     gate: GateStatus | None = None
     # heap held pre-faulted for the next recording (engine.malloc_tuning.HeapWarmer)
     warm_heap_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """What deleting a completion's data deleted (`OnlineTraining.forget`)."""
+
+    # whether the server kept anything of the completion (ledger rows or a cache entry)
+    found: bool
+    # its entries being trained, which `OnlineTraining.withdraw_from_training` withdraws
+    training: list[str]

@@ -158,7 +158,7 @@ class Trainer:
             logger.exception("training job failed; dropping its entries")
             with self.stats.lock:
                 self.stats.failed_jobs += 1
-            self.optimizer.zero_grad()
+            self._discard_gradients(job)
             for entry in job.entries:
                 self.cache.end(entry, EntryState.DROPPED, reason="job_failed")
             self._job = None
@@ -295,7 +295,16 @@ class Trainer:
         if job.current is not None:
             job.current.close()
             self.cache.free_activations(job.entries[job.index])
-        self.optimizer.zero_grad()
+        self._discard_gradients(job)
         for entry in job.entries:
+            if entry.recording is None:  # spent by this job: recomputed as a label entry, not counted stale
+                entry.was_recorded = False
             self.cache.requeue(entry)
         return True
+
+    def _discard_gradients(self, job: _Job) -> None:
+        """A dropped job's gradients: the live weights', and those its entry in progress left
+        on the copies its recording saved (stale_weights "live")."""
+        if job.collect_from is not None:
+            self.stash.discard_gradients(job.collect_from)
+        self.optimizer.zero_grad()
