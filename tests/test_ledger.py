@@ -479,6 +479,28 @@ def test_group_rewards_survive_a_restart_and_train_with_the_served_log_probs(tmp
     second.close()
 
 
+def test_rewards_sent_to_a_batch_of_prompts_after_a_restart_are_refused_as_before_it(tmp_path):
+    """A batch's rewards go to each prompt's id: sent to the batch's own id, a 400 that
+    says so, before a restart and after it (when the cache no longer knows the batch)."""
+    from tests.test_grpo import reward, serve_group
+
+    def grpo():
+        return make_training(TrainConfig(mode="grpo", lora_rank=4), checkpointer=AdapterCheckpointer(
+            AdapterStore(tmp_path), 1), ledger=Ledger(tmp_path / LEDGER_FILE))
+
+    first = grpo()
+    for prompt in range(2):
+        serve_group(first, f"cmpl-g-{prompt}", seed=prompt)
+        assert reward(first, f"cmpl-g-{prompt}").accepted
+    first.train_until_idle()
+    _crash(first)
+    second = grpo()
+    assert second.cache.get("cmpl-g-0") is None and second.cache.get("cmpl-g-1") is None
+    refused = reward(second, "cmpl-g")
+    assert refused.outcome is FeedbackOutcome.INVALID and "answered 2 prompts" in refused.message, refused
+    second.close()
+
+
 def test_a_rollback_killed_before_its_quarantine_landed_quarantines_at_the_restart(tmp_path):
     """The rollback's version is saved, then its quarantine is queued: a kill between the
     two left the undone versions' labels "trained", in no weights served (an outside pass

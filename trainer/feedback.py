@@ -21,7 +21,7 @@ import itertools
 import math
 import sqlite3
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NoReturn
 
 from trainer.cache import ActivationCache
 from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, PreferenceLabel
@@ -147,8 +147,7 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
         return request
     entries = [cache.get(entry_id) for entry_id in entry_ids]
     if request.rewards is not None:
-        raise _refuse(FeedbackOutcome.INVALID, f"completion {cid!r} answered {len(entries)} prompts; send each "
-                      f"prompt's rewards on its own, with id '{cid}-<prompt index>'", "rewards", "invalid_value")
+        _refuse_batch_rewards(cid, len(entries))
     pair = request.chosen_index is not None or request.rejected_index is not None
     names = ("chosen_index", "rejected_index") if pair else ("choice_index",)
     indices = {name: getattr(request, name) for name in names if getattr(request, name) is not None}
@@ -178,11 +177,17 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
                                **{name: index - prompt * (per_prompt or 1) for name, index in indices.items()})
 
 
+def _refuse_batch_rewards(completion_id: str, prompts: int) -> NoReturn:
+    raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} answered {prompts} prompts; send each "
+                  f"prompt's rewards on its own, with id '{completion_id}-<prompt index>'", "rewards", "invalid_value")
+
+
 def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | None = None,
-                   choice: int = 0) -> CacheEntry:
+                   choice: int | None = 0) -> CacheEntry:
     """The completion's entry, still without a label; refuses (404/409/400) otherwise. An
     entry this process never had may have had its label before a restart: the `ledger`
-    says so (409, as before the restart), of a batch's prompt by the label's `choice`."""
+    says so (409, as before the restart), of a batch's prompt by the label's `choice`
+    (None: rewards, which a batch's id never takes)."""
     entry = cache.get(completion_id)
     if entry is None:
         ended = cache.ended_state(completion_id)
@@ -213,7 +218,7 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
     return entry
 
 
-def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int) -> None:
+def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int | None) -> None:
     """Refuses a completion this process's cache never knew as the ledger remembers it (a
     label sent again after a restart): 409 if its label is kept there, 404 if it was
     deleted — its own, or for a batch's id, the prompt's its choice `choice` answers."""
@@ -223,6 +228,8 @@ def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int) -> 
         memory = remembered(ledger.path, completion_id, choice)
     except (sqlite3.Error, OSError):
         return  # unreadable now: answered as the cache alone would
+    if memory is not None and memory.prompts:
+        _refuse_batch_rewards(completion_id, memory.prompts)
     if memory is not None and memory.labelled:
         raise _refuse(FeedbackOutcome.CONFLICT, f"completion {memory.entry_id!r} already has its label, kept in "
                       f"the feedback ledger (it {memory.how()})", "id", "label_exists")
@@ -288,7 +295,7 @@ def _attach_rewards(to: _Labels, request: FeedbackLabel) -> FeedbackResult:
     if bad:
         raise _refuse(FeedbackOutcome.INVALID, f"rewards must be finite numbers; rewards[{bad[0]}] is "
                       f"{rewards[bad[0]]}", "rewards", "invalid_value")
-    entry = _waiting_entry(to.cache, completion_id, to.ledger)
+    entry = _waiting_entry(to.cache, completion_id, to.ledger, choice=None)
     if not isinstance(entry, GroupEntry):
         raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group",
                       "id", "not_a_group")

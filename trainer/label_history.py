@@ -32,6 +32,8 @@ class LedgerMemory:
     fate: str | None
     fate_version: int | None
     fate_reason: str | None
+    # the prompts of the batch whose id was asked about (0: not a batch's id)
+    prompts: int = 0
 
     @property
     def deleted(self) -> bool:
@@ -44,9 +46,10 @@ class LedgerMemory:
         return f"is {self.fate}" if self.fate else "waits to be trained"
 
 
-def remembered(ledger_path: str | Path, completion_id: str, choice: int = 0) -> LedgerMemory | None:
+def remembered(ledger_path: str | Path, completion_id: str, choice: int | None = 0) -> LedgerMemory | None:
     """The ledger's row of `completion_id`, or of the prompt of a batch that its choice
-    `choice` answers; None if it holds none. Raises sqlite3.Error or OSError when the
+    `choice` answers (None: a label naming no choice, GRPO's rewards, answers none of a
+    batch's prompts); None if it holds none. Raises sqlite3.Error or OSError when the
     ledger cannot be read."""
     rows = read_ledger(ledger_path, "r.id = ?", (completion_id,))
     if not rows:
@@ -54,6 +57,8 @@ def remembered(ledger_path: str | Path, completion_id: str, choice: int = 0) -> 
         prompts = {row.request.id: row for row in read_ledger(ledger_path, "r.id >= ? AND r.id < ?",
                                                                (prefix, completion_id + "."))
                    if is_prompt_of(completion_id, row.request.id)}
+        if choice is None:
+            return LedgerMemory(completion_id, False, None, None, None, prompts=len(prompts)) if prompts else None
         per_prompt = max((len(row.choices) for row in prompts.values()), default=0) or 1  # (a cut prompt: fewer)
         rows = [row for row in [prompts.get(f"{prefix}{choice // per_prompt}")] if row is not None]
     if not rows:
