@@ -85,6 +85,8 @@ def test_feedback_edge_cases(dpo_client):
     completion = chat(dpo_client, "Tell me something.")
     r = feedback(dpo_client, id=completion, chosen="a", choice_index=3)
     assert r.status_code == 400 and r.json()["error"]["param"] == "choice_index"
+    r = feedback(dpo_client, id=completion, chosen="a", rejected="b", choice_index=3)  # both texts: checked too
+    assert r.status_code == 400 and r.json()["error"]["param"] == "choice_index", r.text
     r = feedback(dpo_client, id=completion, chosen="same", rejected="same")
     assert r.status_code == 400
     opted_out = chat(dpo_client, "Do not learn from this.", train=False)

@@ -20,7 +20,7 @@ from trainer.config import AdapterConfig, LedgerConfig, TrainConfig
 from trainer.entries import EntryState
 from trainer.feedback import FeedbackLabel, FeedbackOutcome
 from trainer.ledger import Ledger, LabelExists, LedgerUnavailable
-from trainer.ledger_db import LEDGER_FILE, LabelRecord, RequestRecord, read_ledger
+from trainer.ledger_db import LEDGER_FILE, LabelRecord, RequestRecord, read_ledger, release_quarantined
 
 DPO = TrainConfig(mode="dpo", lora_rank=4)
 CHAT = {"model": TINY_NAME, "max_tokens": 4, "temperature": 0,
@@ -498,6 +498,32 @@ def test_rewards_sent_to_a_batch_of_prompts_after_a_restart_are_refused_as_befor
     assert second.cache.get("cmpl-g-0") is None and second.cache.get("cmpl-g-1") is None
     refused = reward(second, "cmpl-g")
     assert refused.outcome is FeedbackOutcome.INVALID and "answered 2 prompts" in refused.message, refused
+    second.close()
+
+
+def test_a_label_deleted_after_it_trained_is_dropped_not_quarantined_when_a_rollback_undoes_it(tmp_path):
+    """A deleted label that trained stays in the weights until a rollback undoes its
+    version; then it is dropped for good, not quarantined, so that `feedback release`
+    never brings it back to train (an outside pass had it take a new label, and train)."""
+    first = _training(tmp_path, save_every=1)
+    for request_id in ("deleted", "kept"):
+        serve(first, request_id)
+        label(first, request_id)
+    first.train_until_idle()
+    assert first.optimizer.version == 1
+    assert first.forget("deleted", label_only=True).found
+    assert first.rollback(first.lifecycle.load_saved(0)) == 2
+    first.ledger.flush()
+    rows = rows_by_id(tmp_path / LEDGER_FILE)
+    assert (rows["deleted"].fate, rows["deleted"].fate_reason) == ("dropped", "deleted")
+    assert rows["kept"].fate == "quarantined"
+    _crash(first)
+    assert release_quarantined(tmp_path / LEDGER_FILE) == 1
+    second = _training(tmp_path, save_every=1)
+    again = second.feedback.submit(FeedbackLabel("deleted", "A new label.", None, 0))
+    assert again.outcome is FeedbackOutcome.UNKNOWN and "data were deleted" in again.message, again
+    second.train_until_idle()
+    assert second.stats.copy().trained_entries == {("dpo", "recompute"): 1}  # the released one only
     second.close()
 
 

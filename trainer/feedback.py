@@ -356,14 +356,14 @@ def _attach(to: _Labels, request: FeedbackLabel, response_ids, max_model_len: in
                  if text is not None}
     entry = _waiting_entry(to.cache, completion_id, to.ledger, choice_index)
     served = None
+    if entry.response_finished and choice_index not in entry.responses:  # (with both texts too)
+        raise _refuse(FeedbackOutcome.INVALID, f"choice_index {choice_index} does not exist; the completion has "
+                      f"choices {sorted(entry.responses)}", "choice_index", "invalid_value")
     if chosen is None or rejected is None:
         if not entry.response_finished:
             raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} is still being generated; "
                           "send both 'chosen' and 'rejected', or wait for it to finish", "id",
                           "response_pending")
-        if choice_index not in entry.responses:
-            raise _refuse(FeedbackOutcome.INVALID, f"choice_index {choice_index} does not exist; the "
-                          f"completion has choices {sorted(entry.responses)}", "choice_index", "invalid_value")
         served = list(entry.responses[choice_index])
         if not served:
             raise _refuse(FeedbackOutcome.INVALID, "the served response is empty; give both 'chosen' and "

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import LedgerConfig
-from trainer.ledger_db import ChoiceRecord, LabelRecord, RequestRecord, open_database, to_json
+from trainer.ledger_db import LABEL_DELETED, ChoiceRecord, LabelRecord, RequestRecord, open_database, to_json
 
 logger = logging.getLogger(__name__)
 
@@ -143,12 +143,11 @@ class Ledger:
         self._wait(_Write(apply, concurrent.futures.Future()), timeout_s)
 
     def quarantine(self, request_ids: list[str], reason: str) -> None:
-        """The eval gate rejected the version these requests' labels trained into (queued)."""
+        """The eval gate rejected the version these requests' labels trained into (queued);
+        a label deleted since is dropped instead, for good."""
         at = self.clock()
         marks = ",".join("?" * len(request_ids))
-        self._put(_Write(lambda c: c.execute(
-            f"UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? WHERE id IN ({marks})",
-            (reason, at, *request_ids))))
+        self._put(_Write(lambda c: _quarantine(c, f"id IN ({marks})", tuple(request_ids), reason, at)))
 
     def quarantine_trained_between(self, restored: int, rolled_back_as: int, reason: str) -> None:
         """A rollback to saved version `restored`, as version `rolled_back_as`, undid the
@@ -156,10 +155,8 @@ class Ledger:
         are (queued). Bounded above, so that a replica applying the same rollback later
         does not touch what another trained after it."""
         at = self.clock()
-        self._put(_Write(lambda c: c.execute(
-            "UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? "
-            "WHERE fate = 'trained' AND fate_version > ? AND fate_version < ?",
-            (reason, at, restored, rolled_back_as))))
+        self._put(_Write(lambda c: _quarantine(c, "fate = 'trained' AND fate_version > ? AND fate_version < ?",
+                                               (restored, rolled_back_as), reason, at)))
 
     def reopen(self, request_ids: list[str]) -> None:
         """These requests' labels trained into versions a crash lost before they were saved:
@@ -188,10 +185,13 @@ class Ledger:
         found, at = [], self.clock()
 
         def apply(c: sqlite3.Connection) -> None:
-            if label_only:  # a label deleted before it trained: its request takes no new one, after a restart too
-                c.execute("UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? WHERE fate IS "
-                          f"NULL AND id IN (SELECT request_id FROM labels WHERE request_id = ? OR ({of_its_prompts}))",
-                          (at, *arguments))
+            if label_only:
+                c.execute("INSERT OR IGNORE INTO deleted_labels SELECT request_id, ? FROM labels WHERE "
+                          f"request_id = ? OR ({of_its_prompts})", (at, *arguments))
+                # a label deleted before it trained: its request takes no new one, after a restart too
+                c.execute("UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? WHERE (fate "
+                          f"IS NULL OR fate = 'quarantined') AND id IN (SELECT request_id FROM labels WHERE "
+                          f"request_id = ? OR ({of_its_prompts}))", (at, *arguments))
             found.append(c.execute(f"DELETE FROM {table} WHERE {column} = ? OR ({of_its_prompts})",
                                    arguments).rowcount > 0)
 
@@ -383,3 +383,10 @@ class Ledger:
         self._conn.close()
 
 
+def _quarantine(conn: sqlite3.Connection, where: str, params: tuple, reason: str, at: float) -> None:
+    """Quarantines the requests `where` selects, but drops for good those whose label was
+    deleted (the label is in no weights any more, and must never train again)."""
+    conn.execute(f"UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? "
+                 f"WHERE ({where}) AND {LABEL_DELETED}", (at, *params))
+    conn.execute(f"UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? "
+                 f"WHERE ({where}) AND NOT {LABEL_DELETED}", (reason, at, *params))

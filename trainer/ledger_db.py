@@ -52,8 +52,16 @@ CREATE TABLE IF NOT EXISTS labels (
     served_logps TEXT,
     rewards TEXT
 );
+-- the requests whose label was deleted (DELETE /v1/feedback/{id}): ids only, so that a
+-- rollback or the gate never quarantines (and `feedback release` never brings back) one
+CREATE TABLE IF NOT EXISTS deleted_labels (
+    request_id TEXT PRIMARY KEY REFERENCES requests (id) ON DELETE CASCADE,
+    deleted_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+# a request whose label was deleted (SQL, on `requests`)
+LABEL_DELETED = "id IN (SELECT request_id FROM deleted_labels)"
 SCHEMA_VERSION = "1"
 
 
@@ -229,7 +237,7 @@ def release_quarantined(path: str | Path, request_ids: list[str] | None = None) 
     train when the server next starts. The number released."""
     conn = open_database(Path(path))
     try:
-        where, params = "fate = 'quarantined'", ()
+        where, params = f"fate = 'quarantined' AND NOT {LABEL_DELETED}", ()
         if request_ids is not None:
             where += f" AND id IN ({','.join('?' * len(request_ids))})"
             params = tuple(request_ids)
