@@ -501,14 +501,20 @@ def test_rewards_sent_to_a_batch_of_prompts_after_a_restart_are_refused_as_befor
     second.close()
 
 
+def _serve_and_label(training, request_ids, train_each: bool = False) -> None:
+    for request_id in request_ids:
+        serve(training, request_id)
+        label(training, request_id)
+        if train_each:
+            training.train_until_idle()
+
+
 def test_a_label_deleted_after_it_trained_is_dropped_not_quarantined_when_a_rollback_undoes_it(tmp_path):
     """A deleted label that trained stays in the weights until a rollback undoes its
     version; then it is dropped for good, not quarantined, so that `feedback release`
     never brings it back to train (an outside pass had it take a new label, and train)."""
     first = _training(tmp_path, save_every=1)
-    for request_id in ("deleted", "kept"):
-        serve(first, request_id)
-        label(first, request_id)
+    _serve_and_label(first, ("deleted", "kept"))
     first.train_until_idle()
     assert first.optimizer.version == 1
     assert first.forget("deleted", label_only=True).found
@@ -532,10 +538,7 @@ def test_a_rollback_killed_before_its_quarantine_landed_quarantines_at_the_resta
     two left the undone versions' labels "trained", in no weights served (an outside pass
     found it). The restart, resuming at the rollback's version, quarantines them."""
     first = _training(tmp_path, save_every=1)
-    for request_id in ("kept", "undone"):
-        serve(first, request_id)
-        label(first, request_id)
-        first.train_until_idle()
+    _serve_and_label(first, ("kept", "undone"), train_each=True)
     assert first.optimizer.version == 2
     first.ledger.quarantine_trained_between = lambda *args: None  # killed before it landed
     assert first.rollback(first.lifecycle.load_saved(1)) == 3
