@@ -540,7 +540,7 @@ def test_a_rollback_killed_before_its_quarantine_landed_quarantines_at_the_resta
     first = _training(tmp_path, save_every=1)
     _serve_and_label(first, ("kept", "undone"), train_each=True)
     assert first.optimizer.version == 2
-    first.ledger.quarantine_trained_between = lambda *args: None  # killed before it landed
+    first.ledger.rolled_back = lambda *args: None  # killed before it landed
     assert first.rollback(first.lifecycle.load_saved(1)) == 3
     _crash(first)
     second = _training(tmp_path, save_every=1)
@@ -552,6 +552,37 @@ def test_a_rollback_killed_before_its_quarantine_landed_quarantines_at_the_resta
     second.close()
 
 
+def test_rollbacks_leave_trained_exactly_the_labels_the_served_weights_hold(tmp_path):
+    """Weights go back, versions forward: 13 is a copy of 10 (11 and 12 quarantined), 14
+    trains on it, 15 is a copy of 12 — which holds 11 and 12 again (trained, not left
+    quarantined to train twice once released) but not 14 — and 16 a copy of 14, which holds
+    1-10 and 14, not 11 and 12 (an outside pass had rollbacks only ever quarantine)."""
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+
+    def trained_into(version):
+        ledger.record_request(RequestRecord(f"r{version}", time.time(), 0, "dpo", [1, 2]))
+        ledger.record_fate(f"r{version}", "trained", version)
+
+    def fates():
+        ledger.flush()
+        return {row.request.id: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
+
+    for version in range(1, 13):
+        trained_into(version)
+    ledger.rolled_back(10, 13)
+    assert {fates()[f"r{v}"] for v in (11, 12)} == {"quarantined"}
+    trained_into(14)
+    ledger.rolled_back(12, 15)
+    assert (fates()["r11"], fates()["r12"], fates()["r14"]) == ("trained", "trained", "quarantined")
+    ledger.rolled_back(14, 16)
+    now = fates()
+    assert {now[f"r{v}"] for v in range(1, 11)} == {"trained"} and now["r14"] == "trained"
+    assert (now["r11"], now["r12"]) == ("quarantined", "quarantined")
+    ledger.rolled_back(14, 16)  # again (a restart after a kill, another replica): nothing changes
+    assert fates() == now
+    ledger.close()
+
+
 def test_a_rollback_quarantines_only_the_versions_it_undid(tmp_path):
     """Restoring version 2 as version 5 undoes versions 3 and 4; what trained into version
     5 or later (another replica may apply the same rollback later) is left alone."""
@@ -559,7 +590,7 @@ def test_a_rollback_quarantines_only_the_versions_it_undid(tmp_path):
     for version in range(1, 7):
         ledger.record_request(RequestRecord(f"r{version}", float(version), 0, "dpo", [1, 2]))
         ledger.record_fate(f"r{version}", "trained", version)
-    ledger.quarantine_trained_between(2, 5, "rolled back to version 2 (as version 5)")
+    ledger.rolled_back(2, 5)
     ledger.close()
     fates = {row.request.id: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
     assert fates == {"r1": "trained", "r2": "trained", "r3": "quarantined", "r4": "quarantined",

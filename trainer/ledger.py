@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import LedgerConfig
-from trainer.ledger_db import LABEL_DELETED, ChoiceRecord, LabelRecord, RequestRecord, open_database, to_json
+from trainer import ledger_lineage
+from trainer.ledger_db import ChoiceRecord, LabelRecord, RequestRecord, open_database, to_json
 
 logger = logging.getLogger(__name__)
 
@@ -142,21 +143,27 @@ class Ledger:
 
         self._wait(_Write(apply, concurrent.futures.Future()), timeout_s)
 
-    def quarantine(self, request_ids: list[str], reason: str) -> None:
-        """The eval gate rejected the version these requests' labels trained into (queued);
-        a label deleted since is dropped instead, for good."""
+    def quarantine(self, request_ids: list[str], reason: str, version: int, promoted: int) -> None:
+        """The eval gate rejected the version these requests' labels trained into, and made
+        `version` a copy of the `promoted` one (queued); a label deleted since is dropped
+        instead, for good."""
         at = self.clock()
         marks = ",".join("?" * len(request_ids))
-        self._put(_Write(lambda c: _quarantine(c, f"id IN ({marks})", tuple(request_ids), reason, at)))
 
-    def quarantine_trained_between(self, restored: int, rolled_back_as: int, reason: str) -> None:
-        """A rollback to saved version `restored`, as version `rolled_back_as`, undid the
-        versions between: what trained into those is quarantined, as the gate's rejections
-        are (queued). Bounded above, so that a replica applying the same rollback later
-        does not touch what another trained after it."""
+        def apply(c: sqlite3.Connection) -> None:
+            ledger_lineage.record_parent(c, version, promoted)
+            ledger_lineage.quarantine(c, f"id IN ({marks})", tuple(request_ids), reason, at)
+
+        self._put(_Write(apply))
+
+    def rolled_back(self, restored: int, version: int) -> None:
+        """A rollback made `version` a copy of saved version `restored` (queued): what
+        trained into versions it undid is quarantined, what an earlier rollback quarantined
+        and `restored` holds is trained again (trainer/ledger_lineage.py). Bounded above by
+        `version`, so that a replica applying the same rollback later does not touch what
+        another trained after it."""
         at = self.clock()
-        self._put(_Write(lambda c: _quarantine(c, "fate = 'trained' AND fate_version > ? AND fate_version < ?",
-                                               (restored, rolled_back_as), reason, at)))
+        self._put(_Write(lambda c: ledger_lineage.restore(c, restored, version, at)))
 
     def reopen(self, request_ids: list[str]) -> None:
         """These requests' labels trained into versions a crash lost before they were saved:
@@ -382,11 +389,3 @@ class Ledger:
         self._thread.join(30)
         self._conn.close()
 
-
-def _quarantine(conn: sqlite3.Connection, where: str, params: tuple, reason: str, at: float) -> None:
-    """Quarantines the requests `where` selects, but drops for good those whose label was
-    deleted (the label is in no weights any more, and must never train again)."""
-    conn.execute(f"UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? "
-                 f"WHERE ({where}) AND {LABEL_DELETED}", (at, *params))
-    conn.execute(f"UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? "
-                 f"WHERE ({where}) AND NOT {LABEL_DELETED}", (reason, at, *params))

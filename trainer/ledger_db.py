@@ -58,6 +58,9 @@ CREATE TABLE IF NOT EXISTS deleted_labels (
     request_id TEXT PRIMARY KEY REFERENCES requests (id) ON DELETE CASCADE,
     deleted_at REAL NOT NULL
 );
+-- versions whose weights are a copy of another's (a rollback, the eval gate's return to
+-- the promoted version): trainer/ledger_lineage.py
+CREATE TABLE IF NOT EXISTS versions (version INTEGER PRIMARY KEY, parent INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # a request whose label was deleted (SQL, on `requests`)

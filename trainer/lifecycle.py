@@ -135,7 +135,7 @@ class AdapterLifecycle:
                 self.checkpointer.save_async(self.promoted_snapshot)
             logger.info("eval gate: version %d promoted, %s", version, verdict.scores.as_dict())
             return
-        rejected = verdict.scores.version
+        rejected, promoted = verdict.scores.version, self.promoted_snapshot.version
         version = self.optimizer.version + 1
         self.restore(self.promoted_snapshot, version)
         self.gate.settled(verdict, version)
@@ -143,8 +143,8 @@ class AdapterLifecycle:
         with self.stats.lock:
             self.stats.rollbacks["eval_gate"] += 1
             self.stats.quarantined_labels += len(verdict.trained_ids)
-        if self.ledger is not None and verdict.trained_ids:
-            self.ledger.quarantine(list(verdict.trained_ids), reason)
+        if self.ledger is not None:
+            self.ledger.quarantine(list(verdict.trained_ids), reason, version, promoted)
         self.promoted_snapshot = self.snapshot()
         if self.checkpointer is not None:
             self.checkpointer.save_async(self.promoted_snapshot)
@@ -221,12 +221,11 @@ class AdapterLifecycle:
         return version
 
     def _quarantine_rolled_back(self, restored: int, version: int) -> None:
-        """Quarantines the labels trained into the versions a rollback to `restored`, as
-        `version`, undid (again after a restart resumed at `version`: it changes nothing if
-        the rollback's own landed, as nothing trains into those versions since)."""
+        """The ledger's fates after a rollback to `restored`, as `version`: what the versions
+        it undid trained is quarantined, what `restored` holds trained (again after a
+        restart resumed at `version`: it changes nothing if the rollback's own landed)."""
         if self.ledger is not None:
-            self.ledger.quarantine_trained_between(restored, version, f"rolled back to version {restored} (as "
-                                                   f"version {version})")
+            self.ledger.rolled_back(restored, version)
 
     def save_final(self, candidate_waits: bool = False) -> None:
         """At shutdown (after the engine stopped): saves the final version, if new — the

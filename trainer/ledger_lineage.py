@@ -1,0 +1,69 @@
+"""Which labels an adapter version holds, in the feedback ledger's terms.
+
+Versions only go forward, but weights do not: a rollback makes version V a copy of saved
+version N's weights, and the eval gate's rejection makes one a copy of the promoted
+version's. The ledger's `versions` table records those parents; any other version's
+parent is the version before it. The labels a version holds are those trained into the
+versions of its lineage (it, its parent, its parent's parent, …), so a rollback to N, as V:
+  - quarantines the labels trained into versions before V that are not in N's lineage
+    (they left the weights; `alchemist feedback release` trains them again), and
+  - gives back their `trained` fate to the labels an earlier rollback quarantined that
+    are in N's lineage (they are in the weights again: released, they would train twice).
+A label deleted after it trained is dropped for good instead of quarantined. Applying the
+same rollback twice (a restart after a kill, each data-parallel replica) changes nothing
+the second time.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+from trainer.ledger_db import LABEL_DELETED
+
+ROLLED_BACK = "rolled back to version"
+
+
+def rollback_reason(restored: int, version: int) -> str:
+    return f"{ROLLED_BACK} {restored} (as version {version})"
+
+
+def lineage(conn: sqlite3.Connection, version: int) -> list[tuple[int, int]]:
+    """The versions whose labels `version` holds, as inclusive ranges."""
+    parents = dict(conn.execute("SELECT version, parent FROM versions WHERE version <= ?", (version,)).fetchall())
+    ranges, current = [], version
+    while current >= 0:
+        restore = max((v for v in parents if v <= current), default=None)
+        if restore is None:
+            ranges.append((0, current))
+            break
+        ranges.append((restore, current))
+        current = parents[restore]
+    return ranges
+
+
+def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) -> None:
+    """Version `version` is a copy of version `restored`'s weights (a rollback): records the
+    parent, then moves the labels' fates to what the weights now hold."""
+    conn.execute("INSERT OR REPLACE INTO versions (version, parent) VALUES (?, ?)", (version, restored))
+    ranges = lineage(conn, restored)
+    held = " OR ".join("fate_version BETWEEN ? AND ?" for _ in ranges)
+    bounds = tuple(bound for pair in ranges for bound in pair)
+    quarantine(conn, f"fate = 'trained' AND fate_version < ? AND NOT ({held})", (version, *bounds),
+               rollback_reason(restored, version), at)
+    conn.execute(f"UPDATE requests SET fate = 'trained', fate_reason = NULL, fate_at = ? WHERE fate = 'quarantined' "
+                 f"AND fate_reason LIKE ? AND ({held}) AND NOT {LABEL_DELETED}", (at, f"{ROLLED_BACK} %", *bounds))
+
+
+def record_parent(conn: sqlite3.Connection, version: int, parent: int) -> None:
+    """Version `version` is a copy of version `parent`'s weights (the gate's return to the
+    promoted version; its rejected labels are quarantined by id)."""
+    conn.execute("INSERT OR REPLACE INTO versions (version, parent) VALUES (?, ?)", (version, parent))
+
+
+def quarantine(conn: sqlite3.Connection, where: str, params: tuple, reason: str, at: float) -> None:
+    """Quarantines the requests `where` selects, but drops for good those whose label was
+    deleted (the label is in no weights any more, and must never train again)."""
+    conn.execute(f"UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? "
+                 f"WHERE ({where}) AND {LABEL_DELETED}", (at, *params))
+    conn.execute(f"UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? "
+                 f"WHERE ({where}) AND NOT {LABEL_DELETED}", (reason, at, *params))
