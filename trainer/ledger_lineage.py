@@ -37,6 +37,8 @@ def lineage(conn: sqlite3.Connection, version: int) -> list[tuple[int, int]]:
             ranges.append((0, current))
             break
         ranges.append((restore, current))
+        if parents[restore] >= restore:  # never written so; a parent is always an older version
+            break
         current = parents[restore]
     return ranges
 
