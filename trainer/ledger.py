@@ -36,8 +36,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import LedgerConfig
 from trainer import ledger_lineage
+from trainer.config import LedgerConfig
 from trainer.ledger_db import ChoiceRecord, LabelRecord, RequestRecord, open_database, to_json
 
 logger = logging.getLogger(__name__)

@@ -74,8 +74,8 @@ class AdapterLifecycle:
                 self.restore(snapshot, snapshot.version)
                 self.maintenance.merge_all()
                 logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
-                if "rolled_back_to" in snapshot.state:  # a crash may have come before its quarantine landed
-                    self._quarantine_rolled_back(snapshot.state["rolled_back_to"], snapshot.version)
+                if "rolled_back_to" in snapshot.state:  # a kill may have come before its fates landed
+                    self._ledger_after_rollback(snapshot.state["rolled_back_to"], snapshot.version)
             else:
                 self.checkpointer.save_async(self.snapshot()).result()
 
@@ -210,17 +210,17 @@ class AdapterLifecycle:
             self.promoted_snapshot = self.snapshot()
         if self.checkpointer is not None:
             rolled_back = self.snapshot()
-            rolled_back.state["rolled_back_to"] = snapshot.version  # a restart quarantines again (`resume`)
+            rolled_back.state["rolled_back_to"] = snapshot.version  # a restart applies its fates again (`resume`)
             saved = self.checkpointer.save_async(rolled_back).result() is not None  # the ledger flushed first
             if not saved:
                 logger.error("the rollback to version %d (now version %d) serves, but it could not be saved: a "
                              "restart resumes from the last saved version", snapshot.version, version)
             else:
-                self._quarantine_rolled_back(snapshot.version, version)
+                self._ledger_after_rollback(snapshot.version, version)
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
         return version
 
-    def _quarantine_rolled_back(self, restored: int, version: int) -> None:
+    def _ledger_after_rollback(self, restored: int, version: int) -> None:
         """The ledger's fates after a rollback to `restored`, as `version`: what the versions
         it undid trained is quarantined, what `restored` holds trained (again after a
         restart resumed at `version`: it changes nothing if the rollback's own landed)."""
