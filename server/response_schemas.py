@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -143,18 +143,26 @@ class FeedbackAccepted(BaseModel):
     message: str | None = None
 
 
+def _trained_into():
+    return Field(description="The first adapter version holding the deleted label, which had already trained: its "
+                             "effect stays in the weights until a rollback to a version before it. Null: the label "
+                             "was in no weights.")
+
+
 class FeedbackDeleted(BaseModel):
     id: str
     object: Literal["feedback.deleted"]
     deleted: Literal[True]
+    trained_into_version: int | None = _trained_into()
 
 
 class CompletionDeleted(BaseModel):
-    """OpenAI's answer to deleting a stored chat completion."""
+    """OpenAI's answer to deleting a stored chat completion (and the version its label trained into)."""
 
     id: str
     object: Literal["chat.completion.deleted"]
     deleted: Literal[True]
+    trained_into_version: int | None = _trained_into()
 
 
 class SavedAdapter(BaseModel):

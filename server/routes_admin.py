@@ -92,16 +92,14 @@ def admin_router(state: ServerState) -> APIRouter:
         owner = owner_elsewhere(state, request, completion_id)
         if owner is not None:
             return await state.peers.forward(owner, request, b"")
-        await forget(state, completion_id, label_only=True)
-        return {"id": completion_id, "object": "feedback.deleted", "deleted": True}
+        return await forget(state, completion_id, label_only=True)
 
     @router.delete("/v1/chat/completions/{completion_id}")
     async def delete_completion(completion_id: str, request: Request):
         owner = owner_elsewhere(state, request, completion_id)
         if owner is not None:
             return await state.peers.forward(owner, request, b"")
-        await forget(state, completion_id, label_only=False)
-        return {"id": completion_id, "object": "chat.completion.deleted", "deleted": True}
+        return await forget(state, completion_id, label_only=False)
 
     add_adapter_routes(router, state)
     return router
@@ -197,11 +195,12 @@ def whole_server_status(answers: list[dict]) -> dict:
     return merged
 
 
-async def forget(state: ServerState, completion_id: str, label_only: bool) -> None:
+async def forget(state: ServerState, completion_id: str, label_only: bool) -> dict:
     """Deletes what the server keeps of a completion (404 if it keeps nothing; 503 if the
     feedback ledger cannot be written now). A label being trained is withdrawn from its
     job on the device thread, the job's other labels requeued; one whose step could not be
-    stopped trains, and the answer is a 409 that says so."""
+    stopped trains, and the answer is a 409 that says so. One that had trained already:
+    the answer names the first version holding it (`trained_into_version`)."""
     what = "label" if label_only else "stored request"
     training = state.training
     if training is None:
@@ -229,6 +228,8 @@ async def forget(state: ServerState, completion_id: str, label_only: bool) -> No
         found = True
     if not found:
         raise APIError(404, f"no {what} for completion {completion_id!r}", "id", "not_found")
+    return {"id": completion_id, "object": "feedback.deleted" if label_only else "chat.completion.deleted",
+            "deleted": True, "trained_into_version": forgotten.trained_into}
 
 
 def live_training(state: ServerState) -> Training:

@@ -115,6 +115,22 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     again.close()
 
 
+def test_a_label_deleted_while_its_candidate_is_scored_is_not_counted_as_quarantined(tmp_path):
+    """The ledger drops it for good rather than quarantine it; the counter says so too."""
+    training = gated(tmp_path)
+    poisoned = labelled_batch(training, "bad", WRONG, RIGHT)
+    run_until_pending(training)
+    forgotten = training.forget(poisoned[0], label_only=True)
+    assert forgotten.found and forgotten.trained_into == 1 and not forgotten.training
+    training.train_until_idle()
+    assert training.gate.last_rejected is not None and training.status().training.quarantined_labels == 1
+    training.ledger.flush()
+    rows = {row.request.id: row for row in read_ledger(tmp_path / "adapters" / LEDGER_FILE)}
+    assert [(rows[i].fate, rows[i].fate_reason[:7]) for i in poisoned] == [("dropped", "deleted"),
+                                                                           ("quarantined", "eval ga")]
+    training.close()
+
+
 def test_a_prefill_served_while_a_candidate_is_scored_is_recorded_under_the_promoted_weights(tmp_path):
     """It is stamped with the promoted version, its recorded logits are the promoted
     weights', and its gradient is exactly the promoted weights' (the stash)."""

@@ -143,11 +143,13 @@ def test_deleting_a_label_or_a_stored_completion_over_http(tmp_path):
         assert client.delete(f"/v1/feedback/{stored}").status_code == 404  # it has no label
         r = client.delete(f"/v1/chat/completions/{stored}")
         assert r.status_code == 200 and r.json() == {"id": stored, "object": "chat.completion.deleted",
-                                                     "deleted": True}
+                                                     "deleted": True, "trained_into_version": None}
         assert training.cache.get(stored) is None  # it can no longer be trained on
         assert client.post("/v1/feedback", json={"id": labelled, "chosen": "Paris."}).status_code == 200
         r = client.delete(f"/v1/feedback/{labelled}")
-        assert r.status_code == 200 and r.json() == {"id": labelled, "object": "feedback.deleted", "deleted": True}
+        answer = r.json()
+        assert r.status_code == 200 and answer.pop("trained_into_version") in (None, 1)  # (if its job ran first)
+        assert answer == {"id": labelled, "object": "feedback.deleted", "deleted": True}
         training.ledger.flush()
         rows = rows_by_id(tmp_path / LEDGER_FILE)
         assert stored not in rows and rows[labelled].label is None
@@ -192,8 +194,8 @@ def test_deleting_an_id_deletes_its_prompts_and_no_other_id(tmp_path):
         for request_id in ids:
             ledger.record_request(RequestRecord(request_id, time.time(), 0, "dpo", [1, 2], "hi"))
         for pattern in ("*", "%", "cmpl-[a]", "cmpl-?"):  # an id's characters are never a pattern
-            assert not ledger.delete(pattern) or pattern in ("*", "%")
-        assert ledger.delete("cmpl-a")
+            assert not ledger.delete(pattern).found or pattern in ("*", "%")
+        assert ledger.delete("cmpl-a").found
         assert set(rows_by_id(tmp_path / LEDGER_FILE)) == {"cmpl-a-1x", "cmpl-a-", "cmpl-a-0-1", "cmpl-ab-0",
                                                            "cmpl-a.0"}
     finally:
@@ -357,7 +359,7 @@ def test_a_deleted_label_is_still_said_deleted_after_a_restart(tmp_path):
         serve(first, request_id)
         label(first, request_id)
     assert first.forget("r0", label_only=True).found
-    assert first.ledger.delete("r1", label_only=True)  # killed before the cache withdrew its entry
+    assert first.ledger.delete("r1", label_only=True).found  # killed before the cache withdrew its entry
     _crash(first)
     second = _training(tmp_path)
     for request_id in ("r0", "r1"):
@@ -365,6 +367,29 @@ def test_a_deleted_label_is_still_said_deleted_after_a_restart(tmp_path):
         again = second.feedback.submit(FeedbackLabel(request_id, "A new label.", None, 0))
         assert again.outcome is FeedbackOutcome.UNKNOWN and "data were deleted" in again.message, again
     second.close()
+
+
+def test_a_label_deleted_after_it_trained_names_its_version_and_is_said_deleted_after_a_restart(tmp_path):
+    """Its data go, its effect stays in the weights: the answer names the first version
+    holding it, and a label sent again is told it was deleted, before and after a restart
+    (an outside pass read 409 "already trained" before it and "unknown" after)."""
+    app = tiny_app(train=DPO, adapter=AdapterConfig(dir=str(tmp_path), save_every=1))
+    with TestClient(app) as client:
+        trained, waiting = chat(client), chat(client)
+        assert client.post("/v1/feedback", json={"id": trained, "chosen": "Paris."}).status_code == 200
+        wait_for(lambda: client.get("/v1/adapters").json()["version"] == 1)
+        app.state.alchemist.training.ledger.flush()
+        for path in (f"/v1/feedback/{trained}", f"/v1/chat/completions/{waiting}"):
+            r = client.delete(path)
+            assert r.status_code == 200 and r.json()["trained_into_version"] == (1 if trained in path else None)
+        r = client.post("/v1/feedback", json={"id": trained, "chosen": "Lyon."})
+        assert r.status_code == 404 and "data were deleted" in r.json()["error"]["message"], r.text
+    row = rows_by_id(tmp_path / LEDGER_FILE)[trained]
+    assert row.label is None and (row.fate, row.fate_version) == ("trained", 1)  # it is in version 1
+    with TestClient(tiny_app(train=DPO, adapter=AdapterConfig(dir=str(tmp_path), save_every=1))) as client:
+        assert client.get("/v1/adapters").json()["restored_from"] == 1
+        r = client.post("/v1/feedback", json={"id": trained, "chosen": "Lyon."})
+        assert r.status_code == 404 and "data were deleted" in r.json()["error"]["message"], r.text
 
 
 def test_a_label_deleted_while_it_trains_is_withdrawn_from_its_job_and_the_others_train(tmp_path):

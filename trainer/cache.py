@@ -14,8 +14,7 @@ a new recording does not fit, the full policy decides which activations go:
 An entry that waits for a label never loses its tokens for want of room: without its
 activations it stays as a label entry and trains by recomputation.
 
-The entries and their states are in trainer/entries.py. Thread-safe: labels arrive on worker threads.
-With a feedback ledger (trainer/ledger.py) every ending is written there too, with a trained entry's version and path.
+States: trainer/entries.py. Thread-safe (labels arrive on worker threads). Every ending goes to the ledger too.
 
 The cache alone moves an entry from state to state: every transition is one of its
 methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
@@ -81,8 +80,7 @@ class ActivationCache:
         self.released_bytes = 0
         # when the last entry holding a recording was added (clock time; -inf: never)
         self.last_recorded = float("-inf")
-        # recordings taken off their entries under the lock, freed once it is dropped, on the device thread
-        # (freeing a graph is tensor work, not the lock's); those ended off it wait for its next call
+        # recordings taken off their entries under the lock, freed with it dropped, on the device thread
         self._detached: list[RecordedPrefill] = []
 
     def __len__(self) -> int:
@@ -207,12 +205,14 @@ class ActivationCache:
         for recording in recordings:
             recording.release()
 
-    def note_ended(self, completion_id: str, state: EntryState) -> None:
-        """A request that can never get an entry (NOT_TRAINABLE, NOT_A_GROUP; EXPIRED or
-        DROPPED, as a restart finds it), so that feedback for it says why."""
+    def note_ended(self, completion_id: str, state: EntryState, deleted: bool = False) -> None:
+        """A request that can never get an entry (NOT_TRAINABLE, NOT_A_GROUP; EXPIRED or DROPPED, as a restart
+        finds it), or one whose data were `deleted` after it ended: feedback for it says why."""
         with self._lock:
             if completion_id not in self._entries:
                 self._remember(completion_id, state)
+                if deleted:
+                    self.deleted_ids.add(completion_id)
 
     def _remember(self, completion_id: str, state: EntryState) -> None:
         """How a completion's entry ended (or why it never had one), for its feedback."""

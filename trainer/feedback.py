@@ -191,6 +191,8 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
     entry = cache.get(completion_id)
     if entry is None:
         ended = cache.ended_state(completion_id)
+        if completion_id in cache.deleted_ids:
+            raise _refuse(FeedbackOutcome.UNKNOWN, _deleted_message(completion_id), "id", "entry_not_found")
         if ended in (EntryState.TRAINED, EntryState.SKIPPED):
             raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label and "
                           f"was {'trained on' if ended is EntryState.TRAINED else 'skipped (equal rewards)'}",
@@ -202,8 +204,6 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
         if ended is EntryState.NOT_A_GROUP:
             raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group: this server "
                           "trains on groups of samples; request them with n >= 2", "id", "not_a_group")
-        if completion_id in cache.deleted_ids:
-            raise _refuse(FeedbackOutcome.UNKNOWN, _deleted_message(completion_id), "id", "entry_not_found")
         if ended is None:
             _labelled_before(ledger, completion_id, choice)
         reason = {EntryState.EXPIRED: "it expired (no feedback within the label timeout)",

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.ledger_db import read_ledger
+from trainer.ledger_db import LABEL_DELETED, read_ledger
 
 
 def is_prompt_of(completion_id: str, entry_id: str) -> bool:
@@ -34,11 +34,15 @@ class LedgerMemory:
     fate_reason: str | None
     # the prompts of the batch whose id was asked about (0: not a batch's id)
     prompts: int = 0
+    # its label was deleted (DELETE /v1/feedback/{id}), before or after it trained
+    label_deleted: bool = False
 
     @property
     def deleted(self) -> bool:
-        """Its label was deleted (DELETE /v1/feedback/{id}): it takes no new one."""
-        return not self.labelled and self.fate == "dropped" and self.fate_reason == "deleted"
+        """Its label was deleted: it takes no new one (a ledger from before deleted labels were
+        kept apart tells a deletion before training by its fate)."""
+        by_fate = self.fate == "dropped" and self.fate_reason == "deleted"
+        return not self.labelled and (self.label_deleted or by_fate)
 
     def how(self) -> str:
         if self.fate == "trained":
@@ -64,4 +68,7 @@ def remembered(ledger_path: str | Path, completion_id: str, choice: int | None =
     if not rows:
         return None
     row = rows[0]
-    return LedgerMemory(row.request.id, row.label is not None, row.fate, row.fate_version, row.fate_reason)
+    deleted = row.label is None and bool(read_ledger(ledger_path, f"r.id = ? AND r.{LABEL_DELETED}",
+                                                     (row.request.id,)))
+    return LedgerMemory(row.request.id, row.label is not None, row.fate, row.fate_version, row.fate_reason,
+                        label_deleted=deleted)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from trainer import ledger_lineage
 from trainer.config import LedgerConfig
-from trainer.ledger_db import ChoiceRecord, LabelRecord, RequestRecord, open_database, to_json
+from trainer.ledger_db import ChoiceRecord, Deletion, LabelRecord, RequestRecord, open_database, to_json
 
 logger = logging.getLogger(__name__)
 
@@ -179,10 +179,10 @@ class Ledger:
         """Removes a label whose entry ended before it could be attached (queued)."""
         self._put(_Write(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))
 
-    def delete(self, request_id: str, label_only: bool = False) -> bool:
+    def delete(self, request_id: str, label_only: bool = False) -> Deletion:
         """Deletes a request (with its label), or only its label, and those of its prompts
-        (`<request_id>-<i>`) where it is a completion of several prompts; whether there was
-        one (blocks until committed; LedgerUnavailable)."""
+        (`<request_id>-<i>`) where it is a completion of several prompts: whether there was
+        one, and which of its labels had trained (blocks until committed; LedgerUnavailable)."""
         table, column = ("labels", "request_id") if label_only else ("requests", "id")
         # its prompts' ids by their range (an id's characters are never a pattern), then digits
         of_its_prompts = (f"{column} >= ? AND {column} < ? AND substr({column}, ?) GLOB '[0-9]*' "
@@ -192,6 +192,8 @@ class Ledger:
         found, at = [], self.clock()
 
         def apply(c: sqlite3.Connection) -> None:
+            found[:] = c.execute(f"SELECT id, fate_version FROM requests WHERE fate = 'trained' AND id IN (SELECT "
+                                 f"{column} FROM {table} WHERE {column} = ? OR ({of_its_prompts}))", arguments)
             if label_only:
                 c.execute("INSERT OR IGNORE INTO deleted_labels SELECT request_id, ? FROM labels WHERE "
                           f"request_id = ? OR ({of_its_prompts})", (at, *arguments))
@@ -203,7 +205,9 @@ class Ledger:
                                    arguments).rowcount > 0)
 
         self._wait(_Write(apply, concurrent.futures.Future()), COMMIT_TIMEOUT_S)
-        return bool(found and found[0])
+        *trained, deleted = found
+        versions = [version for _, version in trained if version is not None]
+        return Deletion(deleted, [request for request, _ in trained], min(versions, default=None))
 
     def _wait(self, write: _Write, timeout_s: float) -> None:
         """Queues `write` and waits for its commit. A write not begun within `timeout_s`

@@ -68,6 +68,17 @@ LABEL_DELETED = "id IN (SELECT request_id FROM deleted_labels)"
 SCHEMA_VERSION = "1"
 
 
+@dataclass(frozen=True)
+class Deletion:
+    """What deleting a request or its label found (`Ledger.delete`)."""
+
+    found: bool
+    # of the deleted labels, those already trained into served weights (a deletion does not
+    # take a label's effect out of them; a rollback to a version before does)
+    trained: list[str] = field(default_factory=list)
+    # the first version holding one of them (None: none had trained)
+    trained_into: int | None = None
+
 
 @dataclass(frozen=True)
 class ChoiceRecord:

@@ -140,16 +140,17 @@ class AdapterLifecycle:
         self.restore(self.promoted_snapshot, version)
         self.gate.settled(verdict, version)
         reason = f"eval gate rejected version {rejected}: " + "; ".join(verdict.failures)
+        quarantined = [request for request in verdict.trained_ids if request not in self.cache.deleted_ids]
         with self.stats.lock:
             self.stats.rollbacks["eval_gate"] += 1
-            self.stats.quarantined_labels += len(verdict.trained_ids)
-        if self.ledger is not None:
+            self.stats.quarantined_labels += len(quarantined)
+        if self.ledger is not None:  # (it drops those whose labels were deleted since)
             self.ledger.quarantine(list(verdict.trained_ids), reason, version, promoted)
         self.promoted_snapshot = self.snapshot()
         if self.checkpointer is not None:
             self.checkpointer.save_async(self.promoted_snapshot)
         logger.warning("%s; serving stays on the promoted weights (now version %d); %d labels quarantined",
-                       reason, version, len(verdict.trained_ids))
+                       reason, version, len(quarantined))
 
     def saved_versions(self) -> list[SavedVersion]:
         """The versions on disk, oldest first (none without an adapter directory)."""

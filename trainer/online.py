@@ -36,6 +36,7 @@ from trainer.config import TrainConfig
 from trainer.intake import FeedbackIntake
 from trainer.label_history import is_prompt_of
 from trainer.ledger import Ledger
+from trainer.ledger_db import Deletion
 from trainer.lifecycle import AdapterLifecycle
 from trainer.maintenance import Maintenance
 from trainer.methods import TrainContext, TrainingMethod
@@ -230,7 +231,9 @@ class OnlineTraining:
         cannot be written, with nothing changed), then its entry leaves the cache. An entry
         being trained is left for `withdraw_from_training`. A completion of several prompts
         is deleted with all of them. A worker thread's call."""
-        deleted = self.ledger.delete(completion_id, label_only) if self.ledger is not None else False
+        deletion = self.ledger.delete(completion_id, label_only) if self.ledger is not None else Deletion(False)
+        for request_id in deletion.trained:  # its label, sent again, is told it was deleted
+            self.cache.note_ended(request_id, EntryState.TRAINED, deleted=True)
         withdrawn, training = False, []
         for entry in self.cache.entries():
             if entry.completion_id != completion_id and not is_prompt_of(completion_id, entry.completion_id):
@@ -241,7 +244,7 @@ class OnlineTraining:
                 withdrawn = True
             elif entry.state is EntryState.TRAINING:
                 training.append(entry.completion_id)
-        return Forgotten(deleted or withdrawn, training)
+        return Forgotten(deletion.found or withdrawn, training, deletion.trained_into)
 
     def withdraw_from_training(self, completion_ids: list[str]) -> list[str]:
         """Withdraws entries whose data were deleted while they trained (device thread): the

@@ -69,8 +69,7 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
         if row.label is None and row.fate == "trained" and entry.needs_label:
             # its label was deleted while it trained, into a version the crash lost: it takes no new one
             ledger.record_fate(row.request.id, EntryState.DROPPED.value, reason="deleted")
-            cache.note_ended(row.request.id, EntryState.DROPPED)
-            cache.deleted_ids.add(row.request.id)
+            cache.note_ended(row.request.id, EntryState.DROPPED, deleted=True)
             closed += 1
             continue
         if row.label is not None or not entry.needs_label:

@@ -155,3 +155,6 @@ class Forgotten:
     found: bool
     # its entries being trained, which `OnlineTraining.withdraw_from_training` withdraws
     training: list[str]
+    # the first adapter version holding a deleted label that had already trained (its effect
+    # stays in the weights until a rollback to a version before); None: none had
+    trained_into: int | None = None
