@@ -11,6 +11,7 @@ from fastapi.routing import APIRoute
 from server.errors import install_error_handlers
 from server.guards import GuardConfig, RequestGuard
 from server.openapi import Offered, openapi_document
+from server.route_table import expected_statuses
 from server.routes_admin import admin_router
 from server.routes_openai import openai_router
 from server.routes_tokens import tokens_router
@@ -24,6 +25,7 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     guard = guard or GuardConfig()
     app.add_middleware(RequestGuard, config=guard, count_response=state.metrics.count_response)
+    state.metrics.expect_responses(expected_statuses(guarded=bool(guard.api_key or guard.admin_key)))
     app.state.alchemist = state
     routers = [admin_router(state), openai_router(state), tokens_router(state)]
     for router in routers:

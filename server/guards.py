@@ -30,12 +30,10 @@ from dataclasses import dataclass
 
 from server.errors import APIError, error_body
 from server.fanout import LOCAL_HEADER
-from server.route_table import PLAIN_PATHS
+from server.route_table import route_of
 
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ADMIN_PREFIX = "/v1/adapters"
-# routes counted under their own label; anything else is counted as "other"
-KNOWN_ROUTES = frozenset(PLAIN_PATHS)
 logger = logging.getLogger(__name__)
 # the longest client X-Request-Id echoed back (a longer one gets a new id)
 MAX_REQUEST_ID_CHARS = 256
@@ -65,7 +63,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        route = path if path in KNOWN_ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
+        route = route_of(path) or "other"
         status_seen = []
         request_id = _request_id(scope)
         port = (scope.get("server") or (None, None))[1]

@@ -214,6 +214,13 @@ class ServingMetrics:
     def count_response(self, handler: str, status: int) -> None:
         self.http_responses.labels(handler=handler, status=str(status)).inc()
 
+    def expect_responses(self, statuses: dict[str, tuple[int, ...]]) -> None:
+        """Exports these routes' status codes at 0 from the start: the first of each counts
+        in `rate()` and `increase()`, which cannot see a series born at 1."""
+        for handler, codes in statuses.items():
+            for status in codes:
+                self.http_responses.labels(handler=handler, status=str(status))
+
     def add_trainer(self, trainer) -> None:
         self.registry.register(TrainingCollector(trainer))
 

@@ -57,3 +57,26 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
 
 # the paths without a path parameter, once each, in the table's order
 PLAIN_PATHS: tuple[str, ...] = tuple(dict.fromkeys(path for _, path in OPERATIONS if "{" not in path))
+# the paths with one, as templates (`/v1/feedback/{completion_id}`), once each
+TEMPLATED_PATHS: tuple[str, ...] = tuple(dict.fromkeys(path for _, path in OPERATIONS if "{" in path))
+
+
+def route_of(path: str) -> str | None:
+    """The table's path a request's path is (a template, for one with a parameter at its
+    end, which a model's id fills with slashes and all); None if none."""
+    if path in PLAIN_PATHS:
+        return path
+    for template in TEMPLATED_PATHS:
+        prefix = template[:template.index("{")]
+        if path.startswith(prefix) and len(path) > len(prefix):
+            return template
+    return None
+
+
+def expected_statuses(guarded: bool) -> dict[str, tuple[int, ...]]:
+    """Each route's status codes as the table declares them (200 and its errors, 499 for a
+    client gone, 401 where an API key is set), and "other"'s (unknown routes, methods)."""
+    statuses: dict[str, set[int]] = {}
+    for (_, path), operation in OPERATIONS.items():
+        statuses.setdefault(path, {200, 499, *([401] if guarded else [])}).update(operation.errors)
+    return {**{path: tuple(sorted(codes)) for path, codes in statuses.items()}, "other": (404, 405)}

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 
+from trainer.feedback import FeedbackOutcome
+
 PREFIX = "alchemist:"
 
 
@@ -37,8 +39,8 @@ class TrainingCollector:
                                 "prefill.", value=status.warm_heap_bytes)
         yield from _cache_metrics(cache)
         feedback = CounterMetricFamily(f"{PREFIX}feedback", "Feedback requests, by outcome.", labels=["status"])
-        for outcome in ("accepted", "invalid", "unknown", "conflict"):
-            feedback.add_metric([outcome], stats.feedback.get(outcome, 0))
+        for outcome in FeedbackOutcome:
+            feedback.add_metric([outcome.value], stats.feedback.get(outcome.value, 0))
         yield feedback
         yield CounterMetricFamily(f"{PREFIX}stale_entries", "Entries recorded under an older adapter version "
                                   "(recomputed, or dropped by stale_policy).", value=stats.stale_entries)

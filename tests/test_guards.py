@@ -48,7 +48,8 @@ def test_missing_key_gets_401_with_openai_body_and_probes_stay_open(keyed_server
     assert get(f"{keyed_server.url}/health").status_code == 200
     metrics = get(f"{keyed_server.url}/metrics")
     assert metrics.status_code == 200
-    assert 'alchemist:http_requests_total{handler="/v1/chat/completions",status="401"}' in metrics.text
+    series = 'alchemist:http_requests_total{handler="/v1/chat/completions",status="401"}'
+    assert series in metrics.text and f"{series} 0.0" not in metrics.text  # (at 0 from the start)
 
 
 def test_every_response_carries_a_request_id_the_client_may_choose(keyed_server):

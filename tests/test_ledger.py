@@ -57,7 +57,9 @@ def test_a_label_is_on_disk_before_feedback_answers_200(tmp_path):
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, name
 
 
-def test_feedback_answers_503_while_the_ledger_cannot_be_written_and_loses_nothing(tmp_path):
+def test_feedback_answers_503_while_the_ledger_cannot_be_written_and_loses_nothing(tmp_path, caplog):
+    """And says so: in `feedback_total{status="unavailable"}` and in the log (an outside
+    pass saw neither)."""
     app = tiny_app(train=DPO, adapter=AdapterConfig(dir=str(tmp_path)))
     with TestClient(app) as client:
         first, second = chat(client), chat(client)
@@ -79,6 +81,8 @@ def test_feedback_answers_503_while_the_ledger_cannot_be_written_and_loses_nothi
         assert client.post("/v1/feedback", json={"id": second, "chosen": "Paris!"}).status_code == 200
         assert rows_by_id(tmp_path / LEDGER_FILE)[second].label.chosen == "Paris!"
         assert metric(client, "alchemist:ledger_refused_writes_total") == 2  # the label and the deletion
+        assert metric(client, 'alchemist:feedback_total{status="unavailable"}') == 1
+        assert [r.message for r in caplog.records if "labels and deletions get 503" in r.message]
         assert metric(client, "alchemist:ledger_rows_written_total") >= 6  # 2 requests, 2 finishes, 2 labels
 
 
@@ -336,6 +340,22 @@ def test_deleting_a_batch_after_a_restart_withdraws_the_prompts_the_restart_took
     second.train_until_idle()
     assert second.stats.copy().trained_entries == {}
     second.close()
+
+
+def test_a_restart_knows_the_version_it_resumed_from_is_saved(tmp_path):
+    """`alchemist:adapter_saved_version` read -1 after every restart, and a shutdown with
+    no new version logged and counted a save that wrote nothing (an outside pass)."""
+    first = _training(tmp_path, save_every=1)
+    serve(first, "r0")
+    label(first, "r0")
+    first.train_until_idle()
+    first.close()
+    second = _training(tmp_path, save_every=1)
+    saves = second.status().saves
+    assert (saves.last_saved_version, saves.saved) == (1, 0)
+    checkpointer = second.lifecycle.checkpointer
+    second.close()  # nothing new to save
+    assert (checkpointer.saved, checkpointer.failed) == (0, 0)
 
 
 def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):

@@ -204,3 +204,21 @@ def test_every_finish_reason_is_a_series_from_the_first_scrape():
     text = ServingMetrics(TINY_NAME).render().decode()
     for reason in ("stop", "length", "abort"):
         assert f'alchemist:request_success_total{{finished_reason="{reason}",model_name="{TINY_NAME}"}} 0.0' in text
+
+
+def test_every_routes_status_codes_are_series_from_the_first_scrape_and_deletions_have_their_own():
+    """An outside pass's burst of 429s never showed in `increase()`: each (route, status)
+    series was born at its first response. Those the route table declares start at 0; a
+    route with a parameter is counted under its template, not as "other"."""
+    with TestClient(tiny_app()) as client:
+        text = client.get("/metrics").text
+        for handler, status in (("/v1/chat/completions", 429), ("/v1/chat/completions", 499), ("/health", 503),
+                                ("/v1/feedback/{completion_id}", 404), ("other", 404)):
+            assert f'alchemist:http_requests_total{{handler="{handler}",status="{status}"}} 0.0' in text, handler
+        assert 'status="401"' not in text  # no key set: none can come
+        assert client.delete("/v1/feedback/chatcmpl-x").status_code == 404
+        assert client.get("/v1/models/org/name").status_code == 404
+        text = client.get("/metrics").text
+        assert 'alchemist:http_requests_total{handler="/v1/feedback/{completion_id}",status="404"} 1.0' in text
+        assert 'alchemist:http_requests_total{handler="/v1/models/{model_id}",status="404"} 1.0' in text
+        assert 'alchemist:http_requests_total{handler="other",status="404"} 0.0' in text

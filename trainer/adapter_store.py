@@ -91,11 +91,14 @@ class AdapterStore:
                 saved.append(SavedVersion(int(match.group(1)), child, (child / STATE_FILE).stat().st_mtime))
         return sorted(saved, key=lambda v: v.version)
 
+    def is_saved(self, version: int) -> bool:
+        return (self.path_of(version) / STATE_FILE).is_file()
+
     def save(self, snapshot: AdapterSnapshot) -> Path:
         """Writes `snapshot` atomically and prunes versions beyond `keep`; a version that is
         already saved is left as it is."""
         final = self.path_of(snapshot.version)
-        if (final / STATE_FILE).is_file():
+        if self.is_saved(snapshot.version):
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}v{snapshot.version:08d}-", dir=self.root))
         try:
@@ -190,6 +193,9 @@ class AdapterCheckpointer:
         return future
 
     def _save(self, snapshot: AdapterSnapshot) -> Path | None:
+        if self.store.is_saved(snapshot.version):  # (at shutdown, a version saved before or resumed from)
+            self.last_saved_version = snapshot.version
+            return self.store.path_of(snapshot.version)
         try:
             if self.before_save is not None:
                 self.before_save()

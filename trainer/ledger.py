@@ -95,6 +95,7 @@ class Ledger:
         # writes that failed for want of room or a lock: retried before the next ones
         self._retry: list[_Write] = []
         self._last_error: sqlite3.Error | None = None
+        self._refusal_logged = float("-inf")
         self._last_prune = float("-inf")
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="alchemist-ledger", daemon=True)
@@ -299,6 +300,10 @@ class Ledger:
         self._last_error = exc
         if write.done is not None:
             self.stats.refused_writes += 1
+            if time.monotonic() - self._refusal_logged >= 60.0:  # one line a minute while it lasts
+                self._refusal_logged = time.monotonic()
+                logger.warning("feedback ledger cannot be written (%s): labels and deletions get 503 until it can "
+                               "(%d refused so far)", exc, self.stats.refused_writes)
             write.done.set_exception(LedgerUnavailable(f"the feedback ledger cannot be written: {exc}"))
         else:
             logger.warning("feedback ledger write failed (%s); it is retried with the next writes", exc)

@@ -72,6 +72,7 @@ class AdapterLifecycle:
             snapshot = self.checkpointer.store.latest()
             if snapshot is not None:
                 self.restore(snapshot, snapshot.version)
+                self.checkpointer.last_saved_version = snapshot.version
                 self.maintenance.merge_all()
                 logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
                 if "rolled_back_to" in snapshot.state:  # a kill may have come before its fates landed
