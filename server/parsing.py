@@ -130,14 +130,15 @@ def completion_prompts(tokenizer, prompt, tail: int | None = None) -> list[tuple
     if all(isinstance(p, int) for p in prompt):
         prompt = [prompt]
     result = []
-    for p in prompt:
+    for i, p in enumerate(prompt):
+        param = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
         if not p:  # also a text that a tokenizer adding BOS would make one token: the schema says minLength 1
-            raise APIError(400, "prompt must not be empty.", "prompt", "invalid_value")
+            raise APIError(400, f"{param} must not be empty.", param, "invalid_value")
         if isinstance(p, str):
             result.append((tokenizer(p)["input_ids"], p))
         else:
             if any(t < 0 for t in p):
-                raise APIError(400, "prompt token ids must be non-negative.", "prompt", "invalid_value")
+                raise APIError(400, f"{param}'s token ids must be non-negative.", param, "invalid_value")
             result.append((list(p), tokenizer.decode(p)))
     if tail is not None:
         result = [(ids[-tail:], tokenizer.decode(ids[-tail:])) if len(ids) > tail else (ids, text)

@@ -197,9 +197,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def tool_use(self) -> ToolUse | None:
         """What this request allows of tools; None when it offers none (or `tool_choice` is "none")."""
-        for message in self.messages:
+        for i, message in enumerate(self.messages):
             if message.role == "tool" and message.tool_call_id is None:
                 raise InvalidParameter("messages", "a message with role 'tool' needs 'tool_call_id'")
+            if message.content is None and message.role != "assistant":  # (an assistant's may be its tool calls)
+                raise InvalidParameter(f"messages[{i}].content", f"Missing required parameter: 'messages[{i}]"
+                                       f".content' (a message with role '{message.role}' needs content).",
+                                       "missing_required_parameter")
         if not self.tools:
             for name in ("tool_choice", "parallel_tool_calls"):
                 if getattr(self, name) not in (None, "none"):

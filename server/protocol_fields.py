@@ -93,10 +93,13 @@ class MessageToolCall(Strict):
 
 
 class ChatMessage(Strict):
-    # a tool result names the call it answers (the schema says so; server/protocol.py refuses it without)
-    model_config = ConfigDict(**Strict.model_config, json_schema_extra={"anyOf": [
-        {"properties": {"role": {"not": {"const": "tool"}}}},
-        {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]})
+    # a tool result names the call it answers, and only an assistant's turn may go without content (its
+    # tool calls): the schema says so, server/protocol.py refuses the rest
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra={"allOf": [
+        {"anyOf": [{"properties": {"role": {"not": {"const": "tool"}}}},
+                   {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}]},
+        {"anyOf": [{"properties": {"role": {"const": "assistant"}}},
+                   {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}]}]})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
@@ -125,4 +128,4 @@ class ChatMessage(Strict):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content)  # as vLLM joins them

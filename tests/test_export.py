@@ -167,7 +167,7 @@ def test_content_parts_and_the_developer_role_export_as_the_template_was_given_t
     exports the messages the chat template was given (text, system), so that TRL renders
     the served prompt; a plain request exports the client's own messages."""
     app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
-    parts = [{"type": "text", "text": "Answer "}, {"type": "text", "text": "briefly."}]
+    parts = [{"type": "text", "text": "Answer briefly."}, {"type": "text", "text": "Be polite."}]
     messages = [{"role": "developer", "content": parts},
                 {"role": "user", "content": [{"type": "text", "text": "Capital of France?"}]},
                 {"role": "assistant", "content": "Paris.", "refusal": None, "annotations": []},
@@ -180,7 +180,7 @@ def test_content_parts_and_the_developer_role_export_as_the_template_was_given_t
             assert client.post("/v1/feedback", json={"id": completion, "chosen": "Rome."}).status_code == 200
         client.app.state.alchemist.training.ledger.flush()
     rows = export(tmp_path, capsys, "--format", "preference")
-    assert rows[0]["prompt"][:2] == [{"role": "system", "content": "Answer briefly."},
+    assert rows[0]["prompt"][:2] == [{"role": "system", "content": "Answer briefly.\nBe polite."},  # as vLLM joins
                                      {"role": "user", "content": "Capital of France?"}]
     assert rows[1]["prompt"] == MESSAGES
     tokenizer = tiny_tokenizer()

@@ -96,6 +96,20 @@ def test_feedback_edge_cases(dpo_client):
     assert r.status_code == 400
 
 
+@pytest.mark.parametrize("side", ["chosen", "rejected"])
+def test_one_side_that_is_the_served_response_is_refused_as_a_pair_of_the_same(dpo_client, side):
+    """The other side defaults to the served response: the same text on the given side made
+    a pair that teaches nothing, and was accepted and exported (an outside pass)."""
+    r = dpo_client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 6, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": f"Say {side}."}]})
+    completion, served = r.json()["id"], r.json()["choices"][0]["message"]["content"]
+    assert served
+    r = feedback(dpo_client, id=completion, **{side: served})
+    assert r.status_code == 400 and r.json()["error"]["param"] == side, r.text
+    assert "served response" in r.json()["error"]["message"]
+    assert feedback(dpo_client, id=completion, **{side: served + "!"}).status_code == 200
+
+
 def test_a_completion_of_several_prompts_takes_a_label_per_choice_as_its_response_numbers_them(dpo_client):
     """`/v1/completions` with a list of prompts answers with one id; choice i·n + j is
     prompt i's j-th: a label names it by `choice_index` (or a pair by their indices)."""

@@ -143,9 +143,10 @@ def test_every_post_route_documents_its_body_and_errors(live_server):
     n = next(option for option in chat["properties"]["n"]["anyOf"] if option["type"] == "integer")
     assert (n["minimum"], n["maximum"]) == (1, 128)  # or null, as OpenAI's schema has it: the default
     # what the server refuses across fields, where a schema can say it: a tool result without its call's id,
-    # and both chat template controls sent true
-    message = document["components"]["schemas"]["ChatMessage"]
-    assert {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}} in message["anyOf"]
+    # a turn other than an assistant's without content, and both chat template controls sent true
+    tool_result, content = document["components"]["schemas"]["ChatMessage"]["allOf"]
+    assert {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}} in tool_result["anyOf"]
+    assert {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}} in content["anyOf"]
     for name in ("ChatCompletionRequest", "TokenizeChatRequest"):
         both = document["components"]["schemas"][name]["not"]
         assert set(both["required"]) == {"add_generation_prompt", "continue_final_message"}

@@ -174,6 +174,10 @@ BAD_BODIES = [
     ("an image part", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
      400, "messages[0].content"),
+    ("a user message without content", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("a system message with null content", {"messages": [{"role": "system", "content": None},
+                                                         {"role": "user", "content": "hi"}]}, 400,
+     "messages[0].content"),
 ]
 
 
@@ -183,7 +187,8 @@ def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
         full = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], **body}
         if "messages" not in body and name == "missing messages":
             full.pop("messages")
-        if name in ("empty messages", "bad role", "an image part", "continuing and opening a turn"):
+        if name in ("empty messages", "bad role", "an image part", "continuing and opening a turn",
+                    "a user message without content", "a system message with null content"):
             full["messages"] = body["messages"]
         r = client.post("/v1/chat/completions", json=full)
     else:
@@ -243,7 +248,8 @@ def test_a_prompt_longer_than_the_context_is_named_as_the_prompt_whatever_max_to
 def test_bad_completion_requests(client):
     for body, param in [({"prompt": []}, "prompt"), ({"prompt": "x", "suffix": "y"}, "suffix"),
                         ({"prompt": [[-1]]}, "prompt[0][0]"), ({"prompt": [10**9]}, "prompt"),
-                        ({"prompt": "x", "best_of": 3}, "best_of")]:
+                        ({"prompt": "x", "best_of": 3}, "best_of"), ({"prompt": ["a", ""]}, "prompt[1]"),
+                        ({"prompt": [[1], []]}, "prompt[1]"), ({"prompt": [""]}, "prompt")]:
         r = client.post("/v1/completions", json={"model": TINY_NAME, **body})
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param

@@ -98,11 +98,21 @@ class _Labels:
     request: FeedbackLabel
 
 
-def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: Callable[[str], list[int]],
-                 max_model_len: int, label_kind: str = PREFERENCE, ledger: Ledger | None = None) -> FeedbackResult:
+@dataclass(frozen=True)
+class ResponseText:
+    """A response's text and its token ids, as the served tokenizer maps them."""
+
+    # a label's text to the ids it trains on (the end of sequence appended)
+    ids: Callable[[str], list[int]]
+    # served ids to the text the client read (special tokens skipped)
+    text: Callable[[list[int]], str]
+
+
+def attach_label(cache: ActivationCache, request: FeedbackLabel, responses: ResponseText, max_model_len: int,
+                 label_kind: str = PREFERENCE, ledger: Ledger | None = None) -> FeedbackResult:
     """Validates `request` against its entry and attaches the label (the entry becomes
-    ready for training); `response_ids` tokenizes a response text. With a `ledger`, the
-    label is committed there before it is attached: accepted means on disk."""
+    ready for training). With a `ledger`, the label is committed there before it is
+    attached: accepted means on disk."""
     try:
         request = _for_prompt_of_batch(cache, request)
         to = _Labels(cache, ledger, request)
@@ -115,7 +125,7 @@ def attach_label(cache: ActivationCache, request: FeedbackLabel, response_ids: C
         if request.chosen_index is not None or request.rejected_index is not None:
             _attach_indices(to, request)
         else:
-            _attach(to, request, response_ids, max_model_len)
+            _attach(to, request, responses, max_model_len)
     except _Refused as refused:
         return refused.result
     return ACCEPTED
@@ -345,14 +355,14 @@ def _attach_indices(to: _Labels, request: FeedbackLabel) -> None:
     _commit(to, entry, label)
 
 
-def _attach(to: _Labels, request: FeedbackLabel, response_ids, max_model_len: int) -> None:
+def _attach(to: _Labels, request: FeedbackLabel, responses: ResponseText, max_model_len: int) -> None:
     completion_id, chosen, rejected, choice_index = (request.completion_id, request.chosen, request.rejected,
                                                      request.choice_index)
     if chosen is None and rejected is None:
         raise _refuse(FeedbackOutcome.INVALID, "give at least one of 'chosen' and 'rejected'; the other defaults "
                       "to the served response", "chosen", "missing_required_parameter")
     # the texts are tokenized first, with nothing locked: a large label stalls no one
-    texts_ids = {name: response_ids(text) for name, text in (("chosen", chosen), ("rejected", rejected))
+    texts_ids = {name: responses.ids(text) for name, text in (("chosen", chosen), ("rejected", rejected))
                  if text is not None}
     entry = _waiting_entry(to.cache, completion_id, to.ledger, choice_index)
     served = None
@@ -373,6 +383,11 @@ def _attach(to: _Labels, request: FeedbackLabel, response_ids, max_model_len: in
     if chosen_ids == rejected_ids:
         raise _refuse(FeedbackOutcome.INVALID, "'chosen' and 'rejected' are the same response", "chosen",
                       "invalid_value")
+    given, text = ("chosen", chosen) if rejected is None else ("rejected", rejected)
+    if served is not None and text == responses.text(served):
+        raise _refuse(FeedbackOutcome.INVALID, f"'{given}' is the served response, which is the other side when "
+                      "only one is given: a pair of the same response teaches nothing; give both 'chosen' and "
+                      "'rejected'", given, "invalid_value")
     limit = max_model_len - len(entry.prompt_token_ids)
     for name, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
         if len(ids) > limit:

@@ -7,7 +7,7 @@ thread: a label's texts are tokenized here.
 from __future__ import annotations
 
 from trainer.cache import ActivationCache
-from trainer.feedback import FeedbackLabel, FeedbackOutcome, FeedbackResult, attach_label
+from trainer.feedback import FeedbackLabel, FeedbackOutcome, FeedbackResult, ResponseText, attach_label
 from trainer.ledger import Ledger
 from trainer.methods import TrainingMethod
 from trainer.status import TrainingStats
@@ -34,8 +34,8 @@ class FeedbackIntake:
                                     f"this server trains in {self.method.name!r} mode (start it with --train-mode "
                                     "dpo or grpo)", None, "feedback_not_used")
         else:
-            result = attach_label(self.cache, request, self._response_ids, self.max_model_len,
-                                  self.method.label_kind, self.ledger)
+            result = attach_label(self.cache, request, ResponseText(self._response_ids, self._served_text),
+                                  self.max_model_len, self.method.label_kind, self.ledger)
         self.count(result, request.rewards if result.accepted else None)
         return result
 
@@ -52,6 +52,10 @@ class FeedbackIntake:
                 self.stats.reward_sum += sum(rewards)
                 self.stats.last_group_mean_reward = sum(rewards) / len(rewards)
                 self.stats.zero_advantage_groups += result.skipped
+
+    def _served_text(self, ids: list[int]) -> str:
+        """The text the client read: a character cut at the end (by `max_tokens`) is not sent."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
     def _response_ids(self, text: str) -> list[int]:
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
