@@ -78,7 +78,7 @@ class TrainingCollector:
         yield from _group_metrics(stats)
         if status.ledger is not None:
             yield from _ledger_metrics(status.ledger)
-        yield from _gate_metrics(stats, status.gate)
+        yield from _gate_metrics(stats, status.gate, status.ledger)
 
 
 def _cache_metrics(cache):
@@ -118,7 +118,7 @@ def _save_metrics(saves):
                             value=-1 if last is None else last)
 
 
-def _gate_metrics(stats, gate):
+def _gate_metrics(stats, gate, ledger):
     """Rollbacks and quarantined labels, and the eval gate (trainer/eval_gate.py, when there
     is one): its verdicts and the scores of the promoted and the last rejected version."""
     rollbacks = CounterMetricFamily(f"{PREFIX}adapter_rollbacks", "Adapter rollbacks, by reason (manual: the "
@@ -127,8 +127,12 @@ def _gate_metrics(stats, gate):
     for reason, count in sorted(stats.rollbacks.items()):
         rollbacks.add_metric([reason], count)
     yield rollbacks
-    yield CounterMetricFamily(f"{PREFIX}quarantined_labels", "Labels of versions the eval gate rejected, kept "
-                              "out of training.", value=stats.quarantined_labels)
+    quarantined = CounterMetricFamily(f"{PREFIX}quarantined_labels", "Labels kept out of training by the "
+                                      "rollback that took them out of the weights (eval_gate: a rejected candidate; "
+                                      "manual: the rollback route; with a feedback ledger).", labels=["reason"])
+    quarantined.add_metric(["eval_gate"], stats.quarantined_labels)
+    quarantined.add_metric(["manual"], ledger.rollback_quarantined if ledger is not None else 0)
+    yield quarantined
     if gate is None:
         return
     yield CounterMetricFamily(f"{PREFIX}eval_runs", "Versions the eval gate scored (baselines included).",

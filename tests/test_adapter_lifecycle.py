@@ -103,6 +103,9 @@ def test_rollback_restores_a_saved_version_as_a_new_version(tmp_path):
         assert fates["first prompt about dogs"] == ("trained", 1)
         for undone in ("second prompt about birds", "third prompt about fish"):  # `feedback release` retrains them
             assert fates[undone][0] == "quarantined", fates
+        metrics = client.get("/metrics").text  # counted (an outside pass found them in the ledger only)
+        assert 'alchemist:quarantined_labels_total{reason="manual"} 2.0' in metrics
+        assert 'alchemist:quarantined_labels_total{reason="eval_gate"} 0.0' in metrics
 
         r = client.post("/v1/adapters/rollback", json={"version": 99})
         assert r.status_code == 404 and r.json()["error"]["code"] == "version_not_found"

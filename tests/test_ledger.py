@@ -640,3 +640,8 @@ def test_a_rollback_quarantines_only_the_versions_it_undid(tmp_path):
     fates = {row.request.id: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
     assert fates == {"r1": "trained", "r2": "trained", "r3": "quarantined", "r4": "quarantined",
                      "r5": "trained", "r6": "trained"}
+    assert ledger.stats.rollback_quarantined == 2
+    again = Ledger(tmp_path / LEDGER_FILE)  # the same rollback applied again (a restart, another replica)
+    again.rolled_back(2, 5)
+    again.close()
+    assert again.stats.rollback_quarantined == 0

@@ -33,12 +33,12 @@ import queue
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from trainer import ledger_lineage
 from trainer.config import LedgerConfig
-from trainer.ledger_db import ChoiceRecord, Deletion, LabelRecord, RequestRecord, open_database, to_json
+from trainer.ledger_db import (ChoiceRecord, Deletion, LabelRecord, LedgerStats, RequestRecord, open_database,
+                               to_json)
 
 logger = logging.getLogger(__name__)
 
@@ -57,18 +57,6 @@ class LedgerUnavailable(Exception):
 
 class LabelExists(Exception):
     """The request already has a label in the ledger."""
-
-
-@dataclass
-class LedgerStats:
-    commits: int = 0
-    rows_written: int = 0
-    write_errors: int = 0
-    refused_writes: int = 0
-    pruned_requests: int = 0
-    commit_seconds: float = 0.0
-    # writes that failed and wait to be retried (requests' rows and fates)
-    retry_backlog: int = 0
 
 
 def _is_full(exc: Exception) -> bool:
@@ -164,7 +152,11 @@ class Ledger:
         `version`, so that a replica applying the same rollback later does not touch what
         another trained after it."""
         at = self.clock()
-        self._put(_Write(lambda c: ledger_lineage.restore(c, restored, version, at)))
+
+        def apply(c: sqlite3.Connection) -> None:
+            self.stats.rollback_quarantined += ledger_lineage.restore(c, restored, version, at)
+
+        self._put(_Write(apply))
 
     def reopen(self, request_ids: list[str]) -> None:
         """These requests' labels trained into versions a crash lost before they were saved:

@@ -68,6 +68,22 @@ LABEL_DELETED = "id IN (SELECT request_id FROM deleted_labels)"
 SCHEMA_VERSION = "1"
 
 
+@dataclass
+class LedgerStats:
+    """The feedback ledger's counters (`alchemist:ledger_*`)."""
+
+    commits: int = 0
+    rows_written: int = 0
+    write_errors: int = 0
+    refused_writes: int = 0
+    pruned_requests: int = 0
+    commit_seconds: float = 0.0
+    # writes that failed and wait to be retried (requests' rows and fates)
+    retry_backlog: int = 0
+    # labels manual rollbacks quarantined (the eval gate's are counted by the lifecycle)
+    rollback_quarantined: int = 0
+
+
 @dataclass(frozen=True)
 class Deletion:
     """What deleting a request or its label found (`Ledger.delete`)."""

@@ -43,17 +43,19 @@ def lineage(conn: sqlite3.Connection, version: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) -> None:
+def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) -> int:
     """Version `version` is a copy of version `restored`'s weights (a rollback): records the
-    parent, then moves the labels' fates to what the weights now hold."""
+    parent, then moves the labels' fates to what the weights now hold; the labels it
+    quarantined."""
     conn.execute("INSERT OR REPLACE INTO versions (version, parent) VALUES (?, ?)", (version, restored))
     ranges = lineage(conn, restored)
     held = " OR ".join("fate_version BETWEEN ? AND ?" for _ in ranges)
     bounds = tuple(bound for pair in ranges for bound in pair)
-    quarantine(conn, f"fate = 'trained' AND fate_version < ? AND NOT ({held})", (version, *bounds),
-               rollback_reason(restored, version), at)
+    quarantined = quarantine(conn, f"fate = 'trained' AND fate_version < ? AND NOT ({held})", (version, *bounds),
+                             rollback_reason(restored, version), at)
     conn.execute(f"UPDATE requests SET fate = 'trained', fate_reason = NULL, fate_at = ? WHERE fate = 'quarantined' "
                  f"AND fate_reason LIKE ? AND ({held}) AND NOT {LABEL_DELETED}", (at, f"{ROLLED_BACK} %", *bounds))
+    return quarantined
 
 
 def record_parent(conn: sqlite3.Connection, version: int, parent: int) -> None:
@@ -62,10 +64,11 @@ def record_parent(conn: sqlite3.Connection, version: int, parent: int) -> None:
     conn.execute("INSERT OR REPLACE INTO versions (version, parent) VALUES (?, ?)", (version, parent))
 
 
-def quarantine(conn: sqlite3.Connection, where: str, params: tuple, reason: str, at: float) -> None:
+def quarantine(conn: sqlite3.Connection, where: str, params: tuple, reason: str, at: float) -> int:
     """Quarantines the requests `where` selects, but drops for good those whose label was
-    deleted (the label is in no weights any more, and must never train again)."""
+    deleted (the label is in no weights any more, and must never train again); how many
+    it quarantined."""
     conn.execute(f"UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? "
                  f"WHERE ({where}) AND {LABEL_DELETED}", (at, *params))
-    conn.execute(f"UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? "
-                 f"WHERE ({where}) AND NOT {LABEL_DELETED}", (reason, at, *params))
+    return conn.execute(f"UPDATE requests SET fate = 'quarantined', fate_reason = ?, fate_at = ? "
+                        f"WHERE ({where}) AND NOT {LABEL_DELETED}", (reason, at, *params)).rowcount
