@@ -131,6 +131,22 @@ def test_a_label_deleted_while_its_candidate_is_scored_is_not_counted_as_quarant
     training.close()
 
 
+def test_after_a_rollback_the_promoted_scores_are_unknown_until_its_weights_are_scored(tmp_path):
+    """They read the replaced version's, labelled with the new number (an outside pass)."""
+    training = gated(tmp_path)
+    labelled_batch(training, "a", RIGHT, WRONG)
+    training.train_until_idle()
+    promoted = training.status().gate.last_promoted
+    assert promoted["version"] == 1 and promoted["preference_margin"] is not None
+    training.lifecycle.rollback(training.lifecycle.load_saved(0))
+    scoring = training.status().gate.last_promoted
+    assert scoring["version"] == 2 and (scoring["preference_margin"], scoring["kl"]) == (None, None)
+    training.train_until_idle()
+    scored = training.status().gate.last_promoted
+    assert scored["version"] == 2 and scored["preference_margin"] != promoted["preference_margin"]
+    training.close()
+
+
 def test_a_prefill_served_while_a_candidate_is_scored_is_recorded_under_the_promoted_weights(tmp_path):
     """It is stamped with the promoted version, its recorded logits are the promoted
     weights', and its gradient is exactly the promoted weights' (the stash)."""

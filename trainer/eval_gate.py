@@ -131,6 +131,8 @@ class EvalGate:
         # recently trained prompts with their served responses (the KL sample)
         self.recent: collections.deque[KLSample] = collections.deque(maxlen=kl_prompts)
         self.promoted: Scores | None = None
+        # the promoted scores are another version's (a rollback's weights not scored yet): not shown
+        self.rescoring = False
         self.last_rejected: tuple[Scores, tuple[str, ...]] | None = None
         self.stats = GateStats()
         # the version being scored, its scoring (a generator) and its labels' completion ids
@@ -167,6 +169,7 @@ class EvalGate:
         self.pin(False)
         if self.promoted is not None:  # the bar stays until the new weights are scored
             self.promoted = dataclasses.replace(self.promoted, version=version)
+            self.rescoring = True
         self._start(version, (), baseline=True)
 
     def score_now(self, version: int) -> Scores:
@@ -210,6 +213,8 @@ class EvalGate:
 
     def settled(self, verdict: Verdict, promoted_version: int) -> None:
         """The lifecycle carried out `verdict`; `promoted_version` now serves."""
+        if verdict.baseline or verdict.promoted:
+            self.rescoring = bool(verdict.failures)
         if verdict.baseline and verdict.failures:  # the bar could not be scored: the last one stays
             if self.promoted is not None:
                 self.promoted = dataclasses.replace(self.promoted, version=promoted_version)

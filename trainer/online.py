@@ -290,9 +290,12 @@ class OnlineTraining:
         if gate.last_rejected is not None:
             scores, failures = gate.last_rejected
             rejected = {**scores.as_dict(), "failures": list(failures)}
+        promoted = gate.promoted.as_dict() if gate.promoted else None
+        if promoted is not None and gate.rescoring:  # (not the scores of the weights serving)
+            promoted.update(preference_margin=None, completion_logprob=None, kl=None)
         s = gate.stats
-        return GateStatus(gate.candidate_version, gate.promoted.as_dict() if gate.promoted else None, rejected,
-                          s.evaluations, s.eval_seconds, s.promoted, s.rejected)
+        return GateStatus(gate.candidate_version, promoted, rejected, s.evaluations, s.eval_seconds, s.promoted,
+                          s.rejected)
 
     def close(self) -> None:
         """At shutdown (after the engine stopped): stops the offloader's copies and the
