@@ -10,14 +10,13 @@ from __future__ import annotations
 import time
 
 from fastapi import APIRouter, Request, Response
-from sse_starlette.sse import EventSourceResponse
 
 from server.errors import APIError
 from server.parsing import (check_model, check_unsupported, completion_prompts, ledger_prompt, make_request,
                             parse_body, render_chat)
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import Choices, chat_completion, text_completion
-from server.streams import (STREAM_DRAIN_S, chat_events, completion_events, engine_stream, merge,
+from server.streams import (chat_events, completion_events, engine_stream, event_stream_response, merge,
                             until_disconnect)
 from server.state import ServerState
 from server.tool_calls import ToolCallParser
@@ -90,7 +89,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     if body.stream:
         events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
                              body.stream_options, state.tokens, parsers)
-        return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
+        return event_stream_response(events, state.engine, [request_id])
 
     async def whole():
         choices = Choices(params.n, params.n)
@@ -124,7 +123,7 @@ async def serve_completion(state: ServerState, request: Request):
     if body.stream:
         events = completion_events(request_id, state.model_name, streams, prompts, params.n, body.echo,
                                    body.logprobs, body.stream_options, state.tokens)
-        return EventSourceResponse(events, ping=15, shutdown_grace_period=STREAM_DRAIN_S)
+        return event_stream_response(events, state.engine, [r.request_id for r in engine_requests])
 
     async def whole():
         choices = Choices(len(prompts) * params.n, params.n)

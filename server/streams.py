@@ -8,8 +8,10 @@ import asyncio
 import time
 from typing import AsyncIterator
 
+import anyio
 import orjson
 from fastapi import Request
+from sse_starlette import EventSourceResponse
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import ErrorKind
@@ -20,8 +22,32 @@ from server.token_shown import TokenShown
 from server.tool_calls import ToolCallParser
 
 # on SIGTERM, streams in flight get this long to finish before they are cut (uvicorn's
-# graceful-shutdown timeout in serve.py is longer)
+# graceful-shutdown timeout in serve.py is longer); this long before the cut, their
+# requests are aborted, so that each ends as an abort does (finish_reason, then [DONE])
 STREAM_DRAIN_S = 8.0
+ABORT_BEFORE_CUT_S = 1.5
+
+
+def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[str]) -> EventSourceResponse:
+    """The SSE response of `events`, whose engine requests `request_ids` are aborted
+    `ABORT_BEFORE_CUT_S` before a shutdown's grace would cut the stream mid-answer."""
+    shutdown = anyio.Event()
+
+    async def abort_before_cut() -> None:
+        await shutdown.wait()
+        await asyncio.sleep(STREAM_DRAIN_S - ABORT_BEFORE_CUT_S)
+        for request_id in request_ids:
+            async_engine.abort(request_id)
+
+    async def drained():
+        aborting = asyncio.ensure_future(abort_before_cut())
+        try:
+            async for event in events:
+                yield event
+        finally:
+            aborting.cancel()
+
+    return EventSourceResponse(drained(), ping=15, shutdown_event=shutdown, shutdown_grace_period=STREAM_DRAIN_S)
 
 
 def engine_stream(async_engine: AsyncEngine, request: EngineRequest):

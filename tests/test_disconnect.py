@@ -1,10 +1,13 @@
 """A client that goes away stops its request at once (real HTTP, tiny model): long before
 it would have finished, counted in generated tokens, not in seconds (CI machines are slow)."""
 
+import json
 import socket
 
 import httpx
+from sse_starlette.sse import AppStatus
 
+from server import streams
 from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
 from tests.test_feedback import metric
 
@@ -47,3 +50,24 @@ def test_non_streaming_client_disconnect_aborts_the_request():
         sock.close()
         wait_for(lambda: engine.engine.num_requests == 0)
         assert generated_tokens(server) < 2900  # stopped long before max_tokens
+
+
+def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monkeypatch):
+    """SIGTERM with a stream running past the drain cut it without a finish reason or
+    [DONE] (an outside pass): its request is now aborted shortly before the cut."""
+    monkeypatch.setattr(streams, "STREAM_DRAIN_S", 3.0)
+    monkeypatch.setattr(streams, "ABORT_BEFORE_CUT_S", 2.5)
+    app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20)
+    with ServerThread(app) as server:
+        with httpx.Client(base_url=server.url, timeout=300) as client:
+            with client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as r:
+                events = []
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                    if len(events) == 5:
+                        monkeypatch.setattr(AppStatus, "should_exit", True)  # what uvicorn's SIGTERM sets
+        monkeypatch.setattr(AppStatus, "should_exit", False)
+        assert events[-1] == "[DONE]"
+        reasons = [choice["finish_reason"] for event in events[:-1] for choice in json.loads(event)["choices"]]
+        assert reasons[-1] == "stop" and generated_tokens(server) < 2900  # (OpenAI has no "abort")
