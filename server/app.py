@@ -25,7 +25,7 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     guard = guard or GuardConfig()
     app.add_middleware(RequestGuard, config=guard, count_response=state.metrics.count_response)
-    state.metrics.expect_responses(expected_statuses(guarded=bool(guard.api_key or guard.admin_key)))
+    state.metrics.expect_responses(expected_statuses(bool(guard.api_key), bool(guard.admin_key)))
     app.state.alchemist = state
     routers = [admin_router(state), openai_router(state), tokens_router(state)]
     for router in routers:

@@ -197,13 +197,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def tool_use(self) -> ToolUse | None:
         """What this request allows of tools; None when it offers none (or `tool_choice` is "none")."""
-        for i, message in enumerate(self.messages):
-            if message.role == "tool" and message.tool_call_id is None:
-                raise InvalidParameter("messages", "a message with role 'tool' needs 'tool_call_id'")
-            if message.content is None and message.role != "assistant":  # (an assistant's may be its tool calls)
-                raise InvalidParameter(f"messages[{i}].content", f"Missing required parameter: 'messages[{i}]"
-                                       f".content' (a message with role '{message.role}' needs content).",
-                                       "missing_required_parameter")
+        check_messages(self.messages)
         if not self.tools:
             for name in ("tool_choice", "parallel_tool_calls"):
                 if getattr(self, name) not in (None, "none"):
@@ -358,7 +352,19 @@ class TokenizeChatRequest(_TokenizeFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def tool_use(self) -> ToolUse | None:
+        check_messages(self.messages)
         return ToolUse(functions(self.tools)) if self.tools else None
+
+
+def check_messages(messages: list[ChatMessage]) -> None:
+    """What the schema says across a message's fields (its `allOf`), which pydantic does not check."""
+    for i, message in enumerate(messages):
+        if message.role == "tool" and message.tool_call_id is None:
+            raise InvalidParameter("messages", "a message with role 'tool' needs 'tool_call_id'")
+        if message.content is None and message.role != "assistant":  # (an assistant's may be its tool calls)
+            raise InvalidParameter(f"messages[{i}].content", f"Missing required parameter: 'messages[{i}]"
+                                   f".content' (a message with role '{message.role}' needs content).",
+                                   "missing_required_parameter")
 
 
 def _tokenize_kind(value) -> str:

@@ -73,10 +73,12 @@ def route_of(path: str) -> str | None:
     return None
 
 
-def expected_statuses(guarded: bool) -> dict[str, tuple[int, ...]]:
-    """Each route's status codes as the table declares them (200 and its errors, 499 for a
-    client gone, 401 where an API key is set), and "other"'s (unknown routes, methods)."""
+def expected_statuses(api_key: bool, admin_key: bool) -> dict[str, tuple[int, ...]]:
+    """Each route's status codes as the table declares them (200 and its errors), with 499
+    (a client gone), 500 (an unhandled error) and 401 where a key guards it (every `/v1/`
+    route with an API key; the adapter routes with an admin key); and "other"'s."""
     statuses: dict[str, set[int]] = {}
     for (_, path), operation in OPERATIONS.items():
-        statuses.setdefault(path, {200, 499, *([401] if guarded else [])}).update(operation.errors)
-    return {**{path: tuple(sorted(codes)) for path, codes in statuses.items()}, "other": (404, 405)}
+        keyed = path.startswith("/v1/") and (api_key or (admin_key and path.startswith("/v1/adapters")))
+        statuses.setdefault(path, {200, 499, 500, *([401] if keyed else [])}).update(operation.errors)
+    return {**{path: tuple(sorted(codes)) for path, codes in statuses.items()}, "other": (404, 405, 500)}

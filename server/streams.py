@@ -43,6 +43,9 @@ def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[s
         aborting = asyncio.ensure_future(abort_before_cut())
         try:
             async for event in events:
+                if event is DONE and aborting.done() and not aborting.cancelled():  # cut short: the client is told
+                    yield _event(error_body(503, "the server is shutting down: this answer was cut short; send the "
+                                                 "request again", None, "server_shutting_down", "server_error"))
                 yield event
         finally:
             aborting.cancel()

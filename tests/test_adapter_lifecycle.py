@@ -162,6 +162,10 @@ def test_unreadable_latest_version_falls_back_to_the_previous_one(tmp_path):
     (tmp_path / "v00000002" / "adapter_model.safetensors").write_bytes(b"damaged")
     with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
         assert client.get("/v1/adapters").json()["version"] == 1
+        serve_and_train(client, ["a third prompt"])  # version 2 again: saved, not taken for the damaged one
+    assert [p.name.split("-")[0] for p in tmp_path.glob("v00000002.unreadable-*")] == ["v00000002.unreadable"]
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        assert client.get("/v1/adapters").json()["restored_from"] == 2
 
 
 _SAVE_LOOP = textwrap.dedent("""

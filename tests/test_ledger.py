@@ -6,6 +6,7 @@ still takes feedback for recent requests."""
 
 import sqlite3
 import stat
+import threading
 import time
 
 import pytest
@@ -449,6 +450,30 @@ def test_a_label_whose_step_was_applied_before_its_deletion_reached_the_job_is_r
     training.train_until_idle()  # the step lands first
     assert training.withdraw_from_training(forgotten.training) == ["late"]
     assert training.optimizer.version == 1
+    again = training.feedback.submit(FeedbackLabel("late", "A new label.", None, 0))  # (was 409 "trained on")
+    assert again.outcome is FeedbackOutcome.UNKNOWN and "deleted" in again.message, again.message
+    training.close()
+
+
+def test_a_label_whose_step_lands_while_its_deletion_is_written_is_reported(tmp_path):
+    """The ledger's delete found it untrained, the step landed before the cache was asked:
+    it is in the weights, and the answer says so (a review found a 200 that said it was in
+    none)."""
+    training = _training(tmp_path)
+    serve(training, "late")
+    label(training, "late")
+    run_into_a_backward(training)
+    delete = training.ledger.delete
+
+    def delete_then_step(*args, **kwargs):
+        deletion = delete(*args, **kwargs)
+        training.train_until_idle()
+        return deletion
+
+    training.ledger.delete = delete_then_step
+    forgotten = training.forget("late", label_only=True)
+    assert forgotten.found and forgotten.training == ["late"] and forgotten.trained_into is None
+    assert training.withdraw_from_training(forgotten.training) == ["late"]  # the route's 409 label_in_training
     training.close()
 
 
@@ -628,6 +653,30 @@ def test_rollbacks_leave_trained_exactly_the_labels_the_served_weights_hold(tmp_
     ledger.close()
 
 
+def _write_twice_in_a_failed_batch(tmp_path) -> None:
+    """A rollback's write in a batch beside a label sent twice: the batch fails on the
+    second label and each write is tried alone, so the rollback's runs twice; it counts
+    what it quarantined once (a review found it counted twice)."""
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    ledger.record_request(RequestRecord("twice", time.time(), 0, "dpo", [1, 2]))
+    ledger.record_fate("twice", "trained", 7)
+    ledger.commit_label("twice", LabelRecord("preference", chosen="a", rejected="b"))
+    blocker = sqlite3.connect(tmp_path / LEDGER_FILE, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    ledger.record_request(RequestRecord("first", time.time(), 0, "dpo", [1, 2]))
+    time.sleep(0.1)  # the writer has taken this write and waits on the lock with it
+    ledger.rolled_back(6, 8)  # undoes version 7
+    again = threading.Thread(target=lambda: pytest.raises(LabelExists, ledger.commit_label, "twice",
+                                                          LabelRecord("preference", chosen="a", rejected="c")))
+    again.start()
+    time.sleep(0.3)  # both queued behind the waiting write: one batch
+    blocker.execute("ROLLBACK")
+    blocker.close()
+    again.join(30)
+    ledger.close()
+    assert ledger.stats.rollback_quarantined == 1
+
+
 def test_a_rollback_quarantines_only_the_versions_it_undid(tmp_path):
     """Restoring version 2 as version 5 undoes versions 3 and 4; what trained into version
     5 or later (another replica may apply the same rollback later) is left alone."""
@@ -641,6 +690,7 @@ def test_a_rollback_quarantines_only_the_versions_it_undid(tmp_path):
     assert fates == {"r1": "trained", "r2": "trained", "r3": "quarantined", "r4": "quarantined",
                      "r5": "trained", "r6": "trained"}
     assert ledger.stats.rollback_quarantined == 2
+    _write_twice_in_a_failed_batch(tmp_path)
     again = Ledger(tmp_path / LEDGER_FILE)  # the same rollback applied again (a restart, another replica)
     again.rolled_back(2, 5)
     again.close()

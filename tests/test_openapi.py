@@ -176,15 +176,16 @@ def test_an_integer_may_be_written_without_a_fraction_only(live_server):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == next(iter(bad)), refused.text
 
 
-@pytest.mark.parametrize("prompt", ["", [""], ["Hi", ""], [], [[]], [[5], []]])
-def test_an_empty_prompt_in_any_form_is_refused_as_the_schema_says(live_server, prompt):
+@pytest.mark.parametrize("prompt, param", [("", "prompt"), ([""], "prompt"), (["Hi", ""], "prompt[1]"),
+                                           ([], "prompt"), ([[]], "prompt"), ([[5], []], "prompt[1]")])
+def test_an_empty_prompt_in_any_form_is_refused_as_the_schema_says(live_server, prompt, param):
     import httpx
 
     refused = httpx.post(live_server.url + "/v1/completions", json={"model": TINY_NAME, "prompt": prompt},
                          timeout=REQUEST_TIMEOUT_S)
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"] | {"message": None} == {
-        "message": None, "type": "invalid_request_error", "param": "prompt", "code": "invalid_value"}
+        "message": None, "type": "invalid_request_error", "param": param, "code": "invalid_value"}
 
 
 def test_the_app_serves_exactly_the_route_table():

@@ -43,6 +43,7 @@ def test_tokenize_messages_as_chat_completions_renders_them(client):
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "model": "gpt-9"}, 404, "model"),
+    ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),  # as a chat completion
     ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),

@@ -72,6 +72,7 @@ class AdapterStore:
         directory nor clears the temporary directories of saves another process may be writing."""
         self.root = Path(root)
         self.keep = keep
+        self.read_only = read_only
         if read_only:
             return
         self.root.mkdir(parents=True, exist_ok=True)
@@ -145,12 +146,19 @@ class AdapterStore:
                                {k: v for k, v in state.items() if k not in ("version", "saved_at")})
 
     def latest(self) -> AdapterSnapshot | None:
-        """The newest version that loads (older ones are tried in turn); None if none does."""
+        """The newest version that loads (older ones are tried in turn); None if none does.
+        One that does not load is moved aside (`vNNNNNNNN.unreadable-<time>`, kept to look at), so
+        that the version trained again under its number is saved."""
         for saved in reversed(self.versions()):
             try:
                 return self.load(saved.version)
             except AdapterLoadError as exc:
-                logger.warning("skipping saved adapter version %d: %s", saved.version, exc)
+                aside = ""
+                if not self.read_only:
+                    aside = saved.path.with_name(f"{saved.path.name}.unreadable-{int(time.time())}")
+                    os.rename(saved.path, aside)
+                logger.warning("skipping saved adapter version %d: %s%s", saved.version, exc,
+                               f" (moved to {aside})" if aside else "")
         return None
 
     def _prune(self) -> None:

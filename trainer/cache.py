@@ -205,14 +205,14 @@ class ActivationCache:
         for recording in recordings:
             recording.release()
 
-    def note_ended(self, completion_id: str, state: EntryState, deleted: bool = False) -> None:
+    def note_ended(self, completion_id: str, state: EntryState | None, deleted: bool = False) -> None:
         """A request that can never get an entry (NOT_TRAINABLE, NOT_A_GROUP; EXPIRED or DROPPED, as a restart
-        finds it), or one whose data were `deleted` after it ended: feedback for it says why."""
+        finds it), or one the cache knows whose data were `deleted`: feedback for it says why."""
         with self._lock:
-            if completion_id not in self._entries:
+            if completion_id not in self._entries and state is not None:
                 self._remember(completion_id, state)
-                if deleted:
-                    self.deleted_ids.add(completion_id)
+            if deleted and (completion_id in self._entries or completion_id in self._ended):
+                self.deleted_ids.add(completion_id)
 
     def _remember(self, completion_id: str, state: EntryState) -> None:
         """How a completion's entry ended (or why it never had one), for its feedback."""

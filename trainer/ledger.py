@@ -3,14 +3,9 @@ in an embedded SQLite database in the adapter directory (`DIR/ledger.sqlite3`), 
 label answered 200 survives `kill -9`, and what was collected can be read out
 (trainer/export.py, `alchemist feedback export`). The schema and the rows are in trainer/ledger_db.py.
 
-    requests  one row per request that got a cache entry: when it was served (wall clock),
-              the adapter version that served it, its prompt as the client wrote it (chat
-              messages or text) and as tokens, and once it finished each choice's tokens,
-              text and served log-probs; then its fate (trained into version v by path,
-              expired, dropped, skipped, evicted) and when
-    labels    at most one per request: a preference (texts or choice indices, with the
-              token ids the trainer uses) or a group's rewards, from the API or the
-              reward function
+    requests  one row per request that got a cache entry: when and by which version it was served, its prompt
+              (as written and as tokens), each choice's tokens, text and served log-probs, then its fate and when
+    labels    at most one per request: a preference or a group's rewards, from the API or the reward function
 
 Writes run on a thread of their own, never on the event loop or the device thread, one
 transaction per drain of its queue. A request's rows and fates are queued and forgotten
@@ -67,9 +62,11 @@ class _Write:
     """One queued write: `apply(conn)` inside the writer's transaction; `done` is set
     for writes whose caller waits (labels)."""
 
-    def __init__(self, apply, done: concurrent.futures.Future | None = None):
+    def __init__(self, apply, done: concurrent.futures.Future | None = None, committed=None):
         self.apply = apply
         self.done = done
+        # called once its transaction has committed (not when it is tried again after a failure)
+        self.committed = committed
 
 
 class Ledger:
@@ -153,10 +150,15 @@ class Ledger:
         another trained after it."""
         at = self.clock()
 
-        def apply(c: sqlite3.Connection) -> None:
-            self.stats.rollback_quarantined += ledger_lineage.restore(c, restored, version, at)
+        quarantined = [0]
 
-        self._put(_Write(apply))
+        def apply(c: sqlite3.Connection) -> None:
+            quarantined[0] = ledger_lineage.restore(c, restored, version, at)
+
+        def committed() -> None:
+            self.stats.rollback_quarantined += quarantined[0]
+
+        self._put(_Write(apply, committed=committed))
 
     def reopen(self, request_ids: list[str]) -> None:
         """These requests' labels trained into versions a crash lost before they were saved:
@@ -185,8 +187,8 @@ class Ledger:
         found, at = [], self.clock()
 
         def apply(c: sqlite3.Connection) -> None:
-            found[:] = c.execute(f"SELECT id, fate_version FROM requests WHERE fate = 'trained' AND id IN (SELECT "
-                                 f"{column} FROM {table} WHERE {column} = ? OR ({of_its_prompts}))", arguments)
+            found[:] = c.execute(f"SELECT id, fate, fate_version FROM requests WHERE id IN (SELECT {column} FROM "
+                                 f"{table} WHERE {column} = ? OR ({of_its_prompts}))", arguments)
             if label_only:
                 c.execute("INSERT OR IGNORE INTO deleted_labels SELECT request_id, ? FROM labels WHERE "
                           f"request_id = ? OR ({of_its_prompts})", (at, *arguments))
@@ -198,9 +200,9 @@ class Ledger:
                                    arguments).rowcount > 0)
 
         self._wait(_Write(apply, concurrent.futures.Future()), COMMIT_TIMEOUT_S)
-        *trained, deleted = found
-        versions = [version for _, version in trained if version is not None]
-        return Deletion(deleted, [request for request, _ in trained], min(versions, default=None))
+        *rows, deleted = found
+        versions = [version for _, fate, version in rows if fate == "trained" and version is not None]
+        return Deletion(deleted, {request: fate for request, fate, _ in rows}, min(versions, default=None))
 
     def _wait(self, write: _Write, timeout_s: float) -> None:
         """Queues `write` and waits for its commit. A write not begun within `timeout_s`
@@ -280,6 +282,8 @@ class Ledger:
             for write in batch:
                 if write.done is not None:
                     write.done.set_result(None)
+                if write.committed is not None:
+                    write.committed()
             self.stats.rows_written += len(batch)
         self.stats.commits += 1
         self.stats.commit_seconds += time.perf_counter() - started
@@ -328,6 +332,8 @@ class Ledger:
             self.stats.rows_written += 1
             if write.done is not None:
                 write.done.set_result(None)
+            if write.committed is not None:
+                write.committed()
 
     def _transaction(self, batch: list[_Write]) -> None:
         conn = self._conn

@@ -89,9 +89,9 @@ class Deletion:
     """What deleting a request or its label found (`Ledger.delete`)."""
 
     found: bool
-    # of the deleted labels, those already trained into served weights (a deletion does not
-    # take a label's effect out of them; a rollback to a version before does)
-    trained: list[str] = field(default_factory=list)
+    # the requests whose labels (or whole rows) it deleted, with their fates then ("trained": in
+    # served weights, which a deletion does not take a label's effect out of; a rollback does)
+    fates: dict[str, str | None] = field(default_factory=dict)
     # the first version holding one of them (None: none had trained)
     trained_into: int | None = None
 

@@ -232,9 +232,11 @@ class OnlineTraining:
         being trained is left for `withdraw_from_training`. A completion of several prompts
         is deleted with all of them. A worker thread's call."""
         deletion = self.ledger.delete(completion_id, label_only) if self.ledger is not None else Deletion(False)
-        for request_id in deletion.trained:  # its label, sent again, is told it was deleted
-            self.cache.note_ended(request_id, EntryState.TRAINED, deleted=True)
         withdrawn, training = False, []
+        for request_id, fate in deletion.fates.items():  # its label, sent again, is told it was deleted
+            self.cache.note_ended(request_id, None, deleted=True)
+            if fate is None and self.cache.ended_state(request_id) is EntryState.TRAINED:
+                training.append(request_id)  # its step landed as the deletion was written: in the weights
         for entry in self.cache.entries():
             if entry.completion_id != completion_id and not is_prompt_of(completion_id, entry.completion_id):
                 continue
@@ -252,9 +254,12 @@ class OnlineTraining:
         never reaches the weights. The ids it could not withdraw: their step was applied
         meanwhile, or its gradients already went to a replicas' round."""
         self.trainer.abandon_job(of=set(completion_ids))
-        return [completion_id for completion_id in completion_ids if not self.cache.withdraw(completion_id)
-                and (self.cache.get(completion_id) is not None
-                     or self.cache.ended_state(completion_id) is EntryState.TRAINED)]
+        trained = [completion_id for completion_id in completion_ids if not self.cache.withdraw(completion_id)
+                   and (self.cache.get(completion_id) is not None
+                        or self.cache.ended_state(completion_id) is EntryState.TRAINED)]
+        for completion_id in trained:
+            self.cache.note_ended(completion_id, None, deleted=True)
+        return trained
 
     # -- status and shutdown ----------------------------------------------------------
 
