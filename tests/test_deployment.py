@@ -23,6 +23,13 @@ COMPOSE = REPO / "compose.yaml"
 def exported_metric_names(tmp_path) -> set[str]:
     """Sample names in /metrics of a server with training, adapter saving, the ledger and
     the eval gate on, after a request (so labelled series exist)."""
+    text = exported_metrics_text(tmp_path)
+    return {re.split(r"[{ ]", line)[0] for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def exported_metrics_text(tmp_path) -> str:
+    """/metrics of that server, as text."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     probes = tmp_path / "probes.jsonl"
     probes.write_text('{"prompt": "The capital of France is", "chosen": " Paris.", "rejected": " Lyon."}\n')
     app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4, eval_set=str(probes)),
@@ -30,8 +37,7 @@ def exported_metric_names(tmp_path) -> set[str]:
     with TestClient(app) as client:
         client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 3,
                                                   "messages": [{"role": "user", "content": "hi"}]})
-        text = client.get("/metrics").text
-    return {re.split(r"[{ ]", line)[0] for line in text.splitlines() if line and not line.startswith("#")}
+        return client.get("/metrics").text
 
 
 def dashboard_panels() -> list[dict]:
@@ -126,9 +132,18 @@ def test_readme_documents_gpu_deployment():
 
 
 def test_the_metrics_reference_lists_every_metric_the_server_exports(tmp_path):
-    """docs/metrics.md (an outside pass found 23 exported metrics no document named)."""
-    documented = set(re.findall(r"^\| `([^`]+)` \|", (REPO / "docs" / "metrics.md").read_text(), re.MULTILINE))
+    """docs/metrics.md, with each metric's type and labels (an outside pass found 23
+    exported metrics no document named)."""
+    table = re.findall(r"^\| `([^`]+)` \| (\w+) \| ([^|]*) \|", (REPO / "docs" / "metrics.md").read_text(),
+                       re.MULTILINE)
+    documented = {name for name, _, _ in table}
     exported = {name for name in exported_metric_names(tmp_path) if name.startswith("alchemist:")}
+    text = exported_metrics_text(tmp_path / "again")
+    for name, kind, labels in table:
+        assert f"# TYPE {name} {kind}" in text, name
+        series = re.findall(rf"^{re.escape(name)}(?:_bucket|_count|_sum)?{{([^}}]*)}}", text, re.MULTILINE)
+        keys = {key for labelled in series for key in re.findall(r'(\w+)="', labelled)} - {"le", "quantile"}
+        assert keys == ({key.strip() for key in labels.split(",")} - {"—", ""}), name
 
     def family(sample: str) -> str | None:
         for suffix in ("", "_bucket", "_count", "_sum", "_created"):
