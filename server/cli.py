@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ledger's one style")
     export.add_argument("--include-quarantined", action="store_true",
                         help="also the labels the eval gate quarantined")
+    export.add_argument("--drop-truncated", action="store_true",
+                        help="leave out rows with a served answer that max_tokens cut short")
     release = feedback_commands.add_parser("release", help="release labels the eval gate quarantined: they train "
                                            "when the server next starts")
     release.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
@@ -173,7 +175,7 @@ def export_feedback(args: argparse.Namespace) -> int:
     try:
         rows = read_ledger(Path(args.adapter_dir) / LEDGER_FILE)
         dataset, counts = export_rows(rows, args.format, parse_since(args.since), args.style,
-                                      args.include_quarantined)
+                                      args.include_quarantined, args.drop_truncated)
     except (ExportError, FileNotFoundError) as exc:
         print(f"alchemist: {exc}", file=sys.stderr)
         return 2
@@ -184,6 +186,11 @@ def export_feedback(args: argparse.Namespace) -> int:
     skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
     print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{skipped}",
           file=sys.stderr)
+    if counts.truncated:
+        done = "left out" if args.drop_truncated else "written (TRL ends each completion with the end of turn, so " \
+            "they teach to stop mid-answer: --drop-truncated leaves them out)"
+        print(f"alchemist: {counts.truncated} rows hold a served answer cut short by max_tokens: {done}",
+              file=sys.stderr)
     if not counts.rows and counts.selected:  # an empty JSONL file is not a dataset `datasets` loads
         print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
               "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "

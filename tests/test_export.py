@@ -227,3 +227,24 @@ def test_an_export_interrupted_midway_leaves_the_file_that_was_there(tmp_path):
     reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
     write_jsonl(fifo, [{"prompt": "p"}])
     assert reader.communicate(timeout=30)[0] == b'{"prompt": "p"}\n' and fifo.exists() and not fifo.is_file()
+
+
+def test_answers_cut_by_max_tokens_are_counted_and_left_out_on_request(tmp_path, capsys):
+    """TRL ends each exported completion with the end of turn, so an answer max_tokens cut
+    short teaches to stop mid-answer (an outside pass): the export says how many rows hold
+    one, and `--drop-truncated` leaves them out."""
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        for max_tokens, label in ((3, {"chosen": "A better answer."}), (3, {"chosen": "Yes.", "rejected": "No."})):
+            r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": max_tokens,
+                                                          "ignore_eos": True, "messages": MESSAGES})
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            assert client.post("/v1/feedback", json={"id": r.json()["id"], **label}).status_code == 200
+        client.app.state.alchemist.training.ledger.flush()
+    assert [c.finish_reason for row in read_ledger(tmp_path / LEDGER_FILE) for c in row.choices] == ["length"] * 2
+    for flags, rows, said in (((), 2, "written"), (("--drop-truncated",), 1, "left out")):
+        out = tmp_path / f"cut-{len(flags)}.jsonl"
+        assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out), *flags]) == 0
+        assert f"1 rows hold a served answer cut short by max_tokens: {said}" in capsys.readouterr().err
+        exported = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(exported) == rows and exported[-1]["chosen"][0]["content"] == "Yes."

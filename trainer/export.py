@@ -21,7 +21,10 @@ prompt rendered them: either way TRL renders the prompt that was served. What a 
 gave its chat template besides (vLLM's `chat_template_kwargs`) is TRL's column of that
 name, on every row once any row has one (`{}` where a request gave none).
 One file holds one style: `style` picks it when the ledger holds both. Quarantined labels
-are left out unless asked for. A file is written whole or not at all (`write_jsonl`).
+are left out unless asked for. A served answer that `max_tokens` cut short is exported as
+served, but counted (`ExportCounts.truncated`), and left out on request: TRL ends every
+completion with the end of turn, so such a row teaches to stop mid-answer. A file is
+written whole or not at all (`write_jsonl`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class ExportCounts:
     skipped: int = 0
     # requests that passed the filters (time, quarantine) and the style, whatever the format made of them
     selected: int = 0
+    # rows with a served answer cut by max_tokens (left out with `drop_truncated`, written otherwise)
+    truncated: int = 0
 
 
 def parse_since(text: str | None) -> float | None:
@@ -68,7 +73,7 @@ def parse_since(text: str | None) -> float | None:
 
 
 def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, style: str = "auto",
-                include_quarantined: bool = False) -> tuple[list[dict], ExportCounts]:
+                include_quarantined: bool = False, drop_truncated: bool = False) -> tuple[list[dict], ExportCounts]:
     """The dataset rows of `format` made from the ledger's `rows` (labelled or served
     after `since`, a unix time)."""
     if format not in FORMATS:
@@ -84,13 +89,16 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
     kept = [row for row in chosen if _style(row) == wanted]
     # TRL hands a row's `chat_template_kwargs` to the template: every row has one if any has
     with_kwargs = any(row.request.chat_template_kwargs for row in kept)
-    out = []
+    out, truncated = [], 0
     for row in kept:
         extra = {"tools": json.dumps(row.request.tools)} if row.request.tools else {}
         if with_kwargs:
             extra["chat_template_kwargs"] = row.request.chat_template_kwargs or {}
-        out.extend({**made, **extra} for made in _FORMATTERS[format](row))
-    return out, ExportCounts(len(out), len(chosen) - len(kept), len(kept))
+        for made, cut in _FORMATTERS[format](row):
+            truncated += cut
+            if not (cut and drop_truncated):
+                out.append({**made, **extra})
+    return out, ExportCounts(len(out), len(chosen) - len(kept), len(kept), truncated)
 
 
 def _selected(row: LedgerRow, since: float | None, include_quarantined: bool) -> bool:
@@ -111,64 +119,74 @@ def _completion(row: LedgerRow, text: str):
     return [{"role": "assistant", "content": text}] if _style(row) == "conversational" else text
 
 
-def _served_text(row: LedgerRow, index: int | None) -> str | None:
-    return next((c.text for c in row.choices if c.index == (index or 0)), None)
+@dataclass(frozen=True)
+class _Answer:
+    text: str | None
+    # a served answer that max_tokens cut short
+    cut: bool = False
 
 
-def _preference_texts(row: LedgerRow) -> tuple[str, str] | None:
-    """(chosen, rejected) texts of a DPO label: as sent, or the served choices named."""
+def _served(row: LedgerRow, index: int | None) -> _Answer:
+    choice = next((c for c in row.choices if c.index == (index or 0)), None)
+    return _Answer(None) if choice is None else _Answer(choice.text, choice.finish_reason == "length")
+
+
+def _preference_answers(row: LedgerRow) -> tuple[_Answer, _Answer]:
+    """(chosen, rejected) of a DPO label: as sent, or the served choices named."""
     label = row.label
     if label.chosen_index is not None:
-        return _served_text(row, label.chosen_index), _served_text(row, label.rejected_index)
-    chosen = label.chosen if label.chosen is not None else _served_text(row, label.choice_index)
-    rejected = label.rejected if label.rejected is not None else _served_text(row, label.choice_index)
+        return _served(row, label.chosen_index), _served(row, label.rejected_index)
+    chosen = _Answer(label.chosen) if label.chosen is not None else _served(row, label.choice_index)
+    rejected = _Answer(label.rejected) if label.rejected is not None else _served(row, label.choice_index)
     return chosen, rejected
 
 
-def _rewarded(row: LedgerRow) -> list[tuple[str, float]]:
-    """(text, reward) of each sample of a rewarded group, in choice order."""
+def _rewarded(row: LedgerRow) -> list[tuple[_Answer, float]]:
+    """(answer, reward) of each sample of a rewarded group, in choice order."""
     if row.label is None or row.label.kind != "rewards":
         return []
-    texts = {c.index: c.text for c in row.choices}
-    return [(texts[i], r) for i, r in enumerate(row.label.rewards) if i in texts]
+    indices = {c.index for c in row.choices}
+    return [(_served(row, i), r) for i, r in enumerate(row.label.rewards) if i in indices]
 
 
-def _preference(row: LedgerRow) -> Iterator[dict]:
+# each formatter yields (a dataset row, whether it holds a served answer cut short)
+def _preference(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
     if row.label is not None and row.label.kind == "preference":
-        pair = _preference_texts(row)
-        if pair is not None and None not in pair:
-            yield {"prompt": row.request.prompt, "chosen": _completion(row, pair[0]),
-                   "rejected": _completion(row, pair[1])}
+        chosen, rejected = _preference_answers(row)
+        if None not in (chosen.text, rejected.text):
+            yield {"prompt": row.request.prompt, "chosen": _completion(row, chosen.text),
+                   "rejected": _completion(row, rejected.text)}, chosen.cut or rejected.cut
     samples = _rewarded(row)
     if samples:
-        best_text, best = max(samples, key=lambda s: s[1])
-        for text, reward in samples:
+        best_answer, best = max(samples, key=lambda s: s[1])
+        for answer, reward in samples:
             if reward < best:
-                yield {"prompt": row.request.prompt, "chosen": _completion(row, best_text),
-                       "rejected": _completion(row, text)}
+                yield {"prompt": row.request.prompt, "chosen": _completion(row, best_answer.text),
+                       "rejected": _completion(row, answer.text)}, best_answer.cut or answer.cut
 
 
-def _unpaired(row: LedgerRow) -> Iterator[dict]:
+def _unpaired(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
     if row.label is not None and row.label.kind == "preference":
-        pair = _preference_texts(row)
-        if pair is not None:
-            for text, desirable in zip(pair, (True, False)):
-                if text is not None:
-                    yield {"prompt": row.request.prompt, "completion": _completion(row, text), "label": desirable}
+        for answer, desirable in zip(_preference_answers(row), (True, False)):
+            if answer.text is not None:
+                yield {"prompt": row.request.prompt, "completion": _completion(row, answer.text),
+                       "label": desirable}, answer.cut
     samples = _rewarded(row)
     if samples:
         mean = sum(r for _, r in samples) / len(samples)
-        for text, reward in samples:
+        for answer, reward in samples:
             if reward != mean:
-                yield {"prompt": row.request.prompt, "completion": _completion(row, text), "label": reward > mean}
+                yield {"prompt": row.request.prompt, "completion": _completion(row, answer.text),
+                       "label": reward > mean}, answer.cut
 
 
-def _prompt_completion(row: LedgerRow) -> Iterator[dict]:
+def _prompt_completion(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
     if row.request.method == "cpt":
         for choice in row.choices:
-            yield {"prompt": row.request.prompt, "completion": _completion(row, choice.text)}
-    for text, reward in _rewarded(row):
-        yield {"prompt": row.request.prompt, "completion": _completion(row, text), "reward": reward}
+            yield {"prompt": row.request.prompt, "completion": _completion(row, choice.text)}, \
+                choice.finish_reason == "length"
+    for answer, reward in _rewarded(row):
+        yield {"prompt": row.request.prompt, "completion": _completion(row, answer.text), "reward": reward}, answer.cut
 
 
 _FORMATTERS = {"preference": _preference, "unpaired": _unpaired, "prompt-completion": _prompt_completion}

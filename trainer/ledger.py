@@ -102,7 +102,8 @@ class Ledger:
         self._put(_Write(lambda c: c.execute(
             "UPDATE requests SET finished_at = ?, choices = ?, aborted = ? WHERE id = ?",
             (finished_at, to_json([{"index": x.index, "token_ids": x.token_ids, "text": x.text,
-                                  "token_logprobs": x.token_logprobs} for x in choices]), int(aborted),
+                                  "token_logprobs": x.token_logprobs, "finish_reason": x.finish_reason}
+                                 for x in choices]), int(aborted),
              request_id))))
 
     def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,

@@ -103,6 +103,8 @@ class ChoiceRecord:
     text: str
     # each token's log-prob as serving computed it (None: not computed)
     token_logprobs: list[float] | None = None
+    # why it finished: "stop", "length" (cut by max_tokens), "abort" (None: a ledger from before it was kept)
+    finish_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -243,7 +245,7 @@ def read_rows(conn: sqlite3.Connection, where: str = "1", params: tuple = ()) ->
 def _row(r: tuple) -> LedgerRow:
     request = RequestRecord(r[0], r[1], r[3], r[4], from_json(r[6]), from_json(r[5]), from_json(r[25]),
                             from_json(r[26]))
-    choices = [ChoiceRecord(c["index"], c["token_ids"], c["text"], c.get("token_logprobs"))
+    choices = [ChoiceRecord(c["index"], c["token_ids"], c["text"], c.get("token_logprobs"), c.get("finish_reason"))
                for c in from_json(r[7]) or []]
     label = None
     if r[13] is not None:

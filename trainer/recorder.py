@@ -85,6 +85,8 @@ class Recorder:
         # text (kept for the reward function and the ledger only)
         self._token_logps: dict[str, dict[int, list[float]]] = {}
         self._texts: dict[str, dict[int, str]] = {}
+        # completion id -> choice index -> why it finished ("length": cut by max_tokens), for the ledger
+        self._finish_reasons: dict[str, dict[int, str]] = {}
         # completion id -> the prompt as the client wrote it (kept for the reward function and the ledger)
         self._client_prompts: dict[str, ClientPrompt] = {}
         # completion id -> (prompt token ids, adapter version) of trainable requests in
@@ -176,14 +178,18 @@ class Recorder:
             return
         token_logps = self._token_logps.setdefault(request_id, {})
         texts = self._texts.setdefault(request_id, {})
+        reasons = self._finish_reasons.setdefault(request_id, {})
         for completion in output.outputs:
             responses.setdefault(completion.index, []).extend(completion.token_ids)
+            if completion.finish_reason is not None:
+                reasons[completion.index] = completion.finish_reason
             if self.keeps_client_prompt:
                 texts[completion.index] = texts.get(completion.index, "") + completion.text
             if completion.token_logprob_values is not None:
                 token_logps.setdefault(completion.index, []).extend(completion.token_logprob_values)
         if output.finished:
             del self._responses[request_id], self._token_logps[request_id], self._texts[request_id]
+            del self._finish_reasons[request_id]
             logps = {index: sum(values) for index, values in token_logps.items()}
             aborted = _aborted(output)
             label_only = self._label_only.pop(request_id, None)
@@ -192,7 +198,8 @@ class Recorder:
                 self.cache.add(self.method.make_label_entry(request_id, *label_only))
             if self.ledger is not None and (label_only is None or not aborted):
                 self.ledger.record_finished(request_id, [
-                    ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i)) for i in sorted(responses)],
+                    ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i), reasons.get(i))
+                    for i in sorted(responses)],
                     aborted)
             waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps)
             client = self._client_prompts.pop(request_id, None)
