@@ -102,7 +102,8 @@ class ChatMessage(Strict):
                    {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}]}]})
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[TextPart] | None, BeforeValidator(_text_parts_only)] = None
+    content: Annotated[str | Annotated[list[TextPart], Field(min_length=1)] | None,
+                       BeforeValidator(_text_parts_only)] = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None

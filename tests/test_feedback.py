@@ -96,14 +96,23 @@ def test_feedback_edge_cases(dpo_client):
     assert r.status_code == 400
 
 
+@pytest.mark.parametrize("tokenized_as_served", [False, True])
 @pytest.mark.parametrize("side", ["chosen", "rejected"])
-def test_one_side_that_is_the_served_response_is_refused_as_a_pair_of_the_same(dpo_client, side):
+def test_one_side_that_is_the_served_response_is_refused_as_a_pair_of_the_same(dpo_client, side, monkeypatch,
+                                                                               tokenized_as_served):
     """The other side defaults to the served response: the same text on the given side made
-    a pair that teaches nothing, and was accepted and exported (an outside pass)."""
+    a pair that teaches nothing, and was accepted and exported (an outside pass); the answer
+    names the side sent, also where its text tokenizes to the served ids (an answer that
+    ended with the end of sequence: a second pass had "chosen" for either side)."""
     r = dpo_client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 6, "temperature": 0,
                                                       "messages": [{"role": "user", "content": f"Say {side}."}]})
     completion, served = r.json()["id"], r.json()["choices"][0]["message"]["content"]
     assert served
+    intake = dpo_client.app.state.alchemist.training.feedback
+    if tokenized_as_served:
+        served_ids, tokenize = intake.cache.get(completion).responses[0], intake._response_ids
+        monkeypatch.setattr(intake, "_response_ids", lambda text: list(served_ids) if text == served else
+                            tokenize(text))
     r = feedback(dpo_client, id=completion, **{side: served})
     assert r.status_code == 400 and r.json()["error"]["param"] == side, r.text
     assert "served response" in r.json()["error"]["message"]

@@ -175,6 +175,7 @@ BAD_BODIES = [
         {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]},
      400, "messages[0].content"),
     ("a user message without content", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("a user message of no parts", {"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),
     ("a system message with null content", {"messages": [{"role": "system", "content": None},
                                                          {"role": "user", "content": "hi"}]}, 400,
      "messages[0].content"),
@@ -188,7 +189,8 @@ def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
         if "messages" not in body and name == "missing messages":
             full.pop("messages")
         if name in ("empty messages", "bad role", "an image part", "continuing and opening a turn",
-                    "a user message without content", "a system message with null content"):
+                    "a user message without content", "a system message with null content",
+                    "a user message of no parts"):
             full["messages"] = body["messages"]
         r = client.post("/v1/chat/completions", json=full)
     else:

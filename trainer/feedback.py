@@ -378,16 +378,16 @@ def _attach(to: _Labels, request: FeedbackLabel, responses: ResponseText, max_mo
         if not served:
             raise _refuse(FeedbackOutcome.INVALID, "the served response is empty; give both 'chosen' and "
                           "'rejected'", "id", "invalid_value")
-    chosen_ids = texts_ids.get("chosen", served)
-    rejected_ids = texts_ids.get("rejected", served)
-    if chosen_ids == rejected_ids:
-        raise _refuse(FeedbackOutcome.INVALID, "'chosen' and 'rejected' are the same response", "chosen",
-                      "invalid_value")
     given, text = ("chosen", chosen) if rejected is None else ("rejected", rejected)
     if served is not None and text == responses.text(served):
         raise _refuse(FeedbackOutcome.INVALID, f"'{given}' is the served response, which is the other side when "
                       "only one is given: a pair of the same response teaches nothing; give both 'chosen' and "
                       "'rejected'", given, "invalid_value")
+    chosen_ids = texts_ids.get("chosen", served)
+    rejected_ids = texts_ids.get("rejected", served)
+    if chosen_ids == rejected_ids:
+        raise _refuse(FeedbackOutcome.INVALID, "'chosen' and 'rejected' are the same response", "chosen",
+                      "invalid_value")
     limit = max_model_len - len(entry.prompt_token_ids)
     for name, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
         if len(ids) > limit:
