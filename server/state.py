@@ -20,7 +20,7 @@ from trainer.feedback import FeedbackLabel, FeedbackResult
 from trainer.frozen import ServedAdapter
 from trainer.methods import TrainingMethod
 from trainer.replicated import Replica
-from trainer.status import TrainerStatus
+from trainer.status import Forgotten, TrainerStatus
 
 
 class FeedbackSink(Protocol):
