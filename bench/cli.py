@@ -39,10 +39,13 @@ def add_bench_commands(commands, add_config_flags) -> None:
                           help="record but send no feedback (isolates the cost of recording)")
     colocate.add_argument("--feedback-fraction", type=float, default=1.0,
                           help="share of answers the client sends feedback for (the soak's mix: 0.33)")
-    colocate.add_argument("--compare", choices=["training", "ledger", "gate", "ride"], default="training",
+    colocate.add_argument("--compare", choices=["training", "ledger", "gate", "ride", "trim"],
+                          default="training",
                           help="training: off vs on; ledger: training on with an adapter directory, without vs "
                           "with the feedback ledger; gate: training on, without vs with the eval gate (--eval-set); "
-                          "ride: training on, a recorded prefill's step alone vs running decodes riding along in it")
+                          "ride: training on, a recorded prefill's step alone vs running decodes riding along in it; "
+                          "trim: training on, every pause in recording giving freed memory back vs only beyond "
+                          "train.trim_slack_mib")
     colocate.add_argument("--eval-set", default="examples/capital_probes.jsonl", help="the probes of --compare gate")
     colocate.add_argument("--json", help="write the results to this JSON file")
     colocate.add_argument("--sweep", help="comma-separated rates; draws TPOT vs rate as PNG")

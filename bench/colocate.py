@@ -31,6 +31,7 @@ from bench.report import (TRAINING_PATHS, percentile, pyplot, read_metric, reuse
                           write_json)
 from bench.traces import WORDS, TraceRequest, make_trace
 from engine.scheduler import STEP_KINDS
+from trainer.config import TrainConfig
 
 async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, start: float, feedback: bool,
                rng: random.Random) -> dict:
@@ -91,6 +92,8 @@ class TrainingSide:
     # an adapter directory, without and with the feedback ledger), "gate" (training on,
     # without and with the eval gate on `eval_set`) or "ride" (training on, a recorded
     # prefill's step alone, then with running decodes riding along in its forward: the default)
+    # or "trim" (training on, every pause in recording giving freed memory back, then only
+    # beyond `train.trim_slack_mib`: the default)
     compare: str = "training"
     eval_set: str = "examples/capital_probes.jsonl"
 
@@ -102,6 +105,8 @@ class TrainingSide:
             return True, {"ALCHEMIST_TRAIN_EVAL_SET": self.eval_set if variant else ""}
         if self.compare == "ride":
             return True, {"ALCHEMIST_SCHEDULER_RECORDED_PREFILL_ALONE": "false" if variant else "true"}
+        if self.compare == "trim":
+            return True, {"ALCHEMIST_TRAIN_TRIM_SLACK_MIB": str(TrainConfig.trim_slack_mib) if variant else "0"}
         return variant, {}
 
 

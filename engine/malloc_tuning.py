@@ -57,6 +57,15 @@ def return_freed_memory() -> bool:
     return True
 
 
+def resident_bytes() -> int:
+    """The process's resident memory (RSS); 0 where /proc is missing."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def minor_page_faults() -> int:
     """Minor page faults this process has taken: host memory touched for the first time
     since it was mapped (a serving step's count says whether it wrote to fresh pages)."""

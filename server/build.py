@@ -155,7 +155,8 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
                 group.training.count_as_weights(offloader.param_keys)
     # recordings in host memory land on pre-faulted pages (engine/malloc_tuning.py)
     warmer = HeapWarmer() if heap_warming and runner.device.type == "cpu" else None
-    maintenance = Maintenance(cache, peft_model, config.merged_serving, stats, warmer, serving_copies)
+    maintenance = Maintenance(cache, peft_model, config.merged_serving, stats, warmer, serving_copies,
+                              trim_slack_bytes=config.trim_slack_mib << 20)
     gate = build_gate(runner, peft_model, tokenizer, max_model_len, config)
     lifecycle = AdapterLifecycle(peft_model, optimizer, cache, stash, maintenance, stats, method.name, checkpointer,
                                  gate, ledger)

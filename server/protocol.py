@@ -27,8 +27,8 @@ from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar
-from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, ChatMessage, Int, StreamOptions, Strict,
-                                    TokenId, non_empty_alternatives)
+from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, ChatMessage, Int, LimitFrom0, LimitFrom1,
+                                    StreamOptions, Strict, TokenId, non_empty_alternatives)
 from server.protocol_formats import (NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, build_grammar,
                                      functions)
 from server.tool_calls import ToolUse
@@ -99,7 +99,7 @@ class _SamplingFields(Strict):
     # Hugging Face's generation names, which lm-evaluation-harness passes on from a task's
     # generation_kwargs: max_new_tokens limits the output beside the other limits (the
     # smallest applies); beam search is not offered, so num_beams is 1
-    max_new_tokens: Int | None = None
+    max_new_tokens: LimitFrom0 | None = None
     num_beams: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": 1}), INTEGRAL] = 1
     # alchemist: false keeps this request out of online training
     train: bool = True
@@ -173,8 +173,9 @@ class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(**Strict.model_config, json_schema_extra=TEMPLATE_CONTROLS_SCHEMA)
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
+    # OpenAI's minimum (a completion scores a prompt with 0)
+    max_tokens: LimitFrom1 | None = None
+    max_completion_tokens: LimitFrom1 | None = None
     logprobs: bool | None = False
     top_logprobs: Int | None = None
     response_format: ResponseFormat | None = None
@@ -224,8 +225,8 @@ class ChatCompletionRequest(_SamplingFields):
         # both limits are checked, each under its own name, before the one that applies is taken
         for name in ("max_completion_tokens", "max_tokens"):
             value = getattr(self, name)
-            if value is not None and value < 0:
-                raise InvalidParameter(name, f"{name} must be at least 0, got {value}")
+            if value is not None and value < 1:
+                raise InvalidParameter(name, f"{name} must be at least 1, got {value}")
         max_tokens = self._output_limit(self.max_completion_tokens if self.max_completion_tokens is not None
                                         else self.max_tokens)
         top = None
@@ -251,7 +252,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
                       Field(json_schema_extra=non_empty_alternatives)]
-    max_tokens: Int | None = 16
+    max_tokens: LimitFrom0 | None = 16
     echo: bool | None = False
     logprobs: Int | None = None
     best_of: Int | None = None

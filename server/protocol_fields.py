@@ -51,6 +51,9 @@ def _integral(value):
 # with bounds, INTEGRAL goes after the Field so that the schema keeps minimum/maximum
 INTEGRAL = BeforeValidator(_integral)
 Int = Annotated[int, INTEGRAL]
+# output limits: the bound is in the schema, and checked by the request (its error names the field)
+LimitFrom0 = Annotated[int, Field(json_schema_extra={"minimum": 0}), INTEGRAL]
+LimitFrom1 = Annotated[int, Field(json_schema_extra={"minimum": 1}), INTEGRAL]
 # a token id: the served vocabulary's size bounds it in the OpenAPI document (server/openapi.py)
 # and in the engine's checks
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True}), INTEGRAL]

@@ -150,12 +150,16 @@ def test_pages_warmed_while_an_admitted_recording_waits_go_to_it():
     assert recorder.confirm("b", prompt, spec) is spec and warmer.held_bytes == 0
 
 
-def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_back():
+def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_back(monkeypatch):
+    """A pause in recording after which the process holds more than its slack beyond
+    what it started with (a burst's recordings, trained and freed)."""
     from tests.test_stash import make_trainer
     from tests.test_training import serve
     from trainer.maintenance import TRIM_QUIET_S
     if not keep_freed_memory():
         pytest.skip("not glibc")
+    resident = [1 << 30]
+    monkeypatch.setattr("trainer.maintenance.resident_bytes", lambda: resident[0])
     trainer = make_trainer()
     now = [100.0]
     trainer.cache.clock = lambda: now[0]
@@ -165,6 +169,7 @@ def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_ba
     assert warmer.held_bytes >= warmer.target > 0  # warm while prefills are being recorded
     trims = trainer.stats.memory_trims
     now[0] += TRIM_QUIET_S  # no recording since: the server has gone quiet
+    resident[0] += 2 * trainer.maintenance.trim_slack_bytes + warmer.held_bytes
     assert trainer.has_work()
     trainer.train_until_idle()
     assert warmer.held_bytes == 0 and trainer.stats.memory_trims == trims + 1
@@ -174,20 +179,25 @@ def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_ba
 
 
 def test_jobs_that_end_while_recording_is_paused_give_their_memory_back(monkeypatch):
-    """A drain trains the last labels after the traffic: the jobs free their own buffers."""
+    """A drain trains the last labels after the traffic: the jobs free their own buffers,
+    given back once they exceed a pause's slack, or once the server has gone idle."""
     from tests.test_stash import make_trainer
     from tests.test_training import label, serve
-    from trainer.maintenance import TRIM_QUIET_S
-    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
-    now = [100.0]
-    trainer.cache.clock = lambda: now[0]
+    from trainer.maintenance import IDLE_TRIM_S, TRIM_QUIET_S
+    now, resident = [100.0], [1 << 30]
     trims = []
     monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(now[0]) or True)
+    monkeypatch.setattr("trainer.maintenance.resident_bytes", lambda: resident[0])
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
+    trainer.cache.clock = lambda: now[0]
+    slack = trainer.maintenance.trim_slack_bytes
     serve(trainer, "a")
     serve(trainer, "b", prompt="Another question entirely")
+    serve(trainer, "c", prompt="A third question")
     label(trainer, "a")
     trainer.train_until_idle()
     assert trims == []  # recorded a moment ago: freed memory is kept for the next recording
+    resident[0] += 2 * slack  # the recordings' memory, freed
     now[0] += TRIM_QUIET_S
     trainer.train_until_idle()
     assert len(trims) == 1
@@ -195,8 +205,52 @@ def test_jobs_that_end_while_recording_is_paused_give_their_memory_back(monkeypa
     trainer.train_until_idle()
     assert len(trims) == 1  # not after every job: at most one trim per quiet period
     now[0] += TRIM_QUIET_S
+    resident[0] += slack // 2  # what the job left in the heap
     trainer.run_slice()  # an idle poll
+    assert len(trims) == 1 and not trainer.has_work()  # within a pause's slack: kept for the next recording
+    resident[0] += slack
+    trainer.run_slice()
     assert len(trims) == 2 and not trainer.has_work()
+    label(trainer, "c")
+    trainer.train_until_idle()
+    now[0] += IDLE_TRIM_S
+    trainer.run_slice()  # the server has gone idle: whatever the jobs freed goes back
+    assert len(trims) == 3 and not trainer.has_work()
+
+
+def test_a_pause_in_traffic_keeps_the_warm_heap_and_what_the_heap_holds_within_its_slack(monkeypatch):
+    """Recordings on the host: a pause that frees less than the slack keeps the heap as it
+    is, warm heap included, so that the recording after it lands on warm pages (a trim
+    makes it fault whatever the warm heap holds: BENCHMARKS.md, "A pause in traffic");
+    the server gone idle gives the warm heap and the freed memory back."""
+    from tests.test_stash import make_trainer
+    from tests.test_training import label, serve
+    from trainer.maintenance import IDLE_TRIM_S, TRIM_QUIET_S
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    now, resident = [100.0], [1 << 30]
+    monkeypatch.setattr("trainer.maintenance.resident_bytes", lambda: resident[0])
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
+    trainer.cache.clock = lambda: now[0]
+    warmer = trainer.maintenance.warmer
+    serve(trainer, "a")
+    label(trainer, "a")
+    resident[0] += 2 * trainer.maintenance.trim_slack_bytes  # a burst's memory, freed
+    now[0] += TRIM_QUIET_S
+    trainer.train_until_idle()  # the first pause: a trim, and what the process holds after it
+    trims = trainer.stats.memory_trims
+    assert trims == 1
+    serve(trainer, "b")
+    label(trainer, "b")
+    trainer.train_until_idle()
+    assert warmer.held_bytes >= warmer.target > 0
+    now[0] += TRIM_QUIET_S
+    trainer.train_until_idle()
+    assert trainer.stats.memory_trims == trims and warmer.held_bytes >= warmer.target  # kept through the pause
+    now[0] += IDLE_TRIM_S
+    trainer.train_until_idle()
+    assert trainer.stats.memory_trims == trims + 1 and warmer.held_bytes == 0
+    assert not trainer.has_work()
 
 
 def test_page_faults_count_memory_written_for_the_first_time():

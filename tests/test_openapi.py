@@ -220,3 +220,15 @@ def test_the_document_offers_only_what_this_server_takes(tmp_path, mode, saves, 
         else:
             [rewards] = schemas
             assert set(rewards["properties"]) == {"id", "rewards"} and set(rewards["required"]) == {"id", "rewards"}
+
+
+def test_the_output_limits_minimum_is_in_the_document():
+    """A chat answer has at least one token (OpenAI's minimum); a completion may have none
+    (it scores its prompt with `echo`): a fuzzer sends neither a refused value as valid."""
+    from server.protocol import ChatCompletionRequest, CompletionRequest
+
+    def minimum(model, field):
+        return next(a["minimum"] for a in model.model_json_schema()["properties"][field]["anyOf"] if "minimum" in a)
+
+    assert minimum(ChatCompletionRequest, "max_tokens") == minimum(ChatCompletionRequest, "max_completion_tokens") == 1
+    assert minimum(CompletionRequest, "max_tokens") == minimum(CompletionRequest, "max_new_tokens") == 0

@@ -137,14 +137,17 @@ def test_an_entry_labelled_while_a_job_runs_joins_it_before_the_step():
 
 
 def test_freed_memory_is_given_back_only_once_recording_has_paused(monkeypatch):
-    """Trimming after every job made the next recording pay first-touch page faults."""
-    clock = [1000.0]
+    """Trimming after every job made the next recording pay first-touch page faults (and
+    so does a trim in a pause, unless the process holds more than its slack)."""
+    clock, resident = [1000.0], [1 << 30]
+    monkeypatch.setattr("trainer.maintenance.resident_bytes", lambda: resident[0])
     trainer = make_trainer(max_staleness=1, entries_per_step=1)
     trainer.cache.clock = lambda: clock[0]
     trims = []
     monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(clock[0]) or True)
     serve(trainer, "a")
     trainer.train_until_idle()
+    resident[0] += 2 * trainer.maintenance.trim_slack_bytes
     assert trims == []  # recorded a moment ago
     clock[0] += 11.0
     trainer.run_slice()

@@ -62,6 +62,10 @@ class TrainConfig:
     # (the paper's: the new one is not kept), evict_oldest. Measured in BENCHMARKS.md,
     # "Training: delayed gradients and grouped steps" (`alchemist bench colocate`)
     cache_full_policy: str = "unlabelled_give_way"
+    # host memory (MiB) freed by recordings and jobs that a pause in recording keeps for
+    # the next one, on the CPU (trainer/maintenance.py): a pause gives memory back to the
+    # OS only beyond it, an idle server all of it; 0: every pause gives it back
+    trim_slack_mib: int = 256
     # fraction of requests whose prefill is recorded (1: every request)
     record_fraction: float = 1.0
     # prompts longer than this are served but not recorded
@@ -161,6 +165,8 @@ class TrainConfig:
         if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:
             raise ValueError(f"train.cache_bytes must be a non-negative integer (0: sized to the device), "
                              f"got {self.cache_bytes!r}")
+        if not isinstance(self.trim_slack_mib, int) or self.trim_slack_mib < 0:
+            raise ValueError(f"train.trim_slack_mib must be a non-negative integer, got {self.trim_slack_mib!r}")
         for name in ("lora_rank", "lora_alpha", "max_record_tokens", "entries_per_step",
                      "cohort_max_entries", "max_label_entries", "head_chunk_rows", "eval_kl_prompts"):
             check_positive(self, name)

@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import time
 
-from engine.malloc_tuning import HeapWarmer, return_freed_memory
+from engine.malloc_tuning import HeapWarmer, resident_bytes, return_freed_memory
 from trainer.adapter import merge_all, merge_stale
 from trainer.serving_copy import SharedInputGroup, refresh_serving_copies
 from trainer.cache import ActivationCache
 from trainer.status import TrainingStats
 
 # an idle item returns freed memory to the OS (and the warm heap) once no prefill has been
-# recorded for this long, and again, at most as often, while jobs free more: a recording into
-# pages just given back pays first-touch page faults (`alchemist bench recording`,
-# BENCHMARKS.md), and a server without traffic should hold only what it started with
-# (`alchemist bench soak`, memory after the drain)
+# recorded for this long, and again, at most as often, while jobs free more: a server without
+# traffic should hold only what it started with (`alchemist bench soak`, memory after the
+# drain). But a recording into pages just given back pays first-touch page faults, whatever
+# the warm heap holds (BENCHMARKS.md, "A pause in traffic"), so where recordings are host
+# memory a pause shorter than `IDLE_TRIM_S` gives memory back only when the process holds
+# more than its slack (`train.trim_slack_mib`) beyond what it held after the last trim,
+# outside live recordings and the warm heap: after a drain, not between two requests
 TRIM_QUIET_S = 10.0
+IDLE_TRIM_S = 300.0
 # how often serving steps check label timeouts
 EXPIRY_EVERY_S = 0.5
 # how long an idle item may rebuild merged weights (about one training slice)
@@ -38,20 +42,26 @@ MERGE_ITEM_S = 0.01
 
 class Maintenance:
     def __init__(self, cache: ActivationCache, peft_model, merged_serving: bool, stats: TrainingStats,
-                 warmer: HeapWarmer | None = None, serving_copies: list[SharedInputGroup] = ()):
+                 warmer: HeapWarmer | None = None, serving_copies: list[SharedInputGroup] = (),
+                 trim_slack_bytes: int = 256 << 20):
         """`merged_serving`: serving runs on LoRA merged into the base weights, rebuilt
         after every change of the adapter; `warmer`: pre-faulted heap for the next
         recording (engine.malloc_tuning.HeapWarmer), None where it does not help;
-        `serving_copies`: the adapter's serving copy, refreshed at every change at once."""
+        `serving_copies`: the adapter's serving copy, refreshed at every change at once;
+        `trim_slack_bytes`: freed memory a pause in recording keeps (`TRIM_QUIET_S`)."""
         self.cache = cache
         self.peft_model = peft_model
         self.merged_serving = merged_serving
         self.serving_copies = list(serving_copies)
         self.stats = stats
         self.warmer = warmer
+        self.trim_slack_bytes = trim_slack_bytes
         self._merge_pending = False
         self._freeing_work_at_last_trim = (0, 0)
         self._last_trim = float("-inf")
+        # resident bytes outside live recordings and the warm heap after the last trim (at
+        # first: when the server was built)
+        self._held_after_trim = self._held_outside_recordings()
         self._last_expiry = float("-inf")
 
     @property
@@ -135,19 +145,37 @@ class Maintenance:
         return grew
 
     def _recording_paused(self) -> bool:
-        return self.cache.clock() - self.cache.last_recorded >= TRIM_QUIET_S
+        return self._quiet_for(TRIM_QUIET_S)
+
+    def _quiet_for(self, seconds: float) -> bool:
+        return self.cache.clock() - self.cache.last_recorded >= seconds
 
     def _memory_due(self) -> bool:
-        """Recording has paused, and memory was freed since it was last given back (at
-        most once per quiet period), or the heap is held warm for a recording that has
-        not come. Under traffic freed memory is kept: the next recording reuses it
-        without page faults."""
+        """Recording has paused and memory was freed since it was last given back (at
+        most once per quiet period), more than a pause's slack of it where recordings are
+        host memory; or the server has gone idle with its heap held warm. Under traffic
+        freed memory is kept: the next recording reuses it without page faults."""
         if not self._recording_paused():
             return False
+        idle = self._quiet_for(IDLE_TRIM_S)
+        if idle and self.warm_heap_bytes > 0:
+            return True
         # at most one trim per quiet period for the jobs' frees: labels recomputed while
         # requests are served unrecorded (a full cache) must not pay one after every job
-        return self.warm_heap_bytes > 0 or (self._freeing_work() != self._freeing_work_at_last_trim
-                                            and self.cache.clock() - self._last_trim >= TRIM_QUIET_S)
+        freed = (self._freeing_work() != self._freeing_work_at_last_trim
+                 and self.cache.clock() - self._last_trim >= TRIM_QUIET_S)
+        return freed and (idle or self._held_beyond_last_trim() > self.trim_slack_bytes)
+
+    def _held_beyond_last_trim(self) -> float:
+        """Resident bytes outside live recordings and the warm heap, beyond what was held
+        after the last trim; infinite where recordings are not host memory (no warm heap:
+        they are on an accelerator)."""
+        if self.warmer is None:
+            return float("inf")
+        return self._held_outside_recordings() - self._held_after_trim
+
+    def _held_outside_recordings(self) -> int:
+        return resident_bytes() - self.cache.bytes - self.warm_heap_bytes
 
     def _freeing_work(self) -> tuple[int, int]:
         """What frees memory into the heap: activations released, and jobs ended (a job's
@@ -162,5 +190,6 @@ class Maintenance:
         self._freeing_work_at_last_trim = self._freeing_work()
         self._last_trim = self.cache.clock()
         if return_freed_memory():
+            self._held_after_trim = self._held_outside_recordings()
             with self.stats.lock:
                 self.stats.memory_trims += 1
