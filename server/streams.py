@@ -23,7 +23,7 @@ from server.tool_calls import ToolCallParser
 
 # on SIGTERM, streams in flight get this long to finish before they are cut (uvicorn's
 # graceful-shutdown timeout in serve.py is longer); this long before the cut, their
-# requests are aborted, so that each ends as an abort does (finish_reason, then [DONE])
+# requests are aborted, so that each ends with an error event saying so, then [DONE]
 STREAM_DRAIN_S = 8.0
 ABORT_BEFORE_CUT_S = 1.5
 
@@ -158,6 +158,13 @@ def _event(data: dict) -> bytes:
 DONE = b"data: [DONE]\r\n\r\n"
 
 
+def _streamed_finish_reason(reason: str | None, called_tools: bool = False) -> str | None:
+    """A streamed choice's finish reason; none for one the server aborted (a shutdown: the
+    stream then ends with an error event), where "stop" would pass the cut answer off as
+    complete to a client reading finish reasons. A client that disconnected reads nothing."""
+    return None if reason == "abort" else finish_reason(reason, called_tools)
+
+
 def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tuple[dict, bool]:
     """A choice's delta for its new text — content, and, when tools were offered, tool-call
     deltas (server/tool_calls.py) — and whether the choice has called a tool."""
@@ -195,12 +202,13 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
             for c in output.outputs:
                 counts.completion_tokens += len(c.token_ids)
                 delta, called_tools = _chat_delta(parsers[c.index], c.text, c.finish_reason is not None)
-                if not delta and not c.finish_reason and not c.logprobs:
+                reason = _streamed_finish_reason(c.finish_reason, called_tools)
+                if not delta and not reason and not c.logprobs:
                     continue
                 choice = {"index": c.index, "delta": delta,
                           "logprobs": {"content": chat_logprobs(tokens, c.logprobs)} if c.logprobs else None,
-                          "finish_reason": finish_reason(c.finish_reason, called_tools)}
-                if c.finish_reason:
+                          "finish_reason": reason}
+                if reason:
                     choice["stop_reason"] = c.stop_reason
                 yield event([choice])
         if counts.include:
@@ -235,11 +243,12 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
                     text = prompt_text + text
                     ids = prompt_ids + ids
                     values = list(output.prompt_logprobs or [None] * len(prompt_ids)) + values
-                if not text and not c.finish_reason and (logprobs is None or not ids):
+                reason = _streamed_finish_reason(c.finish_reason)
+                if not text and not reason and (logprobs is None or not ids):
                     continue  # text held back (a stop string may begin): a chunk once there is some
                 lp = completion_logprobs(tokens, values, ids, offsets[k]) if logprobs is not None else None
                 yield event([{"index": k, "text": text, "logprobs": lp,
-                              "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}])
+                              "finish_reason": reason, "stop_reason": c.stop_reason if reason else None}])
         if counts.include:
             yield event([], counts.now())
     except APIError as exc:

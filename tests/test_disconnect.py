@@ -55,7 +55,8 @@ def test_non_streaming_client_disconnect_aborts_the_request():
 def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monkeypatch):
     """SIGTERM with a stream running past the drain cut it without a finish reason or
     [DONE] (an outside pass): its request is now stopped shortly before the cut, and an
-    error event tells the client the answer was cut short (the SDK raises it)."""
+    error event tells the client the answer was cut short (the SDK raises it); no chunk
+    gives a finish reason."""
     monkeypatch.setattr(streams, "STREAM_DRAIN_S", 3.0)
     monkeypatch.setattr(streams, "ABORT_BEFORE_CUT_S", 2.5)
     app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20)
@@ -71,4 +72,5 @@ def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monke
         monkeypatch.setattr(AppStatus, "should_exit", False)
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"
         reasons = [choice["finish_reason"] for event in events[:-2] for choice in json.loads(event)["choices"]]
-        assert reasons[-1] == "stop" and generated_tokens(server) < 2900  # (OpenAI has no "abort")
+        # no finish reason: "stop" (OpenAI has no "abort") passed the cut answer off as complete
+        assert set(reasons) == {None} and generated_tokens(server) < 2900
