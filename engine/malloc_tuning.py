@@ -10,9 +10,10 @@ threshold are mapped fresh each time, so every recording pays first-touch page f
     dpo`, is measured in BENCHMARKS.md, History, "Production: soak", fix 4).
   - `return_freed_memory()` (`malloc_trim(0)`, every arena) gives free heap pages back to
     the OS. The trainer calls it as an idle item once prefills have stopped being
-    recorded for a while, and again, at most as often, while jobs free more, so a server
-    without traffic holds what it started with (`alchemist bench soak`; measured in BENCHMARKS.md,
-    "Memory after the drain").
+    recorded for a while (beyond a slack while the pause is short: the recording after a
+    trim pays its page faults), and again, at most as often, while jobs free more, so a
+    server without traffic holds what it started with (trainer/maintenance.py; `alchemist
+    bench soak`; measured in BENCHMARKS.md, "Memory after the drain", "A pause in traffic").
 Elsewhere than glibc both do nothing and return False.
 """
 
@@ -57,13 +58,15 @@ def return_freed_memory() -> bool:
     return True
 
 
-def resident_bytes() -> int:
-    """The process's resident memory (RSS); 0 where /proc is missing."""
+def resident_anonymous_bytes() -> int | None:
+    """Resident memory of this process not backed by files (its heaps and anonymous
+    mappings: RSS less its shared pages); None where /proc is missing."""
     try:
         with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * resource.getpagesize()
+            fields = statm.read().split()
+        return (int(fields[1]) - int(fields[2])) * resource.getpagesize()
     except (OSError, ValueError, IndexError):
-        return 0
+        return None
 
 
 def minor_page_faults() -> int:

@@ -20,7 +20,7 @@ its structured outputs (`structured_outputs`, and the `guided_*` fields vLLM had
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 from pydantic.json_schema import SkipJsonSchema
@@ -104,13 +104,17 @@ class _SamplingFields(Strict):
     # alchemist: false keeps this request out of online training
     train: bool = True
 
+    # the fewest output tokens a request may ask for (a completion scores its prompt with 0)
+    MIN_OUTPUT_TOKENS: ClassVar[int] = 0
+
     def _output_limit(self, given: int | None) -> int | None:
         """The output's limit: `given` (the request's own field, checked by the caller) and
         max_new_tokens, the smaller of those sent."""
         if self.max_new_tokens is None:
             return given
-        if self.max_new_tokens < 0:
-            raise InvalidParameter("max_new_tokens", f"max_new_tokens must be at least 0, got {self.max_new_tokens}")
+        if self.max_new_tokens < self.MIN_OUTPUT_TOKENS:
+            raise InvalidParameter("max_new_tokens", f"max_new_tokens must be at least {self.MIN_OUTPUT_TOKENS}, "
+                                   f"got {self.max_new_tokens}")
         return self.max_new_tokens if given is None else min(given, self.max_new_tokens)
 
     def prompt_tail(self, max_model_len: int, max_tokens: int | None) -> int | None:
@@ -172,10 +176,12 @@ class _SamplingFields(Strict):
 class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(**Strict.model_config, json_schema_extra=TEMPLATE_CONTROLS_SCHEMA)
 
+    # an answer has at least one token (OpenAI's minimum)
+    MIN_OUTPUT_TOKENS: ClassVar[int] = 1
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    # OpenAI's minimum (a completion scores a prompt with 0)
     max_tokens: LimitFrom1 | None = None
     max_completion_tokens: LimitFrom1 | None = None
+    max_new_tokens: LimitFrom1 | None = None
     logprobs: bool | None = False
     top_logprobs: Int | None = None
     response_format: ResponseFormat | None = None
@@ -225,8 +231,8 @@ class ChatCompletionRequest(_SamplingFields):
         # both limits are checked, each under its own name, before the one that applies is taken
         for name in ("max_completion_tokens", "max_tokens"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InvalidParameter(name, f"{name} must be at least 1, got {value}")
+            if value is not None and value < self.MIN_OUTPUT_TOKENS:
+                raise InvalidParameter(name, f"{name} must be at least {self.MIN_OUTPUT_TOKENS}, got {value}")
         max_tokens = self._output_limit(self.max_completion_tokens if self.max_completion_tokens is not None
                                         else self.max_tokens)
         top = None

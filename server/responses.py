@@ -23,8 +23,9 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def finish_reason(reason: str | None, called_tools: bool = False) -> str | None:
-    """OpenAI has no "abort": a choice cut short by its client or the server says "stop";
-    one that ended on its own after calling tools says "tool_calls"."""
+    """OpenAI has no "abort": a whole answer cut short says "stop" (a stream gives a choice
+    the server aborted no finish reason: server/streams.py); one that ended on its own
+    after calling tools says "tool_calls"."""
     if reason == "stop" and called_tools:
         return "tool_calls"
     return "stop" if reason == "abort" else reason

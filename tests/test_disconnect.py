@@ -5,6 +5,7 @@ import json
 import socket
 
 import httpx
+import pytest
 from sse_starlette.sse import AppStatus
 
 from server import streams
@@ -52,7 +53,11 @@ def test_non_streaming_client_disconnect_aborts_the_request():
         assert generated_tokens(server) < 2900  # stopped long before max_tokens
 
 
-def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monkeypatch):
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", LONG),
+    ("/v1/completions", {"model": TINY_NAME, "prompt": "Hello", "max_tokens": 3000, "ignore_eos": True}),
+])
+def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monkeypatch, path, body):
     """SIGTERM with a stream running past the drain cut it without a finish reason or
     [DONE] (an outside pass): its request is now stopped shortly before the cut, and an
     error event tells the client the answer was cut short (the SDK raises it); no chunk
@@ -62,7 +67,7 @@ def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monke
     app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20)
     with ServerThread(app) as server:
         with httpx.Client(base_url=server.url, timeout=300) as client:
-            with client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as r:
+            with client.stream("POST", path, json={**body, "stream": True}) as r:
                 events = []
                 for line in r.iter_lines():
                     if line.startswith("data: "):

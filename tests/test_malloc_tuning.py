@@ -159,7 +159,7 @@ def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_ba
     if not keep_freed_memory():
         pytest.skip("not glibc")
     resident = [1 << 30]
-    monkeypatch.setattr("trainer.maintenance.resident_bytes", lambda: resident[0])
+    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
     trainer = make_trainer()
     now = [100.0]
     trainer.cache.clock = lambda: now[0]
@@ -187,7 +187,7 @@ def test_jobs_that_end_while_recording_is_paused_give_their_memory_back(monkeypa
     now, resident = [100.0], [1 << 30]
     trims = []
     monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(now[0]) or True)
-    monkeypatch.setattr("trainer.maintenance.resident_bytes", lambda: resident[0])
+    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
     trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
     trainer.cache.clock = lambda: now[0]
     slack = trainer.maintenance.trim_slack_bytes
@@ -229,7 +229,7 @@ def test_a_pause_in_traffic_keeps_the_warm_heap_and_what_the_heap_holds_within_i
     if not keep_freed_memory():
         pytest.skip("not glibc")
     now, resident = [100.0], [1 << 30]
-    monkeypatch.setattr("trainer.maintenance.resident_bytes", lambda: resident[0])
+    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
     trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
     trainer.cache.clock = lambda: now[0]
     warmer = trainer.maintenance.warmer
@@ -261,3 +261,49 @@ def test_page_faults_count_memory_written_for_the_first_time():
     before = minor_page_faults()
     torch.ones(16 << 20)  # 64 MiB, above glibc's mmap threshold: mapped fresh, then written
     assert minor_page_faults() - before >= 16  # 4 KiB pages, or 2 MiB ones where huge pages are on
+
+
+def test_what_the_server_holds_before_its_first_recording_is_no_pause_s_to_give_back(monkeypatch):
+    """Memory the server takes between its start and its first recording (the engine, the
+    first forwards) is not freed memory: the slack counts from what it holds then."""
+    from tests.test_stash import make_trainer
+    from tests.test_training import label, serve
+    from trainer.maintenance import TRIM_QUIET_S
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    now, resident = [100.0], [1 << 30]
+    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
+    trainer.cache.clock = lambda: now[0]
+    resident[0] += 4 * trainer.maintenance.trim_slack_bytes  # start-up, after the trainer was built
+    trainer.train_until_idle()  # idle polls before any recording
+    serve(trainer, "a")
+    label(trainer, "a")
+    trainer.train_until_idle()
+    now[0] += TRIM_QUIET_S
+    trainer.train_until_idle()
+    assert trainer.stats.memory_trims == 0
+
+
+def test_with_no_slack_every_pause_gives_memory_and_the_warm_heap_back(monkeypatch):
+    """`train.trim_slack_mib = 0`: the behaviour before the slack (`bench colocate --compare trim`'s baseline)."""
+    from tests.test_stash import make_trainer
+    from tests.test_training import label, serve
+    from trainer.maintenance import TRIM_QUIET_S
+    if not keep_freed_memory():
+        pytest.skip("not glibc")
+    now = [100.0]
+    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: 1 << 30)  # nothing grows
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
+    trainer.maintenance.trim_slack_bytes = 0
+    trainer.cache.clock = lambda: now[0]
+    warmer = trainer.maintenance.warmer
+    for request_id in "ab":
+        serve(trainer, request_id, prompt=f"A question ({request_id})")
+        label(trainer, request_id)
+        trainer.train_until_idle()
+        assert warmer.held_bytes > 0
+        trims = trainer.stats.memory_trims
+        now[0] += TRIM_QUIET_S
+        trainer.train_until_idle()
+        assert trainer.stats.memory_trims == trims + 1 and warmer.held_bytes == 0

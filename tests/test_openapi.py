@@ -230,5 +230,6 @@ def test_the_output_limits_minimum_is_in_the_document():
     def minimum(model, field):
         return next(a["minimum"] for a in model.model_json_schema()["properties"][field]["anyOf"] if "minimum" in a)
 
-    assert minimum(ChatCompletionRequest, "max_tokens") == minimum(ChatCompletionRequest, "max_completion_tokens") == 1
+    assert {minimum(ChatCompletionRequest, field) for field in ("max_tokens", "max_completion_tokens",
+                                                                "max_new_tokens")} == {1}
     assert minimum(CompletionRequest, "max_tokens") == minimum(CompletionRequest, "max_new_tokens") == 0

@@ -151,6 +151,7 @@ BAD_BODIES = [
     ("negative max_completion_tokens", {"max_completion_tokens": -1}, 400, "max_completion_tokens"),
     ("max_tokens 0 (OpenAI's minimum is 1)", {"max_tokens": 0}, 400, "max_tokens"),
     ("max_completion_tokens 0", {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("max_new_tokens 0", {"max_new_tokens": 0}, 400, "max_new_tokens"),
     ("negative max_tokens beside a valid max_completion_tokens", {"max_tokens": -3, "max_completion_tokens": 2}, 400,
      "max_tokens"),
     ("max_tokens as float", {"max_tokens": 2.5}, 400, "max_tokens"),

@@ -140,7 +140,7 @@ def test_freed_memory_is_given_back_only_once_recording_has_paused(monkeypatch):
     """Trimming after every job made the next recording pay first-touch page faults (and
     so does a trim in a pause, unless the process holds more than its slack)."""
     clock, resident = [1000.0], [1 << 30]
-    monkeypatch.setattr("trainer.maintenance.resident_bytes", lambda: resident[0])
+    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
     trainer = make_trainer(max_staleness=1, entries_per_step=1)
     trainer.cache.clock = lambda: clock[0]
     trims = []

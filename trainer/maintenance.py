@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 
-from engine.malloc_tuning import HeapWarmer, resident_bytes, return_freed_memory
+from engine.malloc_tuning import HeapWarmer, resident_anonymous_bytes, return_freed_memory
 from trainer.adapter import merge_all, merge_stale
 from trainer.serving_copy import SharedInputGroup, refresh_serving_copies
 from trainer.cache import ActivationCache
@@ -30,8 +30,9 @@ from trainer.status import TrainingStats
 # drain). But a recording into pages just given back pays first-touch page faults, whatever
 # the warm heap holds (BENCHMARKS.md, "A pause in traffic"), so where recordings are host
 # memory a pause shorter than `IDLE_TRIM_S` gives memory back only when the process holds
-# more than its slack (`train.trim_slack_mib`) beyond what it held after the last trim,
-# outside live recordings and the warm heap: after a drain, not between two requests
+# more than its slack (`train.trim_slack_mib`) beyond what it held after the last trim (or
+# before its first recording), outside live recordings and the warm heap: after a drain,
+# not between two requests
 TRIM_QUIET_S = 10.0
 IDLE_TRIM_S = 300.0
 # how often serving steps check label timeouts
@@ -59,8 +60,8 @@ class Maintenance:
         self._merge_pending = False
         self._freeing_work_at_last_trim = (0, 0)
         self._last_trim = float("-inf")
-        # resident bytes outside live recordings and the warm heap after the last trim (at
-        # first: when the server was built)
+        # resident bytes outside live recordings and the warm heap after the last trim, or
+        # before the first recording (None where they cannot be read)
         self._held_after_trim = self._held_outside_recordings()
         self._last_expiry = float("-inf")
 
@@ -152,30 +153,31 @@ class Maintenance:
 
     def _memory_due(self) -> bool:
         """Recording has paused and memory was freed since it was last given back (at
-        most once per quiet period), more than a pause's slack of it where recordings are
-        host memory; or the server has gone idle with its heap held warm. Under traffic
-        freed memory is kept: the next recording reuses it without page faults."""
+        most once per quiet period), more than a pause's slack of it where one is kept;
+        or the heap is held warm for a recording that has not come, where no slack is kept
+        or the server has gone idle. Under traffic freed memory is kept: the next recording
+        reuses it without page faults."""
         if not self._recording_paused():
             return False
-        idle = self._quiet_for(IDLE_TRIM_S)
-        if idle and self.warm_heap_bytes > 0:
-            return True
+        held = self._held_outside_recordings()
+        if self.cache.last_recorded == float("-inf"):
+            self._held_after_trim = held
         # at most one trim per quiet period for the jobs' frees: labels recomputed while
         # requests are served unrecorded (a full cache) must not pay one after every job
         freed = (self._freeing_work() != self._freeing_work_at_last_trim
                  and self.cache.clock() - self._last_trim >= TRIM_QUIET_S)
-        return freed and (idle or self._held_beyond_last_trim() > self.trim_slack_bytes)
+        # every pause gives memory back where no slack is kept: recordings are not host
+        # memory (no warm heap: they are on an accelerator), the slack is 0, or what the
+        # process holds cannot be read
+        if (self._quiet_for(IDLE_TRIM_S) or self.warmer is None or self.trim_slack_bytes == 0
+                or held is None or self._held_after_trim is None):
+            return freed or self.warm_heap_bytes > 0
+        return freed and held - self._held_after_trim > self.trim_slack_bytes
 
-    def _held_beyond_last_trim(self) -> float:
-        """Resident bytes outside live recordings and the warm heap, beyond what was held
-        after the last trim; infinite where recordings are not host memory (no warm heap:
-        they are on an accelerator)."""
-        if self.warmer is None:
-            return float("inf")
-        return self._held_outside_recordings() - self._held_after_trim
-
-    def _held_outside_recordings(self) -> int:
-        return resident_bytes() - self.cache.bytes - self.warm_heap_bytes
+    def _held_outside_recordings(self) -> int | None:
+        """Resident bytes (not backed by files) outside live recordings and the warm heap."""
+        resident = resident_anonymous_bytes()
+        return None if resident is None else resident - self.cache.bytes - self.warm_heap_bytes
 
     def _freeing_work(self) -> tuple[int, int]:
         """What frees memory into the heap: activations released, and jobs ended (a job's
