@@ -307,3 +307,32 @@ def test_with_no_slack_every_pause_gives_memory_and_the_warm_heap_back(monkeypat
         now[0] += TRIM_QUIET_S
         trainer.train_until_idle()
         assert trainer.stats.memory_trims == trims + 1 and warmer.held_bytes == 0
+
+
+def test_memory_is_given_back_as_soon_as_the_cache_has_drained(monkeypatch):
+    """A drain's last job frees its memory after the pause's trim: it goes back as soon
+    as the cache is empty, not a quiet period after that trim (`bench soak` read RSS 3 s
+    after the drain)."""
+    from tests.test_stash import make_trainer
+    from tests.test_training import label, serve
+    from trainer.maintenance import TRIM_QUIET_S
+    now, resident = [100.0], [1 << 30]
+    trims = []
+    monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(now[0]) or True)
+    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
+    trainer.cache.clock = lambda: now[0]
+    slack = trainer.maintenance.trim_slack_bytes
+    serve(trainer, "a")
+    serve(trainer, "b", prompt="Another question entirely")
+    label(trainer, "a")
+    trainer.train_until_idle()
+    resident[0] += 2 * slack
+    now[0] += TRIM_QUIET_S
+    trainer.train_until_idle()
+    assert len(trims) == 1 and len(trainer.cache) == 1
+    label(trainer, "b")  # the drain's last label
+    now[0] += 1.0
+    resident[0] += 2 * slack  # what its job and its recording freed
+    trainer.train_until_idle()
+    assert len(trainer.cache) == 0 and trims == [now[0] - 1.0, now[0]]

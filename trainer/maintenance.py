@@ -162,10 +162,11 @@ class Maintenance:
         held = self._held_outside_recordings()
         if self.cache.last_recorded == float("-inf"):
             self._held_after_trim = held
-        # at most one trim per quiet period for the jobs' frees: labels recomputed while
-        # requests are served unrecorded (a full cache) must not pay one after every job
+        # at most one trim per quiet period for the jobs' frees (labels recomputed while
+        # requests are served unrecorded, a full cache, must not pay one after every job),
+        # and one as soon as the cache has drained: no job is left to free more
         freed = (self._freeing_work() != self._freeing_work_at_last_trim
-                 and self.cache.clock() - self._last_trim >= TRIM_QUIET_S)
+                 and (len(self.cache) == 0 or self.cache.clock() - self._last_trim >= TRIM_QUIET_S))
         # every pause gives memory back where no slack is kept: recordings are not host
         # memory (no warm heap: they are on an accelerator), the slack is 0, or what the
         # process holds cannot be read
