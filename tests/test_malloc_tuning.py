@@ -15,6 +15,20 @@ def rss_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
+def clocked_trainer(monkeypatch, record_trims: bool = False):
+    """(trainer, now, resident, trims): a DPO trainer (one entry per step) on a clock the
+    test moves (`now[0]`), reading the resident memory the test sets (`resident[0]`);
+    with `record_trims` its trims are recorded in `trims` (their times) rather than made."""
+    from tests.test_stash import make_trainer
+    now, resident, trims = [100.0], [1 << 30], []
+    if record_trims:
+        monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(now[0]) or True)
+    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
+    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
+    trainer.cache.clock = lambda: now[0]
+    return trainer, now, resident, trims
+
+
 def test_return_freed_memory_gives_fragmented_pages_back_even_when_kept():
     if platform.libc_ver()[0] != "glibc":
         assert return_freed_memory() is False and keep_freed_memory() is False
@@ -181,15 +195,9 @@ def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_ba
 def test_jobs_that_end_while_recording_is_paused_give_their_memory_back(monkeypatch):
     """A drain trains the last labels after the traffic: the jobs free their own buffers,
     given back once they exceed a pause's slack, or once the server has gone idle."""
-    from tests.test_stash import make_trainer
     from tests.test_training import label, serve
     from trainer.maintenance import IDLE_TRIM_S, TRIM_QUIET_S
-    now, resident = [100.0], [1 << 30]
-    trims = []
-    monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(now[0]) or True)
-    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
-    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
-    trainer.cache.clock = lambda: now[0]
+    trainer, now, resident, trims = clocked_trainer(monkeypatch, record_trims=True)
     slack = trainer.maintenance.trim_slack_bytes
     serve(trainer, "a")
     serve(trainer, "b", prompt="Another question entirely")
@@ -223,15 +231,11 @@ def test_a_pause_in_traffic_keeps_the_warm_heap_and_what_the_heap_holds_within_i
     is, warm heap included, so that the recording after it lands on warm pages (a trim
     makes it fault whatever the warm heap holds: BENCHMARKS.md, "A pause in traffic");
     the server gone idle gives the warm heap and the freed memory back."""
-    from tests.test_stash import make_trainer
     from tests.test_training import label, serve
     from trainer.maintenance import IDLE_TRIM_S, TRIM_QUIET_S
     if not keep_freed_memory():
         pytest.skip("not glibc")
-    now, resident = [100.0], [1 << 30]
-    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
-    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
-    trainer.cache.clock = lambda: now[0]
+    trainer, now, resident, _ = clocked_trainer(monkeypatch)
     warmer = trainer.maintenance.warmer
     serve(trainer, "a")
     label(trainer, "a")
@@ -266,15 +270,11 @@ def test_page_faults_count_memory_written_for_the_first_time():
 def test_what_the_server_holds_before_its_first_recording_is_no_pause_s_to_give_back(monkeypatch):
     """Memory the server takes between its start and its first recording (the engine, the
     first forwards) is not freed memory: the slack counts from what it holds then."""
-    from tests.test_stash import make_trainer
     from tests.test_training import label, serve
     from trainer.maintenance import TRIM_QUIET_S
     if not keep_freed_memory():
         pytest.skip("not glibc")
-    now, resident = [100.0], [1 << 30]
-    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
-    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
-    trainer.cache.clock = lambda: now[0]
+    trainer, now, resident, _ = clocked_trainer(monkeypatch)
     resident[0] += 4 * trainer.maintenance.trim_slack_bytes  # start-up, after the trainer was built
     trainer.train_until_idle()  # idle polls before any recording
     serve(trainer, "a")
@@ -313,15 +313,9 @@ def test_memory_is_given_back_as_soon_as_the_cache_has_drained(monkeypatch):
     """A drain's last job frees its memory after the pause's trim: it goes back as soon
     as the cache is empty, not a quiet period after that trim (`bench soak` read RSS 3 s
     after the drain)."""
-    from tests.test_stash import make_trainer
     from tests.test_training import label, serve
     from trainer.maintenance import TRIM_QUIET_S
-    now, resident = [100.0], [1 << 30]
-    trims = []
-    monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: trims.append(now[0]) or True)
-    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
-    trainer = make_trainer(mode="dpo", max_staleness=1, entries_per_step=1)
-    trainer.cache.clock = lambda: now[0]
+    trainer, now, resident, trims = clocked_trainer(monkeypatch, record_trims=True)
     slack = trainer.maintenance.trim_slack_bytes
     serve(trainer, "a")
     serve(trainer, "b", prompt="Another question entirely")
