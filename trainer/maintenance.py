@@ -159,21 +159,23 @@ class Maintenance:
         reuses it without page faults."""
         if not self._recording_paused():
             return False
-        held = self._held_outside_recordings()
-        if self.cache.last_recorded == float("-inf"):
-            self._held_after_trim = held
         # at most one trim per quiet period for the jobs' frees (labels recomputed while
         # requests are served unrecorded, a full cache, must not pay one after every job),
         # and one as soon as the cache has drained: no job is left to free more
         freed = (self._freeing_work() != self._freeing_work_at_last_trim
                  and (len(self.cache) == 0 or self.cache.clock() - self._last_trim >= TRIM_QUIET_S))
-        # every pause gives memory back where no slack is kept: recordings are not host
-        # memory (no warm heap: they are on an accelerator), the slack is 0, or what the
-        # process holds cannot be read
-        if (self._quiet_for(IDLE_TRIM_S) or self.warmer is None or self.trim_slack_bytes == 0
-                or held is None or self._held_after_trim is None):
+        if self.warmer is None or self.trim_slack_bytes == 0:  # recordings on an accelerator, or no slack kept
             return freed or self.warm_heap_bytes > 0
-        return freed and held - self._held_after_trim > self.trim_slack_bytes
+        if self.cache.last_recorded == float("-inf"):
+            self._held_after_trim = self._held_outside_recordings()
+        if self._quiet_for(IDLE_TRIM_S):
+            return freed or self.warm_heap_bytes > 0
+        if not freed:
+            return False  # before reading /proc: the slo policy asks between serving steps
+        held = self._held_outside_recordings()
+        if held is None or self._held_after_trim is None:  # what the process holds cannot be read
+            return True
+        return held - self._held_after_trim > self.trim_slack_bytes
 
     def _held_outside_recordings(self) -> int | None:
         """Resident bytes (not backed by files) outside live recordings and the warm heap."""
