@@ -43,9 +43,6 @@ def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[s
         aborting = asyncio.ensure_future(abort_before_cut())
         try:
             async for event in events:
-                if event is DONE and aborting.done() and not aborting.cancelled():  # cut short: the client is told
-                    yield _event(error_body(503, "the server is shutting down: this answer was cut short; send the "
-                                                 "request again", None, "server_shutting_down", "server_error"))
                 yield event
         finally:
             aborting.cancel()
@@ -158,6 +155,13 @@ def _event(data: dict) -> bytes:
 DONE = b"data: [DONE]\r\n\r\n"
 
 
+def _cut_short_event() -> bytes:
+    """The error event of a stream whose answer a shutdown cut short (an aborted choice:
+    only a shutdown's abort leaves a reader), sent before [DONE]; the SDK raises it."""
+    return _event(error_body(503, "the server is shutting down: this answer was cut short; send the request again",
+                             None, "server_shutting_down", "server_error"))
+
+
 def _streamed_finish_reason(reason: str | None, called_tools: bool = False) -> str | None:
     """A streamed choice's finish reason; none for one the server aborted (a shutdown: the
     stream then ends with an error event), where "stop" would pass the cut answer off as
@@ -188,6 +192,7 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
     created = int(time.time())
     counts = _Usage(stream_options, num_prompt_tokens)
     parsers = parsers or [None] * n
+    cut = False
 
     def event(choices, usage_value=None):
         value = usage_value or (counts.now() if counts.continuous else None)
@@ -203,6 +208,7 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
                 counts.completion_tokens += len(c.token_ids)
                 delta, called_tools = _chat_delta(parsers[c.index], c.text, c.finish_reason is not None)
                 reason = _streamed_finish_reason(c.finish_reason, called_tools)
+                cut = cut or c.finish_reason == "abort"
                 if not delta and not reason and not c.logprobs:
                     continue
                 choice = {"index": c.index, "delta": delta,
@@ -213,6 +219,8 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
                 yield event([choice])
         if counts.include:
             yield event([], counts.now())
+        if cut:
+            yield _cut_short_event()
     except APIError as exc:
         yield _event(error_body(exc.status, exc.message, exc.param, exc.code, exc.type))
     yield DONE
@@ -231,6 +239,7 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
 
     offsets = [TextOffsets() for _ in range(len(prompts) * n)]
     echoed = [False] * (len(prompts) * n)
+    cut = False
     try:
         async for prompt_index, output in merge(streams):
             prompt_ids, prompt_text = prompts[prompt_index]
@@ -244,6 +253,7 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
                     ids = prompt_ids + ids
                     values = list(output.prompt_logprobs or [None] * len(prompt_ids)) + values
                 reason = _streamed_finish_reason(c.finish_reason)
+                cut = cut or c.finish_reason == "abort"
                 if not text and not reason and (logprobs is None or not ids):
                     continue  # text held back (a stop string may begin): a chunk once there is some
                 lp = completion_logprobs(tokens, values, ids, offsets[k]) if logprobs is not None else None
@@ -251,6 +261,8 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
                               "finish_reason": reason, "stop_reason": c.stop_reason if reason else None}])
         if counts.include:
             yield event([], counts.now())
+        if cut:
+            yield _cut_short_event()
     except APIError as exc:
         yield _event(error_body(exc.status, exc.message, exc.param, exc.code, exc.type))
     yield DONE

@@ -79,3 +79,38 @@ def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monke
         reasons = [choice["finish_reason"] for event in events[:-2] for choice in json.loads(event)["choices"]]
         # no finish reason: "stop" (OpenAI has no "abort") passed the cut answer off as complete
         assert set(reasons) == {None} and generated_tokens(server) < 2900
+
+
+@pytest.mark.parametrize("finish_reason, cut", [("stop", False), ("length", False), ("abort", True)])
+def test_only_an_answer_the_shutdown_aborted_ends_with_the_error_event(finish_reason, cut):
+    """The error event follows from an aborted choice, not from when the shutdown's abort
+    fired: a stream whose choices all finished on their own just before it ends as usual
+    (it got the error event too, when its [DONE] was sent after the abort)."""
+    import asyncio
+
+    from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from server.token_shown import TokenShown
+
+    async def outputs():
+        metrics = RequestMetrics(arrival_time=0.0, first_token_time=0.0, finish_time=0.0, num_prompt_tokens=3,
+                                 num_generation_tokens=2)
+        for finished in (False, True):
+            choice = CompletionOutput(index=0, text="Hi", token_ids=[7], logprobs=None,
+                                      finish_reason=finish_reason if finished else None)
+            yield RequestOutput("chatcmpl-1", [choice], finished, metrics)
+
+    async def chat():
+        return [event async for event in streams.chat_events("chatcmpl-1", TINY_NAME, outputs(), 1, 3, None,
+                                                              TokenShown(None))]
+
+    async def completion():
+        return [event async for event in streams.completion_events("cmpl-1", TINY_NAME, [outputs()], [([1, 2, 3], "")],
+                                                                    1, False, None, None, TokenShown(None))]
+
+    for events in (asyncio.run(chat()), asyncio.run(completion())):
+        assert events[-1] == streams.DONE
+        payloads = [json.loads(e.decode()[len("data: "):]) for e in events[:-1]]
+        errors = [p for p in payloads if "error" in p]
+        assert [e["error"]["code"] for e in errors] == (["server_shutting_down"] if cut else [])
+        reasons = [c["finish_reason"] for p in payloads if "choices" in p for c in p["choices"]]
+        assert reasons[-1] == (None if cut else finish_reason)

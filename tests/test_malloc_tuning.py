@@ -164,30 +164,34 @@ def test_pages_warmed_while_an_admitted_recording_waits_go_to_it():
     assert recorder.confirm("b", prompt, spec) is spec and warmer.held_bytes == 0
 
 
-def test_a_server_that_stopped_recording_gives_its_warm_heap_and_freed_memory_back(monkeypatch):
+def test_a_pause_s_trim_gives_memory_back_then_warms_the_heap_again_until_the_server_is_idle(monkeypatch):
     """A pause in recording after which the process holds more than its slack beyond
-    what it started with (a burst's recordings, trained and freed)."""
-    from tests.test_stash import make_trainer
-    from tests.test_training import serve
-    from trainer.maintenance import TRIM_QUIET_S
+    what it started with (a burst's recordings, trained and freed): the trim releases the
+    warm heap and gives freed memory back; then the heap is warmed again, so that the
+    recording that ends the pause lands on warm pages (a trim's freed chunks fault again,
+    BENCHMARKS.md, "Warm again after a pause's trim"). An idle server gives it all back
+    and warms nothing for a recording that has not come."""
+    from tests.test_training import label, serve
+    from trainer.maintenance import IDLE_TRIM_S, TRIM_QUIET_S
     if not keep_freed_memory():
         pytest.skip("not glibc")
-    resident = [1 << 30]
-    monkeypatch.setattr("trainer.maintenance.resident_anonymous_bytes", lambda: resident[0])
-    trainer = make_trainer()
-    now = [100.0]
-    trainer.cache.clock = lambda: now[0]
+    trainer, now, resident, _ = clocked_trainer(monkeypatch)
     warmer = trainer.maintenance.warmer
+    held_at_trims = []
+    monkeypatch.setattr("trainer.maintenance.return_freed_memory", lambda: held_at_trims.append(warmer.held_bytes))
     serve(trainer, "a")
+    label(trainer, "a")
     trainer.train_until_idle()
     assert warmer.held_bytes >= warmer.target > 0  # warm while prefills are being recorded
-    trims = trainer.stats.memory_trims
-    now[0] += TRIM_QUIET_S  # no recording since: the server has gone quiet
+    now[0] += TRIM_QUIET_S  # no recording since: a pause
     resident[0] += 2 * trainer.maintenance.trim_slack_bytes + warmer.held_bytes
     assert trainer.has_work()
     trainer.train_until_idle()
-    assert warmer.held_bytes == 0 and trainer.stats.memory_trims == trims + 1
-    assert not trainer.has_work()  # nothing re-warmed for a recording that has not come
+    assert held_at_trims == [0]  # the warm heap went back with the freed memory
+    assert warmer.held_bytes >= warmer.target and not trainer.has_work()  # and was warmed again
+    now[0] += IDLE_TRIM_S  # the server has gone idle
+    trainer.train_until_idle()
+    assert held_at_trims == [0, 0] and warmer.held_bytes == 0 and not trainer.has_work()
     serve(trainer, "b")
     assert trainer.has_work() and warmer.wants_to_grow()
 
@@ -218,6 +222,8 @@ def test_jobs_that_end_while_recording_is_paused_give_their_memory_back(monkeypa
     assert len(trims) == 1 and not trainer.has_work()  # within a pause's slack: kept for the next recording
     resident[0] += slack
     trainer.run_slice()
+    assert len(trims) == 2
+    trainer.train_until_idle()  # the heap warmed again for the recording that ends the pause
     assert len(trims) == 2 and not trainer.has_work()
     label(trainer, "c")
     trainer.train_until_idle()
