@@ -336,3 +336,27 @@ def test_memory_is_given_back_as_soon_as_the_cache_has_drained(monkeypatch):
     resident[0] += 2 * slack  # what its job and its recording freed
     trainer.train_until_idle()
     assert len(trainer.cache) == 0 and trims == [now[0] - 1.0, now[0]]
+
+
+def test_a_pause_is_longer_than_the_traffic_s_own_gaps(monkeypatch):
+    """Requests every 4 s: a 10 s gap (one in twelve at 0.25 requests per second) is not a
+    pause, whose trim would make the next recording fault; five mean gaps are."""
+    from tests.test_training import label, serve
+    from trainer.maintenance import PAUSE_GAPS, TRIM_QUIET_S
+    trainer, now, resident, trims = clocked_trainer(monkeypatch, record_trims=True)
+    for i in range(4):
+        serve(trainer, f"r{i}", prompt=f"Question number {i}")
+        label(trainer, f"r{i}")
+        trainer.train_until_idle()
+        now[0] += 4.0
+    now[0] -= 4.0
+    assert trainer.maintenance.pause_seconds() == PAUSE_GAPS * 4.0 > TRIM_QUIET_S
+    resident[0] += 2 * trainer.maintenance.trim_slack_bytes  # the jobs' memory, freed
+    now[0] += TRIM_QUIET_S
+    trainer.train_until_idle()
+    assert trims == []
+    now[0] += PAUSE_GAPS * 4.0 - TRIM_QUIET_S
+    trainer.train_until_idle()
+    assert trims == [now[0]]
+    trainer.maintenance.trim_slack_bytes = 0  # no slack: every 10 s pause trims, as before it
+    assert trainer.maintenance.pause_seconds() == TRIM_QUIET_S

@@ -29,19 +29,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Protocol
 
 from engine.recording import RecordedPrefill
 from trainer.cache_index import EntryIndex, lag_behind
 from trainer.entries import TERMINAL, CacheEntry, EntryState
 
-
 logger = logging.getLogger(__name__)
-
 
 # what gives way when a new recording does not fit (see the module docstring)
 FULL_POLICIES = ("drop_new", "evict_oldest", "unlabelled_give_way")
+# the latest recordings whose times are kept (a pause is measured against their gaps: trainer/maintenance.py)
+RECENT_RECORDINGS = 17
 
 
 class FateJournal(Protocol):
@@ -78,8 +78,8 @@ class ActivationCache:
         self.ended_counts: dict[str, int] = {s.value: 0 for s in TERMINAL}
         # bytes of activations released so far (entries that ended), for memory trimming
         self.released_bytes = 0
-        # when the last entry holding a recording was added (clock time; -inf: never)
-        self.last_recorded = float("-inf")
+        # when the latest entries holding a recording were added (clock times; -inf: never)
+        self.recorded_at: deque[float] = deque([float("-inf")], maxlen=RECENT_RECORDINGS)
         # recordings taken off their entries under the lock, freed with it dropped, on the device thread
         self._detached: list[RecordedPrefill] = []
 
@@ -160,7 +160,7 @@ class ActivationCache:
                     self._hold(entry)
                 self.bytes += entry.nbytes
                 if entry.recording is not None:
-                    self.last_recorded = self.clock()
+                    self.recorded_at.append(self.clock())
                 admitted = True
         self._free_detached()
         return admitted

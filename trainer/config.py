@@ -64,7 +64,8 @@ class TrainConfig:
     cache_full_policy: str = "unlabelled_give_way"
     # host memory (MiB) freed by recordings and jobs that a pause in recording keeps for
     # the next one, on the CPU (trainer/maintenance.py): a pause gives memory back to the
-    # OS only beyond it, an idle server all of it; 0: every pause gives it back
+    # OS only beyond it, an idle server all of it; 0: every pause (10 s without a
+    # recording, not scaled to the traffic's gaps) gives it back
     trim_slack_mib: int = 256
     # fraction of requests whose prefill is recorded (1: every request)
     record_fraction: float = 1.0

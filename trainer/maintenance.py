@@ -36,6 +36,12 @@ from trainer.status import TrainingStats
 # that ends the pause lands on warm pages (BENCHMARKS.md, "Warm again after a pause's trim")
 TRIM_QUIET_S = 10.0
 IDLE_TRIM_S = 300.0
+# where a slack is kept, a pause is also longer than the traffic's own gaps: this many
+# times the mean gap between the latest recordings (trainer/cache.py keeps their times; at
+# most `PAUSE_MAX_S`), which a Poisson trace's gaps exceed once in e**5: a 10 s gap at 0.25
+# requests per second is not a pause
+PAUSE_GAPS = 5.0
+PAUSE_MAX_S = 60.0
 # how often serving steps check label timeouts
 EXPIRY_EVERY_S = 0.5
 # how long an idle item may rebuild merged weights (about one training slice)
@@ -50,7 +56,7 @@ class Maintenance:
         after every change of the adapter; `warmer`: pre-faulted heap for the next
         recording (engine.malloc_tuning.HeapWarmer), None where it does not help;
         `serving_copies`: the adapter's serving copy, refreshed at every change at once;
-        `trim_slack_bytes`: freed memory a pause in recording keeps (`TRIM_QUIET_S`)."""
+        `trim_slack_bytes`: freed memory a pause in recording keeps (`pause_seconds`)."""
         self.cache = cache
         self.peft_model = peft_model
         self.merged_serving = merged_serving
@@ -153,10 +159,19 @@ class Maintenance:
         return grew
 
     def _recording_paused(self) -> bool:
-        return self._quiet_for(TRIM_QUIET_S)
+        return self._quiet_for(self.pause_seconds())
+
+    def pause_seconds(self) -> float:
+        """How long without a recording makes a pause: `TRIM_QUIET_S`, or where a slack is
+        kept, `PAUSE_GAPS` times the traffic's recent mean gap if that is longer."""
+        times = [t for t in self.cache.recorded_at if t != float("-inf")]
+        if self.warmer is None or self.trim_slack_bytes == 0 or len(times) < 2:
+            return TRIM_QUIET_S
+        mean_gap = (times[-1] - times[0]) / (len(times) - 1)
+        return min(PAUSE_MAX_S, max(TRIM_QUIET_S, PAUSE_GAPS * mean_gap))
 
     def _quiet_for(self, seconds: float) -> bool:
-        return self.cache.clock() - self.cache.last_recorded >= seconds
+        return self.cache.clock() - self.cache.recorded_at[-1] >= seconds
 
     def _memory_due(self) -> bool:
         """Recording has paused and memory was freed since it was last given back (at
@@ -170,10 +185,10 @@ class Maintenance:
         # requests are served unrecorded, a full cache, must not pay one after every job),
         # and one as soon as the cache has drained: no job is left to free more
         freed = (self._freeing_work() != self._freeing_work_at_last_trim
-                 and (len(self.cache) == 0 or self.cache.clock() - self._last_trim >= TRIM_QUIET_S))
+                 and (len(self.cache) == 0 or self.cache.clock() - self._last_trim >= self.pause_seconds()))
         if self.warmer is None or self.trim_slack_bytes == 0:  # recordings on an accelerator, or no slack kept
             return freed or self.warm_heap_bytes > 0
-        if self.cache.last_recorded == float("-inf"):
+        if self.cache.recorded_at[-1] == float("-inf"):
             self._held_after_trim = self._held_outside_recordings()
         if self._quiet_for(IDLE_TRIM_S):
             return freed or self.warm_heap_bytes > 0
