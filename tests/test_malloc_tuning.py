@@ -189,6 +189,11 @@ def test_a_pause_s_trim_gives_memory_back_then_warms_the_heap_again_until_the_se
     trainer.train_until_idle()
     assert held_at_trims == [0]  # the warm heap went back with the freed memory
     assert warmer.held_bytes >= warmer.target and not trainer.has_work()  # and was warmed again
+    warmer.target *= 4  # a larger recording seen: through a pause the heap is warmed only as much as the slack
+    assert trainer.maintenance.warming_due()
+    trainer.maintenance.trim_slack_bytes = warmer.held_bytes
+    assert warmer.wants_to_grow() and not trainer.maintenance.warming_due()
+    warmer.target //= 4
     now[0] += IDLE_TRIM_S  # the server has gone idle
     trainer.train_until_idle()
     assert held_at_trims == [0, 0] and warmer.held_bytes == 0 and not trainer.has_work()

@@ -32,8 +32,9 @@ from trainer.status import TrainingStats
 # memory a pause shorter than `IDLE_TRIM_S` gives memory back only when the process holds
 # more than its slack (`train.trim_slack_mib`) beyond what it held after the last trim (or
 # before its first recording), outside live recordings and the warm heap: after a drain,
-# not between two requests. After such a trim the warm heap is grown again: the recording
-# that ends the pause lands on warm pages (BENCHMARKS.md, "Warm again after a pause's trim")
+# not between two requests. After such a trim the warm heap is grown again, as much as the
+# slack: the recording that ends the pause lands on warm pages (BENCHMARKS.md, "Warm again
+# after a pause's trim")
 TRIM_QUIET_S = 10.0
 IDLE_TRIM_S = 300.0
 # where a slack is kept, a pause is also longer than the traffic's own gaps: this many
@@ -133,14 +134,14 @@ class Maintenance:
 
     def warming_due(self) -> bool:
         """Pages are warmed for the next recording while prefills are being recorded, and
-        where a pause keeps a slack, through the pause until the server has gone idle: the
-        recording that ends it lands on them, after a trim too, whose freed chunks the
-        warming faults back in (a cheap check)."""
+        where a pause keeps a slack, through the pause until the server has gone idle, as
+        much as the slack: the recording that ends it lands on them, after a trim too,
+        whose freed chunks the warming faults back in (a cheap check)."""
         if self.warmer is None or not self.warmer.wants_to_grow():
             return False
         if not self._recording_paused():
             return True
-        return self.trim_slack_bytes > 0 and not self._quiet_for(IDLE_TRIM_S)
+        return self.warm_heap_bytes < self.trim_slack_bytes and not self._quiet_for(IDLE_TRIM_S)
 
     def warm_heap(self, budget_s: float = 0.0) -> bool:
         """Faults in heap pages for the next recording (engine/malloc_tuning.py) for about
