@@ -66,8 +66,10 @@ async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, sta
     return {"ttft": ttft, "tpot": tpot, "tokens": arrivals[-1][1] if arrivals else 0}
 
 
-async def _run_trace(url: str, trace: list[TraceRequest], feedback: bool, seed: int,
+async def run_trace(url: str, trace: list[TraceRequest], feedback: bool, seed: int,
                      feedback_fraction: float = 1.0) -> list[dict]:
+    """Sends `trace` to the server at `url`, each request at its arrival time, with
+    feedback (a share of the answers, drawn by `seed`); each request's TTFT, TPOT, tokens."""
     rng = random.Random(seed + 1)
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -171,11 +173,11 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
     if adapter_dir is not None:
         flags += ["--adapter-dir", adapter_dir.name]
     with running_server(*flags, env=env) as url:
-        cold = asyncio.run(_run_trace(url, warmup, training and side.feedback, seed + 1, side.feedback_fraction)) \
+        cold = asyncio.run(run_trace(url, warmup, training and side.feedback, seed + 1, side.feedback_fraction)) \
             if warmup else []
         before = httpx.get(f"{url}/metrics").text
         started = time.perf_counter()
-        results = asyncio.run(_run_trace(url, trace, training and side.feedback, seed, side.feedback_fraction))
+        results = asyncio.run(run_trace(url, trace, training and side.feedback, seed, side.feedback_fraction))
         elapsed = time.perf_counter() - started
         after = httpx.get(f"{url}/metrics").text
         trained = _trained_after_catching_up(url, before) if training else {}

@@ -15,7 +15,7 @@ import time
 
 import httpx
 
-from bench.colocate import _run_trace
+from bench.colocate import run_trace
 from bench.report import read_metric
 from bench.traces import make_trace
 
@@ -57,10 +57,10 @@ async def main() -> None:
     parser.add_argument("--pid", type=int, required=True, help="the server's process")
     parser.add_argument("--seconds", type=float, default=120.0)
     args = parser.parse_args()
-    await _run_trace(args.url, make_trace(0.25, 15.0, 99), True, 99)  # a warm-up trace first, as the bench's
+    await run_trace(args.url, make_trace(0.25, 15.0, 99), True, 99)  # a warm-up trace first, as the bench's
     stop, started = asyncio.Event(), time.perf_counter()
     watching = asyncio.create_task(watch(args.url, args.pid, stop, started))
-    await _run_trace(args.url, make_trace(0.25, args.seconds, 0), True, 0)
+    await run_trace(args.url, make_trace(0.25, args.seconds, 0), True, 0)
     await asyncio.sleep(15.0)  # the jobs after the trace
     stop.set()
     await watching
