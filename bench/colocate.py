@@ -67,7 +67,7 @@ async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, sta
 
 
 async def run_trace(url: str, trace: list[TraceRequest], feedback: bool, seed: int,
-                     feedback_fraction: float = 1.0) -> list[dict]:
+                    feedback_fraction: float = 1.0) -> list[dict]:
     """Sends `trace` to the server at `url`, each request at its arrival time, with
     feedback (a share of the answers, drawn by `seed`); each request's TTFT, TPOT, tokens."""
     rng = random.Random(seed + 1)

@@ -169,7 +169,7 @@ def test_a_pause_s_trim_gives_memory_back_then_warms_the_heap_again_until_the_se
     what it started with (a burst's recordings, trained and freed): the trim releases the
     warm heap and gives freed memory back; then the heap is warmed again, so that the
     recording that ends the pause lands on warm pages (a trim's freed chunks fault again,
-    BENCHMARKS.md, "Warm again after a pause's trim"). An idle server gives it all back
+    BENCHMARKS.md, "A pause measured against the traffic's gaps"). An idle server gives it all back
     and warms nothing for a recording that has not come."""
     from tests.test_training import label, serve
     from trainer.maintenance import IDLE_TRIM_S, TRIM_QUIET_S
@@ -347,7 +347,7 @@ def test_a_pause_is_longer_than_the_traffic_s_own_gaps(monkeypatch):
     """Requests every 4 s: a 10 s gap (one in twelve at 0.25 requests per second) is not a
     pause, whose trim would make the next recording fault; five mean gaps are."""
     from tests.test_training import label, serve
-    from trainer.maintenance import PAUSE_GAPS, TRIM_QUIET_S
+    from trainer.maintenance import IDLE_TRIM_S, PAUSE_GAPS, TRIM_QUIET_S
     trainer, now, resident, trims = clocked_trainer(monkeypatch, record_trims=True)
     for i in range(4):
         serve(trainer, f"r{i}", prompt=f"Question number {i}")
@@ -363,5 +363,8 @@ def test_a_pause_is_longer_than_the_traffic_s_own_gaps(monkeypatch):
     now[0] += PAUSE_GAPS * 4.0 - TRIM_QUIET_S
     trainer.train_until_idle()
     assert trims == [now[0]]
+    now[0] += IDLE_TRIM_S  # the server went idle: that gap is not the traffic's
+    serve(trainer, "after-idle", prompt="A question after a while")
+    assert trainer.maintenance.pause_seconds() == PAUSE_GAPS * 4.0
     trainer.maintenance.trim_slack_bytes = 0  # no slack: every 10 s pause trims, as before it
     assert trainer.maintenance.pause_seconds() == TRIM_QUIET_S

@@ -172,9 +172,10 @@ class Arbiter:
         through the slower unmerged path until they are rebuilt. Waiting for an idle gap
         would leave a request that arrived meanwhile on that path for its whole life, so
         a bounded part of the rebuild (a fraction of a step) runs between serving steps.
-        Otherwise, while prefills are recorded faster than idle gaps come, the same share
-        of a step pre-faults heap pages for the next recording, which would else fault
-        them in inside its prefill (its time to first token). Returns the seconds it took."""
+        Otherwise, while prefills are recorded faster than idle gaps come (or through a
+        pause in recording, as much as the trim slack), the same share of a step
+        pre-faults heap pages for the next recording, which would else fault them in
+        inside its prefill (its time to first token). Returns the seconds it took."""
         maintenance = self.training.maintenance
         if device.interrupted() or not device.serving():
             return 0.0

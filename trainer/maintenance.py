@@ -9,7 +9,7 @@ The arbiter (trainer/arbiter.py) triggers all of it, on the device thread:
   - after serving steps, `expire()` once `expiry_due()` — label timeouts come due under
     steady traffic too, when no gap comes — `rebuild_merged(budget_s)` while merged
     weights are stale, and then `warm_heap(budget_s)` while recordings come faster than
-    idle gaps.
+    idle gaps (and through a pause, as much as the trim slack).
 The adapter's lifecycle marks merged weights stale when the adapter changes
 (`invalidate_merged`) and rebuilds them all at a resume (`merge_all`).
 """
@@ -25,22 +25,25 @@ from trainer.cache import ActivationCache
 from trainer.status import TrainingStats
 
 # an idle item returns freed memory to the OS (and the warm heap) once no prefill has been
-# recorded for this long, and again, at most as often, while jobs free more: a server without
-# traffic should hold only what it started with (`alchemist bench soak`, memory after the
-# drain). But a recording into pages just given back pays first-touch page faults, whatever
-# warm heap was held through the trim (BENCHMARKS.md, "A pause in traffic"), so where recordings are host
-# memory a pause shorter than `IDLE_TRIM_S` gives memory back only when the process holds
-# more than its slack (`train.trim_slack_mib`) beyond what it held after the last trim (or
-# before its first recording), outside live recordings and the warm heap: after a drain,
-# not between two requests. After such a trim the warm heap is grown again, as much as the
-# slack: the recording that ends the pause lands on warm pages (BENCHMARKS.md, "Warm again
-# after a pause's trim")
+# recorded for a pause (`TRIM_QUIET_S`, or `Maintenance.pause_seconds`), and again, at most
+# as often, while jobs free more: a server without traffic should hold only what it started
+# with (`alchemist bench soak`, memory after the drain). But a recording into pages just
+# given back pays first-touch page faults, whatever warm heap was held through the trim
+# (BENCHMARKS.md, "A pause in traffic"), so where recordings are host memory a pause shorter
+# than `IDLE_TRIM_S` gives memory back only when the process holds more than its slack
+# (`train.trim_slack_mib`) beyond what it held after the last trim (or before its first
+# recording), outside live recordings and the warm heap: after a drain, not between two
+# requests. After such a trim the warm heap is grown again, as much as the slack: the
+# recording that ends the pause lands on warm pages (BENCHMARKS.md, "A pause measured
+# against the traffic's gaps, and the heap warmed again after a trim")
 TRIM_QUIET_S = 10.0
 IDLE_TRIM_S = 300.0
 # where a slack is kept, a pause is also longer than the traffic's own gaps: this many
 # times the mean gap between the latest recordings (trainer/cache.py keeps their times; at
-# most `PAUSE_MAX_S`), which a Poisson trace's gaps exceed once in e**5: a 10 s gap at 0.25
-# requests per second is not a pause
+# most `PAUSE_MAX_S`; gaps where the server went idle left out), which a Poisson trace's gaps
+# exceed once in e**5: a 10 s gap at 0.25 requests per second is not a pause. Bursts of
+# more than `PAUSE_GAPS` requests each make the mean gap shorter than the pauses between
+# them, which then trim as a fixed 10 s pause would
 PAUSE_GAPS = 5.0
 PAUSE_MAX_S = 60.0
 # how often serving steps check label timeouts
@@ -165,11 +168,13 @@ class Maintenance:
     def pause_seconds(self) -> float:
         """How long without a recording makes a pause: `TRIM_QUIET_S`, or where a slack is
         kept, `PAUSE_GAPS` times the traffic's recent mean gap if that is longer."""
-        times = [t for t in self.cache.recorded_at if t != float("-inf")]
-        if self.warmer is None or self.trim_slack_bytes == 0 or len(times) < 2:
+        if self.warmer is None or self.trim_slack_bytes == 0:
             return TRIM_QUIET_S
-        mean_gap = (times[-1] - times[0]) / (len(times) - 1)
-        return min(PAUSE_MAX_S, max(TRIM_QUIET_S, PAUSE_GAPS * mean_gap))
+        times = tuple(self.cache.recorded_at)  # one copy: the device thread appends to it
+        gaps = [b - a for a, b in zip(times, times[1:]) if b - a < IDLE_TRIM_S]  # -inf's gap is not finite
+        if not gaps:
+            return TRIM_QUIET_S
+        return min(PAUSE_MAX_S, max(TRIM_QUIET_S, PAUSE_GAPS * sum(gaps) / len(gaps)))
 
     def _quiet_for(self, seconds: float) -> bool:
         return self.cache.clock() - self.cache.recorded_at[-1] >= seconds
