@@ -167,7 +167,8 @@ def test_unreadable_latest_version_falls_back_to_the_previous_one(tmp_path):
         # the request trained into the lost version 2 is taken back from the ledger and trains again: with
         # the new one in one step, or alone first (before the new one is ready), then versions 2 and 3
         wait_for(lambda: read_metric(client.get("/metrics").text,
-                                     'alchemist:activation_cache_ended_entries_total{state="trained"}') == 2)
+                                     'alchemist:activation_cache_ended_entries_total{state="trained"}') == 2,
+                 poll_s=0.1)
         last = client.get("/v1/adapters").json()["version"]
     assert last in (2, 3)
     assert [p.name.split("-")[0] for p in tmp_path.glob("v00000002.unreadable-*")] == ["v00000002.unreadable"]

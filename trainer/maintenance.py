@@ -185,13 +185,14 @@ class Maintenance:
         or the heap is held warm for a recording that has not come, where no slack is kept
         or the server has gone idle. Under traffic freed memory is kept: the next recording
         reuses it without page faults."""
-        if not self._recording_paused():
+        pause = self.pause_seconds()
+        if not self._quiet_for(pause):
             return False
         # at most one trim per quiet period for the jobs' frees (labels recomputed while
         # requests are served unrecorded, a full cache, must not pay one after every job),
         # and one as soon as the cache has drained: no job is left to free more
         freed = (self._freeing_work() != self._freeing_work_at_last_trim
-                 and (len(self.cache) == 0 or self.cache.clock() - self._last_trim >= self.pause_seconds()))
+                 and (len(self.cache) == 0 or self.cache.clock() - self._last_trim >= pause))
         if self.warmer is None or self.trim_slack_bytes == 0:  # recordings on an accelerator, or no slack kept
             return freed or self.warm_heap_bytes > 0
         if self.cache.recorded_at[-1] == float("-inf"):
