@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import time
 
@@ -32,9 +33,12 @@ class ServerThread:
 
     def __init__(self, app):
         self.app = app
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        # bound here and handed to uvicorn: a port picked free and bound later could be
+        # taken in between (another test process picking the same one)
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.port = self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     @property
     def url(self) -> str:
@@ -52,6 +56,7 @@ class ServerThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(30)
+        self.socket.close()
 
 
 # how long a test waits for something that takes milliseconds on an idle machine before

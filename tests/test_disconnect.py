@@ -1,15 +1,17 @@
 """A client that goes away stops its request at once (real HTTP, tiny model): long before
 it would have finished, counted in generated tokens, not in seconds (CI machines are slow)."""
 
+import dataclasses
 import json
 import socket
+import threading
 
 import httpx
 import pytest
 from sse_starlette.sse import AppStatus
 
 from server import streams
-from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
+from tests.servers import PATIENCE_S, TINY_NAME, ServerThread, tiny_app, wait_for
 from tests.test_feedback import metric
 
 LONG = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3000,
@@ -25,20 +27,55 @@ def generated_tokens(server) -> float:
         return metric(client, "alchemist:generation_tokens_total")
 
 
+class StepGate:
+    """An engine observer that holds the device thread in the step after the first text
+    (before that step's outputs go out) until released: the request cannot finish, or
+    run on, while the client reads that text and leaves, however slow the machine is."""
+
+    def __init__(self):
+        self.text = threading.Event()
+        self.release = threading.Event()
+        self.finished: list[tuple[list, object]] = []  # (finish reasons, error) of finished outputs
+
+    def on_step(self, stats) -> None:
+        if self.text.is_set():
+            self.release.wait(PATIENCE_S)
+
+    def on_output(self, output) -> None:
+        if any(choice.text for choice in output.outputs):
+            self.text.set()
+        if output.finished:
+            self.finished.append(([choice.finish_reason for choice in output.outputs], output.error))
+
+
+def first_content(response) -> list[str]:
+    """The stream's lines up to the first with text in its delta."""
+    lines = []
+    for line in response.iter_lines():
+        lines.append(line)
+        if line.startswith("data: {"):
+            if any(choice["delta"].get("content") for choice in json.loads(line[len("data: "):])["choices"]):
+                break
+    return lines
+
+
 def test_streaming_client_disconnect_aborts_the_request():
     app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20)
     engine = engine_of(app)
+    gate = StepGate()
+    engine.engine.hooks = dataclasses.replace(engine.engine.hooks, observers=(*engine.engine.hooks.observers, gate))
     with ServerThread(app) as server:
-        with httpx.Client(base_url=server.url, timeout=300) as client:
-            with client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as r:
-                lines = []
-                for line in r.iter_lines():
-                    lines.append(line)
-                    if '"content"' in line and '""' not in line:
-                        break
-                # still running when the client leaves; if not, what the stream said (an error event?)
-                assert engine.engine.num_requests == 1, lines[-4:]
+        try:
+            with httpx.Client(base_url=server.url, timeout=300) as client:
+                with client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as r:
+                    lines = first_content(r)
+                    # still running when the client leaves; if not, why it ended and what the stream said
+                    assert engine.engine.num_requests == 1 and not gate.finished, (gate.finished, lines[-4:])
+            wait_for(engine.interrupted)  # the disconnect's abort is queued for the next step boundary
+        finally:
+            gate.release.set()
         wait_for(lambda: engine.engine.num_requests == 0)
+        assert gate.finished == [(["abort"], None)]
         assert generated_tokens(server) < 2900  # stopped long before max_tokens
 
 
@@ -65,8 +102,8 @@ def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monke
     [DONE] (an outside pass): its request is now stopped shortly before the cut, and an
     error event tells the client the answer was cut short (the SDK raises it); no chunk
     gives a finish reason."""
-    monkeypatch.setattr(streams, "STREAM_DRAIN_S", 3.0)
-    monkeypatch.setattr(streams, "ABORT_BEFORE_CUT_S", 2.5)
+    monkeypatch.setattr(streams, "STREAM_DRAIN_S", 30.5)  # the cut: far beyond the abort
+    monkeypatch.setattr(streams, "ABORT_BEFORE_CUT_S", 30.0)  # the abort: 0.5 s after the signal
     app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20)
     with ServerThread(app) as server:
         with httpx.Client(base_url=server.url, timeout=300) as client:

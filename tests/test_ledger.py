@@ -666,14 +666,22 @@ def _write_twice_in_a_failed_batch(tmp_path) -> None:
     ledger.record_request(RequestRecord("first", time.time(), 0, "dpo", [1, 2]))
     time.sleep(0.1)  # the writer has taken this write and waits on the lock with it
     ledger.rolled_back(6, 8)  # undoes version 7
-    again = threading.Thread(target=lambda: pytest.raises(LabelExists, ledger.commit_label, "twice",
-                                                          LabelRecord("preference", chosen="a", rejected="c")))
+    outcome = []  # what the second commit raised (an assertion in the thread itself would be lost)
+
+    def commit_again():
+        try:
+            ledger.commit_label("twice", LabelRecord("preference", chosen="a", rejected="c"))
+        except Exception as exc:  # noqa: BLE001 - checked below
+            outcome.append(exc)
+
+    again = threading.Thread(target=commit_again)
     again.start()
     time.sleep(0.3)  # both queued behind the waiting write: one batch
     blocker.execute("ROLLBACK")
     blocker.close()
     again.join(30)
     ledger.close()
+    assert len(outcome) == 1 and isinstance(outcome[0], LabelExists), outcome
     assert ledger.stats.rollback_quarantined == 1
 
 
