@@ -16,8 +16,8 @@ import torch
 from fastapi.testclient import TestClient
 from peft import PeftModel, get_peft_model_state_dict
 
-from trainer.config import AdapterConfig, TrainConfig
 from bench.report import read_metric
+from trainer.config import AdapterConfig, TrainConfig
 from tests.servers import TINY_NAME, tiny_app, wait_for
 from tests.conftest import make_training, run_into_a_backward
 from tests.test_training import label, make_trainer, serve
