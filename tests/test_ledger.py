@@ -653,6 +653,14 @@ def test_rollbacks_leave_trained_exactly_the_labels_the_served_weights_hold(tmp_
     ledger.close()
 
 
+def _wait_for_queued(ledger: Ledger, writes: int) -> None:
+    """Until the writer's queue holds `writes` writes (white-box: the interleaving the test needs)."""
+    deadline = time.monotonic() + 30
+    while ledger._queue.qsize() != writes:
+        assert time.monotonic() < deadline, ledger._queue.qsize()
+        time.sleep(0.005)
+
+
 def _write_twice_in_a_failed_batch(tmp_path) -> None:
     """A rollback's write in a batch beside a label sent twice: the batch fails on the
     second label and each write is tried alone, so the rollback's runs twice; it counts
@@ -664,7 +672,8 @@ def _write_twice_in_a_failed_batch(tmp_path) -> None:
     blocker = sqlite3.connect(tmp_path / LEDGER_FILE, isolation_level=None)
     blocker.execute("BEGIN EXCLUSIVE")
     ledger.record_request(RequestRecord("first", time.time(), 0, "dpo", [1, 2]))
-    time.sleep(0.1)  # the writer has taken this write and waits on the lock with it
+    _wait_for_queued(ledger, 0)  # the writer has taken this write
+    time.sleep(0.05)  # and its batch (it drains the queue right after), and waits on the lock with it
     ledger.rolled_back(6, 8)  # undoes version 7
     outcome = []  # what the second commit raised (an assertion in the thread itself would be lost)
 
@@ -676,7 +685,7 @@ def _write_twice_in_a_failed_batch(tmp_path) -> None:
 
     again = threading.Thread(target=commit_again)
     again.start()
-    time.sleep(0.3)  # both queued behind the waiting write: one batch
+    _wait_for_queued(ledger, 2)  # both queued behind the waiting write: one batch
     blocker.execute("ROLLBACK")
     blocker.close()
     again.join(30)

@@ -69,7 +69,7 @@ def test_a_device_item_ends_a_chain_and_a_cancelled_one_does_not_stop_chaining()
     engine = make_engine()
     async_engine = AsyncEngine(engine)
     chains = _counting_chains(async_engine)
-    step, steps, submitted = engine.step, [], threading.Event()
+    step, steps, submitted, ran = engine.step, [], threading.Event(), []
 
     def step_held_at_the_fifth():  # the device waits, mid-request, until the item is queued
         steps.append(1)
@@ -80,12 +80,13 @@ def test_a_device_item_ends_a_chain_and_a_cancelled_one_does_not_stop_chaining()
     engine.step = step_held_at_the_fifth
 
     async def body():
-        busy = asyncio.ensure_future(async_engine.run_on_device(time.sleep, 0.3))
-        await asyncio.sleep(0.05)  # the device is busy: the next item waits in the queue
-        cancelled = asyncio.ensure_future(async_engine.run_on_device(time.sleep, 0.3))
-        await asyncio.sleep(0.01)
-        cancelled.cancel()  # before it began (unless the machine is slow): it never runs
-        await busy
+        held = threading.Event()
+        busy = asyncio.ensure_future(async_engine.run_on_device(held.wait, 60))
+        cancelled = asyncio.ensure_future(async_engine.run_on_device(lambda: ran.append(1)))
+        await asyncio.sleep(0)  # both submitted; the device holds the first, the second waits in the queue
+        cancelled.cancel()  # before it began: it never runs
+        held.set()
+        assert await busy
         served = asyncio.ensure_future(_tokens(async_engine, "r"))
         while len(steps) < 5:
             await asyncio.sleep(0.001)
@@ -96,7 +97,7 @@ def test_a_device_item_ends_a_chain_and_a_cancelled_one_does_not_stop_chaining()
         return await served
 
     tokens = _run(async_engine, body)
-    assert len(tokens) == 30
+    assert len(tokens) == 30 and not ran
     assert len(chains) <= 4, len(chains)  # chaining goes on after the cancelled item
 
 
