@@ -12,7 +12,9 @@ def test_freezing_leaves_full_collections_only_what_came_after():
     kept = [[i] for i in range(20_000)]  # containers the collector tracks, as a loaded model's
     try:
         frozen = freeze_startup_objects()
-        assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+        # what it returns is the collector's count then: other threads (earlier tests') may
+        # free frozen objects before the next line, so the count is not compared again
+        assert frozen >= len(kept)
         tracked_ids = {id(o) for generation in range(3) for o in gc.get_objects(generation)}
         assert not any(id(item) in tracked_ids for item in kept)  # no pass visits them
         later = [[i] for i in range(10)]
