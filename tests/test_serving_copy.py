@@ -118,3 +118,32 @@ def test_the_base_weights_live_in_the_copy_and_a_refresh_leaves_them_unchanged()
     assert [w._version for w in bases] == versions
     loss.backward()
     assert a.grad is not None and a.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_refresh_copies_every_group_in_a_fixed_number_of_ops_bit_for_bit(dtype):
+    """The adapter's change reaches every group's copy in a few foreach ops however many
+    layers there are (each a launch on a GPU: a copy per member was one each), with each
+    block what a member's own copy gives: A cast once, s·B scaled before its rounding."""
+    from bench.step_counts import AtenOps
+    from trainer.serving_copy import refresh_serving_copies
+
+    counts = []
+    for num_layers in (2, 4):
+        model = tiny_model("llama", dtype=dtype, num_layers=num_layers)
+        attach_lora(model, TrainConfig(mode="cpt", lora_rank=4, lora_alpha=12), init_lora_weights=False)
+        groups = build_serving_copies(model.model.layers, lambda m: isinstance(m, LeanLoraLinear), dtype)
+        with torch.no_grad():
+            for group in groups:
+                for a, b, _ in group.live_masters:
+                    a.add_(torch.randn_like(a) / 3)
+                    b.add_(torch.randn_like(b) / 3)
+        counter = AtenOps()
+        with counter.counting():
+            refresh_serving_copies(groups)
+        counts.append(counter.total)
+        for group in groups:
+            for (rows, cols), (a, b, scale) in zip(group.blocks, group.live_masters):
+                assert scale != 1.0
+                assert torch.equal(group.a[cols], a.to(dtype)) and torch.equal(group.b[rows, cols], (b * scale).to(dtype))
+    assert counts[0] == counts[1] <= 4, counts

@@ -76,6 +76,8 @@ class SharedInputGroup:
         for rank, out in zip(ranks, outs):
             self.blocks.append((slice(row, row + out), slice(col, col + rank)))
             row, col = row + out, col + rank
+        # each member's A and s·B in the copy, views made once (a refresh writes through them)
+        self.block_views = [t for rows, cols in self.blocks for t in (self.a[cols], self.b[rows, cols])]
         # the group's copies for autograd in the model's dtype (trainer/training_copy.py); None: PEFT's path
         self.training: TrainingCopies | None = None
         # the identity and version of each master weight the copy holds now (None: none yet)
@@ -110,18 +112,19 @@ class SharedInputGroup:
     def pinned(self) -> bool:
         return any([layer.serving_pinned for layer in self.layers])
 
-    @torch.no_grad()
     def refresh(self) -> None:
         """Copies the master weights in, in place (the storage never changes), and makes
         the training copy of them now (two clones of the serving copy's), not in the
         next recorded prefill."""
+        _refresh([self])
+
+    def _check_bases_shared(self) -> None:
         storage = self.weight.untyped_storage().data_ptr()
         if any(layer.base_layer.weight.untyped_storage().data_ptr() != storage for layer in self.layers):
             raise RuntimeError("a base weight was replaced after the serving copy was built: serving and "
                                "training would read different weights")
-        for (rows, cols), (a, b, scale) in zip(self.blocks, self._masters):
-            self.a[cols].copy_(a)
-            self.b[rows, cols].copy_(b * scale)
+
+    def _refreshed(self) -> None:
         self.held = masters_key(self._masters)
         # the next recorded prefill finds the training copy built (not while a stashed
         # version is swapped in: its copy would push the live weights' out)
@@ -205,6 +208,21 @@ def build_serving_copies(decoder_layers, is_adapted, dtype: torch.dtype,
 
 def refresh_serving_copies(groups: list[SharedInputGroup]) -> None:
     """The adapter changed: serving follows it, except where the eval gate pins it."""
+    _refresh([group for group in groups if not group.pinned])
+
+
+@torch.no_grad()
+def _refresh(groups: list[SharedInputGroup]) -> None:
+    """The groups' A and s·B from their masters, all in two foreach ops (a launch or two on
+    a GPU, where a copy per member would be a launch each); s·B is scaled in the masters'
+    dtype before its one rounding to the copy's, as a member's own copy would."""
+    blocks, masters = [], []
     for group in groups:
-        if not group.pinned:
-            group.refresh()
+        group._check_bases_shared()
+        blocks += group.block_views
+        masters += group._masters
+    if masters:
+        scaled_b = torch._foreach_mul([b for _, b, _ in masters], [scale for _, _, scale in masters])
+        torch._foreach_copy_(blocks, [t for (a, _, _), b in zip(masters, scaled_b) for t in (a, b)])
+    for group in groups:
+        group._refreshed()
