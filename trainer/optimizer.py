@@ -19,17 +19,16 @@ import torch
 
 # AdamW's settings that choose its implementation, not its arithmetic
 _IMPLEMENTATION = ("fused", "foreach", "capturable")
+# devices with a fused AdamW kernel in every torch the project supports (pyproject.toml)
+_FUSED_DEVICES = ("cpu", "cuda")
 
 
 def adamw(params: list[torch.nn.Parameter], learning_rate: float, fused: bool = True) -> torch.optim.AdamW:
     """AdamW without weight decay; fused where the parameters' device has the kernel
-    (`fused=False`, or no kernel: torch's default implementation)."""
-    if fused:
-        try:
-            return torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0, fused=True)
-        except RuntimeError:  # no fused kernel for this device or dtype
-            pass
-    return torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    (`fused=False`, or no kernel: torch's default implementation). Torch checks a fused
+    AdamW's devices only at its first step, so they are checked here."""
+    fused = fused and all(p.device.type in _FUSED_DEVICES and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0, **({"fused": True} if fused else {}))
 
 
 class AdapterOptimizer:
@@ -72,7 +71,8 @@ class AdapterOptimizer:
                 group["lr"] = lr
         # the fused kernel writes the parameters without moving their version counters, on
         # which the serving copies, the merged weights and a recording's stale check rely
-        torch.autograd.graph.increment_version(self.params)
+        for param in self.params:  # (one at a time: a list is not taken by every supported torch)
+            torch.autograd.graph.increment_version(param)
         self.zero_grad()
         self.version += 1
         self.entries_in_weights += entries

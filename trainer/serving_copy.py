@@ -213,16 +213,24 @@ def refresh_serving_copies(groups: list[SharedInputGroup]) -> None:
 
 @torch.no_grad()
 def _refresh(groups: list[SharedInputGroup]) -> None:
-    """The groups' A and s·B from their masters, all in two foreach ops (a launch or two on
-    a GPU, where a copy per member would be a launch each); s·B is scaled in the masters'
-    dtype before its one rounding to the copy's, as a member's own copy would."""
+    """The groups' A and s·B from their masters in three foreach ops, not three ops per
+    member; s·B is scaled in the masters' dtype before its one rounding to the copy's, as
+    a member's own copy would. A GPU copies a list in one launch only where each block is
+    laid out as its source: the B blocks of a group of several members, strided across
+    the others', go in a list of their own (copied one by one on a GPU)."""
     blocks, masters = [], []
     for group in groups:
         group._check_bases_shared()
         blocks += group.block_views
         masters += group._masters
-    if masters:
-        scaled_b = torch._foreach_mul([b for _, b, _ in masters], [scale for _, _, scale in masters])
-        torch._foreach_copy_(blocks, [t for (a, _, _), b in zip(masters, scaled_b) for t in (a, b)])
+    if not masters:
+        return
+    scaled_b = torch._foreach_mul([b for _, b, _ in masters], [scale for _, _, scale in masters])
+    sources = [t for (a, _, _), b in zip(masters, scaled_b) for t in (a, b)]
+    alike = [block.stride() == source.stride() for block, source in zip(blocks, sources)]
+    for same_layout in (True, False):
+        pairs = [(block, source) for block, source, same in zip(blocks, sources, alike) if same is same_layout]
+        if pairs:
+            torch._foreach_copy_([block for block, _ in pairs], [source for _, source in pairs])
     for group in groups:
         group._refreshed()
