@@ -1,11 +1,15 @@
 """The adapter's AdamW: the fused kernel against torch's plain implementation — the same
-updates, skips, clipping and saved state — and what it dispatches per step."""
+updates, skips, clipping and saved state — and what it dispatches per step. On the test
+device (`bench/gpu.sh cuda-tests` runs them on a GPU, where a fused step reads its step
+counts on the device)."""
 
+import io
 import math
 
 import torch
 
 from bench.step_counts import AtenOps
+from tests.tiny import TEST_DEVICE
 from trainer.optimizer import AdapterOptimizer, adamw
 
 SHAPES = [(8, 64), (64, 8), (8, 48), (96, 8)] * 5  # LoRA A and B of several layers
@@ -13,12 +17,12 @@ SHAPES = [(8, 64), (64, 8), (8, 48), (96, 8)] * 5  # LoRA A and B of several lay
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(TEST_DEVICE)) for shape in SHAPES]
 
 
 def _gradients(step: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(shape, generator=generator) * (1 + step) for shape in SHAPES]
+    return [(torch.randn(shape, generator=generator) * (1 + step)).to(TEST_DEVICE) for shape in SHAPES]
 
 
 # (entries, updates, loss finite, a NaN in a gradient): steps as the trainer makes them
@@ -65,11 +69,16 @@ def test_the_fused_adamw_updates_as_the_plain_one_with_clipping_skips_and_severa
 
 def test_a_saved_state_resumes_the_same_in_either_implementation():
     """A version saved by one implementation (an adapter directory written before, or on
-    another machine) and loaded into the other trains on as the saver would have."""
+    another machine) and read back to the CPU, loaded into the other, trains on as the
+    saver would have (a fused step on a GPU reads its step counts there)."""
     for saver_fused in (False, True):
         saver = AdapterOptimizer(_params(), learning_rate=1e-2, max_grad_norm=5.0, fused=saver_fused)
         _train(saver, SCHEDULE[:3])
-        state, weights = saver.state_dict(), [p.detach().clone() for p in saver.params]
+        saved = io.BytesIO()  # as the adapter store writes and reads it back
+        torch.save(saver.state_dict(), saved)
+        saved.seek(0)
+        state = torch.load(saved, map_location="cpu", weights_only=True)
+        weights = [p.detach().clone() for p in saver.params]
         loader = AdapterOptimizer([torch.nn.Parameter(w.clone()) for w in weights], learning_rate=1e-2,
                                   max_grad_norm=5.0, fused=not saver_fused)
         loader.load_state_dict(state, version=saver.version)
