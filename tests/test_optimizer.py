@@ -89,8 +89,8 @@ def test_a_saved_state_resumes_the_same_in_either_implementation():
 
 
 def test_the_fused_step_dispatches_a_few_ops_for_every_tensor_together():
-    """Each op a kernel launch on a GPU: the plain step's grow with the LoRA tensors
-    (about seven per tensor), the fused step's do not."""
+    """Each op a kernel launch on a GPU: the plain step's grow with the LoRA tensors on the
+    CPU (about nine per tensor), the fused step's do not."""
     counts = {}
     for fused in (True, False):
         optimizer = AdapterOptimizer(_params(), learning_rate=1e-2, max_grad_norm=1e9, fused=fused)
@@ -101,7 +101,9 @@ def test_the_fused_step_dispatches_a_few_ops_for_every_tensor_together():
         with counter.counting():
             optimizer.optimizer.step()
         counts[fused] = counter.total
-    assert counts[True] <= 5 and counts[False] >= 6 * len(SHAPES), counts
+    assert counts[True] <= 5, counts
+    if TEST_DEVICE.type == "cpu":  # torch's default there goes tensor by tensor (on a GPU it is foreach)
+        assert counts[False] >= 6 * len(SHAPES), counts
 
 
 def test_a_device_without_the_fused_kernel_gets_the_default_adamw():
