@@ -90,7 +90,7 @@ def test_a_saved_state_resumes_the_same_in_either_implementation():
 
 def test_the_fused_step_dispatches_a_few_ops_for_every_tensor_together():
     """Each op a kernel launch on a GPU: the plain step's grow with the LoRA tensors on the
-    CPU (about nine per tensor), the fused step's do not."""
+    CPU (several per tensor), the fused step's do not."""
     counts = {}
     for fused in (True, False):
         optimizer = AdapterOptimizer(_params(), learning_rate=1e-2, max_grad_norm=1e9, fused=fused)

@@ -4,9 +4,9 @@ Every optimizer step bumps the adapter version; a step whose loss or gradients a
 finite is skipped (gradients discarded, version unchanged) and counted.
 
 AdamW runs its fused kernel (`fused=True`, as TRL's `adamw_torch_fused`) wherever torch has
-one for the parameters' device: one kernel for every LoRA tensor instead of about nine ops
-per tensor (one a host read), so the step that ends a job is a short slice for a request to
-wait behind. Its updates are the plain implementation's (tests/test_optimizer.py).
+one for the parameters' device: one kernel for every LoRA tensor instead of several ops per
+tensor (one of them a host read), so the step that ends a job is a short slice for a request
+to wait behind. Its updates are the plain implementation's (tests/test_optimizer.py).
 """
 
 from __future__ import annotations
