@@ -311,7 +311,8 @@ class StepKV:
             key, value = key[:, :, :rows], value[:, :, :rows]
         self.recorded[layer_idx] = (key, value)
         pad = self.metadata.groups[0].num_keys - rows
-        key, value = torch.nn.functional.pad(key, (0, 0, 0, pad)), torch.nn.functional.pad(value, (0, 0, 0, pad))
+        if pad:  # a zero pad is a copy, which attention would save beside the rows kept above
+            key, value = torch.nn.functional.pad(key, (0, 0, 0, pad)), torch.nn.functional.pad(value, (0, 0, 0, pad))
         if len(self.metadata.groups) == 1:
             return key, value
         return RecordedStepKV(key, k_pool), RecordedStepKV(value, v_pool)

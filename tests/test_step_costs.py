@@ -122,3 +122,27 @@ def test_a_recorded_prefill_with_decodes_riding_along_reads_the_host_once():
     assert {output.request_id for output in outputs} >= {"recorded", "rider-0", "rider-1", "rider-2"}
     assert trainer.cache.get("recorded").recording is not None
     assert counter.reads <= 1, dict(counter.sites)
+
+
+def test_a_recorded_prefill_alone_hands_attention_the_key_and_value_rows_it_keeps():
+    """Alone in its step, the recorded prompt's keys and values go to attention as they
+    are: no padded copy (a zero pad copies), which attention would save beside the rows
+    the recording keeps for its suffixes — one more key and value per layer held."""
+    from bench.step_counts import AtenOps
+    from engine.recording import SavedTensorTracker
+    from tests.conftest import encode, engine_of, make_training
+    from trainer.config import TrainConfig
+
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4))
+    engine = engine_of(trainer)
+    tracker = engine.runner.record_tracker = SavedTensorTracker()  # the hooks on: what autograd saved
+    engine.add_request("recorded", encode("A recorded prompt, long enough to span several rows."),
+                       SamplingParams(temperature=0.0, max_tokens=4), train=True)
+    counter = AtenOps()
+    with counter.counting():
+        _, stats = engine.step()
+    assert stats.kind == "recorded_prefill", stats
+    assert counter.ops["constant_pad_nd"] == 0, counter.ops
+    segments = trainer.cache.get("recorded").recording.segments
+    saved = set(tracker._storages)  # white-box: the storages autograd holds for the recording
+    assert all(t.untyped_storage().data_ptr() in saved for s in segments for t in (s.key, s.value))
