@@ -285,8 +285,9 @@ class StepKV:
 
     With `recorded_rows` (a recorded prefill: one sequence's whole prompt, the step's first
     rows) the pool gets detached copies while the prompt's attention uses its live,
-    graph-connected K/V, padded to its group's key length, which are kept in `recorded`
-    per layer; decode later reads only the pool, so it never touches the graph. Decodes
+    graph-connected K/V, padded to its group's key length, whose prompt rows are kept in
+    `recorded` per layer (once: where a pad copies them, the rows are views of the copy
+    attention saves); decode later reads only the pool, so it never touches the graph. Decodes
     riding along in the step (the rows past those) read the pool (`RecordedStepKV`).
     """
 
@@ -306,13 +307,15 @@ class StepKV:
         rows = self.recorded_rows
         if rows is None:
             return k_pool, v_pool
-        key, value = own_storage(key), own_storage(value)
-        if rows < key.shape[2]:  # the prompt's rows; the riding decodes' few stay in the storage
-            key, value = key[:, :, :rows], value[:, :, :rows]
-        self.recorded[layer_idx] = (key, value)
         pad = self.metadata.groups[0].num_keys - rows
-        if pad:  # a zero pad is a copy, which attention would save beside the rows kept above
-            key, value = torch.nn.functional.pad(key, (0, 0, 0, pad)), torch.nn.functional.pad(value, (0, 0, 0, pad))
+        if pad:  # to a bucketed key length (a GPU's): copies, which attention saves; the rows kept are views of them
+            key, value = (torch.nn.functional.pad(t[:, :, :rows], (0, 0, 0, pad)) for t in (key, value))
+            self.recorded[layer_idx] = (key[:, :, :rows], value[:, :, :rows])
+        else:  # as they are (a zero pad would copy them, and attention save the copy beside them)
+            key, value = own_storage(key), own_storage(value)
+            if rows < key.shape[2]:  # the prompt's rows; the riding decodes' few stay in the storage
+                key, value = key[:, :, :rows], value[:, :, :rows]
+            self.recorded[layer_idx] = (key, value)
         if len(self.metadata.groups) == 1:
             return key, value
         return RecordedStepKV(key, k_pool), RecordedStepKV(value, v_pool)

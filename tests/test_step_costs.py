@@ -124,25 +124,43 @@ def test_a_recorded_prefill_with_decodes_riding_along_reads_the_host_once():
     assert counter.reads <= 1, dict(counter.sites)
 
 
-def test_a_recorded_prefill_alone_hands_attention_the_key_and_value_rows_it_keeps():
-    """Alone in its step, the recorded prompt's keys and values go to attention as they
-    are: no padded copy (a zero pad copies), which attention would save beside the rows
-    the recording keeps for its suffixes — one more key and value per layer held."""
+@pytest.mark.parametrize("bucketed", [False, True], ids=["cpu-lengths", "gpu-buckets"])
+def test_a_recorded_prefill_keeps_its_key_and_value_rows_where_attention_saved_them(bucketed):
+    """The recorded prompt's keys and values are held once: as they are where its key
+    length is its own (the CPU's; a zero pad would copy them), as rows of the padded copy
+    attention saves where the length is a bucket (a GPU's, forced here) — not a copy
+    saved beside the rows kept for the suffixes. Bucketed, the copy is the pad's alone (the
+    value, a view of the training copies' fused q|k|v output, is not copied first), and
+    the recording trains to the recomputation's gradients."""
     from bench.step_counts import AtenOps
     from engine.recording import SavedTensorTracker
+    from engine.step_inputs import StepBuckets
     from tests.conftest import encode, engine_of, make_training
+    from tests.test_training import gradients_of, relative_difference
     from trainer.config import TrainConfig
 
-    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4))
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model"),
+                            dtype=torch.bfloat16, init_lora_weights=False)
     engine = engine_of(trainer)
+    if bucketed:
+        engine.runner.training_buckets = StepBuckets(16, half_octaves=True, max_len=512)
     tracker = engine.runner.record_tracker = SavedTensorTracker()  # the hooks on: what autograd saved
-    engine.add_request("recorded", encode("A recorded prompt, long enough to span several rows."),
-                       SamplingParams(temperature=0.0, max_tokens=4), train=True)
+    prompt = encode("A recorded prompt, long enough to span several rows.")
+    for request_id in ("warm-up", "recorded"):  # the first builds the training copies (clones)
+        engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=4), train=True)
+        if request_id == "warm-up":
+            while engine.has_unfinished():
+                engine.step()
     counter = AtenOps()
     with counter.counting():
         _, stats = engine.step()
     assert stats.kind == "recorded_prefill", stats
-    assert counter.ops["constant_pad_nd"] == 0, counter.ops
-    segments = trainer.cache.get("recorded").recording.segments
+    layers = len(trainer.cache.get("recorded").recording.segments)
+    assert counter.ops["constant_pad_nd"] == (2 * layers if bucketed else 0), counter.ops
+    assert counter.ops["clone"] == (0 if bucketed else layers), counter.ops  # V's own storage where not padded
+    entry = trainer.cache.get("recorded")
     saved = set(tracker._storages)  # white-box: the storages autograd holds for the recording
-    assert all(t.untyped_storage().data_ptr() in saved for s in segments for t in (s.key, s.value))
+    assert all(t.untyped_storage().data_ptr() in saved for s in entry.recording.segments for t in (s.key, s.value))
+    reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    recompute = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+    assert relative_difference(reuse, recompute) <= 2e-2  # bfloat16 math

@@ -2,12 +2,15 @@
 server's defaults, 100-token prompts): the bytes autograd saved (what a recording is
 counted as), the bytes of its layers' key and value rows held beside them (kept for the
 suffixes' attention, not saved by any node), their sum per prompt token, and the
-padding ops of the step. Run from the repository root, in this tree and in a worktree of
-an older one (that tree first on PYTHONPATH) to compare:
+padding and copy ops of the step. With `--gpu-buckets` the recorded attention's key
+length is rounded up as a GPU's is (half-octave buckets; engine/step_inputs.py). Run from
+the repository root, in this tree and in a worktree of an older one (that tree first on
+PYTHONPATH) to compare:
 
-    PYTHONPATH=. .venv/bin/python docs/training-issue24/recording_kv_bytes.py
+    PYTHONPATH=. .venv/bin/python docs/training-issue24/recording_kv_bytes.py [--gpu-buckets]
 """
 
+import argparse
 import json
 
 from bench.recording import embedded_training_engine
@@ -15,13 +18,21 @@ from bench.step_counts import AtenOps
 from bench.traces import synthetic_tokens
 from engine.recording import SavedTensorTracker
 from engine.sampling_params import SamplingParams
+from engine.step_inputs import StepBuckets
 from server.config import AlchemistConfig
 
 TOKENS = 100
 
 
 def main() -> None:
-    engine, trainer, tokenizer = embedded_training_engine(AlchemistConfig())
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gpu-buckets", action="store_true")
+    args = parser.parse_args()
+    config = AlchemistConfig()
+    engine, trainer, tokenizer = embedded_training_engine(config)
+    if args.gpu_buckets:
+        engine.runner.training_buckets = StepBuckets(config.cache.block_size, half_octaves=True,
+                                                     max_len=config.model.max_model_len)
     tracker = engine.runner.record_tracker = SavedTensorTracker()  # the hooks on every recording
     results = []
     for i in range(2):  # the second: every copy and cache built
@@ -40,7 +51,8 @@ def main() -> None:
                   for s in segments for t in (s.key, s.value) if t.untyped_storage().data_ptr() not in saved}
         results.append({"saved_bytes": sum(saved.values()), "kv_beside_saved_bytes": sum(beside.values()),
                         "held_kib_per_token": round((sum(saved.values()) + sum(beside.values())) / TOKENS / 1024, 1),
-                        "constant_pad_nd_ops": counter.ops["constant_pad_nd"], "aten_ops": counter.total})
+                        "constant_pad_nd_ops": counter.ops["constant_pad_nd"], "clone_ops": counter.ops["clone"],
+                        "aten_ops": counter.total})
     print(json.dumps(results[-1], indent=1))
 
 
