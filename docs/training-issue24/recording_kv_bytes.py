@@ -7,7 +7,7 @@ length is rounded up as a GPU's is (half-octave buckets; engine/step_inputs.py).
 the repository root, in this tree and in a worktree of an older one (that tree first on
 PYTHONPATH) to compare:
 
-    PYTHONPATH=. .venv/bin/python docs/training-issue24/recording_kv_bytes.py [--gpu-buckets]
+    PYTHONPATH=. .venv/bin/python docs/training-issue24/recording_kv_bytes.py [--gpu-buckets] [--json FILE]
 """
 
 import argparse
@@ -27,6 +27,7 @@ TOKENS = 100
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu-buckets", action="store_true")
+    parser.add_argument("--json", default="")
     args = parser.parse_args()
     config = AlchemistConfig()
     engine, trainer, tokenizer = embedded_training_engine(config)
@@ -54,6 +55,9 @@ def main() -> None:
                         "constant_pad_nd_ops": counter.ops["constant_pad_nd"], "clone_ops": counter.ops["clone"],
                         "aten_ops": counter.total})
     print(json.dumps(results[-1], indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu_buckets": args.gpu_buckets, "prompt_tokens": TOKENS, **results[-1]}, f, indent=1)
 
 
 if __name__ == "__main__":
