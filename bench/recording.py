@@ -44,7 +44,7 @@ CASES = ("kept_cold", "kept", "freed", "trained", "beside_decodes", "beside_deco
 _DECODES = 3
 
 
-def _first_token_seconds(engine: LLMEngine, request_id: str, prompt: list[int], train: bool,
+def first_token_seconds(engine: LLMEngine, request_id: str, prompt: list[int], train: bool,
                          decodes: int = 0) -> tuple[float, float | None]:
     """From the prompt's arrival: (its first token, the decoding requests' next token), the
     prompt prefilled beside `decodes` decoding requests (None: there were none)."""
@@ -90,7 +90,7 @@ def measure_case(config: AlchemistConfig, case: str, tokens: int, repeats: int) 
         for recorded in ((True, False) if i % 2 else (False, True)):
             request_id = f"{case}-{i}-{recorded}"
             prompt = synthetic_tokens(tokenizer, tokens, i)
-            took, decodes_took = _first_token_seconds(engine, request_id, prompt, recorded,
+            took, decodes_took = first_token_seconds(engine, request_id, prompt, recorded,
                                                       _DECODES if case.startswith("beside") else 0)
             entry = trainer.cache.get(request_id) if recorded else None
             if entry is not None and entry.recording is not None:

@@ -142,8 +142,8 @@ def test_a_recorded_prefill_keeps_its_key_and_value_rows_where_attention_saved_t
     trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model"),
                             dtype=torch.bfloat16, init_lora_weights=False)
     engine = engine_of(trainer)
-    if bucketed:
-        engine.runner.training_buckets = StepBuckets(16, half_octaves=True, max_len=512)
+    # the CPU's own lengths, or a GPU's buckets, whatever the test device
+    engine.runner.training_buckets = StepBuckets(16, half_octaves=True, max_len=512) if bucketed else None
     tracker = engine.runner.record_tracker = SavedTensorTracker()  # the hooks on: what autograd saved
     prompt = encode("A recorded prompt, long enough to span several rows.")
     for request_id in ("warm-up", "recorded"):  # the first builds the training copies (clones)
