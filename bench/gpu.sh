@@ -10,7 +10,7 @@
 # Issue 24 (training): training grpo profile-dpo precision
 # With 15 device minutes (machine start included; 10 minutes and 8 files back per call; a machine idle for 30 s is
 # given back), one long call, its phases within one deadline, then short ones while the machine is warm:
-#   bash bench/gpu.sh --deadline 565 cuda-tests training colocate-4 gpu-tests   (timeout_s 595)
+#   bash bench/gpu.sh --deadline 565 sdpa cuda-tests training colocate-4 gpu-tests   (timeout_s 595)
 # --deadline runs each phase under `timeout` with what is left of it, logs to $OUT/gpu.log and tars every phase's
 # files into $OUT/results.tgz as it ends, so that a phase cut short costs only itself. Not measured since the H100's
 # 2026-11-25 session: CPT's sweep (in `training`), 4 req/s with training on (`colocate-4`), the whole CUDA test list.
@@ -43,6 +43,22 @@ for phase in "$@"; do
     gpu-tests)  # the gpu-marked tests; files whose test-only packages are not carried are skipped
       python3 -m pytest -q -p no:cacheprovider -m gpu --continue-on-collection-errors -rf tests 2>&1 \
         | tee "$OUT/gpu-tests.log" | tail -30
+      ;;
+    sdpa)  # which SDPA backend a recorded prompt's attention gets on this card (masked, GQA, bfloat16, Llama-3.1-8B's
+      # heads): a fused one saves its inputs, the padded K/V a recording keeps rows of; math saves head-repeated copies
+      python3 - <<'PY' 2>&1 | tee "$OUT/sdpa.log"
+import torch
+from torch.nn.attention import SDPBackend
+for q_len, keys in ((100, 128), (1000, 1024), (2000, 2048)):
+    q = torch.randn(1, 32, q_len, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, keys, 128, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(1, 1, q_len, keys, device="cuda", dtype=torch.bool).tril(keys - q_len)
+    for gqa in (True, False):
+        kv = k if gqa else k.repeat_interleave(4, dim=1)
+        choice = torch._fused_sdp_choice(q, kv, kv, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=None,
+                                         enable_gqa=gqa)
+        print(f"q {q_len} keys {keys} enable_gqa={gqa}: {SDPBackend(choice).name}")
+PY
       ;;
     bringup)
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
