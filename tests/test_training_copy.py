@@ -343,3 +343,26 @@ def test_a_stashed_version_swapped_into_the_layers_gets_a_copy_of_its_own():
         layer.lora_A[layer.active_adapters[0]].weight, layer.lora_B[layer.active_adapters[0]].weight = a, b
         layer.weights_swapped = False
     assert group.training.current() is live
+
+
+@pytest.mark.parametrize("member", [0, 2])
+@pytest.mark.parametrize("weight", ["a", "b"])
+def test_the_live_copy_is_found_by_the_weights_versions_and_built_again_when_one_changes(member, weight):
+    """Asked again with the live weights unchanged, the group gives the copy it gave;
+    after any member's A or B changed in place (an optimizer step, before its refresh),
+    a new copy of the values now — and the one before stays as it was, for the graphs
+    recorded under it."""
+    _, _, groups = adapted("llama", torch.bfloat16, True)
+    group = next(g for g in groups if len(g.layers) == 3)  # q, k, v
+    before = group.training.current()
+    held = before.a.detach().clone(), before.b.detach().clone()
+    assert group.training.current() is before
+    a, b, scale = group.live_masters[member]
+    with torch.no_grad():
+        (a if weight == "a" else b).add_(0.25)
+    after = group.training.current()
+    assert after is not before and group.training.current() is after
+    rows, cols = group.blocks[member]
+    assert torch.equal(after.a[cols], a.detach().to(after.a.dtype))
+    assert torch.equal(after.b[rows, cols], (b.detach() * scale).to(after.b.dtype))
+    assert torch.equal(before.a, held[0]) and torch.equal(before.b, held[1])

@@ -40,7 +40,7 @@ from engine.packed_linear import packed_linear_available
 from engine.recording import stale_tensor_error
 from trainer.config import TrainConfig
 from trainer.serving_copy import SharedInputGroup, serve_from_copy
-from trainer.training_copy import train_from_copy, uses_training_copy
+from trainer.training_copy import train_from_copy
 
 # every linear layer of the decoder, as QLoRA recommends and PEFT's "all-linear" does
 # (Phi-3 fuses q/k/v and gate/up). Against attention projections only: measured with
@@ -215,11 +215,13 @@ class LeanLoraLinear(LoraLinear):
                     return out.view(*x.shape[:-1], out.shape[-1])
                 if self.serving_group is not None and not self.weights_swapped:
                     return serve_from_copy(self, x)
-            elif uses_training_copy(self, x):
-                return train_from_copy(self, x)  # before the merged path: a group's members all take it
-            elif self.records_merged(x.dtype):
-                _, a, b = self._merged_from  # this layer's own, as records_merged checked
-                return _merged_lora(x, a, b, self)
+            else:
+                out = train_from_copy(self, x)  # before the merged path: a group's members all take it
+                if out is not None:
+                    return out
+                if self.records_merged(x.dtype):
+                    _, a, b = self._merged_from  # this layer's own, as records_merged checked
+                    return _merged_lora(x, a, b, self)
         adapters = self.active_adapters
         if (args or kwargs or torch.is_grad_enabled() or self.disable_adapters or self.merged
                 or len(adapters) != 1 or adapters[0] in self.lora_variant or adapters[0] not in self.lora_A):

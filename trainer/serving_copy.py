@@ -49,6 +49,8 @@ class SharedInputGroup:
         # the live master parameters, changed in place by the optimizer and a restore (the
         # weight stash swaps other tensors into the layers only inside training slices)
         self._masters = weights = [layer.serving_masters() for layer in layers]
+        # the same, flat: each member's A, then its B (their version counters say when they change)
+        self.master_tensors = [t for a, b, _ in weights for t in (a, b)]
         # the master weights' dtype (a stashed version's, swapped in, is the same); an
         # attribute, not a property: every adapted layer's forward under autograd reads it
         self.master_dtype = weights[0][0].dtype
@@ -85,6 +87,7 @@ class SharedInputGroup:
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._served = 0
+        self._members = len(layers)
         self.refresh()
 
     @torch.no_grad()
@@ -106,7 +109,10 @@ class SharedInputGroup:
     @property
     def swapped(self) -> bool:
         """The weight stash has another version's LoRA weights in a member's layer."""
-        return any([layer.weights_swapped for layer in self.layers])
+        for layer in self.layers:  # a loop, not any(): asked per group in every forward under autograd
+            if layer.weights_swapped:
+                return True
+        return False
 
     @property
     def pinned(self) -> bool:
@@ -140,7 +146,7 @@ class SharedInputGroup:
             self._input, self._served = x, 0
         outputs = self._outputs
         self._served += 1
-        if self._served == len(self.layers):
+        if self._served == self._members:
             self._input, self._outputs = None, ()
         return outputs
 

@@ -181,6 +181,9 @@ class TrainingCopies:
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
         self._served = 0
+        # (the live weights' version counters, the copy of them) last returned by `current`
+        self._last_live: tuple[list[int], _Copy] | None = None
+        self._members = len(group.layers)
 
     def count_as_weights(self, parameter_keys: set[int]) -> None:
         """From now on (and for the copies alive now) the offloader counts copies as weights."""
@@ -190,7 +193,20 @@ class TrainingCopies:
 
     def current(self) -> _Copy:
         group = self.group
-        sources = [layer.serving_masters() for layer in group.layers] if group.swapped else group.live_masters
+        if group.swapped:  # a stashed version's weights in the layers
+            self._last_live = None
+            return self._copy_of([layer.serving_masters() for layer in group.layers])
+        # the live weights: the same tensors always, so their version counters alone say
+        # whether the copy last returned still holds their values (a forward asks per group)
+        versions = [t._version for t in group.master_tensors]
+        last = self._last_live
+        if last is not None and last[0] == versions:
+            return last[1]
+        copy = self._copy_of(group.live_masters)
+        self._last_live = (versions, copy)
+        return copy
+
+    def _copy_of(self, sources: list[tuple[torch.Tensor, torch.Tensor, float]]) -> _Copy:
         key = masters_key(sources)
         copy = self._copies.get(key)
         if copy is None:
@@ -235,7 +251,7 @@ class TrainingCopies:
             self._input, self._served = x, 0
         outputs = self._outputs
         self._served += 1
-        if self._served == len(self.group.layers):
+        if self._served == self._members:
             self._input, self._outputs = None, ()
         return outputs
 
@@ -299,17 +315,13 @@ def _land(ctx, grad: torch.Tensor, grad_rank: torch.Tensor, a: torch.Tensor) -> 
         landing.add_b(grad.t() @ (flat @ a.t()))
 
 
-def train_from_copy(layer, x: torch.Tensor) -> torch.Tensor:
-    """`layer`'s output (base + adapter) under autograd, the LoRA part in the model's dtype."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = layer.serving_group.training.outputs(x, flat)[layer.serving_index]
-    return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def uses_training_copy(layer, x: torch.Tensor) -> bool:
-    """Whether `layer` (single adapter, adapters on, in a group) should take this path for
-    `x`: the model's dtype differs from the master weights'."""
+def train_from_copy(layer, x: torch.Tensor) -> torch.Tensor | None:
+    """`layer`'s output (base + adapter) under autograd, the LoRA part in the model's dtype;
+    None where `layer` does not take this path: it is in no group, the model's dtype is the
+    master weights', or its adapter is not a single plain one (adapters off: the caller's)."""
     group = layer.serving_group
-    if group is None or group.training is None or x.dtype == group.master_dtype:
-        return False
-    return layer.plain_adapter()
+    if group is None or group.training is None or x.dtype == group.master_dtype or not layer.plain_adapter():
+        return None
+    flat = x.reshape(-1, x.shape[-1])
+    out = group.training.outputs(x, flat)[layer.serving_index]
+    return out.view(*x.shape[:-1], out.shape[-1])
