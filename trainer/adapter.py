@@ -183,8 +183,12 @@ class LeanLoraLinear(LoraLinear):
         return self.base_layer.weight, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
 
     def can_merge(self) -> bool:
+        """A float32 base weight on a CPU that packs it: `W + s B A` rounded to bfloat16 or
+        float16 would lose an update smaller than W's precision (and PEFT's float32 A and B
+        are not in W's dtype), so a lower-precision model serves its adapter unmerged."""
         weight = self.base_layer.weight
-        return packed_linear_available(weight.device, weight.dtype) and len(self.active_adapters) == 1
+        return (weight.dtype == torch.float32 and packed_linear_available(weight.device, weight.dtype)
+                and len(self.active_adapters) == 1)
 
     def merged_is_current(self) -> bool:
         if self._merged_pack is None:
