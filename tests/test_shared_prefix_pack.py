@@ -72,6 +72,60 @@ def test_grpo_reference_is_the_base_models_log_prob_of_every_token(family):
         assert result[index] == pytest.approx(want.tolist(), abs=1e-4)
 
 
+def forwards_rows(runner, monkeypatch) -> list[tuple[int, bool]]:
+    """(rows, with grad) of each forward through `runner` from now on."""
+    forwards, run_layer = [], runner.run_layer
+
+    def counted(index, hidden, *args):
+        if index == 0:
+            forwards.append((hidden.shape[1], torch.is_grad_enabled()))
+        return run_layer(index, hidden, *args)
+
+    monkeypatch.setattr(runner, "run_layer", counted)
+    return forwards
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_separate_trainers_dpo_reference_is_trls_the_prompt_once_per_response(family, monkeypatch):
+    """`baseline_job` computes the reference as TRL's DPOTrainer does: its batch of both
+    whole sequences again, without grad — the same log-probs as the server's pack."""
+    trainer = make_trainer(family, mode="dpo")
+    serve(trainer, "r", max_tokens=8)
+    label(trainer, "r", chosen=CHOSEN, rejected=REJECTED)
+    entry = trainer.cache.get("r")
+    packed = run_to_end(trainer.method.reference_logps(entry, trainer.context))
+    assert entry.reference_logps is None
+    forwards = forwards_rows(trainer.context.runner, monkeypatch)
+    run_to_end(trainer.method.baseline_job(entry, trainer.context))
+    trainer.optimizer.zero_grad()
+    prompt_len, responses = len(entry.prompt_token_ids), [entry.label.chosen, entry.label.rejected]
+    rows = 2 * prompt_len + sum(map(len, responses))
+    assert forwards == [(rows, False), (rows, True)]  # the reference, then the trained forward: the same batch
+    expected = token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids, responses)
+    assert list(entry.reference_logps) == pytest.approx([e.sum().item() for e in expected], abs=1e-3)
+    assert list(entry.reference_logps) == pytest.approx(list(packed), abs=1e-3)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_separate_trainers_grpo_reference_is_trls_a_row_per_sample(family, monkeypatch):
+    torch.manual_seed(0)
+    trainer = make_training(TrainConfig(mode="grpo", lora_rank=4, grpo_beta=0.05), family, init_lora_weights=False)
+    serve_group(trainer, "g")
+    assert reward(trainer, "g").accepted
+    entry = trainer.cache.get("g")
+    forwards = forwards_rows(trainer.context.runner, monkeypatch)
+    run_to_end(trainer.method.baseline_job(entry, trainer.context))
+    trainer.optimizer.zero_grad()
+    indices = sorted(entry.responses)
+    responses = [entry.responses[i] for i in indices]
+    rows = len(entry.prompt_token_ids) * len(responses) + sum(len(r) - 1 for r in responses)
+    assert forwards == [(rows, False), (rows, True)]
+    expected = token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids, responses)
+    assert sorted(entry.reference_token_logps) == indices
+    for index, want in zip(indices, expected):
+        assert entry.reference_token_logps[index] == pytest.approx(want.tolist(), abs=1e-4)
+
+
 def test_a_reference_runs_each_decoder_layer_once(monkeypatch):
     trainer = make_trainer("llama", mode="dpo")
     serve(trainer, "r", max_tokens=8)

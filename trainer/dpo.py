@@ -12,8 +12,10 @@ the base model, or the served adapter version). Two jobs, as for every method
     responses in one forward (AttentionMetadata.shared_prefix), the prompt computed once;
   - `baseline_job`, the separate trainer (benchmarks): `[prompt+chosen; prompt+rejected]`
     in one batch, as TRL does, so the prompt is computed twice.
-The base reference is computed once per entry, for both jobs alike: the prompt and both
-responses in one forward without grad (AttentionMetadata.shared_prefix).
+The base reference is computed once per entry. The server's two jobs compute it as the
+prompt and both responses in one forward without grad (AttentionMetadata.shared_prefix);
+the separate trainer as TRL's DPOTrainer does (`compute_ref_log_probs`: its batch of two
+rows again, the adapter disabled), the prompt twice there too.
 """
 
 from __future__ import annotations
@@ -156,6 +158,25 @@ class DPOMethod(TrainingMethod):
         if self.reference == "base" and entry.reference_logps is None:
             entry.reference_logps = yield from self.reference_logps(entry, ctx)
 
+    def _separate_trainer_reference(self, entry: PreferenceEntry, ctx: TrainContext):
+        """Generator: `_base_reference` as TRL's DPOTrainer computes it — its
+        `concatenated_forward` with the adapter disabled, no grad: `[prompt+chosen;
+        prompt+rejected]` in one batch, the prompt computed twice (`baseline_job`'s)."""
+        if self.reference != "base" or entry.reference_logps is not None:
+            return
+        prompt, label = entry.prompt_token_ids, entry.label
+
+        def compute():
+            fwd = yield from forward_segments(ctx.runner, [prompt + label.chosen, prompt + label.rejected],
+                                              with_grad=False)
+            values = []
+            for b, response in enumerate((label.chosen, label.rejected)):
+                values.append((yield from head_score(ctx.runner, fwd.head_leaf, fwd.offsets[b] + len(prompt) - 1,
+                                                     ctx.ids(response), ctx.head_chunk_rows)))
+            return tuple(torch.stack(values).tolist())
+
+        entry.reference_logps = yield from within(lambda: base_model_no_grad(ctx), compute())
+
     def loss(self, policy_chosen, policy_rejected, entry: PreferenceEntry):
         if self.reference == "served":  # the reference is the policy itself, as a constant
             reference = (policy_chosen.detach().item(), policy_rejected.detach().item())
@@ -265,8 +286,8 @@ class DPOMethod(TrainingMethod):
 
     def baseline_job(self, entry: PreferenceEntry, ctx: TrainContext):
         """TRL's DPO: `[prompt+chosen; prompt+rejected]` in one batch, the prompt computed
-        twice."""
-        yield from self._base_reference(entry, ctx)
+        twice, and so in its reference."""
+        yield from self._separate_trainer_reference(entry, ctx)
         prompt, label = entry.prompt_token_ids, entry.label
         fwd = yield from forward_segments(ctx.runner, [prompt + label.chosen, prompt + label.rejected])
         spans = {}  # response -> (its first scoring row, its token ids)

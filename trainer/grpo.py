@@ -26,7 +26,7 @@ Two jobs, as for every method (trainer/methods.py):
   - `baseline_job`, the dense trainer the paper compares against (TRL's GRPOTrainer):
     each sample a row `prompt + response`, the group in one batch where it fits in
     `recompute_tokens`, else in micro-batches of as many rows as fit; the prompt is
-    computed once per row.
+    computed once per row, in the KL term's reference too.
 A sample whose advantage is 0 gives no gradient (without the KL term) and is skipped.
 """
 
@@ -134,6 +134,30 @@ class GRPOMethod(TrainingMethod):
         if self.beta and entry.reference_token_logps is None:
             entry.reference_token_logps = yield from self.reference_token_logps(entry, ctx)
 
+    def _separate_trainer_reference(self, entry: GroupEntry, ctx: TrainContext):
+        """Generator: `_reference` as TRL's GRPOTrainer computes it — the per-token log-probs
+        of its `prompt + completion` rows with the adapter disabled, no grad: each sample a
+        row, as many rows per forward as the dense trainer's, the prompt computed once per
+        row (`baseline_job`'s)."""
+        if not self.beta or entry.reference_token_logps is not None:
+            return
+        prompt = entry.prompt_token_ids
+
+        def compute():
+            samples = [(index, response, 0.0, 0.0) for index, response in sorted(entry.responses.items())]
+            per_forward, result = self._rows_per_forward(len(prompt), samples), {}
+            for start in range(0, len(samples), per_forward):
+                batch = samples[start:start + per_forward]
+                fwd = yield from forward_segments(ctx.runner, [prompt + response[:-1] for _, response, _, _ in batch],
+                                                  with_grad=False)
+                for b, (index, response, _, _) in enumerate(batch):
+                    first = fwd.offsets[b] + len(prompt) - 1
+                    logits = head_logits(ctx, fwd.head_leaf[0, first:first + len(response)])
+                    result[index] = token_logprobs(logits, ctx.ids(response)).tolist()
+            return result
+
+        entry.reference_token_logps = yield from within(lambda: base_model_no_grad(ctx), compute())
+
     # -- the two jobs ---------------------------------------------------------------------
 
     def _suffix_rows(self, ctx: TrainContext, samples: list) -> int:
@@ -213,8 +237,8 @@ class GRPOMethod(TrainingMethod):
 
     def baseline_job(self, entry: GroupEntry, ctx: TrainContext):
         """TRL's GRPOTrainer: each sample a row `prompt + response`, the prompt computed
-        once per row."""
-        yield from self._reference(entry, ctx)
+        once per row, and so in its reference."""
+        yield from self._separate_trainer_reference(entry, ctx)
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
         rows = self._rows_per_forward(len(prompt), samples)

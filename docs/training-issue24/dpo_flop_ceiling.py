@@ -7,8 +7,9 @@
 - recompute (the separate trainer): prompt + chosen and prompt + rejected forwarded as a
   batch, then their backward — the prompt twice, as TRL's DPOTrainer runs it;
 
-each with the base model's reference log-probs (`--dpo-reference base`: the prompt once,
-then both responses against its K/V, no grad; the same for both jobs) or none (`served`).
+each with the base model's reference log-probs (`--dpo-reference base`, no grad: for reuse
+the server's pack, the prompt once and both responses against its K/V; for the separate
+trainer TRL's, its batch of both whole sequences again) or none (`served`).
 The base weights are frozen, so a backward through a linear layer costs one GEMM (the
 input's gradient) plus the LoRA's rank-r products; attention's backward costs twice its
 forward. Counting the GEMMs' and attention's floating-point operations gives the ratio
@@ -85,10 +86,10 @@ def dpo_jobs(shape: Shape, prompt: int, response: int, reference: str) -> dict[s
              + shape.head_flops(scored) * 2)
     recompute = (shape.linear_flops(full_rows) * 2 + shape.attention_flops(full_pairs) * 3
                  + shape.head_flops(scored) * 2)
-    if reference == "base":  # the same forward in both jobs, no grad
-        base = (shape.linear_flops(prompt + suffix_rows) + shape.attention_flops(causal_pairs(prompt) + suffix_pairs)
-                + shape.head_flops(scored))
-        reuse, recompute = reuse + base, recompute + base
+    if reference == "base":  # a forward without grad: the server's pack / TRL's batch
+        reuse += (shape.linear_flops(prompt + suffix_rows) + shape.attention_flops(causal_pairs(prompt) + suffix_pairs)
+                  + shape.head_flops(scored))
+        recompute += shape.linear_flops(full_rows) + shape.attention_flops(full_pairs) + shape.head_flops(scored)
     return {"reuse": reuse, "recompute": recompute}
 
 
