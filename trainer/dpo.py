@@ -158,12 +158,10 @@ class DPOMethod(TrainingMethod):
         if self.reference == "base" and entry.reference_logps is None:
             entry.reference_logps = yield from self.reference_logps(entry, ctx)
 
-    def _separate_trainer_reference(self, entry: PreferenceEntry, ctx: TrainContext):
-        """Generator: `_base_reference` as TRL's DPOTrainer computes it — its
-        `concatenated_forward` with the adapter disabled, no grad: `[prompt+chosen;
+    def separate_trainer_reference_logps(self, entry: PreferenceEntry, ctx: TrainContext):
+        """Generator -> `reference_logps` as TRL's DPOTrainer computes them (its
+        `concatenated_forward` with the adapter disabled, no grad): `[prompt+chosen;
         prompt+rejected]` in one batch, the prompt computed twice (`baseline_job`'s)."""
-        if self.reference != "base" or entry.reference_logps is not None:
-            return
         prompt, label = entry.prompt_token_ids, entry.label
 
         def compute():
@@ -175,7 +173,7 @@ class DPOMethod(TrainingMethod):
                                                      ctx.ids(response), ctx.head_chunk_rows)))
             return tuple(torch.stack(values).tolist())
 
-        entry.reference_logps = yield from within(lambda: base_model_no_grad(ctx), compute())
+        return (yield from within(lambda: base_model_no_grad(ctx), compute()))
 
     def loss(self, policy_chosen, policy_rejected, entry: PreferenceEntry):
         if self.reference == "served":  # the reference is the policy itself, as a constant
@@ -287,7 +285,8 @@ class DPOMethod(TrainingMethod):
     def baseline_job(self, entry: PreferenceEntry, ctx: TrainContext):
         """TRL's DPO: `[prompt+chosen; prompt+rejected]` in one batch, the prompt computed
         twice, and so in its reference."""
-        yield from self._separate_trainer_reference(entry, ctx)
+        if self.reference == "base" and entry.reference_logps is None:
+            entry.reference_logps = yield from self.separate_trainer_reference_logps(entry, ctx)
         prompt, label = entry.prompt_token_ids, entry.label
         fwd = yield from forward_segments(ctx.runner, [prompt + label.chosen, prompt + label.rejected])
         spans = {}  # response -> (its first scoring row, its token ids)

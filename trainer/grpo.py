@@ -134,13 +134,11 @@ class GRPOMethod(TrainingMethod):
         if self.beta and entry.reference_token_logps is None:
             entry.reference_token_logps = yield from self.reference_token_logps(entry, ctx)
 
-    def _separate_trainer_reference(self, entry: GroupEntry, ctx: TrainContext):
-        """Generator: `_reference` as TRL's GRPOTrainer computes it — the per-token log-probs
-        of its `prompt + completion` rows with the adapter disabled, no grad: each sample a
-        row, as many rows per forward as the dense trainer's, the prompt computed once per
-        row (`baseline_job`'s)."""
-        if not self.beta or entry.reference_token_logps is not None:
-            return
+    def separate_trainer_reference_token_logps(self, entry: GroupEntry, ctx: TrainContext):
+        """Generator -> `reference_token_logps` as TRL's GRPOTrainer computes them (the
+        per-token log-probs of its `prompt + completion` rows with the adapter disabled, no
+        grad): each sample a row, as many rows per forward as the dense trainer's, the
+        prompt computed once per row (`baseline_job`'s)."""
         prompt = entry.prompt_token_ids
 
         def compute():
@@ -156,7 +154,7 @@ class GRPOMethod(TrainingMethod):
                     result[index] = token_logprobs(logits, ctx.ids(response)).tolist()
             return result
 
-        entry.reference_token_logps = yield from within(lambda: base_model_no_grad(ctx), compute())
+        return (yield from within(lambda: base_model_no_grad(ctx), compute()))
 
     # -- the two jobs ---------------------------------------------------------------------
 
@@ -238,7 +236,8 @@ class GRPOMethod(TrainingMethod):
     def baseline_job(self, entry: GroupEntry, ctx: TrainContext):
         """TRL's GRPOTrainer: each sample a row `prompt + response`, the prompt computed
         once per row, and so in its reference."""
-        yield from self._separate_trainer_reference(entry, ctx)
+        if self.beta and entry.reference_token_logps is None:
+            entry.reference_token_logps = yield from self.separate_trainer_reference_token_logps(entry, ctx)
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
         rows = self._rows_per_forward(len(prompt), samples)
