@@ -2,7 +2,7 @@
 
 The model's own attention modules (Llama, Mistral, Phi-3, Qwen2; their forward swapped
 for the family's own with a cheaper RoPE, engine/fused_rope.py) project Q/K/V, apply
-RoPE and call `past_key_values.update()` (our `StepKV`) and then the registered attention
+RoPE and call the cache's `update()` (our `StepKV`) and then the registered attention
 function. Registering one function under the name "alchemist" lets the engine pass its
 `AttentionMetadata` as the attention mask; called with anything else (Hugging Face's own
 `generate`, the trainer's plain forward) it is exactly SDPA, so the same model object
@@ -10,6 +10,8 @@ serves both.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +23,12 @@ from engine.kv_cache import AttentionMetadata, RecordedStepKV, gather_rows
 from engine.paged_decode import paged_decode_attention
 
 ATTENTION_NAME = "alchemist"
+
+
+def cache_keyword(layer) -> str:
+    """The name a decoder layer's forward takes the cache by: transformers renamed
+    `past_key_values` to `cache` (the old name warns, and goes in a later release)."""
+    return "cache" if "cache" in inspect.signature(type(layer).forward).parameters else "past_key_values"
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import use_engine_attention
+from engine.attention import cache_keyword, use_engine_attention
 from engine.decode_graphs import CaptureReport, DecodeGraphs
 from engine.fused_norm import install_fused_rms_norm
 from engine.fused_rope import SignedRotary, install_fused_rope
@@ -101,6 +101,7 @@ class ModelRunner:
         if packed_linear:
             install_packed_linear(model)
         self.embed, self.layers, self.norm, rotary, self.lm_head = decoder_parts(model)
+        self._cache_keyword = cache_keyword(self.layers[0])
         self.rotary = SignedRotary(rotary)
         self.kv_cache = PagedKVCache(kv_spec, num_blocks, self.device)
         self.block_size = kv_spec.block_size
@@ -204,8 +205,8 @@ class ModelRunner:
     def run_layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
                   past, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Decoder layer `index` on (1, T, hidden)."""
-        out = self.layers[index](hidden, attention_mask=metadata, position_ids=position_ids, past_key_values=past,
-                                 position_embeddings=position_embeddings)
+        out = self.layers[index](hidden, attention_mask=metadata, position_ids=position_ids,
+                                 position_embeddings=position_embeddings, **{self._cache_keyword: past})
         return out[0] if isinstance(out, tuple) else out
 
     def run_layers(self, *args, **kwargs) -> torch.Tensor:
