@@ -128,13 +128,11 @@ class HeapWarmer:
     def wants_to_grow(self) -> bool:
         return self._libc is not None and self.held_bytes < min(self.target, self.max_bytes)
 
-    def grow(self, limit_bytes: int | None = None) -> bool:
-        """Touches pieces until `limit_bytes` (by default `_GROW_BYTES`) more are touched or
-        the heap is warm enough (a bounded slice of work: at least one piece); False if it
-        was warm enough."""
-        limit_bytes = _GROW_BYTES if limit_bytes is None else limit_bytes
+    def grow(self) -> bool:
+        """Touches pieces until `_GROW_BYTES` more are touched or the heap is warm enough
+        (a bounded slice of work: at least one piece); False if it was warm enough."""
         grew = 0
-        while grew < limit_bytes and self.wants_to_grow():
+        while grew < _GROW_BYTES and self.wants_to_grow():
             size = self.piece_bytes
             address = self._libc.malloc(size)
             if not address:

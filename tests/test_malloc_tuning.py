@@ -368,22 +368,3 @@ def test_a_pause_is_longer_than_the_traffic_s_own_gaps(monkeypatch):
     assert trainer.maintenance.pause_seconds() == PAUSE_GAPS * 4.0
     trainer.maintenance.trim_slack_bytes = 0  # no slack: every 10 s pause trims, as before it
     assert trainer.maintenance.pause_seconds() == TRIM_QUIET_S
-
-
-def test_warming_between_serving_steps_stops_within_a_piece_of_its_budget():
-    """A decoding request waits for what runs between its steps: a budget ends the warming
-    after the piece that crossed it, not after a whole `grow` (16 MiB)."""
-    from tests.test_stash import make_trainer
-    if not keep_freed_memory():
-        pytest.skip("not glibc")
-    from tests.test_training import serve
-    trainer = make_trainer()
-    maintenance, warmer = trainer.maintenance, trainer.maintenance.warmer
-    serve(trainer, "a")  # prefills are being recorded
-    warmer.fit([1 << 20] * 64)  # as if the largest recording were 64 MiB, its largest tensor 1 MiB
-    assert maintenance.warming_due() and warmer.held_bytes == 0
-    try:
-        assert maintenance.warm_heap(budget_s=1e-9) and warmer.held_bytes == 1 << 20
-        assert maintenance.warm_heap() and warmer.held_bytes == 17 << 20  # between jobs: a whole grow
-    finally:
-        warmer.release()

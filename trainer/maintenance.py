@@ -147,19 +147,16 @@ class Maintenance:
         return self.warm_heap_bytes < self.trim_slack_bytes and not self._quiet_for(IDLE_TRIM_S)
 
     def warm_heap(self, budget_s: float = 0.0) -> bool:
-        """Faults in heap pages for the next recording (engine/malloc_tuning.py): one
-        `HeapWarmer.grow`, or with `budget_s` (between serving steps, where a decoding
-        request waits for it) a piece at a time for about that long; False if it was warm
-        enough. Wherever the device has a moment: between jobs, between a job's slices, and
-        between serving steps.
+        """Faults in heap pages for the next recording (engine/malloc_tuning.py) for about
+        `budget_s`, at least one `HeapWarmer.grow`; False if it was warm enough. Wherever the device
+        has a moment: between jobs, between a job's slices, and between serving steps.
         Recordings come in bursts, with requests running and jobs in progress; one made
         before the heap is warm again lands on fresh pages and pays their faults in its
         prefill, which requests wait for (`alchemist:serving_step_page_faults_total`;
         BENCHMARKS.md, "Recorded prefills on fresh pages")."""
         started = time.perf_counter()
         grew = False
-        limit = self.warmer.piece_bytes if budget_s else None
-        while self.warming_due() and self.warmer.grow(limit):
+        while self.warming_due() and self.warmer.grow():
             grew = True
             if time.perf_counter() - started >= budget_s:
                 break
