@@ -24,6 +24,8 @@ import ctypes.util
 import functools
 import resource
 
+import torch
+
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 
@@ -88,6 +90,16 @@ _GROW_BYTES = 16 << 20
 # glibc maps blocks from this size (keep_freed_memory) fresh when no free chunk fits them:
 # pieces this large would not stay in the heap
 _MMAP_THRESHOLD = 32 << 20
+_PAGE_BYTES = resource.getpagesize()
+
+
+def _touch_pages(address: int, size: int) -> None:
+    """Writes a byte in every page of [address, address + size): a page the process never
+    had faults in, one the heap had costs a cache miss, not a write of every byte (each
+    recording takes the warm heap, so most of it is warmed again on pages the heap has)."""
+    pages = torch.frombuffer((ctypes.c_char * size).from_address(address), dtype=torch.uint8)
+    pages[::_PAGE_BYTES].zero_()
+    pages[-1:].zero_()
 
 
 class HeapWarmer:
@@ -138,7 +150,7 @@ class HeapWarmer:
             if not address:
                 self.target = self.held_bytes  # out of memory: stay as warm as we are
                 break
-            ctypes.memset(address, 0, size)  # the first touch: the page faults happen here
+            _touch_pages(address, size)  # the first touch: the page faults happen here
             self._pieces.append(address)
             self._held += size
             grew += size
