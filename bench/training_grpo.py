@@ -68,16 +68,15 @@ def _paths(bench: Bench, prompt: list[int], group: int, response_tokens: int, r:
     method = bench.method
     entry = serve_group(bench, prompt, group, response_tokens, f"grpo-{r}-{time.monotonic_ns()}",
                         trackers["reuse"] if trackers else None, seed=r)
-    copy = tokens_only(bench, entry)
     results = {}
     for path in PATHS[r % 3:] + PATHS[:r % 3]:
         tracker = trackers[path] if trackers else None
         if path == "reuse":
             results[path] = bench.run_job(method.reuse_job(entry, bench.context), tracker)
             bench.trainer.cache.end(entry, EntryState.TRAINED)
-        else:
+        else:  # a copy each: each path computes the KL term's reference itself
             method.recompute_rows = 1 if path == "one_row" else group
-            results[path] = bench.run_job(method.baseline_job(copy, bench.context), tracker)
+            results[path] = bench.run_job(method.baseline_job(tokens_only(bench, entry), bench.context), tracker)
     method.recompute_rows = None
     return results
 

@@ -160,12 +160,14 @@ def test_the_base_model_runs_its_base_layers_alone_without_peft_forward(family, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_only_a_float32_model_serves_its_adapter_merged_and_either_trains_on_its_recording(dtype):
+def test_only_a_float32_model_serves_its_adapter_merged_and_either_trains_on_its_recording(dtype, monkeypatch):
     """`W + s B A` rounded to bfloat16 would lose updates below W's precision, and PEFT's
     A and B stay float32 beside a bfloat16 W: a bfloat16 model serves its adapter unmerged
     on any CPU (on one that packs bfloat16, building the merged copies failed)."""
     from tests.conftest import make_training
     from tests.test_training import serve
+    if dtype == torch.bfloat16:  # as on a CPU that packs bfloat16 weights, whichever this is
+        monkeypatch.setattr("trainer.adapter.packed_linear_available", lambda device, dtype: True)
     trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="float32"), dtype=dtype)
     layers = [m for m in trainer.peft_model.modules() if isinstance(m, LeanLoraLinear)]
     merged = dtype == torch.float32 and TEST_DEVICE.type == "cpu" and torch.backends.mkldnn.is_available()

@@ -124,6 +124,14 @@ def test_the_separate_trainers_grpo_reference_is_trls_a_row_per_sample(family, m
     assert sorted(entry.reference_token_logps) == indices
     for index, want in zip(indices, expected):
         assert entry.reference_token_logps[index] == pytest.approx(want.tolist(), abs=1e-4)
+    # samples of one token and of three, a row at a time: the same log-probs as the pack's
+    entry.responses[indices[0]], entry.responses[indices[1]] = responses[0][:1], responses[1][:3]
+    trainer.method.recompute_rows = 1
+    separate = run_to_end(trainer.method.separate_trainer_reference_token_logps(entry, trainer.context))
+    packed = run_to_end(trainer.method.reference_token_logps(entry, trainer.context))
+    assert [len(separate[i]) for i in indices[:2]] == [1, 3] and sorted(separate) == sorted(packed) == indices
+    for index in indices:
+        assert separate[index] == pytest.approx(packed[index], abs=1e-4)
 
 
 def test_a_reference_runs_each_decoder_layer_once(monkeypatch):
