@@ -11,6 +11,7 @@ launch on a GPU. Run from the repository root:
 
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -24,13 +25,18 @@ from tests.test_training import label, serve  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 
 
-def job_ops(mode: str, dtype: torch.dtype, compute: str, num_layers: int = 2) -> dict[str, AtenOps]:
+def counted_jobs(mode: str, dtype: torch.dtype, compute: str, num_layers: int, paths: dict[str, str],
+                 make_counter: Callable) -> dict:
+    """Per path (its name -> the method's job attribute), what `make_counter()` (an object
+    with a `counting()` context) counted while that job ran on one entry, after a first
+    job on another (the copies are built once per version, not per job)."""
     torch.manual_seed(0)
     beta = {"grpo_beta": 0.04} if mode == "grpo" else {}
     trainer = make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype=compute, **beta), dtype=dtype,
                             num_layers=num_layers, init_lora_weights=False)
     counts = {}
-    for path, job in (("reuse", trainer.method.reuse_job), ("recompute", trainer.method.baseline_job)):
+    for path, attribute in paths.items():
+        job = getattr(trainer.method, attribute)
         for request_id in ("warm-up", "counted"):  # each job computes its entry's reference itself
             if mode == "grpo":
                 serve_group(trainer, f"{path}-{request_id}")
@@ -40,14 +46,19 @@ def job_ops(mode: str, dtype: torch.dtype, compute: str, num_layers: int = 2) ->
             if mode == "dpo":
                 label(trainer, f"{path}-{request_id}", chosen="Paris, of course. It is a lovely city.")
         entries = [trainer.cache.get(f"{path}-{request_id}") for request_id in ("warm-up", "counted")]
-        run_to_end(job(entries[0], trainer.context))  # the copies are built once per version, not per job
+        run_to_end(job(entries[0], trainer.context))
         trainer.optimizer.zero_grad()
-        counter = AtenOps()
+        counter = make_counter()
         with counter.counting():
             run_to_end(job(entries[1], trainer.context))
         trainer.optimizer.zero_grad()
         counts[path] = counter
     return counts
+
+
+def job_ops(mode: str, dtype: torch.dtype, compute: str, num_layers: int = 2) -> dict[str, AtenOps]:
+    return counted_jobs(mode, dtype, compute, num_layers, {"reuse": "reuse_job", "recompute": "baseline_job"},
+                        AtenOps)
 
 
 def main() -> None:

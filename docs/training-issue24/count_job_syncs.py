@@ -19,38 +19,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.step_counts import HostSyncCounter  # noqa: E402
-from engine.model_runner import run_to_end  # noqa: E402
-from tests.conftest import make_training  # noqa: E402
-from tests.test_grpo import reward, serve_group  # noqa: E402
-from tests.test_training import label, serve  # noqa: E402
-from trainer.config import TrainConfig  # noqa: E402
+from count_job_ops import counted_jobs  # noqa: E402
+
+PATHS = {"reuse": "reuse_job", "recompute": "recompute_job", "separate trainer": "baseline_job"}
 
 
 def job_syncs(mode: str, num_layers: int) -> dict[str, HostSyncCounter]:
-    torch.manual_seed(0)
-    beta = {"grpo_beta": 0.04} if mode == "grpo" else {}
-    trainer = make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype="model", **beta),
-                            dtype=torch.bfloat16, num_layers=num_layers, init_lora_weights=False)
-    method = trainer.method
-    counts = {}
-    for path, job in (("reuse", method.reuse_job), ("recompute", method.recompute_job),
-                      ("separate trainer", method.baseline_job)):
-        for request_id in ("warm-up", "counted"):
-            if mode == "grpo":
-                serve_group(trainer, f"{path}-{request_id}")
-                assert reward(trainer, f"{path}-{request_id}").accepted
-                continue
-            serve(trainer, f"{path}-{request_id}", max_tokens=8)
-            label(trainer, f"{path}-{request_id}", chosen="Paris, of course. It is a lovely city.")
-        entries = [trainer.cache.get(f"{path}-{request_id}") for request_id in ("warm-up", "counted")]
-        run_to_end(job(entries[0], trainer.context))
-        trainer.optimizer.zero_grad()
-        counter = HostSyncCounter()
-        with counter.counting():
-            run_to_end(job(entries[1], trainer.context))
-        trainer.optimizer.zero_grad()
-        counts[path] = counter
-    return counts
+    return counted_jobs(mode, torch.bfloat16, "model", num_layers, PATHS, HostSyncCounter)
 
 
 def main() -> None:
