@@ -8,7 +8,8 @@ unless asked:
     step kind's count and seconds, the device items run meanwhile (by name), why a chain
     of steps broke, and the heap warming's bytes, page faults and seconds between steps
     and in idle gaps; the garbage collector's passes and seconds by generation, those
-    inside a serving step apart; and the decode steps' median, mean and 90th percentile;
+    inside a serving step apart; and the decode steps' median, mean and 90th percentile (all
+    since the server started: a warm-up trace's steps included);
   - `ALCHEMIST_EXP_NO_STEP_WARM=1`: the heap is warmed in idle gaps only, never between
     serving steps (an ablation).
 
