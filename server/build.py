@@ -280,5 +280,5 @@ def build_saving(config: AlchemistConfig, replica: Replica | None) -> tuple[Adap
                     ledger = Ledger(root / LEDGER_FILE, config.ledger)
     checkpointer = None
     if store is not None:
-        checkpointer = AdapterCheckpointer(store, config.adapter.save_every, ledger.flush if ledger else None)
+        checkpointer = AdapterCheckpointer(store, config.adapter.save_every, ledger)
     return checkpointer, ledger

@@ -87,7 +87,7 @@ def test_feedback_answers_503_while_the_ledger_cannot_be_written_and_loses_nothi
         assert metric(client, "alchemist:ledger_rows_written_total") >= 6  # 2 requests, 2 finishes, 2 labels
 
 
-def _request(i: int, served_at: float, tokens: int = 400) -> RequestRecord:
+def request_record(i: int, served_at: float, tokens: int = 400) -> RequestRecord:
     return RequestRecord(f"req-{i}", served_at, 0, "dpo", list(range(tokens)), [{"role": "user", "content": "hi"}])
 
 
@@ -96,7 +96,7 @@ def test_a_full_ledger_refuses_labels_keeps_what_it_holds_and_makes_room_from_wh
     try:
         committed, refused = [], None
         for i in range(2000):
-            ledger.record_request(_request(i, time.time()))
+            ledger.record_request(request_record(i, time.time()))
             try:
                 ledger.commit_label(f"req-{i}", LabelRecord("preference", chosen="yes", chosen_token_ids=[1],
                                                             rejected_token_ids=[2]))
@@ -108,9 +108,10 @@ def test_a_full_ledger_refuses_labels_keeps_what_it_holds_and_makes_room_from_wh
         labelled = {row.request.id for row in read_ledger(tmp_path / LEDGER_FILE) if row.label is not None}
         assert labelled == set(committed)  # nothing committed before was touched
         assert (tmp_path / LEDGER_FILE).stat().st_size <= (1 << 20) + 65536
-        for request_id in committed[: len(committed) // 2]:  # trained: retention may now drop them
+        for request_id in committed[: len(committed) // 2]:  # trained into a saved version: retention may drop them
             ledger.record_fate(request_id, "trained", version=1, path="reuse")
-        ledger.record_request(_request(9999, time.time()))
+        ledger.saved(1)
+        ledger.record_request(request_record(9999, time.time()))
         ledger.commit_label("req-9999", LabelRecord("preference", chosen="yes", chosen_token_ids=[1],
                                                     rejected_token_ids=[2]))
         kept = {row.request.id for row in read_ledger(tmp_path / LEDGER_FILE)}
@@ -126,11 +127,12 @@ def test_retention_drops_old_requests_oldest_first_but_never_a_label_still_to_be
     try:
         start = now[0]
         for i in range(3):
-            ledger.record_request(_request(i, start, tokens=4))
-        ledger.record_request(_request(3, start + 1.5 * 86400, tokens=4))
+            ledger.record_request(request_record(i, start, tokens=4))
+        ledger.record_request(request_record(3, start + 1.5 * 86400, tokens=4))
         ledger.commit_label("req-1", LabelRecord("rewards", rewards=[1.0, 0.0]))  # to be trained
         ledger.commit_label("req-2", LabelRecord("rewards", rewards=[1.0, 0.0]))
         ledger.record_fate("req-2", "trained", version=3, path="recompute")
+        ledger.saved(3)
         now[0] = start + 2 * 86400  # two days on: requests 0-2 are past the retention of one
         ledger.prune()
         assert sorted(rows_by_id(tmp_path / LEDGER_FILE)) == ["req-1", "req-3"]
@@ -225,8 +227,8 @@ def test_a_deleted_label_is_not_trained_on(tmp_path):
 
 def _training(root, save_every: int = 10):
     """DPO training on `root` as a server builds it: versions saved there, and the ledger."""
-    checkpointer = AdapterCheckpointer(AdapterStore(root), save_every)
-    return make_training(DPO, checkpointer=checkpointer, ledger=Ledger(root / LEDGER_FILE))
+    ledger = Ledger(root / LEDGER_FILE)
+    return make_training(DPO, checkpointer=AdapterCheckpointer(AdapterStore(root), save_every, ledger), ledger=ledger)
 
 
 def _crash(training) -> None:
@@ -279,7 +281,7 @@ def test_a_label_the_crash_took_back_stays_to_train_through_a_version_saved_befo
     rows = rows_by_id(tmp_path / LEDGER_FILE)
     assert [(rows[i].fate, rows[i].fate_version) for i in ("r0", "r1")] == [(None, None)] * 2
     second.optimizer.step(entries=0)  # a version of the second process, saved before r0 and r1 train again
-    second.lifecycle.checkpointer.save_async(second.lifecycle.snapshot())
+    assert second.lifecycle.checkpointer.save_async(second.lifecycle.snapshot()).result() is not None
     _crash(second)
     third = _training(tmp_path)
     assert third.lifecycle.restored_from == 1

@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -174,17 +174,27 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+class SaveJournal(Protocol):
+    """What keeps account of the labels a saved version holds (trainer/ledger.py)."""
+
+    def before_save(self) -> None:
+        """What the version trained is on disk before it is; raises if it cannot be (the save fails)."""
+
+    def saved(self, version: int) -> None:
+        """Version `version` is on disk."""
+
+
 class AdapterCheckpointer:
     """When to save: every `save_every` versions and on demand. Snapshots are taken by the
     caller on the device thread; the disk writes run on a writer thread of their own, one
     at a time, so serving never waits for the disk."""
 
-    def __init__(self, store: AdapterStore, save_every: int, before_save: Callable[[], None] | None = None):
-        """`before_save`: called on the writer thread before each version is written (the
-        feedback ledger's flush: what a saved version trained is on disk before it is)."""
+    def __init__(self, store: AdapterStore, save_every: int, journal: SaveJournal | None = None):
+        """`journal`: told on the writer thread before each version is written, and once it
+        is (the feedback ledger)."""
         self.store = store
         self.save_every = save_every
-        self.before_save = before_save
+        self.journal = journal
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-adapter-save")
         self._pending: list[concurrent.futures.Future] = []
         self.saved = 0
@@ -205,8 +215,8 @@ class AdapterCheckpointer:
             self.last_saved_version = snapshot.version
             return self.store.path_of(snapshot.version)
         try:
-            if self.before_save is not None:
-                self.before_save()
+            if self.journal is not None:
+                self.journal.before_save()
             path = self.store.save(snapshot)
         except Exception:  # noqa: BLE001 - a failed save is counted; the next one may succeed
             self.failed += 1
@@ -214,6 +224,8 @@ class AdapterCheckpointer:
             return None
         self.saved += 1
         self.last_saved_version = snapshot.version
+        if self.journal is not None:
+            self.journal.saved(snapshot.version)
         logger.info("saved adapter version %d to %s", snapshot.version, path)
         return path
 

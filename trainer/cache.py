@@ -133,17 +133,17 @@ class ActivationCache:
         with self._lock:
             return len(self._entries) - sum(1 for _ in self._index.recorded())
 
-    def add(self, entry: CacheEntry) -> bool:
-        """Admits an entry, applying the full-cache policy to its activations; False if
-        dropped. An entry that waits for a label is never dropped for want of room: it
-        stays without activations (a label entry), up to `max_label_entries`."""
+    def add(self, entry: CacheEntry, owed: bool = False) -> bool:
+        """Admits an entry, applying the full-cache policy to its activations; False if dropped. One that waits
+        for a label stays without activations (a label entry), up to `max_label_entries`; past it too when
+        `owed` (a restart's labels answered 200, and its CPT requests the cache held: training owed)."""
         with self._lock:
             if self._entries.get(entry.completion_id) is entry or entry.state in TERMINAL:
                 logger.error("entry %r added again (%s)", entry.completion_id, entry.state.value)  # a bug upstream
                 admitted = entry.state not in TERMINAL  # it stays as it is
             elif entry.recording is not None and not self._make_room(entry.nbytes) and not self._no_room(entry):
                 admitted = False
-            elif entry.recording is None and self.label_entries >= self.max_label_entries:
+            elif entry.recording is None and not owed and self.label_entries >= self.max_label_entries:
                 self.refused_label_entries += 1
                 logger.warning("label entry for %r refused: %d entries without activations are waiting (the "
                                "bound, train.max_label_entries)", entry.completion_id, self.max_label_entries)

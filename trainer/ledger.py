@@ -16,7 +16,8 @@ read-only) — the transaction is rolled back, so nothing committed before is to
 
 The file is its owner's alone (mode 0600; SQLite gives its WAL the same mode). Retention
 is bounded by age and by size, oldest first, on the writer thread; labels that are still
-to be trained are never pruned. The file never grows past `max_bytes`: a write that
+to be trained, or trained into a version not saved yet, are never pruned
+(trainer/ledger_retention.py). The file never grows past `max_bytes`: a write that
 would (everything left is still to be trained) fails as a full disk does.
 """
 
@@ -30,10 +31,10 @@ import threading
 import time
 from pathlib import Path
 
-from trainer import ledger_lineage
+from trainer import ledger_lineage, ledger_retention
 from trainer.config import LedgerConfig
-from trainer.ledger_db import (ChoiceRecord, Deletion, LabelRecord, LedgerStats, RequestRecord, open_database,
-                               to_json)
+from trainer.ledger_db import (ChoiceRecord, Deletion, LabelRecord, LedgerStats, RequestRecord, delete_rows,
+                               open_database, to_json)
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +172,24 @@ class Ledger:
                 "UPDATE requests SET fate = NULL, fate_version = NULL, fate_path = NULL, fate_reason = NULL "
                 f"WHERE fate = 'trained' AND id IN ({','.join('?' * len(chunk))})", chunk)))
 
+    def resumed_at(self, saved: int) -> None:
+        """A restart resumed at saved version `saved` (-1: none): the versions after it died
+        unsaved (queued; replay flushes)."""
+        def apply(c: sqlite3.Connection) -> None:
+            ledger_lineage.forget_after(c, saved)
+            ledger_retention.record_saved(c, saved)
+
+        self._put(_Write(apply))
+
+    def before_save(self) -> None:
+        """Before a version is saved (AdapterCheckpointer's writer thread): the fates it
+        trained are on disk first, or LedgerUnavailable fails the save."""
+        self.flush(strict=True)
+
+    def saved(self, version: int) -> None:
+        """Version `version` is on disk: the labels it holds may go by retention (queued)."""
+        self._put(_Write(lambda c: ledger_retention.record_saved(c, version)))
+
     def withdraw_label(self, request_id: str) -> None:
         """Removes a label whose entry ended before it could be attached (queued)."""
         self._put(_Write(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))
@@ -179,31 +198,10 @@ class Ledger:
         """Deletes a request (with its label), or only its label, and those of its prompts
         (`<request_id>-<i>`) where it is a completion of several prompts: whether there was
         one, and which of its labels had trained (blocks until committed; LedgerUnavailable)."""
-        table, column = ("labels", "request_id") if label_only else ("requests", "id")
-        # its prompts' ids by their range (an id's characters are never a pattern), then digits
-        of_its_prompts = (f"{column} >= ? AND {column} < ? AND substr({column}, ?) GLOB '[0-9]*' "
-                          f"AND substr({column}, ?) NOT GLOB '*[^0-9]*'")
-        suffix_at = len(request_id) + 2
-        arguments = (request_id, f"{request_id}-", f"{request_id}.", suffix_at, suffix_at)
         found, at = [], self.clock()
-
-        def apply(c: sqlite3.Connection) -> None:
-            found[:] = c.execute(f"SELECT id, fate, fate_version FROM requests WHERE id IN (SELECT {column} FROM "
-                                 f"{table} WHERE {column} = ? OR ({of_its_prompts}))", arguments)
-            if label_only:
-                c.execute("INSERT OR IGNORE INTO deleted_labels SELECT request_id, ? FROM labels WHERE "
-                          f"request_id = ? OR ({of_its_prompts})", (at, *arguments))
-                # a label deleted before it trained: its request takes no new one, after a restart too
-                c.execute("UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? WHERE (fate "
-                          f"IS NULL OR fate = 'quarantined') AND id IN (SELECT request_id FROM labels WHERE "
-                          f"request_id = ? OR ({of_its_prompts}))", (at, *arguments))
-            found.append(c.execute(f"DELETE FROM {table} WHERE {column} = ? OR ({of_its_prompts})",
-                                   arguments).rowcount > 0)
-
-        self._wait(_Write(apply, concurrent.futures.Future()), COMMIT_TIMEOUT_S)
-        *rows, deleted = found
-        versions = [version for _, fate, version in rows if fate == "trained" and version is not None]
-        return Deletion(deleted, {request: fate for request, fate, _ in rows}, min(versions, default=None))
+        self._wait(_Write(lambda c: found.append(delete_rows(c, request_id, label_only, at)),
+                          concurrent.futures.Future()), COMMIT_TIMEOUT_S)
+        return found[-1]  # (the last try's: a failed batch's writes are tried again alone)
 
     def _wait(self, write: _Write, timeout_s: float) -> None:
         """Queues `write` and waits for its commit. A write not begun within `timeout_s`
@@ -217,14 +215,21 @@ class Ledger:
                 raise LedgerUnavailable(f"the feedback ledger did not commit within {timeout_s:g} s") from None
             write.done.result()
 
-    def flush(self, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
-        """Waits until every write queued so far has been tried."""
+    def flush(self, timeout_s: float = COMMIT_TIMEOUT_S, strict: bool = False) -> None:
+        """Waits until every write queued so far has been tried; `strict`: raises
+        LedgerUnavailable unless every one has landed (before a version is saved, so that
+        the fates it trained are on disk first)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._put(_Write(lambda c: None, done))
+        waiting: list[int] = []  # the writes left for their retry when this one landed
+        self._put(_Write(lambda c: None, done, committed=lambda: waiting.append(len(self._retry))))
         try:
             done.result(timeout_s)
         except LedgerUnavailable:
-            pass  # tried, and failed: the writes wait for their retry
+            if strict:
+                raise
+            return  # tried, and failed: the writes wait for their retry
+        if strict and waiting[0]:
+            raise LedgerUnavailable(f"{waiting[0]} feedback ledger writes wait for their retry: {self._last_error}")
 
     def _put(self, write: _Write) -> None:
         if self._closed:
@@ -281,10 +286,10 @@ class Ledger:
                     self._failed(write, exc)
         else:
             for write in batch:
-                if write.done is not None:
-                    write.done.set_result(None)
                 if write.committed is not None:
                     write.committed()
+                if write.done is not None:
+                    write.done.set_result(None)
             self.stats.rows_written += len(batch)
         self.stats.commits += 1
         self.stats.commit_seconds += time.perf_counter() - started
@@ -331,10 +336,10 @@ class Ledger:
             self._failed(write, exc)
         else:
             self.stats.rows_written += 1
-            if write.done is not None:
-                write.done.set_result(None)
             if write.committed is not None:
                 write.committed()
+            if write.done is not None:
+                write.done.set_result(None)
 
     def _transaction(self, batch: list[_Write]) -> None:
         conn = self._conn
@@ -365,18 +370,10 @@ class Ledger:
 
     def _prune(self, conn: sqlite3.Connection) -> None:
         """Deletes requests past `retention_days`, then the oldest until the file is under
-        `PRUNE_TO` of `max_bytes` — never one whose label is still to be trained (writer thread)."""
-        cutoff = self.clock() - self.config.retention_days * 86400
-        prunable = "NOT (fate IS NULL AND id IN (SELECT request_id FROM labels))"
-        deleted = conn.execute(f"DELETE FROM requests WHERE served_at < ? AND {prunable}", (cutoff,)).rowcount
-        target = int(self.config.max_bytes * PRUNE_TO)
-        while self.used_bytes() > target:
-            ids = [r[0] for r in conn.execute(f"SELECT id FROM requests WHERE {prunable} ORDER BY served_at "
-                                              "LIMIT 256")]
-            if not ids:
-                break
-            deleted += conn.execute(f"DELETE FROM requests WHERE id IN ({','.join('?' * len(ids))})",
-                                    ids).rowcount
+        `PRUNE_TO` of `max_bytes` — never one whose label weights still owe (writer thread;
+        trainer/ledger_retention.py)."""
+        deleted = ledger_retention.prune(conn, self.clock() - self.config.retention_days * 86400,
+                                         int(self.config.max_bytes * PRUNE_TO))
         if deleted:
             conn.execute("PRAGMA incremental_vacuum").fetchall()  # one row per page freed: step them all
             self.stats.pruned_requests += deleted
@@ -384,9 +381,7 @@ class Ledger:
 
     def used_bytes(self) -> int:
         """Bytes of the database's pages in use (what retention bounds)."""
-        page_size, pages, free = (self._conn.execute(f"PRAGMA {p}").fetchone()[0]
-                                  for p in ("page_size", "page_count", "freelist_count"))
-        return (pages - free) * page_size
+        return ledger_retention.used_bytes(self._conn)
 
     def close(self) -> None:
         """Writes what is queued and closes the database."""

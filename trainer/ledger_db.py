@@ -176,6 +176,29 @@ class LedgerRow:
     label_created_at: float | None
 
 
+def delete_rows(conn: sqlite3.Connection, request_id: str, label_only: bool, at: float) -> Deletion:
+    """Deletes a request (with its label), or only its label, and those of its prompts
+    (`<request_id>-<i>`) where it is a completion of several prompts (Ledger.delete)."""
+    table, column = ("labels", "request_id") if label_only else ("requests", "id")
+    # its prompts' ids by their range (an id's characters are never a pattern), then digits
+    of_its_prompts = (f"{column} >= ? AND {column} < ? AND substr({column}, ?) GLOB '[0-9]*' "
+                      f"AND substr({column}, ?) NOT GLOB '*[^0-9]*'")
+    suffix_at = len(request_id) + 2
+    arguments = (request_id, f"{request_id}-", f"{request_id}.", suffix_at, suffix_at)
+    rows = conn.execute(f"SELECT id, fate, fate_version FROM requests WHERE id IN (SELECT {column} FROM "
+                        f"{table} WHERE {column} = ? OR ({of_its_prompts}))", arguments).fetchall()
+    if label_only:
+        conn.execute("INSERT OR IGNORE INTO deleted_labels SELECT request_id, ? FROM labels WHERE "
+                     f"request_id = ? OR ({of_its_prompts})", (at, *arguments))
+        # a label deleted before it trained: its request takes no new one, after a restart too
+        conn.execute("UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? WHERE (fate "
+                     f"IS NULL OR fate = 'quarantined') AND id IN (SELECT request_id FROM labels WHERE "
+                     f"request_id = ? OR ({of_its_prompts}))", (at, *arguments))
+    deleted = conn.execute(f"DELETE FROM {table} WHERE {column} = ? OR ({of_its_prompts})", arguments).rowcount > 0
+    versions = [version for _, fate, version in rows if fate == "trained" and version is not None]
+    return Deletion(deleted, {request: fate for request, fate, _ in rows}, min(versions, default=None))
+
+
 def to_json(value) -> str | None:
     return None if value is None else json.dumps(value, separators=(",", ":"))
 

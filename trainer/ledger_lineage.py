@@ -64,6 +64,13 @@ def record_parent(conn: sqlite3.Connection, version: int, parent: int) -> None:
     conn.execute("INSERT OR REPLACE INTO versions (version, parent) VALUES (?, ?)", (version, parent))
 
 
+def forget_after(conn: sqlite3.Connection, saved: int) -> None:
+    """The versions after `saved` died unsaved with a crash, and a restart at `saved` gives
+    their numbers to other weights: a parent one of them recorded (a gate's copy whose save
+    a kill cut short) is not theirs."""
+    conn.execute("DELETE FROM versions WHERE version > ?", (saved,))
+
+
 def quarantine(conn: sqlite3.Connection, where: str, params: tuple, reason: str, at: float) -> int:
     """Quarantines the requests `where` selects, but drops for good those whose label was
     deleted (the label is in no weights any more, and must never train again); how many

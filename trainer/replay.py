@@ -15,7 +15,10 @@ saved adapter version includes it, so on start, for the training method the serv
 
 A label trained into a version that was not saved is marked untrained again at once, so
 that a version saved later, under the same numbers, does not pass for one that holds it
-if the server crashes again before it has trained.
+if the server crashes again before it has trained; and a parent recorded for such a
+version (the eval gate's copy, trainer/ledger_lineage.py) is forgotten, the number going
+to other weights. The bound on entries without activations (`train.max_label_entries`)
+never refuses what is taken back: labels answered 200, CPT requests the cache held.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
                        (method.name, saved))
     if owns is not None:
         rows = [row for row in rows if owns(row.request.id)]
-    rows.sort(key=lambda row: row.label is None)  # labels first: the bound on label entries never refuses one
+    ledger.resumed_at(saved)
     lost = [row.request.id for row in rows if row.fate == "trained"]
     if lost:  # trained into versions that died unsaved: untrained again, before any later version is saved
         ledger.reopen(lost)
@@ -77,7 +80,7 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
                 closed += 1
                 continue
             if not entry.needs_label:
-                cache.add(entry)
+                cache.add(entry, owed=True)
             to_train += 1
             continue
         deadline = None if row.finished_at is None else row.finished_at + label_timeout_s
@@ -95,8 +98,7 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
             rewards.score(waiting, row.request.prompt, [c.text for c in row.choices])
         awaiting += 1
     counts = ReplayCounts(to_train, awaiting, closed)
-    if lost:
-        ledger.flush()
+    ledger.flush()
     if rows:
         logger.info("feedback ledger: %d labels to train again (after saved version %s), %d requests still take "
                     "feedback, %d can no longer", to_train, saved_version, awaiting, closed)
@@ -126,7 +128,7 @@ def _labelled(cache: ActivationCache, entry: CacheEntry, row: LedgerRow) -> bool
                                    dict(label.served_logps))
     else:
         return False
-    if not cache.add(entry):
+    if not cache.add(entry, owed=True):
         return False
     cache.response_finished(row.request.id, entry.responses, False, entry.served_logps, entry.served_token_logps)
     return cache.attach_label(entry, attached)

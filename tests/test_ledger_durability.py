@@ -1,0 +1,154 @@
+"""What a kill -9 must not take from the feedback ledger, at the edges of a restart: labels
+past `max_label_entries`, a gate's copy whose save the kill cut short, fates still waiting
+for their retry when a version is saved, and labels trained into a version not saved yet
+when retention runs."""
+
+import dataclasses
+import sqlite3
+import time
+
+import pytest
+
+from tests.conftest import make_training
+from tests.test_ledger import request_record, rows_by_id
+from tests.test_training import label, serve
+from trainer.adapter_store import AdapterCheckpointer, AdapterStore
+from trainer.config import LedgerConfig, TrainConfig
+from trainer.ledger import Ledger, LedgerUnavailable
+from trainer.ledger_db import LEDGER_FILE, LabelRecord, read_ledger
+from trainer.ledger_lineage import lineage
+
+DPO = TrainConfig(mode="dpo", lora_rank=4)
+LABEL = LabelRecord("preference", chosen="yes", chosen_token_ids=[1], rejected_token_ids=[2])
+
+
+def _training(root, config: TrainConfig = DPO, save_every: int = 10):
+    """Training on `root` wired as a server wires it (server/build.py: the ledger is the
+    checkpointer's journal)."""
+    ledger = Ledger(root / LEDGER_FILE)
+    return make_training(config, checkpointer=AdapterCheckpointer(AdapterStore(root), save_every, ledger),
+                         ledger=ledger)
+
+
+def _kill(training) -> None:
+    """What a kill leaves: the ledger's queued writes landed, nothing saved at exit."""
+    training.ledger.flush()
+    training.ledger.close()
+    training.lifecycle.checkpointer.wait()
+
+
+def test_a_restart_trains_every_label_answered_200_past_the_bound_on_label_entries(tmp_path):
+    """Labelled recordings do not count against `max_label_entries` while the server
+    lives; the restart takes them back without activations, and the bound must not
+    refuse — and drop for good — labels the server had accepted."""
+    config = dataclasses.replace(DPO, max_label_entries=1)
+    first = _training(tmp_path, config)
+    for i in range(3):
+        serve(first, f"r{i}")
+        label(first, f"r{i}")
+    assert first.cache.label_entries == 0
+    _kill(first)
+    second = _training(tmp_path, config)
+    assert {second.cache.get(f"r{i}").state.value for i in range(3)} == {"ready"}
+    assert second.cache.refused_label_entries == 0
+    second.train_until_idle()
+    assert second.stats.copy().trained_entries == {("dpo", "recompute"): 3}
+    second.ledger.flush()
+    assert {row.fate for row in read_ledger(tmp_path / LEDGER_FILE)} == {"trained"}
+    second.close()
+
+
+def test_a_gate_copy_whose_save_a_kill_cut_short_is_not_the_parent_of_the_version_reusing_its_number(tmp_path):
+    """The gate's rejection records version 5 as a copy of version 0 before 5 is saved; a
+    kill then resumes at 0, and the next run's version 5 is other weights: the restart
+    forgets the parent, so that a later rollback keeps what the new versions trained."""
+    first = _training(tmp_path)
+    serve(first, "a")
+    label(first, "a")
+    first.ledger.quarantine(["a"], "eval gate rejected version 4", 5, 0)
+    _kill(first)  # before version 5 was written
+    second = _training(tmp_path)
+    assert second.lifecycle.restored_from == 0
+    second.ledger.flush()
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:
+        assert lineage(conn, 5) == [(0, 5)]
+    second.close()
+
+
+def test_a_version_is_not_saved_while_the_fates_it_trained_wait_for_their_retry(tmp_path):
+    """A save first puts the fates its version trained on disk; when the ledger cannot be
+    written (another writer holds it), the save fails and is counted, and a crash then
+    resumes from a version that does not hold those labels, which train again."""
+    training = _training(tmp_path, save_every=1000)
+    serve(training, "r0")
+    label(training, "r0")
+    training.train_until_idle()
+    checkpointer = training.lifecycle.checkpointer
+    assert training.optimizer.version == 1 and checkpointer.last_saved_version == 0
+    blocker = sqlite3.connect(tmp_path / LEDGER_FILE, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        training.ledger.record_fate("r0", "trained", version=1, path="recompute")  # it waits behind the lock
+        with pytest.raises(LedgerUnavailable):
+            training.ledger.flush(strict=True)
+        assert checkpointer.save_async(training.lifecycle.snapshot()).result() is None
+        assert checkpointer.failed == 1 and not checkpointer.store.is_saved(1)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert checkpointer.save_async(training.lifecycle.snapshot()).result() is not None  # the lock gone, it saves
+    assert rows_by_id(tmp_path / LEDGER_FILE)["r0"].fate_version == 1
+    training.close()
+
+
+def test_a_strict_flush_fails_while_a_write_tried_alone_in_a_full_ledger_waits_for_its_retry(tmp_path):
+    """A full ledger tries each write alone: the flush's own empty write lands while a
+    request's row does not, so that only a strict flush reports it."""
+    ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(max_bytes=1 << 20))
+    try:
+        for i in range(2000):  # labels still to be trained: retention cannot make room
+            ledger.record_request(request_record(i, time.time()))
+            try:
+                ledger.commit_label(f"req-{i}", LABEL)
+            except LedgerUnavailable:
+                break
+        else:
+            pytest.fail("the ledger never filled")
+        ledger.record_request(request_record(9999, time.time()))
+        ledger.flush()  # tried: it waits for its retry
+        with pytest.raises(LedgerUnavailable, match="wait for their retry"):
+            ledger.flush(strict=True)
+    finally:
+        ledger.close()
+
+
+def test_retention_keeps_a_label_trained_into_a_version_not_saved_yet(tmp_path):
+    now = [time.time()]
+    ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(retention_days=1), clock=lambda: now[0])
+    try:
+        for i in range(2):
+            ledger.record_request(request_record(i, now[0], tokens=4))
+            ledger.commit_label(f"req-{i}", LABEL)
+            ledger.record_fate(f"req-{i}", "trained", version=7 + i, path="recompute")
+        now[0] += 2 * 86400  # both past the retention of one day
+        ledger.prune()  # no version known saved: a crash would hand both back to the restart
+        assert sorted(rows_by_id(tmp_path / LEDGER_FILE)) == ["req-0", "req-1"]
+        ledger.saved(7)
+        ledger.prune()
+        assert sorted(rows_by_id(tmp_path / LEDGER_FILE)) == ["req-1"]  # version 8 is not saved yet
+    finally:
+        ledger.close()
+
+
+def test_a_restart_records_the_version_it_resumed_at_as_saved(tmp_path):
+    first = _training(tmp_path, save_every=1)
+    serve(first, "r0")
+    label(first, "r0")
+    first.train_until_idle()
+    _kill(first)
+    second = _training(tmp_path)
+    assert second.lifecycle.restored_from == 1
+    second.ledger.flush()
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'saved_version'").fetchone() == ("1",)
+    second.close()
