@@ -61,7 +61,9 @@ def _host_inputs(seqs: list[Sequence], eos_token_ids: set[int], vocab_size: int)
     if any(not p.greedy for p in params):
         arrays["temperature"] = np.array([p.temperature for p in params], dtype=np.float32)  # 0: greedy
     if any(not p.greedy and (p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0) for p in params):
-        arrays["top_k"] = np.array([vocab_size if p.top_k == -1 else p.top_k for p in params], dtype=np.int64)
+        # a top_k past the vocabulary keeps all of it (and might not fit an int64)
+        arrays["top_k"] = np.array([vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
+                                   dtype=np.int64)
         arrays["top_p"] = np.array([p.top_p for p in params], dtype=np.float32)
         arrays["min_p"] = np.array([p.min_p for p in params], dtype=np.float32)
     biased = [(row, p) for row, p in enumerate(params) if p.logit_bias]

@@ -120,9 +120,10 @@ def ledger_prompt(tokenizer, body, tools: ToolUse | None) -> ClientPrompt:
     return ClientPrompt(messages, offered, None if given == messages else given, body.chat_template_kwargs or None)
 
 
-def completion_prompts(tokenizer, prompt, tail: int | None = None) -> list[tuple[list[int], str]]:
-    """(token ids, text) per prompt of a /v1/completions body; with `tail`, each prompt's
-    last `tail` tokens only (vLLM's truncate_prompt_tokens), the text theirs."""
+def completion_prompts(tokenizer, prompt, vocab_size: int, tail: int | None = None) -> list[tuple[list[int], str]]:
+    """(token ids, text) per prompt of a /v1/completions body, its ids in the model's
+    vocabulary; with `tail`, each prompt's last `tail` tokens only (vLLM's
+    truncate_prompt_tokens), the text theirs."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -137,8 +138,8 @@ def completion_prompts(tokenizer, prompt, tail: int | None = None) -> list[tuple
         if isinstance(p, str):
             result.append((tokenizer(p)["input_ids"], p))
         else:
-            if any(t < 0 for t in p):
-                raise APIError(400, f"{param}'s token ids must be non-negative.", param, "invalid_value")
+            if any(not 0 <= t < vocab_size for t in p):  # before decoding: an id past 32 bits overflows it
+                raise APIError(400, f"{param}'s token ids must be in [0, {vocab_size}).", param, "invalid_value")
             result.append((list(p), tokenizer.decode(p)))
     if tail is not None:
         result = [(ids[-tail:], tokenizer.decode(ids[-tail:])) if len(ids) > tail else (ids, text)

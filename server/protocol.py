@@ -259,6 +259,8 @@ class CompletionRequest(_SamplingFields):
     prompt: Annotated[str | list[str] | list[TokenId] | list[list[TokenId]],
                       Field(json_schema_extra=non_empty_alternatives)]
     max_tokens: LimitFrom0 | None = 16
+    # chat's newer name, which some clients (guidellm) send here too: as there, it wins over max_tokens
+    max_completion_tokens: LimitFrom0 | None = None
     echo: bool | None = False
     logprobs: Int | None = None
     best_of: Int | None = None
@@ -268,6 +270,8 @@ class CompletionRequest(_SamplingFields):
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         # max_tokens' default (16) is no limit the client set: max_new_tokens alone replaces it
         sent = self.max_tokens if "max_tokens" in self.model_fields_set or self.max_new_tokens is None else None
+        if self.max_completion_tokens is not None:
+            sent = self.max_completion_tokens
         params = self._sampling_params(self._output_limit(sent), self.logprobs, prompt_logprobs, defaults)
         params.grammar = self._grammar()
         return params

@@ -111,7 +111,8 @@ async def serve_completion(state: ServerState, request: Request):
         raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
                        "best_of")
     params = body.sampling_params(defaults=state.sampling_defaults)
-    prompts = completion_prompts(state.tokenizer, body.prompt, body.prompt_tail(state.max_model_len, params.max_tokens))
+    prompts = completion_prompts(state.tokenizer, body.prompt, state.engine.vocab_size,
+                                 body.prompt_tail(state.max_model_len, params.max_tokens))
     request_id = state.completion_id("cmpl")
     # with one prompt, the completion id is the training entry's id (for feedback)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]

@@ -55,6 +55,17 @@ def test_top_k_one_is_greedy():
     assert top1 == greedy
 
 
+def test_a_top_k_past_the_vocabulary_samples_as_no_top_k_and_fails_no_request_beside_it():
+    """However large (2**63 does not fit the sampler's int64 row): the whole vocabulary.
+    A failed step would fail every request in it."""
+    params = dict(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    unbounded = collect(run(make_engine(), SamplingParams(**params)))[1]
+    engine = make_engine()
+    engine.add_request("beside", encode("The quick brown fox"), SamplingParams(temperature=1.0, max_tokens=20))
+    assert collect(run(engine, SamplingParams(top_k=2**63, **params)))[1] == unbounded
+    assert collect(run(engine, SamplingParams(top_k=2**70, **params), request_id="again"))[1] == unbounded
+
+
 def test_min_tokens_suppresses_eos_and_ignore_eos_continues_past_it():
     engine = make_engine()
     eos = tiny_tokenizer().eos_token_id
