@@ -85,8 +85,9 @@ class AsyncEngine:
         self.async_output = async_output
         self.idle_hook = idle_hook
         self.wakeup = wakeup or Wakeup()
-        # seconds the engine had nothing runnable (spent in the idle hook or waiting)
-        self.idle_seconds = 0.0
+        # (seconds the engine had nothing runnable before, when its current idle spell began or
+        # None): one tuple, replaced at once, so that a reader on another thread never sees it go back
+        self._idle: tuple[float, float | None] = (0.0, None)
         # serving steps, and the device's seconds between consecutive ones while requests
         # were running: the round trip through the event loop, and what the idle hook ran
         # between steps
@@ -338,6 +339,13 @@ class AsyncEngine:
                 failed.append(output)
         return failed
 
+    @property
+    def idle_seconds(self) -> float:
+        """Seconds the engine had nothing runnable (spent in the idle hook or waiting), the
+        current idle spell included (any thread)."""
+        total, since = self._idle
+        return total if since is None else total + time.monotonic() - since
+
     # -- the loop (a coroutine on the asyncio loop) -----------------------------------
 
     async def _run_loop(self) -> None:
@@ -350,13 +358,14 @@ class AsyncEngine:
                     await hook.after_serving_step(self)
                 continue
             idle_started = time.monotonic()
+            self._idle = (self._idle[0], idle_started)
             worked = hook is not None and await hook.run_when_idle(self)
             if not worked:
                 try:
                     await asyncio.wait_for(self._wake.wait(), hook.poll_seconds() if hook is not None else None)
                 except asyncio.TimeoutError:
                     pass
-            self.idle_seconds += time.monotonic() - idle_started
+            self._idle = (self._idle[0] + time.monotonic() - idle_started, None)
         for message in self._take_messages():  # added after the last step: never reached the engine
             stream = self._streams.get(message.request.request_id) if isinstance(message, _Add) else None
             if stream is not None:

@@ -245,8 +245,8 @@ class _EngineCollector:
     def collect(self):
         stats, policy = self.arbiter.stats if self.arbiter is not None else ArbiterStats(), self.policy
         yield CounterMetricFamily(f"{PREFIX}engine_idle_seconds", "Seconds the engine had no request to run "
-                                  "(spent training or waiting); train_busy_seconds over this is the harvested "
-                                  "share.", value=self.async_engine.idle_seconds)
+                                  "(spent training or waiting); arbiter_slice_seconds{gap=\"idle\"} over this is "
+                                  "the harvested share.", value=self.async_engine.idle_seconds)
         yield CounterMetricFamily(f"{PREFIX}engine_serving_steps", "Serving steps the engine ran.",
                                   value=self.async_engine.serving_steps)
         yield CounterMetricFamily(f"{PREFIX}engine_step_gap_seconds", "Seconds the device spent between consecutive "
@@ -269,6 +269,12 @@ class _EngineCollector:
         slices.add_metric([policy, "between_steps"], stats.between_step_slices)
         slices.add_metric([policy, "merge_between_steps"], stats.maintenance_slices)
         slices.add_metric([policy, "warm_between_steps"], stats.warming_slices)
+        yield slices
+        slices = CounterMetricFamily(f"{PREFIX}arbiter_slice_seconds", "Seconds of the training slices the arbiter "
+                                     "ran, by policy and gap (idle: within the engine's idle time; between_steps: "
+                                     "between decode steps, slo policy).", labels=["policy", "gap"])
+        slices.add_metric([policy, "idle"], stats.idle_slice_seconds)
+        slices.add_metric([policy, "between_steps"], stats.between_step_slice_seconds)
         yield slices
         yield CounterMetricFamily(f"{PREFIX}arbiter_slo_backoffs", "Times the slo policy stopped interleaving "
                                   "training because the measured time per output token exceeded the SLO.",

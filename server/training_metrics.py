@@ -177,7 +177,8 @@ def _ledger_metrics(ledger):
 
 
 def _group_metrics(stats):
-    """GRPO: groups and their rewards (a summary: rate(_sum) / rate(_count) is the mean reward over time)."""
+    """GRPO: groups and their rewards (a summary: delta(_sum) / increase(_count) is the mean reward over
+    time; not rate(_sum), which reads a fall of the sum (negative rewards) as a counter reset)."""
     yield CounterMetricFamily(f"{PREFIX}rewarded_groups", "Groups (requests with n >= 2) whose rewards arrived, "
                               "posted or computed by the reward function.", value=stats.rewarded_groups)
     yield SummaryMetricFamily(f"{PREFIX}reward", "Rewards received, one per sampled response.",

@@ -95,6 +95,8 @@ def test_slo_policy_trains_between_decode_steps_and_leaves_served_tokens_unchang
     served, arbiter = run_with(engine, trainer, ArbiterConfig(policy="slo", tpot_slo_ms=slo_ms), body)
     print(f"SLO {slo_ms:.1f} ms, {arbiter.stats.between_step_slices} slices between steps")
     assert arbiter.stats.between_step_slices > 0  # training progressed while the request decoded
+    # the seconds of each kind, apart: only the idle ones are part of the engine's idle time
+    assert arbiter.stats.between_step_slice_seconds > 0 and arbiter.stats.idle_slice_seconds > 0
     assert trainer.optimizer.version == 0  # the same adapter throughout the request...
     assert served == alone  # ...so the same tokens as serving alone
 

@@ -106,6 +106,9 @@ def test_a_reward_function_in_the_server_rewards_each_group():
             # what the recorder keeps of a request lives from its admission to its last output
             assert not recorder._client_prompts and not recorder._responses and len(module.seen) == 2
             assert metric(client, "alchemist:reward_errors_total") == 0
+            # feedback_total counts what clients sent: none here
+            assert metric(client, 'alchemist:feedback_total{status="accepted"}') == 0
+            assert metric(client, "alchemist:reward_count") == 4 + 2  # yet the groups' rewards are counted
     finally:
         del sys.modules[module.__name__]
 

@@ -4,6 +4,7 @@ per-request time per output token."""
 
 import dataclasses
 import math
+import time
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -55,6 +56,20 @@ def test_prefill_time_is_measured_over_http():
         assert metric(client, "alchemist:request_prefill_time_seconds_count") == 1
         assert metric(client, "alchemist:request_prefill_time_seconds_sum") > 0
         assert metric(client, "alchemist:inter_token_latency_seconds_count") >= 1
+
+
+def test_idle_seconds_grow_while_the_engine_idles_with_no_hook_to_wake_it():
+    """Training off: the engine waits without a timeout, and its idle spell is counted as
+    it goes, not all at once when a request ends it (a rate of zero, then a spike)."""
+    with TestClient(tiny_app()) as client:
+        first = metric(client, "alchemist:engine_idle_seconds_total")
+        time.sleep(0.3)
+        second = metric(client, "alchemist:engine_idle_seconds_total")
+        assert second - first >= 0.25
+        r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200
+        assert metric(client, "alchemist:engine_idle_seconds_total") >= second
 
 
 def test_the_longest_training_slice_is_exported_with_what_it_ran():

@@ -84,6 +84,9 @@ class ArbiterStats:
     # training slices run in true idle gaps, and between decode steps (slo policy)
     idle_slices: int = 0
     between_step_slices: int = 0
+    # and their seconds (the idle ones are part of the engine's idle time; the others are not)
+    idle_slice_seconds: float = 0.0
+    between_step_slice_seconds: float = 0.0
     # times the slo policy stopped interleaving because the measured TPOT exceeded the SLO
     slo_backoffs: int = 0
     # serving-maintenance items run between serving steps: merged weights rebuilt; heap
@@ -132,6 +135,7 @@ class Arbiter:
         worked, seconds = await device.run(self._slice_item)
         if worked:
             self.stats.idle_slices += 1
+            self.stats.idle_slice_seconds += seconds
             self.stats.slice_ema = _ema(self.stats.slice_ema, seconds)
         return worked
 
@@ -214,4 +218,5 @@ class Arbiter:
                 return
             spent += seconds
             self.stats.between_step_slices += 1
+            self.stats.between_step_slice_seconds += seconds
             self.stats.slice_ema = _ema(self.stats.slice_ema, seconds)

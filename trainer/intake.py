@@ -36,16 +36,18 @@ class FeedbackIntake:
         else:
             result = attach_label(self.cache, request, ResponseText(self._response_ids, self._served_text),
                                   self.max_model_len, self.method.label_kind, self.ledger)
-        self.count(result, request.rewards if result.accepted else None)
+        self.count(result, request.rewards if result.accepted else None, request.source == "api")
         return result
 
-    def count(self, result: FeedbackResult, rewards: list[float] | None = None) -> None:
-        """Counts a label's outcome (`alchemist:feedback_total`), and an accepted group's
+    def count(self, result: FeedbackResult, rewards: list[float] | None = None, request: bool = True) -> None:
+        """Counts a feedback request's outcome (`alchemist:feedback_total`; not `request`:
+        the reward function's label, which no client sent), and an accepted group's
         `rewards`. The server also counts here a body refused before it reached `submit`
         (malformed JSON, a wrong type, an unknown field: INVALID)."""
         with self.stats.lock:
             key = result.outcome.value
-            self.stats.feedback[key] = self.stats.feedback.get(key, 0) + 1
+            if request:
+                self.stats.feedback[key] = self.stats.feedback.get(key, 0) + 1
             if rewards is not None:
                 self.stats.rewarded_groups += 1
                 self.stats.rewards_received += len(rewards)
