@@ -201,7 +201,7 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
         # adds the HTTP and event-loop time on top
         **{f"server_{key}_mean_s": _mean_delta(before, after, f"alchemist:{metric}_seconds")
            for key, metric in (("ttft", "time_to_first_token"), ("queue", "request_queue_time"),
-                               ("prefill", "request_prefill_time"), ("tpot", "time_per_output_token"),
+                               ("prefill", "request_prefill_time"), ("tpot", "request_time_per_output_token"),
                                ("itl", "inter_token_latency"))},
         # engine steps by kind: a recorded prefill's seconds per token against a plain one's
         "steps": steps_by_kind(before, after),

@@ -155,7 +155,7 @@ def http_round(url: str, questions: list[str], max_tokens: int) -> dict:
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
     steps = steps_by_kind(before, after)
     step_counts = {kind: steps[kind]["steps"] for kind in ROUND_STEP_KINDS}
-    histogram = "alchemist:time_per_output_token_seconds"
+    histogram = "alchemist:request_time_per_output_token_seconds"
     return {"tpot_mean_s": _mean(tpots), "tokens_per_s": tokens / elapsed, "tokens": tokens,
             "server_tpot_mean_s": delta(f"{histogram}_sum") / max(delta(f"{histogram}_count"), 1),
             # the device's wait between serving steps (the event loop's round trip), per step

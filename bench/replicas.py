@@ -125,7 +125,7 @@ async def _drive(url: str, requests: int, clients: int, max_tokens: int, server_
             "tokens_per_s": counts["tokens"] / serving_s,
             "trained_per_s": counts["labelled"] / training_s if feedback else None,
             "client_cores": client_cpu / serving_s, "server_cores": server_cpu / serving_s,
-            "server_tpot_ms": 1000 * mean("alchemist:time_per_output_token_seconds"),
+            "server_tpot_ms": 1000 * mean("alchemist:request_time_per_output_token_seconds"),
             "server_ttft_ms": 1000 * mean("alchemist:time_to_first_token_seconds"),
             "trained_by_path": trained_by_path(text, "dpo", before),
             "reuse_share": reuse_share(trained_by_path(text, "dpo", before)) if feedback else None,

@@ -81,7 +81,7 @@ class ServingMetrics:
         self.ttft = child(Histogram(f"{PREFIX}time_to_first_token_seconds",
                                     "Time from request arrival to its first generated token, in seconds.",
                                     labels, registry=r, buckets=_LATENCY_BUCKETS))
-        self.tpot = child(Histogram(f"{PREFIX}time_per_output_token_seconds",
+        self.tpot = child(Histogram(f"{PREFIX}request_time_per_output_token_seconds",
                                     "Mean time per generated token after the first, per finished request: "
                                     "(last token - first token) / (tokens - 1) of its longest choice, in seconds.",
                                     labels, registry=r, buckets=_LATENCY_BUCKETS))

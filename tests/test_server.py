@@ -148,7 +148,7 @@ def test_models_health_and_metrics(client):
     assert client.get("/health").status_code == 200
     chat(client, max_tokens=3)
     text = client.get("/metrics").text
-    for name in ["alchemist:time_to_first_token_seconds_bucket", "alchemist:time_per_output_token_seconds_bucket",
+    for name in ["alchemist:time_to_first_token_seconds_bucket", "alchemist:request_time_per_output_token_seconds_bucket",
                  "alchemist:e2e_request_latency_seconds_bucket", "alchemist:num_requests_running",
                  "alchemist:num_requests_waiting", "alchemist:prompt_tokens_total",
                  "alchemist:generation_tokens_total"]:
