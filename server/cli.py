@@ -179,25 +179,35 @@ def export_feedback(args: argparse.Namespace) -> int:
     except (ExportError, FileNotFoundError) as exc:
         print(f"alchemist: {exc}", file=sys.stderr)
         return 2
-    if args.out:
-        write_jsonl(args.out, dataset)
-    else:
-        sys.stdout.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in dataset))
+    if not counts.rows:  # an empty JSONL file is not a dataset `datasets` loads: nothing is written
+        if counts.selected:
+            print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
+                  "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
+                  "prompt-completion rows", file=sys.stderr)
+        else:
+            print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need "
+                  "--include-quarantined)", file=sys.stderr)
+        print(f"alchemist: no rows: {args.out or 'standard output'} not written", file=sys.stderr)
+        return 1
+    try:
+        if args.out:
+            write_jsonl(args.out, dataset)
+        else:
+            sys.stdout.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in dataset))
+    except OSError as exc:
+        print(f"alchemist: cannot write {args.out or 'standard output'}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
+    if counts.without_prompt:
+        skipped += (f"; {counts.without_prompt} requests left out whose prompt truncate_prompt_tokens cut (the "
+                    "ledger holds no prompt as the client wrote it)")
     print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{skipped}",
           file=sys.stderr)
     if counts.truncated:
         done = "left out" if args.drop_truncated else "written (TRL ends each completion with the end of turn, so " \
             "they teach to stop mid-answer: --drop-truncated leaves them out)"
-        print(f"alchemist: {counts.truncated} rows hold a served answer cut short by max_tokens: {done}",
-              file=sys.stderr)
-    if not counts.rows and counts.selected:  # an empty JSONL file is not a dataset `datasets` loads
-        print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
-              "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
-              "prompt-completion rows", file=sys.stderr)
-    elif not counts.rows:
-        print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need "
-              "--include-quarantined)", file=sys.stderr)
+        print(f"alchemist: {counts.truncated} rows hold a served answer cut short (by max_tokens or a disconnect): "
+              f"{done}", file=sys.stderr)
     return 0
 
 

@@ -26,9 +26,13 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
 def export(tmp_path, capsys, *flags) -> list[dict]:
     out = tmp_path / f"export-{len(list(tmp_path.glob('export-*')))}.jsonl"
-    assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out), *flags]) == 0
-    assert "rows to" in capsys.readouterr().err
-    return list(load_dataset("json", data_files=str(out), split="train")) if out.read_text() else []
+    returned = main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out), *flags])
+    said = capsys.readouterr().err
+    if returned == 1:  # no rows: nothing written (an empty file is no dataset `datasets` loads)
+        assert "no rows" in said and not out.exists()
+        return []
+    assert returned == 0 and "rows to" in said
+    return list(load_dataset("json", data_files=str(out), split="train"))
 
 
 def test_a_dpo_servers_feedback_exports_as_trl_preference_and_unpaired_datasets(tmp_path, capsys):
@@ -53,7 +57,7 @@ def test_a_dpo_servers_feedback_exports_as_trl_preference_and_unpaired_datasets(
     unpaired = export(tmp_path, capsys, "--format", "unpaired")
     assert [row["label"] for row in unpaired] == [True, False, True, False]
     assert export(tmp_path, capsys, "--format", "preference", "--since", "2999-01-01") == []
-    assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--format", "prompt-completion"]) == 0
+    assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--format", "prompt-completion"]) == 1
     assert "none with rows in this format" in capsys.readouterr().err  # a DPO server served no CPT rows
 
 
@@ -245,6 +249,58 @@ def test_answers_cut_by_max_tokens_are_counted_and_left_out_on_request(tmp_path,
     for flags, rows, said in (((), 2, "written"), (("--drop-truncated",), 1, "left out")):
         out = tmp_path / f"cut-{len(flags)}.jsonl"
         assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out), *flags]) == 0
-        assert f"1 rows hold a served answer cut short by max_tokens: {said}" in capsys.readouterr().err
+        assert f"1 rows hold a served answer cut short (by max_tokens or a disconnect): {said}" in \
+            capsys.readouterr().err
         exported = [json.loads(line) for line in out.read_text().splitlines()]
         assert len(exported) == rows and exported[-1]["chosen"][0]["content"] == "Yes."
+
+
+def _ledger(root, requests: list[tuple[str, str, object, list[ChoiceRecord], LabelRecord | None]]) -> None:
+    """(id, method, prompt, choices, label) each."""
+    ledger = Ledger(root / LEDGER_FILE)
+    for request_id, method, prompt, choices, label in requests:
+        ledger.record_request(RequestRecord(request_id, time.time(), 0, method, [1, 2, 3], prompt))
+        ledger.record_finished(request_id, choices, all(c.finish_reason == "abort" for c in choices))
+        if label is not None:
+            ledger.commit_label(request_id, label)
+    ledger.close()
+
+
+LABEL = LabelRecord("preference", chosen="Paris.", choice_index=0, chosen_token_ids=[5], rejected_token_ids=[10])
+
+
+def test_an_answer_a_disconnect_cut_short_is_counted_as_cut_and_left_out_on_request(tmp_path):
+    """A CPT answer a client stopped reading (finish reason `abort`) is no whole answer either."""
+    _ledger(tmp_path, [("whole", "cpt", MESSAGES, [ChoiceRecord(0, [10], "Paris is the capital.", None, "stop")],
+                        None),
+                       ("gone", "cpt", MESSAGES, [ChoiceRecord(0, [10], "The ocean is a", None, "abort")], None)])
+    rows = read_ledger(tmp_path / LEDGER_FILE)
+    written, counts = export_rows(rows, "prompt-completion")
+    assert len(written) == 2 and counts.truncated == 1
+    kept, _ = export_rows(rows, "prompt-completion", drop_truncated=True)
+    assert [row["completion"][0]["content"] for row in kept] == ["Paris is the capital."]
+
+
+def test_the_style_is_that_of_the_requests_with_rows_and_a_prompt_the_ledger_lacks_is_counted_apart(tmp_path):
+    """An unlabelled text completion (a probe, lm-eval's traffic) makes no preference row:
+    it does not make the export's style ambiguous. A labelled request whose prompt
+    `truncate_prompt_tokens` cut has no prompt to export: counted as such, not as another style."""
+    served = [ChoiceRecord(0, [10], "Lyon.", None, "stop")]
+    _ledger(tmp_path, [("chat", "dpo", MESSAGES, served, LABEL), ("probe", "dpo", "Once upon a time", served, None),
+                       ("cut", "dpo", None, served, LABEL)])
+    rows, counts = export_rows(read_ledger(tmp_path / LEDGER_FILE), "preference")
+    assert [row["prompt"] for row in rows] == [MESSAGES]
+    assert (counts.skipped, counts.without_prompt) == (0, 1)
+
+
+def test_an_export_of_no_rows_leaves_the_file_there_and_a_path_it_cannot_write_is_said_plainly(tmp_path, capsys):
+    _ledger(tmp_path, [("chat", "dpo", MESSAGES, [ChoiceRecord(0, [10], "Lyon.", None, "stop")], LABEL)])
+    out = tmp_path / "prefs.jsonl"
+    assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out)]) == 0
+    before = out.read_text()
+    assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out), "--since",
+                 "2999-01-01"]) == 1
+    assert out.read_text() == before and "not written" in capsys.readouterr().err
+    assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out",
+                 str(tmp_path / "no-such-directory" / "x.jsonl")]) == 2
+    assert "cannot write" in capsys.readouterr().err

@@ -21,10 +21,12 @@ prompt rendered them: either way TRL renders the prompt that was served. What a 
 gave its chat template besides (vLLM's `chat_template_kwargs`) is TRL's column of that
 name, on every row once any row has one (`{}` where a request gave none).
 One file holds one style: `style` picks it when the ledger holds both. Quarantined labels
-are left out unless asked for. A served answer that `max_tokens` cut short is exported as
-served, but counted (`ExportCounts.truncated`), and left out on request: TRL ends every
-completion with the end of turn, so such a row teaches to stop mid-answer. A file is
-written whole or not at all (`write_jsonl`).
+are left out unless asked for. A served answer cut short (by `max_tokens`, or by a client
+that went away) is exported as served, but counted (`ExportCounts.truncated`), and left
+out on request: TRL ends every completion with the end of turn, so such a row teaches to
+stop mid-answer. A request whose prompt the ledger does not hold as the client wrote it
+(`truncate_prompt_tokens` cut it) is left out and counted. A file is written whole or not
+at all (`write_jsonl`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from typing import Iterator
 from trainer.ledger_db import LedgerRow
 
 FORMATS = ("preference", "unpaired", "prompt-completion")
+# finish reasons of an answer cut short: by max_tokens, or by a client that went away
+CUT_SHORT = ("length", "abort")
 STYLES = ("auto", "conversational", "standard")
 
 
@@ -50,11 +54,13 @@ class ExportError(ValueError):
 @dataclass(frozen=True)
 class ExportCounts:
     rows: int = 0
-    # requests left out: no prompt as the client wrote it, or of the other style
+    # requests with rows in this format left out: of the other style
     skipped: int = 0
+    # and without a prompt as the client wrote it (truncate_prompt_tokens cut it)
+    without_prompt: int = 0
     # requests that passed the filters (time, quarantine) and the style, whatever the format made of them
     selected: int = 0
-    # rows with a served answer cut by max_tokens (left out with `drop_truncated`, written otherwise)
+    # rows with a served answer cut short (left out with `drop_truncated`, written otherwise)
     truncated: int = 0
 
 
@@ -81,7 +87,8 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
     if style not in STYLES:
         raise ExportError(f"style must be one of {STYLES}, got {style!r}")
     chosen = [row for row in rows if _selected(row, since, include_quarantined)]
-    styles = {_style(row) for row in chosen} - {None}
+    # the style of the requests this format makes rows of (an unlabelled request of the other makes none)
+    styles = {_style(row) for row in chosen if next(_FORMATTERS[format](row), None) is not None} - {None}
     if style == "auto" and len(styles) > 1:
         raise ExportError("the ledger holds chat requests (conversational rows) and text completions (standard "
                           "rows); one dataset holds one style: pass --style conversational or --style standard")
@@ -98,7 +105,8 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
             truncated += cut
             if not (cut and drop_truncated):
                 out.append({**made, **extra})
-    return out, ExportCounts(len(out), len(chosen) - len(kept), len(kept), truncated)
+    left_out = [_style(row) for row in chosen if _style(row) != wanted and next(_FORMATTERS[format](row), None)]
+    return out, ExportCounts(len(out), sum(s is not None for s in left_out), left_out.count(None), len(kept), truncated)
 
 
 def _selected(row: LedgerRow, since: float | None, include_quarantined: bool) -> bool:
@@ -122,13 +130,13 @@ def _completion(row: LedgerRow, text: str):
 @dataclass(frozen=True)
 class _Answer:
     text: str | None
-    # a served answer that max_tokens cut short
+    # a served answer cut short (CUT_SHORT)
     cut: bool = False
 
 
 def _served(row: LedgerRow, index: int | None) -> _Answer:
     choice = next((c for c in row.choices if c.index == (index or 0)), None)
-    return _Answer(None) if choice is None else _Answer(choice.text, choice.finish_reason == "length")
+    return _Answer(None) if choice is None else _Answer(choice.text, choice.finish_reason in CUT_SHORT)
 
 
 def _preference_answers(row: LedgerRow) -> tuple[_Answer, _Answer]:
@@ -184,7 +192,7 @@ def _prompt_completion(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
     if row.request.method == "cpt":
         for choice in row.choices:
             yield {"prompt": row.request.prompt, "completion": _completion(row, choice.text)}, \
-                choice.finish_reason == "length"
+                choice.finish_reason in CUT_SHORT
     for answer, reward in _rewarded(row):
         yield {"prompt": row.request.prompt, "completion": _completion(row, answer.text), "reward": reward}, answer.cut
 
