@@ -26,6 +26,11 @@ class PrefillRecorder(Protocol):
     # (their labels train by recomputation and use the served values)
     wants_served_logprobs: bool
 
+    def expect(self, request_id: str) -> None:
+        """A request the client allows training on was queued: until it is admitted or
+        finishes, feedback for it is answered as for one being generated."""
+        ...
+
     def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,
               client_prompt: object = None) -> RecordSpec | None:
         """Asked once per trainable request, when its prefill is about to be scheduled:

@@ -168,6 +168,8 @@ class LLMEngine:
             else:
                 self.scheduler.add(seq)
         self.outputs.add(request.request_id, seqs, RequestMetrics(request.arrival_time, None, None, len(prompt), 0))
+        if request.train and self.hooks.recorder is not None:
+            self.hooks.recorder.expect(request.request_id)
         self._publish([], self._state())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -11,10 +11,9 @@ a new recording does not fit, the full policy decides which activations go:
   - `unlabelled_give_way`: the oldest recordings still waiting for a label give way;
     labelled ones keep theirs until trained (most labels come soon after the answer, so
     a fresh recording is likelier to be trained on than one that has waited unlabelled).
-An entry that waits for a label never loses its tokens for want of room: without its
-activations it stays as a label entry and trains by recomputation.
-
+One waiting for a label never loses its tokens for want of room: it stays as a label entry.
 States: trainer/entries.py. Thread-safe (labels arrive on worker threads). Every ending goes to the ledger too.
+Trainable requests in flight without an entry yet are `expected` (trainer/cache_index.py).
 
 The cache alone moves an entry from state to state: every transition is one of its
 methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
@@ -33,7 +32,7 @@ from collections import OrderedDict, deque
 from typing import Protocol
 
 from engine.recording import RecordedPrefill
-from trainer.cache_index import EntryIndex, lag_behind
+from trainer.cache_index import EntryIndex, ExpectedIds, lag_behind
 from trainer.entries import TERMINAL, CacheEntry, EntryState
 
 logger = logging.getLogger(__name__)
@@ -72,6 +71,7 @@ class ActivationCache:
         # recently ended entries (id -> final state), so feedback can tell "trained" from "unknown"
         self._ended: OrderedDict[str, EntryState] = OrderedDict()
         self.deleted_ids: set[str] = set()  # of those, the deleted (a membership test needs no lock)
+        self.expected = ExpectedIds()
         self._lock = threading.RLock()
         self.bytes = 0
         # how entries ended, by state

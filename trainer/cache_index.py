@@ -8,13 +8,16 @@ labels — every answer waits up to the label timeout, most without their activa
 so those questions are answered from this index, in time that grows with the entries
 holding recordings (bounded by the cache's bytes) or the few being trained, not with
 the entries waiting; and the trainer's turn asks which labels are overdue, answered from
-a heap by deadline. The cache (trainer/cache.py) keeps it under its lock.
+a heap by deadline. The cache (trainer/cache.py) keeps it under its lock. Beside it, the
+requests still without an entry that feedback may name already (`ExpectedIds`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import threading
+from collections import OrderedDict
 from typing import Iterator
 
 from trainer.entries import TERMINAL, CacheEntry, EntryState
@@ -116,3 +119,29 @@ def lag_behind(ready_by_version: dict[int, int], running: list[CacheEntry], trai
         window = max(0, max_staleness - (trained - version) - steps + 1)
         steps += min(-(-counts[version] // cohort_limit), window)
     return trained + steps + own // cohort_limit - serving
+
+
+class ExpectedIds:
+    """The trainable requests in flight without a cache entry yet (queued, prefilling, or
+    unrecorded until they finish): feedback for one is answered as pending, not unknown.
+    Thread-safe; bounded (an id the engine never finished, after a failure, is forgotten)."""
+
+    LIMIT = 10_000
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, completion_id: str) -> None:
+        with self._lock:
+            self._ids[completion_id] = None
+            while len(self._ids) > self.LIMIT:
+                self._ids.popitem(last=False)
+
+    def discard(self, completion_id: str) -> None:
+        with self._lock:
+            self._ids.pop(completion_id, None)
+
+    def __contains__(self, completion_id: str) -> bool:
+        with self._lock:
+            return completion_id in self._ids

@@ -1,18 +1,14 @@
-"""Feedback: a label attached to a served completion's cache entry — a preference (DPO:
-`chosen`/`rejected` texts, one side defaulting to the served response, or two served
-choices by index) or a reward per choice (GRPO).
+"""Feedback: a label attached to a served completion's cache entry — a preference (DPO: `chosen`/`rejected`
+texts, one side defaulting to the served response, or two served choices by index) or a reward per choice (GRPO).
 
-`attach_label` validates a label against its entry and has the cache attach it; it
-returns a typed `FeedbackResult` (accepted, or why not, with OpenAI's `param` and
-`code`), which the server maps to 200/400/404/409/503. With a feedback ledger
-(trainer/ledger.py) a label is committed there before the cache attaches it: 200 means
-it survives a crash; a ledger that cannot be written refuses it (503), changing nothing.
-`FeedbackIntake` (trainer/intake.py)
-is what the server calls. Both run on a worker thread, never on the event loop: a
-label's texts are tokenized before the cache is consulted, and no lock is held meanwhile
-(the cache attaches the label only if the entry still waits for one).
+`attach_label` validates a label against its entry and has the cache attach it; it returns a typed
+`FeedbackResult` (accepted, or why not, with OpenAI's `param` and `code`), which the server maps to
+200/400/404/409/503. With a feedback ledger (trainer/ledger.py) a label is committed there before the cache
+attaches it: 200 means it survives a crash; a ledger that cannot be written refuses it (503), changing nothing.
+`FeedbackIntake` (trainer/intake.py) is what the server calls. Both run on a worker thread, never on the event
+loop: a label's texts are tokenized before the cache is consulted, and no lock is held meanwhile (the cache
+attaches the label only if the entry still waits for one). A request in flight: 409 `response_pending`.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -136,7 +132,7 @@ def entry_ids_of(cache: ActivationCache, completion_id: str) -> list[str]:
     a `/v1/completions` request of several) up to the last live one or the last known in
     order from the first (an ended one the cache no longer remembers counts, as unknown)."""
     def known(entry_id: str) -> bool:
-        return cache.get(entry_id) is not None or cache.ended_state(entry_id) is not None
+        return cache.get(entry_id) is not None or cache.ended_state(entry_id) is not None or entry_id in cache.expected
 
     if known(completion_id):
         return [completion_id]
@@ -171,8 +167,7 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
             raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry is left for completion {cid!r}: its "
                           f"prompts' entries ended ({', '.join(sorted(s.value for s in ended))})", "id",
                           "entry_not_found")
-        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {cid!r} is still being generated; send its label "
-                      "once it has finished", "id", "response_pending")
+        raise _still_generating(cid)
     prompts = {name: index // (per_prompt or 1) for name, index in indices.items()}
     for name, prompt in prompts.items():
         if prompt >= len(entries):
@@ -194,11 +189,12 @@ def _refuse_batch_rewards(completion_id: str, prompts: int) -> NoReturn:
 
 def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | None = None,
                    choice: int | None = 0) -> CacheEntry:
-    """The completion's entry, still without a label; refuses (404/409/400) otherwise. An
-    entry this process never had may have had its label before a restart: the `ledger`
-    says so (409, as before the restart), of a batch's prompt by the label's `choice`
-    (None: rewards, which a batch's id never takes)."""
+    """The completion's entry, still without a label; refuses (404/409/400) otherwise. An entry this process
+    never had may have had its label before a restart: the `ledger` says so (409, as before the restart), of a
+    batch's prompt by the label's `choice` (None: rewards, which a batch's id never takes)."""
     entry = cache.get(completion_id)
+    if entry is None and completion_id in cache.expected:  # queued, prefilling, or not recorded: no entry yet
+        raise _still_generating(completion_id)
     if entry is None:
         ended = cache.ended_state(completion_id)
         if completion_id in cache.deleted_ids:
@@ -248,8 +244,8 @@ def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int | No
 
 
 def _deleted_message(completion_id: str) -> str:
-    return (f"no training entry for completion {completion_id!r}: its data were deleted (DELETE "
-            "/v1/feedback/{id} or /v1/chat/completions/{id}), and a deleted completion takes no new label")
+    return f"no training entry for completion {completion_id!r}: its data were deleted (DELETE /v1/feedback/{{id}} " \
+        "or /v1/chat/completions/{id}), and a deleted completion takes no new label"
 
 
 def _commit(to: _Labels, entry: CacheEntry, label, skip: bool = False) -> None:
@@ -287,9 +283,13 @@ def _label_record(request: FeedbackLabel, label) -> LabelRecord:
 
 def _finished_responses(entry: CacheEntry, completion_id: str, what: str) -> dict[int, list[int]]:
     if not entry.response_finished:
-        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} is still being generated; send "
-                      f"{what} once it has finished", "id", "response_pending")
+        raise _still_generating(completion_id, what)
     return entry.responses
+
+
+def _still_generating(completion_id: str, what: str = "its label") -> _Refused:
+    message = f"completion {completion_id!r} is still being generated; send {what} once it has finished"
+    return _refuse(FeedbackOutcome.CONFLICT, message, "id", "response_pending")
 
 
 def _attach_rewards(to: _Labels, request: FeedbackLabel) -> FeedbackResult:

@@ -95,9 +95,14 @@ class Recorder:
 
     # -- PrefillRecorder ------------------------------------------------------------------
 
+    def expect(self, request_id: str) -> None:
+        if self.method.uses_feedback:
+            self.cache.expected.add(request_id)
+
     def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,
               client_prompt: object = None) -> RecordSpec | None:
         if not self.method.trains_on(num_choices):
+            self.cache.expected.discard(request_id)  # its feedback: why it cannot take one, once it ends
             return None
         if self.keeps_client_prompt and client_prompt is not None:
             self._client_prompts[request_id] = client_prompt if isinstance(client_prompt, ClientPrompt) \
@@ -153,6 +158,7 @@ class Recorder:
         entry = self.method.make_entry(request_id, recording)
         self._write_request(request_id, entry.prompt_token_ids, entry.adapter_version)
         added = self.cache.add(entry)
+        self.cache.expected.discard(request_id)
         if added:
             self._responses[request_id] = {}
         with self.stats.lock:
@@ -170,6 +176,8 @@ class Recorder:
         request_id = output.request_id
         responses = self._responses.get(request_id)
         if responses is None:
+            if output.finished:
+                self.cache.expected.discard(request_id)
             if output.finished and self.method.uses_feedback and not _aborted(output):
                 group = self.method.trains_on(len(output.outputs))
                 self.cache.note_ended(request_id, EntryState.NOT_TRAINABLE if group else EntryState.NOT_A_GROUP)
@@ -196,6 +204,7 @@ class Recorder:
             if label_only is not None and not aborted:
                 self._write_request(request_id, *label_only)
                 self.cache.add(self.method.make_label_entry(request_id, *label_only))
+            self.cache.expected.discard(request_id)
             if self.ledger is not None and (label_only is None or not aborted):
                 self.ledger.record_finished(request_id, [
                     ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i), reasons.get(i))
