@@ -230,6 +230,10 @@ def build_stack(config: AlchemistConfig, model, tokenizer, name: str, replica: R
     elif config.adapter.lora_module:
         raise ValueError("adapter.lora_module (--lora-modules) serves an adapter frozen, with training off; "
                          "to train from a saved adapter, resume with --adapter-dir")
+    elif config.adapter.version != -1:
+        raise ValueError(f"adapter.version ({config.adapter.version}) picks the saved version served frozen, with "
+                         "training off; training resumes from the newest (roll back to another with "
+                         "POST /v1/adapters/rollback once it has started)")
     runner = build_runner(model, tokenizer, config)
     metrics = ServingMetrics(name, runner.cache_info())
     training = arbiter = None

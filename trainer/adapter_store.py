@@ -9,23 +9,27 @@ A version is written into `DIR/.tmp-…`, every file fsynced, and renamed into p
 process killed at any moment (SIGKILL mid-save) leaves either the complete version or a
 temporary directory that the next start removes — never a half-written version. Loading
 checks every file and falls back to the next older version if one is unreadable anyway
-(a damaged disk), with a warning.
+(a damaged disk), with a warning. One process at a time writes a directory: it holds a
+lock on `DIR/.lock` (released when it ends, by SIGKILL too); a second is refused at start,
+as two would number different weights alike and delete each other's saves in progress.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import copy
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
-import tempfile
+import stat
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -38,10 +42,15 @@ OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "alchemist_state.json"
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
+LOCK_FILE = ".lock"
 
 
 class AdapterLoadError(Exception):
     """A saved version is missing, incomplete or unreadable."""
+
+
+class AdapterDirectoryInUse(ValueError):
+    """Another process writes the adapter directory (a configuration error at start)."""
 
 
 @dataclass
@@ -76,6 +85,7 @@ class AdapterStore:
         if read_only:
             return
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_directory(self.root)
         for leftover in self.root.glob(_TMP_PREFIX + "*"):  # a save interrupted by a crash
             logger.warning("removing an interrupted adapter save: %s", leftover)
             shutil.rmtree(leftover, ignore_errors=True)
@@ -86,7 +96,12 @@ class AdapterStore:
     def versions(self) -> list[SavedVersion]:
         """Saved versions, oldest first."""
         saved = []
-        for child in self.root.iterdir():
+        try:
+            children = list(self.root.iterdir())
+        except OSError as exc:  # the directory is gone (a volume unmounted): no version can be loaded from it
+            logger.warning("cannot list the adapter directory %s: %s", self.root, exc)
+            return []
+        for child in children:
             match = _VERSION_DIR.match(child.name)
             if match and (child / STATE_FILE).is_file():
                 saved.append(SavedVersion(int(match.group(1)), child, (child / STATE_FILE).stat().st_mtime))
@@ -101,7 +116,9 @@ class AdapterStore:
         final = self.path_of(snapshot.version)
         if self.is_saved(snapshot.version):
             return final
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}v{snapshot.version:08d}-", dir=self.root))
+        # the process's umask decides who may read it (mkdtemp's would be 0700): vLLM or PEFT under another uid
+        tmp = self.root / f"{_TMP_PREFIX}v{snapshot.version:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(mode=0o777)
         try:
             weights = {k: v.contiguous() for k, v in snapshot.weights.items()}
             save_file(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
@@ -111,6 +128,7 @@ class AdapterStore:
             torch.save(snapshot.optimizer_state, tmp / OPTIMIZER_FILE)
             state = {"version": snapshot.version, "saved_at": time.time(), **snapshot.state}
             (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            os.chmod(tmp / WEIGHTS_FILE, stat.S_IMODE((tmp / STATE_FILE).stat().st_mode))  # safetensors' is 0600
             for name in (WEIGHTS_FILE, CONFIG_FILE, OPTIMIZER_FILE, STATE_FILE):
                 _fsync(tmp / name)
             _fsync(tmp)
@@ -182,6 +200,21 @@ class SaveJournal(Protocol):
 
     def saved(self, version: int) -> None:
         """Version `version` is on disk."""
+
+
+def _lock_directory(root: Path) -> IO:
+    """Holds `root/.lock` for this process: a POSIX record lock, which the process's end
+    releases (SIGKILL too), and which the same process may take again (a restart in tests)."""
+    handle = open(root / LOCK_FILE, "a+")
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise AdapterDirectoryInUse(
+            f"another process is training into the adapter directory {root} (it holds {root / LOCK_FILE}): two "
+            "servers would overwrite each other's versions; give each its own --adapter-dir, or serve this one's "
+            "versions with --train-mode off") from None
+    return handle
 
 
 class AdapterCheckpointer:

@@ -221,6 +221,9 @@ class AdapterConfig:
                 raise ValueError(f"adapter.lora_module must be name=DIR, got {self.lora_module!r}")
             if self.dir:
                 raise ValueError("adapter.lora_module and adapter.dir serve one adapter each; give one")
+        if self.version != -1 and not self.dir:
+            raise ValueError(f"adapter.version ({self.version}) names a saved version of adapter.dir "
+                             "(--adapter-dir), which is not given")
 
 
 @dataclass(frozen=True)

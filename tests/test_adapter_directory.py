@@ -1,0 +1,75 @@
+"""The adapter directory as a team shares it: one process trains into it at a time (a
+second would number other weights alike and delete the first's saves in progress),
+freed by the first's end, even by SIGKILL; and what it saves, others may read as the
+umask says (a vLLM or PEFT process under another uid loads the versions)."""
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.servers import tiny_app
+from tests.test_training import label, make_trainer, serve
+from trainer.adapter_store import AdapterCheckpointer, AdapterDirectoryInUse, AdapterStore
+from trainer.config import AdapterConfig, TrainConfig
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from trainer.adapter_store import AdapterStore
+    store = AdapterStore({root!r})
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_second_process_cannot_train_into_a_directory_another_holds_until_that_one_is_killed(tmp_path):
+    root = tmp_path / "adapters"
+    repo = str(Path(__file__).resolve().parents[1])
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(repo=repo, root=str(root))],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        leftover = root / ".tmp-v00000007-save-in-progress"
+        leftover.mkdir()
+        with pytest.raises(AdapterDirectoryInUse, match="another process is training into"):
+            AdapterStore(root)
+        assert leftover.is_dir()  # the holder's save in progress is left alone
+        AdapterStore(root, read_only=True).versions()  # reading (a server serving its versions frozen) is fine
+    finally:
+        holder.kill()
+        holder.wait(30)
+    AdapterStore(root)  # SIGKILL released it
+    assert not leftover.exists()  # and the save it cut short is cleared, as at any start
+
+
+def test_a_saved_version_is_readable_as_the_umask_says(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        trainer = make_trainer("llama", "dpo")
+        serve(trainer, "r0")
+        label(trainer, "r0")
+        trainer.train_until_idle()
+        path = AdapterCheckpointer(AdapterStore(tmp_path), 1).save_async(trainer.lifecycle.snapshot()).result()
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(f.stat().st_mode) for f in path.iterdir()} == {0o644}
+
+
+def test_an_adapter_version_that_would_be_ignored_is_a_configuration_error(tmp_path):
+    with pytest.raises(ValueError, match="not given"):
+        AdapterConfig(version=3)  # no directory to take it from
+    with pytest.raises(ValueError, match="served frozen, with training off"):
+        tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path), version=3))
+
+
+def test_a_directory_gone_from_under_a_running_server_lists_no_version_instead_of_failing(tmp_path):
+    store = AdapterStore(tmp_path / "adapters")
+    (tmp_path / "adapters" / ".lock").unlink()
+    (tmp_path / "adapters").rmdir()  # the volume unmounted
+    assert store.versions() == [] and not store.is_saved(0)
