@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -138,6 +139,42 @@ def test_a_rollback_that_cannot_be_saved_serves_and_quarantines_nothing(tmp_path
         training.ledger.flush()
         fates = {row.request.prompt: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
         assert fates["second prompt about birds"] == "trained"
+
+
+def test_a_rollback_whose_save_failed_is_recorded_by_the_next_version_saved_and_by_a_restart_at_it(tmp_path):
+    """Its labels left the weights: once a later version (which the restart resumes) is
+    saved, they are quarantined, not left `trained` in no weights and never trained again."""
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        serve_and_train(client, ["first prompt about dogs"])
+        serve_and_train(client, ["second prompt about birds"])
+        training = client.app.state.alchemist.training
+        store = training.lifecycle.checkpointer.store
+        save = store.save
+
+        def full_disk(snapshot):
+            raise OSError("No space left on device")
+
+        store.save = full_disk
+        assert client.post("/v1/adapters/rollback", json={"version": 1}).json()["version"] == 3
+        store.save = save  # room again
+        serve_and_train(client, ["third prompt about cats"])  # version 4, saved, carries the rollback
+        training.lifecycle.checkpointer.wait()
+        assert json.loads((store.path_of(4) / "alchemist_state.json").read_text())["rollbacks"] == [[1, 3]]
+        training.ledger.flush()
+        fates = {row.request.prompt: (row.fate, row.fate_version) for row in read_ledger(tmp_path / LEDGER_FILE)}
+        assert fates["second prompt about birds"][0] == "quarantined"
+        assert fates["first prompt about dogs"] == ("trained", 1) and fates["third prompt about cats"][0] == "trained"
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:  # as if a kill came before those fates were written
+        conn.execute("UPDATE requests SET fate = 'trained', fate_reason = NULL WHERE fate = 'quarantined'")
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:  # resumes version 4, which carries it
+        training = client.app.state.alchemist.training
+        training.ledger.flush()
+        fates = {row.request.prompt: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
+        assert fates["second prompt about birds"] == "quarantined"
+        serve_and_train(client, ["fourth prompt about mice"])
+        training.lifecycle.checkpointer.wait()
+        assert "rollbacks" not in json.loads((store.path_of(5) / "alchemist_state.json").read_text())
 
 
 def test_adapter_routes_explain_when_saving_is_off():

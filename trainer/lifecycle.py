@@ -8,6 +8,11 @@ scores, so a restart serves the last promoted one) or rejects it (the promoted w
 optimizer state come back as a new version number, the step's labels are quarantined in
 the ledger, and the rollback is counted with reason "eval_gate").
 
+A rollback whose own save fails still serves; every later snapshot carries it
+(`state["rollbacks"]`: [restored, as version] pairs) until one is saved, and the ledger's
+fates for it are written then, or by the restart that resumes such a version — never lost
+because the save that should have recorded it failed.
+
 Everything here runs on the device thread (weights change between steps, never under
 one). A rollback abandons the job in progress first; that is the caller's
 (`OnlineTraining.rollback`), since the job belongs to the trainer.
@@ -58,6 +63,10 @@ class AdapterLifecycle:
         self.checkpointer = checkpointer
         # the saved version the adapter was last restored from (resume or rollback)
         self.restored_from: int | None = None
+        # (restored, as version) of rollbacks whose own save failed, oldest first: carried by
+        # every snapshot until one is saved (replaced whole, never changed in place: a save's
+        # callback reads and writes it on the checkpointer's thread)
+        self._unsaved_rollbacks: tuple[tuple[int, int], ...] = ()
 
     def start(self) -> None:
         """Resumes from the latest good saved version, if any (else saves version 0, so
@@ -75,6 +84,8 @@ class AdapterLifecycle:
                 self.checkpointer.last_saved_version = snapshot.version
                 self.maintenance.merge_all()
                 logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
+                for restored, version in snapshot.state.get("rollbacks", []):  # those its saves failed to record
+                    self._ledger_after_rollback(restored, version)
                 if "rolled_back_to" in snapshot.state:  # a kill may have come before its fates landed
                     self._ledger_after_rollback(snapshot.state["rolled_back_to"], snapshot.version)
             else:
@@ -118,7 +129,7 @@ class AdapterLifecycle:
             self.gate.candidate(self.optimizer.version, entries)
             return
         if stepped and self.checkpointer is not None and self.checkpointer.due(self.optimizer.version):
-            self.checkpointer.save_async(self.snapshot())
+            self._save(self.snapshot())
         self.maintenance.invalidate_merged()
 
     def settle(self, verdict: Verdict) -> None:
@@ -133,7 +144,7 @@ class AdapterLifecycle:
             self.maintenance.invalidate_merged()
             last = self.checkpointer.last_saved_version if self.checkpointer is not None else None
             if self.checkpointer is not None and (last is None or version - last >= self.checkpointer.save_every):
-                self.checkpointer.save_async(self.promoted_snapshot)
+                self._save(self.promoted_snapshot)
             logger.info("eval gate: version %d promoted, %s", version, verdict.scores.as_dict())
             return
         rejected, promoted = verdict.scores.version, self.promoted_snapshot.version
@@ -149,7 +160,7 @@ class AdapterLifecycle:
             self.ledger.quarantine(list(verdict.trained_ids), reason, version, promoted)
         self.promoted_snapshot = self.snapshot()
         if self.checkpointer is not None:
-            self.checkpointer.save_async(self.promoted_snapshot)
+            self._save(self.promoted_snapshot)
         logger.warning("%s; serving stays on the promoted weights (now version %d); %d labels quarantined",
                        reason, version, len(quarantined))
 
@@ -167,6 +178,8 @@ class AdapterLifecycle:
         weights = {k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.peft_model).items()}
         state = {"mode": self.mode, "restored_from": self.restored_from,
                  "entries_in_weights": self.optimizer.entries_in_weights}
+        if self._unsaved_rollbacks:
+            state["rollbacks"] = [list(pair) for pair in self._unsaved_rollbacks]
         if self.gate is not None and self.gate.promoted is not None and not self.gate.pending:
             state["gate"] = {"status": "promoted", "scores": self.gate.promoted.as_dict()}
         return AdapterSnapshot(self.optimizer.version, weights, self.peft_model.peft_config["default"],
@@ -216,11 +229,29 @@ class AdapterLifecycle:
             saved = self.checkpointer.save_async(rolled_back).result() is not None  # the ledger flushed first
             if not saved:
                 logger.error("the rollback to version %d (now version %d) serves, but it could not be saved: a "
-                             "restart resumes from the last saved version", snapshot.version, version)
+                             "restart resumes from the last saved version; the next version saved carries it",
+                             snapshot.version, version)
+                self._unsaved_rollbacks = (*self._unsaved_rollbacks, (snapshot.version, version))
             else:
+                self._rollbacks_saved(rolled_back)
                 self._ledger_after_rollback(snapshot.version, version)
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
         return version
+
+    def _save(self, snapshot: AdapterSnapshot) -> None:
+        """Saves `snapshot` in the background; once saved, the unsaved rollbacks it carries
+        are recorded (`_rollbacks_saved`, on the checkpointer's thread)."""
+        future = self.checkpointer.save_async(snapshot)
+        if snapshot.state.get("rollbacks"):
+            future.add_done_callback(lambda done: done.result() is not None and self._rollbacks_saved(snapshot))
+
+    def _rollbacks_saved(self, snapshot: AdapterSnapshot) -> None:
+        """`snapshot` is saved: the rollbacks it carries get their ledger fates, in order,
+        and are carried no more."""
+        carried = [tuple(pair) for pair in snapshot.state.get("rollbacks", [])]
+        for restored, version in carried:
+            self._ledger_after_rollback(restored, version)
+        self._unsaved_rollbacks = tuple(pair for pair in self._unsaved_rollbacks if pair not in carried)
 
     def _ledger_after_rollback(self, restored: int, version: int) -> None:
         """The ledger's fates after a rollback to `restored`, as `version`: what the versions
@@ -239,6 +270,8 @@ class AdapterLifecycle:
             if final is not None and self.checkpointer.last_saved_version == final.version:
                 final = None
             self.checkpointer.close(final)
+            if final is not None and self.checkpointer.last_saved_version == final.version:
+                self._rollbacks_saved(final)
 
 
 def check_compatible(ours, snapshot: AdapterSnapshot, live: dict) -> None:
