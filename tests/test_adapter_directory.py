@@ -3,6 +3,7 @@ second would number other weights alike and delete the first's saves in progress
 freed by the first's end, even by SIGKILL; and what it saves, others may read as the
 umask says (a vLLM or PEFT process under another uid loads the versions)."""
 
+import dataclasses
 import os
 import stat
 import subprocess
@@ -73,3 +74,17 @@ def test_a_directory_gone_from_under_a_running_server_lists_no_version_instead_o
     (tmp_path / "adapters" / ".lock").unlink()
     (tmp_path / "adapters").rmdir()  # the volume unmounted
     assert store.versions() == [] and not store.is_saved(0)
+
+
+def test_copies_of_other_versions_are_pruned_before_the_distinct_versions_they_could_roll_back_to(tmp_path):
+    """Five retried rollbacks to version 1 (or five rejections by the eval gate) used to
+    push every distinct version, version 0 included, out of `keep`."""
+    snapshot = make_trainer("llama", "dpo").lifecycle.snapshot()
+    store = AdapterStore(tmp_path, keep=3)
+    for version, state in ((0, {}), (1, {}), (2, {"rolled_back_to": 1}), (3, {"copy_of": 1}),
+                           (4, {"rolled_back_to": 1}), (5, {"rolled_back_to": 1})):
+        store.save(dataclasses.replace(snapshot, version=version, state=state))
+    assert [saved.version for saved in store.versions()] == [0, 1, 5]
+    for version in (6, 7):
+        store.save(dataclasses.replace(snapshot, version=version, state={}))
+    assert [saved.version for saved in store.versions()] == [1, 6, 7]  # then the oldest, as before

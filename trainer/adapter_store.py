@@ -180,8 +180,26 @@ class AdapterStore:
         return None
 
     def _prune(self) -> None:
-        for old in self.versions()[:-self.keep]:
+        """Keeps the newest `keep` versions, giving up copies first — a rollback's or the
+        eval gate's copy of another version's weights (`rolled_back_to`, `copy_of` in its
+        state), oldest first — then the oldest others: retried rollbacks and repeated
+        rejections do not push out the distinct versions (version 0 too) to roll back to."""
+        saved = self.versions()
+        excess = len(saved) - self.keep
+        if excess <= 0:
+            return
+        older = saved[:-1]  # the newest stays
+        copies = [version for version in older if _is_copy(version)]
+        for old in (copies + [version for version in older if version not in copies])[:excess]:
             shutil.rmtree(old.path, ignore_errors=True)
+
+
+def _is_copy(saved: SavedVersion) -> bool:
+    try:
+        state = json.loads((saved.path / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return "rolled_back_to" in state or "copy_of" in state
 
 
 def _fsync(path: Path) -> None:

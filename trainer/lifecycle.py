@@ -159,6 +159,7 @@ class AdapterLifecycle:
         if self.ledger is not None:  # (it drops those whose labels were deleted since)
             self.ledger.quarantine(list(verdict.trained_ids), reason, version, promoted)
         self.promoted_snapshot = self.snapshot()
+        self.promoted_snapshot.state["copy_of"] = promoted  # (pruned before distinct versions: AdapterStore)
         if self.checkpointer is not None:
             self._save(self.promoted_snapshot)
         logger.warning("%s; serving stays on the promoted weights (now version %d); %d labels quarantined",
