@@ -326,6 +326,11 @@ class FeedbackRequest(_FeedbackId):
     rewards: Rewards | None = None
 
     def label(self) -> FeedbackLabel:
+        if "choice_index" in self.model_fields_set and (self.chosen_index is not None or self.rejected_index is not None
+                                                        or self.rewards is not None):
+            raise InvalidParameter("choice_index", "choice_index names the served choice that stands for a text "
+                                   "label's missing side ('chosen' or 'rejected'); it does not go with "
+                                   "'chosen_index'/'rejected_index' or 'rewards'")
         return FeedbackLabel(self.id, self.chosen, self.rejected, self.choice_index, self.chosen_index,
                              self.rejected_index, self.rewards)
 

@@ -118,6 +118,13 @@ def test_dpo_between_two_served_choices():
         completion = group_chat(client, n=3)
         r = client.post("/v1/feedback", json={"id": completion, "chosen_index": 3, "rejected_index": 0})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chosen_index"
+        # a text against an index: the form that says it is named; choice_index beside two indices is refused
+        r = client.post("/v1/feedback", json={"id": completion, "chosen": "A better answer.", "rejected_index": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chosen", r.text
+        assert "'choice_index': i" in r.json()["error"]["message"]
+        r = client.post("/v1/feedback", json={"id": completion, "chosen_index": 1, "rejected_index": 0,
+                                              "choice_index": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "choice_index", r.text
         r = client.post("/v1/feedback", json={"id": completion, "chosen_index": 2, "rejected_index": 0})
         assert r.status_code == 200, r.text
         r = client.post("/v1/feedback", json={"id": completion, "rewards": [1, 0, 0]})

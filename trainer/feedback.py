@@ -325,10 +325,10 @@ def _attach_rewards(to: _Labels, request: FeedbackLabel) -> FeedbackResult:
 def _attach_indices(to: _Labels, request: FeedbackLabel) -> None:
     """DPO between two served choices: both responses and their log-probs come from decoding."""
     completion_id, chosen, rejected = request.completion_id, request.chosen_index, request.rejected_index
-    for name in ("chosen", "rejected"):
-        if getattr(request, name) is not None:
-            raise _refuse(FeedbackOutcome.INVALID, f"give either '{name}' or '{name}_index', not both", name,
-                          "invalid_value")
+    for name in (n for n in ("chosen", "rejected") if getattr(request, n) is not None):
+        raise _refuse(FeedbackOutcome.INVALID, f"'{name}' (a text) and 'chosen_index'/'rejected_index' (two served "
+                      "choices) are two forms of a label; a text against choice i: 'choice_index': i", name,
+                      "invalid_value")
     if chosen is None or rejected is None:
         missing = "chosen_index" if chosen is None else "rejected_index"
         raise _refuse(FeedbackOutcome.INVALID, "give both 'chosen_index' and 'rejected_index'", missing,
