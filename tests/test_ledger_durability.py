@@ -15,7 +15,7 @@ from tests.test_training import label, serve
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.config import LedgerConfig, TrainConfig
 from trainer.ledger import Ledger, LedgerUnavailable
-from trainer.ledger_db import LEDGER_FILE, LabelRecord, read_ledger
+from trainer.ledger_db import LEDGER_FILE, LabelRecord, read_ledger, release_quarantined
 from trainer.ledger_lineage import lineage
 
 DPO = TrainConfig(mode="dpo", lora_rank=4)
@@ -152,3 +152,21 @@ def test_a_restart_records_the_version_it_resumed_at_as_saved(tmp_path):
     with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:
         assert conn.execute("SELECT value FROM meta WHERE key = 'saved_version'").fetchone() == ("1",)
     second.close()
+
+
+def test_deleting_a_label_released_while_the_server_runs_is_not_taken_for_one_in_training(tmp_path):
+    """A rollback quarantined it, `alchemist feedback release` released it (no fate, in no
+    weights) while the cache still remembers it trained: its deletion is no 409
+    `label_in_training`, which says the label is in the next version's weights."""
+    training = _training(tmp_path)
+    serve(training, "r0")
+    label(training, "r0")
+    training.train_until_idle()
+    training.ledger.flush()
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:  # what a rollback to version 0 leaves
+        conn.execute("UPDATE requests SET fate = 'quarantined', fate_reason = 'rolled back to version 0' "
+                     "WHERE id = 'r0'")
+    assert release_quarantined(tmp_path / LEDGER_FILE) == 1
+    forgotten = training.forget("r0", label_only=True)
+    assert forgotten.found and forgotten.training == []
+    training.close()

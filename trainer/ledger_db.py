@@ -65,6 +65,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # a request whose label was deleted (SQL, on `requests`)
 LABEL_DELETED = "id IN (SELECT request_id FROM deleted_labels)"
+# the reason a released label's request keeps beside no fate (release_quarantined)
+RELEASED = "released"
 SCHEMA_VERSION = "1"
 
 
@@ -90,7 +92,8 @@ class Deletion:
 
     found: bool
     # the requests whose labels (or whole rows) it deleted, with their fates then ("trained": in
-    # served weights, which a deletion does not take a label's effect out of; a rollback does)
+    # served weights, which a deletion does not take a label's effect out of; a rollback does;
+    # "released": a quarantined label released, in no weights)
     fates: dict[str, str | None] = field(default_factory=dict)
     # the first version holding one of them (None: none had trained)
     trained_into: int | None = None
@@ -185,8 +188,9 @@ def delete_rows(conn: sqlite3.Connection, request_id: str, label_only: bool, at:
                       f"AND substr({column}, ?) NOT GLOB '*[^0-9]*'")
     suffix_at = len(request_id) + 2
     arguments = (request_id, f"{request_id}-", f"{request_id}.", suffix_at, suffix_at)
-    rows = conn.execute(f"SELECT id, fate, fate_version FROM requests WHERE id IN (SELECT {column} FROM "
-                        f"{table} WHERE {column} = ? OR ({of_its_prompts}))", arguments).fetchall()
+    rows = conn.execute(f"SELECT id, coalesce(fate, CASE fate_reason WHEN '{RELEASED}' THEN fate_reason END), "
+                        f"fate_version FROM requests WHERE id IN (SELECT {column} FROM {table} WHERE {column} = ? OR "
+                        f"({of_its_prompts}))", arguments).fetchall()
     if label_only:
         conn.execute("INSERT OR IGNORE INTO deleted_labels SELECT request_id, ? FROM labels WHERE "
                      f"request_id = ? OR ({of_its_prompts})", (at, *arguments))
@@ -296,7 +300,8 @@ def release_quarantined(path: str | Path, request_ids: list[str] | None = None) 
         if request_ids is not None:
             where += f" AND id IN ({','.join('?' * len(request_ids))})"
             params = tuple(request_ids)
-        return conn.execute(f"UPDATE requests SET fate = NULL, fate_reason = NULL, fate_version = NULL "
+        # (a reason kept beside no fate: a running server's deletion tells it from a fate not written yet)
+        return conn.execute(f"UPDATE requests SET fate = NULL, fate_reason = '{RELEASED}', fate_version = NULL "
                             f"WHERE {where}", params).rowcount
     finally:
         conn.close()
