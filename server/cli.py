@@ -198,6 +198,9 @@ def export_feedback(args: argparse.Namespace) -> int:
         print(f"alchemist: cannot write {args.out or 'standard output'}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
+    if counts.continuing:
+        skipped += (f"; {counts.continuing} requests left out whose prompt ends with an assistant message (TRL "
+                    "renders it as continued and the completion as a turn of its own: not what was served)")
     if counts.without_prompt:
         skipped += (f"; {counts.without_prompt} requests left out whose prompt truncate_prompt_tokens cut (the "
                     "ledger holds no prompt as the client wrote it)")

@@ -304,3 +304,13 @@ def test_an_export_of_no_rows_leaves_the_file_there_and_a_path_it_cannot_write_i
     assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out",
                  str(tmp_path / "no-such-directory" / "x.jsonl")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_a_prompt_ending_with_an_assistant_message_is_left_out_and_counted(tmp_path):
+    """TRL renders such a prompt as continued and the completion as a turn of its own:
+    neither what `continue_final_message` served nor what a new turn after it served."""
+    served = [ChoiceRecord(0, [10], " chicken cross the road?", None, "stop")]
+    partial = [*MESSAGES, {"role": "assistant", "content": "Why did the"}]
+    _ledger(tmp_path, [("cont", "dpo", partial, served, LABEL), ("chat", "dpo", MESSAGES, served, LABEL)])
+    rows, counts = export_rows(read_ledger(tmp_path / LEDGER_FILE), "preference")
+    assert [row["prompt"] for row in rows] == [MESSAGES] and counts.continuing == 1

@@ -25,7 +25,9 @@ are left out unless asked for. A served answer cut short (by `max_tokens`, or by
 that went away) is exported as served, but counted (`ExportCounts.truncated`), and left
 out on request: TRL ends every completion with the end of turn, so such a row teaches to
 stop mid-answer. A request whose prompt the ledger does not hold as the client wrote it
-(`truncate_prompt_tokens` cut it) is left out and counted. A file is written whole or not
+(`truncate_prompt_tokens` cut it), or whose prompt ends with an assistant message (TRL
+renders such a prompt as continued and the completion as a turn of its own: not what was
+served, with `continue_final_message` or without), is left out and counted. A file is written whole or not
 at all (`write_jsonl`).
 """
 
@@ -58,6 +60,9 @@ class ExportCounts:
     skipped: int = 0
     # and without a prompt as the client wrote it (truncate_prompt_tokens cut it)
     without_prompt: int = 0
+    # and chat requests whose prompt ends with an assistant message: TRL renders such a prompt
+    # as continued and the completion as a turn of its own, neither what was served
+    continuing: int = 0
     # requests that passed the filters (time, quarantine) and the style, whatever the format made of them
     selected: int = 0
     # rows with a served answer cut short (left out with `drop_truncated`, written otherwise)
@@ -93,7 +98,7 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
         raise ExportError("the ledger holds chat requests (conversational rows) and text completions (standard "
                           "rows); one dataset holds one style: pass --style conversational or --style standard")
     wanted = style if style != "auto" else next(iter(styles), "conversational")
-    kept = [row for row in chosen if _style(row) == wanted]
+    kept = [row for row in chosen if _style(row) == wanted and not _continues(row)]
     # TRL hands a row's `chat_template_kwargs` to the template: every row has one if any has
     with_kwargs = any(row.request.chat_template_kwargs for row in kept)
     out, truncated = [], 0
@@ -106,7 +111,10 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
             if not (cut and drop_truncated):
                 out.append({**made, **extra})
     left_out = [_style(row) for row in chosen if _style(row) != wanted and next(_FORMATTERS[format](row), None)]
-    return out, ExportCounts(len(out), sum(s is not None for s in left_out), left_out.count(None), len(kept), truncated)
+    continuing = sum(1 for row in chosen if _style(row) == wanted and _continues(row)
+                     and next(_FORMATTERS[format](row), None))
+    return out, ExportCounts(len(out), sum(s is not None for s in left_out), left_out.count(None), continuing,
+                             len(kept), truncated)
 
 
 def _selected(row: LedgerRow, since: float | None, include_quarantined: bool) -> bool:
@@ -121,6 +129,13 @@ def _style(row: LedgerRow) -> str | None:
     if isinstance(prompt, list):
         return "conversational"
     return "standard" if isinstance(prompt, str) else None
+
+
+def _continues(row: LedgerRow) -> bool:
+    """A chat prompt ending with an assistant message (continued or not, as the request said)."""
+    prompt = row.request.prompt
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[-1], dict) \
+        and prompt[-1].get("role") == "assistant"
 
 
 def _completion(row: LedgerRow, text: str):
