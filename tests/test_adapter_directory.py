@@ -88,3 +88,16 @@ def test_copies_of_other_versions_are_pruned_before_the_distinct_versions_they_c
     for version in (6, 7):
         store.save(dataclasses.replace(snapshot, version=version, state={}))
     assert [saved.version for saved in store.versions()] == [1, 6, 7]  # then the oldest, as before
+
+
+def test_a_copy_whose_original_is_no_longer_saved_is_kept_as_any_version(tmp_path):
+    """Its weights are on disk nowhere else (a review: the old order deleted them)."""
+    snapshot = make_trainer("llama", "dpo").lifecycle.snapshot()
+    store = AdapterStore(tmp_path, keep=2)
+    for version, state in ((0, {}), (5, {}), (6, {"rolled_back_to": 0}), (7, {}), (8, {"copy_of": 3})):
+        store.save(dataclasses.replace(snapshot, version=version, state=state))
+    assert [saved.version for saved in store.versions()] == [7, 8]
+    store = AdapterStore(tmp_path / "b", keep=3)
+    for version, state in ((0, {}), (5, {}), (6, {"rolled_back_to": 0}), (7, {})):
+        store.save(dataclasses.replace(snapshot, version=version, state=state))
+    assert [saved.version for saved in store.versions()] == [0, 5, 7]  # the copy of 0 goes, 0 stays

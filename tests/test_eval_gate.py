@@ -307,3 +307,30 @@ def test_a_job_dropped_while_a_candidate_waits_leaves_no_gradient_on_the_promote
     training.stash.collect_gradients(0)  # what the dropped job left on version 0's copies, if anything
     assert all(p.grad is None for p in training.optimizer.params)
     training.close()
+
+
+def test_a_rollback_whose_save_failed_is_carried_by_what_a_shutdown_saves_while_its_weights_are_scored(tmp_path):
+    """With a gate, a shutdown while the rolled-back weights are still scored saves the
+    promoted snapshot: it carries the rollback, so the labels it undid are quarantined
+    (a review found them left `trained` in no weights)."""
+    training = gated(tmp_path)
+    for prefix in ("a", "b"):
+        labelled_batch(training, prefix, RIGHT, WRONG)
+        while training.run_slice():
+            pass
+    training.lifecycle.checkpointer.wait()
+    store = training.lifecycle.checkpointer.store
+    save = store.save
+
+    def full_disk(snapshot):
+        raise OSError("No space left on device")
+
+    store.save = full_disk
+    version = training.rollback(store.load(0))
+    store.save = save
+    assert training.gate.pending  # the rolled-back weights are being scored as the bar
+    training.close()
+    state = json.loads((store.path_of(version) / "alchemist_state.json").read_text())
+    assert state["rollbacks"] == [[0, version]]
+    fates = {row.request.id: row.fate for row in read_ledger(tmp_path / "adapters" / LEDGER_FILE)}
+    assert set(fates.values()) == {"quarantined"}, fates

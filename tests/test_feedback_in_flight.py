@@ -45,3 +45,21 @@ def test_a_request_that_takes_no_label_is_not_pending_and_says_why_once_ended():
     while engine.has_unfinished():
         engine.step()
     assert "gone" not in training.cache.expected and _label(training, "gone").outcome is not FeedbackOutcome.CONFLICT
+
+
+@pytest.mark.parametrize("record_fraction", [1.0, 0.0], ids=["recorded", "not-recorded"])
+def test_a_label_naming_a_batch_of_prompts_in_flight_is_pending_too(record_fraction):
+    """A /v1/completions request of two prompts keeps an entry per prompt (`<id>-<i>`);
+    the batch's own id, with choices past prompt 0's, is answered alike."""
+    training = make_training(TrainConfig(mode="dpo", lora_rank=4, record_fraction=record_fraction))
+    engine = engine_of(training)
+    params = SamplingParams(temperature=1.0, n=2, max_tokens=6, ignore_eos=True, seed=1)
+    for i in range(2):
+        engine.add_request(f"cmpl-b-{i}", encode(f"Prompt number {i}"), params, train=True)
+    seen = set()
+    while engine.has_unfinished():
+        result = training.feedback.submit(FeedbackLabel("cmpl-b", None, None, None, 2, 3))
+        seen.add((result.outcome, result.code))
+        engine.step()
+    assert seen == {(FeedbackOutcome.CONFLICT, "response_pending")}
+    assert training.feedback.submit(FeedbackLabel("cmpl-b", None, None, None, 2, 3)).accepted

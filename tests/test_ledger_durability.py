@@ -101,23 +101,34 @@ def test_a_version_is_not_saved_while_the_fates_it_trained_wait_for_their_retry(
     training.close()
 
 
-def test_a_strict_flush_fails_while_a_write_tried_alone_in_a_full_ledger_waits_for_its_retry(tmp_path):
-    """A full ledger tries each write alone: the flush's own empty write lands while a
-    request's row does not, so that only a strict flush reports it."""
+def test_a_full_ledger_still_lets_versions_be_saved_and_their_labels_then_make_room(tmp_path):
+    """A full ledger tries each write alone: a new request's row waits for its retry, but no
+    save depends on it (a strict flush waits for owed writes only), so the version holding
+    the trained labels is saved, and retention then makes room from them (a review found
+    saves stopped for good: every save failed, so no label could ever be pruned)."""
     ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(max_bytes=1 << 20))
     try:
+        labelled = []
         for i in range(2000):  # labels still to be trained: retention cannot make room
             ledger.record_request(request_record(i, time.time()))
             try:
                 ledger.commit_label(f"req-{i}", LABEL)
             except LedgerUnavailable:
                 break
+            labelled.append(f"req-{i}")
         else:
             pytest.fail("the ledger never filled")
-        ledger.record_request(request_record(9999, time.time()))
-        ledger.flush()  # tried: it waits for its retry
-        with pytest.raises(LedgerUnavailable, match="wait for their retry"):
-            ledger.flush(strict=True)
+        for request_id in labelled:
+            ledger.record_fate(request_id, "trained", version=1, path="recompute")
+        ledger.record_request(request_record(9999, time.time()))  # waits for its retry
+        ledger.flush()
+        assert ledger.stats.retry_backlog > 0
+        ledger.flush(strict=True)  # the fates landed: version 1 may be saved
+        ledger.saved(1)
+        ledger.prune()
+        ledger.flush()
+        assert ledger.stats.retry_backlog == 0 and ledger.stats.pruned_requests > 0
+        assert "req-9999" in rows_by_id(tmp_path / LEDGER_FILE)
     finally:
         ledger.close()
 
@@ -126,16 +137,36 @@ def test_retention_keeps_a_label_trained_into_a_version_not_saved_yet(tmp_path):
     now = [time.time()]
     ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(retention_days=1), clock=lambda: now[0])
     try:
+        ledger.saved(6)  # the process that saves versions says which is on disk
         for i in range(2):
             ledger.record_request(request_record(i, now[0], tokens=4))
             ledger.commit_label(f"req-{i}", LABEL)
             ledger.record_fate(f"req-{i}", "trained", version=7 + i, path="recompute")
         now[0] += 2 * 86400  # both past the retention of one day
-        ledger.prune()  # no version known saved: a crash would hand both back to the restart
+        ledger.prune()  # neither version is saved: a crash would hand both back to the restart
         assert sorted(rows_by_id(tmp_path / LEDGER_FILE)) == ["req-0", "req-1"]
         ledger.saved(7)
         ledger.prune()
         assert sorted(rows_by_id(tmp_path / LEDGER_FILE)) == ["req-1"]  # version 8 is not saved yet
+    finally:
+        ledger.close()
+
+
+def test_a_ledger_no_saving_process_writes_prunes_trained_labels_as_before(tmp_path):
+    """Another node's ledger, with data-parallel replicas: its process saves no version and
+    so never learns which are saved; its trained labels go by retention, as they always did
+    (not kept for ever, filling the file)."""
+    now = [time.time()]
+    ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(retention_days=1), clock=lambda: now[0])
+    try:
+        for i, fate in enumerate(("trained", None)):
+            ledger.record_request(request_record(i, now[0], tokens=4))
+            ledger.commit_label(f"req-{i}", LABEL)
+            if fate:
+                ledger.record_fate(f"req-{i}", fate, version=3, path="recompute")
+        now[0] += 2 * 86400
+        ledger.prune()
+        assert sorted(rows_by_id(tmp_path / LEDGER_FILE)) == ["req-1"]  # the one not trained stays
     finally:
         ledger.close()
 

@@ -181,25 +181,27 @@ class AdapterStore:
 
     def _prune(self) -> None:
         """Keeps the newest `keep` versions, giving up copies first — a rollback's or the
-        eval gate's copy of another version's weights (`rolled_back_to`, `copy_of` in its
-        state), oldest first — then the oldest others: retried rollbacks and repeated
-        rejections do not push out the distinct versions (version 0 too) to roll back to."""
+        eval gate's copy of another saved version's weights (`rolled_back_to`, `copy_of` in
+        its state; the version it copies is still on disk), oldest first — then the oldest
+        others: retried rollbacks and repeated rejections do not push out the distinct
+        versions (version 0 too) to roll back to."""
         saved = self.versions()
         excess = len(saved) - self.keep
         if excess <= 0:
             return
-        older = saved[:-1]  # the newest stays
-        copies = [version for version in older if _is_copy(version)]
+        older, numbers = saved[:-1], {version.version for version in saved}  # the newest stays
+        copies = [version for version in older if _copy_of(version) in numbers]
         for old in (copies + [version for version in older if version not in copies])[:excess]:
             shutil.rmtree(old.path, ignore_errors=True)
 
 
-def _is_copy(saved: SavedVersion) -> bool:
+def _copy_of(saved: SavedVersion) -> int | None:
+    """The version whose weights `saved` copies (a rollback's, the gate's), if it says so."""
     try:
         state = json.loads((saved.path / STATE_FILE).read_text())
     except (OSError, ValueError):
-        return False
-    return "rolled_back_to" in state or "copy_of" in state
+        return None
+    return state.get("rolled_back_to", state.get("copy_of"))
 
 
 def _fsync(path: Path) -> None:
@@ -219,10 +221,21 @@ class SaveJournal(Protocol):
     def saved(self, version: int) -> None:
         """Version `version` is on disk."""
 
+    def resumed(self, saved: int) -> None:
+        """Training resumes at saved version `saved` (-1: none): the versions after it died unsaved."""
+
+
+# the adapter directories this process holds, each by one open file for the process's life: a POSIX record
+# lock is the process's, and closing any file on it (a second store's, dropped) would release it
+_HELD: dict[Path, IO] = {}
+
 
 def _lock_directory(root: Path) -> IO:
     """Holds `root/.lock` for this process: a POSIX record lock, which the process's end
     releases (SIGKILL too), and which the same process may take again (a restart in tests)."""
+    key = root.resolve()
+    if key in _HELD:
+        return _HELD[key]
     handle = open(root / LOCK_FILE, "a+")
     try:
         fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -232,6 +245,7 @@ def _lock_directory(root: Path) -> IO:
             f"another process is training into the adapter directory {root} (it holds {root / LOCK_FILE}): two "
             "servers would overwrite each other's versions; give each its own --adapter-dir, or serve this one's "
             "versions with --train-mode off") from None
+    _HELD[key] = handle
     return handle
 
 
@@ -251,6 +265,12 @@ class AdapterCheckpointer:
         self.saved = 0
         self.failed = 0
         self.last_saved_version: int | None = None
+
+    def resumed(self, version: int | None) -> None:
+        """Training resumes at saved version `version` (None: none is saved yet)."""
+        self.last_saved_version = version
+        if self.journal is not None:
+            self.journal.resumed(-1 if version is None else version)
 
     def due(self, version: int) -> bool:
         return version % self.save_every == 0

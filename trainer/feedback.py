@@ -159,14 +159,14 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
     indices = {name: getattr(request, name) for name in names if getattr(request, name) is not None}
     per_prompt = next((len(e.responses) for e in entries if e is not None and e.response_finished), None)
     if per_prompt is None and any(indices.values()):  # choice 0 is prompt 0's first, whatever n is
-        if all(entry is None for entry in entries):  # every prompt's entry ended: say how, if they agree
+        in_flight = any(entry_id in cache.expected for entry_id in entry_ids)
+        if all(entry is None for entry in entries) and not in_flight:  # every prompt's ended: say how, if alike
             states = {entry_id: cache.ended_state(entry_id) for entry_id in entry_ids}
             ended = set(states.values()) - {None}  # (one the cache no longer remembers: None)
             if len(ended) == 1:
                 _waiting_entry(cache, next(entry_id for entry_id, state in states.items() if state is not None))
-            raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry is left for completion {cid!r}: its "
-                          f"prompts' entries ended ({', '.join(sorted(s.value for s in ended))})", "id",
-                          "entry_not_found")
+            raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry is left for completion {cid!r}: its prompts' "
+                          f"entries ended ({', '.join(sorted(s.value for s in ended))})", "id", "entry_not_found")
         raise _still_generating(cid)
     prompts = {name: index // (per_prompt or 1) for name, index in indices.items()}
     for name, prompt in prompts.items():

@@ -61,11 +61,13 @@ def _is_full(exc: Exception) -> bool:
 
 class _Write:
     """One queued write: `apply(conn)` inside the writer's transaction; `done` is set
-    for writes whose caller waits (labels)."""
+    for writes whose caller waits (labels); `owed`: a fate or a lineage, which a version
+    saved after it depends on (`flush(strict=True)` waits for those alone)."""
 
-    def __init__(self, apply, done: concurrent.futures.Future | None = None, committed=None):
+    def __init__(self, apply, done: concurrent.futures.Future | None = None, committed=None, owed: bool = False):
         self.apply = apply
         self.done = done
+        self.owed = owed
         # called once its transaction has committed (not when it is tried again after a failure)
         self.committed = committed
 
@@ -80,6 +82,8 @@ class Ledger:
         self._queue: queue.Queue[_Write | None] = queue.Queue()
         # writes that failed for want of room or a lock: retried before the next ones
         self._retry: list[_Write] = []
+        # owed writes given up (past MAX_RETRY_BACKLOG): no version may be saved after them
+        self._given_up_owed = 0
         self._last_error: sqlite3.Error | None = None
         self._refusal_logged = float("-inf")
         self._last_prune = float("-inf")
@@ -113,7 +117,7 @@ class Ledger:
         at = self.clock()
         self._put(_Write(lambda c: c.execute(
             "UPDATE requests SET fate = ?, fate_version = ?, fate_path = ?, fate_reason = ?, fate_at = ? "
-            "WHERE id = ?", (fate, version, path, reason, at, request_id))))
+            "WHERE id = ?", (fate, version, path, reason, at, request_id)), owed=True))
 
     def commit_label(self, request_id: str, label: LabelRecord, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
         """Writes a label and returns once it is committed (call on a worker thread).
@@ -142,7 +146,7 @@ class Ledger:
             ledger_lineage.record_parent(c, version, promoted)
             ledger_lineage.quarantine(c, f"id IN ({marks})", tuple(request_ids), reason, at)
 
-        self._put(_Write(apply))
+        self._put(_Write(apply, owed=True))
 
     def rolled_back(self, restored: int, version: int) -> None:
         """A rollback made `version` a copy of saved version `restored` (queued): what
@@ -160,7 +164,7 @@ class Ledger:
         def committed() -> None:
             self.stats.rollback_quarantined += quarantined[0]
 
-        self._put(_Write(apply, committed=committed))
+        self._put(_Write(apply, committed=committed, owed=True))
 
     def reopen(self, request_ids: list[str]) -> None:
         """These requests' labels trained into versions a crash lost before they were saved:
@@ -170,20 +174,22 @@ class Ledger:
             chunk = request_ids[start:start + 500]
             self._put(_Write(lambda c, chunk=chunk: c.execute(
                 "UPDATE requests SET fate = NULL, fate_version = NULL, fate_path = NULL, fate_reason = NULL "
-                f"WHERE fate = 'trained' AND id IN ({','.join('?' * len(chunk))})", chunk)))
+                f"WHERE fate = 'trained' AND id IN ({','.join('?' * len(chunk))})", chunk), owed=True))
 
-    def resumed_at(self, saved: int) -> None:
-        """A restart resumed at saved version `saved` (-1: none): the versions after it died
-        unsaved (queued; replay flushes)."""
+    # -- the adapter's saves (AdapterCheckpointer's SaveJournal, in the process that saves versions) --
+
+    def resumed(self, saved: int) -> None:
+        """The process that saves versions resumed at saved version `saved` (before serving):
+        the versions after it died unsaved, and `saved` is on disk (queued)."""
         def apply(c: sqlite3.Connection) -> None:
             ledger_lineage.forget_after(c, saved)
             ledger_retention.record_saved(c, saved)
 
-        self._put(_Write(apply))
+        self._put(_Write(apply, owed=True))
 
     def before_save(self) -> None:
-        """Before a version is saved (AdapterCheckpointer's writer thread): the fates it
-        trained are on disk first, or LedgerUnavailable fails the save."""
+        """Before a version is saved (the checkpointer's writer thread): the fates it trained
+        are on disk first, or LedgerUnavailable fails the save."""
         self.flush(strict=True)
 
     def saved(self, version: int) -> None:
@@ -217,11 +223,13 @@ class Ledger:
 
     def flush(self, timeout_s: float = COMMIT_TIMEOUT_S, strict: bool = False) -> None:
         """Waits until every write queued so far has been tried; `strict`: raises
-        LedgerUnavailable unless every one has landed (before a version is saved, so that
-        the fates it trained are on disk first)."""
+        LedgerUnavailable unless every owed one (a fate, a lineage) has landed — before a
+        version is saved, so that the fates it trained are on disk first. (A request's own
+        rows may wait: in a full ledger they would, and no save depends on them.)"""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        waiting: list[int] = []  # the writes left for their retry when this one landed
-        self._put(_Write(lambda c: None, done, committed=lambda: waiting.append(len(self._retry))))
+        waiting: list[int] = []  # the owed writes left for their retry (or given up) when this one landed
+        self._put(_Write(lambda c: None, done, committed=lambda: waiting.append(
+            sum(w.owed for w in self._retry) + self._given_up_owed)))
         try:
             done.result(timeout_s)
         except LedgerUnavailable:
@@ -229,7 +237,7 @@ class Ledger:
                 raise
             return  # tried, and failed: the writes wait for their retry
         if strict and waiting[0]:
-            raise LedgerUnavailable(f"{waiting[0]} feedback ledger writes wait for their retry: {self._last_error}")
+            raise LedgerUnavailable(f"{waiting[0]} fates in the feedback ledger are not written: {self._last_error}")
 
     def _put(self, write: _Write) -> None:
         if self._closed:
@@ -311,7 +319,7 @@ class Ledger:
             logger.warning("feedback ledger write failed (%s); it is retried with the next writes", exc)
             self._retry.append(write)
             if len(self._retry) > MAX_RETRY_BACKLOG:
-                self._retry.pop(0)
+                self._given_up_owed += self._retry.pop(0).owed  # strict flushes fail: a restart trains them again
                 logger.error("feedback ledger: more than %d writes wait to be retried; the oldest is given up",
                              MAX_RETRY_BACKLOG)
 
@@ -369,9 +377,7 @@ class Ledger:
         done.result(COMMIT_TIMEOUT_S)
 
     def _prune(self, conn: sqlite3.Connection) -> None:
-        """Deletes requests past `retention_days`, then the oldest until the file is under
-        `PRUNE_TO` of `max_bytes` — never one whose label weights still owe (writer thread;
-        trainer/ledger_retention.py)."""
+        """Retention (trainer/ledger_retention.py), on the writer thread."""
         deleted = ledger_retention.prune(conn, self.clock() - self.config.retention_days * 86400,
                                          int(self.config.max_bytes * PRUNE_TO))
         if deleted:

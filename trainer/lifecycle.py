@@ -81,7 +81,7 @@ class AdapterLifecycle:
             snapshot = self.checkpointer.store.latest()
             if snapshot is not None:
                 self.restore(snapshot, snapshot.version)
-                self.checkpointer.last_saved_version = snapshot.version
+                self.checkpointer.resumed(snapshot.version)
                 self.maintenance.merge_all()
                 logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
                 for restored, version in snapshot.state.get("rollbacks", []):  # those its saves failed to record
@@ -89,6 +89,7 @@ class AdapterLifecycle:
                 if "rolled_back_to" in snapshot.state:  # a kill may have come before its fates landed
                     self._ledger_after_rollback(snapshot.state["rolled_back_to"], snapshot.version)
             else:
+                self.checkpointer.resumed(None)
                 self.checkpointer.save_async(self.snapshot()).result()
 
     def score_baseline(self) -> None:
@@ -233,6 +234,8 @@ class AdapterLifecycle:
                              "restart resumes from the last saved version; the next version saved carries it",
                              snapshot.version, version)
                 self._unsaved_rollbacks = (*self._unsaved_rollbacks, (snapshot.version, version))
+                if self.gate is not None:  # what a shutdown saves while a candidate is scored carries it too
+                    self.promoted_snapshot = self.snapshot()
             else:
                 self._rollbacks_saved(rolled_back)
                 self._ledger_after_rollback(snapshot.version, version)

@@ -15,9 +15,9 @@ saved adapter version includes it, so on start, for the training method the serv
 
 A label trained into a version that was not saved is marked untrained again at once, so
 that a version saved later, under the same numbers, does not pass for one that holds it
-if the server crashes again before it has trained; and a parent recorded for such a
-version (the eval gate's copy, trainer/ledger_lineage.py) is forgotten, the number going
-to other weights. The bound on entries without activations (`train.max_label_entries`)
+if the server crashes again before it has trained (and the process that saves versions
+forgets their lineage, the numbers going to other weights: AdapterLifecycle.resume). The
+bound on entries without activations (`train.max_label_entries`)
 never refuses what is taken back: labels answered 200, CPT requests the cache held.
 """
 
@@ -61,7 +61,6 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
                        (method.name, saved))
     if owns is not None:
         rows = [row for row in rows if owns(row.request.id)]
-    ledger.resumed_at(saved)
     lost = [row.request.id for row in rows if row.fate == "trained"]
     if lost:  # trained into versions that died unsaved: untrained again, before any later version is saved
         ledger.reopen(lost)
