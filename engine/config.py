@@ -7,6 +7,7 @@ The other packages keep their sections beside them (`trainer/config.py`,
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,8 @@ class ModelConfig:
                              f"got {self.decode_attention!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"model.generation_config must be auto, vllm or a folder; got {self.generation_config!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):
+            raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
 
 
 @dataclass(frozen=True)

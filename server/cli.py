@@ -272,6 +272,10 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
     except ValueError as exc:
         print(f"alchemist: configuration error: {exc}", file=sys.stderr)
         return 2
+    except (OSError, RuntimeError) as exc:  # a model, tokenizer or directory that cannot be read or written
+        logger.debug("start-up failed", exc_info=True)
+        print(f"alchemist: start-up error: {exc} (--log-level debug for the traceback)", file=sys.stderr)
+        return 2
     run(app, config)
     return 0
 

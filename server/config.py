@@ -10,6 +10,7 @@ overrides on top, key by key, and rejects unknown sections or keys.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from offload.config import OffloadConfig
 from trainer.config import AdapterConfig, ArbiterConfig, LedgerConfig, TrainConfig
 
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,20 +70,45 @@ class AlchemistConfig(EngineConfig):
 _SECTIONS = {f.name: f for f in dataclasses.fields(AlchemistConfig)}
 
 
-def _merge(base: dict[str, dict[str, Any]], layer: dict[str, Any], origin: str) -> None:
+def _merge(base: dict[str, dict[str, Any]], layer: dict[str, Any], origin: str, typed: bool = False) -> None:
+    """Layers `layer` over `base`; `typed` (a TOML file's): each value must have its key's type."""
     for section, values in layer.items():
         if section not in _SECTIONS:
             raise ValueError(f"{origin}: unknown section [{section}]; known: {sorted(_SECTIONS)}")
         if not isinstance(values, dict):
             raise ValueError(f"{origin}: [{section}] must be a table")
-        known = {f.name: f for f in dataclasses.fields(_SECTIONS[section].default_factory)}
+        defaults = _SECTIONS[section].default_factory()
+        known = {f.name for f in dataclasses.fields(defaults)}
         for key, value in values.items():
             if key not in known:
                 raise ValueError(f"{origin}: unknown key {section}.{key}; known: {sorted(known)}")
+            if typed:
+                _check_type(origin, f"{section}.{key}", value, getattr(defaults, key))
             base.setdefault(section, {})[key] = value
 
 
+def _check_type(origin: str, name: str, value: Any, default: Any) -> None:
+    """A TOML value of the key's type (TOML has them all: "8000" is a string, not a port)."""
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float):
+        ok, kind = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    elif isinstance(default, str):
+        ok, kind = isinstance(value, str), "a string"
+    elif isinstance(default, (tuple, list)):
+        ok, kind = isinstance(value, list), "a list"
+    else:
+        return
+    if not ok:
+        raise ValueError(f"{origin}: {name} must be {kind}, got {value!r}")
+
+
 ENV_PREFIX = "ALCHEMIST_"
+# ALCHEMIST_* variables that are not configuration (the model cache, a replica's agent, the tests' device);
+# ALCHEMIST_EXP_* are experiments' instruments (docs/)
+NOT_CONFIG_VARIABLES = ("ALCHEMIST_CACHE", "ALCHEMIST_AGENT_PID", "ALCHEMIST_TEST_DEVICE")
 
 
 def _parse_env_value(name: str, text: str, default: Any) -> Any:
@@ -112,6 +140,10 @@ def config_from_env(environ: dict[str, str] | None = None) -> dict[str, dict[str
         rest = name[len(ENV_PREFIX):].lower()
         section = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
         if section is None:
+            if name not in NOT_CONFIG_VARIABLES and not name.startswith(f"{ENV_PREFIX}EXP_"):
+                hint = f"; the server reads {ENV_PREFIX}SERVER_{rest.upper()}" if rest.endswith("_key") else ""
+                logger.warning("environment: %s is no configuration variable (%s<SECTION>_<KEY>, sections %s), and "
+                               "is ignored%s", name, ENV_PREFIX, sorted(_SECTIONS), hint)
             continue
         key = rest[len(section) + 1:]
         defaults = _SECTIONS[section].default_factory()
@@ -133,12 +165,16 @@ def load_config(
     ({"section": {"key": value}}; None values are ignored, so unset CLI flags pass through)."""
     merged: dict[str, dict[str, Any]] = {}
     if DEFAULT_CONFIG_PATH.exists():
-        _merge(merged, tomllib.loads(DEFAULT_CONFIG_PATH.read_text()), str(DEFAULT_CONFIG_PATH))
+        _merge(merged, tomllib.loads(DEFAULT_CONFIG_PATH.read_text()), str(DEFAULT_CONFIG_PATH), typed=True)
     if path is not None:
         path = Path(path)
-        if not path.exists():
+        if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
-        _merge(merged, tomllib.loads(path.read_text()), str(path))
+        try:
+            layer = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        _merge(merged, layer, str(path), typed=True)
     _merge(merged, config_from_env(environ), "environment")
     if overrides:
         cleaned = {s: {k: v for k, v in kv.items() if v is not None} for s, kv in overrides.items()}

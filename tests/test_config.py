@@ -56,6 +56,14 @@ def test_file_then_flags_override(tmp_path):
     ("[schedulr]\nmax_num_seqs = 3\n", "unknown section"),
     ("[scheduler]\nmax_seqs = 3\n", "unknown key scheduler.max_seqs"),
     ("[scheduler]\nmax_num_seqs = 0\n", "positive integer"),
+    # TOML has every type: a value of another one is a mistake, never taken as meant
+    ("[server]\nport = \"8141\"\n", "server.port must be an integer, got '8141'"),
+    ("[ledger]\nenabled = \"false\"\n", "ledger.enabled must be true or false"),
+    ("[server]\napi_key = 123\n", "server.api_key must be a string"),
+    ("[train]\ntarget_modules = \"q_proj\"\n", "train.target_modules must be a list"),
+    ("[train]\nlearning_rate = \"1e-4\"\n", "train.learning_rate must be a number"),
+    ("[model]\ndevice = \"gpu\"\n", "model.device must be auto, cpu, cuda or cuda:N"),
+    ("[train\n", "Expected"),  # not TOML: said, with where
 ])
 def test_bad_config_is_rejected(tmp_path, text, fragment):
     path = tmp_path / "c.toml"
@@ -73,3 +81,22 @@ def test_max_staleness_by_the_learning_rate():
     assert TrainConfig(max_staleness=0).max_staleness == 0
     with pytest.raises(ValueError, match="max_staleness"):
         TrainConfig(max_staleness=-2)
+
+
+def test_an_alchemist_variable_that_is_no_configuration_is_said_to_be_ignored(caplog):
+    """`ALCHEMIST_API_KEY` (compose.yaml's name on the host) in a server's environment
+    leaves it open: the log says so, and which variable it reads."""
+    with caplog.at_level("WARNING"):
+        config = load_config(environ={"ALCHEMIST_API_KEY": "sk-secret", "ALCHEMIST_CACHE": "/tmp/x",
+                                      "ALCHEMIST_EXP_GAPS": "1"})
+    assert config.server.api_key == ""
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "ALCHEMIST_API_KEY" in said[0] and "ALCHEMIST_SERVER_API_KEY" in said[0]
+
+
+def test_a_model_directory_that_cannot_be_read_is_a_one_line_start_up_error(tmp_path, capsys):
+    from server.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "no-such-model"), "--port", "8199"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith("alchemist: start-up error:") and "Traceback" not in said
