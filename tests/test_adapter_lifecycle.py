@@ -119,31 +119,12 @@ def test_rollback_restores_a_saved_version_as_a_new_version(tmp_path):
         assert client.get("/v1/adapters").json()["version"] == 5
 
 
-def test_a_rollback_that_cannot_be_saved_serves_and_quarantines_nothing(tmp_path):
-    """A restart would resume from the last saved version, which holds the labels the
-    rollback undid: they stay trained in the ledger, and the answer's saved list says so."""
-    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
-    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
-        serve_and_train(client, ["first prompt about dogs"])
-        serve_and_train(client, ["second prompt about birds"])
-        training = client.app.state.alchemist.training
-        store = training.lifecycle.checkpointer.store
-
-        def full_disk(snapshot):
-            raise OSError("No space left on device")
-
-        store.save = full_disk
-        r = client.post("/v1/adapters/rollback", json={"version": 1})
-        assert r.status_code == 200 and r.json()["version"] == 3, r.text
-        assert 3 not in [v["version"] for v in r.json()["saved"]]
-        training.ledger.flush()
-        fates = {row.request.prompt: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
-        assert fates["second prompt about birds"] == "trained"
-
-
-def test_a_rollback_whose_save_failed_is_recorded_by_the_next_version_saved_and_by_a_restart_at_it(tmp_path):
-    """Its labels left the weights: once a later version (which the restart resumes) is
-    saved, they are quarantined, not left `trained` in no weights and never trained again."""
+def test_a_rollback_whose_save_failed_serves_and_is_recorded_by_the_next_version_saved_and_a_restart_at_it(
+        tmp_path):
+    """Until a later version is saved, a restart would resume from before the rollback,
+    which holds the labels it undid: they stay trained, and the answer's saved list says
+    so. Once one is (the restart resumes it), they are quarantined, not left `trained` in
+    no weights and never trained again."""
     adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
     with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
         serve_and_train(client, ["first prompt about dogs"])
@@ -156,7 +137,12 @@ def test_a_rollback_whose_save_failed_is_recorded_by_the_next_version_saved_and_
             raise OSError("No space left on device")
 
         store.save = full_disk
-        assert client.post("/v1/adapters/rollback", json={"version": 1}).json()["version"] == 3
+        r = client.post("/v1/adapters/rollback", json={"version": 1})
+        assert r.status_code == 200 and r.json()["version"] == 3, r.text
+        assert 3 not in [v["version"] for v in r.json()["saved"]]
+        training.ledger.flush()
+        fates = {row.request.prompt: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
+        assert fates["second prompt about birds"] == "trained"
         store.save = save  # room again
         serve_and_train(client, ["third prompt about cats"])  # version 4, saved, carries the rollback
         training.lifecycle.checkpointer.wait()
