@@ -107,9 +107,15 @@ def _convert_embedded(target: Path) -> None:
 
 
 def load(config: ModelConfig):
-    """`load_model` with every field of the model section."""
-    return load_model(config.model, config.dtype, config.device, tokenizer=config.tokenizer,
-                      load_format=config.load_format)
+    """`load_model` with every field of the model section; a `max_model_len` past the
+    model's positions is refused (as vLLM does)."""
+    loaded = load_model(config.model, config.dtype, config.device, tokenizer=config.tokenizer,
+                        load_format=config.load_format)
+    positions = getattr(loaded[0].config, "max_position_embeddings", None)
+    if positions is not None and config.max_model_len > positions:
+        raise ValueError(f"model.max_model_len ({config.max_model_len}) is longer than the model's positions "
+                         f"(max_position_embeddings {positions}): pass --max-model-len {positions} or less")
+    return loaded
 
 
 def load_model(model: str = "", dtype: str = "auto", device: str = "auto", tokenizer: str = "",
@@ -135,8 +141,11 @@ def load_model(model: str = "", dtype: str = "auto", device: str = "auto", token
     else:
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     loaded = loaded.to(torch_device).eval()
-    tokenizer_path = _tokenizer_dir(path, tokenizer)
+    tokenizer_path = _tokenizer_dir(path, tokenizer, load_format)
     loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if len(loaded_tokenizer) > config.vocab_size:  # ids past the embedding: garbage or 400s, never what was meant
+        raise ValueError(f"the tokenizer at {tokenizer_path} has {len(loaded_tokenizer)} tokens, more than the "
+                         f"model's vocabulary ({config.vocab_size}): pass the model's own with --tokenizer")
     logger.info("loaded %s (%s, %s%s) in %.2f s", path, torch_dtype, torch_device,
                 ", random weights" if load_format == "dummy" else "", time.perf_counter() - started)
     name = EMBEDDED_MODEL_NAME if not model else path.resolve().name
@@ -156,7 +165,7 @@ def _random_weights(config, dtype: torch.dtype, device: torch.device):
     return model
 
 
-def _tokenizer_dir(model_path: Path, tokenizer: str) -> Path:
+def _tokenizer_dir(model_path: Path, tokenizer: str, load_format: str) -> Path:
     if tokenizer:
         path = Path(tokenizer)
         if not path.is_dir():
@@ -164,4 +173,6 @@ def _tokenizer_dir(model_path: Path, tokenizer: str) -> Path:
         return path
     if any((model_path / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return model_path
+    if load_format != "dummy":  # real weights need their own tokenizer
+        raise FileNotFoundError(f"--model {str(model_path)!r} holds no tokenizer: pass its tokenizer with --tokenizer")
     return embedded_model_dir()  # a config-only directory (load_format dummy): the embedded tokenizer

@@ -24,6 +24,26 @@ def test_loads_a_local_model_directory(tmp_path, family):
         assert torch.allclose(loaded(x).logits, model(x).logits, atol=1e-5)
 
 
+def test_a_model_directory_without_its_tokenizer_or_with_one_too_large_or_too_short_positions_is_refused(tmp_path):
+    """Another model's tokenizer (the embedded one, which only a config-only directory of
+    random weights may borrow) would give ids past its embedding or the wrong text; a
+    context past its positions, wrong outputs. vLLM refuses both at start."""
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)  # no tokenizer beside the weights
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer: pass its tokenizer with --tokenizer"):
+        load_model(str(tmp_path), "float32", "cpu")
+    small = tmp_path / "small-vocab"
+    # the model's own config, with fewer tokens than the tokenizer has
+    model.config.vocab_size = len(tiny_tokenizer()) - 1
+    model.config.save_pretrained(small)
+    with pytest.raises(ValueError, match="more than the model's vocabulary"):
+        load_model(str(small), "float32", "cpu", tokenizer=str(embedded_model_dir()), load_format="dummy")
+    tiny_tokenizer().save_pretrained(tmp_path)
+    positions = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="longer than the model's positions"):
+        load(ModelConfig(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=positions + 1))
+
+
 def test_missing_directory_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a local Hugging Face model directory"):
         load_model(str(tmp_path / "nope"))
@@ -45,7 +65,7 @@ def test_dummy_load_format_builds_random_weights_from_a_config_only_directory(tm
     tiny_model("llama").config.save_pretrained(tmp_path / "shape")
     tiny_tokenizer().save_pretrained(tmp_path / "tok")
     config = ModelConfig(model=str(tmp_path / "shape"), tokenizer=str(tmp_path / "tok"), load_format="dummy",
-                         dtype="float32", device="cpu")
+                         dtype="float32", device="cpu", max_model_len=512)
     first, tokenizer, name = load(config)
     second, _, _ = load(config)
     assert name == "shape" and tokenizer.eos_token == "<|im_end|>"

@@ -231,7 +231,7 @@ def _flags(tmp_path: Path) -> list[str]:
     tiny_tokenizer().save_pretrained(model_dir)
     return ["--data-parallel-size", "2", "--model", str(model_dir), "--served-model-name", "tiny", "--device", "cpu",
             "--dtype", "float32", "--train-mode", "dpo", "--adapter-dir", str(tmp_path / "adapters"),
-            "--adapter-save-every", "1"]
+            "--adapter-save-every", "1", "--max-model-len", "512"]
 
 
 @pytest.mark.slow  # a group of two server processes, killed and restarted
@@ -341,7 +341,7 @@ def test_a_replica_dies_with_its_agent_even_while_it_waits_for_its_group(tmp_pat
         "import os, subprocess, sys, time\n"
         "os.environ['ALCHEMIST_AGENT_PID'] = str(os.getpid())  # as `alchemist serve -dp N` names itself\n"
         f"replica = subprocess.Popen([sys.executable, '-m', 'server.cli', 'serve', '--device', 'cpu', "
-        f"'--model', {str(tmp_path / 'model')!r}])\n"
+        f"'--model', {str(tmp_path / 'model')!r}, '--max-model-len', '512'])\n"
         "print(replica.pid, flush=True)\n"
         "time.sleep(600)\n")
     root = Path(__file__).resolve().parents[1]
