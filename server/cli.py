@@ -89,13 +89,18 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
     return load_config(args.config, overrides)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="alchemist", description="OpenAI-compatible LLM server that learns "
                                      "online from what it serves.")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
+    serve.add_argument("--log-level", dest="serve_log_level", type=str.upper, choices=LOG_LEVELS,
+                       help="as before the command (uvicorn's request lines are INFO)")
     _add_config_flags(serve)
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
@@ -216,7 +221,8 @@ def export_feedback(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args.log_level = getattr(args, "serve_log_level", None) or args.log_level
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from engine.malloc_tuning import keep_freed_memory
     keep_freed_memory()
     if args.command == "feedback":

@@ -74,8 +74,13 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
 
 def run(app: FastAPI, config: AlchemistConfig) -> None:
     logger.info("%d start-up objects frozen out of garbage collection", freeze_startup_objects())
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level="info",
+    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=_uvicorn_level(),
                 timeout_graceful_shutdown=10)
+
+
+def _uvicorn_level() -> str:
+    """The root logger's level (`--log-level`): WARNING keeps uvicorn's per-request lines out too."""
+    return logging.getLevelName(logging.getLogger().getEffectiveLevel()).lower()
 
 
 def run_replica(config: AlchemistConfig, replica: Replica) -> None:
@@ -88,7 +93,7 @@ def run_replica(config: AlchemistConfig, replica: Replica) -> None:
     app = build_server(config, replica=replica, peers=peers)
     public = public_socket(config.server.host, config.server.port)
     logger.info("replica %d serving on port %d (private %s)", replica.rank, config.server.port, address)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=10))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=_uvicorn_level(), timeout_graceful_shutdown=10))
     logger.info("%d start-up objects frozen out of garbage collection", freeze_startup_objects())
     try:
         server.run(sockets=[public, private])

@@ -100,3 +100,11 @@ def test_a_model_directory_that_cannot_be_read_is_a_one_line_start_up_error(tmp_
     assert main(["serve", "--model", str(tmp_path / "no-such-model"), "--port", "8199"]) == 2
     said = capsys.readouterr().err
     assert said.startswith("alchemist: start-up error:") and "Traceback" not in said
+
+
+def test_the_log_level_is_taken_before_or_after_serve_and_a_wrong_one_is_an_argument_error(capsys):
+    assert build_parser().parse_args(["--log-level", "warning", "serve"]).log_level == "WARNING"
+    assert build_parser().parse_args(["serve", "--log-level", "debug"]).serve_log_level == "DEBUG"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--log-level", "verbose", "serve"])
+    assert "invalid choice" in capsys.readouterr().err
