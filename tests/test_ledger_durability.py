@@ -201,3 +201,19 @@ def test_deleting_a_label_released_while_the_server_runs_is_not_taken_for_one_in
     forgotten = training.forget("r0", label_only=True)
     assert forgotten.found and forgotten.training == []
     training.close()
+
+
+def test_a_replica_that_saves_no_version_records_a_rollback_in_its_nodes_ledger(tmp_path):
+    """With data-parallel replicas only rank 0 saves versions; another node's ledger is
+    its own, and the labels a rollback undid leave the weights there too."""
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    training = make_training(DPO, ledger=ledger)  # no checkpointer: a replica other than rank 0
+    before = training.lifecycle.snapshot()
+    serve(training, "r0")
+    label(training, "r0")
+    training.train_until_idle()
+    assert training.optimizer.version == 1
+    training.rollback(before)
+    ledger.flush()
+    assert rows_by_id(tmp_path / LEDGER_FILE)["r0"].fate == "quarantined"
+    training.close()

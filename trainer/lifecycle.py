@@ -239,6 +239,8 @@ class AdapterLifecycle:
             else:
                 self._rollbacks_saved(rolled_back)
                 self._ledger_after_rollback(snapshot.version, version)
+        else:  # a replica that saves no version: its node's ledger (another node's, with replicas) learns it here
+            self._ledger_after_rollback(snapshot.version, version)
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
         return version
 
