@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from engine.config import DECODE_ATTENTION
@@ -265,6 +266,12 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
             return 2
         return_freed_memory()  # the conversion's heap, not kept by an agent that only supervises
     if replica is None and args.data_parallel_size > 1:
+        missing = [f"--{flag} {path!r}" for flag, path in (("model", config.model.model),
+                                                             ("tokenizer", config.model.tokenizer))
+                   if path and not os.path.isdir(path)]
+        if missing:  # before the group forms: a replica failing on it would be restarted, and fail again
+            print(f"alchemist: start-up error: {', '.join(missing)} is no local directory", file=sys.stderr)
+            return 2
         return launch(argv, args.data_parallel_size, args.max_restarts)
     from server.serve import build_server, run, run_replica
     try:  # a ValueError: what only the built server can judge (a saved adapter that does not fit)

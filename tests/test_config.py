@@ -108,3 +108,11 @@ def test_the_log_level_is_taken_before_or_after_serve_and_a_wrong_one_is_an_argu
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--log-level", "verbose", "serve"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_replicas_on_a_model_directory_that_is_not_there_fail_before_the_group_forms(tmp_path, capsys):
+    """Not restarted ten times over (each replica would fail on it the same way)."""
+    from server.cli import main
+
+    assert main(["serve", "--data-parallel-size", "2", "--device", "cpu", "--model", str(tmp_path / "nope")]) == 2
+    assert "is no local directory" in capsys.readouterr().err
