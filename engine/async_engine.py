@@ -85,8 +85,7 @@ class AsyncEngine:
         self.async_output = async_output
         self.idle_hook = idle_hook
         self.wakeup = wakeup or Wakeup()
-        # (seconds the engine had nothing runnable before, when its current idle spell began or
-        # None): one tuple, replaced at once, so that a reader on another thread never sees it go back
+        # (idle seconds before, when the current idle spell began or None): replaced whole, never seen going back
         self._idle: tuple[float, float | None] = (0.0, None)
         # serving steps, and the device's seconds between consecutive ones while requests
         # were running: the round trip through the event loop, and what the idle hook ran
@@ -156,9 +155,12 @@ class AsyncEngine:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      train: bool = False, client_prompt: object = None) -> EngineRequest:
-        """Validates a request (no tensor work); raises InvalidParameter."""
-        return self.engine.make_request(request_id, prompt_token_ids, params, time.monotonic(), train,
-                                        client_prompt)
+        """Validates a request (no tensor work; InvalidParameter); the recorder expects a trainable one from
+        here, as its id may reach the client (a stream's first chunk) before the device thread queues it."""
+        request = self.engine.make_request(request_id, prompt_token_ids, params, time.monotonic(), train,
+                                           client_prompt)
+        self.engine.expect(request)
+        return request
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs (those that queued up while the caller was busy
@@ -252,6 +254,7 @@ class AsyncEngine:
                 try:
                     self.engine.add(message.request)
                 except Exception as exc:  # noqa: BLE001 - reported to the caller
+                    self.engine.expect(message.request, expected=False)
                     errors.append((message.request.request_id, exc))
             elif isinstance(message, _Abort):
                 output = self.engine.abort_request(message.request_id)

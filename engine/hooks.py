@@ -26,9 +26,10 @@ class PrefillRecorder(Protocol):
     # (their labels train by recomputation and use the served values)
     wants_served_logprobs: bool
 
-    def expect(self, request_id: str) -> None:
-        """A request the client allows training on was queued: until it is admitted or
-        finishes, feedback for it is answered as for one being generated."""
+    def expect(self, request_id: str, expected: bool = True) -> None:
+        """A request the client allows training on was made (before its first byte is
+        sent): until it is admitted or finishes, feedback for it is answered as for one
+        being generated; `expected=False`: it never ran (refused, or aborted before it was queued)."""
         ...
 
     def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,

@@ -168,9 +168,13 @@ class LLMEngine:
             else:
                 self.scheduler.add(seq)
         self.outputs.add(request.request_id, seqs, RequestMetrics(request.arrival_time, None, None, len(prompt), 0))
-        if request.train and self.hooks.recorder is not None:
-            self.hooks.recorder.expect(request.request_id)
+        self.expect(request)
         self._publish([], self._state())
+
+    def expect(self, request: EngineRequest, expected: bool = True) -> None:
+        """Tells the recorder of a trainable request made (or, not `expected`, one that never ran)."""
+        if request.train and self.hooks.recorder is not None:
+            self.hooks.recorder.expect(request.request_id, expected)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, train: bool = False) -> None:

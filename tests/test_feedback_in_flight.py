@@ -63,3 +63,18 @@ def test_a_label_naming_a_batch_of_prompts_in_flight_is_pending_too(record_fract
         engine.step()
     assert seen == {(FeedbackOutcome.CONFLICT, "response_pending")}
     assert training.feedback.submit(FeedbackLabel("cmpl-b", None, None, None, 2, 3)).accepted
+
+
+def test_a_request_is_pending_from_the_moment_it_is_made_before_the_device_thread_queues_it():
+    """A stream's first chunk carries the id before the device thread has queued the
+    request (it may be in a training slice): its label is pending from then on, and a
+    request the engine then refuses is expected no more."""
+    from engine.async_engine import AsyncEngine
+
+    training = make_training(TrainConfig(mode="dpo", lora_rank=4))
+    async_engine = AsyncEngine(engine_of(training))  # its loop not started: nothing reaches the device thread
+    request = async_engine.make_request("early", encode("What is the capital of France?"), PARAMS, train=True)
+    assert (_label(training, "early").outcome, _label(training, "early").code) == (FeedbackOutcome.CONFLICT,
+                                                                                  "response_pending")
+    engine_of(training).expect(request, expected=False)
+    assert "early" not in training.cache.expected

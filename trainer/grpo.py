@@ -82,7 +82,8 @@ class GRPOMethod(TrainingMethod):
         """(choice index, response, advantage, token weight) of each sample that gives a
         gradient; the weight makes the loss the mean over a sample's tokens, then over the group."""
         indices = sorted(entry.responses)
-        advantages = group_advantages(torch.tensor([entry.label.rewards[i] for i in indices])).tolist()
+        advantages = group_advantages(torch.tensor([entry.label.rewards[i] for i in indices],
+                                                   dtype=torch.float64)).tolist()
         return [(i, entry.responses[i], a, 1.0 / (len(indices) * len(entry.responses[i])))
                 for i, a in zip(indices, advantages) if a != 0.0 or self.beta]
 
@@ -174,14 +175,14 @@ class GRPOMethod(TrainingMethod):
         prefix = kv_leaves(recording.segments)
         last = recording.logits[-1:].detach().requires_grad_()  # scores every sample's first token
         samples = self._samples(entry)
+        if not samples:  # no sample gives a gradient: nothing to back-propagate into the prompt
+            return JobResult(0.0, entry.num_tokens, self._metrics(entry, 0.0))
         losses = {index: self._token_loss(entry, index, response, advantage, weight, last.device)
                   for index, response, advantage, weight in samples}
-        total = 0.0
-        if samples:
-            with torch.enable_grad():
-                first = sum(losses[index](last, 0) for index, _, _, _ in samples)
-                first.backward()
-            total += first.item()
+        with torch.enable_grad():
+            first = sum(losses[index](last, 0) for index, _, _, _ in samples)
+            first.backward()
+        total = first.item()
         longer = [sample for sample in samples if len(sample[1]) > 1]
         rows = self._suffix_rows(ctx, longer)
         for start in range(0, len(longer), rows):

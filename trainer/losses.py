@@ -42,8 +42,10 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """GRPO's advantages (Shao et al., 2024, §4.1.2, outcome supervision): each sample's
     reward normalised by its group's mean and standard deviation (unbiased, as TRL's
-    GRPOTrainer computes it). rewards (G,) -> (G,); all equal -> all zero."""
-    rewards = rewards.float()
+    GRPOTrainer computes it). rewards (G,) -> (G,), in float64: rewards that differ only
+    past float32's precision (0.1 + 0.2 and 0.3) or lie past its range (1e39) would give
+    all-zero or NaN advantages; all equal -> all zero."""
+    rewards = rewards.double()
     return (rewards - rewards.mean()) / (rewards.std() + eps)
 
 

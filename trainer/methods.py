@@ -175,12 +175,14 @@ class CPTMethod(TrainingMethod):
     def reuse_job(self, entry: CacheEntry, ctx: TrainContext):
         recording = entry.recording
         result = yield from self._train_head(entry, ctx, recording.head_leaf)
-        yield from backward_segments(recording.segments, recording.head_leaf.grad,
-                                     residency=ctx.residency(recording))
+        if recording.head_leaf.grad is not None:  # (a one-token prompt scores no token: no gradient)
+            yield from backward_segments(recording.segments, recording.head_leaf.grad,
+                                         residency=ctx.residency(recording))
         return result
 
     def recompute_job(self, entry: CacheEntry, ctx: TrainContext):
         fwd = yield from forward_segments(ctx.runner, [entry.prompt_token_ids])
         result = yield from self._train_head(entry, ctx, fwd.head_leaf)
-        yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+        if fwd.head_leaf.grad is not None:
+            yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
         return result

@@ -95,8 +95,10 @@ class Recorder:
 
     # -- PrefillRecorder ------------------------------------------------------------------
 
-    def expect(self, request_id: str) -> None:
-        if self.method.uses_feedback:
+    def expect(self, request_id: str, expected: bool = True) -> None:
+        if not expected:
+            self.cache.expected.discard(request_id)
+        elif self.method.uses_feedback:
             self.cache.expected.add(request_id)
 
     def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,

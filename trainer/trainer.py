@@ -155,12 +155,19 @@ class Trainer:
                 job.current = None
                 job.index += 1
         except Exception:  # noqa: BLE001 - a failed job must not stop serving
-            logger.exception("training job failed; dropping its entries")
+            # the entry it was on is dropped; the others train again (the optimizer step failing: all dropped)
+            failed = job.entries[job.index] if job.index < len(job.entries) else None
+            logger.exception("training job failed on %s; dropping it", failed.completion_id if failed else "its step")
             with self.stats.lock:
                 self.stats.failed_jobs += 1
+            if job.current is not None:
+                job.current.close()
             self._discard_gradients(job)
             for entry in job.entries:
-                self.cache.end(entry, EntryState.DROPPED, reason="job_failed")
+                if failed is None or entry is failed:
+                    self.cache.end(entry, EntryState.DROPPED, reason="job_failed")
+                else:
+                    self._requeue(entry)
             self._job = None
             self.release_unneeded_weights()
         return True
@@ -297,10 +304,14 @@ class Trainer:
             self.cache.free_activations(job.entries[job.index])
         self._discard_gradients(job)
         for entry in job.entries:
-            if entry.recording is None:  # spent by this job: recomputed as a label entry, not counted stale
-                entry.was_recorded = False
-            self.cache.requeue(entry)
+            self._requeue(entry)
         return True
+
+    def _requeue(self, entry: CacheEntry) -> None:
+        """An entry of a dropped job trains again (recomputed if the job spent its recording)."""
+        if entry.recording is None:  # spent by this job: recomputed as a label entry, not counted stale
+            entry.was_recorded = False
+        self.cache.requeue(entry)
 
     def _discard_gradients(self, job: _Job) -> None:
         """A dropped job's gradients: the live weights', and those its entry in progress left
