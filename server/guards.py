@@ -28,6 +28,8 @@ import logging
 import uuid
 from dataclasses import dataclass
 
+from starlette.requests import ClientDisconnect
+
 from server.errors import APIError, error_body
 from server.fanout import LOCAL_HEADER
 from server.route_table import route_of
@@ -89,6 +91,8 @@ class RequestGuard:
                 self.in_flight += 1
             try:
                 await self.app(scope, self._limited(receive), counting_send)
+            except ClientDisconnect:  # gone while its body was read: nothing to answer, counted as 499 below
+                pass
             except Exception as exc:  # past the app's handlers: answered here, with the request id
                 if status_seen:
                     raise  # a response began: nothing can be sent any more

@@ -154,3 +154,19 @@ def test_only_an_answer_the_shutdown_aborted_ends_with_the_error_event(finish_re
         assert [e["error"]["code"] for e in errors] == (["server_shutting_down"] if cut else [])
         reasons = [c["finish_reason"] for p in payloads if "choices" in p for c in p["choices"]]
         assert reasons[-1] == (None if cut else finish_reason)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/feedback"])
+def test_a_client_gone_while_its_body_was_read_is_a_499_not_a_500(path, caplog):
+    """It sent a part of what Content-Length promised and left: nothing is answered, no
+    error is logged, and the metrics say 499 (a 5xx alert would fire on a timeout)."""
+    with ServerThread(tiny_app()) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as raw:
+            raw.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        "Content-Length: 1000\r\n\r\n{\"model\": \"ti".encode())
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            series = f'alchemist:http_requests_total{{handler="{path}",status="499"}}'
+            wait_for(lambda: metric(client, series) >= 1)
+            assert metric(client, f'alchemist:http_requests_total{{handler="{path}",status="500"}}') == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
