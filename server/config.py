@@ -34,7 +34,7 @@ class ServerConfig:
     api_key: str = field(default="", repr=False)
     # when set, the adapter routes (/v1/adapters*) require this key instead of api_key
     admin_key: str = field(default="", repr=False)
-    # requests waiting beyond max_num_seqs running; more get 429
+    # sequences waiting beyond max_num_seqs running (a request: its prompts × n); more get 429
     max_queued_requests: int = 256
     # request bodies larger than this get 413
     max_body_bytes: int = 4 << 20

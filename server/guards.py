@@ -37,6 +37,17 @@ from server.route_table import route_of
 GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
 ADMIN_PREFIX = "/v1/adapters"
 logger = logging.getLogger(__name__)
+# where a generation route finds how to hold the sequences its body asks for (`admit_sequences`)
+ADMIT_KEY = "alchemist.admit"
+
+
+def admit_sequences(request, sequences: int) -> None:
+    """Holds `sequences` of the server's capacity for this request (raises APIError 429/400)."""
+    admit = request.scope.get("state", {}).get(ADMIT_KEY)
+    if admit is not None:
+        admit(sequences)
+
+
 # the longest client X-Request-Id echoed back (a longer one gets a new id)
 MAX_REQUEST_ID_CHARS = 256
 
@@ -45,7 +56,7 @@ MAX_REQUEST_ID_CHARS = 256
 class GuardConfig:
     api_key: str = ""
     admin_key: str = ""
-    # generation requests in flight at once (running + queued); more get 429
+    # generation sequences in flight at once (running + queued: a request's prompts × n); more get 429
     max_in_flight: int = 1 << 30
     max_body_bytes: int = 4 << 20
     # the private port a replica is asked on by the others (server/fanout.py): their
@@ -60,6 +71,20 @@ class RequestGuard:
         # called with (route label, status code) for every response
         self.count_response = count_response or (lambda route, status: None)
         self.in_flight = 0
+
+    def _charge(self, charged: list[int], sequences: int) -> None:
+        """Holds `sequences` of the capacity for a request (once its body says how many: its
+        prompts × n), or refuses it: 429 while others hold the room, 400 if it never fits."""
+        limit = self.config.max_in_flight
+        if sequences > limit:
+            raise APIError(400, f"This request asks for {sequences} sequences (prompts × n), more than the server "
+                                f"holds at once ({limit}).", "n", "invalid_value")
+        extra = sequences - charged[0]
+        if extra > 0 and self.in_flight + extra > limit:
+            raise APIError(429, f"The server is at capacity ({limit} sequences running or queued); retry "
+                                "shortly.", code="rate_limit_exceeded", headers={"retry-after": "1"})
+        self.in_flight += max(extra, 0)
+        charged[0] += max(extra, 0)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -83,12 +108,13 @@ class RequestGuard:
             if refusal is not None:
                 return await _send_error(counting_send, refusal)
             admitted = path in GENERATION_ROUTES
+            charged = [0]  # the sequences this request holds of max_in_flight
             if admitted:
-                if self.in_flight >= self.config.max_in_flight:
-                    return await _send_error(counting_send, APIError(
-                        429, f"The server is at capacity ({self.config.max_in_flight} requests running or "
-                             "queued); retry shortly.", code="rate_limit_exceeded"), {"retry-after": "1"})
-                self.in_flight += 1
+                try:
+                    self._charge(charged, 1)
+                except APIError as full:
+                    return await _send_error(counting_send, full, full.headers)
+                scope.setdefault("state", {})[ADMIT_KEY] = lambda sequences: self._charge(charged, sequences)
             try:
                 await self.app(scope, self._limited(receive), counting_send)
             except ClientDisconnect:  # gone while its body was read: nothing to answer, counted as 499 below
@@ -100,8 +126,7 @@ class RequestGuard:
                 await _send_error(counting_send, APIError(500, f"internal error: {type(exc).__name__}",
                                                           type="server_error"))
             finally:
-                if admitted:
-                    self.in_flight -= 1
+                self.in_flight -= charged[0]
         finally:
             if not asked_by_replica:
                 self.count_response(route, status_seen[0] if status_seen else 499)

@@ -12,6 +12,7 @@ import time
 from fastapi import APIRouter, Request, Response
 
 from server.errors import APIError
+from server.guards import admit_sequences
 from server.parsing import (check_model, check_unsupported, completion_prompts, ledger_prompt, make_request,
                             parse_body, render_chat)
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -69,6 +70,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     check_unsupported(body)
     tools = body.tool_use()
     params = body.sampling_params(tools=tools, tool_call_token=state.tool_call_token, defaults=state.sampling_defaults)
+    admit_sequences(request, params.n)
     prompt_ids = render_chat(state.tokenizer, body, tools=tools)
     tail = body.prompt_tail(state.max_model_len, params.max_tokens)
     truncated = tail is not None and len(prompt_ids) > tail
@@ -113,6 +115,7 @@ async def serve_completion(state: ServerState, request: Request):
     params = body.sampling_params(defaults=state.sampling_defaults)
     prompts = completion_prompts(state.tokenizer, body.prompt, state.engine.vocab_size,
                                  body.prompt_tail(state.max_model_len, params.max_tokens))
+    admit_sequences(request, len(prompts) * params.n)  # one request of many prompts holds as many sequences
     request_id = state.completion_id("cmpl")
     # with one prompt, the completion id is the training entry's id (for feedback)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]

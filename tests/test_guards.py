@@ -188,3 +188,27 @@ async def _sdk_during_burst(url: str, body: dict, engine):
             await client.completions.create(model=TINY_NAME, prompt="hi", max_tokens=2)
         finally:
             await asyncio.gather(*holders)
+
+
+def test_capacity_counts_sequences_so_one_request_of_many_prompts_or_choices_cannot_pass_the_queue_bound():
+    """max_num_seqs + max_queued_requests bounds sequences, as the engine queues them: a
+    request of 60 prompts (or n = 64) used to count as one and hold the engine."""
+    app = tiny_app(max_num_seqs=2, server=ServerConfig(max_queued_requests=2))
+    with ServerThread(app) as server:
+        body = {"model": TINY_NAME, "max_tokens": 2, "ignore_eos": True, "temperature": 0}
+        r = post(f"{server.url}/v1/completions", json={**body, "prompt": ["hello"] * 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "5 sequences" in r.text, r.text
+        r = post(f"{server.url}/v1/chat/completions", json={**body, "n": 5,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "more than the server holds at once (4)" in r.text, r.text
+        assert post(f"{server.url}/v1/completions", json={**body, "prompt": ["hello"] * 2, "n": 2}).status_code == 200
+
+        async def two_of_three_sequences():
+            async with httpx.AsyncClient(timeout=300) as client:
+                long = {**body, "max_tokens": 200, "prompt": ["hello"] * 3}
+                return await asyncio.gather(*[client.post(f"{server.url}/v1/completions", json=long)
+                                              for _ in range(2)])
+
+        statuses = sorted(r.status_code for r in asyncio.run(two_of_three_sequences()))
+        assert statuses == [200, 429], statuses  # 3 + 3 sequences do not fit in 4
+        assert app.state.alchemist.engine.engine.num_requests == 0
