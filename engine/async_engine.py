@@ -155,12 +155,9 @@ class AsyncEngine:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      train: bool = False, client_prompt: object = None) -> EngineRequest:
-        """Validates a request (no tensor work; InvalidParameter); the recorder expects a trainable one from
-        here, as its id may reach the client (a stream's first chunk) before the device thread queues it."""
-        request = self.engine.make_request(request_id, prompt_token_ids, params, time.monotonic(), train,
-                                           client_prompt)
-        self.engine.expect(request)
-        return request
+        """Validates a request (no tensor work); raises InvalidParameter."""
+        return self.engine.make_request(request_id, prompt_token_ids, params, time.monotonic(), train,
+                                        client_prompt)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs (those that queued up while the caller was busy

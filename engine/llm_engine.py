@@ -128,9 +128,11 @@ class LLMEngine:
         trained on."""
         self._validate(prompt_token_ids, params)
         scoring = params.prompt_logprobs is not None or params.max_tokens == 0
-        return EngineRequest(request_id, tuple(prompt_token_ids), params,
-                             time.monotonic() if arrival_time is None else arrival_time, train and not scoring,
-                             client_prompt)
+        request = EngineRequest(request_id, tuple(prompt_token_ids), params,
+                                time.monotonic() if arrival_time is None else arrival_time, train and not scoring,
+                                client_prompt)
+        self.expect(request)  # its id may reach the client (a stream's first chunk) before it is queued
+        return request
 
     def add(self, request: EngineRequest) -> None:
         """Queues a request made by `make_request`; it joins at the next step."""
@@ -168,7 +170,6 @@ class LLMEngine:
             else:
                 self.scheduler.add(seq)
         self.outputs.add(request.request_id, seqs, RequestMetrics(request.arrival_time, None, None, len(prompt), 0))
-        self.expect(request)
         self._publish([], self._state())
 
     def expect(self, request: EngineRequest, expected: bool = True) -> None:

@@ -41,11 +41,12 @@ logger = logging.getLogger(__name__)
 ADMIT_KEY = "alchemist.admit"
 
 
-def admit_sequences(request, sequences: int) -> None:
-    """Holds `sequences` of the server's capacity for this request (raises APIError 429/400)."""
+def admit_sequences(request, sequences: int, param: str = "n") -> None:
+    """Holds `sequences` of the server's capacity for this request (raises APIError 429, or
+    400 naming `param`, what asked for too many)."""
     admit = request.scope.get("state", {}).get(ADMIT_KEY)
     if admit is not None:
-        admit(sequences)
+        admit(sequences, param)
 
 
 # the longest client X-Request-Id echoed back (a longer one gets a new id)
@@ -72,13 +73,13 @@ class RequestGuard:
         self.count_response = count_response or (lambda route, status: None)
         self.in_flight = 0
 
-    def _charge(self, charged: list[int], sequences: int) -> None:
+    def _charge(self, charged: list[int], sequences: int, param: str = "n") -> None:
         """Holds `sequences` of the capacity for a request (once its body says how many: its
         prompts × n), or refuses it: 429 while others hold the room, 400 if it never fits."""
         limit = self.config.max_in_flight
         if sequences > limit:
             raise APIError(400, f"This request asks for {sequences} sequences (prompts × n), more than the server "
-                                f"holds at once ({limit}).", "n", "invalid_value")
+                                f"holds at once ({limit}).", param, "invalid_value")
         extra = sequences - charged[0]
         if extra > 0 and self.in_flight + extra > limit:
             raise APIError(429, f"The server is at capacity ({limit} sequences running or queued); retry "
@@ -114,7 +115,7 @@ class RequestGuard:
                     self._charge(charged, 1)
                 except APIError as full:
                     return await _send_error(counting_send, full, full.headers)
-                scope.setdefault("state", {})[ADMIT_KEY] = lambda sequences: self._charge(charged, sequences)
+                scope.setdefault("state", {})[ADMIT_KEY] = lambda count, param: self._charge(charged, count, param)
             try:
                 await self.app(scope, self._limited(receive), counting_send)
             except ClientDisconnect:  # gone while its body was read: nothing to answer, counted as 499 below

@@ -115,7 +115,8 @@ async def serve_completion(state: ServerState, request: Request):
     params = body.sampling_params(defaults=state.sampling_defaults)
     prompts = completion_prompts(state.tokenizer, body.prompt, state.engine.vocab_size,
                                  body.prompt_tail(state.max_model_len, params.max_tokens))
-    admit_sequences(request, len(prompts) * params.n)  # one request of many prompts holds as many sequences
+    # one request of many prompts holds as many sequences
+    admit_sequences(request, len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
     request_id = state.completion_id("cmpl")
     # with one prompt, the completion id is the training entry's id (for feedback)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]

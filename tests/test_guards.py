@@ -197,10 +197,11 @@ def test_capacity_counts_sequences_so_one_request_of_many_prompts_or_choices_can
     with ServerThread(app) as server:
         body = {"model": TINY_NAME, "max_tokens": 2, "ignore_eos": True, "temperature": 0}
         r = post(f"{server.url}/v1/completions", json={**body, "prompt": ["hello"] * 5})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "5 sequences" in r.text, r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "5 sequences" in r.text, r.text
         r = post(f"{server.url}/v1/chat/completions", json={**body, "n": 5,
                                                            "messages": [{"role": "user", "content": "hi"}]})
-        assert r.status_code == 400 and "more than the server holds at once (4)" in r.text, r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert "more than the server holds at once (4)" in r.text
         assert post(f"{server.url}/v1/completions", json={**body, "prompt": ["hello"] * 2, "n": 2}).status_code == 200
 
         async def two_of_three_sequences():

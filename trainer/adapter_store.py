@@ -85,7 +85,7 @@ class AdapterStore:
         if read_only:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        self._lock = _lock_directory(self.root)
+        _lock_directory(self.root)
         for leftover in self.root.glob(_TMP_PREFIX + "*"):  # a save interrupted by a crash
             logger.warning("removing an interrupted adapter save: %s", leftover)
             shutil.rmtree(leftover, ignore_errors=True)

@@ -92,8 +92,9 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
     if style not in STYLES:
         raise ExportError(f"style must be one of {STYLES}, got {style!r}")
     chosen = [row for row in rows if _selected(row, since, include_quarantined)]
-    # the style of the requests this format makes rows of (an unlabelled request of the other makes none)
-    styles = {_style(row) for row in chosen if next(_FORMATTERS[format](row), None) is not None} - {None}
+    # the requests this format makes rows of, whose style decides (an unlabelled request of the other makes none)
+    producing = [row for row in chosen if next(_FORMATTERS[format](row), None) is not None]
+    styles = {_style(row) for row in producing} - {None}
     if style == "auto" and len(styles) > 1:
         raise ExportError("the ledger holds chat requests (conversational rows) and text completions (standard "
                           "rows); one dataset holds one style: pass --style conversational or --style standard")
@@ -110,9 +111,8 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
             truncated += cut
             if not (cut and drop_truncated):
                 out.append({**made, **extra})
-    left_out = [_style(row) for row in chosen if _style(row) != wanted and next(_FORMATTERS[format](row), None)]
-    continuing = sum(1 for row in chosen if _style(row) == wanted and _continues(row)
-                     and next(_FORMATTERS[format](row), None))
+    left_out = [_style(row) for row in producing if _style(row) != wanted]
+    continuing = sum(1 for row in producing if _style(row) == wanted and _continues(row))
     return out, ExportCounts(len(out), sum(s is not None for s in left_out), left_out.count(None), continuing,
                              len(kept), truncated)
 
