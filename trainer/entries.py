@@ -64,6 +64,8 @@ class CacheEntry:
     def __post_init__(self) -> None:
         # made with a recording (which may be released later), or a label entry from the start
         self.was_recorded = self.recording is not None
+        # trained once in a step skipped for a non-finite gradient: a second skip drops it
+        self.retried_after_skip = False
 
     @property
     def num_tokens(self) -> int:

@@ -62,6 +62,8 @@ class _Job:
     # the path each finished entry took, in order and by completion id
     paths: list[str] = field(default_factory=list)
     path_of: dict[str, str] = field(default_factory=dict)
+    # each finished entry's loss was finite, by completion id
+    finite_of: dict[str, bool] = field(default_factory=dict)
     # (replicas) its gradients went to a round; it ends when that round's step applies
     contributed: bool = False
 
@@ -151,6 +153,7 @@ class Trainer:
                 job.results.append(stop.value)
                 job.paths.append(job.path)
                 job.path_of[job.entries[job.index].completion_id] = job.path
+                job.finite_of[job.entries[job.index].completion_id] = math.isfinite(stop.value.loss)
                 job.lags.append(job.lag)
                 job.current = None
                 job.index += 1
@@ -257,21 +260,36 @@ class Trainer:
             losses = [r.loss for r in job.results]
             with self.stats.lock:
                 self.stats.last_loss = sum(losses) / len(losses)
-                self.stats.train_tokens += sum(r.tokens for r in job.results)
-                for path in job.paths:
-                    key = (self.mode, path)
-                    self.stats.trained_entries[key] = self.stats.trained_entries.get(key, 0) + 1
-                for lag in job.lags:
-                    self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
-        version = self.optimizer.version if stepped else None
+                if stepped:
+                    self.stats.train_tokens += sum(r.tokens for r in job.results)
+                    for path in job.paths:
+                        key = (self.mode, path)
+                        self.stats.trained_entries[key] = self.stats.trained_entries.get(key, 0) + 1
+                    for lag in job.lags:
+                        self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
         trained = [e for e in job.entries if e.state is EntryState.TRAINING]
+        if not stepped:
+            self._end_skipped(job, trained)
+            trained = []
         for entry in trained:  # their fates are queued before a save of the version can be
-            self.cache.end(entry, EntryState.TRAINED, version, job.path_of.get(entry.completion_id),
-                           None if stepped else "step_skipped")
+            self.cache.end(entry, EntryState.TRAINED, self.optimizer.version, job.path_of.get(entry.completion_id))
         if job.results:
             self.lifecycle.after_step(stepped, trained)
         self._job = None
         self.release_unneeded_weights()
+
+    def _end_skipped(self, job: _Job, entries: list[CacheEntry]) -> None:
+        """The entries of a step skipped for a non-finite loss or gradient are in no
+        weights: one whose own loss was not finite is dropped; the others train again, once
+        (a second skip drops them: a gradient that is never finite must not loop)."""
+        for entry in entries:
+            if not job.finite_of.get(entry.completion_id, True):
+                self.cache.end(entry, EntryState.DROPPED, reason="non_finite_loss")
+            elif entry.retried_after_skip:
+                self.cache.end(entry, EntryState.DROPPED, reason="step_skipped")
+            else:
+                entry.retried_after_skip = True
+                self._requeue(entry)
 
     def _staleness_bound(self) -> int:
         """How many versions old a recording may be and still be trained on."""
