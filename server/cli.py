@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "on one port, training one adapter (torch.distributed; the same as running under "
                        "torchrun --nproc-per-node N)")
     serve.add_argument("--max-restarts", type=int, default=10,
-                       help="with --data-parallel-size: times the group is restarted after a replica dies")
+                       help="with --data-parallel-size: times the group is restarted after a replica dies while "
+                            "serving (a group that fails to start is not restarted)")
 
     feedback = commands.add_parser("feedback", help="the feedback a server collected (its ledger)")
     feedback_commands = feedback.add_subparsers(dest="feedback_command", required=True)
@@ -269,7 +270,7 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
         missing = [f"--{flag} {path!r}" for flag, path in (("model", config.model.model),
                                                              ("tokenizer", config.model.tokenizer))
                    if path and not os.path.isdir(path)]
-        if missing:  # before the group forms: a replica failing on it would be restarted, and fail again
+        if missing:  # said once, before any replica starts
             print(f"alchemist: start-up error: {', '.join(missing)} is no local directory", file=sys.stderr)
             return 2
         return launch(argv, args.data_parallel_size, args.max_restarts)

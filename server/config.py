@@ -108,7 +108,7 @@ def _check_type(origin: str, name: str, value: Any, default: Any) -> None:
 ENV_PREFIX = "ALCHEMIST_"
 # ALCHEMIST_* variables that are not configuration (the model cache, a replica's agent, the tests' device);
 # ALCHEMIST_EXP_* are experiments' instruments (docs/)
-NOT_CONFIG_VARIABLES = ("ALCHEMIST_CACHE", "ALCHEMIST_AGENT_PID", "ALCHEMIST_TEST_DEVICE")
+NOT_CONFIG_VARIABLES = ("ALCHEMIST_CACHE", "ALCHEMIST_AGENT_PID", "ALCHEMIST_SERVING_MARKS", "ALCHEMIST_TEST_DEVICE")
 
 
 def _parse_env_value(name: str, text: str, default: Any) -> Any:

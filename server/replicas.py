@@ -3,8 +3,9 @@ one port.
 
 `alchemist serve --data-parallel-size N` (`-dp N`) becomes torch's elastic agent
 (`torch.distributed.launcher`, what `torchrun` runs): it starts N copies of the same
-command, each with `RANK`, `LOCAL_RANK` and `WORLD_SIZE` set, and when one dies it stops
-the others and starts the group again (`--max-restarts`). The same program runs under
+command, each with `RANK`, `LOCAL_RANK` and `WORLD_SIZE` set, and when one dies while
+serving it stops the others and starts the group again (`--max-restarts`); a group that
+fails to start is not started again. The same program runs under
 `torchrun --nproc-per-node N -m server.cli serve …` and across nodes (`torchrun --nnodes`).
 
 Each replica:
@@ -136,23 +137,69 @@ def private_socket(replica: Replica) -> tuple[socket.socket, str]:
     return sock, f"{advertised}:{port}"
 
 
+# the environment variable in which `launch` names the folder where each replica marks that it serves
+SERVING_MARKS_VARIABLE = "ALCHEMIST_SERVING_MARKS"
+
+
+def mark_serving(replica: Replica) -> None:
+    """Tells the agent that started this replica (if `launch` did) that it got as far as
+    serving: a group that fails after every replica did is restarted, one that fails before
+    is not (its error would come back at every start)."""
+    marks = os.environ.get(SERVING_MARKS_VARIABLE)
+    if marks is not None:
+        with open(os.path.join(marks, f"rank-{replica.rank}"), "w"):
+            pass
+
+
 def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
     """Runs `alchemist <argv>` as `replicas` replica processes under torch's elastic agent
-    on this node; returns when the group ends (the exit status)."""
+    on this node; returns when the group ends (the exit status: 2 if it failed before every
+    replica served). A group that fails while serving is started again, up to
+    `max_restarts` times; one that fails while it starts is not: a configuration error, an
+    adapter directory another server trains into, a busy port or a model that does not fit
+    would fail every start the same way, each after loading the model again."""
+    import shutil
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=replicas, run_id=str(uuid.uuid4()),
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=max_restarts,
-                          monitor_interval=0.5)
-    logger.info("starting %d replicas (restarted up to %d times)", replicas, max_restarts)
+    logger.info("starting %d replicas (restarted up to %d times once they serve)", replicas, max_restarts)
     os.environ[AGENT_PID_VARIABLE] = str(os.getpid())  # the replicas' parent: die_with_parent checks it
+    marks = tempfile.mkdtemp(prefix="alchemist-serving-")
+    os.environ[SERVING_MARKS_VARIABLE] = marks
     try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", "server.cli", *argv)
-    except ChildFailedError as exc:
-        logger.error("the replicas stopped: %s", exc)
+        for attempt in range(max_restarts + 1):
+            # the agent's own restarts are off: it restarts whatever failed, at any stage
+            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=replicas, run_id=str(uuid.uuid4()),
+                                  rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                                  monitor_interval=0.5)
+            try:
+                elastic_launch(config, entrypoint=sys.executable)("-m", "server.cli", *argv)
+                return 0
+            except SignalException as exc:  # SIGTERM or SIGINT: the agent stopped the replicas, which saved
+                logger.info("the replicas stopped on signal %s", exc.sigval.name)
+                return 0
+            except ChildFailedError as exc:
+                served = len(os.listdir(marks))
+                if served < replicas:
+                    logger.error("the replicas failed to start (%d of %d got as far as serving), so they are not "
+                                 "restarted; the first error above says why: %s", served, replicas, _first_failure(exc))
+                    return 2
+                if attempt == max_restarts:
+                    logger.error("the replicas stopped, restarted %d times: %s", attempt, _first_failure(exc))
+                    return 1
+                logger.warning("a replica failed while serving (%s); starting the group again (restart %d of %d)",
+                               _first_failure(exc), attempt + 1, max_restarts)
+                for mark in os.listdir(marks):
+                    os.remove(os.path.join(marks, mark))
         return 1
-    except SignalException as exc:  # SIGTERM or SIGINT: the agent stopped the replicas, which saved
-        logger.info("the replicas stopped on signal %s", exc.sigval.name)
-    return 0
+    finally:
+        shutil.rmtree(marks, ignore_errors=True)
+
+
+def _first_failure(exc) -> str:
+    """The failed group's first replica failure, in a line: its rank, exit code or signal."""
+    rank, failure = exc.get_first_failure()
+    return f"replica {rank} exited with {failure.signal_name() if failure.exitcode < 0 else failure.exitcode}"

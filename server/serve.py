@@ -27,7 +27,7 @@ from server.gc_freeze import freeze_startup_objects
 from server.generation_config import log_defaults, sampling_defaults
 from server.fanout import Peers
 from server.guards import GuardConfig
-from server.replicas import exchange_addresses, private_socket, public_socket
+from server.replicas import exchange_addresses, mark_serving, private_socket, public_socket
 from trainer.replicated import Replica
 
 logger = logging.getLogger(__name__)
@@ -95,6 +95,7 @@ def run_replica(config: AlchemistConfig, replica: Replica) -> None:
     logger.info("replica %d serving on port %d (private %s)", replica.rank, config.server.port, address)
     server = uvicorn.Server(uvicorn.Config(app, log_level=_uvicorn_level(), timeout_graceful_shutdown=10))
     logger.info("%d start-up objects frozen out of garbage collection", freeze_startup_objects())
+    mark_serving(replica)
     try:
         server.run(sockets=[public, private])
     finally:

@@ -297,6 +297,29 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
         wait_for(lambda: _trained(url) == {"0": 1.0, "1": 1.0})
 
 
+@pytest.mark.slow  # a group of two server processes, once
+def test_a_group_that_fails_to_start_is_not_started_again(tmp_path):
+    """An adapter directory another process trains into fails every start the same way: the
+    group exits 2 with that error, said once, instead of loading the model 11 times (the
+    elastic agent restarts whatever failed; `launch` restarts only a group that served)."""
+    import fcntl
+    import subprocess
+    import sys
+
+    flags = _flags(tmp_path)
+    adapters = tmp_path / "adapters"
+    adapters.mkdir()
+    with open(adapters / ".lock", "a+") as held:  # as a server training into it holds it
+        fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        root = Path(__file__).resolve().parents[1]
+        run = subprocess.run([sys.executable, "-m", "server.cli", "serve", *flags, "--port", str(free_port())],
+                             cwd=root, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.count("another process is training into the adapter directory") == 1, run.stderr[-2000:]
+    assert "failed to start" in run.stderr and "not restarted" in run.stderr
+
+
 @pytest.mark.slow  # a group of two server processes
 def test_rank_0s_gate_verdict_is_every_replicas(tmp_path):
     """Any move away from the base model fails this gate (a KL bound of 1e-9): every
