@@ -369,7 +369,7 @@ class AsyncEngine:
         for message in self._take_messages():  # added after the last step: never reached the engine
             stream = self._streams.get(message.request.request_id) if isinstance(message, _Add) else None
             if stream is not None:
-                stream.put_nowait(EngineDeadError("the server is shutting down; retry on another replica"))
+                stream.put_nowait(EngineDeadError("the server is shutting down or restarting; retry the request"))
         stopped = EngineError(ErrorKind.ENGINE_STOPPED, "the server is shutting down")
         for output in await self.run(self._fail_all, stopped):
             self._publish(output)

@@ -251,7 +251,8 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
 
     from engine.malloc_tuning import return_freed_memory
     from engine.model_loader import embedded_model_dir
-    from server.replicas import die_with_parent, join_group, launch, replica_device, replica_from_env
+    from server.replicas import die_with_parent, ensure_port_free, join_group, launch, replica_device, replica_from_env
+    from trainer.replicated import Replica
 
     if args.data_parallel_size < 1:
         print("alchemist: configuration error: --data-parallel-size must be at least 1", file=sys.stderr)
@@ -270,8 +271,16 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
         missing = [f"--{flag} {path!r}" for flag, path in (("model", config.model.model),
                                                              ("tokenizer", config.model.tokenizer))
                    if path and not os.path.isdir(path)]
-        if missing:  # said once, before any replica starts
-            print(f"alchemist: start-up error: {', '.join(missing)} is no local directory", file=sys.stderr)
+        try:  # said once, before any replica starts
+            if missing:
+                raise OSError(f"{', '.join(missing)} is no local directory")
+            replica_device(config.model.device, Replica(0, args.data_parallel_size, 0, args.data_parallel_size))
+            ensure_port_free(config.server.host, config.server.port)
+        except ValueError as exc:
+            print(f"alchemist: configuration error: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"alchemist: start-up error: {exc}", file=sys.stderr)
             return 2
         return launch(argv, args.data_parallel_size, args.max_restarts)
     from server.serve import build_server, run, run_replica

@@ -111,6 +111,20 @@ def exchange_addresses(own: str) -> list[str]:
     return addresses
 
 
+def ensure_port_free(host: str, port: int) -> None:
+    """Raises OSError if anything listens on the public port. The replicas bind it with
+    SO_REUSEPORT, which another group's sockets (or any socket bound so) would share with
+    them, the kernel spreading connections over both servers: a plain bind fails then."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT are no listener
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise OSError(exc.errno, f"port {port} on {host} is in use ({exc.strerror}): another server listens "
+                                     "on it") from None
+
+
 def public_socket(host: str, port: int) -> socket.socket:
     """The public port, shared: each replica binds it with SO_REUSEPORT."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -139,6 +153,8 @@ def private_socket(replica: Replica) -> tuple[socket.socket, str]:
 
 # the environment variable in which `launch` names the folder where each replica marks that it serves
 SERVING_MARKS_VARIABLE = "ALCHEMIST_SERVING_MARKS"
+# that folder's name: the prefix, then the agent's pid
+MARKS_PREFIX = "alchemist-serving-"
 
 
 def mark_serving(replica: Replica) -> None:
@@ -167,7 +183,8 @@ def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
 
     logger.info("starting %d replicas (restarted up to %d times once they serve)", replicas, max_restarts)
     os.environ[AGENT_PID_VARIABLE] = str(os.getpid())  # the replicas' parent: die_with_parent checks it
-    marks = tempfile.mkdtemp(prefix="alchemist-serving-")
+    _remove_dead_agents_marks()
+    marks = tempfile.mkdtemp(prefix=f"{MARKS_PREFIX}{os.getpid()}-")
     os.environ[SERVING_MARKS_VARIABLE] = marks
     try:
         for attempt in range(max_restarts + 1):
@@ -197,6 +214,18 @@ def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
         return 1
     finally:
         shutil.rmtree(marks, ignore_errors=True)
+
+
+def _remove_dead_agents_marks() -> None:
+    """The marks folders of agents that were killed (`kill -9` leaves them behind)."""
+    import glob
+    import shutil
+    import tempfile
+
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{MARKS_PREFIX}*-*")):
+        agent = os.path.basename(folder)[len(MARKS_PREFIX):].split("-")[0]
+        if agent.isdigit() and not os.path.exists(f"/proc/{agent}"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _first_failure(exc) -> str:

@@ -27,7 +27,7 @@ from server.gc_freeze import freeze_startup_objects
 from server.generation_config import log_defaults, sampling_defaults
 from server.fanout import Peers
 from server.guards import GuardConfig
-from server.replicas import exchange_addresses, mark_serving, private_socket, public_socket
+from server.replicas import ensure_port_free, exchange_addresses, mark_serving, private_socket, public_socket
 from trainer.replicated import Replica
 
 logger = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ def run_replica(config: AlchemistConfig, replica: Replica) -> None:
     the others, and on a private one they ask it on."""
     import torch.distributed as dist
 
+    if replica.local_rank == 0:  # before any replica of the group binds it
+        ensure_port_free(config.server.host, config.server.port)
     private, address = private_socket(replica)
     peers = Peers(replica.rank, exchange_addresses(address))
     app = build_server(config, replica=replica, peers=peers)

@@ -58,7 +58,7 @@ def engine_stream(async_engine: AsyncEngine, request: EngineRequest):
             async for output in async_engine.generate(request):
                 if output.error is not None:
                     if output.error.kind is ErrorKind.ENGINE_STOPPED:
-                        raise APIError(503, "the server is shutting down; retry on another replica")
+                        raise APIError(503, "the server is shutting down or restarting; retry the request")
                     raise APIError(500, f"generation failed: {output.error.message}", type="server_error")
                 yield output
         except EngineDeadError as exc:

@@ -342,6 +342,96 @@ def test_rank_0s_gate_verdict_is_every_replicas(tmp_path):
                 tmp_path / "adapters" / LEDGER_FILE)}.get(completion) == "quarantined")
 
 
+def _hung_peer_main(rank: int, world_size: int, port: int, out: str) -> None:
+    """Rank 1 joins, then hangs (its sync thread never starts, as a stopped process's);
+    rank 0's round times out, and it leaves the group: SIGTERM to itself, `left` set."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    signals = []
+    signal.signal(signal.SIGTERM, lambda *_: signals.append("SIGTERM"))  # as uvicorn's handler would
+    sync = ReplicaSync(_params(seed=rank), rank, round_interval_s=0.01, round_timeout_s=2)
+    sync.adopt_rank0(lambda: [p.detach().clone() for p in sync.params], lambda snapshot: None)
+    done = Path(out) / "rank0.json"
+    if rank == 1:
+        wait_for(done.is_file, timeout=60)
+        os._exit(0)
+    sync.start()
+    wait_for(lambda: signals, timeout=30)  # the handler runs on this, the main, thread
+    done.write_text(json.dumps({"stopped": sync.stopped, "signals": signals}))
+    os._exit(0)
+
+
+def test_a_replica_whose_round_times_out_leaves_the_group_to_restart_it(tmp_path):
+    """A replica that hangs (SIGSTOP, a stuck device) used to leave the others serving on,
+    never training again, their labels accepted and held: a round that fails now makes the
+    replica leave: SIGTERM to itself, which its process ends by (uvicorn raises it again after
+    shutting down), and on which the elastic agent restarts the group."""
+    mp.start_processes(_hung_peer_main, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    assert "a collective failed" in result["stopped"] and result["signals"] == ["SIGTERM"]
+
+
+def _rounds_with(params, results) -> ReplicaSync:
+    """This replica's side of the rounds, the others' results already queued: the sync
+    thread (and its collectives) is not started."""
+    import collections
+    import threading
+
+    sync = ReplicaSync.__new__(ReplicaSync)
+    sync.params, sync.rank, sync.stopped = params, 1, None
+    sync._results, sync._lock, sync._stop = collections.deque(results), threading.Lock(), threading.Event()
+    sync._thread, sync._stream = threading.Thread(target=lambda: None), None
+    return sync
+
+
+def test_at_shutdown_a_replica_mid_job_still_applies_the_steps_the_others_apply():
+    """SIGTERM while labels train: a replica whose job was still computing skipped the last
+    rounds' steps that the others applied, so rank 0 (which saves) could stop a version
+    behind them, and their ledger fates named a version no replica saved. The job gives
+    way (its labels stay in the ledger, untrained) and the step applies."""
+    from tests.conftest import run_into_a_backward
+    from tests.test_training import label, make_trainer, serve
+    from trainer.entries import EntryState
+
+    training = make_trainer(mode="dpo")
+    serve(training, "mine")
+    label(training, "mine")
+    run_into_a_backward(training)
+    params = training.optimizer.params
+    others = CombinedStep(torch.cat([torch.ones(p.numel()) for p in params]), entries=1, finite=True, mine=False)
+    training.replicas = training.trainer.replicas = _rounds_with(params, [others])
+    training.close()
+    assert training.optimizer.version == 1 and not training.replicas.has_result()
+    assert training.cache.get("mine").state is EntryState.READY  # not trained: a restart trains its label
+
+
+def test_a_port_another_group_shares_is_refused_before_the_replicas_start(tmp_path):
+    """Replicas bind the public port with SO_REUSEPORT, which any socket bound so (another
+    group's, an old group still running through a redeploy) shares with them: the kernel
+    would spread connections over both servers. The agent and each node's first replica
+    refuse a port anything listens on."""
+    import socket
+    import subprocess
+    import sys
+
+    from server.replicas import ensure_port_free
+
+    port = free_port()
+    with socket.socket() as other_group:
+        other_group.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other_group.bind(("127.0.0.1", port))
+        other_group.listen()
+        with pytest.raises(OSError, match=f"port {port} on 127.0.0.1 is in use"):
+            ensure_port_free("127.0.0.1", port)
+        root = Path(__file__).resolve().parents[1]
+        run = subprocess.run([sys.executable, "-m", "server.cli", "serve", *_flags(tmp_path), "--host", "127.0.0.1", "--port",
+                              str(port)], cwd=root, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in run.stderr, run.stderr[-2000:]
+    assert "starting 2 replicas" not in run.stderr
+    ensure_port_free("127.0.0.1", port)  # free again
+
+
 def _gone_or_zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "Z"

@@ -307,8 +307,12 @@ class OnlineTraining:
         reward workers, leaves the replicas' rounds, and saves the final adapter version."""
         if self.replicas is not None:
             self.replicas.close()  # every replica leaves at the same round; what it sent applies here too
-            if not self.trainer.computing():
-                self.apply_synced()
+            # and so do the others' steps: a job still computing here gives way (its labels are in the
+            # ledger, untrained), or this replica would save a version behind theirs, and they would
+            # end their entries in a version no replica saves
+            if self.trainer.computing():
+                self.trainer.abandon_job()
+            self.apply_synced()
         if self.offloader is not None:
             self.offloader.close()
         if self.rewards is not None:

@@ -133,9 +133,10 @@ class ReplicatedVerdict:
 
 class ReplicaSync:
     def __init__(self, params: list[torch.nn.Parameter], rank: int, wakeup: Callable[[], None] = lambda: None,
-                 round_interval_s: float = ROUND_INTERVAL_S):
+                 round_interval_s: float = ROUND_INTERVAL_S, round_timeout_s: float = ROUND_TIMEOUT_S):
         """`params`: the adapter's trainable parameters, in the same order on every
-        replica; `wakeup`: wakes the serving loop when a result is queued."""
+        replica; `wakeup`: wakes the serving loop when a result is queued; a round that
+        waits `round_timeout_s` for a replica fails, and this replica leaves the group."""
         self.params = params
         self.rank = rank
         self.wakeup = wakeup
@@ -156,8 +157,9 @@ class ReplicaSync:
         # vector and the broadcast objects on the host (gloo), so that a round waits on no
         # device stream; the gradients on the device's backend (NCCL on GPUs), on a stream
         # of their own
-        self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=ROUND_TIMEOUT_S))
-        self._group = dist.new_group(timeout=datetime.timedelta(seconds=ROUND_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=round_timeout_s)
+        self._control = dist.new_group(backend="gloo", timeout=timeout)
+        self._group = dist.new_group(timeout=timeout)
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
 
     # -- at start, before serving --------------------------------------------------------
@@ -248,14 +250,16 @@ class ReplicaSync:
                     return item
         return None
 
-    def leave(self) -> None:
-        """This replica cannot follow the sequence any more (a result it could not apply):
-        it stops its process, so that the elastic agent restarts the group."""
+    def leave(self, reason: str = "this replica left the group") -> None:
+        """This replica cannot follow the sequence any more (a result it could not apply, a
+        round that failed): it stops its process with SIGTERM, which uvicorn raises again
+        once it has shut down, so that the process ends by the signal: a failure, on which
+        the elastic agent restarts the group."""
         import os
         import signal
 
         with self._lock:
-            self.stopped = "this replica left the group"
+            self.stopped = reason
         os.kill(os.getpid(), signal.SIGTERM)
 
     # -- the sync thread -----------------------------------------------------------------
@@ -279,8 +283,10 @@ class ReplicaSync:
                 verdict, self._verdict = self._verdict, None
             try:
                 stop = self._round(contribution, rollback, verdict)
-            except Exception as exc:  # noqa: BLE001 - a replica died: its collective failed or timed out
+            except Exception as exc:  # noqa: BLE001 - a replica died or hangs: its collective failed or timed out
                 self._fail(f"a collective failed: {exc}", rollback, logging.ERROR)
+                if not self._stop.is_set():  # serving on without training would hold labels forever
+                    self.leave(f"a collective failed: {exc}")
                 return
             if stop:
                 self._fail("the replicas are shutting down", None, logging.INFO)
@@ -335,5 +341,5 @@ class ReplicaSync:
         for pending in (rollback, waiting):
             if pending is not None and pending.done is not None and not pending.done.done():
                 pending.done.set_exception(RuntimeError(reason))
-        logger.log(level, "replica %d: adapter sync stopped (%s); no training until the group restarts",
-                   self.rank, reason)
+        logger.log(level, "replica %d: adapter sync stopped (%s)%s", self.rank, reason,
+                   "" if self._stop.is_set() else "; leaving the group, which restarts")
