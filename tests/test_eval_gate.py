@@ -115,6 +115,27 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     again.close()
 
 
+def test_repeated_rejections_leave_version_0_on_disk_and_name_it_in_every_copy(tmp_path):
+    """Each rejection saves a copy of the promoted weights. A copy used to name the copy
+    before it, a chain; once the oldest copy was pruned the others counted as distinct, and
+    the distinct versions went instead: an operator's review found five identical copies
+    and no version 0 to roll back to after nine rejections."""
+    config = TrainConfig(mode="dpo", lora_rank=4, learning_rate=5e-2, entries_per_step=2, eval_set=eval_set(tmp_path),
+                         eval_tolerance=2.0)
+    store = AdapterStore(tmp_path / "adapters", keep=3)
+    training = make_training(config, checkpointer=AdapterCheckpointer(store, save_every=1))
+    for batch in range(4):
+        labelled_batch(training, f"bad{batch}-", WRONG, RIGHT)
+        training.train_until_idle()
+        training.lifecycle.checkpointer.wait()
+    assert training.status().training.rollbacks["eval_gate"] == 4
+    saved = [v.version for v in training.lifecycle.saved_versions()]
+    assert saved == [0, 6, 8]
+    for version in saved[1:]:
+        assert json.loads((store.path_of(version) / "alchemist_state.json").read_text())["weights_of"] == 0
+    training.close()
+
+
 def test_a_label_deleted_while_its_candidate_is_scored_is_not_counted_as_quarantined(tmp_path):
     """The ledger drops it for good rather than quarantine it; the counter says so too."""
     training = gated(tmp_path)

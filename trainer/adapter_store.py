@@ -180,28 +180,40 @@ class AdapterStore:
         return None
 
     def _prune(self) -> None:
-        """Keeps the newest `keep` versions, giving up copies first — a rollback's or the
-        eval gate's copy of another saved version's weights (`rolled_back_to`, `copy_of` in
-        its state; the version it copies is still on disk), oldest first — then the oldest
-        others: retried rollbacks and repeated rejections do not push out the distinct
-        versions (version 0 too) to roll back to."""
+        """Keeps the newest `keep` versions. Versions that hold the same weights — a
+        rollback's or the eval gate's copy of a saved version (`weights_of` in its state) —
+        give way first, oldest first, down to one of them: the version copied while it is
+        on disk, else the newest copy. Then the oldest others. The newest always stays, so
+        retried rollbacks and repeated rejections do not push out the distinct versions
+        (version 0 too) to roll back to."""
         saved = self.versions()
         excess = len(saved) - self.keep
         if excess <= 0:
             return
-        older, numbers = saved[:-1], {version.version for version in saved}  # the newest stays
-        copies = [version for version in older if _copy_of(version) in numbers]
-        for old in (copies + [version for version in older if version not in copies])[:excess]:
+        copied = {version.version: _weights_of(version) for version in saved}
+        for number, original in copied.items():  # (older directories name the copy they copied)
+            while original is not None and copied.get(original) not in (None, original):
+                original = copied[original]
+            copied[number] = original
+        holders: dict[int, list[SavedVersion]] = {}
+        for version in saved:
+            original = copied[version.version]
+            holders.setdefault(version.version if original is None else original, []).append(version)
+        kept = {(next((v for v in group if v.version == weights), group[-1])).version
+                for weights, group in holders.items()}
+        older = saved[:-1]
+        duplicates = [version for version in older if version.version not in kept]
+        for old in (duplicates + [version for version in older if version not in duplicates])[:excess]:
             shutil.rmtree(old.path, ignore_errors=True)
 
 
-def _copy_of(saved: SavedVersion) -> int | None:
+def _weights_of(saved: SavedVersion) -> int | None:
     """The version whose weights `saved` copies (a rollback's, the gate's), if it says so."""
     try:
         state = json.loads((saved.path / STATE_FILE).read_text())
     except (OSError, ValueError):
         return None
-    return state.get("rolled_back_to", state.get("copy_of"))
+    return state.get("weights_of", state.get("rolled_back_to", state.get("copy_of")))
 
 
 def _fsync(path: Path) -> None:

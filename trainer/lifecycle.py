@@ -67,6 +67,9 @@ class AdapterLifecycle:
         # every snapshot until one is saved (replaced whole, never changed in place: a save's
         # callback reads and writes it on the checkpointer's thread)
         self._unsaved_rollbacks: tuple[tuple[int, int], ...] = ()
+        # the saved version whose weights the live adapter holds, untrained since it was restored
+        # (a rollback, the gate's return): named in its snapshots, so the store prunes copies first
+        self._weights_of: int | None = None
 
     def start(self) -> None:
         """Resumes from the latest good saved version, if any (else saves version 0, so
@@ -126,6 +129,8 @@ class AdapterLifecycle:
         """An optimizer step ran on `entries` (`stepped`: it changed the weights): merged
         serving weights go stale, and the version is saved if one is due — or, with a
         gate, the new version is a candidate and waits for its verdict."""
+        if stepped:
+            self._weights_of = None
         if stepped and self.gate is not None:
             self.gate.candidate(self.optimizer.version, entries)
             return
@@ -159,8 +164,7 @@ class AdapterLifecycle:
             self.stats.quarantined_labels += len(quarantined)
         if self.ledger is not None:  # (it drops those whose labels were deleted since)
             self.ledger.quarantine(list(verdict.trained_ids), reason, version, promoted)
-        self.promoted_snapshot = self.snapshot()
-        self.promoted_snapshot.state["copy_of"] = promoted  # (pruned before distinct versions: AdapterStore)
+        self.promoted_snapshot = self.snapshot()  # (a copy: `weights_of`, pruned before distinct versions)
         if self.checkpointer is not None:
             self._save(self.promoted_snapshot)
         logger.warning("%s; serving stays on the promoted weights (now version %d); %d labels quarantined",
@@ -182,6 +186,8 @@ class AdapterLifecycle:
                  "entries_in_weights": self.optimizer.entries_in_weights}
         if self._unsaved_rollbacks:
             state["rollbacks"] = [list(pair) for pair in self._unsaved_rollbacks]
+        if self._weights_of is not None and self._weights_of != self.optimizer.version:
+            state["weights_of"] = self._weights_of  # a copy of that version's weights
         if self.gate is not None and self.gate.promoted is not None and not self.gate.pending:
             state["gate"] = {"status": "promoted", "scores": self.gate.promoted.as_dict()}
         return AdapterSnapshot(self.optimizer.version, weights, self.peft_model.peft_config["default"],
@@ -209,6 +215,7 @@ class AdapterLifecycle:
         self.cache.release_stale(version)
         self.stash.release_except(self.cache.recorded_versions())
         self.restored_from = snapshot.version
+        self._weights_of = snapshot.state.get("weights_of", snapshot.version)
         self.maintenance.invalidate_merged()
 
     def rollback(self, snapshot: AdapterSnapshot) -> int:
