@@ -653,6 +653,14 @@ def test_rollbacks_leave_trained_exactly_the_labels_the_served_weights_hold(tmp_
     ledger.rolled_back(14, 16)  # again (a restart after a kill, another replica): nothing changes
     assert fates() == now
     ledger.close()
+    # released, they wait to train again; a rollback to weights that hold them gives them back their fate
+    # (a review: the release forgot their version, and they trained twice)
+    assert release_quarantined(tmp_path / LEDGER_FILE, ["r11"]) == 1
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    ledger.rolled_back(12, 17)
+    assert fates()["r11"] == "trained"
+    assert {row.request.id: row.fate_version for row in read_ledger(tmp_path / LEDGER_FILE)}["r11"] == 11
+    ledger.close()
 
 
 def _wait_for_queued(ledger: Ledger, writes: int) -> None:

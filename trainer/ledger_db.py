@@ -300,8 +300,9 @@ def release_quarantined(path: str | Path, request_ids: list[str] | None = None) 
         if request_ids is not None:
             where += f" AND id IN ({','.join('?' * len(request_ids))})"
             params = tuple(request_ids)
-        # (a reason kept beside no fate: a running server's deletion tells it from a fate not written yet)
-        return conn.execute(f"UPDATE requests SET fate = NULL, fate_reason = '{RELEASED}', fate_version = NULL "
-                            f"WHERE {where}", params).rowcount
+        # (a reason kept beside no fate: a running server's deletion tells it from a fate not written yet;
+        # the version it trained into too: a rollback to weights that hold it gives it back its `trained`)
+        return conn.execute(f"UPDATE requests SET fate = NULL, fate_reason = '{RELEASED}' WHERE {where}",
+                            params).rowcount
     finally:
         conn.close()

@@ -8,7 +8,8 @@ versions of its lineage (it, its parent, its parent's parent, …), so a rollbac
   - quarantines the labels trained into versions before V that are not in N's lineage
     (they left the weights; `alchemist feedback release` trains them again), and
   - gives back their `trained` fate to the labels an earlier rollback quarantined that
-    are in N's lineage (they are in the weights again: released, they would train twice).
+    are in N's lineage (they are in the weights again: released, they would train twice),
+    and to those released since, waiting to train again (a release keeps the version).
 A label deleted after it trained is dropped for good instead of quarantined. Applying the
 same rollback twice (a restart after a kill, each data-parallel replica) changes nothing
 the second time.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from trainer.ledger_db import LABEL_DELETED
+from trainer.ledger_db import LABEL_DELETED, RELEASED
 
 ROLLED_BACK = "rolled back to version"
 
@@ -53,8 +54,9 @@ def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) ->
     bounds = tuple(bound for pair in ranges for bound in pair)
     quarantined = quarantine(conn, f"fate = 'trained' AND fate_version < ? AND NOT ({held})", (version, *bounds),
                              rollback_reason(restored, version), at)
-    conn.execute(f"UPDATE requests SET fate = 'trained', fate_reason = NULL, fate_at = ? WHERE fate = 'quarantined' "
-                 f"AND fate_reason LIKE ? AND ({held}) AND NOT {LABEL_DELETED}", (at, f"{ROLLED_BACK} %", *bounds))
+    conn.execute(f"UPDATE requests SET fate = 'trained', fate_reason = NULL, fate_at = ? WHERE ((fate = 'quarantined' "
+                 f"AND fate_reason LIKE ?) OR (fate IS NULL AND fate_reason = '{RELEASED}')) AND ({held}) "
+                 f"AND NOT {LABEL_DELETED}", (at, f"{ROLLED_BACK} %", *bounds))
     return quarantined
 
 
