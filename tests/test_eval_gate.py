@@ -243,8 +243,12 @@ def test_bad_eval_sets_are_refused_with_the_line_at_fault(tmp_path):
     path = tmp_path / "probes.jsonl"
     for text, message in (("", "no probes"), ("{", "not JSON"), ('{"prompt": "a"}', "'chosen' and 'rejected'"),
                           ('{"prompt": "a", "chosen": "b"}', "'chosen' and 'rejected'"),
-                          ('{"chosen": "b", "rejected": "c"}', "'messages'")):
-        path.write_text(text)
+                          ('{"chosen": "b", "rejected": "c"}', "'messages'"),
+                          # (a review: a traceback, and errors that named no line)
+                          ('{"messages": [{"role": "user"}], "completion": "b"}', "probes.jsonl:1: 'messages'"),
+                          ('{"messages": [], "completion": "b"}', "probes.jsonl:1: 'messages' is a non-empty list"),
+                          ('{"prompt": "a", "completion": "b"}\n{"prompt": "\udcff"}', "probes.jsonl:2: not UTF-8")):
+        path.write_bytes(text.encode("utf-8", "surrogateescape"))
         with pytest.raises(EvalSetError, match=message):
             load_eval_set(path, tiny_tokenizer(), 256)
 

@@ -37,9 +37,12 @@ def load_eval_set(path: str | Path, tokenizer, max_model_len: int) -> list[Probe
     line is malformed or too long."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise EvalSetError(f"train.eval_set {str(path)!r} cannot be read: {exc}") from None
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise EvalSetError(f"train.eval_set {path}:{line}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     probes = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -74,10 +77,16 @@ def _probe(record, tokenizer, where: str) -> Probe:
     if (messages is None) == (prompt is None):
         raise EvalSetError(f"{where}: a probe has 'messages' (chat) or 'prompt' (text), one of them")
     if messages is not None:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise EvalSetError(f"{where}: 'messages' is a list of chat messages")
-        prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=True)["input_ids"])
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise EvalSetError(f"{where}: 'messages' is a non-empty list of chat messages, each with a 'role' and a "
+                               "'content' string")
+        try:
+            prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                            return_dict=True)["input_ids"])
+        except Exception as exc:  # noqa: BLE001 - the template's own errors (jinja2's, ValueError)
+            raise EvalSetError(f"{where}: the chat template cannot render these messages: {exc}") from None
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         responses = tuple(tokenizer(texts[n], add_special_tokens=False)["input_ids"] + eos for n in names)
     else:
