@@ -1,5 +1,5 @@
 """The `alchemist` command: `serve`, `profile`, the benchmarks (`bench ...`) and the
-feedback ledger's export (`feedback export`).
+feedback ledger (`feedback export|list|release`, server/feedback_cli.py).
 
 Configuration comes from configs/default.toml, then `--config FILE`, then flags.
 """
@@ -13,6 +13,7 @@ import sys
 
 from engine.config import DECODE_ATTENTION
 from server.config import AlchemistConfig, load_config
+from server.feedback_cli import add_feedback_commands, feedback_command
 from trainer.config import TRAIN_MODES
 
 logger = logging.getLogger("alchemist")
@@ -125,100 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --data-parallel-size: times the group is restarted after a replica dies while "
                             "serving (a group that fails to start is not restarted)")
 
-    feedback = commands.add_parser("feedback", help="the feedback a server collected (its ledger)")
-    feedback_commands = feedback.add_subparsers(dest="feedback_command", required=True)
-    export = feedback_commands.add_parser("export", help="write the ledger's labels as JSONL in TRL's dataset formats")
-    export.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
-    export.add_argument("--format", default="preference", choices=["preference", "unpaired", "prompt-completion"],
-                        help="preference: {prompt, chosen, rejected} (DPO); unpaired: {prompt, completion, label} "
-                        "(KTO); prompt-completion: {prompt, completion[, reward]} (SFT, rewards as data)")
-    export.add_argument("--since", help="only labels given (or, unlabelled, requests served) at or after this "
-                        "ISO-8601 date or time (naive: UTC)")
-    export.add_argument("--out", help="file to write (default: standard output)")
-    export.add_argument("--style", default="auto", choices=["auto", "conversational", "standard"],
-                        help="conversational rows (chat requests) or standard rows (text completions); auto: the "
-                        "ledger's one style")
-    export.add_argument("--include-quarantined", action="store_true",
-                        help="also the labels the eval gate quarantined")
-    export.add_argument("--drop-truncated", action="store_true",
-                        help="leave out rows with a served answer that max_tokens cut short")
-    release = feedback_commands.add_parser("release", help="release labels the eval gate quarantined: they train "
-                                           "when the server next starts")
-    release.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
-    release.add_argument("ids", nargs="*", help="completion ids to release (default: every quarantined label)")
+    add_feedback_commands(commands)
 
     from bench.cli import add_bench_commands
 
     add_bench_commands(commands, _add_config_flags)
     return parser
-
-
-def feedback_command(args: argparse.Namespace) -> int:
-    """`alchemist feedback export|release`."""
-    from pathlib import Path
-
-    from trainer.ledger_db import LEDGER_FILE, release_quarantined
-
-    if args.feedback_command == "export":
-        return export_feedback(args)
-    path = Path(args.adapter_dir) / LEDGER_FILE
-    if not path.is_file():
-        print(f"alchemist: no feedback ledger at {path}", file=sys.stderr)
-        return 2
-    released = release_quarantined(path, args.ids or None)
-    print(f"alchemist: released {released} quarantined labels; they train when the server next starts",
-          file=sys.stderr)
-    return 0
-
-
-def export_feedback(args: argparse.Namespace) -> int:
-    """`alchemist feedback export`: the ledger's rows as JSONL (the server may be running)."""
-    import json
-    from pathlib import Path
-
-    from trainer.export import ExportError, export_rows, parse_since, write_jsonl
-    from trainer.ledger_db import LEDGER_FILE, read_ledger
-
-    try:
-        rows = read_ledger(Path(args.adapter_dir) / LEDGER_FILE)
-        dataset, counts = export_rows(rows, args.format, parse_since(args.since), args.style,
-                                      args.include_quarantined, args.drop_truncated)
-    except (ExportError, FileNotFoundError) as exc:
-        print(f"alchemist: {exc}", file=sys.stderr)
-        return 2
-    if not counts.rows:  # an empty JSONL file is not a dataset `datasets` loads: nothing is written
-        if counts.selected:
-            print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
-                  "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
-                  "prompt-completion rows", file=sys.stderr)
-        else:
-            print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need "
-                  "--include-quarantined)", file=sys.stderr)
-        print(f"alchemist: no rows: {args.out or 'standard output'} not written", file=sys.stderr)
-        return 1
-    try:
-        if args.out:
-            write_jsonl(args.out, dataset)
-        else:
-            sys.stdout.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in dataset))
-    except OSError as exc:
-        print(f"alchemist: cannot write {args.out or 'standard output'}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
-    if counts.continuing:
-        skipped += (f"; {counts.continuing} requests left out whose prompt ends with an assistant message (TRL "
-                    "renders it as continued and the completion as a turn of its own: not what was served)")
-    if counts.without_prompt:
-        skipped += (f"; {counts.without_prompt} requests left out whose prompt truncate_prompt_tokens cut (the "
-                    "ledger holds no prompt as the client wrote it)")
-    print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{skipped}",
-          file=sys.stderr)
-    if counts.truncated:
-        done = "left out" if args.drop_truncated else "written (TRL ends each completion with the end of turn, so " \
-            "they teach to stop mid-answer: --drop-truncated leaves them out)"
-        print(f"alchemist: {counts.truncated} rows hold a served answer cut short (by max_tokens or a disconnect): "
-              f"{done}", file=sys.stderr)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

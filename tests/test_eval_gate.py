@@ -107,8 +107,8 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     assert state["gate"]["status"] == "promoted" and state["gate"]["scores"]["version"] == 3
     training.close()
     # quarantined labels can be released by hand: they train when the server next starts
-    assert release_quarantined(tmp_path / "adapters" / LEDGER_FILE, poisoned[:1]) == 1
-    assert main(["feedback", "release", "--adapter-dir", str(tmp_path / "adapters"), "nope"]) == 0
+    assert release_quarantined(tmp_path / "adapters" / LEDGER_FILE, poisoned[:1]) == poisoned[:1]
+    assert main(["feedback", "release", "--adapter-dir", str(tmp_path / "adapters"), "nope"]) == 1  # said, not released
     again = gated(tmp_path, merged_serving=merged_serving)
     assert again.status().adapter_version == 3 and again.cache.get(poisoned[0]).state.value == "ready"
     assert again.cache.get(poisoned[1]) is None

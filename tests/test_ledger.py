@@ -596,7 +596,7 @@ def test_a_label_deleted_after_it_trained_is_dropped_not_quarantined_when_a_roll
     assert (rows["deleted"].fate, rows["deleted"].fate_reason) == ("dropped", "deleted")
     assert rows["kept"].fate == "quarantined"
     _crash(first)
-    assert release_quarantined(tmp_path / LEDGER_FILE) == 1
+    assert len(release_quarantined(tmp_path / LEDGER_FILE)) == 1
     second = _training(tmp_path, save_every=1)
     again = second.feedback.submit(FeedbackLabel("deleted", "A new label.", None, 0))
     assert again.outcome is FeedbackOutcome.UNKNOWN and "data were deleted" in again.message, again
@@ -655,7 +655,7 @@ def test_rollbacks_leave_trained_exactly_the_labels_the_served_weights_hold(tmp_
     ledger.close()
     # released, they wait to train again; a rollback to weights that hold them gives them back their fate
     # (a review: the release forgot their version, and they trained twice)
-    assert release_quarantined(tmp_path / LEDGER_FILE, ["r11"]) == 1
+    assert release_quarantined(tmp_path / LEDGER_FILE, ["r11"]) == ["r11"]
     ledger = Ledger(tmp_path / LEDGER_FILE)
     ledger.rolled_back(12, 17)
     assert fates()["r11"] == "trained"

@@ -197,7 +197,7 @@ def test_deleting_a_label_released_while_the_server_runs_is_not_taken_for_one_in
     with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:  # what a rollback to version 0 leaves
         conn.execute("UPDATE requests SET fate = 'quarantined', fate_reason = 'rolled back to version 0' "
                      "WHERE id = 'r0'")
-    assert release_quarantined(tmp_path / LEDGER_FILE) == 1
+    assert len(release_quarantined(tmp_path / LEDGER_FILE)) == 1
     forgotten = training.forget("r0", label_only=True)
     assert forgotten.found and forgotten.training == []
     training.close()

@@ -291,18 +291,21 @@ def read_ledger(path: str | Path, where: str = "1", params: tuple = ()) -> list[
         conn.close()
 
 
-def release_quarantined(path: str | Path, request_ids: list[str] | None = None) -> int:
+def release_quarantined(path: str | Path, request_ids: list[str] | None = None) -> list[str]:
     """Releases labels the eval gate quarantined (all, or those of `request_ids`): they
-    train when the server next starts. The number released."""
+    train when the server next starts. The ids released."""
     conn = open_database(Path(path))
     try:
         where, params = f"fate = 'quarantined' AND NOT {LABEL_DELETED}", ()
         if request_ids is not None:
             where += f" AND id IN ({','.join('?' * len(request_ids))})"
             params = tuple(request_ids)
+        conn.execute("BEGIN IMMEDIATE")
+        released = [request_id for (request_id,) in conn.execute(f"SELECT id FROM requests WHERE {where}", params)]
         # (a reason kept beside no fate: a running server's deletion tells it from a fate not written yet;
         # the version it trained into too: a rollback to weights that hold it gives it back its `trained`)
-        return conn.execute(f"UPDATE requests SET fate = NULL, fate_reason = '{RELEASED}' WHERE {where}",
-                            params).rowcount
+        conn.execute(f"UPDATE requests SET fate = NULL, fate_reason = '{RELEASED}' WHERE {where}", params)
+        conn.execute("COMMIT")
+        return released
     finally:
         conn.close()

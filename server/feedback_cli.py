@@ -1,0 +1,179 @@
+"""`alchemist feedback`: what a server's feedback ledger (`DIR/ledger.sqlite3`) holds, read
+beside a running server: `export` (TRL's dataset formats, trainer/export.py), `list` (each
+request's label and fate, e.g. the labels the eval gate quarantined) and `release`
+(quarantined labels train again when the server next starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+# what `list --fate` selects: the fates the ledger writes, and waiting (no fate yet)
+FATES = ("waiting", "trained", "quarantined", "dropped", "expired", "evicted", "skipped")
+
+
+def add_feedback_commands(commands) -> None:
+    """`alchemist feedback export|list|release`."""
+    feedback = commands.add_parser("feedback", help="the feedback a server collected (its ledger)")
+    feedback_commands = feedback.add_subparsers(dest="feedback_command", required=True)
+    export = feedback_commands.add_parser("export", help="write the ledger's labels as JSONL in TRL's dataset formats")
+    export.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
+    export.add_argument("--format", default="preference", choices=["preference", "unpaired", "prompt-completion"],
+                        help="preference: {prompt, chosen, rejected} (DPO); unpaired: {prompt, completion, label} "
+                        "(KTO); prompt-completion: {prompt, completion[, reward]} (SFT, rewards as data)")
+    export.add_argument("--since", help="only labels given (or, unlabelled, requests served) at or after this "
+                        "ISO-8601 date or time (naive: UTC)")
+    export.add_argument("--out", help="file to write (default: standard output)")
+    export.add_argument("--style", default="auto", choices=["auto", "conversational", "standard"],
+                        help="conversational rows (chat requests) or standard rows (text completions); auto: the "
+                        "ledger's one style")
+    export.add_argument("--include-quarantined", action="store_true",
+                        help="also the labels the eval gate quarantined")
+    export.add_argument("--drop-truncated", action="store_true",
+                        help="leave out rows with a served answer that max_tokens cut short")
+    release = feedback_commands.add_parser("release", help="release labels the eval gate quarantined: they train "
+                                           "when the server next starts")
+    release.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
+    release.add_argument("ids", nargs="*", help="completion ids to release (default: every quarantined label)")
+    listing = feedback_commands.add_parser("list", help="the ledger's requests, one per line: id, when served, "
+                                           "method, label, fate (with its version and reason)")
+    listing.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
+    listing.add_argument("--fate", choices=FATES, help="only requests of this fate (waiting: no fate yet, "
+                         "released ones too)")
+    listing.add_argument("--labelled", action="store_true", help="only requests with a label")
+    listing.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+
+
+def feedback_command(args: argparse.Namespace) -> int:
+    """`alchemist feedback export|list|release`."""
+    from trainer.ledger_db import LEDGER_FILE
+
+    if args.feedback_command == "export":
+        return export_feedback(args)
+    path = Path(args.adapter_dir) / LEDGER_FILE
+    if not path.is_file():
+        print(f"alchemist: no feedback ledger at {path}", file=sys.stderr)
+        return 2
+    return list_requests(args, path) if args.feedback_command == "list" else release_labels(args, path)
+
+
+def release_labels(args: argparse.Namespace, path: Path) -> int:
+    """`feedback release`: 1 if an id asked for was not released (each is said, and why)."""
+    from trainer.ledger_db import read_ledger, release_quarantined
+
+    released = release_quarantined(path, args.ids or None)
+    print(f"alchemist: released {len(released)} quarantined labels; they train when the server next starts",
+          file=sys.stderr)
+    missing = [request_id for request_id in dict.fromkeys(args.ids) if request_id not in set(released)]
+    if not missing:
+        return 0
+    rows = {row.request.id: row for row in read_ledger(path, f"r.id IN ({','.join('?' * len(missing))})",
+                                                        tuple(missing))}
+    for request_id in missing:
+        row = rows.get(request_id)
+        why = "not in the ledger" if row is None else f"not quarantined: {_fate(row)}"
+        print(f"alchemist: {request_id}: {why}", file=sys.stderr)
+    return 1
+
+
+def list_requests(args: argparse.Namespace, path: Path) -> int:
+    """`feedback list`: the ledger's requests, oldest first."""
+    from trainer.ledger_db import read_ledger
+
+    where, params = "1", ()
+    if args.fate == "waiting":
+        where = "r.fate IS NULL"
+    elif args.fate:
+        where, params = "r.fate = ?", (args.fate,)
+    if args.labelled:
+        where += " AND l.request_id IS NOT NULL"
+    rows = read_ledger(path, where, params)
+    records = [_listed(row) for row in rows]
+    if args.json:
+        sys.stdout.write("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+    else:
+        columns = ("id", "served_at", "method", "label", "fate")
+        table = [columns] + [tuple(_cell(record, column) for column in columns) for record in records]
+        widths = [max(len(line[i]) for line in table) for i in range(len(columns) - 1)]
+        sys.stdout.write("".join("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]).rstrip()
+                                 + "\n" for line in table))
+    print(f"alchemist: {len(records)} requests", file=sys.stderr)
+    return 0
+
+
+def _listed(row) -> dict:
+    label = row.label
+    return {"id": row.request.id, "served_at": row.request.served_at, "method": row.request.method,
+            "label": None if label is None else label.kind, "label_source": None if label is None else label.source,
+            "fate": row.fate, "fate_version": row.fate_version, "fate_reason": row.fate_reason}
+
+
+def _cell(record: dict, column: str) -> str:
+    if column == "served_at":
+        return datetime.datetime.fromtimestamp(record["served_at"], datetime.timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")
+    if column == "fate":
+        fate = record["fate"] or ("waiting (released)" if record["fate_reason"] == "released" else "waiting")
+        version = f" v{record['fate_version']}" if record["fate"] == "trained" else ""
+        reason = f" ({record['fate_reason']})" if record["fate"] and record["fate_reason"] else ""
+        return fate + version + reason
+    return str(record[column] if record[column] is not None else "-")
+
+
+def _fate(row) -> str:
+    """A row's fate in words."""
+    return _cell(_listed(row), "fate")
+
+
+def export_feedback(args: argparse.Namespace) -> int:
+    """`alchemist feedback export`: the ledger's rows as JSONL (the server may be running)."""
+    import json
+    from pathlib import Path
+
+    from trainer.export import ExportError, export_rows, parse_since, write_jsonl
+    from trainer.ledger_db import LEDGER_FILE, read_ledger
+
+    try:
+        rows = read_ledger(Path(args.adapter_dir) / LEDGER_FILE)
+        dataset, counts = export_rows(rows, args.format, parse_since(args.since), args.style,
+                                      args.include_quarantined, args.drop_truncated)
+    except (ExportError, FileNotFoundError) as exc:
+        print(f"alchemist: {exc}", file=sys.stderr)
+        return 2
+    if not counts.rows:  # an empty JSONL file is not a dataset `datasets` loads: nothing is written
+        if counts.selected:
+            print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
+                  "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
+                  "prompt-completion rows", file=sys.stderr)
+        else:
+            print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need "
+                  "--include-quarantined)", file=sys.stderr)
+        print(f"alchemist: no rows: {args.out or 'standard output'} not written", file=sys.stderr)
+        return 1
+    try:
+        if args.out:
+            write_jsonl(args.out, dataset)
+        else:
+            sys.stdout.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in dataset))
+    except OSError as exc:
+        print(f"alchemist: cannot write {args.out or 'standard output'}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
+    if counts.continuing:
+        skipped += (f"; {counts.continuing} requests left out whose prompt ends with an assistant message (TRL "
+                    "renders it as continued and the completion as a turn of its own: not what was served)")
+    if counts.without_prompt:
+        skipped += (f"; {counts.without_prompt} requests left out whose prompt truncate_prompt_tokens cut (the "
+                    "ledger holds no prompt as the client wrote it)")
+    print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{skipped}",
+          file=sys.stderr)
+    if counts.truncated:
+        done = "left out" if args.drop_truncated else "written (TRL ends each completion with the end of turn, so " \
+            "they teach to stop mid-answer: --drop-truncated leaves them out)"
+        print(f"alchemist: {counts.truncated} rows hold a served answer cut short (by max_tokens or a disconnect): "
+              f"{done}", file=sys.stderr)
+    return 0
