@@ -21,7 +21,7 @@ from tests.test_training import gradients_of, label, serve
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.config import AdapterConfig, TrainConfig
 from trainer.eval_set import EvalSetError, load_eval_set
-from trainer.feedback import FeedbackLabel
+from trainer.feedback import FeedbackLabel, FeedbackOutcome
 from trainer.ledger import Ledger
 from trainer.ledger_db import LEDGER_FILE, read_ledger, release_quarantined
 from tests.tiny import tiny_tokenizer
@@ -94,6 +94,9 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     training.ledger.flush()
     rows = {row.request.id: row for row in read_ledger(tmp_path / "adapters" / LEDGER_FILE)}
     assert all(rows[i].fate == "quarantined" and "rejected version 1" in rows[i].fate_reason for i in poisoned)
+    again = training.feedback.submit(FeedbackLabel(poisoned[0], RIGHT, WRONG))  # what became of it, not "trained on"
+    assert again.outcome is FeedbackOutcome.CONFLICT and again.message.endswith("already has its label and is "
+                                                                                "quarantined"), again
 
     labelled_batch(training, "good", RIGHT, WRONG)
     training.train_until_idle()

@@ -22,7 +22,7 @@ from typing import Callable, NoReturn
 from trainer.cache import ActivationCache
 from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, PreferenceLabel
 from trainer.ledger import LabelExists, Ledger, LedgerUnavailable
-from trainer.label_history import is_prompt_of, remembered
+from trainer.label_history import fate_said, is_prompt_of, remembered
 from trainer.ledger_db import LabelRecord
 
 
@@ -200,8 +200,9 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
         if completion_id in cache.deleted_ids:
             raise _refuse(FeedbackOutcome.UNKNOWN, _deleted_message(completion_id), "id", "entry_not_found")
         if ended in (EntryState.TRAINED, EntryState.SKIPPED):
-            raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label and "
-                          f"was {'trained on' if ended is EntryState.TRAINED else 'skipped (equal rewards)'}",
+            how = (ledger is not None and fate_said(ledger.path, completion_id)) or "was " + (
+                "trained on" if ended is EntryState.TRAINED else "skipped (equal rewards)")
+            raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label and {how}",
                           "id", "label_exists")
         if ended is EntryState.NOT_TRAINABLE:
             raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} cannot be trained on: it was "
@@ -228,10 +229,8 @@ def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int | No
     """Refuses a completion this process's cache never knew as the ledger remembers it (a
     label sent again after a restart): 409 if its label is kept there, 404 if it was
     deleted — its own, or for a batch's id, the prompt's its choice `choice` answers."""
-    if ledger is None:
-        return
     try:
-        memory = remembered(ledger.path, completion_id, choice)
+        memory = remembered(ledger.path, completion_id, choice) if ledger is not None else None
     except (sqlite3.Error, OSError):
         return  # unreadable now: answered as the cache alone would
     if memory is not None and memory.prompts:

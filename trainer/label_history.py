@@ -10,6 +10,7 @@ a label naming the request's own id is the label of the prompt its choice belong
 
 from __future__ import annotations
 
+import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,3 +73,14 @@ def remembered(ledger_path: str | Path, completion_id: str, choice: int | None =
                                                      (row.request.id,)))
     return LedgerMemory(row.request.id, row.label is not None, row.fate, row.fate_version, row.fate_reason,
                         label_deleted=deleted)
+
+
+def fate_said(ledger_path: str | Path, completion_id: str) -> str | None:
+    """What became of an entry's label, as the ledger says once its fate has landed there
+    (trained into which version, quarantined by the eval gate or a rollback); None if it
+    has none yet or the ledger cannot be read."""
+    try:
+        memory = remembered(ledger_path, completion_id)
+    except (sqlite3.Error, OSError):
+        return None
+    return memory.how() if memory is not None and memory.fate is not None else None
