@@ -88,7 +88,13 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
                    "max_queued_requests": getattr(args, "max_queued_requests", None),
                    "max_body_bytes": getattr(args, "max_body_bytes", None)},
     }
-    return load_config(args.config, overrides)
+    config = load_config(args.config, overrides)
+    gate_flags = [f"--{name.replace('_', '-')}" for name in ("eval_tolerance", "eval_max_kl")
+                  if getattr(args, name, None) is not None]
+    if gate_flags and not config.train.eval_set:  # a mistyped --eval-set must not leave a gate believed on
+        raise ValueError(f"{gate_flags[0]} sets the eval gate, which runs with --eval-set FILE (train.eval_set); "
+                         "without it no version is gated")
+    return config
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -123,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "on one port, training one adapter (torch.distributed; the same as running under "
                        "torchrun --nproc-per-node N)")
     serve.add_argument("--max-restarts", type=int, default=10,
-                       help="with --data-parallel-size: times the group is restarted after a replica dies while "
-                            "serving (a group that fails to start is not restarted)")
+                       help="with --data-parallel-size: times the group is restarted after a replica dies (the "
+                            "first group, failing before it serves, is not restarted)")
 
     add_feedback_commands(commands)
 
@@ -167,8 +173,9 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
     from server.replicas import die_with_parent, ensure_port_free, join_group, launch, replica_device, replica_from_env
     from trainer.replicated import Replica
 
-    if args.data_parallel_size < 1:
-        print("alchemist: configuration error: --data-parallel-size must be at least 1", file=sys.stderr)
+    if args.data_parallel_size < 1 or args.max_restarts < 0:
+        print("alchemist: configuration error: --data-parallel-size must be at least 1 and --max-restarts at "
+              "least 0", file=sys.stderr)
         return 2
     replica = replica_from_env()
     if replica is not None:

@@ -7,6 +7,7 @@ request's label and fate, e.g. the labels the eval gate quarantined) and `releas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -42,8 +43,8 @@ def add_feedback_commands(commands) -> None:
     listing = feedback_commands.add_parser("list", help="the ledger's requests, one per line: id, when served, "
                                            "method, label, fate (with its version and reason)")
     listing.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
-    listing.add_argument("--fate", choices=FATES, help="only requests of this fate (waiting: no fate yet, "
-                         "released ones too)")
+    listing.add_argument("--fate", choices=FATES, help="only requests of this fate (waiting: no fate yet — "
+                         "served and not trained, labelled or not (--labelled: with a label), released ones too)")
     listing.add_argument("--labelled", action="store_true", help="only requests with a label")
     listing.add_argument("--json", action="store_true", help="JSON lines instead of a table")
 
@@ -62,27 +63,32 @@ def feedback_command(args: argparse.Namespace) -> int:
 
 
 def release_labels(args: argparse.Namespace, path: Path) -> int:
-    """`feedback release`: 1 if an id asked for was not released (each is said, and why)."""
-    from trainer.ledger_db import read_ledger, release_quarantined
+    """`feedback release`: 1 if an id asked for is neither released now nor before (each is
+    said, and why)."""
+    from trainer.ledger_db import RELEASED, read_fates, release_quarantined
 
-    released = release_quarantined(path, args.ids or None)
+    released = set(release_quarantined(path, args.ids or None))
     print(f"alchemist: released {len(released)} quarantined labels; they train when the server next starts",
           file=sys.stderr)
-    missing = [request_id for request_id in dict.fromkeys(args.ids) if request_id not in set(released)]
+    missing = [request_id for request_id in dict.fromkeys(args.ids) if request_id not in released]
     if not missing:
         return 0
-    rows = {row.request.id: row for row in read_ledger(path, f"r.id IN ({','.join('?' * len(missing))})",
-                                                        tuple(missing))}
+    rows = {row.id: row for row in read_fates(path, f"r.id IN ({','.join('?' * len(missing))})", tuple(missing))}
+    refused = 0
     for request_id in missing:
         row = rows.get(request_id)
-        why = "not in the ledger" if row is None else f"not quarantined: {_fate(row)}"
-        print(f"alchemist: {request_id}: {why}", file=sys.stderr)
-    return 1
+        if row is not None and row.fate is None and row.fate_reason == RELEASED:
+            print(f"alchemist: {request_id}: released already", file=sys.stderr)
+            continue
+        refused += 1
+        print(f"alchemist: {request_id}: {'not in the ledger' if row is None else 'not quarantined: ' + _fate(row)}",
+              file=sys.stderr)
+    return 1 if refused else 0
 
 
 def list_requests(args: argparse.Namespace, path: Path) -> int:
     """`feedback list`: the ledger's requests, oldest first."""
-    from trainer.ledger_db import read_ledger
+    from trainer.ledger_db import read_fates
 
     where, params = "1", ()
     if args.fate == "waiting":
@@ -91,49 +97,35 @@ def list_requests(args: argparse.Namespace, path: Path) -> int:
         where, params = "r.fate = ?", (args.fate,)
     if args.labelled:
         where += " AND l.request_id IS NOT NULL"
-    rows = read_ledger(path, where, params)
-    records = [_listed(row) for row in rows]
+    rows = read_fates(path, where, params)
     if args.json:
-        sys.stdout.write("".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+        sys.stdout.write("".join(json.dumps(dataclasses.asdict(row), ensure_ascii=False) + "\n" for row in rows))
     else:
-        columns = ("id", "served_at", "method", "label", "fate")
-        table = [columns] + [tuple(_cell(record, column) for column in columns) for record in records]
-        widths = [max(len(line[i]) for line in table) for i in range(len(columns) - 1)]
+        table = [("id", "served_at", "method", "label", "fate")]
+        table += [(row.id, _when(row.served_at), row.method, row.label or "-", _fate(row)) for row in rows]
+        widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
         sys.stdout.write("".join("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]).rstrip()
                                  + "\n" for line in table))
-    print(f"alchemist: {len(records)} requests", file=sys.stderr)
+    print(f"alchemist: {len(rows)} requests", file=sys.stderr)
     return 0
 
 
-def _listed(row) -> dict:
-    label = row.label
-    return {"id": row.request.id, "served_at": row.request.served_at, "method": row.request.method,
-            "label": None if label is None else label.kind, "label_source": None if label is None else label.source,
-            "fate": row.fate, "fate_version": row.fate_version, "fate_reason": row.fate_reason}
-
-
-def _cell(record: dict, column: str) -> str:
-    if column == "served_at":
-        return datetime.datetime.fromtimestamp(record["served_at"], datetime.timezone.utc).strftime(
-            "%Y-%m-%dT%H:%M:%SZ")
-    if column == "fate":
-        fate = record["fate"] or ("waiting (released)" if record["fate_reason"] == "released" else "waiting")
-        version = f" v{record['fate_version']}" if record["fate"] == "trained" else ""
-        reason = f" ({record['fate_reason']})" if record["fate"] and record["fate_reason"] else ""
-        return fate + version + reason
-    return str(record[column] if record[column] is not None else "-")
+def _when(unix_time: float) -> str:
+    return datetime.datetime.fromtimestamp(unix_time, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _fate(row) -> str:
-    """A row's fate in words."""
-    return _cell(_listed(row), "fate")
+    """A row's fate in words: with the version it trained into, or why."""
+    from trainer.ledger_db import RELEASED
+
+    if row.fate is None:
+        return "waiting (released)" if row.fate_reason == RELEASED else "waiting"
+    version = f" v{row.fate_version}" if row.fate == "trained" else ""
+    return row.fate + version + (f" ({row.fate_reason})" if row.fate_reason else "")
 
 
 def export_feedback(args: argparse.Namespace) -> int:
     """`alchemist feedback export`: the ledger's rows as JSONL (the server may be running)."""
-    import json
-    from pathlib import Path
-
     from trainer.export import ExportError, export_rows, parse_since, write_jsonl
     from trainer.ledger_db import LEDGER_FILE, read_ledger
 

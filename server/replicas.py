@@ -3,9 +3,9 @@ one port.
 
 `alchemist serve --data-parallel-size N` (`-dp N`) becomes torch's elastic agent
 (`torch.distributed.launcher`, what `torchrun` runs): it starts N copies of the same
-command, each with `RANK`, `LOCAL_RANK` and `WORLD_SIZE` set, and when one dies while
-serving it stops the others and starts the group again (`--max-restarts`); a group that
-fails to start is not started again. The same program runs under
+command, each with `RANK`, `LOCAL_RANK` and `WORLD_SIZE` set, and when one dies it stops
+the others and starts the group again (`--max-restarts`) — once a group has served: the
+first, failing to start, is not started again. The same program runs under
 `torchrun --nproc-per-node N -m server.cli serve …` and across nodes (`torchrun --nnodes`).
 
 Each replica:
@@ -153,14 +153,12 @@ def private_socket(replica: Replica) -> tuple[socket.socket, str]:
 
 # the environment variable in which `launch` names the folder where each replica marks that it serves
 SERVING_MARKS_VARIABLE = "ALCHEMIST_SERVING_MARKS"
-# that folder's name: the prefix, then the agent's pid
-MARKS_PREFIX = "alchemist-serving-"
 
 
 def mark_serving(replica: Replica) -> None:
     """Tells the agent that started this replica (if `launch` did) that it got as far as
-    serving: a group that fails after every replica did is restarted, one that fails before
-    is not (its error would come back at every start)."""
+    serving: once a group has, a failure restarts it; the first group failing before is
+    not restarted (its error would come back at every start)."""
     marks = os.environ.get(SERVING_MARKS_VARIABLE)
     if marks is not None:
         with open(os.path.join(marks, f"rank-{replica.rank}"), "w"):
@@ -169,11 +167,11 @@ def mark_serving(replica: Replica) -> None:
 
 def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
     """Runs `alchemist <argv>` as `replicas` replica processes under torch's elastic agent
-    on this node; returns when the group ends (the exit status: 2 if it failed before every
-    replica served). A group that fails while serving is started again, up to
-    `max_restarts` times; one that fails while it starts is not: a configuration error, an
-    adapter directory another server trains into, a busy port or a model that does not fit
-    would fail every start the same way, each after loading the model again."""
+    on this node; returns when the group ends (the exit status: 2 if it never served). A
+    group that fails once it has served is started again, up to `max_restarts` times; the
+    first one, failing before any replica served, is not: a configuration error, an adapter
+    directory another server trains into or a model that does not fit would fail every
+    start the same way, each after loading the model again."""
     import shutil
     import tempfile
 
@@ -183,8 +181,7 @@ def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
 
     logger.info("starting %d replicas (restarted up to %d times once they serve)", replicas, max_restarts)
     os.environ[AGENT_PID_VARIABLE] = str(os.getpid())  # the replicas' parent: die_with_parent checks it
-    _remove_dead_agents_marks()
-    marks = tempfile.mkdtemp(prefix=f"{MARKS_PREFIX}{os.getpid()}-")
+    marks = tempfile.mkdtemp(prefix="alchemist-serving-")
     os.environ[SERVING_MARKS_VARIABLE] = marks
     try:
         for attempt in range(max_restarts + 1):
@@ -199,33 +196,18 @@ def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
                 logger.info("the replicas stopped on signal %s", exc.sigval.name)
                 return 0
             except ChildFailedError as exc:
-                served = len(os.listdir(marks))
-                if served < replicas:
-                    logger.error("the replicas failed to start (%d of %d got as far as serving), so they are not "
-                                 "restarted; the first error above says why: %s", served, replicas, _first_failure(exc))
+                if not os.listdir(marks):  # (marks stay from the first group that served)
+                    logger.error("the replicas failed to start, so they are not restarted; the first error above "
+                                 "says why: %s", _first_failure(exc))
                     return 2
                 if attempt == max_restarts:
                     logger.error("the replicas stopped, restarted %d times: %s", attempt, _first_failure(exc))
                     return 1
-                logger.warning("a replica failed while serving (%s); starting the group again (restart %d of %d)",
+                logger.warning("a replica failed (%s); starting the group again (restart %d of %d)",
                                _first_failure(exc), attempt + 1, max_restarts)
-                for mark in os.listdir(marks):
-                    os.remove(os.path.join(marks, mark))
         return 1
     finally:
         shutil.rmtree(marks, ignore_errors=True)
-
-
-def _remove_dead_agents_marks() -> None:
-    """The marks folders of agents that were killed (`kill -9` leaves them behind)."""
-    import glob
-    import shutil
-    import tempfile
-
-    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{MARKS_PREFIX}*-*")):
-        agent = os.path.basename(folder)[len(MARKS_PREFIX):].split("-")[0]
-        if agent.isdigit() and not os.path.exists(f"/proc/{agent}"):
-            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _first_failure(exc) -> str:

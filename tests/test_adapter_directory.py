@@ -84,10 +84,10 @@ def test_copies_of_other_versions_are_pruned_before_the_distinct_versions_they_c
     for version, state in ((0, {}), (1, {}), (2, {"rolled_back_to": 1}), (3, {"copy_of": 1}),
                            (4, {"rolled_back_to": 1}), (5, {"rolled_back_to": 1})):
         store.save(dataclasses.replace(snapshot, version=version, state=state))
-    assert [saved.version for saved in store.versions()] == [0, 1, 5]
+    assert [saved.version for saved in store.versions()] == [0, 4, 5]  # version 1's weights: the newest holds them
     for version in (6, 7):
         store.save(dataclasses.replace(snapshot, version=version, state={}))
-    assert [saved.version for saved in store.versions()] == [1, 6, 7]  # then the oldest, as before
+    assert [saved.version for saved in store.versions()] == [5, 6, 7]  # a copy too many, then the oldest
 
 
 def test_a_copy_whose_original_is_no_longer_saved_is_kept_as_any_version(tmp_path):
@@ -101,3 +101,15 @@ def test_a_copy_whose_original_is_no_longer_saved_is_kept_as_any_version(tmp_pat
     for version, state in ((0, {}), (5, {}), (6, {"rolled_back_to": 0}), (7, {})):
         store.save(dataclasses.replace(snapshot, version=version, state=state))
     assert [saved.version for saved in store.versions()] == [0, 5, 7]  # the copy of 0 goes, 0 stays
+
+
+def test_the_newest_version_holds_its_weights_for_every_copy_of_them(tmp_path):
+    """A rollback to version 5 saved as version 21: 21 stays (the newest always does), so
+    version 5 is the one that gives way, not version 0 (a review: the original was kept
+    beside its newest copy, and a distinct version went instead)."""
+    snapshot = make_trainer("llama", "dpo").lifecycle.snapshot()
+    store = AdapterStore(tmp_path, keep=5)
+    for version, state in ((0, {}), (5, {}), (10, {}), (15, {}), (20, {}), (21, {"weights_of": 5})):
+        store.save(dataclasses.replace(snapshot, version=version, state=state))
+    assert [saved.version for saved in store.versions()] == [0, 10, 15, 20, 21]
+

@@ -7,6 +7,7 @@ the last promoted version; without an eval set nothing changes."""
 import dataclasses
 import json
 
+import jinja2
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -118,11 +119,12 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     again.close()
 
 
-def test_repeated_rejections_leave_version_0_on_disk_and_name_it_in_every_copy(tmp_path):
+def test_repeated_rejections_name_the_promoted_version_in_every_copy(tmp_path):
     """Each rejection saves a copy of the promoted weights. A copy used to name the copy
     before it, a chain; once the oldest copy was pruned the others counted as distinct, and
     the distinct versions went instead: an operator's review found five identical copies
-    and no version 0 to roll back to after nine rejections."""
+    and no version 0 to roll back to after nine rejections. Each copy names version 0, so
+    the store knows them for one version's weights (tests/test_adapter_directory.py)."""
     config = TrainConfig(mode="dpo", lora_rank=4, learning_rate=5e-2, entries_per_step=2, eval_set=eval_set(tmp_path),
                          eval_tolerance=2.0)
     store = AdapterStore(tmp_path / "adapters", keep=3)
@@ -133,8 +135,8 @@ def test_repeated_rejections_leave_version_0_on_disk_and_name_it_in_every_copy(t
         training.lifecycle.checkpointer.wait()
     assert training.status().training.rollbacks["eval_gate"] == 4
     saved = [v.version for v in training.lifecycle.saved_versions()]
-    assert saved == [0, 6, 8]
-    for version in saved[1:]:
+    assert saved == [4, 6, 8]  # nothing else to keep: the newest holds version 0's weights, and stays
+    for version in saved:
         assert json.loads((store.path_of(version) / "alchemist_state.json").read_text())["weights_of"] == 0
     training.close()
 
@@ -248,12 +250,23 @@ def test_bad_eval_sets_are_refused_with_the_line_at_fault(tmp_path):
                           ('{"prompt": "a", "chosen": "b"}', "'chosen' and 'rejected'"),
                           ('{"chosen": "b", "rejected": "c"}', "'messages'"),
                           # (a review: a traceback, and errors that named no line)
-                          ('{"messages": [{"role": "user"}], "completion": "b"}', "probes.jsonl:1: 'messages'"),
+                          ('{"messages": [{"content": "a"}], "completion": "b"}', "probes.jsonl:1: 'messages'"),
                           ('{"messages": [], "completion": "b"}', "probes.jsonl:1: 'messages' is a non-empty list"),
                           ('{"prompt": "a", "completion": "b"}\n{"prompt": "\udcff"}', "probes.jsonl:2: not UTF-8")):
         path.write_bytes(text.encode("utf-8", "surrogateescape"))
         with pytest.raises(EvalSetError, match=message):
             load_eval_set(path, tiny_tokenizer(), 256)
+
+    class StrictTemplate:  # a template that cannot render a message without content (the embedded model's)
+        def __getattr__(self, name):
+            return getattr(tiny_tokenizer(), name)
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise jinja2.exceptions.UndefinedError("'dict object' has no attribute 'content'")
+
+    path.write_text('{"messages": [{"role": "user"}], "completion": "b"}')
+    with pytest.raises(EvalSetError, match="probes.jsonl:1: the chat template cannot render these messages: 'dict"):
+        load_eval_set(path, StrictTemplate(), 256)
 
 
 def test_without_an_eval_set_every_version_serves_at_once(tmp_path):

@@ -27,8 +27,8 @@ def test_list_finds_the_quarantined_labels_and_release_says_which_it_did_not_rel
     _ledger_with_a_rollback(tmp_path)
     assert main(["feedback", "list", "--adapter-dir", str(tmp_path), "--fate", "quarantined", "--json"]) == 0
     listed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [(r["id"], r["label"], r["fate"], r["fate_version"]) for r in listed] == [
-        ("r2", "preference", "quarantined", 2)]
+    assert [(r["id"], r["label"], r["label_source"], r["fate"], r["fate_version"]) for r in listed] == [
+        ("r2", "preference", "api", "quarantined", 2)]
     assert "rolled back to version 1" in listed[0]["fate_reason"]
 
     assert main(["feedback", "release", "--adapter-dir", str(tmp_path), "r2", "r1", "nope"]) == 1
@@ -36,6 +36,8 @@ def test_list_finds_the_quarantined_labels_and_release_says_which_it_did_not_rel
     assert "released 1 quarantined labels" in said
     assert "r1: not quarantined: trained v1" in said and "nope: not in the ledger" in said
 
+    assert main(["feedback", "release", "--adapter-dir", str(tmp_path), "r2"]) == 0  # again: done already
+    assert "r2: released already" in capsys.readouterr().err
     assert main(["feedback", "list", "--adapter-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["id", "served_at", "method", "label", "fate"]

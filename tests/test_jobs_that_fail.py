@@ -116,8 +116,12 @@ def test_a_gradient_that_is_never_finite_drops_its_entries_after_one_retry():
         optimizer.params[0].grad[0, 0] = math.inf
         return step(*args, **kwargs)
 
-    optimizer.step = poisoned_step
+    def deleted_meanwhile_and_poisoned(*args, **kwargs):  # as a deletion while a replicas' round runs
+        training.cache.deleted_ids.add("first")
+        return poisoned_step(*args, **kwargs)
+
+    optimizer.step = deleted_meanwhile_and_poisoned
     training.train_until_idle()
     assert optimizer.skipped_steps == 2 and optimizer.version == 0
-    assert fates.reasons == dict.fromkeys(ids, ("dropped", "step_skipped"))
+    assert fates.reasons == {"first": ("dropped", "deleted"), **dict.fromkeys(ids[1:], ("dropped", "step_skipped"))}
     assert training.stats.copy().trained_entries == {} and training.cache.count(EntryState.READY) == 0

@@ -342,6 +342,36 @@ def test_rank_0s_gate_verdict_is_every_replicas(tmp_path):
                 tmp_path / "adapters" / LEDGER_FILE)}.get(completion) == "quarantined")
 
 
+@pytest.mark.slow  # two replica processes, as torchrun starts them
+def test_under_torchrun_the_first_replica_of_a_node_refuses_a_port_another_group_shares(tmp_path):
+    """Without `alchemist serve -dp` (no agent of ours to check), local rank 0 checks the
+    port before any replica of its group binds it."""
+    import socket
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    port, master = free_port(), free_port()
+    flags = [f for f in _flags(tmp_path) if f not in ("--data-parallel-size", "2")]
+    with socket.socket() as other_group:
+        other_group.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other_group.bind(("127.0.0.1", port))
+        other_group.listen()
+        replicas = [subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", *flags, "--host", "127.0.0.1", "--port", str(port)],
+            cwd=root, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "RANK": str(rank),
+                 "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(master)}) for rank in (0, 1)]
+        try:
+            outcomes = [(replica.wait(120), replica.stderr.read()) for replica in replicas]
+        finally:
+            for replica in replicas:
+                replica.kill()
+    assert outcomes[0][0] == 2 and f"port {port} on 127.0.0.1 is in use" in outcomes[0][1], outcomes[0][1][-2000:]
+    assert outcomes[1][0] != 0
+
+
 def _hung_peer_main(rank: int, world_size: int, port: int, out: str) -> None:
     """Rank 1 joins, then hangs (its sync thread never starts, as a stopped process's);
     rank 0's round times out, and it leaves the group: SIGTERM to itself, `left` set."""

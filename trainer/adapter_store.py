@@ -182,8 +182,9 @@ class AdapterStore:
     def _prune(self) -> None:
         """Keeps the newest `keep` versions. Versions that hold the same weights — a
         rollback's or the eval gate's copy of a saved version (`weights_of` in its state) —
-        give way first, oldest first, down to one of them: the version copied while it is
-        on disk, else the newest copy. Then the oldest others. The newest always stays, so
+        give way first, oldest first, down to one of them: the newest version if it is one
+        of them, else the version copied while it is on disk, else the newest copy. Then the
+        oldest others. The newest always stays, so
         retried rollbacks and repeated rejections do not push out the distinct versions
         (version 0 too) to roll back to."""
         saved = self.versions()
@@ -199,7 +200,8 @@ class AdapterStore:
         for version in saved:
             original = copied[version.version]
             holders.setdefault(version.version if original is None else original, []).append(version)
-        kept = {(next((v for v in group if v.version == weights), group[-1])).version
+        newest = saved[-1]
+        kept = {(newest if newest in group else next((v for v in group if v.version == weights), group[-1])).version
                 for weights, group in holders.items()}
         older = saved[:-1]
         duplicates = [version for version in older if version.version not in kept]

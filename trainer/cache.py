@@ -261,7 +261,7 @@ class ActivationCache:
             reason: str | None = None) -> None:
         """Removes an entry for good and frees its activations (device thread: freeing a
         graph is tensor work, DESIGN.md invariant). A trained entry says into which
-        adapter `version` (None: its step was skipped) and by which `path`."""
+        adapter `version` and by which `path`."""
         with self._lock:
             self._end(entry, state, version, path, reason)
         self._free_detached()

@@ -4,7 +4,6 @@ dataclass each (assembled in server/config.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,10 +24,6 @@ def staleness_for(learning_rate: float) -> int:
     recordings re-aimed at today's weights"): at 1e-3 and more a burst trained on
     recordings several versions stale learnt under half what strict recomputation did."""
     return next(staleness for rate, staleness in _STALENESS_BY_RATE if learning_rate <= rate)
-
-
-# the eval gate's settings beside train.eval_set, which turns it on
-GATE_SETTINGS = ("eval_tolerance", "eval_max_kl", "eval_kl_prompts")
 
 
 @dataclass(frozen=True)
@@ -167,11 +162,6 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.eval_tolerance < math.inf or not 0 <= self.eval_max_kl < math.inf:
             raise ValueError("train.eval_tolerance and train.eval_max_kl must be finite and >= 0")
-        gate_settings = [f.name for f in dataclasses.fields(self) if f.name in GATE_SETTINGS
-                         and getattr(self, f.name) != f.default]
-        if gate_settings and not self.eval_set:  # a mistyped --eval-set must not leave a gate believed on
-            raise ValueError(f"train.{gate_settings[0]} sets the eval gate, which runs with train.eval_set "
-                             "(--eval-set FILE); without it no version is gated")
         if self.eval_set and self.mode == "off":
             raise ValueError("train.eval_set gates the versions training makes; training is off")
         if not isinstance(self.cache_bytes, int) or self.cache_bytes < 0:

@@ -78,10 +78,8 @@ def _probe(record, tokenizer, where: str) -> Probe:
         raise EvalSetError(f"{where}: a probe has 'messages' (chat) or 'prompt' (text), one of them")
     if messages is not None:
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise EvalSetError(f"{where}: 'messages' is a non-empty list of chat messages, each with a 'role' and a "
-                               "'content' string")
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise EvalSetError(f"{where}: 'messages' is a non-empty list of chat messages, each with a 'role'")
         try:
             prompt_ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                             return_dict=True)["input_ids"])

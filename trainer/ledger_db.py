@@ -291,6 +291,32 @@ def read_ledger(path: str | Path, where: str = "1", params: tuple = ()) -> list[
         conn.close()
 
 
+@dataclass(frozen=True)
+class FateRow:
+    """A request's label and fate, without its prompt and answers (`alchemist feedback list`)."""
+
+    id: str
+    served_at: float
+    method: str
+    label: str | None
+    label_source: str | None
+    fate: str | None
+    fate_version: int | None
+    fate_reason: str | None
+
+
+def read_fates(path: str | Path, where: str = "1", params: tuple = ()) -> list[FateRow]:
+    """The requests' labels and fates, oldest first, filtered by an SQL condition on `r`
+    (requests) and `l` (labels); read only, beside the writer."""
+    conn = open_database(Path(path), read_only=True)
+    try:
+        return [FateRow(*row) for row in conn.execute(
+            "SELECT r.id, r.served_at, r.method, l.kind, l.source, r.fate, r.fate_version, r.fate_reason FROM requests "
+            f"r LEFT JOIN labels l ON l.request_id = r.id WHERE {where} ORDER BY r.served_at, r.id", params)]
+    finally:
+        conn.close()
+
+
 def release_quarantined(path: str | Path, request_ids: list[str] | None = None) -> list[str]:
     """Releases labels the eval gate quarantined (all, or those of `request_ids`): they
     train when the server next starts. The ids released."""

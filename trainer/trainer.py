@@ -283,7 +283,9 @@ class Trainer:
         weights: one whose own loss was not finite is dropped; the others train again, once
         (a second skip drops them: a gradient that is never finite must not loop)."""
         for entry in entries:
-            if not job.finite_of.get(entry.completion_id, True):
+            if entry.completion_id in self.cache.deleted_ids:  # (replicas: deleted while its round ran)
+                self.cache.end(entry, EntryState.DROPPED, reason="deleted")
+            elif not job.finite_of.get(entry.completion_id, True):
                 self.cache.end(entry, EntryState.DROPPED, reason="non_finite_loss")
             elif entry.retried_after_skip:
                 self.cache.end(entry, EntryState.DROPPED, reason="step_skipped")
