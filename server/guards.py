@@ -198,7 +198,8 @@ def _bearer(scope) -> str | None:
 
 
 async def _send_error(send, err: APIError, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(err.status, err.message, err.param, err.code, err.type)).encode()
+    body = json.dumps(error_body(err.status, err.message, err.param, err.code, err.type), ensure_ascii=False,
+                      separators=(",", ":")).encode()  # as every other error body (JSONResponse)
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if err.status == 401:
         raw_headers.append((b"www-authenticate", b"Bearer"))

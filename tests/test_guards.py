@@ -168,6 +168,7 @@ def test_overload_gets_429_beside_200_and_never_a_5xx():
         assert statuses.count(200) >= 4  # the 2 running + 2 queued were served
         rejected = next(r for r in responses if r.status_code == 429)
         assert rejected.json()["error"]["code"] == "rate_limit_exceeded" and rejected.headers["retry-after"] == "1"
+        assert rejected.content == json.dumps(rejected.json(), separators=(",", ":")).encode()  # as other errors
         with pytest.raises(openai.RateLimitError):  # what the SDK makes of it (checked while full)
             asyncio.run(_sdk_during_burst(server.url, body, app.state.alchemist.engine.engine))
         # capacity comes back once the burst is over
