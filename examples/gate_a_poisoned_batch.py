@@ -8,9 +8,10 @@ then run this script. It measures the served model's preference for the right ca
 a wrong one on the probes' questions (log-prob margin, `/v1/completions` with echo +
 logprobs, `"train": false`). Then it sends labels that prefer wrong capitals, phrased
 unlike the probes ("Which city is X's capital?" answered with a wrong city), and waits
-for the trainer: without the gate these move the probes' margin far below zero; with it,
-the versions they make are rejected and their labels quarantined, and the served margin
-does not move. Last it sends benign feedback (the "Certainly!" preference of
+for the trainer: without the gate these move the probes' margin most of the way to zero;
+with it, the versions they make are rejected (most of them: a version whose batch moved
+the probes less than the tolerance is promoted) and their labels quarantined, and the
+served margin moves little. Last it sends benign feedback (the "Certainly!" preference of
 learn_a_preference.py) and checks that it is promoted and learned.
 
     .venv/bin/python examples/gate_a_poisoned_batch.py [--url http://127.0.0.1:8000] [--poison 16] [--benign 24]

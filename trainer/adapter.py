@@ -28,6 +28,8 @@ run it, without that forward's checks on every adapted layer.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Callable
 
 import torch
@@ -241,6 +243,21 @@ class LeanLoraLinear(LoraLinear):
         return out.view(result.shape)
 
 
+@contextlib.contextmanager
+def peft_deprecation_quieted():
+    """Without the FutureWarning PEFT's own call of a name transformers 5 deprecated prints
+    at every start (`is_gradient_checkpointing`: not ours to change)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def peft_model_of(model, lora: LoraConfig) -> PeftModel:
+    """`get_peft_model`, quietly (`peft_deprecation_quieted`)."""
+    with peft_deprecation_quieted():
+        return get_peft_model(model, lora)
+
+
 def attach_lora(model, config: TrainConfig, init_lora_weights: bool | str = True) -> PeftModel:
     """Wraps `model` (modified in place) with a fresh LoRA adapter; base weights frozen."""
     targets = list(config.target_modules) or list(DEFAULT_TARGETS[model.config.model_type])
@@ -248,7 +265,7 @@ def attach_lora(model, config: TrainConfig, init_lora_weights: bool | str = True
                       bias="none", task_type="CAUSAL_LM", init_lora_weights=init_lora_weights)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
-        peft_model = get_peft_model(model, lora)
+        peft_model = peft_model_of(model, lora)
     peft_model.eval()  # no dropout anywhere; gradients still flow
     outside = [name for name, module in peft_model.named_modules()
                if isinstance(module, LoraLayer) and ".layers." not in name]

@@ -34,14 +34,17 @@ def merge_frozen_adapter(model, config: AdapterConfig):
     Raises ValueError when the adapter cannot be loaded or does not fit the model."""
     if not config.lora_module and not config.dir:
         return model, None
-    from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+    from peft import PeftModel, set_peft_model_state_dict
+
+    from trainer.adapter import peft_deprecation_quieted, peft_model_of
 
     if config.lora_module:
         name, _, path = config.lora_module.partition("=")
         if not (Path(path) / "adapter_config.json").is_file():
             raise ValueError(f"--lora-modules {name}={path}: no PEFT adapter there (adapter_config.json missing)")
         try:
-            merged = PeftModel.from_pretrained(model, path).merge_and_unload()
+            with peft_deprecation_quieted():
+                merged = PeftModel.from_pretrained(model, path).merge_and_unload()
         except Exception as exc:  # noqa: BLE001 - a foreign directory may fail in many ways
             raise ValueError(f"--lora-modules {name}={path}: cannot load it onto this model: {exc}") from exc
         logger.info("serving PEFT adapter %s frozen as %r", path, name)
@@ -55,7 +58,7 @@ def merge_frozen_adapter(model, config: AdapterConfig):
         raise ValueError(f"adapter version {config.version} in {config.dir} cannot be served: {exc}") from exc
     if snapshot is None:
         raise ValueError(f"--adapter-dir {config.dir}: no saved adapter version loads there")
-    peft_model = get_peft_model(model, snapshot.peft_config)
+    peft_model = peft_model_of(model, snapshot.peft_config)
     result = set_peft_model_state_dict(peft_model, snapshot.weights)
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
