@@ -108,13 +108,8 @@ class RequestGuard:
             refusal = self._refusal(scope, path)
             if refusal is not None:
                 return await _send_error(counting_send, refusal)
-            admitted = path in GENERATION_ROUTES
             charged = [0]  # the sequences this request holds of max_in_flight
-            if admitted:
-                try:
-                    self._charge(charged, 1)
-                except APIError as full:
-                    return await _send_error(counting_send, full, full.headers)
+            if path in GENERATION_ROUTES:  # charged once its body is read: a body that never ends holds nothing
                 scope.setdefault("state", {})[ADMIT_KEY] = lambda count, param: self._charge(charged, count, param)
             try:
                 await self.app(scope, self._limited(receive), counting_send)

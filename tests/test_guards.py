@@ -214,3 +214,28 @@ def test_capacity_counts_sequences_so_one_request_of_many_prompts_or_choices_can
         statuses = sorted(r.status_code for r in asyncio.run(two_of_three_sequences()))
         assert statuses == [200, 429], statuses  # 3 + 3 sequences do not fit in 4
         assert app.state.alchemist.engine.engine.num_requests == 0
+
+
+def test_bodies_that_never_end_hold_no_capacity():
+    """Capacity used to be charged before the body was read: a few connections sending half
+    a body, then nothing, locked every client out with 429 for as long as they stayed (a
+    fuzzing pass held 262)."""
+    import socket
+
+    app = tiny_app(max_num_seqs=1, server=ServerConfig(max_queued_requests=1))
+    with ServerThread(app) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        stalled = []
+        try:
+            for _ in range(4):  # twice the capacity
+                sock = socket.create_connection((host, int(port)))
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny")
+                stalled.append(sock)
+            time.sleep(0.5)
+            r = post(f"{server.url}/v1/chat/completions", json={
+                "model": TINY_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+            assert r.status_code == 200, r.text
+        finally:
+            for sock in stalled:
+                sock.close()
