@@ -160,7 +160,7 @@ class _SamplingFields(Strict):
         }
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):  # ("²" and "٣" are digits to str.isdigit)
                 raise InvalidParameter("logit_bias", f"logit_bias keys must be token ids, got {key!r}")
             bias[int(key)] = value
         return SamplingParams(

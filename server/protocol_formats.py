@@ -86,7 +86,7 @@ def build_grammar(kind: str, spec, param: str) -> Grammar:
         if isinstance(spec, str):
             try:
                 spec = json.loads(spec)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # (nested past Python's recursion limit)
                 raise InvalidParameter(param, f"{param} is not valid JSON: {exc}") from None
         if not isinstance(spec, dict):
             raise InvalidParameter(param, f"{param} must be a JSON schema (an object)")

@@ -157,7 +157,7 @@ _CUT_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]*)(")?')
 def _parse_call(body: str) -> ToolCall | None:
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # (nested past Python's recursion limit: no call of ours)
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
@@ -165,7 +165,7 @@ def _parse_call(body: str) -> ToolCall | None:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
@@ -183,7 +183,7 @@ def _raw_arguments(body: str) -> str | None:
     raw = _sendable_arguments(body[head.end():])
     try:
         json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return raw
 

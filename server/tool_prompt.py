@@ -89,5 +89,5 @@ def fallback_messages(messages: list[dict], functions: list[dict] | None) -> lis
 def _arguments(arguments: str):
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # kept as written, as other text that is not JSON
         return arguments

@@ -309,6 +309,9 @@ def test_logit_bias_over_http(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     r = chat(client, max_tokens=3, logit_bias={"99999999": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    for digit in ("²", "٣", "１"):  # digits to str.isdigit, not token ids (the first was a 500)
+        r = chat(client, max_tokens=3, logit_bias={digit: 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (digit, r.text)
 
 
 def test_prompt_only_requests_count_prompt_tokens(client):

@@ -73,3 +73,13 @@ def test_tokenizer_info_lets_a_client_tokenize_and_render_chats_as_the_server_do
                                                                           add_generation_prompt=True)
     rendered = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
     assert rendered == client.post("/tokenize", json={"messages": messages}).json()["tokens"]
+
+
+def test_tool_call_arguments_nested_past_the_recursion_limit_are_kept_as_written(client):
+    """They are JSON no parser here can take apart (a 500 before): kept as text, as other
+    arguments that are not JSON are."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 1000 + "]" * 1000}}
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "tool_calls": [call]}]})
+    assert r.status_code == 200, r.text
+
