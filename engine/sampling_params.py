@@ -7,6 +7,8 @@ OpenAI error code, so the server can fill OpenAI's `param` and `code` fields.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -80,7 +82,7 @@ class SamplingParams:
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
-            ("repetition_penalty", self.repetition_penalty > 0.0, "must be greater than 0"),
+            ("repetition_penalty", 0.0 < self.repetition_penalty < math.inf, "must be a finite number above 0"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 0, "must be at least 0"),
             ("min_tokens", self.min_tokens >= 0, "must be at least 0"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens,

@@ -302,6 +302,15 @@ def test_unknown_route_and_method_get_openai_errors(client):
     assert r.status_code == 405 and "error" in r.json()
 
 
+def test_a_repetition_penalty_past_a_floats_range_is_a_400(client):
+    """1e400 (and the literal Infinity, which Python's JSON reader takes) used to pass as a penalty."""
+    for value in ("1e400", "Infinity"):
+        r = client.post("/v1/chat/completions", headers={"content-type": "application/json"},
+                        content=f'{{"model": "{TINY_NAME}", "max_tokens": 1, "repetition_penalty": {value}, '
+                                '"messages": [{"role": "user", "content": "hi"}]}')
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty", r.text
+
+
 def test_logit_bias_over_http(client):
     r = chat(client, max_tokens=3, temperature=0, ignore_eos=True, logit_bias={"42": 100})
     assert r.status_code == 200
