@@ -94,6 +94,10 @@ class GrammarCompiler:
         error = llguidance.LLMatcher.validate_grammar(grammar.text, self.tokenizer)
         if error:
             raise InvalidParameter(grammar.param, f"{grammar.param} cannot be enforced: {error}")
+        matcher = self.matcher(grammar)
+        fill_allowed_tokens(matcher, token_bitmask(1, self.vocab_size)[0])
+        if matcher.is_error():  # (a rule defined only by itself: answered with empty text and "stop" before)
+            raise InvalidParameter(grammar.param, f"{grammar.param} cannot be satisfied: no text matches it")
 
     def matcher(self, grammar: Grammar):
         import llguidance

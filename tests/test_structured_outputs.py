@@ -151,6 +151,9 @@ def test_json_extras_on_text_completions(client):
     ({"guided_regex": "[a-"}, "guided_regex"),
     ({"guided_json": [1, 2]}, "guided_json"),
     ({"guided_json": "[" * 1000 + "]" * 1000}, "guided_json"),  # past Python's recursion limit: was a 500
+    # no text matches them: they were answered with empty text and finish_reason "stop"
+    ({"guided_grammar": "root ::= root"}, "guided_grammar"),
+    ({"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}, "guided_json"),
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
 ])
