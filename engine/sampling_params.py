@@ -8,7 +8,6 @@ OpenAI error code, so the server can fill OpenAI's `param` and `code` fields.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 

@@ -89,11 +89,8 @@ class GrammarCompiler:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
     def check(self, grammar: Grammar) -> None:
-        import llguidance
-
-        error = llguidance.LLMatcher.validate_grammar(grammar.text, self.tokenizer)
-        if error:
-            raise InvalidParameter(grammar.param, f"{grammar.param} cannot be enforced: {error}")
+        """Raises InvalidParameter for a grammar that does not compile, or that no text
+        satisfies (its first mask leaves the matcher in error)."""
         matcher = self.matcher(grammar)
         fill_allowed_tokens(matcher, token_bitmask(1, self.vocab_size)[0])
         if matcher.is_error():  # (a rule defined only by itself: answered with empty text and "stop" before)

@@ -379,14 +379,14 @@ def _hung_peer_main(rank: int, world_size: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     signals = []
     signal.signal(signal.SIGTERM, lambda *_: signals.append("SIGTERM"))  # as uvicorn's handler would
-    sync = ReplicaSync(_params(seed=rank), rank, round_interval_s=0.01, round_timeout_s=2)
+    sync = ReplicaSync(_params(seed=rank), rank, round_interval_s=0.01, round_timeout_s=5)
     sync.adopt_rank0(lambda: [p.detach().clone() for p in sync.params], lambda snapshot: None)
     done = Path(out) / "rank0.json"
     if rank == 1:
-        wait_for(done.is_file, timeout=60)
+        wait_for(done.is_file, timeout=180)
         os._exit(0)
     sync.start()
-    wait_for(lambda: signals, timeout=30)  # the handler runs on this, the main, thread
+    wait_for(lambda: signals, timeout=120)  # the handler runs on this, the main, thread
     done.write_text(json.dumps({"stopped": sync.stopped, "signals": signals}))
     os._exit(0)
 

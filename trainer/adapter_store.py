@@ -184,16 +184,17 @@ class AdapterStore:
         rollback's or the eval gate's copy of a saved version (`weights_of` in its state) —
         give way first, oldest first, down to one of them: the newest version if it is one
         of them, else the version copied while it is on disk, else the newest copy. Then the
-        oldest others. The newest always stays, so
-        retried rollbacks and repeated rejections do not push out the distinct versions
-        (version 0 too) to roll back to."""
+        oldest others. The newest always stays, so retried rollbacks and repeated rejections
+        do not push out the distinct versions (version 0 too) to roll back to."""
         saved = self.versions()
         excess = len(saved) - self.keep
         if excess <= 0:
             return
         copied = {version.version: _weights_of(version) for version in saved}
         for number, original in copied.items():  # (older directories name the copy they copied)
-            while original is not None and copied.get(original) not in (None, original):
+            for _ in copied:  # (bounded: a hand-edited state could name a cycle)
+                if original is None or copied.get(original) in (None, original):
+                    break
                 original = copied[original]
             copied[number] = original
         holders: dict[int, list[SavedVersion]] = {}
