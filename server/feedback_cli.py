@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+from trainer.export import FORMATS
+
 # what `list --fate` selects: the fates the ledger writes, and waiting (no fate yet)
 FATES = ("waiting", "trained", "quarantined", "dropped", "expired", "evicted", "skipped")
 
@@ -23,9 +25,10 @@ def add_feedback_commands(commands) -> None:
     feedback_commands = feedback.add_subparsers(dest="feedback_command", required=True)
     export = feedback_commands.add_parser("export", help="write the ledger's labels as JSONL in TRL's dataset formats")
     export.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
-    export.add_argument("--format", default="preference", choices=["preference", "unpaired", "prompt-completion"],
+    export.add_argument("--format", default="preference", choices=FORMATS,
                         help="preference: {prompt, chosen, rejected} (DPO); unpaired: {prompt, completion, label} "
-                        "(KTO); prompt-completion: {prompt, completion[, reward]} (SFT, rewards as data)")
+                        "(KTO); prompt-completion: {prompt, completion[, reward]} (SFT, rewards as data); "
+                        "language-modeling: {text} or {messages}, the prompts a CPT server trained on")
     export.add_argument("--since", help="only labels given (or, unlabelled, requests served) at or after this "
                         "ISO-8601 date or time (naive: UTC)")
     export.add_argument("--out", help="file to write (default: standard output)")
@@ -35,7 +38,7 @@ def add_feedback_commands(commands) -> None:
     export.add_argument("--include-quarantined", action="store_true",
                         help="also the labels the eval gate quarantined")
     export.add_argument("--drop-truncated", action="store_true",
-                        help="leave out rows with a served answer that max_tokens cut short")
+                        help="leave out rows with a served answer cut short (by max_tokens, a client's stop or a disconnect)")
     release = feedback_commands.add_parser("release", help="release labels the eval gate quarantined: they train "
                                            "when the server next starts")
     release.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
@@ -140,7 +143,7 @@ def export_feedback(args: argparse.Namespace) -> int:
         if counts.selected:
             print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
                   "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
-                  "prompt-completion rows", file=sys.stderr)
+                  "prompt-completion rows, what it trained on as language-modeling rows", file=sys.stderr)
         else:
             print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need "
                   "--include-quarantined)", file=sys.stderr)
@@ -165,7 +168,7 @@ def export_feedback(args: argparse.Namespace) -> int:
           file=sys.stderr)
     if counts.truncated:
         done = "left out" if args.drop_truncated else "written (TRL ends each completion with the end of turn, so " \
-            "they teach to stop mid-answer: --drop-truncated leaves them out)"
-        print(f"alchemist: {counts.truncated} rows hold a served answer cut short (by max_tokens or a disconnect): "
-              f"{done}", file=sys.stderr)
+            "they teach to stop where the model did not: --drop-truncated leaves them out)"
+        print(f"alchemist: {counts.truncated} rows hold a served answer cut short (by max_tokens, a stop the "
+              f"client gave, or a disconnect): {done}", file=sys.stderr)
     return 0

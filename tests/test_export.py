@@ -92,12 +92,35 @@ def test_every_kind_of_label_exports_in_its_format_and_styles_are_never_mixed(tm
     completions = export(tmp_path, capsys, "--format", "prompt-completion", "--style", "conversational")
     assert [(r["completion"][0]["content"], r["reward"]) for r in completions] == [
         ("answer 0", None), ("answer 0", 1.0), ("answer 1", 0.0), ("answer 2", 0.5)]  # CPT's, then the group's
+    assert export(tmp_path, capsys, "--format", "language-modeling", "--style", "conversational") == [
+        {"messages": MESSAGES}]  # what the CPT request trained on: its prompt
     quarantined = export(tmp_path, capsys, "--format", "preference", "--style", "conversational",
                          "--include-quarantined")
     assert ("Lyon.", "answer 0") in [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in quarantined]
     standard = export(tmp_path, capsys, "--format", "preference", "--style", "standard")
     assert standard == [{"prompt": "The capital of France is", "chosen": " Paris.", "rejected": "answer 0"}]
     assert not is_conversational(standard[0])
+
+
+def test_a_cpt_servers_prompts_export_as_trl_language_modeling_rows(tmp_path, capsys):
+    """CPT trains on each request's prompt (an outside pass: `prompt-completion` rows hold
+    what it served, not what it trained on). `language-modeling` rows hold the prompt, as
+    `messages` (chat) or `text`; TRL renders a chat row as the served prompt less the
+    generation prompt that opens the answer."""
+    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        body = {"model": TINY_NAME, "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json={**body, "messages": MESSAGES}).status_code == 200
+        assert client.post("/v1/completions", json={**body, "prompt": "Once upon a time"}).status_code == 200
+        client.app.state.alchemist.training.ledger.flush()
+    chat = export(tmp_path, capsys, "--format", "language-modeling", "--style", "conversational")
+    assert chat == [{"messages": MESSAGES}] and is_conversational(chat[0])
+    assert export(tmp_path, capsys, "--format", "language-modeling", "--style", "standard") == [
+        {"text": "Once upon a time"}]
+    tokenizer = tiny_tokenizer()
+    rendered = tokenizer(maybe_apply_chat_template(chat[0], tokenizer)["text"], add_special_tokens=False).input_ids
+    served = read_ledger(tmp_path / LEDGER_FILE)[0].request.prompt_token_ids
+    assert len(rendered) < len(served) and served[:len(rendered)] == rendered
 
 
 def test_bad_export_arguments_get_a_clear_error(tmp_path, capsys):
@@ -249,10 +272,38 @@ def test_answers_cut_by_max_tokens_are_counted_and_left_out_on_request(tmp_path,
     for flags, rows, said in (((), 2, "written"), (("--drop-truncated",), 1, "left out")):
         out = tmp_path / f"cut-{len(flags)}.jsonl"
         assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out), *flags]) == 0
-        assert f"1 rows hold a served answer cut short (by max_tokens or a disconnect): {said}" in \
-            capsys.readouterr().err
+        assert f"1 rows hold a served answer cut short (by max_tokens, a stop the client gave, or a disconnect): " \
+            f"{said}" in capsys.readouterr().err
         exported = [json.loads(line) for line in out.read_text().splitlines()]
         assert len(exported) == rows and exported[-1]["chosen"][0]["content"] == "Yes."
+
+
+def test_an_answer_a_clients_stop_ended_is_counted_as_cut_short(tmp_path, capsys):
+    """An answer that a client's `stop` string or `stop_token_ids` ended (an outside pass):
+    the model did not end its turn there, and the stop string is not in the text, so TRL's
+    end of turn after it teaches what the server never trained on. The ledger keeps the
+    stop (vLLM's `stop_reason`); the export counts such rows as cut short."""
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    base = {"model": TINY_NAME, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "messages": MESSAGES}
+    with TestClient(app) as client:
+        whole = client.post("/v1/chat/completions", json=base).json()
+        ledger = client.app.state.alchemist.training.ledger
+        ledger.flush()
+        (served,) = read_ledger(tmp_path / LEDGER_FILE)[0].choices
+        text = whole["choices"][0]["message"]["content"]
+        stops = ({"stop_token_ids": [served.token_ids[2]]}, {"stop": [text[len(text) // 2:]]})
+        for stop in stops:
+            r = client.post("/v1/chat/completions", json={**base, **stop}).json()
+            assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] is not None
+            assert client.post("/v1/feedback", json={"id": r["id"], "chosen": "Paris."}).status_code == 200
+        assert client.post("/v1/feedback", json={"id": whole["id"], "chosen": "Paris."}).status_code == 200
+        ledger.flush()
+    rows = read_ledger(tmp_path / LEDGER_FILE)
+    assert [(c.finish_reason, c.stop_reason) for row in rows for c in row.choices] == [
+        ("length", None), ("stop", served.token_ids[2]), ("stop", stops[1]["stop"][0])]
+    written, counts = export_rows(rows, "preference")
+    assert len(written) == 3 and counts.truncated == 3  # the first cut by max_tokens, the others by the stops
+    assert export_rows(rows, "preference", drop_truncated=True)[0] == []
 
 
 def _ledger(root, requests: list[tuple[str, str, object, list[ChoiceRecord], LabelRecord | None]]) -> None:
@@ -279,6 +330,15 @@ def test_an_answer_a_disconnect_cut_short_is_counted_as_cut_and_left_out_on_requ
     assert len(written) == 2 and counts.truncated == 1
     kept, _ = export_rows(rows, "prompt-completion", drop_truncated=True)
     assert [row["completion"][0]["content"] for row in kept] == ["Paris is the capital."]
+
+
+def test_a_groups_samples_with_equal_texts_make_no_preference_pair(tmp_path):
+    """Samples of a group can say the same thing and still be rewarded differently (a noisy
+    reward; an outside pass): a pair of equal texts teaches nothing, and is not written."""
+    same = [ChoiceRecord(i, [10], text, [-0.5], "stop") for i, text in enumerate([" 4, 5,", " 4, 5,", " 6"])]
+    _ledger(tmp_path, [("g", "grpo", MESSAGES, same, LabelRecord("rewards", "client", rewards=[1.0, 0.5, 0.0]))])
+    rows, _ = export_rows(read_ledger(tmp_path / LEDGER_FILE), "preference")
+    assert [(row["chosen"][0]["content"], row["rejected"][0]["content"]) for row in rows] == [(" 4, 5,", " 6")]
 
 
 def test_the_style_is_that_of_the_requests_with_rows_and_a_prompt_the_ledger_lacks_is_counted_apart(tmp_path):

@@ -2,12 +2,16 @@
 version (or `--adapter-version N`) merged into the weights; `--lora-modules name=DIR`
 serves a PEFT directory made elsewhere; /v1/models and /v1/adapters say which."""
 
+import copy
+
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from tests.servers import TINY_NAME, tiny_app
 from tests.test_adapter_lifecycle import TRAIN, complete, serve_and_train
 from trainer.config import AdapterConfig, TrainConfig
+from trainer.frozen import merge_frozen_adapter
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +71,27 @@ def test_bad_frozen_adapters_are_clear_startup_errors(tmp_path):
         AdapterConfig(lora_module="nodir")
     with pytest.raises(ValueError, match="training off"):
         tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(lora_module=f"x={tmp_path}"))
+
+
+def test_an_adapter_on_a_tied_head_changes_the_head_alone(tmp_path):
+    """A PEFT adapter on `lm_head` of a model that ties it to the input embeddings (an outside
+    pass): merged into the shared weight, it changed the embeddings too, and the served
+    log-probs were not PEFT's. The adapted layer gets a weight of its own before merging."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=True)).eval()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                              target_modules=["q_proj", "lm_head"]))
+    adapted.save_pretrained(tmp_path)
+    ids = torch.tensor([[1, 5, 7, 11, 13]])
+    with torch.no_grad():
+        expected = adapted(ids).logits
+        merged, served = merge_frozen_adapter(copy.deepcopy(model), AdapterConfig(lora_module=f"x={tmp_path}"))
+        torch.testing.assert_close(merged(ids).logits, expected)
+    assert served.name == "x"
+    assert torch.equal(merged.get_input_embeddings().weight, model.get_input_embeddings().weight)

@@ -3,14 +3,16 @@
 to TRL's trainers unchanged.
 
   preference         {prompt, chosen, rejected}: every DPO label; and for a rewarded group,
-                     its best sample against each sample rewarded lower
-                     (DPOTrainer, RewardTrainer)
+                     its best sample against each sample rewarded lower whose text
+                     differs (DPOTrainer, RewardTrainer)
   unpaired           {prompt, completion, label}: a rewarded sample by the sign of its
                      advantage (its reward minus the group's mean; zero: left out), and
                      each side of a DPO label (KTOTrainer)
   prompt-completion  {prompt, completion}: what a CPT server served; a rewarded sample
                      with its `reward` as an extra column (SFTTrainer; TRL's GRPOTrainer
                      samples its own completions, so rewards travel as data)
+  language-modeling  {text} or {messages}: what a CPT server trained on, each request's
+                     prompt (SFTTrainer, a loss on every token, as CPT's)
 
 A request from `/v1/chat/completions` gives conversational rows (`prompt` the message list
 the chat template was given, ledger_db.ClientPrompt; each completion one assistant
@@ -21,10 +23,10 @@ prompt rendered them: either way TRL renders the prompt that was served. What a 
 gave its chat template besides (vLLM's `chat_template_kwargs`) is TRL's column of that
 name, on every row once any row has one (`{}` where a request gave none).
 One file holds one style: `style` picks it when the ledger holds both. Quarantined labels
-are left out unless asked for. A served answer cut short (by `max_tokens`, or by a client
-that went away) is exported as served, but counted (`ExportCounts.truncated`), and left
-out on request: TRL ends every completion with the end of turn, so such a row teaches to
-stop mid-answer. A request whose prompt the ledger does not hold as the client wrote it
+are left out unless asked for. A served answer cut short (by `max_tokens`, by a stop string
+or stop token the client gave, or by a client that went away) is exported as served, but
+counted (`ExportCounts.truncated`), and left out on request: TRL ends every completion
+with the end of turn, so such a row teaches to stop where the model did not. A request whose prompt the ledger does not hold as the client wrote it
 (`truncate_prompt_tokens` cut it), or whose prompt ends with an assistant message (TRL
 renders such a prompt as continued and the completion as a turn of its own: not what was
 served, with `continue_final_message` or without), is left out and counted. A file is written whole or not
@@ -41,10 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from trainer.ledger_db import LedgerRow
+from trainer.ledger_db import ChoiceRecord, LedgerRow
 
-FORMATS = ("preference", "unpaired", "prompt-completion")
-# finish reasons of an answer cut short: by max_tokens, or by a client that went away
+FORMATS = ("preference", "unpaired", "prompt-completion", "language-modeling")
+# finish reasons of an answer cut short: by max_tokens, or by a client that went away (and "stop"
+# with a stop_reason: the client's stop string or token, not the model's end of turn)
 CUT_SHORT = ("length", "abort")
 STYLES = ("auto", "conversational", "standard")
 
@@ -149,9 +152,14 @@ class _Answer:
     cut: bool = False
 
 
+def _cut_short(choice: ChoiceRecord) -> bool:
+    """Whether a served answer ended before the model ended its turn."""
+    return choice.finish_reason in CUT_SHORT or (choice.finish_reason == "stop" and choice.stop_reason is not None)
+
+
 def _served(row: LedgerRow, index: int | None) -> _Answer:
     choice = next((c for c in row.choices if c.index == (index or 0)), None)
-    return _Answer(None) if choice is None else _Answer(choice.text, choice.finish_reason in CUT_SHORT)
+    return _Answer(None) if choice is None else _Answer(choice.text, _cut_short(choice))
 
 
 def _preference_answers(row: LedgerRow) -> tuple[_Answer, _Answer]:
@@ -183,7 +191,7 @@ def _preference(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
     if samples:
         best_answer, best = max(samples, key=lambda s: s[1])
         for answer, reward in samples:
-            if reward < best:
+            if reward < best and answer.text != best_answer.text:  # equal texts: a pair that teaches nothing
                 yield {"prompt": row.request.prompt, "chosen": _completion(row, best_answer.text),
                        "rejected": _completion(row, answer.text)}, best_answer.cut or answer.cut
 
@@ -206,13 +214,18 @@ def _unpaired(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
 def _prompt_completion(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
     if row.request.method == "cpt":
         for choice in row.choices:
-            yield {"prompt": row.request.prompt, "completion": _completion(row, choice.text)}, \
-                choice.finish_reason in CUT_SHORT
+            yield {"prompt": row.request.prompt, "completion": _completion(row, choice.text)}, _cut_short(choice)
     for answer, reward in _rewarded(row):
         yield {"prompt": row.request.prompt, "completion": _completion(row, answer.text), "reward": reward}, answer.cut
 
 
-_FORMATTERS = {"preference": _preference, "unpaired": _unpaired, "prompt-completion": _prompt_completion}
+def _language_modeling(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
+    if row.request.method == "cpt":
+        yield {"messages" if _style(row) == "conversational" else "text": row.request.prompt}, False
+
+
+_FORMATTERS = {"preference": _preference, "unpaired": _unpaired, "prompt-completion": _prompt_completion,
+               "language-modeling": _language_modeling}
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:

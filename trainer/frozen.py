@@ -9,9 +9,14 @@ built, so serving runs as fast as the base model: a canary, a rollback, another 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from trainer.adapter_store import AdapterLoadError, AdapterStore
 from trainer.config import AdapterConfig
@@ -43,8 +48,8 @@ def merge_frozen_adapter(model, config: AdapterConfig):
         if not (Path(path) / "adapter_config.json").is_file():
             raise ValueError(f"--lora-modules {name}={path}: no PEFT adapter there (adapter_config.json missing)")
         try:
-            with peft_deprecation_quieted():
-                merged = PeftModel.from_pretrained(model, path).merge_and_unload()
+            with peft_deprecation_quieted(), _tying_warnings_quieted():
+                merged = _untied_where_adapted(PeftModel.from_pretrained(model, path)).merge_and_unload()
         except Exception as exc:  # noqa: BLE001 - a foreign directory may fail in many ways
             raise ValueError(f"--lora-modules {name}={path}: cannot load it onto this model: {exc}") from exc
         logger.info("serving PEFT adapter %s frozen as %r", path, name)
@@ -65,4 +70,30 @@ def merge_frozen_adapter(model, config: AdapterConfig):
         raise ValueError(f"adapter version {snapshot.version} in {config.dir} does not fit this model "
                          f"(missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})")
     logger.info("serving adapter version %d from %s frozen (merged into the weights)", snapshot.version, config.dir)
-    return peft_model.merge_and_unload(), ServedAdapter(str(store.path_of(snapshot.version)), snapshot.version)
+    return _untied_where_adapted(peft_model).merge_and_unload(), ServedAdapter(str(store.path_of(snapshot.version)),
+                                                                             snapshot.version)
+
+
+@contextlib.contextmanager
+def _tying_warnings_quieted():
+    """Without PEFT's warnings that an adapter on a tied layer complicates merging: the
+    merge here unties it first (`_untied_where_adapted`), and logs that it did."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(tie_word_embeddings|no longer tied).*", category=UserWarning)
+        yield
+
+
+def _untied_where_adapted(peft_model):
+    """`peft_model` with each adapted layer's base weight its own, where the model ties it
+    to another layer's (an adapter on a tied `lm_head` or `embed_tokens`): merging into a
+    shared weight would change the other layer too, which PEFT's unmerged adapter does not."""
+    from peft.tuners.lora import LoraLayer
+
+    holders = Counter(p.data_ptr() for _, p in peft_model.named_parameters(remove_duplicate=False))
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            if holders[base.weight.data_ptr()] > 1:
+                base.weight = torch.nn.Parameter(base.weight.detach().clone(), requires_grad=False)
+                logger.info("%s: its weight is tied to another layer's; merged into a copy of its own", name)
+    return peft_model

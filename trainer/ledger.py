@@ -24,6 +24,7 @@ would (everything left is still to be trained) fails as a full disk does.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import sqlite3
@@ -106,10 +107,7 @@ class Ledger:
         finished_at = self.clock()
         self._put(_Write(lambda c: c.execute(
             "UPDATE requests SET finished_at = ?, choices = ?, aborted = ? WHERE id = ?",
-            (finished_at, to_json([{"index": x.index, "token_ids": x.token_ids, "text": x.text,
-                                  "token_logprobs": x.token_logprobs, "finish_reason": x.finish_reason}
-                                 for x in choices]), int(aborted),
-             request_id))))
+            (finished_at, to_json([dataclasses.asdict(x) for x in choices]), int(aborted), request_id))))
 
     def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
                     reason: str | None = None) -> None:

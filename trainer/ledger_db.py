@@ -108,6 +108,9 @@ class ChoiceRecord:
     token_logprobs: list[float] | None = None
     # why it finished: "stop", "length" (cut by max_tokens), "abort" (None: a ledger from before it was kept)
     finish_reason: str | None = None
+    # with "stop", the client's stop that ended it (vLLM's stop_reason: the stop string, or the
+    # stop token's id); None when the model ended its turn (or a ledger from before it was kept)
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)
@@ -272,8 +275,8 @@ def read_rows(conn: sqlite3.Connection, where: str = "1", params: tuple = ()) ->
 def _row(r: tuple) -> LedgerRow:
     request = RequestRecord(r[0], r[1], r[3], r[4], from_json(r[6]), from_json(r[5]), from_json(r[25]),
                             from_json(r[26]))
-    choices = [ChoiceRecord(c["index"], c["token_ids"], c["text"], c.get("token_logprobs"), c.get("finish_reason"))
-               for c in from_json(r[7]) or []]
+    choices = [ChoiceRecord(c["index"], c["token_ids"], c["text"], c.get("token_logprobs"), c.get("finish_reason"),
+                            c.get("stop_reason")) for c in from_json(r[7]) or []]
     label = None
     if r[13] is not None:
         label = LabelRecord(r[15], r[14], r[16], r[17], r[18], r[19], r[20], from_json(r[21]),

@@ -85,8 +85,8 @@ class Recorder:
         # text (kept for the reward function and the ledger only)
         self._token_logps: dict[str, dict[int, list[float]]] = {}
         self._texts: dict[str, dict[int, str]] = {}
-        # completion id -> choice index -> why it finished ("length": cut by max_tokens), for the ledger
-        self._finish_reasons: dict[str, dict[int, str]] = {}
+        # completion id -> choice index -> why it finished, for the ledger: (finish_reason, stop_reason)
+        self._finish_reasons: dict[str, dict[int, tuple[str, str | int | None]]] = {}
         # completion id -> the prompt as the client wrote it (kept for the reward function and the ledger)
         self._client_prompts: dict[str, ClientPrompt] = {}
         # completion id -> (prompt token ids, adapter version) of trainable requests in
@@ -192,7 +192,7 @@ class Recorder:
         for completion in output.outputs:
             responses.setdefault(completion.index, []).extend(completion.token_ids)
             if completion.finish_reason is not None:
-                reasons[completion.index] = completion.finish_reason
+                reasons[completion.index] = (completion.finish_reason, completion.stop_reason)
             if self.keeps_client_prompt:
                 texts[completion.index] = texts.get(completion.index, "") + completion.text
             if completion.token_logprob_values is not None:
@@ -209,7 +209,7 @@ class Recorder:
             self.cache.expected.discard(request_id)
             if self.ledger is not None and (label_only is None or not aborted):
                 self.ledger.record_finished(request_id, [
-                    ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i), reasons.get(i))
+                    ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i), *reasons.get(i, (None, None)))
                     for i in sorted(responses)],
                     aborted)
             waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps)
