@@ -250,10 +250,11 @@ def test_after_a_restart_every_label_not_in_the_resumed_version_trains_and_recen
     if trained_before:
         first.train_until_idle()
         assert first.optimizer.version >= 1 and first.lifecycle.checkpointer.last_saved_version == 0
+    lost = first.optimizer.version
     _crash(first)
 
-    second = _training(tmp_path)
-    assert second.optimizer.version == 0 and second.lifecycle.restored_from == 0
+    second = _training(tmp_path)  # version 0's weights, under a number no lost version had
+    assert second.optimizer.version == (lost + 1 if trained_before else 0) and second.lifecycle.restored_from == 0
     states = {f"r{i}": second.cache.get(f"r{i}").state.value for i in range(4)}
     assert states == {"r0": "ready", "r1": "ready", "r2": "waiting_label", "r3": "waiting_label"}
     label(second, "r2")  # served before the crash, labelled after it
@@ -268,9 +269,9 @@ def test_after_a_restart_every_label_not_in_the_resumed_version_trains_and_recen
 
 
 def test_a_label_the_crash_took_back_stays_to_train_through_a_version_saved_before_it_and_a_second_crash(tmp_path):
-    """A restart resumes at the saved version and numbers the next ones as the lost ones
-    were: a label trained into a lost version is untrained in the ledger at once, so that
-    a version saved before it trains again does not pass for one that holds it."""
+    """A restart resumes the saved version's weights (under a number after the lost ones):
+    a label trained into a lost version is untrained in the ledger at once, so that a
+    version saved before it trains again does not pass for one that holds it."""
     first = _training(tmp_path)
     for i in range(2):
         serve(first, f"r{i}")
@@ -280,11 +281,12 @@ def test_a_label_the_crash_took_back_stays_to_train_through_a_version_saved_befo
     second = _training(tmp_path)
     rows = rows_by_id(tmp_path / LEDGER_FILE)
     assert [(rows[i].fate, rows[i].fate_version) for i in ("r0", "r1")] == [(None, None)] * 2
+    assert second.optimizer.version == 2  # version 0's weights; version 1 died unsaved
     second.optimizer.step(entries=0)  # a version of the second process, saved before r0 and r1 train again
     assert second.lifecycle.checkpointer.save_async(second.lifecycle.snapshot()).result() is not None
     _crash(second)
     third = _training(tmp_path)
-    assert third.lifecycle.restored_from == 1
+    assert third.lifecycle.restored_from == 3
     assert {third.cache.get(f"r{i}").state.value for i in range(2)} == {"ready"}
     third.train_until_idle()
     assert third.stats.copy().trained_entries == {("dpo", "recompute"): 2}

@@ -58,21 +58,54 @@ def test_a_restart_trains_every_label_answered_200_past_the_bound_on_label_entri
     second.close()
 
 
-def test_a_gate_copy_whose_save_a_kill_cut_short_is_not_the_parent_of_the_version_reusing_its_number(tmp_path):
+def test_a_gate_copy_whose_save_a_kill_cut_short_is_forgotten_and_its_number_not_given_again(tmp_path):
     """The gate's rejection records version 5 as a copy of version 0 before 5 is saved; a
-    kill then resumes at 0, and the next run's version 5 is other weights: the restart
-    forgets the parent, so that a later rollback keeps what the new versions trained."""
+    kill then resumes version 0's weights, as version 6: the restart forgets 5's parent,
+    and the new weights take a number after it."""
     first = _training(tmp_path)
     serve(first, "a")
     label(first, "a")
     first.ledger.quarantine(["a"], "eval gate rejected version 4", 5, 0)
     _kill(first)  # before version 5 was written
     second = _training(tmp_path)
-    assert second.lifecycle.restored_from == 0
+    assert second.lifecycle.restored_from == 0 and second.optimizer.version == 6
     second.ledger.flush()
     with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:
-        assert lineage(conn, 5) == [(0, 5)]
+        assert lineage(conn, 5) == [(0, 5)] and lineage(conn, 6) == [(6, 6), (0, 0)]
     second.close()
+
+
+def test_a_restart_never_gives_a_number_that_served_or_trained_to_other_weights(tmp_path):
+    """Versions after the last saved one die with a kill (an outside pass: saved every 4,
+    versions 13 and 14 served, a restart at 12 served other weights as 13 and 14, and the
+    ledger's requests of "version 13" came from two adapters). The saved weights come back
+    under the next number after every one the ledger knows; their lineage skips the lost
+    versions, whose labels train again; and so on through another kill."""
+    first = _training(tmp_path, save_every=4)
+    serve(first, "r0")
+    label(first, "r0")
+    first.train_until_idle()
+    assert first.optimizer.version == 1
+    serve(first, "r1")  # served by version 1, which no save holds
+    _kill(first)
+    second = _training(tmp_path, save_every=4)
+    assert second.lifecycle.restored_from == 0 and second.optimizer.version == 2
+    assert second.cache.get("r0").state.value == "ready"  # trained into the lost version 1: trains again
+    serve(second, "r2")
+    second.ledger.flush()
+    assert {r.request.id: r.request.adapter_version for r in read_ledger(tmp_path / LEDGER_FILE)} == {
+        "r0": 0, "r1": 1, "r2": 2}
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:
+        assert lineage(conn, 2) == [(2, 2), (0, 0)]  # version 1's labels are not in these weights
+    _kill(second)  # before anything trained under version 2
+    third = _training(tmp_path, save_every=4)
+    assert third.optimizer.version == 3
+    third.train_until_idle()
+    assert third.optimizer.version == 4
+    third.ledger.flush()
+    assert {r.request.id: (r.fate, r.fate_version) for r in read_ledger(tmp_path / LEDGER_FILE)
+            if r.label is not None} == {"r0": ("trained", 4)}
+    third.close()
 
 
 def test_a_version_is_not_saved_while_the_fates_it_trained_wait_for_their_retry(tmp_path):
@@ -107,6 +140,9 @@ def test_a_full_ledger_still_lets_versions_be_saved_and_their_labels_then_make_r
     the trained labels is saved, and retention then makes room from them (a review found
     saves stopped for good: every save failed, so no label could ever be pruned)."""
     ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(max_bytes=1 << 20))
+    # as a server's: a process that saves versions, so no label trained into version 1 is pruned before
+    # it is saved (without, the fates' own commit could make room, and the retry land before it is seen)
+    ledger.resumed(0, 0)
     try:
         labelled = []
         for i in range(2000):  # labels still to be trained: retention cannot make room

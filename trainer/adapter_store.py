@@ -236,8 +236,9 @@ class SaveJournal(Protocol):
     def saved(self, version: int) -> None:
         """Version `version` is on disk."""
 
-    def resumed(self, saved: int) -> None:
-        """Training resumes at saved version `saved` (-1: none): the versions after it died unsaved."""
+    def resumed(self, saved: int, version: int) -> None:
+        """Training resumes from saved version `saved` (-1: none) as `version`: the versions
+        after `saved` died unsaved."""
 
 
 # the adapter directories this process holds, each by one open file for the process's life: a POSIX record
@@ -281,11 +282,11 @@ class AdapterCheckpointer:
         self.failed = 0
         self.last_saved_version: int | None = None
 
-    def resumed(self, version: int | None) -> None:
-        """Training resumes at saved version `version` (None: none is saved yet)."""
-        self.last_saved_version = version
+    def resumed(self, saved: int | None, version: int) -> None:
+        """Training resumes from saved version `saved` (None: none is saved yet) as `version`."""
+        self.last_saved_version = saved
         if self.journal is not None:
-            self.journal.resumed(-1 if version is None else version)
+            self.journal.resumed(-1 if saved is None else saved, version)
 
     def due(self, version: int) -> bool:
         return version % self.save_every == 0

@@ -176,11 +176,13 @@ class Ledger:
 
     # -- the adapter's saves (AdapterCheckpointer's SaveJournal, in the process that saves versions) --
 
-    def resumed(self, saved: int) -> None:
-        """The process that saves versions resumed at saved version `saved` (before serving):
-        the versions after it died unsaved, and `saved` is on disk (queued)."""
+    def resumed(self, saved: int, version: int) -> None:
+        """The process that saves versions resumed saved version `saved` as `version` (before
+        serving): the versions after `saved` died unsaved, and `saved` is on disk (queued)."""
         def apply(c: sqlite3.Connection) -> None:
             ledger_lineage.forget_after(c, saved)
+            if version != saved:
+                ledger_lineage.resumed_as(c, saved, version)
             ledger_retention.record_saved(c, saved)
 
         self._put(_Write(apply, owed=True))

@@ -18,10 +18,13 @@ the second time.
 from __future__ import annotations
 
 import sqlite3
+from pathlib import Path
 
-from trainer.ledger_db import LABEL_DELETED, RELEASED
+from trainer.ledger_db import LABEL_DELETED, RELEASED, open_database
 
 ROLLED_BACK = "rolled back to version"
+# the meta key of the last version a restart resumed as (`resumed_as`)
+HIGHEST_RESUMED_KEY = "resumed_as_version"
 
 
 def rollback_reason(restored: int, version: int) -> str:
@@ -60,6 +63,28 @@ def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) ->
     return quarantined
 
 
+def highest_version(path: str | Path) -> int:
+    """The highest adapter version the ledger at `path` knows of (-1: none): one that
+    served a request, that labels trained into, a copy's, or one a restart resumed as.
+    Read only, beside the writer."""
+    conn = open_database(Path(path), read_only=True)
+    try:
+        return conn.execute(
+            "SELECT max(coalesce((SELECT max(adapter_version) FROM requests), -1), "
+            "coalesce((SELECT max(fate_version) FROM requests), -1), coalesce((SELECT max(version) FROM versions), -1), "
+            "coalesce((SELECT CAST(value AS INTEGER) FROM meta WHERE key = ?), -1))", (HIGHEST_RESUMED_KEY,)).fetchone()[0]
+    finally:
+        conn.close()
+
+
+def resumed_as(conn: sqlite3.Connection, saved: int, version: int) -> None:
+    """A restart resumed saved version `saved`'s weights as `version`, a number above every
+    one the ledger knew (versions after `saved` died unsaved: their numbers are not given
+    to other weights)."""
+    record_parent(conn, version, saved)
+    conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (HIGHEST_RESUMED_KEY, str(version)))
+
+
 def record_parent(conn: sqlite3.Connection, version: int, parent: int) -> None:
     """Version `version` is a copy of version `parent`'s weights (the gate's return to the
     promoted version; its rejected labels are quarantined by id)."""
@@ -67,9 +92,9 @@ def record_parent(conn: sqlite3.Connection, version: int, parent: int) -> None:
 
 
 def forget_after(conn: sqlite3.Connection, saved: int) -> None:
-    """The versions after `saved` died unsaved with a crash, and a restart at `saved` gives
-    their numbers to other weights: a parent one of them recorded (a gate's copy whose save
-    a kill cut short) is not theirs."""
+    """The versions after `saved` died unsaved with a crash: the parent one of them recorded
+    (a gate's copy whose save a kill cut short) goes with it (the restart resumes `saved`'s
+    weights under a new number, `resumed_as`)."""
     conn.execute("DELETE FROM versions WHERE version > ?", (saved,))
 
 

@@ -28,6 +28,7 @@ import torch
 from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot, SavedVersion
 from trainer.cache import ActivationCache
 from trainer.eval_gate import EvalGate, Verdict
+from trainer import ledger_lineage
 from trainer.ledger import Ledger
 from trainer.maintenance import Maintenance
 from trainer.optimizer import AdapterOptimizer
@@ -82,18 +83,29 @@ class AdapterLifecycle:
         """The first half of `start`: the saved adapter, or version 0 saved."""
         if self.checkpointer is not None:
             snapshot = self.checkpointer.store.latest()
+            version = self._unused_version(-1 if snapshot is None else snapshot.version)
             if snapshot is not None:
-                self.restore(snapshot, snapshot.version)
-                self.checkpointer.resumed(snapshot.version)
+                self.restore(snapshot, version)
+                self.checkpointer.resumed(snapshot.version, version)
                 self.maintenance.merge_all()
-                logger.info("resumed adapter version %d from %s", snapshot.version, self.checkpointer.store.root)
+                logger.info("resumed adapter version %d from %s%s", snapshot.version, self.checkpointer.store.root,
+                            "" if version == snapshot.version else f" as version {version} (versions after it "
+                            "died unsaved with the last process; their numbers are not given to other weights)")
                 for restored, version in snapshot.state.get("rollbacks", []):  # those its saves failed to record
                     self._ledger_after_rollback(restored, version)
                 if "rolled_back_to" in snapshot.state:  # a kill may have come before its fates landed
                     self._ledger_after_rollback(snapshot.state["rolled_back_to"], snapshot.version)
             else:
-                self.checkpointer.resumed(None)
+                self.optimizer.version = version
+                self.checkpointer.resumed(None, version)
                 self.checkpointer.save_async(self.snapshot()).result()
+
+    def _unused_version(self, saved: int) -> int:
+        """The number the weights of saved version `saved` (-1: fresh ones, as 0) resume as:
+        their own, or, where the ledger knows a later one (served or trained into before a
+        crash, never saved), the next after it: versions only go forward."""
+        known = ledger_lineage.highest_version(self.ledger.path) if self.ledger is not None else -1
+        return max(saved, 0) if known <= saved else known + 1
 
     def score_baseline(self) -> None:
         """The second half of `start`: with a gate, the live weights' scores are the bar."""

@@ -13,10 +13,10 @@ saved adapter version includes it, so on start, for the training method the serv
     down, they were cut short by the crash, or their label was deleted while it trained
     into a version the crash lost) get that fate written.
 
-A label trained into a version that was not saved is marked untrained again at once, so
-that a version saved later, under the same numbers, does not pass for one that holds it
-if the server crashes again before it has trained (and the process that saves versions
-forgets their lineage, the numbers going to other weights: AdapterLifecycle.resume). The
+A label trained into a version that was not saved is marked untrained again at once: no
+weights hold it (the saved ones resume under a number after the lost versions, whose
+lineage skips them: AdapterLifecycle.resume), and a later crash before it has trained
+must not lose it. The
 bound on entries without activations (`train.max_label_entries`)
 never refuses what is taken back: labels answered 200, CPT requests the cache held.
 """
