@@ -44,7 +44,8 @@ def add_feedback_commands(commands) -> None:
     release.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
     release.add_argument("ids", nargs="*", help="completion ids to release (default: every quarantined label)")
     listing = feedback_commands.add_parser("list", help="the ledger's requests, one per line: id, when served, "
-                                           "method, label, fate (with its version and reason)")
+                                           "method, label, fate (with its version and reason; 'not saved yet': "
+                                           "trained into a version after the last saved one)")
     listing.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
     listing.add_argument("--fate", choices=FATES, help="only requests of this fate (waiting: no fate yet — "
                          "served and not trained, labelled or not (--labelled: with a label), released ones too)")
@@ -90,8 +91,10 @@ def release_labels(args: argparse.Namespace, path: Path) -> int:
 
 
 def list_requests(args: argparse.Namespace, path: Path) -> int:
-    """`feedback list`: the ledger's requests, oldest first."""
-    from trainer.ledger_db import read_fates
+    """`feedback list`: the ledger's requests, oldest first. A label trained into a version
+    after the last saved one says so: a crash before that save hands it back to training."""
+    from trainer.ledger_db import open_database, read_fates
+    from trainer.ledger_retention import saved_version
 
     where, params = "1", ()
     if args.fate == "waiting":
@@ -101,11 +104,22 @@ def list_requests(args: argparse.Namespace, path: Path) -> int:
     if args.labelled:
         where += " AND l.request_id IS NOT NULL"
     rows = read_fates(path, where, params)
+    conn = open_database(path, read_only=True)
+    try:
+        saved = saved_version(conn)  # None: no process that saves versions writes this ledger
+    finally:
+        conn.close()
+
+    def unsaved(row) -> bool | None:
+        return None if row.fate != "trained" or saved is None else row.fate_version > saved
+
     if args.json:
-        sys.stdout.write("".join(json.dumps(dataclasses.asdict(row), ensure_ascii=False) + "\n" for row in rows))
+        sys.stdout.write("".join(json.dumps({**dataclasses.asdict(row), "unsaved": unsaved(row)}, ensure_ascii=False)
+                                 + "\n" for row in rows))
     else:
         table = [("id", "served_at", "method", "label", "fate")]
-        table += [(row.id, _when(row.served_at), row.method, row.label or "-", _fate(row)) for row in rows]
+        table += [(row.id, _when(row.served_at), row.method, row.label or "-",
+                   _fate(row) + (" (not saved yet)" if unsaved(row) else "")) for row in rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
         sys.stdout.write("".join("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]).rstrip()
                                  + "\n" for line in table))

@@ -342,4 +342,4 @@ class ReplicaSync:
             if pending is not None and pending.done is not None and not pending.done.done():
                 pending.done.set_exception(RuntimeError(reason))
         logger.log(level, "replica %d: adapter sync stopped (%s)%s", self.rank, reason,
-                   "" if self._stop.is_set() else "; leaving the group, which restarts")
+                   "" if self._stop.is_set() else "; leaving the group (its agent, while it runs, restarts the group)")
