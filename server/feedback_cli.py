@@ -38,7 +38,8 @@ def add_feedback_commands(commands) -> None:
     export.add_argument("--include-quarantined", action="store_true",
                         help="also the labels the eval gate quarantined")
     export.add_argument("--drop-truncated", action="store_true",
-                        help="leave out rows with a served answer cut short (by max_tokens, a client's stop or a disconnect)")
+                        help="leave out rows with a served answer cut short (by max_tokens, a client's stop or a "
+                        "disconnect)")
     release = feedback_commands.add_parser("release", help="release labels the eval gate quarantined: they train "
                                            "when the server next starts")
     release.add_argument("--adapter-dir", required=True, help="the server's --adapter-dir (it holds ledger.sqlite3)")
