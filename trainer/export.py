@@ -26,7 +26,8 @@ One file holds one style: `style` picks it when the ledger holds both. Quarantin
 are left out unless asked for. A served answer cut short (by `max_tokens`, by a stop string
 or stop token the client gave, or by a client that went away) is exported as served, but
 counted (`ExportCounts.truncated`), and left out on request: TRL ends every completion
-with the end of turn, so such a row teaches to stop where the model did not. A request whose prompt the ledger does not hold as the client wrote it
+with the end of turn, so such a row teaches to stop where the model did not. A request
+whose prompt the ledger does not hold as the client wrote it
 (`truncate_prompt_tokens` cut it), or whose prompt ends with an assistant message (TRL
 renders such a prompt as continued and the completion as a turn of its own: not what was
 served, with `continue_final_message` or without), is left out and counted. A file is written whole or not

@@ -71,8 +71,10 @@ def highest_version(path: str | Path) -> int:
     try:
         return conn.execute(
             "SELECT max(coalesce((SELECT max(adapter_version) FROM requests), -1), "
-            "coalesce((SELECT max(fate_version) FROM requests), -1), coalesce((SELECT max(version) FROM versions), -1), "
-            "coalesce((SELECT CAST(value AS INTEGER) FROM meta WHERE key = ?), -1))", (HIGHEST_RESUMED_KEY,)).fetchone()[0]
+            "coalesce((SELECT max(fate_version) FROM requests), -1), "
+            "coalesce((SELECT max(version) FROM versions), -1), "
+            "coalesce((SELECT CAST(value AS INTEGER) FROM meta WHERE key = ?), -1))",
+            (HIGHEST_RESUMED_KEY,)).fetchone()[0]
     finally:
         conn.close()
 
