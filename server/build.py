@@ -170,10 +170,10 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
                                feedback.submit, decode, wakeup or (lambda: None))
     recorder = Recorder(config, method, cache, lifecycle.serving_version, lambda: optimizer.version, stats, offloader,
                         warmer, rewards, ledger, recording_paused=lambda: not lifecycle.can_record())
-    lifecycle.resume()  # from the adapter directory (or version 0 saved), before anything is served
+    known = lifecycle.known_version()  # every node's ledger: a number served anywhere is not given again
+    lifecycle.resume(known if replicas is None else replicas.largest(known))  # before anything is served
     if replicas is not None:  # rank 0's adapter (resumed, or initialised) is everyone's
-        adopted = replicas.adopt_rank0(lifecycle.snapshot, lambda s: lifecycle.restore(s, s.version))
-        lifecycle.restored_from = adopted.state.get("restored_from")
+        lifecycle.adopted(replicas.adopt_rank0(lifecycle.snapshot, lambda s: lifecycle.restore(s, s.version)))
         maintenance.merge_all()
         replicas.start()
     lifecycle.score_baseline()

@@ -28,7 +28,7 @@ def add_feedback_commands(commands) -> None:
     export.add_argument("--format", default="preference", choices=FORMATS,
                         help="preference: {prompt, chosen, rejected} (DPO); unpaired: {prompt, completion, label} "
                         "(KTO); prompt-completion: {prompt, completion[, reward]} (SFT, rewards as data); "
-                        "language-modeling: {text} or {messages}, the prompts a CPT server trained on")
+                        "language-modeling: {text} or {messages}, the prompts a CPT server trains on")
     export.add_argument("--since", help="only labels given (or, unlabelled, requests served) at or after this "
                         "ISO-8601 date or time (naive: UTC)")
     export.add_argument("--out", help="file to write (default: standard output)")
@@ -158,7 +158,7 @@ def export_feedback(args: argparse.Namespace) -> int:
         if counts.selected:
             print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
                   "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
-                  "prompt-completion rows, what it trained on as language-modeling rows", file=sys.stderr)
+                  "prompt-completion rows, what it trains on as language-modeling rows", file=sys.stderr)
         else:
             print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need "
                   "--include-quarantined)", file=sys.stderr)

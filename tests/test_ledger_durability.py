@@ -253,3 +253,28 @@ def test_a_replica_that_saves_no_version_records_a_rollback_in_its_nodes_ledger(
     ledger.flush()
     assert rows_by_id(tmp_path / LEDGER_FILE)["r0"].fate == "quarantined"
     training.close()
+
+
+def test_a_number_another_nodes_ledger_knows_is_not_given_again_and_that_node_learns_the_lineage(tmp_path):
+    """With replicas on several nodes, each node's ledger holds what that node served and
+    trained (a review: traffic on node 1 alone, then a kill; rank 0's ledger knew only the
+    saved version). Rank 0 resumes after the largest number any node's ledger knows
+    (server/build.py agrees on it, `ReplicaSync.largest`), and a replica that saves no
+    version records in its node's ledger which versions died unsaved."""
+    (tmp_path / "node0").mkdir()
+    rank0 = _training(tmp_path / "node0", save_every=1)
+    assert rank0.lifecycle.known_version() == 0  # version 0, saved at the first start
+    rank0.lifecycle.resume(known=17)  # node 1 served and trained up to version 17
+    assert (rank0.optimizer.version, rank0.lifecycle.restored_from) == (18, 0)
+    adopted = rank0.lifecycle.snapshot()
+    rank0.close()
+    node1 = Ledger(tmp_path / LEDGER_FILE)
+    replica = make_training(DPO, ledger=node1)  # no checkpointer: a replica other than rank 0
+    replica.lifecycle.restore(adopted, adopted.version)  # what adopt_rank0 does
+    replica.lifecycle.adopted(adopted)
+    assert (replica.optimizer.version, replica.lifecycle.restored_from) == (18, 0)
+    node1.flush()
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:
+        assert lineage(conn, 19) == [(18, 19), (0, 0)]  # versions 1 to 17 are not in these weights
+        assert conn.execute("SELECT value FROM meta WHERE key = 'saved_version'").fetchone() is None
+    replica.close()

@@ -178,6 +178,21 @@ def test_every_replica_applies_the_same_steps_as_one_optimizer_on_the_summed_gra
         torch.testing.assert_close(mine, theirs.detach(), rtol=1e-6, atol=1e-7)
 
 
+def _largest_main(rank: int, world_size: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    sync = ReplicaSync(_params(seed=rank), rank, round_interval_s=0.01)
+    Path(out, f"largest{rank}").write_text(str(sync.largest([17, 3][rank])))
+    sync.close()
+    dist.destroy_process_group()
+
+
+def test_the_replicas_agree_on_the_largest_version_their_nodes_ledgers_know(tmp_path):
+    """What each node's ledger knows (server/build.py, before rank 0 resumes)."""
+    mp.spawn(_largest_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert [(tmp_path / f"largest{rank}").read_text() for rank in range(2)] == ["17", "17"]
+
+
 # -- the server, as users run it ------------------------------------------------------------
 
 QUESTION = {"model": "tiny", "max_tokens": 4, "temperature": 0,

@@ -11,8 +11,9 @@ to TRL's trainers unchanged.
   prompt-completion  {prompt, completion}: what a CPT server served; a rewarded sample
                      with its `reward` as an extra column (SFTTrainer; TRL's GRPOTrainer
                      samples its own completions, so rewards travel as data)
-  language-modeling  {text} or {messages}: what a CPT server trained on, each request's
-                     prompt (SFTTrainer, a loss on every token, as CPT's)
+  language-modeling  {text} or {messages}: what a CPT server trains on, each request's
+                     prompt (SFTTrainer, a loss on every token, as CPT's; TRL renders
+                     messages without the generation prompt that opened the answer)
 
 A request from `/v1/chat/completions` gives conversational rows (`prompt` the message list
 the chat template was given, ledger_db.ClientPrompt; each completion one assistant

@@ -24,7 +24,6 @@ would (everything left is still to be trained) fails as a full disk does.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import queue
 import sqlite3
@@ -107,7 +106,7 @@ class Ledger:
         finished_at = self.clock()
         self._put(_Write(lambda c: c.execute(
             "UPDATE requests SET finished_at = ?, choices = ?, aborted = ? WHERE id = ?",
-            (finished_at, to_json([dataclasses.asdict(x) for x in choices]), int(aborted), request_id))))
+            (finished_at, to_json([choice.as_row() for choice in choices]), int(aborted), request_id))))
 
     def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
                     reason: str | None = None) -> None:
@@ -176,14 +175,15 @@ class Ledger:
 
     # -- the adapter's saves (AdapterCheckpointer's SaveJournal, in the process that saves versions) --
 
-    def resumed(self, saved: int, version: int) -> None:
-        """The process that saves versions resumed saved version `saved` as `version` (before
-        serving): the versions after `saved` died unsaved, and `saved` is on disk (queued)."""
+    def resumed(self, saved: int, version: int, saving: bool = True) -> None:
+        """Training resumed saved version `saved` as `version` (before serving): the versions
+        after `saved` died unsaved; `saving`: this is the process that saves versions, and
+        `saved` is on disk (else a replica's node ledger learns the lineage only; queued)."""
         def apply(c: sqlite3.Connection) -> None:
             ledger_lineage.forget_after(c, saved)
-            if version != saved:
-                ledger_lineage.resumed_as(c, saved, version)
-            ledger_retention.record_saved(c, saved)
+            ledger_lineage.resumed_as(c, saved, version)
+            if saving:
+                ledger_retention.record_saved(c, saved)
 
         self._put(_Write(apply, owed=True))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 LEDGER_FILE = "ledger.sqlite3"
@@ -111,6 +111,11 @@ class ChoiceRecord:
     # with "stop", the client's stop that ended it (vLLM's stop_reason: the stop string, or the
     # stop token's id); None when the model ended its turn (or a ledger from before it was kept)
     stop_reason: str | int | None = None
+
+    def as_row(self) -> dict:
+        """The choice as the `choices` column's JSON holds it (dataclasses.asdict would
+        copy every token id and log-prob first)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True)

@@ -76,14 +76,21 @@ class AdapterLifecycle:
         """Resumes from the latest good saved version, if any (else saves version 0, so
         there is always a version to roll back to), and scores it as the gate's bar. Call
         before serving starts."""
-        self.resume()
+        self.resume(self.known_version())
         self.score_baseline()
 
-    def resume(self) -> None:
-        """The first half of `start`: the saved adapter, or version 0 saved."""
+    def known_version(self) -> int:
+        """The highest version this process's ledger knows of (-1: none, or no ledger)."""
+        return ledger_lineage.highest_version(self.ledger.path) if self.ledger is not None else -1
+
+    def resume(self, known: int) -> None:
+        """The first half of `start`: the saved adapter, or version 0 saved. `known`: the
+        highest version any ledger knows of (every replica's node's): numbers up to it,
+        served or trained before a crash, are not given to the weights resumed."""
         if self.checkpointer is not None:
             snapshot = self.checkpointer.store.latest()
-            version = self._unused_version(-1 if snapshot is None else snapshot.version)
+            saved = -1 if snapshot is None else snapshot.version
+            version = max(saved, 0) if known <= saved else known + 1
             if snapshot is not None:
                 self.restore(snapshot, version)
                 self.checkpointer.resumed(snapshot.version, version)
@@ -100,12 +107,13 @@ class AdapterLifecycle:
                 self.checkpointer.resumed(None, version)
                 self.checkpointer.save_async(self.snapshot()).result()
 
-    def _unused_version(self, saved: int) -> int:
-        """The number the weights of saved version `saved` (-1: fresh ones, as 0) resume as:
-        their own, or, where the ledger knows a later one (served or trained into before a
-        crash, never saved), the next after it: versions only go forward."""
-        known = ledger_lineage.highest_version(self.ledger.path) if self.ledger is not None else -1
-        return max(saved, 0) if known <= saved else known + 1
+    def adopted(self, snapshot: AdapterSnapshot) -> None:
+        """This replica took rank 0's resumed adapter `snapshot`: one that saves no version
+        tells its node's ledger which versions died unsaved, as rank 0's saving told its own."""
+        self.restored_from = snapshot.state.get("restored_from")
+        if self.checkpointer is None and self.ledger is not None:
+            saved = -1 if self.restored_from is None else self.restored_from
+            self.ledger.resumed(saved, snapshot.version, saving=False)
 
     def score_baseline(self) -> None:
         """The second half of `start`: with a gate, the live weights' scores are the bar."""

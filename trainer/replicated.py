@@ -174,6 +174,12 @@ class ReplicaSync:
             restore(box[0])
         return box[0]
 
+    def largest(self, value: int) -> int:
+        """The largest of every replica's `value` (at start, before serving)."""
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._control)
+        return int(box.item())
+
     def start(self) -> None:
         self._thread.start()
 
