@@ -3,7 +3,9 @@ the shared port is answered for the whole server, not for the replica its connec
 landed on:
 
   - `/metrics`: every replica's samples, each with an `engine` label (its rank, vLLM's
-    name for a data-parallel rank), in one exposition;
+    name for a data-parallel rank), in one exposition — those that answered within
+    `METRICS_PEER_TIMEOUT_S`, with `alchemist:replica_up` saying which did (a hung or
+    restarting replica must not take every replica's samples out of the scrape);
   - `/v1/adapters`: rank 0's answer, with every replica's version and weights' digest;
   - a label, or a deletion, for a completion another replica served: sent on to that
     replica, whose answer is the client's (the label trains where its recording is);
@@ -33,6 +35,10 @@ LOCAL_HEADER = "x-alchemist-replica-local"
 # the client's headers a replica passes on with its question
 _PASSED_HEADERS = ("authorization", "content-type", "x-request-id")
 PEER_TIMEOUT_S = 60.0
+# how long a scrape waits for each other replica: under Prometheus's scrape timeout (10 s by default,
+# 5 s in configs/grafana/prometheus.yml), so that the replicas that answer are scraped
+METRICS_PEER_TIMEOUT_S = 2.0
+REPLICA_UP = "alchemist:replica_up"
 
 
 class Peers:
@@ -42,6 +48,8 @@ class Peers:
         self.addresses = addresses
         self.private_port = int(addresses[rank].rsplit(":", 1)[1])
         self._client: httpx.AsyncClient | None = None
+        # the replicas the last `ask_each` got no answer from (logged as the set changes)
+        self._silent: set[int] = set()
 
     @property
     def world_size(self) -> int:
@@ -91,17 +99,41 @@ class Peers:
             result[rank] = answer
         return result
 
+    async def ask_each(self, request: Request, path: str, timeout_s: float) -> dict[int, httpx.Response | None]:
+        """`path` asked of every other replica at once: by rank, its 2xx answer, or None
+        where it gave none within `timeout_s` (hung, restarting, failed)."""
+        async def answer_of(rank: int) -> httpx.Response | None:
+            try:
+                answer = await asyncio.wait_for(self.ask(rank, request, path, method="GET"), timeout_s)
+            except (APIError, asyncio.TimeoutError):
+                return None
+            return answer if answer.is_success else None
+
+        others = [r for r in range(self.world_size) if r != self.rank]
+        answers = dict(zip(others, await asyncio.gather(*(answer_of(r) for r in others))))
+        silent = {rank for rank, answer in answers.items() if answer is None}
+        if silent - self._silent:
+            logger.warning("replicas %s did not answer %s within %.0f s: left out of it", sorted(silent - self._silent),
+                           path, timeout_s)
+        if self._silent - silent:
+            logger.info("replicas %s answer %s again", sorted(self._silent - silent), path)
+        self._silent = silent
+        return answers
+
     async def close(self) -> None:
         if self._client is not None:
             await self._client.aclose()
 
 
-def merge_metrics(expositions: list[str]) -> bytes:
-    """Replicas' Prometheus expositions (by rank) as one, each sample labelled with its
-    replica's rank as `engine`."""
+def merge_metrics(expositions: list[str | None]) -> bytes:
+    """Replicas' Prometheus expositions (by rank; None: it did not answer) as one, each
+    sample labelled with its replica's rank as `engine`, and `alchemist:replica_up`."""
     families: dict[str, Metric] = {}
+    up = Metric(REPLICA_UP, "Whether the replica answered this scrape (1) or not in time (0: its samples are "
+                "missing from it)", "gauge")
     for rank, text in enumerate(expositions):
-        for family in text_string_to_metric_families(text):
+        up.add_sample(REPLICA_UP, {"engine": str(rank)}, float(text is not None))
+        for family in text_string_to_metric_families(text or ""):
             merged = families.get(family.name)
             if merged is None:
                 merged = families[family.name] = Metric(family.name, family.documentation, family.type,
@@ -112,7 +144,7 @@ def merge_metrics(expositions: list[str]) -> bytes:
 
     class _Merged:
         def collect(self):
-            return list(families.values())
+            return [*families.values(), up]
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Merged())

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import EngineDeadError
 from server.errors import APIError, error_body
-from server.fanout import merge_metrics
+from server.fanout import METRICS_PEER_TIMEOUT_S, merge_metrics
 from server.parsing import parse_body
 from server.protocol import FeedbackRequest, RollbackRequest
 from server.state import ServerState, Training
@@ -57,8 +57,9 @@ def admin_router(state: ServerState) -> APIRouter:
         own = state.metrics.render()
         if state.peers is None or state.peers.is_local(request):
             return Response(own, media_type=CONTENT_TYPE_LATEST)
-        answers = await state.peers.ask_all(request, "/metrics")
-        texts = [own.decode() if a is None else a.text for a in answers]
+        answers = await state.peers.ask_each(request, "/metrics", METRICS_PEER_TIMEOUT_S)
+        texts = [own.decode() if rank == state.peers.rank else answers[rank] and answers[rank].text
+                 for rank in range(state.peers.world_size)]
         return Response(merge_metrics(texts), media_type=CONTENT_TYPE_LATEST)
 
     @router.post("/v1/feedback")

@@ -217,4 +217,4 @@ def _offload_metrics(offload):
                                   "never-freed tensors were left).")):
         yield CounterMetricFamily(f"{PREFIX}{name}", text, value=getattr(offload, name))
     yield CounterMetricFamily(f"{PREFIX}reload_wait_seconds", "Seconds backward waited for reloads (not hidden "
-                              "behind compute), in seconds.", value=offload.reload_wait_seconds)
+                              "behind compute).", value=offload.reload_wait_seconds)

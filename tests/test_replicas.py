@@ -79,6 +79,42 @@ def test_metrics_of_every_replica_carry_an_engine_label():
     assert merged.count("# TYPE alchemist:request_success_total counter") == 1
 
 
+def test_a_replica_that_does_not_answer_a_scrape_in_time_is_left_out_and_said_down():
+    """A hung replica (SIGSTOP: the kernel still accepts its connections) held every
+    replica's `/metrics` for a minute, past Prometheus's scrape timeout, so no sample was
+    scraped at all (an outside pass). The others' samples come back in time, and
+    `alchemist:replica_up` says which replica is missing."""
+    import asyncio
+    import socket
+
+    from starlette.requests import Request
+
+    from server.fanout import Peers
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen()
+
+    async def scrape() -> dict:
+        peers = Peers(rank=0, addresses=["127.0.0.1:5001", f"127.0.0.1:{hung.getsockname()[1]}"])
+        try:
+            return await peers.ask_each(Request({"type": "http", "method": "GET", "headers": [], "path": "/metrics",
+                                                 "query_string": b""}), "/metrics", 0.5)
+        finally:
+            await peers.close()
+
+    started = time.monotonic()
+    assert asyncio.run(scrape()) == {1: None}
+    assert time.monotonic() - started < 5
+    hung.close()
+    text = ("# HELP alchemist:request_success_total Finished.\n# TYPE alchemist:request_success_total counter\n"
+            'alchemist:request_success_total{finished_reason="stop"} 3\n')
+    merged = merge_metrics([text, None]).decode()
+    assert 'alchemist:request_success_total{engine="0",finished_reason="stop"} 3.0' in merged
+    assert 'engine="1",finished_reason' not in merged
+    assert 'alchemist:replica_up{engine="0"} 1.0' in merged and 'alchemist:replica_up{engine="1"} 0.0' in merged
+
+
 def test_the_whole_servers_adapter_status_sums_the_training_counters():
     def answer(rank, entries, loss):
         return {"version": 5, "saved": [], "replicas": [{"rank": rank, "version": 5, "digest": "ab",
