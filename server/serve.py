@@ -100,5 +100,7 @@ def run_replica(config: AlchemistConfig, replica: Replica) -> None:
     mark_serving(replica)
     try:
         server.run(sockets=[public, private])
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it shut down on again, once done (as uvicorn.run, quietly)
+        pass
     finally:
         dist.destroy_process_group()

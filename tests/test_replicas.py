@@ -347,6 +347,16 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
             assert r.status_code == 200, r.text
         wait_for(lambda: _trained(url) == {"0": 1.0, "1": 1.0})
 
+        # Ctrl-C: the agent passes SIGINT on, and each replica shuts down, without the traceback of the
+        # signal uvicorn raises again once done (an outside pass found one from each replica)
+        said_before = Path(launcher.log_path).stat().st_size
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(60) == 0
+    with open(launcher.log_path) as log:
+        log.seek(said_before)
+        said = log.read()
+    assert "the replicas stopped on signal SIGINT" in said and "Traceback" not in said
+
 
 @pytest.mark.slow  # a group of two server processes, once
 def test_a_group_that_fails_to_start_is_not_started_again(tmp_path):
