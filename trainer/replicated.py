@@ -347,5 +347,6 @@ class ReplicaSync:
         for pending in (rollback, waiting):
             if pending is not None and pending.done is not None and not pending.done.done():
                 pending.done.set_exception(RuntimeError(reason))
+        leaving = level >= logging.ERROR and not self._stop.is_set()  # (a shutdown's last round is no failure)
         logger.log(level, "replica %d: adapter sync stopped (%s)%s", self.rank, reason,
-                   "" if self._stop.is_set() else "; leaving the group (its agent, while it runs, restarts the group)")
+                   "; leaving the group (its agent, while it runs, restarts the group)" if leaving else "")
