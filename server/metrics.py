@@ -253,7 +253,8 @@ class _EngineCollector:
                                   "serving steps while requests were running: the round trip through the event loop "
                                   "and what the arbiter ran between steps.", value=self.async_engine.step_gap_seconds)
         threads = CounterMetricFamily(f"{PREFIX}thread_cpu_seconds", "CPU seconds spent by the event loop's "
-                                      "thread (HTTP, streaming) and by the device thread (steps, training slices).", labels=["thread"])
+                                      "thread (HTTP, streaming) and by the device thread (steps, training slices).",
+                                      labels=["thread"])
         for thread, native_id in sorted(self.async_engine.thread_ids.items()):
             seconds = thread_cpu_seconds(native_id)
             if seconds is not None:

@@ -263,7 +263,7 @@ def test_a_number_another_nodes_ledger_knows_is_not_given_again_and_that_node_le
     version records in its node's ledger which versions died unsaved."""
     (tmp_path / "node0").mkdir()
     rank0 = _training(tmp_path / "node0", save_every=1)
-    assert rank0.lifecycle.known_version() == 0  # version 0, saved at the first start
+    assert rank0.lifecycle.known_version() == -1  # nothing served or trained yet (version 0: the store's)
     rank0.lifecycle.resume(known=17)  # node 1 served and trained up to version 17
     assert (rank0.optimizer.version, rank0.lifecycle.restored_from) == (18, 0)
     adopted = rank0.lifecycle.snapshot()

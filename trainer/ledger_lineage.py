@@ -82,8 +82,8 @@ def highest_version(path: str | Path) -> int:
 def resumed_as(conn: sqlite3.Connection, saved: int, version: int) -> None:
     """A restart resumed saved version `saved`'s weights as `version`, a number above every
     one the ledger knew (versions after `saved` died unsaved: their numbers are not given
-    to other weights); nothing when it resumed under its own number."""
-    if version == saved:
+    to other weights); nothing when it resumed under its own number (0: fresh weights, none saved)."""
+    if version == max(saved, 0):
         return
     record_parent(conn, version, saved)
     conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (HIGHEST_RESUMED_KEY, str(version)))

@@ -25,10 +25,10 @@ import logging
 
 import torch
 
+from trainer import ledger_lineage
 from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot, SavedVersion
 from trainer.cache import ActivationCache
 from trainer.eval_gate import EvalGate, Verdict
-from trainer import ledger_lineage
 from trainer.ledger import Ledger
 from trainer.maintenance import Maintenance
 from trainer.optimizer import AdapterOptimizer
@@ -98,8 +98,8 @@ class AdapterLifecycle:
                 logger.info("resumed adapter version %d from %s%s", snapshot.version, self.checkpointer.store.root,
                             "" if version == snapshot.version else f" as version {version} (versions after it "
                             "died unsaved with the last process; their numbers are not given to other weights)")
-                for restored, version in snapshot.state.get("rollbacks", []):  # those its saves failed to record
-                    self._ledger_after_rollback(restored, version)
+                for restored, as_version in snapshot.state.get("rollbacks", []):  # those its saves failed to record
+                    self._ledger_after_rollback(restored, as_version)
                 if "rolled_back_to" in snapshot.state:  # a kill may have come before its fates landed
                     self._ledger_after_rollback(snapshot.state["rolled_back_to"], snapshot.version)
             else:
