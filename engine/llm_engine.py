@@ -110,7 +110,7 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.max_model_len or requested > self.max_model_len:
             prompt_alone = len(prompt_token_ids) >= self.max_model_len  # then no max_tokens would fit it
             raise InvalidParameter(
-                "prompt" if prompt_alone or not params.max_tokens else "max_tokens",
+                "prompt" if prompt_alone or not params.max_tokens else params.max_tokens_param,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{requested} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens or 0} in the "
                 f"completion). Please reduce the length of the prompt or completion." + (
@@ -238,6 +238,8 @@ class LLMEngine:
         kind = scheduled.kind  # before the step: it advances the sequences' computed tokens
         if kind != "decode":  # a prefill's forward is longer and host-bound: what waits for it goes now
             self._before_read_back_now()
+            if not scheduled.is_empty:  # the gauges count the prompts it admitted as running during it
+                self._publish([], self._state())
         touched: set[str] = {s.request_id for s in scheduled.preempted}
         step_started = time.monotonic()
         if not scheduled.is_empty:
@@ -265,7 +267,8 @@ class LLMEngine:
 
     def _state(self, seconds: float = 0.0, num_tokens: int = 0, num_preempted: int = 0, kind: str = "") -> StepStats:
         """The scheduler's state as StepStats: after each step, and after a request is
-        added or aborted (a step of nothing, so that the gauges follow at once)."""
+        added or aborted, or admitted to a prefill that is about to run (a step of nothing,
+        so that the gauges follow at once: a long prompt's prefill is one step)."""
         scheduler = self.scheduler
         # choices waiting to fork their prompt wait too
         waiting = len(scheduler.waiting) + sum(len(s.fork_children) for s in (*scheduler.waiting, *scheduler.running))
@@ -280,7 +283,8 @@ class LLMEngine:
 
     # -- offline use ------------------------------------------------------------------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[list[int]]]:
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[list[list[int]]]:
         """Runs prompts to completion; returns each prompt's choices' generated token ids."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"offline-{next(self._seq_ids)}" for _ in prompts]

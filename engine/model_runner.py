@@ -143,7 +143,8 @@ class ModelRunner:
                 sample_entries.append(entry)
             if seq.wants_prompt_logprobs:
                 # the logits at position p score prompt token p + 1
-                targets = [p + 1 for p in range(start, end) if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens]
+                targets = [p + 1 for p in range(start, end)
+                           if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens]
                 if targets:
                     prompt_rows.append((entry, [first_row + t - 1 - start for t in targets], targets))
         layout = layout_step([entry.num_new_tokens for entry in step.scheduled],

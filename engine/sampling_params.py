@@ -58,6 +58,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # None: until the context is full
     max_tokens: int | None = 16
+    # the request's field max_tokens came from (max_completion_tokens, ...): an error about it names that
+    max_tokens_param: str = "max_tokens"
     # EOS and stop tokens are suppressed until this many tokens are generated
     min_tokens: int = 0
     ignore_eos: bool = False

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from server import protocol, response_schemas as out
+from server import protocol, protocol_training, response_schemas as out
 from server.route_table import OPERATIONS, Operation
 
 _REASONS = {400: "Invalid request: OpenAI's error body names the parameter (`param`) and why (`code`).",
@@ -38,9 +38,9 @@ _DELETE_LABEL = ("delete", "/v1/feedback/{completion_id}")
 _DELETE_STORED = ("delete", "/v1/chat/completions/{completion_id}")
 # the feedback body, by the label the training method takes (trainer/feedback.py)
 _FEEDBACK_BODIES = {"preference": ("A preference between responses of a served completion (DPO)",
-                                   (protocol.PreferenceTexts, protocol.PreferenceIndices)),
+                                   (protocol_training.PreferenceTexts, protocol_training.PreferenceIndices)),
                     "rewards": ("One reward per choice of a served group of samples (GRPO)",
-                                protocol.RewardsFeedback)}
+                                protocol_training.RewardsFeedback)}
 
 
 # one server-sent event of a stream (the schema a client validates each event against)

@@ -1,7 +1,8 @@
 """OpenAI request bodies, validated strictly at the HTTP edge, and their conversion to
 engine `SamplingParams`. Pydantic lives in server/ only: here, in the parts these bodies
-are built from (server/protocol_fields.py, server/protocol_formats.py), and in the
-response models (server/response_schemas.py).
+are built from (server/protocol_fields.py, server/protocol_formats.py), in the bodies of
+the server's own training routes (server/protocol_training.py), and in the response
+models (server/response_schemas.py).
 
 Strict: wrong types are rejected, not coerced ("5" is not a number), and unknown fields
 are rejected with OpenAI's "Unrecognized request argument supplied" so that a typo like
@@ -23,7 +24,6 @@ from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
-from pydantic.json_schema import SkipJsonSchema
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar
@@ -32,7 +32,6 @@ from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, ChatMess
 from server.protocol_formats import (NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, build_grammar,
                                      functions)
 from server.tool_calls import ToolUse
-from trainer.feedback import FeedbackLabel
 
 
 # fields of OpenAI's API (and vLLM's) that this server does not offer, and what to send instead
@@ -107,15 +106,18 @@ class _SamplingFields(Strict):
     # the fewest output tokens a request may ask for (a completion scores its prompt with 0)
     MIN_OUTPUT_TOKENS: ClassVar[int] = 0
 
-    def _output_limit(self, given: int | None) -> int | None:
-        """The output's limit: `given` (the request's own field, checked by the caller) and
+    def _output_limit(self, given: int | None, name: str) -> tuple[int | None, str]:
+        """The output's limit and the field it came from (an error about it names that
+        field): `given` (the request's field `name`, checked by the caller) and
         max_new_tokens, the smaller of those sent."""
         if self.max_new_tokens is None:
-            return given
+            return given, name
         if self.max_new_tokens < self.MIN_OUTPUT_TOKENS:
             raise InvalidParameter("max_new_tokens", f"max_new_tokens must be at least {self.MIN_OUTPUT_TOKENS}, "
                                    f"got {self.max_new_tokens}")
-        return self.max_new_tokens if given is None else min(given, self.max_new_tokens)
+        if given is None or self.max_new_tokens < given:
+            return self.max_new_tokens, "max_new_tokens"
+        return given, name
 
     def prompt_tail(self, max_model_len: int, max_tokens: int | None) -> int | None:
         """How many of the prompt's last tokens to keep (`truncate_prompt_tokens`), or None:
@@ -233,8 +235,9 @@ class ChatCompletionRequest(_SamplingFields):
             value = getattr(self, name)
             if value is not None and value < self.MIN_OUTPUT_TOKENS:
                 raise InvalidParameter(name, f"{name} must be at least {self.MIN_OUTPUT_TOKENS}, got {value}")
-        max_tokens = self._output_limit(self.max_completion_tokens if self.max_completion_tokens is not None
-                                        else self.max_tokens)
+        newer = self.max_completion_tokens is not None
+        max_tokens, limit_name = self._output_limit(self.max_completion_tokens if newer else self.max_tokens,
+                                                    "max_completion_tokens" if newer else "max_tokens")
         top = None
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise InvalidParameter("top_logprobs", f"top_logprobs must be between 0 and {MAX_LOGPROBS}, "
@@ -244,6 +247,7 @@ class ChatCompletionRequest(_SamplingFields):
         elif self.top_logprobs is not None:
             raise InvalidParameter("top_logprobs", "top_logprobs requires logprobs to be true")
         params = self._sampling_params(max_tokens, top, defaults=defaults)
+        params.max_tokens_param = limit_name
         params.grammar = self._grammar(self.response_format)
         if tools is not None and tools.forced:
             if params.grammar is not None:
@@ -270,75 +274,14 @@ class CompletionRequest(_SamplingFields):
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         # max_tokens' default (16) is no limit the client set: max_new_tokens alone replaces it
         sent = self.max_tokens if "max_tokens" in self.model_fields_set or self.max_new_tokens is None else None
+        name = "max_tokens"
         if self.max_completion_tokens is not None:
-            sent = self.max_completion_tokens
-        params = self._sampling_params(self._output_limit(sent), self.logprobs, prompt_logprobs, defaults)
+            sent, name = self.max_completion_tokens, "max_completion_tokens"
+        max_tokens, limit_name = self._output_limit(sent, name)
+        params = self._sampling_params(max_tokens, self.logprobs, prompt_logprobs, defaults)
+        params.max_tokens_param = limit_name
         params.grammar = self._grammar()
         return params
-
-
-Rewards = Annotated[list[float], Field(min_length=1)]
-
-
-class _FeedbackId(Strict):
-    id: Annotated[str, Field(min_length=1)]
-
-
-class PreferenceTexts(_FeedbackId):
-    """POST /v1/feedback on a server that trains on preferences (DPO), with response
-    texts: at least one of `chosen` and `rejected`; the other is the served response (of
-    choice `choice_index`)."""
-
-    model_config = ConfigDict(**Strict.model_config,
-                              json_schema_extra={"anyOf": [{"required": ["chosen"]}, {"required": ["rejected"]}]})
-
-    # (null is taken as absent, but not offered: the document shows what a label needs)
-    chosen: Annotated[str, Field(min_length=1)] | SkipJsonSchema[None] = None
-    rejected: Annotated[str, Field(min_length=1)] | SkipJsonSchema[None] = None
-    choice_index: Annotated[int, Field(ge=0), INTEGRAL] = 0
-
-
-class PreferenceIndices(_FeedbackId):
-    """POST /v1/feedback on a server that trains on preferences (DPO), between two of the
-    completion's choices (n >= 2), by index."""
-
-    chosen_index: Annotated[int, Field(ge=0), INTEGRAL]
-    rejected_index: Annotated[int, Field(ge=0), INTEGRAL]
-
-
-class RewardsFeedback(_FeedbackId):
-    """POST /v1/feedback on a server that trains on groups (GRPO): one reward per choice."""
-
-    rewards: Rewards
-
-
-class FeedbackRequest(_FeedbackId):
-    """POST /v1/feedback as parsed on every server: any label, a preference (texts or
-    indices) or rewards; the trainer refuses what its method does not take, naming what it
-    does. The OpenAPI document shows the server's own kinds (PreferenceTexts or
-    PreferenceIndices, or RewardsFeedback)."""
-
-    chosen: Annotated[str, Field(min_length=1)] | None = None
-    rejected: Annotated[str, Field(min_length=1)] | None = None
-    choice_index: Annotated[int, Field(ge=0), INTEGRAL] = 0
-    chosen_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
-    rejected_index: Annotated[int, Field(ge=0), INTEGRAL] | None = None
-    rewards: Rewards | None = None
-
-    def label(self) -> FeedbackLabel:
-        if "choice_index" in self.model_fields_set and (self.chosen_index is not None or self.rejected_index is not None
-                                                        or self.rewards is not None):
-            raise InvalidParameter("choice_index", "choice_index names the served choice that stands for a text "
-                                   "label's missing side ('chosen' or 'rejected'); it does not go with "
-                                   "'chosen_index'/'rejected_index' or 'rewards'")
-        return FeedbackLabel(self.id, self.chosen, self.rejected, self.choice_index, self.chosen_index,
-                             self.rejected_index, self.rewards)
-
-
-class RollbackRequest(Strict):
-    """POST /v1/adapters/rollback: make a saved adapter version the live one."""
-
-    version: Annotated[int, Field(ge=0), INTEGRAL]
 
 
 class _TokenizeFields(Strict):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from server import protocol, response_schemas as out
+from server import protocol, protocol_training, response_schemas as out
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/models"): Operation("The served model", out.ModelList),
     ("get", "/v1/models/{model_id}"): Operation("One model", out.ModelCard, errors=(404,)),
     ("post", "/v1/feedback"): Operation("A label for a served completion: preference or rewards",
-                                        out.FeedbackAccepted, protocol.FeedbackRequest, (400, 404, 409, 413, 503)),
+                                        out.FeedbackAccepted, protocol_training.FeedbackRequest,
+                                        (400, 404, 409, 413, 503)),
     ("delete", "/v1/feedback/{completion_id}"): Operation(
         "Delete a completion's label (it is no longer trained on, nor kept)", out.FeedbackDeleted,
         errors=(400, 404, 409, 503)),
@@ -44,7 +45,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("get", "/v1/adapters"): Operation("The live adapter and the saved versions", out.AdapterStatus,
                                        errors=(400, 503)),  # 503: with replicas, one did not answer
     ("post", "/v1/adapters/rollback"): Operation("Make a saved adapter version the live one", out.AdapterStatus,
-                                                 protocol.RollbackRequest, (400, 404, 409, 413, 503)),
+                                                 protocol_training.RollbackRequest, (400, 404, 409, 413, 503)),
     ("post", "/tokenize"): Operation("Tokenize a prompt or chat messages (vLLM's)", out.TokenizeResponse,
                                      (protocol.TokenizePromptRequest, protocol.TokenizeChatRequest), (400, 404, 413)),
     ("post", "/detokenize"): Operation("Token ids back to text (vLLM's)", out.DetokenizeResponse,

@@ -23,7 +23,7 @@ from engine.async_engine import EngineDeadError
 from server.errors import APIError, error_body
 from server.fanout import METRICS_PEER_TIMEOUT_S, merge_metrics
 from server.parsing import parse_body
-from server.protocol import FeedbackRequest, RollbackRequest
+from server.protocol_training import FeedbackRequest, RollbackRequest
 from server.state import ServerState, Training
 from trainer.adapter_store import AdapterLoadError
 from trainer.feedback import FeedbackOutcome, FeedbackResult

@@ -12,6 +12,7 @@ import anyio
 import orjson
 from fastapi import Request
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import AppStatus
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import ErrorKind
@@ -24,6 +25,7 @@ from server.tool_calls import ToolCallParser
 # on SIGTERM, streams in flight get this long to finish before they are cut (uvicorn's
 # graceful-shutdown timeout in serve.py is longer); this long before the cut, their
 # requests are aborted, so that each ends with an error event saying so, then [DONE]
+# (a request answered whole gets a 503 then)
 STREAM_DRAIN_S = 8.0
 ABORT_BEFORE_CUT_S = 1.5
 
@@ -73,20 +75,37 @@ async def _listen_for_disconnect(request: Request) -> None:
             return
 
 
+async def _shutdown_cut() -> None:
+    """Returns when a shutdown would soon cut a request in flight: `ABORT_BEFORE_CUT_S`
+    before the end of the `STREAM_DRAIN_S` uvicorn's SIGTERM (or SIGINT) began — the moment
+    a stream is stopped too (`event_stream_response`); sse-starlette's `AppStatus` says
+    when a shutdown began, polled as sse-starlette polls it."""
+    while not AppStatus.should_exit:
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(STREAM_DRAIN_S - ABORT_BEFORE_CUT_S)
+
+
 async def until_disconnect(request: Request, work) -> object:
     """Runs `work` (a coroutine); if the client disconnects first, cancels it (which
-    aborts its engine requests) and returns None."""
+    aborts its engine requests) and returns None. A shutdown that would cut it first
+    cancels it too, and answers 503 (`server_shutting_down`), as a stream ends: uvicorn
+    would else cancel it when its graceful shutdown ran out, and send a plain-text 500."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_listen_for_disconnect(request))
-    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    disconnect = asyncio.ensure_future(_listen_for_disconnect(request))
+    shutdown = asyncio.ensure_future(_shutdown_cut())
+    done, _ = await asyncio.wait({task, disconnect, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+    disconnect.cancel()
+    shutdown.cancel()
     if task in done:
-        watcher.cancel()
         return task.result()
     task.cancel()
     try:
         await task
     except asyncio.CancelledError:
         pass
+    if shutdown in done:
+        raise APIError(503, "the server is shutting down: this answer was cut short; send the request again",
+                       code="server_shutting_down")
     return None
 
 

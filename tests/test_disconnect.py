@@ -121,6 +121,34 @@ def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monke
         assert set(reasons) == {None} and generated_tokens(server) < 2900
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", LONG),
+    ("/v1/completions", {"model": TINY_NAME, "prompt": "Hello", "max_tokens": 3000, "ignore_eos": True}),
+])
+def test_a_whole_answer_running_into_a_shutdown_gets_a_503_in_openais_format(monkeypatch, path, body):
+    """SIGTERM with a request answered whole (not streamed) running past the drain: uvicorn
+    cancelled it when its graceful shutdown ran out and sent a plain-text 500 (an outside
+    pass). It is now stopped when a stream would be, and answered 503 with OpenAI's error
+    body (`server_shutting_down`), which the SDK raises as a retryable error."""
+    monkeypatch.setattr(streams, "STREAM_DRAIN_S", 30.5)
+    monkeypatch.setattr(streams, "ABORT_BEFORE_CUT_S", 30.0)  # the cut: 0.5 s after the signal
+    app = tiny_app(max_model_len=4096, kv_cache_bytes=16 << 20)
+    engine = engine_of(app)
+    with ServerThread(app) as server:
+        answers = []
+        asking = threading.Thread(target=lambda: answers.append(httpx.post(server.url + path, json=body,
+                                                                           timeout=300)))
+        asking.start()
+        wait_for(lambda: engine.engine.num_requests == 1)
+        monkeypatch.setattr(AppStatus, "should_exit", True)  # what uvicorn's SIGTERM sets
+        asking.join(PATIENCE_S)
+        monkeypatch.setattr(AppStatus, "should_exit", False)
+        wait_for(lambda: engine.engine.num_requests == 0)  # its engine request was aborted
+        assert answers[0].status_code == 503, answers[0].text
+        assert answers[0].json()["error"]["code"] == "server_shutting_down"
+        assert generated_tokens(server) < 2900
+
+
 @pytest.mark.parametrize("finish_reason, cut", [("stop", False), ("length", False), ("abort", True)])
 def test_only_an_answer_the_shutdown_aborted_ends_with_the_error_event(finish_reason, cut):
     """The error event follows from an aborted choice, not from when the shutdown's abort

@@ -237,3 +237,31 @@ def test_every_routes_status_codes_are_series_from_the_first_scrape_and_deletion
         assert 'alchemist:http_requests_total{handler="/v1/feedback/{completion_id}",status="404"} 1.0' in text
         assert 'alchemist:http_requests_total{handler="/v1/models/{model_id}",status="404"} 1.0' in text
         assert 'alchemist:http_requests_total{handler="other",status="404"} 0.0' in text
+
+
+def test_a_prompt_counts_as_running_while_its_prefill_runs():
+    """A request whose prompt is being prefilled is running, not waiting (an outside pass:
+    a long prompt's prefill, one step of seconds, read as a queue that did not exist)."""
+    engine, metrics = observed_engine()
+    during_prefill = []
+
+    class Probe:
+        def on_step(self, stats) -> None:
+            if not stats.kind and not during_prefill and stats.num_running:
+                during_prefill.append((value(metrics.running), value(metrics.waiting)))
+
+        def on_output(self, output) -> None:
+            pass
+
+    engine.hooks = dataclasses.replace(engine.hooks, observers=(*engine.hooks.observers, Probe()))
+    engine.add_request("a", encode("Hello there"), SamplingParams(max_tokens=3))
+    assert value(metrics.waiting) == 1 and value(metrics.running) == 0
+    original = engine.runner.execute
+
+    def execute(*args, **kwargs):
+        during_prefill.append(("in the forward", value(metrics.running), value(metrics.waiting)))
+        return original(*args, **kwargs)
+
+    engine.runner.execute = execute
+    engine.step()
+    assert during_prefill[:2] == [(1, 0), ("in the forward", 1, 0)]

@@ -268,6 +268,21 @@ def test_a_prompt_longer_than_the_context_is_named_as_the_prompt_whatever_max_to
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
+def test_an_output_limit_past_the_context_is_named_as_the_field_sent(client):
+    """`max_completion_tokens` (chat's newer name, and guidellm's on completions) or
+    `max_new_tokens` past the room left is named as sent, not as `max_tokens` (an outside
+    pass): OpenAI's `param` names the client's field."""
+    question = [{"role": "user", "content": "hi"}]
+    for field in ("max_completion_tokens", "max_tokens", "max_new_tokens"):
+        r = chat(client, messages=question, **{field: 5000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "hi", field: 5000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
+    r = chat(client, messages=question, max_tokens=5000, max_new_tokens=4000)  # the smaller one applies
+    assert r.json()["error"]["param"] == "max_new_tokens", r.text
+
+
 def test_bad_completion_requests(client):
     for body, param in [({"prompt": []}, "prompt"), ({"prompt": "x", "suffix": "y"}, "suffix"),
                         ({"prompt": [[-1]]}, "prompt[0][0]"), ({"prompt": [10**9]}, "prompt"),
