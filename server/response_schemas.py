@@ -217,7 +217,8 @@ class ReplicaCard(BaseModel):
     rank: int
     # the adapter version it serves
     version: int
-    # the first 16 hex digits of a SHA-256 of its adapter's weights: equal digests, equal
+    # the first 16 hex digits of a SHA-256 of its live adapter weights (while the eval gate
+    # scores a candidate, the candidate's, not the served version's): equal digests, equal
     # weights bit for bit
     digest: str
     # requests it finished

@@ -665,6 +665,61 @@ def test_rollbacks_leave_trained_exactly_the_labels_the_served_weights_hold(tmp_
     ledger.close()
 
 
+def test_a_label_trained_again_after_a_release_is_held_by_weights_that_hold_either_training(tmp_path):
+    """Trained into 1, quarantined by a rollback to 0 (as 2), released, trained again into 3:
+    a rollback to 1 (as 4) restores weights that hold it. The ledger kept one version per
+    label and forgot 1, so it quarantined the label (a second release trained it into the
+    weights twice) and a deletion named no version holding it (an outside pass)."""
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+
+    def fate():
+        ledger.flush()
+        row = {row.request.id: row for row in read_ledger(tmp_path / LEDGER_FILE)}["r"]
+        return row.fate, row.fate_version
+
+    ledger.record_request(RequestRecord("r", time.time(), 0, "dpo", [1, 2]))
+    ledger.commit_label("r", LabelRecord("preference", chosen="a", rejected="b"))
+    ledger.record_fate("r", "trained", 1)
+    ledger.rolled_back(0, 2)
+    assert fate() == ("quarantined", 1)
+    ledger.close()
+    assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    ledger.record_fate("r", "trained", 3)
+    ledger.rolled_back(1, 4)
+    assert fate() == ("trained", 1)  # v4 is v1's weights: its first training
+    assert ledger.stats.rollback_quarantined == 0
+    ledger.rolled_back(3, 5)
+    assert fate() == ("trained", 3)  # v3's lineage (3, then 2: a copy of 0) holds the second
+    ledger.rolled_back(0, 6)
+    assert fate() == ("quarantined", 3)  # neither
+    ledger.rolled_back(1, 7)
+    assert fate() == ("trained", 1)
+    assert ledger.delete("r", label_only=True).trained_into == 1
+    ledger.close()
+
+
+def test_a_restart_forgets_the_earlier_trainings_into_versions_it_lost(tmp_path):
+    """A label trained into 3, quarantined, released and trained again: a crash that lost
+    version 3 (the restart resumes 2's weights) leaves no earlier training in any weights."""
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    ledger.record_request(RequestRecord("r", time.time(), 0, "dpo", [1, 2]))
+    ledger.record_fate("r", "trained", 3)
+    ledger.rolled_back(2, 4)
+    ledger.close()
+    assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    ledger.record_fate("r", "trained", 5)
+    ledger.flush()
+    conn = sqlite3.connect(tmp_path / LEDGER_FILE)
+    assert list(conn.execute("SELECT request_id, version FROM earlier_trainings")) == [("r", 3)]
+    ledger.resumed(2, 6)
+    ledger.flush()
+    assert list(conn.execute("SELECT request_id, version FROM earlier_trainings")) == []
+    conn.close()
+    ledger.close()
+
+
 def _wait_for_queued(ledger: Ledger, writes: int) -> None:
     """Until the writer's queue holds `writes` writes (white-box: the interleaving the test needs)."""
     deadline = time.monotonic() + 30

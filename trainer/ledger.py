@@ -112,9 +112,8 @@ class Ledger:
                     reason: str | None = None) -> None:
         """How a request's entry ended (queued; called under the cache's lock)."""
         at = self.clock()
-        self._put(_Write(lambda c: c.execute(
-            "UPDATE requests SET fate = ?, fate_version = ?, fate_path = ?, fate_reason = ?, fate_at = ? "
-            "WHERE id = ?", (fate, version, path, reason, at, request_id)), owed=True))
+        self._put(_Write(lambda c: ledger_lineage.record_fate(c, request_id, fate, version, path, reason, at),
+                         owed=True))
 
     def commit_label(self, request_id: str, label: LabelRecord, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
         """Writes a label and returns once it is committed (call on a worker thread).

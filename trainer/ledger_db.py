@@ -61,6 +61,13 @@ CREATE TABLE IF NOT EXISTS deleted_labels (
 -- versions whose weights are a copy of another's (a rollback, the eval gate's return to
 -- the promoted version): trainer/ledger_lineage.py
 CREATE TABLE IF NOT EXISTS versions (version INTEGER PRIMARY KEY, parent INTEGER NOT NULL);
+-- the versions a label trained into before its last (`fate_version`): it was quarantined,
+-- released and trained again, and a rollback may restore weights that hold an earlier one
+CREATE TABLE IF NOT EXISTS earlier_trainings (
+    request_id TEXT NOT NULL REFERENCES requests (id) ON DELETE CASCADE,
+    version INTEGER NOT NULL,
+    PRIMARY KEY (request_id, version)
+);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 # a request whose label was deleted (SQL, on `requests`)

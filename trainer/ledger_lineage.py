@@ -10,6 +10,8 @@ versions of its lineage (it, its parent, its parent's parent, …), so a rollbac
   - gives back their `trained` fate to the labels an earlier rollback quarantined that
     are in N's lineage (they are in the weights again: released, they would train twice),
     and to those released since, waiting to train again (a release keeps the version).
+A label released and trained again has two trainings (the `earlier_trainings` table keeps
+the one before its last): it is held by weights whose lineage has either.
 A label deleted after it trained is dropped for good instead of quarantined. Applying the
 same rollback twice (a restart after a kill, each data-parallel replica) changes nothing
 the second time.
@@ -47,19 +49,42 @@ def lineage(conn: sqlite3.Connection, version: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def record_fate(conn: sqlite3.Connection, request_id: str, fate: str, version: int | None, path: str | None,
+                reason: str | None, at: float) -> None:
+    """How a request's entry ended; a released label that trains again keeps the version it
+    trained into before among its `earlier_trainings`."""
+    if fate == "trained":
+        conn.execute(f"INSERT OR IGNORE INTO earlier_trainings SELECT id, fate_version FROM requests WHERE id = ? "
+                     f"AND fate IS NULL AND fate_reason = '{RELEASED}' AND fate_version IS NOT NULL", (request_id,))
+    conn.execute("UPDATE requests SET fate = ?, fate_version = ?, fate_path = ?, fate_reason = ?, fate_at = ? "
+                 "WHERE id = ?", (fate, version, path, reason, at, request_id))
+
+
 def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) -> int:
     """Version `version` is a copy of version `restored`'s weights (a rollback): records the
-    parent, then moves the labels' fates to what the weights now hold; the labels it
-    quarantined."""
+    parent, then moves the labels' fates to what the weights now hold — a label is held
+    where its training, or an earlier one, is in `restored`'s lineage, and its fate then
+    names that one; the labels it quarantined."""
     conn.execute("INSERT OR REPLACE INTO versions (version, parent) VALUES (?, ?)", (version, restored))
     ranges = lineage(conn, restored)
-    held = " OR ".join("fate_version BETWEEN ? AND ?" for _ in ranges)
     bounds = tuple(bound for pair in ranges for bound in pair)
-    quarantined = quarantine(conn, f"fate = 'trained' AND fate_version < ? AND NOT ({held})", (version, *bounds),
-                             rollback_reason(restored, version), at)
-    conn.execute(f"UPDATE requests SET fate = 'trained', fate_reason = NULL, fate_at = ? WHERE ((fate = 'quarantined' "
-                 f"AND fate_reason LIKE ?) OR (fate IS NULL AND fate_reason = '{RELEASED}')) AND ({held}) "
-                 f"AND NOT {LABEL_DELETED}", (at, f"{ROLLED_BACK} %", *bounds))
+    last = " OR ".join("fate_version BETWEEN ? AND ?" for _ in ranges)
+    earlier = " OR ".join("version BETWEEN ? AND ?" for _ in ranges)
+    held = f"(({last}) OR id IN (SELECT request_id FROM earlier_trainings WHERE {earlier}))"
+    held_version = (f"CASE WHEN {last} THEN fate_version ELSE (SELECT max(version) FROM earlier_trainings t "
+                    f"WHERE t.request_id = requests.id AND ({earlier})) END")
+    quarantined = quarantine(conn, f"fate = 'trained' AND fate_version < ? AND NOT {held}",
+                             (version, *bounds, *bounds), rollback_reason(restored, version), at)
+    # in the weights again: quarantined by an earlier rollback, released since (a release keeps
+    # the version), or trained again after a release where the weights hold the training before;
+    # a fate moved to an earlier training keeps the later one among the earlier ones
+    again = (f"((fate = 'quarantined' AND fate_reason LIKE ?) OR (fate IS NULL AND fate_reason = '{RELEASED}') OR "
+             f"(fate = 'trained' AND fate_version < ? AND NOT ({last}))) AND {held} AND NOT {LABEL_DELETED}")
+    again_params = (f"{ROLLED_BACK} %", version, *bounds, *bounds, *bounds)
+    conn.execute(f"INSERT OR IGNORE INTO earlier_trainings SELECT id, fate_version FROM requests WHERE {again} "
+                 f"AND fate_version IS NOT NULL AND NOT ({last})", (*again_params, *bounds))
+    conn.execute(f"UPDATE requests SET fate = 'trained', fate_version = {held_version}, fate_reason = NULL, "
+                 f"fate_at = ? WHERE {again}", (*bounds, *bounds, at, *again_params))
     return quarantined
 
 
@@ -97,9 +122,10 @@ def record_parent(conn: sqlite3.Connection, version: int, parent: int) -> None:
 
 def forget_after(conn: sqlite3.Connection, saved: int) -> None:
     """The versions after `saved` died unsaved with a crash: the parent one of them recorded
-    (a gate's copy whose save a kill cut short) goes with it (the restart resumes `saved`'s
-    weights under a new number, `resumed_as`)."""
+    (a gate's copy whose save a kill cut short) and the trainings into them go with them
+    (the restart resumes `saved`'s weights under a new number, `resumed_as`)."""
     conn.execute("DELETE FROM versions WHERE version > ?", (saved,))
+    conn.execute("DELETE FROM earlier_trainings WHERE version > ?", (saved,))  # in no weights that survived
 
 
 def quarantine(conn: sqlite3.Connection, where: str, params: tuple, reason: str, at: float) -> int:
