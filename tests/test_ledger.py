@@ -699,6 +699,37 @@ def test_a_label_trained_again_after_a_release_is_held_by_weights_that_hold_eith
     ledger.close()
 
 
+def test_every_training_of_a_label_is_kept_however_it_came_to_train_again(tmp_path):
+    """A review's cases: a released label given back `trained` by a rollback, which the
+    cache then trains again; a deleted label whose last training left the weights; and a
+    label the gate quarantined after an earlier training that a rollback restores."""
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+
+    def fate(request_id):
+        ledger.flush()
+        row = {row.request.id: row for row in read_ledger(tmp_path / LEDGER_FILE)}[request_id]
+        return row.fate, row.fate_version
+
+    for request_id in ("cached", "deleted", "gated"):
+        ledger.record_request(RequestRecord(request_id, time.time(), 0, "dpo", [1, 2]))
+        ledger.commit_label(request_id, LabelRecord("preference", chosen="a", rejected="b"))
+        ledger.record_fate(request_id, "trained", 1)
+    ledger.rolled_back(0, 2)
+    ledger.close()
+    assert sorted(release_quarantined(tmp_path / LEDGER_FILE)) == ["cached", "deleted", "gated"]
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    ledger.rolled_back(1, 3)  # "cached" waits in the cache to train again; v3 holds its training
+    assert fate("cached") == ("trained", 1)
+    ledger.record_fate("cached", "trained", 4)  # the cache trained it again
+    ledger.record_fate("deleted", "trained", 4)
+    ledger.record_fate("gated", "trained", 4)
+    ledger.delete("deleted", label_only=True)
+    ledger.quarantine(["gated"], "eval gate rejected version 4", 5, 3)
+    ledger.rolled_back(1, 6)  # v1's weights hold each one's first training
+    assert (fate("cached"), fate("deleted"), fate("gated")) == (("trained", 1),) * 3
+    ledger.close()
+
+
 def test_a_restart_forgets_the_earlier_trainings_into_versions_it_lost(tmp_path):
     """A label trained into 3, quarantined, released and trained again: a crash that lost
     version 3 (the restart resumes 2's weights) leaves no earlier training in any weights."""

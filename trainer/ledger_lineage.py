@@ -51,11 +51,13 @@ def lineage(conn: sqlite3.Connection, version: int) -> list[tuple[int, int]]:
 
 def record_fate(conn: sqlite3.Connection, request_id: str, fate: str, version: int | None, path: str | None,
                 reason: str | None, at: float) -> None:
-    """How a request's entry ended; a released label that trains again keeps the version it
-    trained into before among its `earlier_trainings`."""
+    """How a request's entry ended; a label that trains again (released, or given back its
+    fate by a rollback while it waited to) keeps the version it trained into before among
+    its `earlier_trainings`."""
     if fate == "trained":
-        conn.execute(f"INSERT OR IGNORE INTO earlier_trainings SELECT id, fate_version FROM requests WHERE id = ? "
-                     f"AND fate IS NULL AND fate_reason = '{RELEASED}' AND fate_version IS NOT NULL", (request_id,))
+        conn.execute(f"INSERT OR IGNORE INTO earlier_trainings SELECT id, fate_version FROM requests WHERE id = ? AND "
+                     f"fate_version IS NOT NULL AND fate_version != ? AND ((fate IS NULL AND fate_reason = "
+                     f"'{RELEASED}') OR fate = 'trained')", (request_id, version))
     conn.execute("UPDATE requests SET fate = ?, fate_version = ?, fate_path = ?, fate_reason = ?, fate_at = ? "
                  "WHERE id = ?", (fate, version, path, reason, at, request_id))
 
@@ -75,12 +77,13 @@ def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) ->
                     f"WHERE t.request_id = requests.id AND ({earlier})) END")
     quarantined = quarantine(conn, f"fate = 'trained' AND fate_version < ? AND NOT {held}",
                              (version, *bounds, *bounds), rollback_reason(restored, version), at)
-    # in the weights again: quarantined by an earlier rollback, released since (a release keeps
-    # the version), or trained again after a release where the weights hold the training before;
-    # a fate moved to an earlier training keeps the later one among the earlier ones
-    again = (f"((fate = 'quarantined' AND fate_reason LIKE ?) OR (fate IS NULL AND fate_reason = '{RELEASED}') OR "
-             f"(fate = 'trained' AND fate_version < ? AND NOT ({last}))) AND {held} AND NOT {LABEL_DELETED}")
-    again_params = (f"{ROLLED_BACK} %", version, *bounds, *bounds, *bounds)
+    # in the weights again: quarantined (by an earlier rollback, or by the gate after an earlier
+    # training these weights hold), released since (a release keeps the version), or trained
+    # again after a release where the weights hold the training before (deleted or not: the
+    # fate names what holds it); a fate moved to an earlier training keeps the later one
+    again = (f"(((fate = 'quarantined' OR (fate IS NULL AND fate_reason = '{RELEASED}')) AND NOT {LABEL_DELETED}) "
+             f"OR (fate = 'trained' AND fate_version < ? AND NOT ({last}))) AND {held}")
+    again_params = (version, *bounds, *bounds, *bounds)
     conn.execute(f"INSERT OR IGNORE INTO earlier_trainings SELECT id, fate_version FROM requests WHERE {again} "
                  f"AND fate_version IS NOT NULL AND NOT ({last})", (*again_params, *bounds))
     conn.execute(f"UPDATE requests SET fate = 'trained', fate_version = {held_version}, fate_reason = NULL, "
