@@ -93,9 +93,14 @@ async def until_disconnect(request: Request, work) -> object:
     task = asyncio.ensure_future(work)
     disconnect = asyncio.ensure_future(_listen_for_disconnect(request))
     shutdown = asyncio.ensure_future(_shutdown_cut())
-    done, _ = await asyncio.wait({task, disconnect, shutdown}, return_when=asyncio.FIRST_COMPLETED)
-    disconnect.cancel()
-    shutdown.cancel()
+    try:
+        done, _ = await asyncio.wait({task, disconnect, shutdown}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself cancelled (uvicorn's graceful shutdown ran out)
+        task.cancel()
+        raise
+    finally:
+        disconnect.cancel()
+        shutdown.cancel()
     if task in done:
         return task.result()
     task.cancel()

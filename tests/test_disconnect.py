@@ -198,3 +198,36 @@ def test_a_client_gone_while_its_body_was_read_is_a_499_not_a_500(path, caplog):
             wait_for(lambda: metric(client, series) >= 1)
             assert metric(client, f'alchemist:http_requests_total{{handler="{path}",status="500"}}') == 0
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def test_a_handler_cancelled_while_it_waits_cancels_its_work_and_watchers():
+    """uvicorn cancels a handler its graceful shutdown could not wait for: the work (and
+    so its engine requests) and the watchers beside it end with it (a review: they ran on)."""
+    import asyncio
+
+    class Silent:  # a client that neither sends nor leaves
+        async def receive(self):
+            await asyncio.Event().wait()
+
+    async def run():
+        work_cancelled = asyncio.Event()
+
+        async def work():
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                work_cancelled.set()
+                raise
+
+        handler = asyncio.ensure_future(streams.until_disconnect(Silent(), work()))
+        await asyncio.sleep(0.1)
+        before = asyncio.all_tasks()
+        handler.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        for _ in range(5):  # the cancellations land in the loop's next iterations
+            await asyncio.sleep(0)
+        assert work_cancelled.is_set()
+        return [task for task in before if not task.done() and task is not asyncio.current_task()]
+
+    assert asyncio.run(run()) == []
