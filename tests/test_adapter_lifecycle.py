@@ -119,6 +119,24 @@ def test_rollback_restores_a_saved_version_as_a_new_version(tmp_path):
         assert client.get("/v1/adapters").json()["version"] == 5
 
 
+def test_a_rollback_to_a_version_whose_save_is_in_flight_waits_for_it(tmp_path, monkeypatch):
+    """Saves run in the background: a rollback asked for right after a version trained found
+    it "not saved" while its save was still on its way to disk (a 404 in one CI run)."""
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
+    slow_save = AdapterStore.save
+
+    def save(store, snapshot):
+        time.sleep(1.0)
+        return slow_save(store, snapshot)
+
+    monkeypatch.setattr(AdapterStore, "save", save)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        serve_and_train(client, ["first prompt about dogs"])  # version 1's save then sleeps a second
+        r = client.post("/v1/adapters/rollback", json={"version": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["restored_from"] == 1
+
+
 def test_a_rollback_whose_save_failed_serves_and_is_recorded_by_the_next_version_saved_and_a_restart_at_it(
         tmp_path):
     """Until a later version is saved, a restart would resume from before the rollback,

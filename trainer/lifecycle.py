@@ -195,7 +195,9 @@ class AdapterLifecycle:
         return self.checkpointer.store.versions() if self.checkpointer is not None else []
 
     def load_saved(self, version: int) -> AdapterSnapshot:
-        """Reads a saved version (disk I/O: call off the event loop); AdapterLoadError."""
+        """Reads a saved version (disk I/O: call off the event loop) once the saves in flight
+        have landed (a version just trained may be on its way to disk); AdapterLoadError."""
+        self.checkpointer.wait()
         return self.checkpointer.store.load(version)
 
     def snapshot(self) -> AdapterSnapshot:
