@@ -233,10 +233,12 @@ def _training(root, save_every: int = 10):
 
 def _crash(training) -> None:
     """What a kill leaves: queued ledger writes may be lost, but here they have landed
-    (labels are committed before they are accepted); nothing is saved at exit."""
+    (labels are committed before they are accepted), and so have the saves already begun
+    (each flushes the ledger first: closed before them, it failed them, one run in a few);
+    nothing is saved at exit."""
+    training.lifecycle.checkpointer.wait()
     training.ledger.flush()
     training.ledger.close()
-    training.lifecycle.checkpointer.wait()
 
 
 @pytest.mark.parametrize("trained_before", [False, True], ids=["pending", "trained-not-saved"])
