@@ -8,7 +8,6 @@ import asyncio
 import time
 from typing import AsyncIterator
 
-import anyio
 import orjson
 from fastapi import Request
 from sse_starlette import EventSourceResponse
@@ -33,11 +32,8 @@ ABORT_BEFORE_CUT_S = 1.5
 def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[str]) -> EventSourceResponse:
     """The SSE response of `events`, whose engine requests `request_ids` are aborted
     `ABORT_BEFORE_CUT_S` before a shutdown's grace would cut the stream mid-answer."""
-    shutdown = anyio.Event()
-
     async def abort_before_cut() -> None:
-        await shutdown.wait()
-        await asyncio.sleep(STREAM_DRAIN_S - ABORT_BEFORE_CUT_S)
+        await _shutdown_cut()
         for request_id in request_ids:
             async_engine.abort(request_id)
 
@@ -49,7 +45,7 @@ def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[s
         finally:
             aborting.cancel()
 
-    return EventSourceResponse(drained(), ping=15, shutdown_event=shutdown, shutdown_grace_period=STREAM_DRAIN_S)
+    return EventSourceResponse(drained(), ping=15, shutdown_grace_period=STREAM_DRAIN_S)
 
 
 def engine_stream(async_engine: AsyncEngine, request: EngineRequest):

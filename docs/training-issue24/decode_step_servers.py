@@ -81,7 +81,8 @@ def _workload(url: str, rounds: int, labelled: bool, stagger: bool) -> tuple[flo
 
 def _overlap_split(pid: int, posts: list) -> dict:
     """The server's decode steps that overlapped a label's POST (± 50 ms) and the others."""
-    steps = json.load(open(f"{STEP_TIMES_DIR}/steps-{pid}.json"))
+    with open(f"{STEP_TIMES_DIR}/steps-{pid}.json") as log:
+        steps = json.load(log)
     decodes = [(start, length) for start, length, kind in steps if kind == "decode"]
     decodes = decodes[len(decodes) // 10:]  # past the warm-up
 
