@@ -247,7 +247,9 @@ class TraceCounts:
 def replay_trace(engine, arrivals: list[TraceArrival], sampling) -> TraceCounts:
     """Steps `engine` through the trace (`sampling(max_tokens)` gives each request's
     SamplingParams) and counts attention shapes over every step, host syncs per
-    decode-only step (every scheduled sequence computing one token)."""
+    decode-only step (every scheduled sequence computing one token). The engine lays its
+    steps out as on a GPU (prefill shapes bucketed, `exact_prefill_shapes`)."""
+    engine.runner.exact_prefill = False
     shapes = AttentionShapes()
     pending = sorted(arrivals, key=lambda a: a.step)
     step = decode_steps = max_reads = max_built = 0

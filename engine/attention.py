@@ -66,7 +66,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
                 gather_rows(value, group.key_slots).transpose(1, 2)  # (b, KVH, S, D)
         else:
             keys, values = key, value
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask(window), scale=scaling,
+        causal = group.runs_causal(window)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=None if causal else group.mask(window),
+                                             is_causal=causal, scale=scaling,
                                              enable_gqa=keys.shape[1] != heads)  # (b, H, q, D)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
     out = gather_rows(outputs[0] if len(outputs) == 1 else torch.cat(outputs), meta.output_index)

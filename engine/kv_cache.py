@@ -142,9 +142,18 @@ class AttentionGroup:
     key_slots: torch.Tensor | None = None
     # a decode group that reads the pool in place instead (engine/paged_decode.py): no key_slots
     paged: PagedDecode | None = None
+    # every sequence's queries are its positions 0, 1, …, so `mask` is SDPA's causal mask
+    # (top-left): attention runs as the causal kernel, which skips the blocks above the
+    # diagonal, instead of reading a mask (padding rows, whose outputs no row gathers,
+    # then see more keys than `mask` gives them)
+    causal: bool = False
 
     def __post_init__(self) -> None:
         self._masks: dict[int | None, torch.Tensor] = {}
+
+    def runs_causal(self, sliding_window: int | None = None) -> bool:
+        """Whether attention runs as SDPA's causal kernel rather than reading `mask`."""
+        return self.causal and (sliding_window is None or self.num_keys <= sliding_window)
 
     def mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """(b, 1, q, S) bool, True where a query may attend to a key."""
@@ -205,7 +214,8 @@ class AttentionMetadata:
             query_positions[b, :n] = torch.arange(start, start + n)
             output_index[offset:offset + n] = torch.arange(b * q_max, b * q_max + n)
             offset += n
-        group = AttentionGroup(query_index.to(device), query_positions.to(device), num_keys)
+        group = AttentionGroup(query_index.to(device), query_positions.to(device), num_keys,
+                               causal=not any(starts))
         return cls([group], output_index.to(device))
 
     @classmethod
@@ -239,7 +249,7 @@ class AttentionMetadata:
                 output_index[offset:offset + n] = torch.arange(first_output + b * q_max, first_output + b * q_max + n)
             first_output += len(members) * q_max
             groups.append(AttentionGroup(query_index.to(device), query_positions.to(device), num_keys,
-                                         key_slots.to(device)))
+                                         key_slots.to(device), causal=not groups))
         return cls(groups, output_index.to(device))
 
     @property

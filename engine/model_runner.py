@@ -28,7 +28,7 @@ from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, 
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.saved_bytes_memo import RecordingShape, SavedBytesMemo
 from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.step_inputs import HostStaging, StepBuckets, layout_step, training_buckets
+from engine.step_inputs import HostStaging, StepBuckets, exact_prefill_shapes, layout_step, training_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ class ModelRunner:
         self.block_size = kv_spec.block_size
         self.buckets = StepBuckets(kv_spec.block_size)
         self.training_buckets = training_buckets(self.device, kv_spec.block_size, max_model_len)
+        self.exact_prefill = exact_prefill_shapes(self.device)
         self.staging = HostStaging(self.device)
         self._block_offsets = torch.arange(kv_spec.block_size, device=self.device)
         self.decode_batches = self.buckets.all_batches(max_num_seqs)
@@ -147,10 +148,10 @@ class ModelRunner:
                            if len(seq.prompt_logprobs) <= p + 1 < seq.num_prompt_tokens]
                 if targets:
                     prompt_rows.append((entry, [first_row + t - 1 - start for t in targets], targets))
-        layout = layout_step([entry.num_new_tokens for entry in step.scheduled],
-                             [entry.seq.num_computed_tokens for entry in step.scheduled],
-                             [entry.seq.block_ids for entry in step.scheduled], ids, sample_rows,
-                             buckets, self.block_size, self.kv_cache.scratch_slot, first_alone=recorded)
+        scheduled = step.scheduled
+        layout = layout_step([e.num_new_tokens for e in scheduled], [e.seq.num_computed_tokens for e in scheduled],
+                             [e.seq.block_ids for e in scheduled], ids, sample_rows, buckets, self.block_size,
+                             self.kv_cache.scratch_slot, first_alone=recorded, exact_prefill=self.exact_prefill)
         inputs = self.staging.upload(**layout.arrays)
         groups = []
         for g, (batch, num_keys) in enumerate(layout.shapes):
@@ -163,7 +164,8 @@ class ModelRunner:
                 groups.append(AttentionGroup(query_index, query_positions, num_keys, paged=paged))
                 continue
             slots = (table.unsqueeze(-1) * self.block_size + self._block_offsets).view(batch, -1)
-            groups.append(AttentionGroup(query_index, query_positions, num_keys, slots[:, :num_keys]))
+            groups.append(AttentionGroup(query_index, query_positions, num_keys, slots[:, :num_keys],
+                                         causal=layout.causal[g]))
         metadata = AttentionMetadata(groups, inputs["output_index"], inputs["slot_mapping"])
         return _PackedStep(inputs["input_ids"], inputs["positions"], metadata, sample_rows, inputs["sample_rows"],
                            sample_entries, prompt_rows, layout.static)
@@ -387,8 +389,7 @@ class ModelRunner:
                 if seq.seq_id in parents:
                     output.fork_logits[seq.seq_id] = logits[row]
         for entry, rows, targets in packed.prompt_logprob_rows:
-            seq = entry.seq
-            results: list[TokenLogprob] = []
+            seq, results = entry.seq, []
             for i in range(0, len(rows), _PROMPT_LOGPROB_CHUNK):
                 chunk_rows = rows[i:i + _PROMPT_LOGPROB_CHUNK]
                 logprobs = self.lm_head(hidden[chunk_rows]).float().log_softmax(-1)

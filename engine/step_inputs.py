@@ -84,19 +84,22 @@ class StepLayout:
     shapes: list[tuple[int, int]]
     # decode-only and bucketed: the rows too are padded to the batch bucket
     static: bool
+    # per group: every sequence's queries begin at position 0 (AttentionGroup.causal)
+    causal: list[bool]
 
 
 def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[int]], token_ids: list[int],
                 sample_rows: list[int], buckets: StepBuckets | None, block_size: int,
-                scratch_slot: int, first_alone: bool = False) -> StepLayout:
+                scratch_slot: int, first_alone: bool = False, exact_prefill: bool = False) -> StepLayout:
     """Sequence b computes `lengths[b]` tokens from position `starts[b]`, packed in order
     into rows `token_ids`. The decodes form one attention group and the prefill chunks
     another, each padded to its own bucketed shape (`buckets`; None: one exact group, as a
     recorded prefill runs). With `first_alone` the first sequence is group 0 by itself
     (a recorded prefill, which attends to its own graph-connected K/V) and the others
-    follow, grouped as above (decodes riding along in its step). A decode-only step also
-    pads its rows to the batch bucket: padded rows read token 0 at position 0 and write
-    their K/V to `scratch_slot`."""
+    follow, grouped as above (decodes riding along in its step). With `exact_prefill` the
+    prefill chunks' group keeps its exact shape while the decodes' is bucketed
+    (`exact_prefill_shapes`). A decode-only step also pads its rows to the batch bucket:
+    padded rows read token 0 at position 0 and write their K/V to `scratch_slot`."""
     lengths_, starts_ = np.array(lengths), np.array(starts)
     num_rows = len(token_ids)
     row_offsets = np.cumsum(lengths_) - lengths_
@@ -111,11 +114,12 @@ def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[i
                                      "slot_mapping": np.empty(num_rows, dtype=np.int64),
                                      "output_index": np.empty(num_rows, dtype=np.int64)}
     member_of_seq = np.empty(len(lengths_), dtype=np.int64)  # a sequence's place in its group
-    shapes, output_offset = [], 0
+    shapes, causal, output_offset = [], [], 0
     for g, seqs in enumerate(members):
         batch, q_max = len(seqs), int(lengths_[seqs].max())
         num_keys = int((starts_[seqs] + lengths_[seqs]).max())
-        if buckets is not None:
+        causal.append(bool((starts_[seqs] == 0).all()))
+        if buckets is not None and not (exact_prefill and q_max > 1):
             batch, q_max, num_keys = buckets.batch(batch), buckets.query(q_max), buckets.keys(num_keys)
         table = np.zeros((batch, -(-num_keys // block_size)), dtype=np.int64)
         for b, seq in enumerate(seqs):
@@ -141,7 +145,7 @@ def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[i
             arrays[name] = np.concatenate([arrays[name], np.full(pad, fill, dtype=np.int64)])
         arrays["output_index"] = np.arange(batch, dtype=np.int64)
         arrays["query_index0"] = arrays["output_index"].reshape(batch, 1)
-    return StepLayout(arrays, shapes, static)
+    return StepLayout(arrays, shapes, static, causal)
 
 
 class HostStaging:
@@ -190,6 +194,14 @@ class HostStaging:
                 out[name] = copied[offset:offset + array.size].view(array.shape)
                 offset += array.size
         return out
+
+
+def exact_prefill_shapes(device: torch.device) -> bool:
+    """Whether serving steps run their prefill chunks' attention at its exact shape. A
+    GPU builds a fused kernel's graph per shape, so it buckets them as it does decodes;
+    the CPU builds none, and padding a prompt to the next power of two costs its
+    attention up to four times the area: exact."""
+    return device.type != "cuda"
 
 
 def training_buckets(device: torch.device, block_size: int, max_model_len: int) -> StepBuckets | None:

@@ -7,7 +7,7 @@ a few shapes."""
 import pytest
 import torch
 
-from engine.step_inputs import training_buckets
+from engine.step_inputs import exact_prefill_shapes, training_buckets
 from tests.conftest import make_training
 from tests.test_grpo import reward, serve_group
 from tests.test_training import gradients_of, label, make_trainer, relative_difference, serve
@@ -18,9 +18,9 @@ PROMPTS = [" ".join(["word"] * n) + " What is the capital of France?" for n in (
 
 def bucketed(trainer, on: bool) -> None:
     """The runner's shapes as on a GPU (`on`), or the CPU's exact ones."""
-    runner = trainer.context.runner
-    runner.training_buckets = training_buckets(torch.device("cuda" if on else "cpu"), runner.block_size,
-                                               runner.decode_keys[-1]) if on else None
+    runner, device = trainer.context.runner, torch.device("cuda" if on else "cpu")
+    runner.training_buckets = training_buckets(device, runner.block_size, runner.decode_keys[-1])
+    runner.exact_prefill = exact_prefill_shapes(device)
 
 
 def test_buckets_on_a_gpu_only_half_octaves_and_never_past_the_longest_sequence():
