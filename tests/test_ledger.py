@@ -812,3 +812,37 @@ def test_a_rollback_quarantines_only_the_versions_it_undid(tmp_path):
     again.rolled_back(2, 5)
     again.close()
     assert again.stats.rollback_quarantined == 0
+
+
+@pytest.mark.parametrize("lost_retraining", [False, True], ids=["released", "released-retrained-lost"])
+def test_a_released_label_the_restored_weights_hold_already_is_not_trained_again(tmp_path, lost_retraining):
+    """Trained into 1, quarantined by a rollback to 0, released: it waits in the cache to
+    train again; a rollback to 1 restores weights that hold it. The ledger gave it back its
+    `trained` but the cache trained it anyway, into the weights twice; and where it had
+    trained again into a version a crash lost, the restart cleared its release and its
+    earlier version, so the rollback did not even give it back (a review found both)."""
+    first = _training(tmp_path, save_every=1)
+    _serve_and_label(first, ("r",), train_each=True)
+    assert first.optimizer.version == 1
+    assert first.rollback(first.lifecycle.load_saved(0)) == 2
+    _crash(first)
+    assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
+    if lost_retraining:
+        second = _training(tmp_path, save_every=100)
+        second.train_until_idle()  # trains it again, into version 3, which the crash loses
+        assert second.optimizer.version == 3 and second.lifecycle.checkpointer.last_saved_version == 2
+        _crash(second)
+    last = _training(tmp_path, save_every=1)
+    last.ledger.flush()
+    row = rows_by_id(tmp_path / LEDGER_FILE)["r"]
+    assert (row.fate, row.fate_version, row.fate_reason) == (None, 1, "released")
+    assert last.cache.get("r") is not None  # waits to train again
+    last.rollback(last.lifecycle.load_saved(1))
+    assert last.cache.get("r") is None
+    last.train_until_idle()
+    assert last.stats.copy().trained_entries == {}
+    last.ledger.flush()
+    row = rows_by_id(tmp_path / LEDGER_FILE)["r"]
+    assert (row.fate, row.fate_version) == ("trained", 1)
+    assert last.feedback.submit(FeedbackLabel("r", "Another label.", None, 0)).outcome is not FeedbackOutcome.ACCEPTED
+    last.close()

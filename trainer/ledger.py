@@ -168,9 +168,7 @@ class Ledger:
         not pass for one that holds them (queued; replay flushes)."""
         for start in range(0, len(request_ids), 500):
             chunk = request_ids[start:start + 500]
-            self._put(_Write(lambda c, chunk=chunk: c.execute(
-                "UPDATE requests SET fate = NULL, fate_version = NULL, fate_path = NULL, fate_reason = NULL "
-                f"WHERE fate = 'trained' AND id IN ({','.join('?' * len(chunk))})", chunk), owed=True))
+            self._put(_Write(lambda c, chunk=chunk: ledger_lineage.reopen(c, chunk), owed=True))
 
     # -- the adapter's saves (AdapterCheckpointer's SaveJournal, in the process that saves versions) --
 

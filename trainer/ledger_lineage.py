@@ -91,6 +91,17 @@ def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) ->
     return quarantined
 
 
+def reopen(conn: sqlite3.Connection, request_ids: list[str]) -> None:
+    """These labels trained last into versions a crash lost: open again. One released
+    after an earlier training that survived (queued after `forget_after`) is released
+    again, with that training's version, as before its lost training: a rollback to
+    weights that hold it gives it back its `trained` (cleared, the cache trained it twice)."""
+    earlier = "FROM earlier_trainings t WHERE t.request_id = requests.id"
+    conn.execute(f"UPDATE requests SET fate = NULL, fate_path = NULL, fate_version = (SELECT max(version) {earlier}), "
+                 f"fate_reason = CASE WHEN EXISTS (SELECT 1 {earlier}) THEN '{RELEASED}' END "
+                 f"WHERE fate = 'trained' AND id IN ({','.join('?' * len(request_ids))})", request_ids)
+
+
 def highest_version(path: str | Path) -> int:
     """The highest adapter version the ledger at `path` knows of (-1: none): one that
     served a request, that labels trained into, a copy's, or one a restart resumed as.

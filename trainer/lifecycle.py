@@ -28,8 +28,10 @@ import torch
 from trainer import ledger_lineage
 from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot, SavedVersion
 from trainer.cache import ActivationCache
+from trainer.entries import EntryState
 from trainer.eval_gate import EvalGate, Verdict
 from trainer.ledger import Ledger
+from trainer.ledger_db import read_ledger
 from trainer.maintenance import Maintenance
 from trainer.optimizer import AdapterOptimizer
 from trainer.stash import WeightStash
@@ -268,8 +270,10 @@ class AdapterLifecycle:
             else:
                 self._rollbacks_saved(rolled_back)
                 self._ledger_after_rollback(snapshot.version, version)
+                self._settle_held_again()
         else:  # a replica that saves no version: its node's ledger (another node's, with replicas) learns it here
             self._ledger_after_rollback(snapshot.version, version)
+            self._settle_held_again()
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
         return version
 
@@ -294,6 +298,26 @@ class AdapterLifecycle:
         restart resumed at `version`: it changes nothing if the rollback's own landed)."""
         if self.ledger is not None:
             self.ledger.rolled_back(restored, version)
+
+    def _settle_held_again(self) -> None:
+        """Entries waiting to train again (labels released after a quarantine, or reopened
+        by a crash) whose label the weights just restored hold through an earlier training:
+        the ledger gave them back `trained`, and trained again they would be in the
+        weights twice. They end as trained, into the version that holds them."""
+        waiting = [entry.completion_id for entry in self.cache.entries()
+                   if entry.state in (EntryState.READY, EntryState.WAITING_LABEL)]
+        if self.ledger is None or not waiting:
+            return
+        self.ledger.flush()
+        for start in range(0, len(waiting), 500):
+            chunk = waiting[start:start + 500]
+            for row in read_ledger(self.ledger.path, f"r.fate = 'trained' AND r.id IN ({','.join('?' * len(chunk))})",
+                                   tuple(chunk)):
+                entry = self.cache.get(row.request.id)
+                if entry is not None and entry.state is not EntryState.TRAINING:
+                    self.cache.end(entry, EntryState.TRAINED, row.fate_version, row.fate_path)
+                    logger.info("%s is held by the restored weights (its training into version %s): not "
+                                "trained again", row.request.id, row.fate_version)
 
     def save_final(self, candidate_waits: bool = False) -> None:
         """At shutdown (after the engine stopped): saves the final version, if new — the
