@@ -45,6 +45,10 @@ class ModelConfig:
     # auto, the model's generation config (server/generation_config.py); vllm, OpenAI's
     # (temperature 1, top_p 1); or a folder holding a generation_config.json
     generation_config: str = "auto"
+    # seeds the random number generators before the model loads (vLLM's --seed): requests
+    # without a seed of their own sample the same tokens on every start given the same
+    # traffic, and the adapter starts from the same weights; -1: a fresh draw each start
+    seed: int = -1
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
@@ -54,6 +58,8 @@ class ModelConfig:
                              f"got {self.decode_attention!r}")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"model.generation_config must be auto, vllm or a folder; got {self.generation_config!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < -1:
+            raise ValueError(f"model.seed must be an integer, at least 0 (-1: none); got {self.seed!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", str(self.device)):
             raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
 

@@ -63,12 +63,22 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-profile", help="maps written by `alchemist profile --out FILE`")
 
 
+def _model(args: argparse.Namespace) -> str | None:
+    """--model, or `serve`'s positional MODEL (as `vllm serve MODEL`)."""
+    positional = getattr(args, "model_tag", None)
+    if positional and args.model and positional != args.model:
+        raise ValueError(f"the model is given twice, as MODEL {positional!r} and --model {args.model!r}: give one")
+    return args.model or positional
+
+
 def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
     overrides = {
-        "model": {"model": args.model, "served_model_name": args.served_model_name, "dtype": args.dtype,
-                  "device": args.device, "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager,
-                  "decode_attention": args.decode_attention, "tokenizer": args.tokenizer,
-                  "load_format": args.load_format, "generation_config": args.generation_config},
+        "model": {"model": _model(args), "seed": getattr(args, "model_seed", None),
+                  "served_model_name": args.served_model_name, "dtype": args.dtype, "device": args.device,
+                  "max_model_len": args.max_model_len,
+                  "enforce_eager": args.enforce_eager, "decode_attention": args.decode_attention,
+                  "tokenizer": args.tokenizer, "load_format": args.load_format,
+                  "generation_config": args.generation_config},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "cache": {"kv_cache_bytes": args.kv_cache_bytes},
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None),
@@ -109,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the OpenAI-compatible server")
     serve.add_argument("--log-level", dest="serve_log_level", type=str.upper, choices=LOG_LEVELS,
                        help="as before the command (uvicorn's request lines are INFO)")
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL",
+                       help="local Hugging Face model directory, as `vllm serve MODEL` takes it (the same as --model)")
+    serve.add_argument("--seed", dest="model_seed", type=int, metavar="SEED",
+                       help="seeds sampling (requests without a seed of their own) and the adapter's initial weights, "
+                       "as vLLM's --seed (default: a fresh draw each start)")
     _add_config_flags(serve)
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)

@@ -36,7 +36,8 @@ def add_feedback_commands(commands) -> None:
                         help="conversational rows (chat requests) or standard rows (text completions); auto: the "
                         "ledger's one style")
     export.add_argument("--include-quarantined", action="store_true",
-                        help="also the labels the eval gate quarantined")
+                        help="also the labels the eval gate or a rollback quarantined, with a `quarantined` "
+                        "column on every row (true for theirs)")
     export.add_argument("--drop-truncated", action="store_true",
                         help="leave out rows with a served answer cut short (by max_tokens, a client's stop or a "
                         "disconnect)")

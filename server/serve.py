@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 
+import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -37,6 +38,8 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
                  replica: Replica | None = None, peers: Peers | None = None) -> FastAPI:
     """The app for `config`; pass `model` and `tokenizer` to serve an in-memory model;
     `replica` and `peers`: this data-parallel replica's place and the others' addresses."""
+    if config.model.seed >= 0:
+        torch.manual_seed(config.model.seed)  # every device's generator: sampling, and the adapter's first weights
     embedded = model is None and not config.model.model
     if model is None:
         model, tokenizer, model_name = load(config.model)

@@ -117,3 +117,17 @@ def test_replicas_on_a_model_directory_that_is_not_there_fail_before_the_group_f
 
     assert main(["serve", "--data-parallel-size", "2", "--device", "cpu", "--model", str(tmp_path / "nope")]) == 2
     assert "is no local directory" in capsys.readouterr().err
+
+
+def test_the_model_is_taken_as_vllm_serve_takes_it_positional_or_flag_but_not_two_different_ones(tmp_path):
+    """`vllm serve MODEL` and `--seed N` as a vLLM launch script has them (an outside pass:
+    both were argument errors, and the server did not start)."""
+    model = str(tmp_path / "model")
+    assert config_from_args(build_parser().parse_args(["serve", model, "--port", "9100"])).model.model == model
+    assert config_from_args(build_parser().parse_args(["serve", "--model", model, model])).model.model == model
+    with pytest.raises(ValueError, match="given twice"):
+        config_from_args(build_parser().parse_args(["serve", model, "--model", str(tmp_path / "other")]))
+    assert config_from_args(build_parser().parse_args(["serve", "--seed", "7"])).model.seed == 7
+    assert config_from_args(build_parser().parse_args(["serve"])).model.seed == -1
+    with pytest.raises(ValueError, match="model.seed"):
+        config_from_args(build_parser().parse_args(["serve", "--seed", "-2"]))

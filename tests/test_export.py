@@ -97,6 +97,10 @@ def test_every_kind_of_label_exports_in_its_format_and_styles_are_never_mixed(tm
     quarantined = export(tmp_path, capsys, "--format", "preference", "--style", "conversational",
                          "--include-quarantined")
     assert ("Lyon.", "answer 0") in [(r["chosen"][0]["content"], r["rejected"][0]["content"]) for r in quarantined]
+    # marked, on every row: one schema for `datasets`, and one filter to leave them out again
+    assert sorted((r["chosen"][0]["content"], r["quarantined"]) for r in quarantined) == [
+        ("Lyon.", True), ("answer 0", False), ("answer 0", False)], quarantined
+    assert all("quarantined" not in r for r in preference)
     standard = export(tmp_path, capsys, "--format", "preference", "--style", "standard")
     assert standard == [{"prompt": "The capital of France is", "chosen": " Paris.", "rejected": "answer 0"}]
     assert not is_conversational(standard[0])

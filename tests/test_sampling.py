@@ -184,3 +184,29 @@ def test_tiny_temperature_is_greedy():
     greedy = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))[1]
     tiny = collect(run(make_engine(), SamplingParams(temperature=1e-9, max_tokens=8, ignore_eos=True)))[1]
     assert tiny == greedy
+
+
+def test_a_seeded_server_samples_the_same_tokens_for_unseeded_requests_on_every_start():
+    """`--seed` (model.seed), as vLLM's: the same traffic after each start gets the same
+    tokens from requests that give no seed of their own; another seed, others."""
+    import dataclasses
+
+    from fastapi.testclient import TestClient
+
+    from server.serve import build_server
+    from tests.conftest import make_config
+    from tests.servers import TINY_NAME
+    from tests.tiny import tiny_model
+
+    def sampled(seed: int) -> list[str]:
+        config = make_config()
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, seed=seed))
+        app = build_server(config, model=tiny_model("llama"), tokenizer=tiny_tokenizer(), model_name=TINY_NAME)
+        body = {"model": TINY_NAME, "prompt": PROMPT, "max_tokens": 16, "temperature": 1.0, "n": 2}
+        with TestClient(app) as client:
+            return [choice["text"] for _ in range(2)
+                    for choice in client.post("/v1/completions", json=body).json()["choices"]]
+
+    first = sampled(5)
+    assert sampled(5) == first and len(set(first)) > 1
+    assert sampled(6) != first

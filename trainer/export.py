@@ -24,8 +24,10 @@ prompt rendered them: either way TRL renders the prompt that was served. What a 
 gave its chat template besides (vLLM's `chat_template_kwargs`) is TRL's column of that
 name, on every row once any row has one (`{}` where a request gave none).
 One file holds one style: `style` picks it when the ledger holds both. Quarantined labels
-are left out unless asked for. A served answer cut short (by `max_tokens`, by a stop string
-or stop token the client gave, or by a client that went away) is exported as served, but
+are left out unless asked for; then every row has a `quarantined` column (true for a
+quarantined label's rows), so that one filter tells them apart. A served answer cut short
+(by `max_tokens`, by a stop string or stop token the client gave, or by a client that went
+away) is exported as served, but
 counted (`ExportCounts.truncated`), and left out on request: TRL ends every completion
 with the end of turn, so such a row teaches to stop where the model did not. A request
 whose prompt the ledger does not hold as the client wrote it
@@ -112,6 +114,8 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
         extra = {"tools": json.dumps(row.request.tools)} if row.request.tools else {}
         if with_kwargs:
             extra["chat_template_kwargs"] = row.request.chat_template_kwargs or {}
+        if include_quarantined:
+            extra["quarantined"] = row.fate == "quarantined"
         for made, cut in _FORMATTERS[format](row):
             truncated += cut
             if not (cut and drop_truncated):
