@@ -248,8 +248,8 @@ def replay_trace(engine, arrivals: list[TraceArrival], sampling) -> TraceCounts:
     """Steps `engine` through the trace (`sampling(max_tokens)` gives each request's
     SamplingParams) and counts attention shapes over every step, host syncs per
     decode-only step (every scheduled sequence computing one token). The engine lays its
-    steps out as on a GPU (prefill shapes bucketed, `exact_prefill_shapes`)."""
-    engine.runner.exact_prefill = False
+    steps out as on a GPU (shapes bucketed, `exact_step_shapes`)."""
+    engine.runner.exact_shapes = False
     shapes = AttentionShapes()
     pending = sorted(arrivals, key=lambda a: a.step)
     step = decode_steps = max_reads = max_built = 0
@@ -278,7 +278,9 @@ def _decode_only(engine) -> bool:
 
 
 def decode_step_counts(engine, prompts: list[list[int]], params, warmup_steps: int = 3) -> HostSyncCounter:
-    """The host syncs of one decode-only step of `prompts` (all prefilled first)."""
+    """The host syncs of one decode-only step of `prompts` (all prefilled first), laid out
+    as on a GPU (padded to its buckets)."""
+    engine.runner.exact_shapes = False
     for i, prompt in enumerate(prompts):
         engine.add_request(f"count-{i}", prompt, params)
     for _ in range(warmup_steps):

@@ -28,7 +28,7 @@ from engine.recording import LayerSegment, RecordedPrefill, SavedTensorTracker, 
 from engine.sampler import SampledToken, Sampler, top_logprobs
 from engine.saved_bytes_memo import RecordingShape, SavedBytesMemo
 from engine.scheduler import ScheduledSequence, SchedulerOutput
-from engine.step_inputs import HostStaging, StepBuckets, exact_prefill_shapes, layout_step, training_buckets
+from engine.step_inputs import HostStaging, StepBuckets, exact_step_shapes, layout_step, training_buckets
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class ModelRunner:
         self.block_size = kv_spec.block_size
         self.buckets = StepBuckets(kv_spec.block_size)
         self.training_buckets = training_buckets(self.device, kv_spec.block_size, max_model_len)
-        self.exact_prefill = exact_prefill_shapes(self.device)
+        self.exact_shapes = exact_step_shapes(self.device)
         self.staging = HostStaging(self.device)
         self._block_offsets = torch.arange(kv_spec.block_size, device=self.device)
         self.decode_batches = self.buckets.all_batches(max_num_seqs)
@@ -151,7 +151,7 @@ class ModelRunner:
         scheduled = step.scheduled
         layout = layout_step([e.num_new_tokens for e in scheduled], [e.seq.num_computed_tokens for e in scheduled],
                              [e.seq.block_ids for e in scheduled], ids, sample_rows, buckets, self.block_size,
-                             self.kv_cache.scratch_slot, first_alone=recorded, exact_prefill=self.exact_prefill)
+                             self.kv_cache.scratch_slot, first_alone=recorded, exact_shapes=self.exact_shapes)
         inputs = self.staging.upload(**layout.arrays)
         groups = []
         for g, (batch, num_keys) in enumerate(layout.shapes):

@@ -90,16 +90,16 @@ class StepLayout:
 
 def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[int]], token_ids: list[int],
                 sample_rows: list[int], buckets: StepBuckets | None, block_size: int,
-                scratch_slot: int, first_alone: bool = False, exact_prefill: bool = False) -> StepLayout:
+                scratch_slot: int, first_alone: bool = False, exact_shapes: bool = False) -> StepLayout:
     """Sequence b computes `lengths[b]` tokens from position `starts[b]`, packed in order
     into rows `token_ids`. The decodes form one attention group and the prefill chunks
     another, each padded to its own bucketed shape (`buckets`; None: one exact group, as a
     recorded prefill runs). With `first_alone` the first sequence is group 0 by itself
     (a recorded prefill, which attends to its own graph-connected K/V) and the others
-    follow, grouped as above (decodes riding along in its step). With `exact_prefill` the
-    prefill chunks' group keeps its exact shape while the decodes' is bucketed
-    (`exact_prefill_shapes`). A decode-only step also pads its rows to the batch bucket:
-    padded rows read token 0 at position 0 and write their K/V to `scratch_slot`."""
+    follow, grouped as above (decodes riding along in its step). With `exact_shapes` the
+    groups are split by kind but keep their exact shapes (`exact_step_shapes`). Otherwise a
+    decode-only step also pads its rows to the batch bucket: padded rows read token 0 at
+    position 0 and write their K/V to `scratch_slot`."""
     lengths_, starts_ = np.array(lengths), np.array(starts)
     num_rows = len(token_ids)
     row_offsets = np.cumsum(lengths_) - lengths_
@@ -119,7 +119,7 @@ def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[i
         batch, q_max = len(seqs), int(lengths_[seqs].max())
         num_keys = int((starts_[seqs] + lengths_[seqs]).max())
         causal.append(bool((starts_[seqs] == 0).all()))
-        if buckets is not None and not (exact_prefill and q_max > 1):
+        if buckets is not None and not exact_shapes:
             batch, q_max, num_keys = buckets.batch(batch), buckets.query(q_max), buckets.keys(num_keys)
         table = np.zeros((batch, -(-num_keys // block_size)), dtype=np.int64)
         for b, seq in enumerate(seqs):
@@ -137,7 +137,7 @@ def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[i
         output_offset += batch * q_max
         arrays.update({f"table{g}": table, f"query_index{g}": query_index, f"query_positions{g}": query_positions})
         shapes.append((batch, num_keys))
-    static = buckets is not None and not first_alone and bool((lengths_ == 1).all())
+    static = buckets is not None and not exact_shapes and not first_alone and bool((lengths_ == 1).all())
     if static:
         batch = shapes[0][0]
         pad = batch - num_rows
@@ -196,11 +196,11 @@ class HostStaging:
         return out
 
 
-def exact_prefill_shapes(device: torch.device) -> bool:
-    """Whether serving steps run their prefill chunks' attention at its exact shape. A
-    GPU builds a fused kernel's graph per shape, so it buckets them as it does decodes;
-    the CPU builds none, and padding a prompt to the next power of two costs its
-    attention up to four times the area: exact."""
+def exact_step_shapes(device: torch.device) -> bool:
+    """Whether serving steps run at their exact shapes. A GPU builds a fused kernel's graph,
+    and captures a CUDA graph, per shape, so it rounds batch, query and key lengths up to
+    buckets; the CPU builds none, and the padding is compute: a 300-token prompt attends as
+    512 x 512, five decoding streams run as eight rows over keys rounded to a power of two."""
     return device.type != "cuda"
 
 

@@ -1,10 +1,10 @@
-"""Prefills attend as SDPA's causal kernel, at their exact shape on the CPU.
+"""Prefills attend as SDPA's causal kernel, and serving steps run at their exact shapes on the CPU.
 
 A group whose sequences all begin at position 0 (a prompt's first chunk, a training
 forward, a shared-prefix pack's prompt) runs `is_causal` instead of reading a mask; on the
-CPU a serving step's prefill group is not padded to a bucket (decodes still are). Against
-the plain path (bucketed, the mask read): the same tokens, prompt logprobs and LoRA
-gradients, and fewer ops."""
+CPU a serving step's groups (its decodes', its prefill chunks') are not padded to buckets.
+Against the plain path (bucketed, the mask read): the same tokens, prompt logprobs and
+LoRA gradients, and fewer ops."""
 
 import pytest
 import torch
@@ -23,7 +23,7 @@ PROMPTS = ["Hello, how are you today?", "The quick brown fox jumps over the lazy
 
 def plain_path(monkeypatch, runner) -> None:
     """The path before: prefill groups bucketed as decodes are, every group reading its mask."""
-    runner.exact_prefill = False
+    runner.exact_shapes = False
     monkeypatch.setattr(AttentionGroup, "runs_causal", lambda self, sliding_window=None: False)
 
 
@@ -71,20 +71,24 @@ def test_a_prefill_step_builds_no_mask_and_pads_nothing_on_the_cpu(monkeypatch):
     assert counts["causal"].ops["le"] == 0 < counts["plain"].ops["le"]  # the mask's comparison
 
 
-def test_layout_exact_prefill_group_bucketed_decodes_and_causal_only_from_position_0():
+def test_layout_exact_groups_on_the_cpu_and_causal_only_from_position_0():
     buckets = StepBuckets(16)
     # a prompt's first chunk (from 0), a later chunk (from 20) and two decodes
     lengths, starts = [37, 5, 1, 1], [0, 20, 9, 40]
     tables = [[0, 1, 2], [3, 4], [5], [6, 7, 8]]
     ids = list(range(sum(lengths)))
     kwargs = dict(block_size=16, scratch_slot=999)
-    exact = layout_step(lengths, starts, tables, ids, [], buckets, exact_prefill=True, **kwargs)
+    exact = layout_step(lengths, starts, tables, ids, [], buckets, exact_shapes=True, **kwargs)
     padded = layout_step(lengths, starts, tables, ids, [], buckets, **kwargs)
-    assert exact.shapes == [(2, 64), (2, 37)]  # decodes bucketed; the prefill chunks exact
+    assert exact.shapes == [(2, 41), (2, 37)]  # decodes and prefill chunks apart, each exact
     assert padded.shapes == [(2, 64), (2, 64)]
     assert exact.arrays["query_index1"].shape == (2, 37) and padded.arrays["query_index1"].shape == (2, 64)
+    decodes_only = dict(lengths=[1] * 3, starts=[9, 40, 3], block_tables=tables[:3], token_ids=[0, 1, 2],
+                        sample_rows=[0, 1, 2], buckets=buckets, **kwargs)
+    assert not layout_step(**decodes_only, exact_shapes=True).static  # no row padded to the batch bucket
+    assert layout_step(**decodes_only).static and layout_step(**decodes_only).shapes == [(4, 64)]
     assert exact.causal == [False, False]  # the later chunk starts at 20
-    alone = layout_step([37, 12], [0, 0], tables[:2], list(range(49)), [], buckets, exact_prefill=True, **kwargs)
+    alone = layout_step([37, 12], [0, 0], tables[:2], list(range(49)), [], buckets, exact_shapes=True, **kwargs)
     assert alone.causal == [True]
 
 

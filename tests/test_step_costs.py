@@ -144,7 +144,7 @@ def test_a_recorded_prefill_keeps_its_key_and_value_rows_where_attention_saved_t
     engine = engine_of(trainer)
     # the CPU's own lengths, or a GPU's buckets, whatever the test device
     engine.runner.training_buckets = StepBuckets(16, half_octaves=True, max_len=512) if bucketed else None
-    engine.runner.exact_prefill = not bucketed
+    engine.runner.exact_shapes = not bucketed
     tracker = engine.runner.record_tracker = SavedTensorTracker()  # the hooks on: what autograd saved
     prompt = encode("A recorded prompt, long enough to span several rows.")
     for request_id in ("warm-up", "recorded"):  # the first builds the training copies (clones)

@@ -7,7 +7,7 @@ a few shapes."""
 import pytest
 import torch
 
-from engine.step_inputs import exact_prefill_shapes, training_buckets
+from engine.step_inputs import exact_step_shapes, training_buckets
 from tests.conftest import make_training
 from tests.test_grpo import reward, serve_group
 from tests.test_training import gradients_of, label, make_trainer, relative_difference, serve
@@ -20,7 +20,7 @@ def bucketed(trainer, on: bool) -> None:
     """The runner's shapes as on a GPU (`on`), or the CPU's exact ones."""
     runner, device = trainer.context.runner, torch.device("cuda" if on else "cpu")
     runner.training_buckets = training_buckets(device, runner.block_size, runner.decode_keys[-1])
-    runner.exact_prefill = exact_prefill_shapes(device)
+    runner.exact_shapes = exact_step_shapes(device)
 
 
 def test_buckets_on_a_gpu_only_half_octaves_and_never_past_the_longest_sequence():
