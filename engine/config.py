@@ -45,9 +45,10 @@ class ModelConfig:
     # auto, the model's generation config (server/generation_config.py); vllm, OpenAI's
     # (temperature 1, top_p 1); or a folder holding a generation_config.json
     generation_config: str = "auto"
-    # seeds the random number generators before the model loads (vLLM's --seed): requests
+    # seeds the random number generators once the server is built (vLLM's --seed): requests
     # without a seed of their own sample the same tokens on every start given the same
-    # traffic, and the adapter starts from the same weights; -1: a fresh draw each start
+    # traffic, and another seed draws others; -1: not seeded here (torch's generators
+    # start from their own default). The adapter's first weights follow train.seed
     seed: int = -1
 
     def __post_init__(self) -> None:

@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", metavar="MODEL",
                        help="local Hugging Face model directory, as `vllm serve MODEL` takes it (the same as --model)")
     serve.add_argument("--seed", dest="model_seed", type=int, metavar="SEED",
-                       help="seeds sampling (requests without a seed of their own) and the adapter's initial weights, "
-                       "as vLLM's --seed (default: a fresh draw each start)")
+                       help="seeds sampling for requests without a seed of their own, as vLLM's --seed (default: "
+                       "not seeded here; the adapter's first weights follow train.seed)")
     _add_config_flags(serve)
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)

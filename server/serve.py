@@ -38,8 +38,6 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
                  replica: Replica | None = None, peers: Peers | None = None) -> FastAPI:
     """The app for `config`; pass `model` and `tokenizer` to serve an in-memory model;
     `replica` and `peers`: this data-parallel replica's place and the others' addresses."""
-    if config.model.seed >= 0:
-        torch.manual_seed(config.model.seed)  # every device's generator: sampling, and the adapter's first weights
     embedded = model is None and not config.model.model
     if model is None:
         model, tokenizer, model_name = load(config.model)
@@ -48,6 +46,8 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
     log_defaults(defaults, setting)
     name = config.model.served_model_name or model_name or "model"
     stack = build_stack(config, model, tokenizer, name, replica)
+    if config.model.seed >= 0:  # once everything is built: what draws from the generators now is sampling
+        torch.manual_seed(config.model.seed)
     async_engine, training, name = stack.async_engine, stack.training, stack.name
     keeps_client_prompt = training is not None and training.recorder.keeps_client_prompt
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, training,

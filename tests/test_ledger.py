@@ -846,3 +846,28 @@ def test_a_released_label_the_restored_weights_hold_already_is_not_trained_again
     assert (row.fate, row.fate_version) == ("trained", 1)
     assert last.feedback.submit(FeedbackLabel("r", "Another label.", None, 0)).outcome is not FeedbackOutcome.ACCEPTED
     last.close()
+
+
+def test_a_rollback_killed_before_its_fates_landed_gives_them_back_before_the_restart_replays(tmp_path):
+    """The restart applies the rollback's fates again, queued; the replay read the ledger
+    before they landed, and put the released label that the restored weights hold back in
+    line to train a second time (a review found it)."""
+    first = _training(tmp_path, save_every=1)
+    _serve_and_label(first, ("r",), train_each=True)
+    assert first.rollback(first.lifecycle.load_saved(0)) == 2
+    _crash(first)
+    assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
+    second = _training(tmp_path, save_every=1)
+    assert second.cache.get("r") is not None
+    second.ledger.rolled_back = lambda *args: None  # killed before the rollback's fates landed
+    assert second.rollback(second.lifecycle.load_saved(1)) == 3
+    assert second.cache.get("r") is not None  # nothing given back yet
+    _crash(second)
+    third = _training(tmp_path, save_every=1)
+    assert third.optimizer.version == 3 and third.cache.get("r") is None
+    third.train_until_idle()
+    assert third.stats.copy().trained_entries == {}
+    third.ledger.flush()
+    row = rows_by_id(tmp_path / LEDGER_FILE)["r"]
+    assert (row.fate, row.fate_version) == ("trained", 1)
+    third.close()

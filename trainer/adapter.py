@@ -263,7 +263,8 @@ def attach_lora(model, config: TrainConfig, init_lora_weights: bool | str = True
     targets = list(config.target_modules) or list(DEFAULT_TARGETS[model.config.model_type])
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=targets, lora_dropout=0.0,
                       bias="none", task_type="CAUSAL_LM", init_lora_weights=init_lora_weights)
-    with torch.random.fork_rng(devices=[]):
+    device = next(model.parameters()).device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # every generator it seeds
         torch.manual_seed(config.seed)
         peft_model = peft_model_of(model, lora)
     peft_model.eval()  # no dropout anywhere; gradients still flow

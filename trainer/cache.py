@@ -166,8 +166,7 @@ class ActivationCache:
         return admitted
 
     def _no_room(self, entry: CacheEntry) -> bool:
-        """A new recording does not fit: it is dropped (False), or, if it waits for a
-        label, kept without its activations (True)."""
+        """A new recording does not fit: dropped (False), or, waiting for a label, kept without its activations."""
         if not entry.needs_label:
             self._detach(entry)
             if self.journal is not None:
@@ -177,8 +176,7 @@ class ActivationCache:
         return True
 
     def free_activations(self, entry: CacheEntry) -> None:
-        """An entry whose gradient is computed (its step still to come) gives its
-        activations' room back at once, not when the step's last entry is done."""
+        """An entry whose gradient is computed gives its activations' room back at once (its step still to come)."""
         with self._lock:
             self._strip(entry)
         self._free_detached()
@@ -266,16 +264,18 @@ class ActivationCache:
             self._end(entry, state, version, path, reason)
         self._free_detached()
 
-    def withdraw(self, completion_id: str) -> bool:
-        """Ends the entry of a completion whose data was deleted, unless it is being
-        trained (off the device thread: its recording is freed at the device thread's
-        next call); whether it was withdrawn."""
+    def withdraw(self, completion_id: str, held: tuple[int | None, str | None] | None = None) -> bool:
+        """Ends the entry of a completion whose data was deleted — or, `held` (version,
+        path), whose label the weights hold already (a rollback restored its earlier
+        training: it ends as trained into it) — unless it is being trained (any thread: its
+        recording is freed at the device thread's next call); whether it was withdrawn."""
         with self._lock:
             entry = self._entries.get(completion_id)
             if entry is None or entry.state is EntryState.TRAINING:
                 return False
-            self._end(entry, EntryState.DROPPED, reason="deleted")
-            self.deleted_ids.add(completion_id)
+            self._end(entry, *((EntryState.TRAINED, *held) if held else (EntryState.DROPPED, None, None, "deleted")))
+            if held is None:
+                self.deleted_ids.add(completion_id)
             return True
 
     def _end(self, entry: CacheEntry, state: EntryState, version: int | None = None, path: str | None = None,

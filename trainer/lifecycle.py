@@ -28,9 +28,8 @@ import torch
 from trainer import ledger_lineage
 from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot, SavedVersion
 from trainer.cache import ActivationCache
-from trainer.entries import EntryState
 from trainer.eval_gate import EvalGate, Verdict
-from trainer.ledger import Ledger
+from trainer.ledger import Ledger, LedgerUnavailable
 from trainer.ledger_db import read_ledger
 from trainer.maintenance import Maintenance
 from trainer.optimizer import AdapterOptimizer
@@ -290,6 +289,8 @@ class AdapterLifecycle:
         carried = [tuple(pair) for pair in snapshot.state.get("rollbacks", [])]
         for restored, version in carried:
             self._ledger_after_rollback(restored, version)
+        if carried:
+            self._settle_held_again()
         self._unsaved_rollbacks = tuple(pair for pair in self._unsaved_rollbacks if pair not in carried)
 
     def _ledger_after_rollback(self, restored: int, version: int) -> None:
@@ -301,23 +302,29 @@ class AdapterLifecycle:
 
     def _settle_held_again(self) -> None:
         """Entries waiting to train again (labels released after a quarantine, or reopened
-        by a crash) whose label the weights just restored hold through an earlier training:
-        the ledger gave them back `trained`, and trained again they would be in the
-        weights twice. They end as trained, into the version that holds them."""
-        waiting = [entry.completion_id for entry in self.cache.entries()
-                   if entry.state in (EntryState.READY, EntryState.WAITING_LABEL)]
+        by a crash) whose label the weights a rollback restored hold through an earlier
+        training: the ledger gave them back `trained`, and trained again they would be in
+        the weights twice. They end as trained, into the version that holds them (any
+        thread: the rollback's, or the checkpointer's that lands a rollback's fates late)."""
+        waiting = [entry.completion_id for entry in self.cache.entries()]
         if self.ledger is None or not waiting:
             return
-        self.ledger.flush()
+        try:
+            self.ledger.flush(strict=True)  # the rollback's fates, read below
+        except LedgerUnavailable:
+            logger.warning("the ledger cannot be written: labels a rollback gave back their training may be "
+                           "trained again")
+            return
         for start in range(0, len(waiting), 500):
             chunk = waiting[start:start + 500]
             for row in read_ledger(self.ledger.path, f"r.fate = 'trained' AND r.id IN ({','.join('?' * len(chunk))})",
                                    tuple(chunk)):
-                entry = self.cache.get(row.request.id)
-                if entry is not None and entry.state is not EntryState.TRAINING:
-                    self.cache.end(entry, EntryState.TRAINED, row.fate_version, row.fate_path)
-                    logger.info("%s is held by the restored weights (its training into version %s): not "
-                                "trained again", row.request.id, row.fate_version)
+                if self.cache.withdraw(row.request.id, held=(row.fate_version, row.fate_path)):
+                    logger.info("%s is held by the restored weights (its training into version %s): not trained "
+                                "again", row.request.id, row.fate_version)
+                elif self.cache.get(row.request.id) is not None:
+                    logger.warning("%s is being trained while the restored weights hold its training into version "
+                                   "%s: the weights will hold it twice", row.request.id, row.fate_version)
 
     def save_final(self, candidate_waits: bool = False) -> None:
         """At shutdown (after the engine stopped): saves the final version, if new — the

@@ -57,6 +57,7 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
     saved version it was restored from (None: none was); `owns`: which completions are
     this replica's (data-parallel replicas share a node's ledger; None: all)."""
     saved = -1 if saved_version is None else saved_version
+    ledger.flush()  # the fates a restart applied again (a rollback's, resumed) before they are read
     rows = read_ledger(ledger.path, "r.method = ? AND (r.fate IS NULL OR (r.fate = 'trained' AND r.fate_version > ?))",
                        (method.name, saved))
     if owns is not None:
