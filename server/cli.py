@@ -7,8 +7,10 @@ Configuration comes from configs/default.toml, then `--config FILE`, then flags.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import re
 import sys
 
 from engine.config import DECODE_ATTENTION
@@ -17,6 +19,35 @@ from server.feedback_cli import add_feedback_commands, feedback_command
 from trainer.config import TRAIN_MODES
 
 logger = logging.getLogger("alchemist")
+
+
+def token_count(text: str) -> int:
+    """A length as vLLM's flags take it: 4096, 25.6k (1000s) or 32K (1024s, whole numbers only)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (e.g. 4096, 4k or 4K)") from None
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** " kmg".index(suffix))
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; "
+                                         f"{number}{suffix.lower()} is in thousands")
+    return int(number) * 1024 ** " KMG".index(suffix)
+
+
+def lora_module(text: str) -> str:
+    """`--lora-modules` as vLLM takes it: name=DIR, or {"name": …, "path": …} in JSON."""
+    if not text.lstrip().startswith("{"):
+        return text
+    try:
+        module = json.loads(text)
+        return f"{module['name']}={module['path']}"
+    except (ValueError, KeyError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither name=DIR nor a JSON object with \"name\" and "
+                                         "\"path\"") from None
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -32,14 +63,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
                         "top_p 1); or a folder holding a generation_config.json")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-model-len", type=token_count, help="prompt + completion tokens per sequence "
+                        "(4096, 4k or 4K, as vLLM takes it)")
     parser.add_argument("--enforce-eager", action="store_const", const=True,
                         help="on a GPU, run the decode step eagerly instead of replaying CUDA graphs")
     parser.add_argument("--decode-attention", choices=list(DECODE_ATTENTION),
                         help="how decode rows read the KV cache: gather (copied out for SDPA), flex (read in place "
                         "by FlexAttention), or auto (the default: flex on a GPU, gather on the CPU)")
     parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=token_count)
     parser.add_argument("--kv-cache-bytes", type=int)
     parser.add_argument("--train-mode", choices=list(TRAIN_MODES), help="online training from served traffic")
     parser.add_argument("--learning-rate", type=float)
@@ -71,6 +103,13 @@ def _model(args: argparse.Namespace) -> str | None:
     return args.model or positional
 
 
+def _one_lora_module(args: argparse.Namespace) -> str | None:
+    modules = getattr(args, "lora_modules", None)
+    if modules and len(modules) > 1:
+        raise ValueError(f"--lora-modules serves one adapter; got {len(modules)} ({', '.join(modules)})")
+    return modules[0] if modules else None
+
+
 def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
     overrides = {
         "model": {"model": _model(args), "seed": getattr(args, "model_seed", None),
@@ -92,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
                     "policy": getattr(args, "offload_policy", None), "profile": getattr(args, "offload_profile", None)},
         "adapter": {"dir": getattr(args, "adapter_dir", None), "save_every": getattr(args, "adapter_save_every", None),
                     "version": getattr(args, "adapter_version", None),
-                    "lora_module": getattr(args, "lora_modules", None)},
+                    "lora_module": _one_lora_module(args)},
         "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None),
                    "api_key": getattr(args, "api_key", None), "admin_key": getattr(args, "admin_key", None),
                    "max_queued_requests": getattr(args, "max_queued_requests", None),
@@ -136,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--adapter-dir", help="save the adapter here (PEFT format) and resume from it on start; "
                        "with training off, serve its newest version frozen")
     serve.add_argument("--adapter-version", type=int, help="with training off: the saved version to serve")
-    serve.add_argument("--lora-modules", help="with training off: name=DIR, a PEFT adapter directory served "
-                       "frozen under name")
+    serve.add_argument("--lora-modules", type=lora_module, nargs="+", metavar="NAME=DIR",
+                       help="with training off: a PEFT adapter directory served frozen under NAME (or vLLM's JSON "
+                       "form, {\"name\": …, \"path\": …}); one adapter")
     serve.add_argument("--adapter-save-every", type=int, help="save every N adapter versions (default 10)")
     serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="replicas, one per device (cuda:0..N-1; on the CPU, N processes sharing the cores), "

@@ -131,3 +131,29 @@ def test_the_model_is_taken_as_vllm_serve_takes_it_positional_or_flag_but_not_tw
     assert config_from_args(build_parser().parse_args(["serve"])).model.seed == -1
     with pytest.raises(ValueError, match="model.seed"):
         config_from_args(build_parser().parse_args(["serve", "--seed", "-2"]))
+
+
+def test_lengths_take_vllms_suffixes(capsys):
+    from server.cli import token_count
+
+    assert [token_count(t) for t in ("4096", "4k", "25.6k", "32K", "1M", " 2k ")] == [4096, 4000, 25600, 32768,
+                                                                                       1 << 20, 2000]
+    args = build_parser().parse_args(["serve", "--max-model-len", "1K", "--max-num-batched-tokens", "2k"])
+    assert (config_from_args(args).model.max_model_len, config_from_args(args).scheduler.max_num_batched_tokens) \
+        == (1024, 2000)
+    for wrong in ("1.5K", "lots", "4q"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--max-model-len", wrong])
+    assert "is in thousands" in capsys.readouterr().err
+
+
+def test_lora_modules_take_vllms_forms_and_one_adapter():
+    def module(*values):
+        return config_from_args(build_parser().parse_args(["serve", "--lora-modules", *values])).adapter.lora_module
+
+    assert module("sql=/adapters/sql") == "sql=/adapters/sql"
+    assert module('{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}') == "sql=/adapters/sql"
+    with pytest.raises(ValueError, match="serves one adapter"):
+        module("a=/x", "b=/y")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--lora-modules", '{"name": "sql"}'])
