@@ -18,7 +18,9 @@ DECODE_ATTENTION = ("auto", "gather", "flex")
 class ModelConfig:
     # local Hugging Face model directory; "" selects the embedded SmolLM2-135M-Instruct
     model: str = ""
-    # the name clients put in the "model" field; "" derives it from the model
+    # the name clients put in the "model" field ("" derives it from the model); several,
+    # comma-separated (vLLM's --served-model-name takes a list): each is accepted, and a
+    # response names the one its request gave; the first is /metrics' model_name
     served_model_name: str = ""
     # auto | float32 | bfloat16 | float16
     dtype: str = "auto"

@@ -53,7 +53,8 @@ def lora_module(text: str) -> str:
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file layered over configs/default.toml")
     parser.add_argument("--model", help="local Hugging Face model directory (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--served-model-name", help="name clients use in the 'model' field")
+    parser.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                        help="name clients use in the 'model' field; several: each is accepted (as vLLM's)")
     parser.add_argument("--tokenizer", help="local tokenizer directory (default: the model's own)")
     parser.add_argument("--load-format", choices=["auto", "dummy"],
                         help="dummy: random weights from the model directory's config.json (benchmarks)")
@@ -113,8 +114,8 @@ def _one_lora_module(args: argparse.Namespace) -> str | None:
 def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
     overrides = {
         "model": {"model": _model(args), "seed": getattr(args, "model_seed", None),
-                  "served_model_name": args.served_model_name, "dtype": args.dtype, "device": args.device,
-                  "max_model_len": args.max_model_len,
+                  "served_model_name": ",".join(args.served_model_name or []) or None, "dtype": args.dtype,
+                  "device": args.device, "max_model_len": args.max_model_len,
                   "enforce_eager": args.enforce_eager, "decode_attention": args.decode_attention,
                   "tokenizer": args.tokenizer, "load_format": args.load_format,
                   "generation_config": args.generation_config},

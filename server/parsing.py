@@ -34,9 +34,10 @@ async def parse_body(request: Request, model: type[BaseModel] | TypeAdapter):
         raise validation_error(exc, tagged) from None
 
 
-def check_model(served_name: str, name: str) -> None:
-    if name != served_name:
-        raise APIError(404, f"The model `{name}` does not exist. Available: `{served_name}`.", "model",
+def check_model(served_names: tuple[str, ...], name: str) -> None:
+    if name not in served_names:
+        available = ", ".join(f"`{served}`" for served in served_names)
+        raise APIError(404, f"The model `{name}` does not exist. Available: {available}.", "model",
                        "model_not_found")
 
 

@@ -26,8 +26,8 @@ from server.tool_calls import ToolCallParser
 def openai_router(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    def model_card():
-        card = {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "alchemist",
+    def model_card(name: str):
+        card = {"id": name, "object": "model", "created": state.created, "owned_by": "alchemist",
                 "root": state.model_name, "max_model_len": state.max_model_len}
         adapter = served_adapter_card(state)
         if adapter is not None:
@@ -36,12 +36,12 @@ def openai_router(state: ServerState) -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in state.model_names]}
 
     @router.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        check_model(state.model_name, model_id)
-        return model_card()
+        check_model(state.model_names, model_id)
+        return model_card(model_id)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -66,7 +66,7 @@ def served_adapter_card(state: ServerState) -> dict | None:
 
 async def serve_chat_completion(state: ServerState, request: Request):
     body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
-    check_model(state.model_name, body.model)
+    check_model(state.model_names, body.model)
     check_unsupported(body)
     tools = body.tool_use()
     params = body.sampling_params(tools=tools, tool_call_token=state.tool_call_token, defaults=state.sampling_defaults)
@@ -89,7 +89,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
         parsers = [ToolCallParser(tools.forced, state.metrics.count_tool_calls, tools.forced_names)
                    for _ in range(params.n)]
     if body.stream:
-        events = chat_events(request_id, state.model_name, stream, params.n, len(prompt_ids),
+        events = chat_events(request_id, body.model, stream, params.n, len(prompt_ids),
                              body.stream_options, state.tokens, parsers)
         return event_stream_response(events, state.engine, [request_id])
 
@@ -97,7 +97,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
         choices = Choices(params.n, params.n)
         async for output in stream:
             choices.add(output)
-        return chat_completion(request_id, state.model_name, int(time.time()), choices, len(prompt_ids),
+        return chat_completion(request_id, body.model, int(time.time()), choices, len(prompt_ids),
                                state.tokens, params.logprobs is not None, parsers)
 
     result = await until_disconnect(request, whole())
@@ -105,7 +105,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
 
 async def serve_completion(state: ServerState, request: Request):
     body: CompletionRequest = await parse_body(request, CompletionRequest)
-    check_model(state.model_name, body.model)
+    check_model(state.model_names, body.model)
     check_unsupported(body)
     if body.suffix is not None:
         raise APIError(400, "suffix is not supported.", "suffix")
@@ -126,7 +126,7 @@ async def serve_completion(state: ServerState, request: Request):
     state.metrics.count_constraints(params.grammar, None)
     streams = [engine_stream(state.engine, r) for r in engine_requests]
     if body.stream:
-        events = completion_events(request_id, state.model_name, streams, prompts, params.n, body.echo,
+        events = completion_events(request_id, body.model, streams, prompts, params.n, body.echo,
                                    body.logprobs, body.stream_options, state.tokens)
         return event_stream_response(events, state.engine, [r.request_id for r in engine_requests])
 
@@ -134,7 +134,7 @@ async def serve_completion(state: ServerState, request: Request):
         choices = Choices(len(prompts) * params.n, params.n)
         async for prompt_index, output in merge(streams):
             choices.add(output, prompt_index)
-        return text_completion(request_id, state.model_name, int(time.time()), choices, prompts,
+        return text_completion(request_id, body.model, int(time.time()), choices, prompts,
                                state.tokens, body.echo, body.logprobs is not None)
 
     result = await until_disconnect(request, whole())

@@ -28,7 +28,7 @@ def tokens_router(state: ServerState) -> APIRouter:
     async def tokenize(request: Request):
         body = await parse_body(request, TokenizeRequest)
         if body.model is not None:
-            check_model(state.model_name, body.model)
+            check_model(state.model_names, body.model)
         if isinstance(body, TokenizeChatRequest):
             tokens = render_chat(state.tokenizer, body, body.tool_use())
         else:
@@ -42,7 +42,7 @@ def tokens_router(state: ServerState) -> APIRouter:
     async def detokenize(request: Request):
         body: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
         if body.model is not None:
-            check_model(state.model_name, body.model)
+            check_model(state.model_names, body.model)
         vocab = state.engine.vocab_size  # the model's ids; those past the tokenizer's decode to ""
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:

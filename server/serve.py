@@ -44,14 +44,15 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
     setting = config.model.generation_config
     defaults = sampling_defaults(setting, model, embedded)
     log_defaults(defaults, setting)
-    name = config.model.served_model_name or model_name or "model"
-    stack = build_stack(config, model, tokenizer, name, replica)
+    names = [n.strip() for n in config.model.served_model_name.split(",") if n.strip()] or [model_name or "model"]
+    stack = build_stack(config, model, tokenizer, names[0], replica)
     if config.model.seed >= 0:  # once everything is built: what draws from the generators now is sampling
         torch.manual_seed(config.model.seed)
     async_engine, training, name = stack.async_engine, stack.training, stack.name
     keeps_client_prompt = training is not None and training.recorder.keeps_client_prompt
+    aliases = tuple(names[1:]) if name == names[0] else ()  # a frozen adapter is served under its own name
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, training,
-                        stack.served_adapter, keeps_client_prompt=keeps_client_prompt,
+                        stack.served_adapter, aliases, keeps_client_prompt=keeps_client_prompt,
                         sampling_defaults=defaults, replica=replica, peers=peers)
     server = config.server
     app = build_app(state, GuardConfig(server.api_key, server.admin_key,

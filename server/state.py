@@ -83,6 +83,8 @@ class ServerState:
     training: Training | None = None
     # the saved adapter served frozen, when training is off (trainer/frozen.py)
     served_adapter: ServedAdapter | None = None
+    # other names the model is served under (--served-model-name's after its first)
+    model_aliases: tuple[str, ...] = ()
     # each request's prompt as the client wrote it goes to the recorder (for a reward
     # function, and the feedback ledger)
     keeps_client_prompt: bool = False
@@ -102,6 +104,10 @@ class ServerState:
         added = getattr(self.tokenizer, "get_added_vocab", dict)()
         self.tool_call_token = added.get(TOOL_CALL_OPEN)
         self.tokens = TokenShown(self.tokenizer)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)
 
     def completion_id(self, prefix: str) -> str:
         """A new completion's id; among replicas it names the one serving it."""

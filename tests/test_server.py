@@ -396,3 +396,34 @@ def test_the_generation_fields_lm_evaluation_harness_passes_on(client):
     assert complete(prompt=long_text, max_tokens=6, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == 250
     r = chat(client, max_tokens=1, truncate_prompt_tokens=4)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4, r.text
+
+
+def test_several_served_names_are_each_accepted_and_answered_under_the_one_asked_for():
+    """vLLM's `--served-model-name a b`: every name is a model of /v1/models, a request may
+    give any, and its response names the one it gave (an outside pass: a launch script
+    with two names did not start)."""
+    import dataclasses
+
+    from server.cli import build_parser, config_from_args
+    from server.serve import build_server
+    from tests.conftest import make_config
+    from tests.tiny import tiny_model, tiny_tokenizer
+
+    parsed = config_from_args(build_parser().parse_args(["serve", "--served-model-name", "alpha", "beta"]))
+    assert parsed.model.served_model_name == "alpha,beta"
+    config = make_config()
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, served_model_name="alpha,beta"))
+    app = build_server(config, model=tiny_model("llama"), tokenizer=tiny_tokenizer(), model_name=TINY_NAME)
+    with TestClient(app) as client:
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == ["alpha", "beta"]
+        assert client.get("/v1/models/beta").json()["id"] == "beta"
+        for name in ("alpha", "beta"):
+            r = client.post("/v1/chat/completions", json={"model": name, "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "Hi"}]})
+            assert r.status_code == 200 and r.json()["model"] == name, r.text
+        r = client.post("/v1/completions", json={"model": "beta", "prompt": "Hi", "max_tokens": 2, "stream": True})
+        assert all(json.loads(line[6:])["model"] == "beta" for line in r.text.splitlines()
+                   if line.startswith("data: {"))
+        r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 404 and "`alpha`, `beta`" in r.json()["error"]["message"]
+        assert 'model_name="alpha"' in client.get("/metrics").text
