@@ -265,17 +265,17 @@ class ActivationCache:
         self._free_detached()
 
     def withdraw(self, completion_id: str, held: tuple[int | None, str | None] | None = None) -> bool:
-        """Ends the entry of a completion whose data was deleted — or, `held` (version,
-        path), whose label the weights hold already (a rollback restored its earlier
-        training: it ends as trained into it) — unless it is being trained (any thread: its
-        recording is freed at the device thread's next call); whether it was withdrawn."""
+        """Ends a deleted completion's entry, or (`held`: version, path) one whose label the weights a rollback
+        restored hold already, as trained into it; never one being trained (any thread). Whether it ended."""
         with self._lock:
             entry = self._entries.get(completion_id)
             if entry is None or entry.state is EntryState.TRAINING:
                 return False
-            self._end(entry, *((EntryState.TRAINED, *held) if held else (EntryState.DROPPED, None, None, "deleted")))
-            if held is None:
-                self.deleted_ids.add(completion_id)
+            if held is not None:
+                self._end(entry, EntryState.TRAINED, *held)
+                return True
+            self._end(entry, EntryState.DROPPED, reason="deleted")
+            self.deleted_ids.add(completion_id)
             return True
 
     def _end(self, entry: CacheEntry, state: EntryState, version: int | None = None, path: str | None = None,

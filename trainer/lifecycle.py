@@ -269,10 +269,8 @@ class AdapterLifecycle:
             else:
                 self._rollbacks_saved(rolled_back)
                 self._ledger_after_rollback(snapshot.version, version)
-                self._settle_held_again()
         else:  # a replica that saves no version: its node's ledger (another node's, with replicas) learns it here
             self._ledger_after_rollback(snapshot.version, version)
-            self._settle_held_again()
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
         return version
 
@@ -289,16 +287,16 @@ class AdapterLifecycle:
         carried = [tuple(pair) for pair in snapshot.state.get("rollbacks", [])]
         for restored, version in carried:
             self._ledger_after_rollback(restored, version)
-        if carried:
-            self._settle_held_again()
         self._unsaved_rollbacks = tuple(pair for pair in self._unsaved_rollbacks if pair not in carried)
 
     def _ledger_after_rollback(self, restored: int, version: int) -> None:
         """The ledger's fates after a rollback to `restored`, as `version`: what the versions
         it undid trained is quarantined, what `restored` holds trained (again after a
-        restart resumed at `version`: it changes nothing if the rollback's own landed)."""
+        restart resumed at `version`: it changes nothing if the rollback's own landed); then
+        the queue lets go of the labels those weights hold already (`_settle_held_again`)."""
         if self.ledger is not None:
             self.ledger.rolled_back(restored, version)
+            self._settle_held_again()
 
     def _settle_held_again(self) -> None:
         """Entries waiting to train again (labels released after a quarantine, or reopened
@@ -307,7 +305,7 @@ class AdapterLifecycle:
         the weights twice. They end as trained, into the version that holds them (any
         thread: the rollback's, or the checkpointer's that lands a rollback's fates late)."""
         waiting = [entry.completion_id for entry in self.cache.entries()]
-        if self.ledger is None or not waiting:
+        if not waiting:  # a restart's, before the replay: nothing queued yet
             return
         try:
             self.ledger.flush(strict=True)  # the rollback's fates, read below
