@@ -63,7 +63,8 @@ from trainer.rewards import RewardScorer, load_reward_function
 from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
 from trainer.replay import replay_ledger
-from trainer.replicated import Replica, ReplicaSync
+from trainer.replica_fates import ReplicatedSaveJournal
+from trainer.replicated import ROUND_TIMEOUT_S, Replica, ReplicaSync
 from trainer.serving_copy import build_serving_copies
 from trainer.stash import WeightStash
 from trainer.status import TrainingStats
@@ -175,7 +176,9 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     if replicas is not None:  # rank 0's adapter (resumed, or initialised) is everyone's
         lifecycle.adopted(replicas.adopt_rank0(lifecycle.snapshot, lambda s: lifecycle.restore(s, s.version)))
         maintenance.merge_all()
-        replicas.start()
+        replicas.start(optimizer.version)
+        if checkpointer is not None:  # rank 0 saves a version once every replica's fates for it are written
+            checkpointer.journal = ReplicatedSaveJournal(replicas.fates, ledger, ROUND_TIMEOUT_S)
     lifecycle.score_baseline()
     if ledger is not None:  # labels not in the resumed version train again; recent requests take feedback
         replay_ledger(ledger, method, cache, optimizer.version, lifecycle.restored_from, config.label_timeout_s,

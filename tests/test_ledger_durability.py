@@ -22,7 +22,7 @@ DPO = TrainConfig(mode="dpo", lora_rank=4)
 LABEL = LabelRecord("preference", chosen="yes", chosen_token_ids=[1], rejected_token_ids=[2])
 
 
-def _training(root, config: TrainConfig = DPO, save_every: int = 10):
+def training_that_saves(root, config: TrainConfig = DPO, save_every: int = 10):
     """Training on `root` wired as a server wires it (server/build.py: the ledger is the
     checkpointer's journal)."""
     ledger = Ledger(root / LEDGER_FILE)
@@ -42,13 +42,13 @@ def test_a_restart_trains_every_label_answered_200_past_the_bound_on_label_entri
     lives; the restart takes them back without activations, and the bound must not
     refuse — and drop for good — labels the server had accepted."""
     config = dataclasses.replace(DPO, max_label_entries=1)
-    first = _training(tmp_path, config)
+    first = training_that_saves(tmp_path, config)
     for i in range(3):
         serve(first, f"r{i}")
         label(first, f"r{i}")
     assert first.cache.label_entries == 0
     _kill(first)
-    second = _training(tmp_path, config)
+    second = training_that_saves(tmp_path, config)
     assert {second.cache.get(f"r{i}").state.value for i in range(3)} == {"ready"}
     assert second.cache.refused_label_entries == 0
     second.train_until_idle()
@@ -62,12 +62,12 @@ def test_a_gate_copy_whose_save_a_kill_cut_short_is_forgotten_and_its_number_not
     """The gate's rejection records version 5 as a copy of version 0 before 5 is saved; a
     kill then resumes version 0's weights, as version 6: the restart forgets 5's parent,
     and the new weights take a number after it."""
-    first = _training(tmp_path)
+    first = training_that_saves(tmp_path)
     serve(first, "a")
     label(first, "a")
     first.ledger.quarantine(["a"], "eval gate rejected version 4", 5, 0)
     _kill(first)  # before version 5 was written
-    second = _training(tmp_path)
+    second = training_that_saves(tmp_path)
     assert second.lifecycle.restored_from == 0 and second.optimizer.version == 6
     second.ledger.flush()
     with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:
@@ -81,14 +81,14 @@ def test_a_restart_never_gives_a_number_that_served_or_trained_to_other_weights(
     ledger's requests of "version 13" came from two adapters). The saved weights come back
     under the next number after every one the ledger knows; their lineage skips the lost
     versions, whose labels train again; and so on through another kill."""
-    first = _training(tmp_path, save_every=4)
+    first = training_that_saves(tmp_path, save_every=4)
     serve(first, "r0")
     label(first, "r0")
     first.train_until_idle()
     assert first.optimizer.version == 1
     serve(first, "r1")  # served by version 1, which no save holds
     _kill(first)
-    second = _training(tmp_path, save_every=4)
+    second = training_that_saves(tmp_path, save_every=4)
     assert second.lifecycle.restored_from == 0 and second.optimizer.version == 2
     assert second.cache.get("r0").state.value == "ready"  # trained into the lost version 1: trains again
     serve(second, "r2")
@@ -98,7 +98,7 @@ def test_a_restart_never_gives_a_number_that_served_or_trained_to_other_weights(
     with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:
         assert lineage(conn, 2) == [(2, 2), (0, 0)]  # version 1's labels are not in these weights
     _kill(second)  # before anything trained under version 2
-    third = _training(tmp_path, save_every=4)
+    third = training_that_saves(tmp_path, save_every=4)
     assert third.optimizer.version == 3
     third.train_until_idle()
     assert third.optimizer.version == 4
@@ -112,7 +112,7 @@ def test_a_version_is_not_saved_while_the_fates_it_trained_wait_for_their_retry(
     """A save first puts the fates its version trained on disk; when the ledger cannot be
     written (another writer holds it), the save fails and is counted, and a crash then
     resumes from a version that does not hold those labels, which train again."""
-    training = _training(tmp_path, save_every=1000)
+    training = training_that_saves(tmp_path, save_every=1000)
     serve(training, "r0")
     label(training, "r0")
     training.train_until_idle()
@@ -208,12 +208,12 @@ def test_a_ledger_no_saving_process_writes_prunes_trained_labels_as_before(tmp_p
 
 
 def test_a_restart_records_the_version_it_resumed_at_as_saved(tmp_path):
-    first = _training(tmp_path, save_every=1)
+    first = training_that_saves(tmp_path, save_every=1)
     serve(first, "r0")
     label(first, "r0")
     first.train_until_idle()
     _kill(first)
-    second = _training(tmp_path)
+    second = training_that_saves(tmp_path)
     assert second.lifecycle.restored_from == 1
     second.ledger.flush()
     with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:
@@ -225,7 +225,7 @@ def test_deleting_a_label_released_while_the_server_runs_is_not_taken_for_one_in
     """A rollback quarantined it, `alchemist feedback release` released it (no fate, in no
     weights) while the cache still remembers it trained: its deletion is no 409
     `label_in_training`, which says the label is in the next version's weights."""
-    training = _training(tmp_path)
+    training = training_that_saves(tmp_path)
     serve(training, "r0")
     label(training, "r0")
     training.train_until_idle()
@@ -262,7 +262,7 @@ def test_a_number_another_nodes_ledger_knows_is_not_given_again_and_that_node_le
     (server/build.py agrees on it, `ReplicaSync.largest`), and a replica that saves no
     version records in its node's ledger which versions died unsaved."""
     (tmp_path / "node0").mkdir()
-    rank0 = _training(tmp_path / "node0", save_every=1)
+    rank0 = training_that_saves(tmp_path / "node0", save_every=1)
     assert rank0.lifecycle.known_version() == -1  # nothing served or trained yet (version 0: the store's)
     rank0.lifecycle.resume(known=17)  # node 1 served and trained up to version 17
     assert (rank0.optimizer.version, rank0.lifecycle.restored_from) == (18, 0)

@@ -32,6 +32,7 @@ from tests.servers import wait_for
 from tests.tiny import tiny_model, tiny_tokenizer
 from trainer.ledger_db import LEDGER_FILE, read_ledger
 from trainer.optimizer import AdapterOptimizer
+from trainer.replica_fates import FateWatermarks
 from trainer.replicated import CombinedStep, Replica, ReplicaSync, weights_digest
 
 SHAPES = [(4, 8), (8, 4), (3,)]
@@ -131,7 +132,7 @@ def test_the_whole_servers_adapter_status_sums_the_training_counters():
 # -- the rounds over gloo -------------------------------------------------------------------
 
 
-def _params(seed: int) -> list[torch.nn.Parameter]:
+def adapter_params(seed: int) -> list[torch.nn.Parameter]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in SHAPES]
 
@@ -153,7 +154,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     steps_group = dist.new_group(backend="gloo")  # the test's barrier: never the sync thread's group
-    params = _params(seed=rank)  # initialised apart: the adoption makes them rank 0's
+    params = adapter_params(seed=rank)  # initialised apart: the adoption makes them rank 0's
     optimizer = AdapterOptimizer(params, learning_rate=0.01, max_grad_norm=1.0)
     sync = ReplicaSync(params, rank, round_interval_s=0.01)
 
@@ -163,7 +164,7 @@ def _rank_main(rank: int, world_size: int, port: int, out: str) -> None:
                 p.copy_(w)
 
     sync.adopt_rank0(lambda: [p.detach().clone() for p in params], restore)
-    sync.start()
+    sync.start(0)
     digests, groups = [], []
     for step in range(STEPS):
         entries = _entries(rank, step)
@@ -199,7 +200,7 @@ def test_every_replica_applies_the_same_steps_as_one_optimizer_on_the_summed_gra
     assert ranks[0]["groups"] == ranks[1]["groups"]  # the same rounds
     assert ranks[0]["digests"] == ranks[1]["digests"]  # the same weights after every step, bit for bit
     assert len(set(ranks[0]["digests"])) == len(ranks[0]["groups"]) >= STEPS
-    plain = _params(seed=0)
+    plain = adapter_params(seed=0)
     optimizer = AdapterOptimizer(plain, learning_rate=0.01, max_grad_norm=1.0)
     groups = iter(ranks[0]["groups"])
     for step in range(STEPS):
@@ -217,7 +218,7 @@ def test_every_replica_applies_the_same_steps_as_one_optimizer_on_the_summed_gra
 def _largest_main(rank: int, world_size: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    sync = ReplicaSync(_params(seed=rank), rank, round_interval_s=0.01)
+    sync = ReplicaSync(adapter_params(seed=rank), rank, round_interval_s=0.01)
     Path(out, f"largest{rank}").write_text(str(sync.largest([17, 3][rank])))
     sync.close()
     dist.destroy_process_group()
@@ -440,13 +441,13 @@ def _hung_peer_main(rank: int, world_size: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     signals = []
     signal.signal(signal.SIGTERM, lambda *_: signals.append("SIGTERM"))  # as uvicorn's handler would
-    sync = ReplicaSync(_params(seed=rank), rank, round_interval_s=0.01, round_timeout_s=5)
+    sync = ReplicaSync(adapter_params(seed=rank), rank, round_interval_s=0.01, round_timeout_s=5)
     sync.adopt_rank0(lambda: [p.detach().clone() for p in sync.params], lambda snapshot: None)
     done = Path(out) / "rank0.json"
     if rank == 1:
         wait_for(done.is_file, timeout=180)
         os._exit(0)
-    sync.start()
+    sync.start(0)
     wait_for(lambda: signals, timeout=120)  # the handler runs on this, the main, thread
     done.write_text(json.dumps({"stopped": sync.stopped, "signals": signals}))
     os._exit(0)
@@ -462,7 +463,7 @@ def test_a_replica_whose_round_times_out_leaves_the_group_to_restart_it(tmp_path
     assert "a collective failed" in result["stopped"] and result["signals"] == ["SIGTERM"]
 
 
-def _rounds_with(params, results) -> ReplicaSync:
+def rounds_with(params, results) -> ReplicaSync:
     """This replica's side of the rounds, the others' results already queued: the sync
     thread (and its collectives) is not started."""
     import collections
@@ -472,6 +473,7 @@ def _rounds_with(params, results) -> ReplicaSync:
     sync.params, sync.rank, sync.stopped = params, 1, None
     sync._results, sync._lock, sync._stop = collections.deque(results), threading.Lock(), threading.Event()
     sync._thread, sync._stream = threading.Thread(target=lambda: None), None
+    sync.fates = FateWatermarks(0)
     return sync
 
 
@@ -490,7 +492,7 @@ def test_at_shutdown_a_replica_mid_job_still_applies_the_steps_the_others_apply(
     run_into_a_backward(training)
     params = training.optimizer.params
     others = CombinedStep(torch.cat([torch.ones(p.numel()) for p in params]), entries=1, finite=True, mine=False)
-    training.replicas = training.trainer.replicas = _rounds_with(params, [others])
+    training.replicas = training.trainer.replicas = rounds_with(params, [others])
     training.close()
     assert training.optimizer.version == 1 and not training.replicas.has_result()
     assert training.cache.get("mine").state is EntryState.READY  # not trained: a restart trains its label

@@ -230,8 +230,8 @@ def _fsync(path: Path) -> None:
 class SaveJournal(Protocol):
     """What keeps account of the labels a saved version holds (trainer/ledger.py)."""
 
-    def before_save(self) -> None:
-        """What the version trained is on disk before it is; raises if it cannot be (the save fails)."""
+    def before_save(self, snapshot: AdapterSnapshot) -> None:
+        """What `snapshot`'s version trained is on disk before it is; raises if it cannot be (the save fails)."""
 
     def saved(self, version: int) -> None:
         """Version `version` is on disk."""
@@ -303,7 +303,7 @@ class AdapterCheckpointer:
             return self.store.path_of(snapshot.version)
         try:
             if self.journal is not None:
-                self.journal.before_save()
+                self.journal.before_save(snapshot)
             path = self.store.save(snapshot)
         except Exception:  # noqa: BLE001 - a failed save is counted; the next one may succeed
             self.failed += 1

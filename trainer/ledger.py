@@ -151,7 +151,6 @@ class Ledger:
         `version`, so that a replica applying the same rollback later does not touch what
         another trained after it."""
         at = self.clock()
-
         quarantined = [0]
 
         def apply(c: sqlite3.Connection) -> None:
@@ -163,9 +162,8 @@ class Ledger:
         self._put(_Write(apply, committed=committed, owed=True))
 
     def reopen(self, request_ids: list[str]) -> None:
-        """These requests' labels trained into versions a crash lost before they were saved:
-        until they are trained again they are in no weights, and a later saved version must
-        not pass for one that holds them (queued; replay flushes)."""
+        """These requests' labels trained into versions a crash lost before they were saved: in
+        no weights until trained again; no later saved version may pass for one holding them (queued)."""
         for start in range(0, len(request_ids), 500):
             chunk = request_ids[start:start + 500]
             self._put(_Write(lambda c, chunk=chunk: ledger_lineage.reopen(c, chunk), owed=True))
@@ -184,10 +182,14 @@ class Ledger:
 
         self._put(_Write(apply, owed=True))
 
-    def before_save(self) -> None:
+    def before_save(self, snapshot=None) -> None:
         """Before a version is saved (the checkpointer's writer thread): the fates it trained
         are on disk first, or LedgerUnavailable fails the save."""
         self.flush(strict=True)
+
+    def when_written(self, callback) -> None:
+        """Calls `callback` on the writer thread once every owed write queued before now has committed (queued)."""
+        self._put(_Write(lambda c: None, committed=lambda: self._owed_waiting() or callback()))
 
     def saved(self, version: int) -> None:
         """Version `version` is on disk: the labels it holds may go by retention (queued)."""
@@ -220,13 +222,11 @@ class Ledger:
 
     def flush(self, timeout_s: float = COMMIT_TIMEOUT_S, strict: bool = False) -> None:
         """Waits until every write queued so far has been tried; `strict`: raises
-        LedgerUnavailable unless every owed one (a fate, a lineage) has landed — before a
-        version is saved, so that the fates it trained are on disk first. (A request's own
-        rows may wait: in a full ledger they would, and no save depends on them.)"""
+        LedgerUnavailable unless every owed one (a fate, a lineage) has landed, as before a
+        version is saved (a request's own rows may wait: no save depends on them)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         waiting: list[int] = []  # the owed writes left for their retry (or given up) when this one landed
-        self._put(_Write(lambda c: None, done, committed=lambda: waiting.append(
-            sum(w.owed for w in self._retry) + self._given_up_owed)))
+        self._put(_Write(lambda c: None, done, committed=lambda: waiting.append(self._owed_waiting())))
         try:
             done.result(timeout_s)
         except LedgerUnavailable:
@@ -235,6 +235,9 @@ class Ledger:
             return  # tried, and failed: the writes wait for their retry
         if strict and waiting[0]:
             raise LedgerUnavailable(f"{waiting[0]} fates in the feedback ledger are not written: {self._last_error}")
+
+    def _owed_waiting(self) -> int:  # fates and lineages left for their retry, or given up
+        return sum(w.owed for w in self._retry) + self._given_up_owed
 
     def _put(self, write: _Write) -> None:
         if self._closed:

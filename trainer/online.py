@@ -122,6 +122,7 @@ class OnlineTraining:
             item = self.replicas.take_verdict() if self._scoring() else self.replicas.next_result()
             try:
                 self._apply_synced_item(item)
+                self._fates_queued()
             except Exception:  # this replica would leave the others' sequence: the group restarts
                 logger.critical("replica %d could not apply %s; leaving the group, which restarts from rank 0's "
                                 "adapter", self.replicas.rank, type(item).__name__, exc_info=True)
@@ -129,6 +130,16 @@ class OnlineTraining:
                 raise
             applied = True
         return applied
+
+    def _fates_queued(self) -> None:
+        """(replicas) The ledger fates of the versions applied so far are queued: the rounds
+        hear once they are committed, and rank 0 saves no version before every replica's are
+        (trainer/replica_fates.py)."""
+        fates, version = self.replicas.fates, self.optimizer.version
+        if self.ledger is None:
+            fates.written(version)
+        else:
+            self.ledger.when_written(lambda: fates.written(version))
 
     def _apply_synced_item(self, item) -> None:
         if isinstance(item, ReplicatedVerdict):

@@ -8,8 +8,10 @@ in a collective, only this thread does):
   1. it waits up to `round_interval_s` for this replica's contribution — a finished
      job's summed gradients, flattened, with its entry count and whether its loss was
      finite — or for a rollback rank 0 was asked for;
-  2. all-reduces a small control vector: entries, non-finite jobs, the rollback's saved
-     version (rank 0's), stop, and whether rank 0 has a gate verdict to send;
+  2. gathers a small control vector: entries, non-finite jobs, the rollback's saved
+     version (rank 0's), stop, whether rank 0 has a gate verdict to send, and the version
+     through which the replica's ledger fates are committed — the smallest is what rank 0
+     may save (trainer/replica_fates.py);
   3. with entries anywhere, all-reduces the gradients (zeros from a replica that had
      none); with a rollback, broadcasts rank 0's snapshot of the saved version; with a
      verdict, broadcasts it;
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.adapter_store import AdapterSnapshot
+from trainer.replica_fates import FateWatermarks
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +154,8 @@ class ReplicaSync:
         self._verdict: ReplicatedVerdict | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # this replica's ledger fates, and every replica's, as the rounds hear them
+        self.fates = FateWatermarks(-1)
         self._thread = threading.Thread(target=self._run, name="alchemist-replica-sync", daemon=True)
         # groups of the rounds' own (collectives of one group must come in the same order on
         # every replica, which the sync thread alone guarantees for its groups): the control
@@ -180,7 +185,10 @@ class ReplicaSync:
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._control)
         return int(box.item())
 
-    def start(self) -> None:
+    def start(self, version: int) -> None:
+        """Starts the rounds from `version`, the adopted adapter's on every replica."""
+        self.fates.written(version)
+        self.fates.heard(version)
         self._thread.start()
 
     # -- the device thread ---------------------------------------------------------------
@@ -266,6 +274,7 @@ class ReplicaSync:
 
         with self._lock:
             self.stopped = reason
+        self.fates.stop(failed=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
     # -- the sync thread -----------------------------------------------------------------
@@ -304,9 +313,12 @@ class ReplicaSync:
                                 0 if contribution is None or contribution.finite else 1,
                                 rollback.snapshot.version + 1 if rollback else 0,
                                 1 if self._stop.is_set() else 0,
-                                1 if verdict is not None else 0], dtype=torch.float64)  # gloo: on the host
-        dist.all_reduce(control, group=self._control)
-        entries, non_finite, rollback_to, stop, verdicts = (int(v) for v in control.tolist())
+                                1 if verdict is not None else 0, self.fates.mine], dtype=torch.float64)  # gloo: host
+        gathered = [torch.empty_like(control) for _ in range(dist.get_world_size(self._control))]
+        dist.all_gather(gathered, control, group=self._control)
+        table = torch.stack(gathered)
+        entries, non_finite, rollback_to, stop, verdicts = (int(v) for v in table[:, :5].sum(0).tolist())
+        self.fates.heard(int(table[:, 5].min()))
         results: list = []
         if entries:
             results.append(self._sum_gradients(contribution, entries, non_finite == 0))
@@ -344,6 +356,7 @@ class ReplicaSync:
         with self._lock:
             self.stopped = reason
             waiting, self._rollback = self._rollback, None
+        self.fates.stop(failed=level >= logging.ERROR)
         for pending in (rollback, waiting):
             if pending is not None and pending.done is not None and not pending.done.done():
                 pending.done.set_exception(RuntimeError(reason))

@@ -1,0 +1,108 @@
+"""Among data-parallel replicas, a version is saved only once every replica's ledger holds
+the fates of the labels trained into it.
+
+Each replica writes its own labels' fates (`trained` into version v) into its node's ledger,
+on the ledger's writer thread, after it applied the round's step. Rank 0 alone saves
+versions. A restart resumes from the newest saved version and trains again every label
+the ledger does not hold as trained into it: had rank 0 saved v while another replica's
+fates for v were still queued, a `kill -9` of that replica would have its labels trained
+into v and trained again after the restart — twice in the weights.
+
+So every replica reports, at each round, the version through which its fates are
+committed (`FateWatermarks.written`, from the ledger's commit of a marker queued after
+them), the rounds take the smallest (`heard`), and rank 0's checkpointer waits for it
+before it writes a version (`ReplicatedSaveJournal.before_save`, on the checkpointer's
+thread: serving never waits). Once the rounds failed (a replica died), what was not
+confirmed is not saved: the restart resumes from the last version confirmed, and the
+labels trained after it train again, once. A shutdown the replicas agreed on saves as a
+single server does; its last steps' fates land as each replica closes its ledger.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from trainer.adapter_store import AdapterSnapshot, SaveJournal
+
+
+class FatesUnconfirmed(Exception):
+    """A version's fates are not known to be committed on every replica: it is not saved."""
+
+
+class FateWatermarks:
+    """This replica's version through which its ledger fates are committed, and every
+    replica's (the smallest, as the last round heard it)."""
+
+    def __init__(self, version: int):
+        self.mine = version
+        self.everywhere = version
+        # the rounds ended: `failed` when a round failed (a replica died or hangs)
+        self.stopped = False
+        self.failed = False
+        self._changed = threading.Condition()
+
+    def written(self, version: int) -> None:
+        """This replica's fates through `version` are committed (the ledger's writer thread)."""
+        with self._changed:
+            self.mine = max(self.mine, version)
+
+    def heard(self, everywhere: int) -> None:
+        """A round's smallest watermark among the replicas (the sync thread)."""
+        with self._changed:
+            if everywhere > self.everywhere:
+                self.everywhere = everywhere
+                self._changed.notify_all()
+
+    def stop(self, failed: bool) -> None:
+        """The rounds ended (the sync thread); `failed`: a round failed."""
+        with self._changed:
+            self.stopped = True
+            self.failed = self.failed or failed
+            self._changed.notify_all()
+
+    def wait(self, version: int, timeout_s: float) -> None:
+        """Returns once every replica's fates through `version` are committed, or the rounds
+        ended as agreed (a shutdown); FatesUnconfirmed if they failed first or the wait
+        passed `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self.everywhere < version:
+                if self.failed:
+                    raise FatesUnconfirmed(f"the replicas' rounds failed with fates confirmed through version "
+                                           f"{self.everywhere}: version {version} is not saved, and a restart "
+                                           "trains the labels after that version again")
+                if self.stopped:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise FatesUnconfirmed(f"the replicas' fates through version {version} were not confirmed "
+                                           f"within {timeout_s:g} s (through {self.everywhere})")
+                self._changed.wait(left)
+
+
+class ReplicatedSaveJournal:
+    """Rank 0's checkpointer journal among replicas: before a version is written, every
+    replica's fates for it are committed (`FateWatermarks.wait`), then rank 0's own ledger
+    is flushed as a single server's is."""
+
+    def __init__(self, watermarks: FateWatermarks, ledger: SaveJournal | None, timeout_s: float):
+        self.watermarks = watermarks
+        self.ledger = ledger
+        self.timeout_s = timeout_s
+
+    def before_save(self, snapshot: AdapterSnapshot) -> None:
+        # a rollback's own fates are applied again by a restart that resumes from it (`resume`):
+        # what it needs committed are the versions before it
+        through = snapshot.version - 1 if "rolled_back_to" in snapshot.state else snapshot.version
+        self.watermarks.wait(through, self.timeout_s)
+        if self.ledger is not None:
+            self.ledger.before_save(snapshot)
+
+    def saved(self, version: int) -> None:
+        if self.ledger is not None:
+            self.ledger.saved(version)
+
+    def resumed(self, saved: int, version: int) -> None:
+        if self.ledger is not None:
+            self.ledger.resumed(saved, version)
