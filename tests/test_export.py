@@ -90,8 +90,9 @@ def test_every_kind_of_label_exports_in_its_format_and_styles_are_never_mixed(tm
     assert [(r["completion"][0]["content"], r["label"]) for r in unpaired] == [("answer 0", True),
                                                                               ("answer 1", False)]
     completions = export(tmp_path, capsys, "--format", "prompt-completion", "--style", "conversational")
-    assert [(r["completion"][0]["content"], r["reward"]) for r in completions] == [
-        ("answer 0", None), ("answer 0", 1.0), ("answer 1", 0.0), ("answer 2", 0.5)]  # CPT's, then the group's
+    assert [(r["completion"][0]["content"], r["reward"], r["group_id"]) for r in completions] == [
+        ("answer 0", None, None), ("answer 0", 1.0, "g"), ("answer 1", 0.0, "g"),
+        ("answer 2", 0.5, "g")]  # CPT's, then the group's: its samples grouped by their request's id
     assert export(tmp_path, capsys, "--format", "language-modeling", "--style", "conversational") == [
         {"messages": MESSAGES}]  # what the CPT request trained on: its prompt
     quarantined = export(tmp_path, capsys, "--format", "preference", "--style", "conversational",

@@ -9,8 +9,9 @@ to TRL's trainers unchanged.
                      advantage (its reward minus the group's mean; zero: left out), and
                      each side of a DPO label (KTOTrainer)
   prompt-completion  {prompt, completion}: what a CPT server served; a rewarded sample
-                     with its `reward` as an extra column (SFTTrainer; TRL's GRPOTrainer
-                     samples its own completions, so rewards travel as data)
+                     with its `reward` and its group's `group_id` (the request's id) as
+                     extra columns (SFTTrainer; TRL's GRPOTrainer samples its own
+                     completions, so rewards travel as data)
   language-modeling  {text} or {messages}: what a CPT server trains on, each request's
                      prompt (SFTTrainer, a loss on every token, as CPT's; TRL renders
                      messages without the generation prompt that opened the answer)
@@ -221,8 +222,9 @@ def _prompt_completion(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
     if row.request.method == "cpt":
         for choice in row.choices:
             yield {"prompt": row.request.prompt, "completion": _completion(row, choice.text)}, _cut_short(choice)
-    for answer, reward in _rewarded(row):
-        yield {"prompt": row.request.prompt, "completion": _completion(row, answer.text), "reward": reward}, answer.cut
+    for answer, reward in _rewarded(row):  # a group's samples share its request's id: advantages are per group
+        yield {"prompt": row.request.prompt, "completion": _completion(row, answer.text), "reward": reward,
+               "group_id": row.request.id}, answer.cut
 
 
 def _language_modeling(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
