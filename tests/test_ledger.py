@@ -848,6 +848,41 @@ def test_a_released_label_the_restored_weights_hold_already_is_not_trained_again
     last.close()
 
 
+def test_a_rollback_whose_save_failed_lets_go_of_the_label_once_a_later_save_carries_it(tmp_path):
+    """The rollback serves but its save failed: its fates wait for the next version saved,
+    which carries it, and land on the checkpointer's thread; the queue then lets go of the
+    released label the restored weights hold, as a saved rollback's does at once."""
+    first = _training(tmp_path, save_every=1)
+    _serve_and_label(first, ("r",), train_each=True)
+    assert first.rollback(first.lifecycle.load_saved(0)) == 2
+    _crash(first)
+    assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
+    last = _training(tmp_path, save_every=1)
+    store, saves = last.lifecycle.checkpointer.store, []
+    plain_save = store.save
+
+    def save_once_failing(snapshot):
+        saves.append(snapshot.version)
+        if len(saves) == 1:
+            raise OSError("disk full")
+        return plain_save(snapshot)
+
+    store.save = save_once_failing
+    assert last.rollback(last.lifecycle.load_saved(1)) == 3
+    assert saves == [3] and last.cache.get("r") is not None  # not saved: its fates wait, and so does the label
+    carried = last.lifecycle.snapshot()
+    assert carried.state["rollbacks"] == [[1, 3]]
+    last.lifecycle._save(carried)  # the next version saved (a due save, the gate's promotion) carries it
+    wait_for(lambda: last.cache.get("r") is None, timeout=30)  # (a callback of the save's, after its result)
+    assert saves == [3, 3]
+    last.train_until_idle()
+    assert last.stats.copy().trained_entries == {}
+    last.ledger.flush()
+    row = rows_by_id(tmp_path / LEDGER_FILE)["r"]
+    assert (row.fate, row.fate_version) == ("trained", 1)
+    last.close()
+
+
 def test_a_rollback_killed_before_its_fates_landed_gives_them_back_before_the_restart_replays(tmp_path):
     """The restart applies the rollback's fates again, queued; the replay read the ledger
     before they landed, and put the released label that the restored weights hold back in
