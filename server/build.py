@@ -174,7 +174,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     known = lifecycle.known_version()  # every node's ledger: a number served anywhere is not given again
     lifecycle.resume(known if replicas is None else replicas.largest(known))  # before anything is served
     if replicas is not None:  # rank 0's adapter (resumed, or initialised) is everyone's
-        lifecycle.adopted(replicas.adopt_rank0(lifecycle.snapshot, lambda s: lifecycle.restore(s, s.version)))
+        lifecycle.adopted(replicas.adopt_rank0(lifecycle.adoptable, lambda s: lifecycle.restore(s, s.version)))
         maintenance.merge_all()
         replicas.start(optimizer.version)
         if checkpointer is not None:  # rank 0 saves a version once every replica's fates for it are written

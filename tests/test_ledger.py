@@ -231,7 +231,7 @@ def _training(root, save_every: int = 10):
     return make_training(DPO, checkpointer=AdapterCheckpointer(AdapterStore(root), save_every, ledger), ledger=ledger)
 
 
-def _crash(training) -> None:
+def crash(training) -> None:
     """What a kill leaves: queued ledger writes may be lost, but here they have landed
     (labels are committed before they are accepted), and so have the saves already begun
     (each flushes the ledger first: closed before them, it failed them, one run in a few);
@@ -253,7 +253,7 @@ def test_after_a_restart_every_label_not_in_the_resumed_version_trains_and_recen
         first.train_until_idle()
         assert first.optimizer.version >= 1 and first.lifecycle.checkpointer.last_saved_version == 0
     lost = first.optimizer.version
-    _crash(first)
+    crash(first)
 
     second = _training(tmp_path)  # version 0's weights, under a number no lost version had
     assert second.optimizer.version == (lost + 1 if trained_before else 0) and second.lifecycle.restored_from == 0
@@ -279,14 +279,14 @@ def test_a_label_the_crash_took_back_stays_to_train_through_a_version_saved_befo
         serve(first, f"r{i}")
         label(first, f"r{i}")
     first.train_until_idle()
-    _crash(first)
+    crash(first)
     second = _training(tmp_path)
     rows = rows_by_id(tmp_path / LEDGER_FILE)
     assert [(rows[i].fate, rows[i].fate_version) for i in ("r0", "r1")] == [(None, None)] * 2
     assert second.optimizer.version == 2  # version 0's weights; version 1 died unsaved
     second.optimizer.step(entries=0)  # a version of the second process, saved before r0 and r1 train again
     assert second.lifecycle.checkpointer.save_async(second.lifecycle.snapshot()).result() is not None
-    _crash(second)
+    crash(second)
     third = _training(tmp_path)
     assert third.lifecycle.restored_from == 3
     assert {third.cache.get(f"r{i}").state.value for i in range(2)} == {"ready"}
@@ -301,7 +301,7 @@ def test_a_label_deleted_while_it_trained_into_a_lost_version_takes_no_new_label
     label(first, "r0")
     first.train_until_idle()
     first.ledger.delete("r0", label_only=True)  # what DELETE /v1/feedback/{id} leaves of an entry being trained
-    _crash(first)
+    crash(first)
     second = _training(tmp_path)
     assert second.cache.get("r0") is None
     again = second.feedback.submit(FeedbackLabel("r0", "A new label.", None, 0))
@@ -319,7 +319,7 @@ def test_feedback_for_a_request_a_crash_cut_short_says_so_after_the_restart(tmp_
     for request_id in ("cut", "aborted"):
         first.ledger.record_request(RequestRecord(request_id, time.time(), 0, "dpo", [1, 2, 3], "Hi"))
     first.ledger.record_finished("aborted", [], True)  # "cut" never finished
-    _crash(first)
+    crash(first)
     second = _training(tmp_path)
     for request_id in ("cut", "aborted"):
         result = second.feedback.submit(FeedbackLabel(request_id, "A label.", None, 0))
@@ -339,7 +339,7 @@ def test_deleting_a_batch_after_a_restart_withdraws_the_prompts_the_restart_took
     first.train_until_idle()
     serve(first, "cmpl-x-1")
     label(first, "cmpl-x-1")
-    _crash(first)
+    crash(first)
     second = _training(tmp_path, save_every=1)
     assert second.cache.get("cmpl-x-0") is None and second.cache.get("cmpl-x-1").state.value == "ready"
     assert second.forget("cmpl-x").found
@@ -370,7 +370,7 @@ def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):
     serve(first, "r0")
     label(first, "r0")
     first.train_until_idle()
-    _crash(first)
+    crash(first)
     second = _training(tmp_path, save_every=1)
     assert second.lifecycle.restored_from == 1 and second.cache.get("r0") is None
     assert not second.has_work() or not engine_of(second).has_unfinished()
@@ -387,7 +387,7 @@ def test_a_deleted_label_is_still_said_deleted_after_a_restart(tmp_path):
         label(first, request_id)
     assert first.forget("r0", label_only=True).found
     assert first.ledger.delete("r1", label_only=True).found  # killed before the cache withdrew its entry
-    _crash(first)
+    crash(first)
     second = _training(tmp_path)
     for request_id in ("r0", "r1"):
         assert second.cache.get(request_id) is None  # not waiting for a label again
@@ -495,7 +495,7 @@ def test_a_label_sent_again_after_a_restart_is_told_it_exists_as_before_the_rest
     label(first, "pending")
     again = first.feedback.submit(FeedbackLabel("saved", "Lyon."))
     assert again.outcome is FeedbackOutcome.CONFLICT and again.code == "label_exists"
-    _crash(first)
+    crash(first)
     second = _training(tmp_path, save_every=1)
     assert second.cache.get("saved") is None and second.cache.get("pending") is not None
     for request_id, how in (("saved", "trained into version 1"), ("pending", "")):
@@ -518,7 +518,7 @@ def test_a_label_sent_again_to_a_batch_of_prompts_after_a_restart_is_told_which_
         serve(first, f"cmpl-x-{prompt}")
         label(first, f"cmpl-x-{prompt}")
     first.train_until_idle()
-    _crash(first)
+    crash(first)
     second = _training(tmp_path, save_every=1)
     assert all(second.cache.get(f"cmpl-x-{prompt}") is None for prompt in range(2))
     for prompt in range(2):
@@ -542,7 +542,7 @@ def test_group_rewards_survive_a_restart_and_train_with_the_served_log_probs(tmp
     served = {i: list(v) for i, v in first.cache.get("g").served_token_logps.items()}
     serve_group(first, "h", seed=2)
     assert reward(first, "g").accepted
-    _crash(first)
+    crash(first)
 
     second = grpo()
     entry = second.cache.get("g")
@@ -569,7 +569,7 @@ def test_rewards_sent_to_a_batch_of_prompts_after_a_restart_are_refused_as_befor
         serve_group(first, f"cmpl-g-{prompt}", seed=prompt)
         assert reward(first, f"cmpl-g-{prompt}").accepted
     first.train_until_idle()
-    _crash(first)
+    crash(first)
     second = grpo()
     assert second.cache.get("cmpl-g-0") is None and second.cache.get("cmpl-g-1") is None
     refused = reward(second, "cmpl-g")
@@ -577,7 +577,7 @@ def test_rewards_sent_to_a_batch_of_prompts_after_a_restart_are_refused_as_befor
     second.close()
 
 
-def _serve_and_label(training, request_ids, train_each: bool = False) -> None:
+def serve_and_label(training, request_ids, train_each: bool = False) -> None:
     for request_id in request_ids:
         serve(training, request_id)
         label(training, request_id)
@@ -590,7 +590,7 @@ def test_a_label_deleted_after_it_trained_is_dropped_not_quarantined_when_a_roll
     version; then it is dropped for good, not quarantined, so that `feedback release`
     never brings it back to train (an outside pass had it take a new label, and train)."""
     first = _training(tmp_path, save_every=1)
-    _serve_and_label(first, ("deleted", "kept"))
+    serve_and_label(first, ("deleted", "kept"))
     first.train_until_idle()
     assert first.optimizer.version == 1
     assert first.forget("deleted", label_only=True).found
@@ -599,7 +599,7 @@ def test_a_label_deleted_after_it_trained_is_dropped_not_quarantined_when_a_roll
     rows = rows_by_id(tmp_path / LEDGER_FILE)
     assert (rows["deleted"].fate, rows["deleted"].fate_reason) == ("dropped", "deleted")
     assert rows["kept"].fate == "quarantined"
-    _crash(first)
+    crash(first)
     assert len(release_quarantined(tmp_path / LEDGER_FILE)) == 1
     second = _training(tmp_path, save_every=1)
     again = second.feedback.submit(FeedbackLabel("deleted", "A new label.", None, 0))
@@ -614,11 +614,11 @@ def test_a_rollback_killed_before_its_quarantine_landed_quarantines_at_the_resta
     two left the undone versions' labels "trained", in no weights served (an outside pass
     found it). The restart, resuming at the rollback's version, quarantines them."""
     first = _training(tmp_path, save_every=1)
-    _serve_and_label(first, ("kept", "undone"), train_each=True)
+    serve_and_label(first, ("kept", "undone"), train_each=True)
     assert first.optimizer.version == 2
     first.ledger.rolled_back = lambda *args: None  # killed before it landed
     assert first.rollback(first.lifecycle.load_saved(1)) == 3
-    _crash(first)
+    crash(first)
     second = _training(tmp_path, save_every=1)
     assert second.optimizer.version == 3
     second.ledger.flush()
@@ -822,16 +822,16 @@ def test_a_released_label_the_restored_weights_hold_already_is_not_trained_again
     trained again into a version a crash lost, the restart cleared its release and its
     earlier version, so the rollback did not even give it back (a review found both)."""
     first = _training(tmp_path, save_every=1)
-    _serve_and_label(first, ("r",), train_each=True)
+    serve_and_label(first, ("r",), train_each=True)
     assert first.optimizer.version == 1
     assert first.rollback(first.lifecycle.load_saved(0)) == 2
-    _crash(first)
+    crash(first)
     assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
     if lost_retraining:
         second = _training(tmp_path, save_every=100)
         second.train_until_idle()  # trains it again, into version 3, which the crash loses
         assert second.optimizer.version == 3 and second.lifecycle.checkpointer.last_saved_version == 2
-        _crash(second)
+        crash(second)
     last = _training(tmp_path, save_every=1)
     last.ledger.flush()
     row = rows_by_id(tmp_path / LEDGER_FILE)["r"]
@@ -853,9 +853,9 @@ def test_a_rollback_whose_save_failed_lets_go_of_the_label_once_a_later_save_car
     which carries it, and land on the checkpointer's thread; the queue then lets go of the
     released label the restored weights hold, as a saved rollback's does at once."""
     first = _training(tmp_path, save_every=1)
-    _serve_and_label(first, ("r",), train_each=True)
+    serve_and_label(first, ("r",), train_each=True)
     assert first.rollback(first.lifecycle.load_saved(0)) == 2
-    _crash(first)
+    crash(first)
     assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
     last = _training(tmp_path, save_every=1)
     store, saves = last.lifecycle.checkpointer.store, []
@@ -888,16 +888,16 @@ def test_a_rollback_killed_before_its_fates_landed_gives_them_back_before_the_re
     before they landed, and put the released label that the restored weights hold back in
     line to train a second time (a review found it)."""
     first = _training(tmp_path, save_every=1)
-    _serve_and_label(first, ("r",), train_each=True)
+    serve_and_label(first, ("r",), train_each=True)
     assert first.rollback(first.lifecycle.load_saved(0)) == 2
-    _crash(first)
+    crash(first)
     assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
     second = _training(tmp_path, save_every=1)
     assert second.cache.get("r") is not None
     second.ledger.rolled_back = lambda *args: None  # killed before the rollback's fates landed
     assert second.rollback(second.lifecycle.load_saved(1)) == 3
     assert second.cache.get("r") is not None  # nothing given back yet
-    _crash(second)
+    crash(second)
     third = _training(tmp_path, save_every=1)
     assert third.optimizer.version == 3 and third.cache.get("r") is None
     third.train_until_idle()

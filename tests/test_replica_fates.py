@@ -23,8 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.launch import free_port
+from tests.conftest import make_training
 from tests.servers import wait_for
-from tests.test_ledger_durability import training_that_saves
+from tests.test_ledger import DPO, rows_by_id
+from tests.test_ledger_durability import LABEL, training_that_saves
 from tests.test_replicas import adapter_params, rounds_with
 from trainer.adapter_store import AdapterSnapshot
 from trainer.ledger import Ledger
@@ -112,6 +114,34 @@ def test_a_ledger_marker_is_heard_once_the_fates_before_it_are_committed_not_whi
     ledger.close()
 
 
+def test_a_marker_behind_a_fate_a_full_ledger_refused_is_heard_once_that_fate_lands(tmp_path, monkeypatch):
+    """A full ledger tries each write alone: the fate fails and waits for its retry, the
+    marker behind it commits at once; it must wait with the fate, not be lost (a review
+    found it lost: the replica's saves then stalled until its next step)."""
+    from trainer import ledger_lineage
+
+    full = [True]
+    plain_record_fate = ledger_lineage.record_fate
+
+    def record_fate(*args):
+        if full[0]:
+            error = sqlite3.OperationalError("database or disk is full")
+            error.sqlite_errorcode = sqlite3.SQLITE_FULL
+            raise error
+        return plain_record_fate(*args)
+
+    monkeypatch.setattr(ledger_lineage, "record_fate", record_fate)
+    ledger, heard = Ledger(tmp_path / LEDGER_FILE), []
+    ledger.record_fate("r0", "trained", version=1, path="reuse")
+    ledger.when_written(lambda: heard.append("version 1"))
+    ledger.flush()
+    assert heard == []
+    full[0] = False
+    ledger.flush()  # the next writes bring the retries with them
+    assert heard == ["version 1"]
+    ledger.close()
+
+
 def test_a_replica_reports_a_version_once_its_ledger_has_committed_what_it_queued_before(tmp_path):
     """The device thread applies a round's step, then queues a marker behind the fates it
     wrote: the rounds hear the version only once the ledger has committed them."""
@@ -135,12 +165,42 @@ def test_a_replica_reports_a_version_once_its_ledger_has_committed_what_it_queue
     training.close()
 
 
+def test_the_rollbacks_rank_0s_start_applied_again_are_applied_again_in_every_other_nodes_ledger(tmp_path):
+    """A rollback's save waits only for what the version it restored holds: its own fates
+    are applied again by the restart that resumes from it — in rank 0's ledger, and now in
+    another node's too, which a kill may have left without them."""
+    from tests.test_ledger import crash, request_record, serve_and_label
+
+    (tmp_path / "node0").mkdir()
+    first = training_that_saves(tmp_path / "node0", save_every=1)
+    serve_and_label(first, ("r",), train_each=True)
+    first.ledger.rolled_back = lambda *args: None  # killed before the rollback's fates landed
+    assert first.rollback(first.lifecycle.load_saved(0)) == 2
+    crash(first)
+    rank0 = training_that_saves(tmp_path / "node0", save_every=1)
+    adopted = rank0.lifecycle.adoptable()
+    assert adopted.state["rollbacks_replayed"] == [[0, 2]]
+    other_node = tmp_path / "node1"
+    other_node.mkdir()
+    ledger = Ledger(other_node / LEDGER_FILE)
+    replica = make_training(DPO, ledger=ledger)  # (adopting comes before the replay in a start: here, after)
+    ledger.record_request(request_record(7, time.time()))
+    ledger.commit_label("req-7", LABEL)
+    ledger.record_fate("req-7", "trained", version=1, path="reuse")  # trained there into the version undone
+    replica.lifecycle.adopted(adopted)
+    ledger.flush()
+    assert rows_by_id(other_node / LEDGER_FILE)["req-7"].fate == "quarantined"
+    replica.close()
+    rank0.close()
+
+
 # -- the rounds over gloo --------------------------------------------------------------------
 
 
-def _save_waits_main(rank: int, world_size: int, port: int, out: str) -> None:
+def _save_waits_main(rank: int, world_size: int, port: int, out: str, ends: str) -> None:
     """Both replicas applied version 1. Rank 1's fates for it land a second later; rank
-    0's save of version 1 waits for them. Then rank 1 dies without a word, and rank 0
+    0's save of version 1 waits for them. Then rank 1 ends — killed, or leaving the group
+    (a result it could not apply), which stops the rounds as a shutdown does — and rank 0
     refuses to save version 2, which rank 1 never confirmed."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -153,7 +213,10 @@ def _save_waits_main(rank: int, world_size: int, port: int, out: str) -> None:
         (results / "rank1-written").write_text(str(time.time()))
         sync.fates.written(1)
         wait_for((results / "rank0-saved-1").is_file, timeout=60)
-        os._exit(0)  # as `kill -9` would: no last round
+        if ends == "leaves":
+            sync.leave("it could not apply a round's step")
+            sync.close()
+        os._exit(0)  # (killed: as `kill -9` would, no last round)
     sync.fates.written(2)  # rank 0 applied two versions and wrote their fates
     journal = ReplicatedSaveJournal(sync.fates, None, timeout_s=30)
     journal.before_save(_snapshot(1))
@@ -169,8 +232,40 @@ def _save_waits_main(rank: int, world_size: int, port: int, out: str) -> None:
     os._exit(0)
 
 
-def test_rank_0_saves_a_version_after_the_other_replicas_fates_and_not_what_a_dead_replica_left_unconfirmed(tmp_path):
-    mp.start_processes(_save_waits_main, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+@pytest.mark.parametrize("ends", ["killed", "leaves"])
+def test_rank_0_saves_a_version_after_the_other_replicas_fates_and_not_what_a_lost_replica_left_unconfirmed(
+        tmp_path, ends):
+    mp.start_processes(_save_waits_main, args=(2, free_port(), str(tmp_path), ends), nprocs=2, start_method="spawn")
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["saved_1"] >= float((tmp_path / "rank1-written").read_text())
     assert result["everywhere"] == 1 and "rounds failed" in result["refused"]
+
+
+def _wired_main(rank: int, world_size: int, port: int, out: str) -> None:
+    """A server's training built as one replica of a group of one: its versions are saved
+    through the rounds' watermark, and saved they are."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    from tests.test_training import label, serve
+    from trainer.adapter_store import AdapterCheckpointer, AdapterStore
+    from trainer.replicated import Replica
+
+    ledger = Ledger(Path(out) / LEDGER_FILE)
+    training = make_training(DPO, ledger=ledger, checkpointer=AdapterCheckpointer(AdapterStore(out), 1, ledger),
+                             replica=Replica(rank, world_size))
+    serve(training, "chatcmpl-r0-a")
+    label(training, "chatcmpl-r0-a")
+    deadline = time.time() + 120
+    while training.optimizer.version < 1 or training.lifecycle.checkpointer.last_saved_version != 1:
+        assert time.time() < deadline, "version 1 was not saved"
+        training.run_slice() or time.sleep(0.02)
+    journal = training.lifecycle.checkpointer.journal
+    Path(out, "wired.json").write_text(json.dumps({"journal": type(journal).__name__,
+                                                   "everywhere": training.replicas.fates.everywhere}))
+    training.close()
+    dist.destroy_process_group()
+
+
+def test_a_replicas_versions_are_saved_through_the_watermark_and_saved_they_are(tmp_path):
+    mp.spawn(_wired_main, args=(1, free_port(), str(tmp_path)), nprocs=1, join=True)
+    assert json.loads((tmp_path / "wired.json").read_text()) == {"journal": "ReplicatedSaveJournal", "everywhere": 1}

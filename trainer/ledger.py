@@ -7,18 +7,16 @@ label answered 200 survives `kill -9`, and what was collected can be read out
               (as written and as tokens), each choice's tokens, text and served log-probs, then its fate and when
     labels    at most one per request: a preference or a group's rewards, from the API or the reward function
 
-Writes run on a thread of their own, never on the event loop or the device thread, one
-transaction per drain of its queue. A request's rows and fates are queued and forgotten
-(the device thread must not wait for a disk); a label is acknowledged only once its
-transaction has committed: `commit_label` blocks its caller (a worker thread) until then,
-and raises `LedgerUnavailable` if the database cannot be written (disk full, locked,
-read-only) — the transaction is rolled back, so nothing committed before is touched.
+Writes run on a thread of their own, one transaction per drain of its queue. A request's
+rows and fates are queued and forgotten (the device thread must not wait for a disk); a
+label is acknowledged only once its transaction has committed: `commit_label` blocks its
+caller (a worker thread) until then, and raises `LedgerUnavailable` if the database cannot
+be written (disk full, locked, read-only) — nothing committed before is touched.
 
-The file is its owner's alone (mode 0600; SQLite gives its WAL the same mode). Retention
-is bounded by age and by size, oldest first, on the writer thread; labels that are still
-to be trained, or trained into a version not saved yet, are never pruned
-(trainer/ledger_retention.py). The file never grows past `max_bytes`: a write that
-would (everything left is still to be trained) fails as a full disk does.
+The file is its owner's alone (mode 0600, and its WAL). Retention is bounded by age and
+by size, oldest first, on the writer thread; labels still to be trained, or trained into
+a version not saved yet, are never pruned (trainer/ledger_retention.py). The file never
+grows past `max_bytes`: a write that would fails as a full disk does.
 """
 
 from __future__ import annotations
@@ -189,7 +187,9 @@ class Ledger:
 
     def when_written(self, callback) -> None:
         """Calls `callback` on the writer thread once every owed write queued before now has committed (queued)."""
-        self._put(_Write(lambda c: None, committed=lambda: self._owed_waiting() or callback()))
+        marker = _Write(lambda c: None)
+        marker.committed = lambda: self._retry.append(marker) if self._owed_waiting() else callback()
+        self._put(marker)
 
     def saved(self, version: int) -> None:
         """Version `version` is on disk: the labels it holds may go by retention (queued)."""

@@ -72,6 +72,8 @@ class AdapterLifecycle:
         # the saved version whose weights the live adapter holds, untrained since it was restored
         # (a rollback, the gate's return): named in its snapshots, so the store prunes copies first
         self._weights_of: int | None = None
+        # (restored, as version) of the rollbacks whose fates this start applied again (`resume`)
+        self._replayed_rollbacks: list[tuple[int, int]] = []
 
     def start(self) -> None:
         """Resumes from the latest good saved version, if any (else saves version 0, so
@@ -99,22 +101,36 @@ class AdapterLifecycle:
                 logger.info("resumed adapter version %d from %s%s", snapshot.version, self.checkpointer.store.root,
                             "" if version == snapshot.version else f" as version {version} (versions after it "
                             "died unsaved with the last process; their numbers are not given to other weights)")
-                for restored, as_version in snapshot.state.get("rollbacks", []):  # those its saves failed to record
+                # the rollbacks its saves failed to record, then its own (a kill may have cut their fates short)
+                replayed = [tuple(pair) for pair in snapshot.state.get("rollbacks", [])]
+                if "rolled_back_to" in snapshot.state:
+                    replayed.append((snapshot.state["rolled_back_to"], snapshot.version))
+                self._replayed_rollbacks = replayed
+                for restored, as_version in replayed:
                     self._ledger_after_rollback(restored, as_version)
-                if "rolled_back_to" in snapshot.state:  # a kill may have come before its fates landed
-                    self._ledger_after_rollback(snapshot.state["rolled_back_to"], snapshot.version)
             else:
                 self.optimizer.version = version
                 self.checkpointer.resumed(None, version)
                 self.checkpointer.save_async(self.snapshot()).result()
 
+    def adoptable(self) -> AdapterSnapshot:
+        """(replicas, rank 0) The resumed adapter every replica adopts, naming the rollbacks
+        whose fates this start applied again."""
+        snapshot = self.snapshot()
+        snapshot.state["rollbacks_replayed"] = [list(pair) for pair in self._replayed_rollbacks]
+        return snapshot
+
     def adopted(self, snapshot: AdapterSnapshot) -> None:
         """This replica took rank 0's resumed adapter `snapshot`: one that saves no version
-        tells its node's ledger which versions died unsaved, as rank 0's saving told its own."""
+        tells its node's ledger which versions died unsaved, and applies again the fates of
+        the rollbacks rank 0 applied again, as rank 0's start did in its own (another node's
+        ledger may have lost them to a kill; applying them twice changes nothing)."""
         self.restored_from = snapshot.state.get("restored_from")
         if self.checkpointer is None and self.ledger is not None:
             saved = -1 if self.restored_from is None else self.restored_from
             self.ledger.resumed(saved, snapshot.version, saving=False)
+            for restored, as_version in snapshot.state.get("rollbacks_replayed", []):
+                self._ledger_after_rollback(restored, as_version)
 
     def score_baseline(self) -> None:
         """The second half of `start`: with a gate, the live weights' scores are the bar."""

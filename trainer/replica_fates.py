@@ -12,10 +12,15 @@ So every replica reports, at each round, the version through which its fates are
 committed (`FateWatermarks.written`, from the ledger's commit of a marker queued after
 them), the rounds take the smallest (`heard`), and rank 0's checkpointer waits for it
 before it writes a version (`ReplicatedSaveJournal.before_save`, on the checkpointer's
-thread: serving never waits). Once the rounds failed (a replica died), what was not
-confirmed is not saved: the restart resumes from the last version confirmed, and the
-labels trained after it train again, once. A shutdown the replicas agreed on saves as a
-single server does; its last steps' fates land as each replica closes its ledger.
+thread: serving never waits). Once the rounds failed (a replica died, hangs, or leaves
+the group), what was not confirmed is not saved: the restart resumes from the last version
+confirmed, and the labels trained after it train again, once. A shutdown the replicas
+agreed on saves as a single server does: its last steps' fates land as each replica closes
+its ledger, after the last round.
+
+A rollback's save (rank 0's device thread waits for it) needs only the version it restored
+confirmed, which a save confirmed already: its own fates are applied again on every node
+by a restart that resumes from it (`AdapterLifecycle.resume`, `adopted`).
 """
 
 from __future__ import annotations
@@ -92,9 +97,9 @@ class ReplicatedSaveJournal:
         self.timeout_s = timeout_s
 
     def before_save(self, snapshot: AdapterSnapshot) -> None:
-        # a rollback's own fates are applied again by a restart that resumes from it (`resume`):
-        # what it needs committed are the versions before it
-        through = snapshot.version - 1 if "rolled_back_to" in snapshot.state else snapshot.version
+        # a rollback holds what the version it restored holds (saved, so confirmed); its own fates
+        # are applied again on every node by a restart that resumes from it (`resume`, `adopted`)
+        through = snapshot.state.get("rolled_back_to", snapshot.version)
         self.watermarks.wait(through, self.timeout_s)
         if self.ledger is not None:
             self.ledger.before_save(snapshot)

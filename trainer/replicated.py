@@ -11,7 +11,7 @@ in a collective, only this thread does):
   2. gathers a small control vector: entries, non-finite jobs, the rollback's saved
      version (rank 0's), stop, whether rank 0 has a gate verdict to send, and the version
      through which the replica's ledger fates are committed — the smallest is what rank 0
-     may save (trainer/replica_fates.py);
+     may save (trainer/replica_fates.py) — and whether it is leaving the group;
   3. with entries anywhere, all-reduces the gradients (zeros from a replica that had
      none); with a rollback, broadcasts rank 0's snapshot of the saved version; with a
      verdict, broadcasts it;
@@ -313,12 +313,15 @@ class ReplicaSync:
                                 0 if contribution is None or contribution.finite else 1,
                                 rollback.snapshot.version + 1 if rollback else 0,
                                 1 if self._stop.is_set() else 0,
-                                1 if verdict is not None else 0, self.fates.mine], dtype=torch.float64)  # gloo: host
+                                1 if verdict is not None else 0, self.fates.mine,
+                                1 if self.fates.failed else 0], dtype=torch.float64)  # gloo: on the host
         gathered = [torch.empty_like(control) for _ in range(dist.get_world_size(self._control))]
         dist.all_gather(gathered, control, group=self._control)
         table = torch.stack(gathered)
         entries, non_finite, rollback_to, stop, verdicts = (int(v) for v in table[:, :5].sum(0).tolist())
         self.fates.heard(int(table[:, 5].min()))
+        if table[:, 6].any():  # a replica leaves the group: its stop is a failure, not a shutdown agreed on
+            self.fates.stop(failed=True)
         results: list = []
         if entries:
             results.append(self._sum_gradients(contribution, entries, non_finite == 0))
