@@ -67,7 +67,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         else:
             keys, values = key, value
         causal = group.runs_causal(window)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=None if causal else group.mask(window),
+        mask = None if causal else group.mask(window, queries.dtype)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
                                              is_causal=causal, scale=scaling,
                                              enable_gqa=keys.shape[1] != heads)  # (b, H, q, D)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))

@@ -149,23 +149,31 @@ class AttentionGroup:
     causal: bool = False
 
     def __post_init__(self) -> None:
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = {}
 
     def runs_causal(self, sliding_window: int | None = None) -> bool:
         """Whether attention runs as SDPA's causal kernel rather than reading `mask`."""
         return self.causal and (sliding_window is None or self.num_keys <= sliding_window)
 
-    def mask(self, sliding_window: int | None = None) -> torch.Tensor:
+    def allowed(self, sliding_window: int | None = None) -> torch.Tensor:
         """(b, 1, q, S) bool, True where a query may attend to a key."""
-        if sliding_window not in self._masks:
-            positions = self.query_positions.unsqueeze(-1)  # (b, q, 1)
-            keys = torch.arange(self.num_keys, device=positions.device)  # (S,)
-            allowed = keys <= positions
-            if sliding_window is not None:
-                allowed &= keys > positions - sliding_window
-            allowed[..., 0] |= positions[..., 0] < 0  # padding rows attend to one key, not none (NaN)
-            self._masks[sliding_window] = allowed.unsqueeze(1)
-        return self._masks[sliding_window]
+        positions = self.query_positions.unsqueeze(-1)  # (b, q, 1)
+        keys = torch.arange(self.num_keys, device=positions.device)  # (S,)
+        allowed = keys <= positions
+        if sliding_window is not None:
+            allowed &= keys > positions - sliding_window
+        allowed[..., 0] |= positions[..., 0] < 0  # padding rows attend to one key, not none (NaN)
+        return allowed.unsqueeze(1)
+
+    def mask(self, sliding_window: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(b, 1, q, S) in `dtype`: 0 where a query may attend to a key, −inf where not — what
+        SDPA makes of the boolean mask (`allowed`) in every call, made once for every layer."""
+        key = (sliding_window, dtype)
+        if key not in self._masks:
+            allowed = self.allowed(sliding_window)
+            self._masks[key] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                allowed.logical_not(), float("-inf"))
+        return self._masks[key]
 
 
 @dataclass
