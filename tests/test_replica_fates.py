@@ -76,20 +76,25 @@ def test_a_rollbacks_save_needs_the_fates_of_the_versions_before_it_only():
 def test_once_the_rounds_failed_what_they_did_not_confirm_is_not_saved():
     fates = FateWatermarks(2)
     journal = ReplicatedSaveJournal(fates, None, timeout_s=30)
-    fates.stop(failed=True)
+    fates.settle(failed=True)
     journal.before_save(_snapshot(2))  # confirmed before the failure
     with pytest.raises(FatesUnconfirmed, match="rounds failed"):
         journal.before_save(_snapshot(3))
 
 
-def test_a_shutdown_the_replicas_agreed_on_saves_as_a_single_server_does():
+def test_at_a_shutdown_a_waiting_save_goes_once_the_last_word_confirms_it_and_not_otherwise():
     fates = FateWatermarks(2)
     journal = ReplicatedSaveJournal(fates, None, timeout_s=30)
     waiting = threading.Thread(target=journal.before_save, args=(_snapshot(4),))
     waiting.start()
-    fates.stop(failed=False)
+    time.sleep(0.2)
+    assert waiting.is_alive()  # the rounds are over, the last word not yet heard
+    fates.heard(4)  # the last word
+    fates.settle()
     waiting.join(5)
     assert not waiting.is_alive()
+    with pytest.raises(FatesUnconfirmed, match="rounds ended"):
+        journal.before_save(_snapshot(5))
 
 
 def test_a_ledger_marker_is_heard_once_the_fates_before_it_are_committed_not_while_they_wait_to_be_retried(tmp_path):
@@ -239,6 +244,52 @@ def test_rank_0_saves_a_version_after_the_other_replicas_fates_and_not_what_a_lo
     result = json.loads((tmp_path / "rank0.json").read_text())
     assert result["saved_1"] >= float((tmp_path / "rank1-written").read_text())
     assert result["everywhere"] == 1 and "rounds failed" in result["refused"]
+
+
+def _last_word_main(rank: int, world_size: int, port: int, out: str, rank1: str) -> None:
+    """Both replicas shut down as agreed: the rounds end, then each applies their last step
+    (version 2) and has the last word. Rank 1's ledger committed that step's fates
+    (`confirmed`), or could not (`unconfirmed`), or rank 1 is not shutting down and says
+    nothing (`silent`): rank 0 saves version 2 in the first case only."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    sync = ReplicaSync(adapter_params(seed=rank), rank, round_interval_s=0.01, last_word_timeout_s=3)
+    sync.start(1)
+    results = Path(out)
+    if rank == 1 and rank1 == "silent":
+        wait_for((results / "rank0.json").is_file, timeout=60)
+        os._exit(0)
+    if rank == 0:
+        journal = ReplicatedSaveJournal(sync.fates, None, timeout_s=30)
+        saving = []
+        waiting = threading.Thread(target=lambda: saving.append(_refusal(journal, 2)))
+        waiting.start()  # a due save, begun before the shutdown
+    sync.close()  # the agreed stop: its last round
+    if rank == 0 or rank1 == "confirmed":
+        sync.fates.written(2)  # the last step applied after the last round, its fates committed
+    sync.last_word()
+    if rank == 0:
+        waiting.join(30)
+        (results / "rank0.json").write_text(json.dumps({"refused": saving[0], "everywhere": sync.fates.everywhere}))
+    os._exit(0)
+
+
+def _refusal(journal: ReplicatedSaveJournal, version: int) -> str | None:
+    try:
+        journal.before_save(_snapshot(version))
+    except FatesUnconfirmed as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("rank1", ["confirmed", "unconfirmed", "silent"])
+def test_at_an_agreed_shutdown_rank_0_saves_what_every_replicas_last_word_confirms(tmp_path, rank1):
+    mp.start_processes(_last_word_main, args=(2, free_port(), str(tmp_path), rank1), nprocs=2, start_method="spawn")
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    if rank1 == "confirmed":
+        assert result == {"refused": None, "everywhere": 2}
+    else:
+        assert result["everywhere"] == 1 and "not saved" in result["refused"]
 
 
 def _wired_main(rank: int, world_size: int, port: int, out: str) -> None:

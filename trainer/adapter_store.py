@@ -227,6 +227,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+class SaveRefused(Exception):
+    """A journal refused a save: what the version trained is not known to be kept (the
+    version is not saved; the next one may be)."""
+
+
 class SaveJournal(Protocol):
     """What keeps account of the labels a saved version holds (trainer/ledger.py)."""
 
@@ -305,6 +310,10 @@ class AdapterCheckpointer:
             if self.journal is not None:
                 self.journal.before_save(snapshot)
             path = self.store.save(snapshot)
+        except SaveRefused as exc:
+            self.failed += 1
+            logger.warning("adapter version %d is not saved: %s", snapshot.version, exc)
+            return None
         except Exception:  # noqa: BLE001 - a failed save is counted; the next one may succeed
             self.failed += 1
             logger.exception("saving adapter version %d failed", snapshot.version)

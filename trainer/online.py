@@ -324,6 +324,9 @@ class OnlineTraining:
             if self.trainer.computing():
                 self.trainer.abandon_job()
             self.apply_synced()
+            if self.ledger is not None:
+                self.ledger.flush()  # the fates of the steps just applied, before the last word confirms them
+            self.replicas.last_word()
         if self.offloader is not None:
             self.offloader.close()
         if self.rewards is not None:

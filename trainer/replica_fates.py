@@ -14,9 +14,10 @@ them), the rounds take the smallest (`heard`), and rank 0's checkpointer waits f
 before it writes a version (`ReplicatedSaveJournal.before_save`, on the checkpointer's
 thread: serving never waits). Once the rounds failed (a replica died, hangs, or leaves
 the group), what was not confirmed is not saved: the restart resumes from the last version
-confirmed, and the labels trained after it train again, once. A shutdown the replicas
-agreed on saves as a single server does: its last steps' fates land as each replica closes
-its ledger, after the last round.
+confirmed, and the labels trained after it train again, once. At a shutdown the replicas
+agreed on, each applies the last rounds' steps after the last round, so their fates get
+a last word (`ReplicaSync.last_word`): every replica's watermark once more, before rank 0
+saves its final version.
 
 A rollback's save (rank 0's device thread waits for it) needs only the version it restored
 confirmed, which a save confirmed already: its own fates are applied again on every node
@@ -28,22 +29,22 @@ from __future__ import annotations
 import threading
 import time
 
-from trainer.adapter_store import AdapterSnapshot, SaveJournal
+from trainer.adapter_store import AdapterSnapshot, SaveJournal, SaveRefused
 
 
-class FatesUnconfirmed(Exception):
+class FatesUnconfirmed(SaveRefused):
     """A version's fates are not known to be committed on every replica: it is not saved."""
 
 
 class FateWatermarks:
     """This replica's version through which its ledger fates are committed, and every
-    replica's (the smallest, as the last round heard it)."""
+    replica's (the smallest the rounds heard)."""
 
     def __init__(self, version: int):
         self.mine = version
         self.everywhere = version
-        # the rounds ended: `failed` when a round failed (a replica died or hangs)
-        self.stopped = False
+        # no round will be heard again: the rounds ended, or `failed` (a replica died, hangs or left)
+        self.final = False
         self.failed = False
         self._changed = threading.Condition()
 
@@ -53,32 +54,29 @@ class FateWatermarks:
             self.mine = max(self.mine, version)
 
     def heard(self, everywhere: int) -> None:
-        """A round's smallest watermark among the replicas (the sync thread)."""
+        """The smallest watermark among the replicas, as a round heard it (the sync thread)."""
         with self._changed:
             if everywhere > self.everywhere:
                 self.everywhere = everywhere
                 self._changed.notify_all()
 
-    def stop(self, failed: bool) -> None:
-        """The rounds ended (the sync thread); `failed`: a round failed."""
+    def settle(self, failed: bool = False) -> None:
+        """Nothing more will be heard; `failed`: because a round failed."""
         with self._changed:
-            self.stopped = True
+            self.final = True
             self.failed = self.failed or failed
             self._changed.notify_all()
 
     def wait(self, version: int, timeout_s: float) -> None:
-        """Returns once every replica's fates through `version` are committed, or the rounds
-        ended as agreed (a shutdown); FatesUnconfirmed if they failed first or the wait
-        passed `timeout_s`."""
+        """Returns once every replica's fates through `version` are committed; FatesUnconfirmed
+        once nothing more can be heard, or after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while self.everywhere < version:
-                if self.failed:
-                    raise FatesUnconfirmed(f"the replicas' rounds failed with fates confirmed through version "
-                                           f"{self.everywhere}: version {version} is not saved, and a restart "
-                                           "trains the labels after that version again")
-                if self.stopped:
-                    return
+                if self.final:
+                    raise FatesUnconfirmed(f"the replicas' rounds {'failed' if self.failed else 'ended'} with fates "
+                                           f"confirmed through version {self.everywhere}: version {version} is not "
+                                           "saved, and a restart trains the labels after that version again")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise FatesUnconfirmed(f"the replicas' fates through version {version} were not confirmed "

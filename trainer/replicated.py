@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 ROUND_INTERVAL_S = 0.05
 # a round that waits longer than this for a replica fails (the replica is dead)
 ROUND_TIMEOUT_S = 60
+# how long a shutdown's last word waits for every replica (they shut down within uvicorn's grace)
+LAST_WORD_TIMEOUT_S = 30
 # a completion id names the replica that served it: chatcmpl-r1-<hex>
 _REPLICA_TAG = re.compile(r"^[a-z]+-r(\d+)-")
 
@@ -136,7 +138,8 @@ class ReplicatedVerdict:
 
 class ReplicaSync:
     def __init__(self, params: list[torch.nn.Parameter], rank: int, wakeup: Callable[[], None] = lambda: None,
-                 round_interval_s: float = ROUND_INTERVAL_S, round_timeout_s: float = ROUND_TIMEOUT_S):
+                 round_interval_s: float = ROUND_INTERVAL_S, round_timeout_s: float = ROUND_TIMEOUT_S,
+                 last_word_timeout_s: float = LAST_WORD_TIMEOUT_S):
         """`params`: the adapter's trainable parameters, in the same order on every
         replica; `wakeup`: wakes the serving loop when a result is queued; a round that
         waits `round_timeout_s` for a replica fails, and this replica leaves the group."""
@@ -165,6 +168,8 @@ class ReplicaSync:
         timeout = datetime.timedelta(seconds=round_timeout_s)
         self._control = dist.new_group(backend="gloo", timeout=timeout)
         self._group = dist.new_group(timeout=timeout)
+        # a shutdown's last word (`last_word`), after the rounds
+        self._last_word = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=last_word_timeout_s))
         self._stream = torch.cuda.Stream(self._device) if self._device.type == "cuda" else None
 
     # -- at start, before serving --------------------------------------------------------
@@ -274,10 +279,28 @@ class ReplicaSync:
 
         with self._lock:
             self.stopped = reason
-        self.fates.stop(failed=True)
+        self.fates.settle(failed=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
     # -- the sync thread -----------------------------------------------------------------
+
+    def last_word(self) -> None:
+        """At a shutdown the replicas agreed on, on each replica once it applied the last rounds'
+        results and its ledger committed their fates: every replica's watermark once more, for
+        rank 0's final save. A replica that does not answer within `last_word_timeout_s` (not
+        shutting down, or stuck) leaves what it did not confirm unsaved."""
+        if self.fates.final or self._thread.ident is None:  # failed, or stopped by another; or never started
+            return
+        gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self._last_word))]
+        try:
+            dist.all_gather(gathered, torch.tensor([self.fates.mine]), group=self._last_word)
+        except Exception as exc:  # noqa: BLE001 - a replica gone or not shutting down
+            logger.warning("replica %d: no last word from every replica (%s): versions they did not confirm are "
+                           "not saved", self.rank, exc)
+            self.fates.settle(failed=True)
+            return
+        self.fates.heard(min(int(t) for t in gathered))
+        self.fates.settle()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Leaves the rounds: the others leave at the same round."""
@@ -321,7 +344,7 @@ class ReplicaSync:
         entries, non_finite, rollback_to, stop, verdicts = (int(v) for v in table[:, :5].sum(0).tolist())
         self.fates.heard(int(table[:, 5].min()))
         if table[:, 6].any():  # a replica leaves the group: its stop is a failure, not a shutdown agreed on
-            self.fates.stop(failed=True)
+            self.fates.settle(failed=True)
         results: list = []
         if entries:
             results.append(self._sum_gradients(contribution, entries, non_finite == 0))
@@ -359,7 +382,10 @@ class ReplicaSync:
         with self._lock:
             self.stopped = reason
             waiting, self._rollback = self._rollback, None
-        self.fates.stop(failed=level >= logging.ERROR)
+        if level >= logging.ERROR:
+            self.fates.settle(failed=True)
+        elif not self._stop.is_set():  # another replica's shutdown: this one hears no more (its own: `last_word`)
+            self.fates.settle()
         for pending in (rollback, waiting):
             if pending is not None and pending.done is not None and not pending.done.done():
                 pending.done.set_exception(RuntimeError(reason))
