@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 ROUND_INTERVAL_S = 0.05
 # a round that waits longer than this for a replica fails (the replica is dead)
 ROUND_TIMEOUT_S = 60
-# how long a shutdown's last word waits for every replica (they shut down within uvicorn's grace)
-LAST_WORD_TIMEOUT_S = 30
+# how long a shutdown's last word waits for every replica: they reach it after uvicorn's drain (10 s at
+# most), and the elastic agent kills them 30 s after its SIGTERM
+LAST_WORD_TIMEOUT_S = 20
 # a completion id names the replica that served it: chatcmpl-r1-<hex>
 _REPLICA_TAG = re.compile(r"^[a-z]+-r(\d+)-")
 
@@ -286,10 +287,11 @@ class ReplicaSync:
 
     def last_word(self) -> None:
         """At a shutdown the replicas agreed on, on each replica once it applied the last rounds'
-        results and its ledger committed their fates: every replica's watermark once more, for
-        rank 0's final save. A replica that does not answer within `last_word_timeout_s` (not
-        shutting down, or stuck) leaves what it did not confirm unsaved."""
-        if self.fates.final or self._thread.ident is None:  # failed, or stopped by another; or never started
+        results and its ledger committed their fates (each in its own time: they drain their
+        requests apart): every replica's watermark once more, for rank 0's final save. A
+        replica that does not answer within `last_word_timeout_s` (not shutting down, or
+        stuck) leaves what it did not confirm unsaved."""
+        if self.fates.final or self._thread.ident is None:  # failed; or the rounds never started
             return
         gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(self._last_word))]
         try:
@@ -382,10 +384,8 @@ class ReplicaSync:
         with self._lock:
             self.stopped = reason
             waiting, self._rollback = self._rollback, None
-        if level >= logging.ERROR:
+        if level >= logging.ERROR:  # (an agreed stop leaves the watermarks to every replica's `last_word`)
             self.fates.settle(failed=True)
-        elif not self._stop.is_set():  # another replica's shutdown: this one hears no more (its own: `last_word`)
-            self.fates.settle()
         for pending in (rollback, waiting):
             if pending is not None and pending.done is not None and not pending.done.done():
                 pending.done.set_exception(RuntimeError(reason))

@@ -46,8 +46,8 @@ def old_forward(module, query, key, value, attention_mask, scaling=None, dropout
         else:
             keys, values = (key[group.key_slots].transpose(1, 2), value[group.key_slots].transpose(1, 2)) if pooled \
                 else (key, value)
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask(window), scale=scaling,
-                                                 enable_gqa=keys.shape[1] != heads)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=group.mask(window, queries.dtype),
+                                                 scale=scaling, enable_gqa=keys.shape[1] != heads)
         outputs.append(out.transpose(1, 2).reshape(-1, heads, head_dim))
     out = gather_rows(outputs[0] if len(outputs) == 1 else torch.cat(outputs), meta.output_index)
     return out.unsqueeze(0), None
