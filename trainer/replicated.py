@@ -283,8 +283,6 @@ class ReplicaSync:
         self.fates.settle(failed=True)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    # -- the sync thread -----------------------------------------------------------------
-
     def last_word(self) -> None:
         """At a shutdown the replicas agreed on, on each replica once it applied the last rounds'
         results and its ledger committed their fates (each in its own time: they drain their
@@ -303,6 +301,8 @@ class ReplicaSync:
             return
         self.fates.heard(min(int(t) for t in gathered))
         self.fates.settle()
+
+    # -- the sync thread -----------------------------------------------------------------
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Leaves the rounds: the others leave at the same round."""
