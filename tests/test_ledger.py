@@ -814,6 +814,27 @@ def test_a_rollback_quarantines_only_the_versions_it_undid(tmp_path):
     assert again.stats.rollback_quarantined == 0
 
 
+def released_after_a_rollback(root) -> None:
+    """Label "r" trained into version 1, quarantined by a rollback to 0 (as version 2), then
+    released: the next start queues it to train again."""
+    first = _training(root, save_every=1)
+    serve_and_label(first, ("r",), train_each=True)
+    assert first.optimizer.version == 1
+    assert first.rollback(first.lifecycle.load_saved(0)) == 2
+    crash(first)
+    assert release_quarantined(root / LEDGER_FILE) == ["r"]
+
+
+def assert_held_not_trained_again(training, root) -> None:
+    """The weights hold "r" through its training into version 1: nothing trains it again,
+    and the ledger says so."""
+    training.train_until_idle()
+    assert training.stats.copy().trained_entries == {}
+    training.ledger.flush()
+    row = rows_by_id(root / LEDGER_FILE)["r"]
+    assert (row.fate, row.fate_version) == ("trained", 1)
+
+
 @pytest.mark.parametrize("lost_retraining", [False, True], ids=["released", "released-retrained-lost"])
 def test_a_released_label_the_restored_weights_hold_already_is_not_trained_again(tmp_path, lost_retraining):
     """Trained into 1, quarantined by a rollback to 0, released: it waits in the cache to
@@ -821,12 +842,7 @@ def test_a_released_label_the_restored_weights_hold_already_is_not_trained_again
     `trained` but the cache trained it anyway, into the weights twice; and where it had
     trained again into a version a crash lost, the restart cleared its release and its
     earlier version, so the rollback did not even give it back (a review found both)."""
-    first = _training(tmp_path, save_every=1)
-    serve_and_label(first, ("r",), train_each=True)
-    assert first.optimizer.version == 1
-    assert first.rollback(first.lifecycle.load_saved(0)) == 2
-    crash(first)
-    assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
+    released_after_a_rollback(tmp_path)
     if lost_retraining:
         second = _training(tmp_path, save_every=100)
         second.train_until_idle()  # trains it again, into version 3, which the crash loses
@@ -839,11 +855,7 @@ def test_a_released_label_the_restored_weights_hold_already_is_not_trained_again
     assert last.cache.get("r") is not None  # waits to train again
     last.rollback(last.lifecycle.load_saved(1))
     assert last.cache.get("r") is None
-    last.train_until_idle()
-    assert last.stats.copy().trained_entries == {}
-    last.ledger.flush()
-    row = rows_by_id(tmp_path / LEDGER_FILE)["r"]
-    assert (row.fate, row.fate_version) == ("trained", 1)
+    assert_held_not_trained_again(last, tmp_path)
     assert last.feedback.submit(FeedbackLabel("r", "Another label.", None, 0)).outcome is not FeedbackOutcome.ACCEPTED
     last.close()
 
@@ -852,11 +864,7 @@ def test_a_rollback_whose_save_failed_lets_go_of_the_label_once_a_later_save_car
     """The rollback serves but its save failed: its fates wait for the next version saved,
     which carries it, and land on the checkpointer's thread; the queue then lets go of the
     released label the restored weights hold, as a saved rollback's does at once."""
-    first = _training(tmp_path, save_every=1)
-    serve_and_label(first, ("r",), train_each=True)
-    assert first.rollback(first.lifecycle.load_saved(0)) == 2
-    crash(first)
-    assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
+    released_after_a_rollback(tmp_path)
     last = _training(tmp_path, save_every=1)
     store, saves = last.lifecycle.checkpointer.store, []
     plain_save = store.save
@@ -875,11 +883,7 @@ def test_a_rollback_whose_save_failed_lets_go_of_the_label_once_a_later_save_car
     last.lifecycle._save(carried)  # the next version saved (a due save, the gate's promotion) carries it
     wait_for(lambda: last.cache.get("r") is None, timeout=30)  # (a callback of the save's, after its result)
     assert saves == [3, 3]
-    last.train_until_idle()
-    assert last.stats.copy().trained_entries == {}
-    last.ledger.flush()
-    row = rows_by_id(tmp_path / LEDGER_FILE)["r"]
-    assert (row.fate, row.fate_version) == ("trained", 1)
+    assert_held_not_trained_again(last, tmp_path)
     last.close()
 
 
@@ -887,11 +891,7 @@ def test_a_rollback_killed_before_its_fates_landed_gives_them_back_before_the_re
     """The restart applies the rollback's fates again, queued; the replay read the ledger
     before they landed, and put the released label that the restored weights hold back in
     line to train a second time (a review found it)."""
-    first = _training(tmp_path, save_every=1)
-    serve_and_label(first, ("r",), train_each=True)
-    assert first.rollback(first.lifecycle.load_saved(0)) == 2
-    crash(first)
-    assert release_quarantined(tmp_path / LEDGER_FILE) == ["r"]
+    released_after_a_rollback(tmp_path)
     second = _training(tmp_path, save_every=1)
     assert second.cache.get("r") is not None
     second.ledger.rolled_back = lambda *args: None  # killed before the rollback's fates landed
@@ -900,9 +900,5 @@ def test_a_rollback_killed_before_its_fates_landed_gives_them_back_before_the_re
     crash(second)
     third = _training(tmp_path, save_every=1)
     assert third.optimizer.version == 3 and third.cache.get("r") is None
-    third.train_until_idle()
-    assert third.stats.copy().trained_entries == {}
-    third.ledger.flush()
-    row = rows_by_id(tmp_path / LEDGER_FILE)["r"]
-    assert (row.fate, row.fate_version) == ("trained", 1)
+    assert_held_not_trained_again(third, tmp_path)
     third.close()

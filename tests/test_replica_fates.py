@@ -266,7 +266,7 @@ def _last_word_main(rank: int, world_size: int, port: int, out: str, rank1: str,
     says nothing (`silent`): rank 0 saves version 2 in the first case only."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    sync = ReplicaSync(adapter_params(seed=rank), rank, round_interval_s=0.01, last_word_timeout_s=3)
+    sync = ReplicaSync(adapter_params(seed=rank), rank, round_interval_s=0.01, last_word_timeout_s=10)
     sync.start(1)
     results = Path(out)
     if rank == 1 and rank1 == "silent":
