@@ -33,9 +33,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
-    def append(self, token_id: int) -> str | None:
+    def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Add a generated token; returns the stop string it completed, if any (the
-        output text is then cut at it)."""
+        output text is then cut at it). Without `check_stop` (`min_tokens` not reached)
+        stop strings are not looked for: the text keeps them, as vLLM's does."""
         self._token_ids.append(token_id)
         prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._token_ids[self._prefix_offset:])
@@ -45,7 +46,7 @@ class IncrementalDetokenizer:
         self.output_text += full_text[len(prefix_text):]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
-        return self._find_stop(start) if self._stop else None
+        return self._find_stop(start) if self._stop and check_stop else None
 
     def _find_stop(self, new_text_start: int) -> str | None:
         best: tuple[int, str] | None = None

@@ -78,8 +78,8 @@ class OutputProcessor:
             if token_id in params.stop_token_ids:
                 self.scheduler.finish(seq, "stop", token_id)
                 return
-        stop = seq.detokenizer.append(token_id)
-        if stop is not None and num_out >= params.min_tokens:
+        stop = seq.detokenizer.append(token_id, check_stop=num_out >= params.min_tokens)
+        if stop is not None:
             self.scheduler.finish(seq, "stop", stop)
         elif num_out >= seq.max_tokens:
             self.scheduler.finish(seq, "length")

@@ -101,6 +101,24 @@ def test_stop_string_truncates_output_and_is_not_streamed():
     assert included == full_text[:full_text.index(stop) + len(stop)]
 
 
+def test_a_stop_string_before_min_tokens_stays_in_the_text_and_the_first_one_after_ends_it():
+    engine = make_engine()
+    greedy_text, greedy_ids, _, _, _ = collect(run(engine, SamplingParams(temperature=0.0, max_tokens=30,
+                                                                          ignore_eos=True)))
+    tok = tiny_tokenizer()
+    # a stop string that the first tokens complete, and that occurs again later
+    prefix_lengths = [len(tok.decode(greedy_ids[:n])) for n in range(1, 31)]
+    stop = next(greedy_text[end - 1:end] for end in prefix_lengths[:5] if greedy_text[end - 1:end].strip()
+                and greedy_text.count(greedy_text[end - 1:end]) >= 2)
+    first_after = greedy_text.index(stop, prefix_lengths[8])  # from the 10th token's text on
+    outputs = run(make_engine(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=10,
+                                                stop=[stop]))
+    text, ids, _, reason, stop_reason = collect(outputs)
+    assert text == greedy_text[:first_after] and reason == "stop" and stop_reason == stop
+    assert ids == greedy_ids[:len(ids)] and len(ids) >= 10
+    assert "".join(c.text for o in outputs for c in o.outputs) == text  # streamed: the same text
+
+
 def test_n_choices_are_returned_and_differ():
     outputs = run(make_engine(), SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True))
     choices = [collect(outputs, i)[1] for i in range(3)]
