@@ -12,7 +12,7 @@ import codecs
 
 from engine.outputs import RequestOutput, TokenLogprob
 from server.token_shown import TokenShown
-from server.tool_calls import ToolCall, ToolCallParser
+from server.tool_calls import ToolCallParser
 
 MIN_LOGPROB = -9999.0
 
@@ -25,23 +25,24 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 def finish_reason(reason: str | None, called_tools: bool = False) -> str | None:
     """OpenAI has no "abort": a whole answer cut short says "stop" (a stream gives a choice
     the server aborted no finish reason: server/streams.py); one that ended on its own
-    after calling tools says "tool_calls"."""
+    after calling tools (but not one `tool_choice` named) says "tool_calls"."""
     if reason == "stop" and called_tools:
         return "tool_calls"
     return "stop" if reason == "abort" else reason
 
 
-def assistant_message(text: str, parser: ToolCallParser | None) -> tuple[dict, list[ToolCall]]:
-    """A whole choice's `message`; with a parser (tools were offered), its tool calls split from its text."""
+def assistant_message(text: str, parser: ToolCallParser | None) -> tuple[dict, bool]:
+    """A whole choice's `message`, and whether it ends as "tool_calls"; with a parser (tools
+    were offered), its tool calls split from its text."""
     if parser is None:
-        return {"role": "assistant", "content": text}, []
+        return {"role": "assistant", "content": text}, False
     content, _ = parser.feed(text)
     rest, _ = parser.finish()
     content += rest
     message = {"role": "assistant", "content": content if content or not (parser.calls or parser.forced) else None}
     if parser.calls:
         message["tool_calls"] = [call.as_openai() for call in parser.calls]
-    return message, parser.calls
+    return message, parser.ends_as_tool_calls
 
 
 def clamp_logprob(value: float) -> float:
@@ -131,12 +132,12 @@ def chat_completion(request_id: str, model: str, created: int, choices: Choices,
     """A whole `chat.completion` body; `parsers`: one per choice when tools were offered."""
     rendered = []
     for i, text in enumerate(choices.texts):
-        message, calls = assistant_message(text, parsers[i] if parsers else None)
+        message, called_tools = assistant_message(text, parsers[i] if parsers else None)
         rendered.append({
             "index": i,
             "message": message,
             "logprobs": {"content": chat_logprobs(tokens, choices.logprobs[i])} if with_logprobs else None,
-            "finish_reason": finish_reason(choices.reasons[i], bool(calls)),
+            "finish_reason": finish_reason(choices.reasons[i], called_tools),
             "stop_reason": choices.stop_reasons[i],
         })
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,

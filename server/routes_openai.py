@@ -86,7 +86,8 @@ async def serve_chat_completion(state: ServerState, request: Request):
     stream = engine_stream(state.engine, engine_request)
     parsers = None
     if tools is not None:  # a forced call's layout is the grammar's, so its arguments can stream as decoded
-        parsers = [ToolCallParser(tools.forced, state.metrics.count_tool_calls, tools.forced_names)
+        parsers = [ToolCallParser(tools.forced, state.metrics.count_tool_calls, tools.forced_names,
+                                   named=tools.choice == "named")
                    for _ in range(params.n)]
     if body.stream:
         events = chat_events(request_id, body.model, stream, params.n, len(prompt_ids),

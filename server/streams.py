@@ -191,7 +191,7 @@ def _streamed_finish_reason(reason: str | None, called_tools: bool = False) -> s
 
 def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tuple[dict, bool]:
     """A choice's delta for its new text — content, and, when tools were offered, tool-call
-    deltas (server/tool_calls.py) — and whether the choice has called a tool."""
+    deltas (server/tool_calls.py) — and whether the choice ends as "tool_calls"."""
     if parser is None:
         return ({"content": text} if text else {}), False
     content, calls = parser.feed(text)
@@ -201,7 +201,7 @@ def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tup
     delta: dict = {"content": content} if content else {}
     if calls:
         delta["tool_calls"] = [call.as_openai() for call in calls]
-    return delta, bool(parser.calls)
+    return delta, parser.ends_as_tool_calls
 
 
 async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_tokens: int, stream_options,

@@ -209,6 +209,8 @@ class ToolCallParser:
     forced call's (its grammar wrote every character), naming one of these functions; none
     of it is content, and a call cut before its arguments began is still handed out, with
     empty arguments, once its name is certain (always, for a named `tool_choice`).
+    `named`: the call is forced by a `tool_choice` that names its function; such an answer
+    ends with finish reason "stop", not "tool_calls", as OpenAI's does.
     `finish` calls `on_finish` with the parser, e.g. to count its calls. Whitespace is
     handed out only once text follows it, so the blank lines around calls are not content.
     Feeding the whole text at once gives what streaming it gives: `calls` and the
@@ -216,8 +218,9 @@ class ToolCallParser:
     """
 
     def __init__(self, stream_arguments: bool = False, on_finish: Callable[[ToolCallParser], None] | None = None,
-                 forced_names: tuple[str, ...] = ()):
+                 forced_names: tuple[str, ...] = (), named: bool = False):
         self._forced_names = tuple(forced_names)
+        self.named = named
         self._stream_arguments = stream_arguments or bool(self._forced_names)
         self._on_finish = on_finish
         self._pending = ""
@@ -233,6 +236,12 @@ class ToolCallParser:
     def forced(self) -> bool:
         """The output is a forced call's: it has no content."""
         return bool(self._forced_names)
+
+    @property
+    def ends_as_tool_calls(self) -> bool:
+        """Whether an answer that ended on its own says "tool_calls": it called a tool, and
+        not one a `tool_choice` named (OpenAI's answer then says "stop")."""
+        return bool(self.calls) and not self.named
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         self._pending += text

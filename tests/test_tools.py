@@ -116,14 +116,20 @@ def test_required_with_parallel_calls_validates_every_call(client):
             assert choice["message"]["content"] is None
 
 
-def test_a_named_function_is_the_one_called(client):
-    r = chat(client, tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=1.0, seed=4,
-             n=2)
+def test_a_named_function_is_the_one_called_and_the_answer_ends_as_openai_ends_it(client):
+    """A call that `tool_choice` names ends with "stop" (OpenAI's, and vLLM's since it
+    aligned), streamed or whole; `required`'s with "tool_calls"."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = chat(client, tool_choice=named, temperature=1.0, seed=4, n=2)
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
         (call,) = choice["message"]["tool_calls"]
         assert_valid_call(call, names=("get_time",))
-        assert choice["finish_reason"] == "tool_calls"
+        assert choice["finish_reason"] == "stop"
+    content, (call,), finish = streamed_choice(client, tool_choice=named, temperature=1.0, seed=4, max_tokens=160)
+    assert (content, call["name"], finish) == ("", "get_time", "stop")
+    assert streamed_choice(client, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=4,
+                           max_tokens=160)[2] == "tool_calls"
 
 
 def streamed_choice(client, **body) -> tuple[str, list[dict], str | None]:
