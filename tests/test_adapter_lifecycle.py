@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -25,7 +26,7 @@ from tests.test_training import label, make_trainer, serve
 from tests.tiny import tiny_model
 from trainer.adapter_store import AdapterStore
 from trainer.ledger_db import LEDGER_FILE, read_ledger
-from trainer.lifecycle import AdapterMismatchError
+from trainer.adapter_store import AdapterMismatchError
 
 TRAIN = TrainConfig(mode="cpt", lora_rank=4, learning_rate=1e-2)
 
@@ -179,6 +180,37 @@ def test_a_rollback_whose_save_failed_serves_and_is_recorded_by_the_next_version
         serve_and_train(client, ["fourth prompt about mice"])
         training.lifecycle.checkpointer.wait()
         assert "rollbacks" not in json.loads((store.path_of(5) / "alchemist_state.json").read_text())
+
+
+def test_a_rollback_saved_later_serves_at_once_is_carried_until_its_save_lands_and_quarantines_after(tmp_path):
+    """Replicas' rank 0 does not wait for a rollback's save (that save waits for every
+    replica's fates: trainer/replica_fates.py): the rollback serves at once, a snapshot
+    taken meanwhile carries it, and the labels it undid are quarantined once it is saved."""
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        serve_and_train(client, ["first prompt about dogs"])
+        serve_and_train(client, ["second prompt about birds"])
+        state = client.app.state.alchemist
+        training, lifecycle = state.training, state.training.lifecycle
+        on_device = lambda fn, *args: client.portal.call(state.engine.run_on_device, fn, *args)  # noqa: E731
+        snapshot = lifecycle.load_saved(1)
+        store, released = lifecycle.checkpointer.store, threading.Event()
+        save = store.save
+        store.save = lambda rolled_back: released.wait(30) and save(rolled_back)
+
+        def fates():
+            training.ledger.flush()
+            return {row.request.prompt: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
+
+        version, landing = on_device(lifecycle.rollback_saved_later, snapshot)
+        assert version == 3 and not landing.done()
+        assert on_device(lifecycle.snapshot).state["rollbacks"] == [[1, 3]]
+        assert fates()["second prompt about birds"] == "trained"  # not before it is saved
+        released.set()
+        assert landing.result(30) is True
+        assert fates()["second prompt about birds"] == "quarantined"
+        assert "rollbacks" not in on_device(lifecycle.snapshot).state
+        assert json.loads((store.path_of(3) / "alchemist_state.json").read_text())["rolled_back_to"] == 1
 
 
 def test_adapter_routes_explain_when_saving_is_off():

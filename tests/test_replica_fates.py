@@ -64,10 +64,14 @@ def test_a_save_waits_until_every_replicas_fates_through_its_version_are_heard()
     assert not waiting.is_alive()
 
 
-def test_a_rollbacks_save_needs_the_fates_of_the_versions_before_it_only():
-    """A restart that resumes from a rollback applies its fates again: what must be
-    committed first is what the versions before it trained."""
-    fates = FateWatermarks(6)
+def test_a_rollbacks_save_needs_the_fates_of_every_version_it_undid_and_not_its_own():
+    """A restart that resumes from a rollback applies its fates again, quarantining what
+    the versions it undid trained: those fates must be on disk first (a label whose fate a
+    kill lost would train again); the rollback's own are applied again by that restart."""
+    fates = FateWatermarks(5)
+    with pytest.raises(FatesUnconfirmed):  # version 6, undone, is not confirmed everywhere
+        ReplicatedSaveJournal(fates, None, timeout_s=0.2).before_save(_snapshot(7, rolled_back_to=2))
+    fates.heard(6)
     ReplicatedSaveJournal(fates, None, timeout_s=0.2).before_save(_snapshot(7, rolled_back_to=2))
     with pytest.raises(FatesUnconfirmed):
         ReplicatedSaveJournal(fates, None, timeout_s=0.2).before_save(_snapshot(7))

@@ -335,3 +335,28 @@ class AdapterCheckpointer:
         if final is not None:
             self._save(final)
         self._writer.shutdown(wait=True)
+
+
+class AdapterMismatchError(ValueError):
+    """A saved adapter does not fit the configured one (rank, alpha, target modules)."""
+
+
+def check_compatible(ours, snapshot: AdapterSnapshot, live: dict) -> None:
+    """Raises AdapterMismatchError if `snapshot` cannot be loaded into the live adapter
+    (`ours`: its LoraConfig, `live`: its state dict)."""
+    theirs = snapshot.peft_config
+    problems = [f"{name} {getattr(theirs, name)} (configured: {getattr(ours, name)})"
+                for name in ("r", "lora_alpha") if getattr(theirs, name) != getattr(ours, name)]
+    if set(theirs.target_modules or ()) != set(ours.target_modules or ()):
+        problems.append(f"target modules {sorted(theirs.target_modules)} (configured: "
+                        f"{sorted(ours.target_modules)})")
+    if not problems:
+        if set(snapshot.weights) != set(live):
+            problems.append("its weights name other layers")
+        else:
+            problems += [f"{k} has shape {tuple(snapshot.weights[k].shape)}, expected {tuple(v.shape)}"
+                         for k, v in live.items() if snapshot.weights[k].shape != v.shape]
+    if problems:
+        raise AdapterMismatchError(f"saved adapter version {snapshot.version} does not fit this model and "
+                                   f"configuration: {'; '.join(problems[:3])}. Use another adapter directory "
+                                   "or match the configuration.")

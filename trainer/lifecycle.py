@@ -1,6 +1,6 @@
 """The adapter's lifecycle: what becomes of a new version (merged serving weights
 rebuilt, saved every `save_every` versions), and the adapter on disk — resume, snapshot,
-rollback, and the compatibility check between a saved adapter and the configured one.
+rollback (a saved adapter checked against the configured one: trainer/adapter_store.py).
 
 With an eval gate (trainer/eval_gate.py) a new version is a candidate until its verdict:
 `settle` promotes it (serving moves to it; only promoted versions are saved, with their
@@ -9,7 +9,9 @@ optimizer state come back as a new version number, the step's labels are quarant
 the ledger, and the rollback is counted with reason "eval_gate").
 
 A rollback whose own save fails still serves; every later snapshot carries it
-(`state["rollbacks"]`: [restored, as version] pairs) until one is saved, and the ledger's
+(`state["rollbacks"]`: [restored, as version] pairs) until one is saved — as it does while
+the save of replicas' rank 0 waits for every replica's fates (`rollback_saved_later`) —
+and the ledger's
 fates for it are written then, or by the restart that resumes such a version — never lost
 because the save that should have recorded it failed.
 
@@ -20,13 +22,15 @@ one). A rollback abandons the job in progress first; that is the caller's
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
+import threading
 
 import torch
 
 from trainer import ledger_lineage
-from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot, SavedVersion
+from trainer.adapter_store import AdapterCheckpointer, AdapterSnapshot, SavedVersion, check_compatible
 from trainer.cache import ActivationCache
 from trainer.eval_gate import EvalGate, Verdict
 from trainer.ledger import Ledger, LedgerUnavailable
@@ -37,10 +41,6 @@ from trainer.stash import WeightStash
 from trainer.status import TrainingStats
 
 logger = logging.getLogger(__name__)
-
-
-class AdapterMismatchError(ValueError):
-    """A saved adapter does not fit the configured one (rank, alpha, target modules)."""
 
 
 class AdapterLifecycle:
@@ -65,10 +65,11 @@ class AdapterLifecycle:
         self.checkpointer = checkpointer
         # the saved version the adapter was last restored from (resume or rollback)
         self.restored_from: int | None = None
-        # (restored, as version) of rollbacks whose own save failed, oldest first: carried by
-        # every snapshot until one is saved (replaced whole, never changed in place: a save's
-        # callback reads and writes it on the checkpointer's thread)
+        # (restored, as version) of rollbacks not saved yet (their save failed, or is on its way),
+        # oldest first: carried by every snapshot until one is saved (replaced whole, never
+        # changed in place, under the lock: a save's callback changes it on the checkpointer's thread)
         self._unsaved_rollbacks: tuple[tuple[int, int], ...] = ()
+        self._carried_lock = threading.Lock()
         # the saved version whose weights the live adapter holds, untrained since it was restored
         # (a rollback, the gate's return): named in its snapshots, so the store prunes copies first
         self._weights_of: int | None = None
@@ -264,31 +265,52 @@ class AdapterLifecycle:
         replaced is mistaken for current. Once it is saved, the labels the undone versions
         trained on are quarantined in the ledger (`alchemist feedback release` trains them
         again); if the save fails, the rollback serves but a restart resumes from before it."""
+        version, saving = self.rollback_saved_later(snapshot)
+        if saving is not None:
+            saving.result()
+        return version
+
+    def rollback_saved_later(self, snapshot: AdapterSnapshot) -> tuple[int, concurrent.futures.Future | None]:
+        """`rollback` without waiting for its save: the new version, and a future done (with
+        whether it was saved) once the save and the ledger's fates after it are through;
+        None where nothing is saved (a replica other than rank 0). Rank 0 of replicas calls
+        this: its save waits for every replica's fates of the versions it undid
+        (trainer/replica_fates.py), and the device thread never waits on other replicas.
+        Until it is saved, every snapshot carries it, as one whose save failed."""
         version = self.optimizer.version + 1
         self.restore(snapshot, version)
         with self.stats.lock:
             self.stats.rollbacks["manual"] += 1
         if self.gate is not None:  # a candidate being scored is dropped; the new weights are scored as the bar
             self.gate.rebaseline(version)
-            self.promoted_snapshot = self.snapshot()
-        if self.checkpointer is not None:
-            rolled_back = self.snapshot()
-            rolled_back.state["rolled_back_to"] = snapshot.version  # a restart applies its fates again (`resume`)
-            saved = self.checkpointer.save_async(rolled_back).result() is not None  # the ledger flushed first
-            if not saved:
-                logger.error("the rollback to version %d (now version %d) serves, but it could not be saved: a "
-                             "restart resumes from the last saved version; the next version saved carries it",
-                             snapshot.version, version)
-                self._unsaved_rollbacks = (*self._unsaved_rollbacks, (snapshot.version, version))
-                if self.gate is not None:  # what a shutdown saves while a candidate is scored carries it too
-                    self.promoted_snapshot = self.snapshot()
-            else:
-                self._rollbacks_saved(rolled_back)
-                self._ledger_after_rollback(snapshot.version, version)
-        else:  # a replica that saves no version: its node's ledger (another node's, with replicas) learns it here
-            self._ledger_after_rollback(snapshot.version, version)
         logger.info("rolled the adapter back to saved version %d (now version %d)", snapshot.version, version)
-        return version
+        if self.checkpointer is None:  # a replica that saves no version: its node's ledger learns it here
+            if self.gate is not None:
+                self.promoted_snapshot = self.snapshot()
+            self._ledger_after_rollback(snapshot.version, version)
+            return version, None
+        rolled_back = self.snapshot()
+        rolled_back.state["rolled_back_to"] = snapshot.version  # a restart applies its fates again (`resume`)
+        pair = (snapshot.version, version)
+        self._carry_rollbacks(added=(pair,))
+        if self.gate is not None:  # what a shutdown saves while a candidate is scored carries it
+            self.promoted_snapshot = self.snapshot()
+        landed: concurrent.futures.Future = concurrent.futures.Future()
+        self.checkpointer.save_async(rolled_back).add_done_callback(
+            lambda saving: landed.set_result(self._rollback_saved(rolled_back, pair, saving.result() is not None)))
+        return version, landed
+
+    def _rollback_saved(self, rolled_back: AdapterSnapshot, pair: tuple[int, int], saved: bool) -> bool:
+        """The rollback's save is through (the checkpointer's thread): saved, the ledger's fates
+        follow, and it is carried no more; else the next snapshot saved carries it."""
+        if not saved:
+            logger.error("the rollback to version %d (now version %d) serves, but it could not be saved: a restart "
+                         "resumes from the last saved version; the next version saved carries it", *pair)
+            return False
+        self._rollbacks_saved(rolled_back)
+        self._ledger_after_rollback(*pair)
+        self._carry_rollbacks(removed=(pair,))
+        return True
 
     def _save(self, snapshot: AdapterSnapshot) -> None:
         """Saves `snapshot` in the background; once saved, the unsaved rollbacks it carries
@@ -300,10 +322,18 @@ class AdapterLifecycle:
     def _rollbacks_saved(self, snapshot: AdapterSnapshot) -> None:
         """`snapshot` is saved: the rollbacks it carries get their ledger fates, in order,
         and are carried no more."""
-        carried = [tuple(pair) for pair in snapshot.state.get("rollbacks", [])]
+        carried = tuple(tuple(pair) for pair in snapshot.state.get("rollbacks", []))
         for restored, version in carried:
             self._ledger_after_rollback(restored, version)
-        self._unsaved_rollbacks = tuple(pair for pair in self._unsaved_rollbacks if pair not in carried)
+        self._carry_rollbacks(removed=carried)
+
+    def _carry_rollbacks(self, added: tuple[tuple[int, int], ...] = (),
+                         removed: tuple[tuple[int, int], ...] = ()) -> None:
+        """The rollbacks every snapshot carries until one is saved (the device thread adds,
+        the checkpointer's removes)."""
+        with self._carried_lock:
+            kept = tuple(pair for pair in self._unsaved_rollbacks if pair not in removed)
+            self._unsaved_rollbacks = kept + tuple(pair for pair in added if pair not in kept)
 
     def _ledger_after_rollback(self, restored: int, version: int) -> None:
         """The ledger's fates after a rollback to `restored`, as `version`: what the versions
@@ -352,24 +382,3 @@ class AdapterLifecycle:
             self.checkpointer.close(final)
             if final is not None and self.checkpointer.last_saved_version == final.version:
                 self._rollbacks_saved(final)
-
-
-def check_compatible(ours, snapshot: AdapterSnapshot, live: dict) -> None:
-    """Raises AdapterMismatchError if `snapshot` cannot be loaded into the live adapter
-    (`ours`: its LoraConfig, `live`: its state dict)."""
-    theirs = snapshot.peft_config
-    problems = [f"{name} {getattr(theirs, name)} (configured: {getattr(ours, name)})"
-                for name in ("r", "lora_alpha") if getattr(theirs, name) != getattr(ours, name)]
-    if set(theirs.target_modules or ()) != set(ours.target_modules or ()):
-        problems.append(f"target modules {sorted(theirs.target_modules)} (configured: "
-                        f"{sorted(ours.target_modules)})")
-    if not problems:
-        if set(snapshot.weights) != set(live):
-            problems.append("its weights name other layers")
-        else:
-            problems += [f"{k} has shape {tuple(snapshot.weights[k].shape)}, expected {tuple(v.shape)}"
-                         for k, v in live.items() if snapshot.weights[k].shape != v.shape]
-    if problems:
-        raise AdapterMismatchError(f"saved adapter version {snapshot.version} does not fit this model and "
-                                   f"configuration: {'; '.join(problems[:3])}. Use another adapter directory "
-                                   "or match the configuration.")

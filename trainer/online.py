@@ -149,10 +149,18 @@ class OnlineTraining:
                 logger.warning("a gate verdict arrived with no candidate waiting: %s", item)
         elif isinstance(item, ReplicatedRollback):
             # never abandons a job: a job here has handed its gradients to a round, whose step
-            # every replica applies after the rollback (a delayed gradient) and which ends it
-            version = self.lifecycle.rollback(item.snapshot)
-            if item.done is not None and not item.done.done():
-                item.done.set_result(version)
+            # every replica applies after the rollback (a delayed gradient) and which ends it.
+            # Rank 0's request is answered once the rollback is saved, which waits for every
+            # replica's fates of the versions it undid; this thread does not wait for that.
+            version, saving = self.lifecycle.rollback_saved_later(item.snapshot)
+            if item.done is not None:
+                def answer(_=None, done=item.done):
+                    if not done.done():
+                        done.set_result(version)
+                if saving is None:
+                    answer()
+                else:
+                    saving.add_done_callback(answer)
         else:
             self.trainer.apply_combined(item)
 

@@ -19,9 +19,11 @@ agreed on, each applies the last rounds' steps after the last round, so their fa
 a last word (`ReplicaSync.last_word`): every replica's watermark once more, before rank 0
 saves its final version.
 
-A rollback's save (rank 0's device thread waits for it) needs only the version it restored
-confirmed, which a save confirmed already: its own fates are applied again on every node
-by a restart that resumes from it (`AdapterLifecycle.resume`, `adopted`).
+A rollback's save waits for every replica's fates of the versions it undid: a restart that
+resumes from it applies its fates again on every node (`AdapterLifecycle.resume`,
+`adopted`), quarantining what those versions trained, which it can only do for the labels
+whose fates are on disk — one a kill lost would train again. Rank 0's device thread does
+not wait for that save (`AdapterLifecycle.rollback_saved_later`).
 """
 
 from __future__ import annotations
@@ -95,9 +97,9 @@ class ReplicatedSaveJournal:
         self.timeout_s = timeout_s
 
     def before_save(self, snapshot: AdapterSnapshot) -> None:
-        # a rollback holds what the version it restored holds (saved, so confirmed); its own fates
-        # are applied again on every node by a restart that resumes from it (`resume`, `adopted`)
-        through = snapshot.state.get("rolled_back_to", snapshot.version)
+        # a rollback's own fates are applied again on every node by a restart that resumes from
+        # it (`resume`, `adopted`): those of the versions it undid must be there to be moved
+        through = snapshot.version - 1 if "rolled_back_to" in snapshot.state else snapshot.version
         self.watermarks.wait(through, self.timeout_s)
         if self.ledger is not None:
             self.ledger.before_save(snapshot)
