@@ -1,7 +1,10 @@
 """The composition root: the one place that builds the engine, the trainer, the
 offloader and the arbiter, and connects them through their protocols (engine/hooks.py).
-Every part is handed its collaborators at construction; nothing is assigned into a built
-part. The order is forced by who runs the model first:
+Every part is handed its collaborators at construction, with two assignments into a
+built part that the order forces: the runner's saved-bytes memo (it depends on the LoRA
+layers, attached after the runner is built) and rank 0's replicated save journal (the
+checkpointer's saves at start go through the plain one, before the replicas' rounds
+start). The order is forced by who runs the model first:
 
     model ─▶ ModelRunner ─▶ LoRA (PEFT) ─▶ offloader, calibrated by running the model
           ─▶ training parts (stash, cache, trainer, recorder, …) ─▶ LLMEngine(runner, hooks)

@@ -14,10 +14,13 @@ them. What is recorded is the recorder's (trainer/recorder.py); labels come in t
 `AdapterLifecycle`'s (trainer/lifecycle.py).
 
 Adapter versions: every optimizer step bumps the version. An entry recorded under an
-older version `v`, at most `max_staleness` versions ago, trains on its recording with
-θ_v's weights stashed (trainer/stash.py, path "stashed"): its gradient is exactly
-∇L(θ_v), applied to the current weights. An older one is never back-propagated: it
-goes to the recompute path, or is dropped (`stale_policy`), and `stale_entries` counts it.
+older version `v`, at most `max_staleness` versions ago, trains on its recording (path
+"stashed"): with `stale_weights = "stashed"`, under θ_v's weights from the stash
+(trainer/stash.py), its gradient exactly ∇L(θ_v), applied to the current weights; with
+"live" (the default), its recorded graph's LoRA weights re-aimed at today's
+(`WeightStash.aim_at_live`: the recording's activations, today's LoRA products). An older
+one is never back-propagated: it goes to the recompute path, or is dropped
+(`stale_policy`), and `stale_entries` counts it.
 """
 
 from __future__ import annotations
