@@ -48,10 +48,11 @@ def offered(state: ServerState) -> Offered:
     """What this server's configuration takes, for its OpenAPI document."""
     training = state.training
     if training is None:  # feedback and rollback answer 400; an adapter only if one is served frozen
-        return Offered(feedback=None, rollback=False, adapters=state.served_adapter is not None)
+        return Offered(feedback=None, rollback=False, adapters=state.served_adapter is not None,
+                       models=state.model_names)
     method = training.method
     return Offered(feedback=method.label_kind if method.uses_feedback else None,
-                   rollback=training.status().saves is not None, adapters=True, stores=True)
+                   rollback=training.status().saves is not None, adapters=True, stores=True, models=state.model_names)
 
 
 def _add_head_routes(router: APIRouter) -> None:

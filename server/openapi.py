@@ -63,6 +63,8 @@ class Offered:
     adapters: bool
     # training is on: the server keeps completions (and labels) that a client may delete
     stores: bool = False
+    # the model names requests may give (any other is a 404); none: any string
+    models: tuple[str, ...] = ()
 
 
 def served_operations(offered: Offered) -> dict[tuple[str, str], Operation]:
@@ -101,7 +103,8 @@ def openapi_document(routes: list, title: str, version: str, vocab_size: int, of
                                         + [(m, "serialization") for m in sorted(responses, key=by_name)],
                                         ref_template="#/components/schemas/{model}")
     components = document.setdefault("components", {})
-    components["schemas"] = _bound_token_ids(definitions.get("$defs", {}), vocab_size)
+    components["schemas"] = _named_models(_bound_token_ids(definitions.get("$defs", {}), vocab_size),
+                                          {model.__name__ for model in requests}, offered.models)
     if secured:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     routed = set()
@@ -111,7 +114,8 @@ def openapi_document(routes: list, title: str, version: str, vocab_size: int, of
                 raise KeyError(f"{method.upper()} {path} is not in server/route_table.py's OPERATIONS")
             routed.add((method, path))
             if (method, path) in served:
-                methods[method] = _operation(operation, served[method, path], secured and path.startswith("/v1/"))
+                methods[method] = _operation(operation, served[method, path], secured and path.startswith("/v1/"),
+                                             offered.models)
             else:
                 del methods[method]
         if not methods:
@@ -139,14 +143,28 @@ def _bound_token_ids(schema, vocab_size: int):
     return schema
 
 
+def _named_models(schemas: dict, request_names: set[str], models: tuple[str, ...]) -> dict:
+    """The request schemas with their `model` field one of `models` (a fuzzer then reaches
+    past the 404 of an unknown model; a client learns the names from the document)."""
+    for name in request_names & set(schemas) if models else ():
+        field = schemas[name].get("properties", {}).get("model")
+        for branch in field.get("anyOf", [field]) if field is not None else ():
+            if branch.get("type") == "string":
+                branch["enum"] = list(models)
+    return schemas
+
+
 def _ref(model: type[BaseModel]) -> dict:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def _operation(generated: dict, spec: Operation, secured: bool) -> dict:
+def _operation(generated: dict, spec: Operation, secured: bool, models: tuple[str, ...]) -> dict:
     operation = {"summary": spec.summary, "operationId": generated["operationId"]}
     if "parameters" in generated:
         operation["parameters"] = generated["parameters"]
+        for parameter in operation["parameters"]:
+            if parameter["name"] == "model_id" and models:
+                parameter["schema"]["enum"] = list(models)
     models = _request_models(spec)
     if models:
         schema = _ref(models[0]) if len(models) == 1 else {"oneOf": [_ref(m) for m in models]}

@@ -27,8 +27,8 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_v
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar
-from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, ChatMessage, Int, LimitFrom0, LimitFrom1,
-                                    StreamOptions, Strict, TokenId, non_empty_alternatives)
+from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, TOOLS_NEEDED_SCHEMA, ChatMessage, Int,
+                                    LimitFrom0, LimitFrom1, StreamOptions, Strict, TokenId, non_empty_alternatives)
 from server.protocol_formats import (NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, build_grammar,
                                      functions)
 from server.tool_calls import ToolUse
@@ -176,7 +176,8 @@ class _SamplingFields(Strict):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    model_config = ConfigDict(**Strict.model_config, json_schema_extra=TEMPLATE_CONTROLS_SCHEMA)
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra={**TEMPLATE_CONTROLS_SCHEMA,
+                                                                         **TOOLS_NEEDED_SCHEMA})
 
     # an answer has at least one token (OpenAI's minimum)
     MIN_OUTPUT_TOKENS: ClassVar[int] = 1
@@ -268,7 +269,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = False
     logprobs: Int | None = None
     best_of: Int | None = None
-    suffix: str | None = None
+    # insertion (fill-in-the-middle) is not offered: only an empty suffix, which is none
+    suffix: Annotated[str, Field(json_schema_extra={"maxLength": 0})] | None = None
 
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
@@ -301,7 +303,8 @@ class TokenizeChatRequest(_TokenizeFields):
     """POST /tokenize (vLLM's) with chat messages (and tools), rendered as
     /v1/chat/completions renders them."""
 
-    model_config = ConfigDict(**Strict.model_config, json_schema_extra=TEMPLATE_CONTROLS_SCHEMA)
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra={**TEMPLATE_CONTROLS_SCHEMA,
+                                                                         **TOOLS_NEEDED_SCHEMA})
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[Tool] | None = None

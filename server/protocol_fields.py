@@ -25,6 +25,14 @@ TEMPLATE_CONTROLS_SCHEMA = {"not": {
     "properties": {"add_generation_prompt": {"const": True}, "continue_final_message": {"const": True}}}}
 
 
+# `parallel_tool_calls`, and a `tool_choice` other than "none", need tools offered (OpenAI
+# refuses them otherwise, and so does server/protocol.py): the schema says so
+TOOLS_NEEDED_SCHEMA = {
+    "if": {"anyOf": [{"required": ["parallel_tool_calls"], "properties": {"parallel_tool_calls": {"type": "boolean"}}},
+                     {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}}]},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+
+
 def non_empty_alternatives(schema: dict) -> None:
     """A union field's schema (`json_schema_extra`) says what the server refuses in every
     alternative: an empty string, or an empty array at any depth. The server's own check

@@ -108,8 +108,9 @@ async def serve_completion(state: ServerState, request: Request):
     body: CompletionRequest = await parse_body(request, CompletionRequest)
     check_model(state.model_names, body.model)
     check_unsupported(body)
-    if body.suffix is not None:
-        raise APIError(400, "suffix is not supported.", "suffix")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported (this server does not insert text between a prompt and a "
+                            "suffix).", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
                        "best_of")
