@@ -72,7 +72,7 @@ PY
         tests/test_step_costs.py tests/test_decode_graphs.py tests/test_structured_outputs.py tests/test_fused_rope.py \
         tests/test_fused_norm.py tests/test_serving_copy.py tests/test_backward_sweep.py tests/test_dpo_gradients.py \
         tests/test_gated_mlp.py tests/test_training_copy.py tests/test_serving_steps.py tests/test_shared_prefix_pack.py \
-        tests/test_direct_apply.py tests/test_optimizer.py} \
+        tests/test_direct_apply.py tests/test_optimizer.py tests/test_attention_mask.py} \
         2>&1 | tee "$OUT/cuda-tests.log" | tail -30
       ;;
     smoke)  # every benchmark once, short, on the 8B shape
