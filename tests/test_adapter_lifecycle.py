@@ -44,9 +44,9 @@ def serve_and_train(client, prompts):
     return texts
 
 
-def complete(client, prompt="the quick brown fox"):
+def complete(client, prompt="the quick brown fox", train=False):
     r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": prompt, "max_tokens": 8,
-                                             "temperature": 0, "train": False})
+                                             "temperature": 0, "train": train})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -203,14 +203,39 @@ def test_a_rollback_saved_later_serves_at_once_is_carried_until_its_save_lands_a
             return {row.request.prompt: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
 
         version, landing = on_device(lifecycle.rollback_saved_later, snapshot)
-        assert version == 3 and not landing.done()
+        assert version == 3 and not landing.done() and lifecycle.rollback_saving()
         assert on_device(lifecycle.snapshot).state["rollbacks"] == [[1, 3]]
         assert fates()["second prompt about birds"] == "trained"  # not before it is saved
+        # serving goes on, but no job starts before the save lets go of what the restored weights hold
+        assert complete(client, "third prompt about cats", train=True)
+        time.sleep(1.0)
+        assert training.optimizer.version == 3 and len(training.cache.entries()) == 1
         released.set()
-        assert landing.result(30) is True
+        assert landing.result(30) is True and not lifecycle.rollback_saving()
         assert fates()["second prompt about birds"] == "quarantined"
         assert "rollbacks" not in on_device(lifecycle.snapshot).state
         assert json.loads((store.path_of(3) / "alchemist_state.json").read_text())["rolled_back_to"] == 1
+        wait_for(lambda: training.optimizer.version == 4)  # the job waited, and ran
+
+
+def test_a_rollback_whose_fates_fail_after_its_save_is_answered_with_the_error_and_training_goes_on(tmp_path):
+    """The save's callback writes the rollback's fates: if that raises, whoever waits for
+    the rollback hears it (rather than waiting for ever), and jobs start again."""
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        serve_and_train(client, ["first prompt about dogs"])
+        state = client.app.state.alchemist
+        lifecycle = state.training.lifecycle
+
+        def ledger_gone(*args):
+            raise TimeoutError("the ledger's writer did not answer")
+
+        lifecycle._ledger_after_rollback = ledger_gone
+        version, landing = client.portal.call(state.engine.run_on_device, lifecycle.rollback_saved_later,
+                                              lifecycle.load_saved(0))
+        assert isinstance(landing.exception(30), TimeoutError) and not lifecycle.rollback_saving()
+        del lifecycle._ledger_after_rollback  # the ledger answers again: the next save carries the rollback
+        serve_and_train(client, ["second prompt about birds"])  # a job ran after it
 
 
 def test_adapter_routes_explain_when_saving_is_off():

@@ -312,7 +312,7 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
         assert fates[ids[0][0]] == fates[ids[1][0]] == "trained"
 
         # a rollback asked of replica 1 is applied by both
-        r = httpx.post(f"http://{addresses[1]}/v1/adapters/rollback", json={"version": 0}, timeout=60)
+        r = httpx.post(f"http://{addresses[1]}/v1/adapters/rollback", json={"version": 0}, timeout=180)
         assert r.status_code == 200, r.text
         answered = r.json()  # the whole server's, as GET answers: every replica's card, the counters summed
         assert [c["rank"] for c in answered["replicas"]] == [0, 1] and answered["version"] == status["version"] + 1

@@ -8,12 +8,10 @@ scores, so a restart serves the last promoted one) or rejects it (the promoted w
 optimizer state come back as a new version number, the step's labels are quarantined in
 the ledger, and the rollback is counted with reason "eval_gate").
 
-A rollback whose own save fails still serves; every later snapshot carries it
-(`state["rollbacks"]`: [restored, as version] pairs) until one is saved — as it does while
-the save of replicas' rank 0 waits for every replica's fates (`rollback_saved_later`) —
-and the ledger's
-fates for it are written then, or by the restart that resumes such a version — never lost
-because the save that should have recorded it failed.
+A rollback whose own save fails (or, on replicas' rank 0, is on its way: `rollback_saved_later`)
+still serves; every later snapshot carries it (`state["rollbacks"]`: [restored, as version])
+until one is saved, and its ledger fates are written then, or by the restart that resumes
+such a version — never lost because the save that should have recorded it failed.
 
 Everything here runs on the device thread (weights change between steps, never under
 one). A rollback abandons the job in progress first; that is the caller's
@@ -25,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import sqlite3
 import threading
 
 import torch
@@ -70,6 +69,7 @@ class AdapterLifecycle:
         # changed in place, under the lock: a save's callback changes it on the checkpointer's thread)
         self._unsaved_rollbacks: tuple[tuple[int, int], ...] = ()
         self._carried_lock = threading.Lock()
+        self._rollback_saves_in_flight = 0
         # the saved version whose weights the live adapter holds, untrained since it was restored
         # (a rollback, the gate's return): named in its snapshots, so the store prunes copies first
         self._weights_of: int | None = None
@@ -271,12 +271,10 @@ class AdapterLifecycle:
         return version
 
     def rollback_saved_later(self, snapshot: AdapterSnapshot) -> tuple[int, concurrent.futures.Future | None]:
-        """`rollback` without waiting for its save: the new version, and a future done (with
-        whether it was saved) once the save and the ledger's fates after it are through;
-        None where nothing is saved (a replica other than rank 0). Rank 0 of replicas calls
-        this: its save waits for every replica's fates of the versions it undid
-        (trainer/replica_fates.py), and the device thread never waits on other replicas.
-        Until it is saved, every snapshot carries it, as one whose save failed."""
+        """`rollback` without waiting for its save (replicas' rank 0: the save waits for every
+        replica's fates of the versions it undid, trainer/replica_fates.py): the new version,
+        and a future of whether it was saved, done once its fates are through (None: nothing
+        saves here). Until saved, every snapshot carries it, as one whose save failed."""
         version = self.optimizer.version + 1
         self.restore(snapshot, version)
         with self.stats.lock:
@@ -296,21 +294,35 @@ class AdapterLifecycle:
         if self.gate is not None:  # what a shutdown saves while a candidate is scored carries it
             self.promoted_snapshot = self.snapshot()
         landed: concurrent.futures.Future = concurrent.futures.Future()
-        self.checkpointer.save_async(rolled_back).add_done_callback(
-            lambda saving: landed.set_result(self._rollback_saved(rolled_back, pair, saving.result() is not None)))
+
+        def saved(saving: concurrent.futures.Future) -> None:
+            try:
+                landed.set_result(self._rollback_saved(rolled_back, pair, saving.result() is not None))
+            except Exception as exc:  # noqa: BLE001 - whoever waits for it hears it
+                landed.set_exception(exc)
+
+        with self._carried_lock:  # (the checkpointer's thread counts it down)
+            self._rollback_saves_in_flight += 1
+        self.checkpointer.save_async(rolled_back).add_done_callback(saved)
         return version, landed
 
+    def rollback_saving(self) -> bool:  # the labels the restored weights hold are let go once it lands
+        return self._rollback_saves_in_flight > 0
+
     def _rollback_saved(self, rolled_back: AdapterSnapshot, pair: tuple[int, int], saved: bool) -> bool:
-        """The rollback's save is through (the checkpointer's thread): saved, the ledger's fates
-        follow, and it is carried no more; else the next snapshot saved carries it."""
-        if not saved:
-            logger.error("the rollback to version %d (now version %d) serves, but it could not be saved: a restart "
-                         "resumes from the last saved version; the next version saved carries it", *pair)
-            return False
-        self._rollbacks_saved(rolled_back)
-        self._ledger_after_rollback(*pair)
-        self._carry_rollbacks(removed=(pair,))
-        return True
+        """(The checkpointer's thread) saved, its fates follow and it is carried no more."""
+        try:
+            if not saved:
+                logger.error("the rollback to version %d (now version %d) serves, but it could not be saved: a "
+                             "restart resumes from the last saved version; the next version saved carries it", *pair)
+                return False
+            self._rollbacks_saved(rolled_back)
+            self._ledger_after_rollback(*pair)
+            self._carry_rollbacks(removed=(pair,))
+            return True
+        finally:
+            with self._carried_lock:
+                self._rollback_saves_in_flight -= 1
 
     def _save(self, snapshot: AdapterSnapshot) -> None:
         """Saves `snapshot` in the background; once saved, the unsaved rollbacks it carries
@@ -349,26 +361,29 @@ class AdapterLifecycle:
         by a crash) whose label the weights a rollback restored hold through an earlier
         training: the ledger gave them back `trained`, and trained again they would be in
         the weights twice. They end as trained, into the version that holds them (any
-        thread: the rollback's, or the checkpointer's that lands a rollback's fates late)."""
+        thread: the rollback's, or the checkpointer's that lands a rollback's fates late;
+        no job starts on this replica while a rollback's save is on its way, so none takes
+        them meanwhile: `rollback_saving`)."""
         waiting = [entry.completion_id for entry in self.cache.entries()]
         if not waiting:  # a restart's, before the replay: nothing queued yet
             return
         try:
             self.ledger.flush(strict=True)  # the rollback's fates, read below
-        except LedgerUnavailable:
-            logger.warning("the ledger cannot be written: labels a rollback gave back their training may be "
-                           "trained again")
+            held = [(row.request.id, row.fate_version, row.fate_path) for start in range(0, len(waiting), 500)
+                    for row in read_ledger(self.ledger.path, f"r.fate = 'trained' AND r.id IN "
+                                           f"({','.join('?' * len(waiting[start:start + 500]))})",
+                                           tuple(waiting[start:start + 500]))]
+        except (LedgerUnavailable, TimeoutError, sqlite3.Error) as exc:
+            logger.warning("the ledger cannot be read or written (%s): labels a rollback gave back their training "
+                           "may be trained again", exc)
             return
-        for start in range(0, len(waiting), 500):
-            chunk = waiting[start:start + 500]
-            for row in read_ledger(self.ledger.path, f"r.fate = 'trained' AND r.id IN ({','.join('?' * len(chunk))})",
-                                   tuple(chunk)):
-                if self.cache.withdraw(row.request.id, held=(row.fate_version, row.fate_path)):
-                    logger.info("%s is held by the restored weights (its training into version %s): not trained "
-                                "again", row.request.id, row.fate_version)
-                elif self.cache.get(row.request.id) is not None:
-                    logger.warning("%s is being trained while the restored weights hold its training into version "
-                                   "%s: the weights will hold it twice", row.request.id, row.fate_version)
+        for request_id, version, path in held:
+            if self.cache.withdraw(request_id, held=(version, path)):
+                logger.info("%s is held by the restored weights (its training into version %s): not trained again",
+                            request_id, version)
+            elif self.cache.get(request_id) is not None:
+                logger.warning("%s is being trained while the restored weights hold its training into version "
+                               "%s: the weights will hold it twice", request_id, version)
 
     def save_final(self, candidate_waits: bool = False) -> None:
         """At shutdown (after the engine stopped): saves the final version, if new — the

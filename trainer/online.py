@@ -207,6 +207,8 @@ class OnlineTraining:
             worked, item = self._gate_slice(), "eval gate"
         elif self.maintenance.warm_heap() if self.trainer.in_job() else self.maintenance.run_item():
             worked, item = True, "housekeeping"
+        elif self.lifecycle.rollback_saving() and not self.trainer.in_job():  # (its held labels not yet let go)
+            worked, item = False, "waiting for a rollback's save"
         else:
             worked, item = self.trainer.run_slice(), self.trainer.slice_item
         if worked:
