@@ -143,14 +143,14 @@ def _bound_token_ids(schema, vocab_size: int):
     return schema
 
 
-def _named_models(schemas: dict, request_names: set[str], models: tuple[str, ...]) -> dict:
-    """The request schemas with their `model` field one of `models` (a fuzzer then reaches
-    past the 404 of an unknown model; a client learns the names from the document)."""
-    for name in request_names & set(schemas) if models else ():
+def _named_models(schemas: dict, request_names: set[str], served_names: tuple[str, ...]) -> dict:
+    """The request schemas with their `model` field one of `served_names` (a fuzzer then
+    reaches past the 404 of an unknown model; a client learns the names from the document)."""
+    for name in request_names & set(schemas) if served_names else ():
         field = schemas[name].get("properties", {}).get("model")
         for branch in field.get("anyOf", [field]) if field is not None else ():
             if branch.get("type") == "string":
-                branch["enum"] = list(models)
+                branch["enum"] = list(dict.fromkeys(served_names))
     return schemas
 
 
@@ -158,13 +158,13 @@ def _ref(model: type[BaseModel]) -> dict:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def _operation(generated: dict, spec: Operation, secured: bool, models: tuple[str, ...]) -> dict:
+def _operation(generated: dict, spec: Operation, secured: bool, served_names: tuple[str, ...]) -> dict:
     operation = {"summary": spec.summary, "operationId": generated["operationId"]}
     if "parameters" in generated:
         operation["parameters"] = generated["parameters"]
         for parameter in operation["parameters"]:
-            if parameter["name"] == "model_id" and models:
-                parameter["schema"]["enum"] = list(models)
+            if parameter["name"] == "model_id" and served_names:
+                parameter["schema"]["enum"] = list(dict.fromkeys(served_names))
     models = _request_models(spec)
     if models:
         schema = _ref(models[0]) if len(models) == 1 else {"oneOf": [_ref(m) for m in models]}

@@ -303,8 +303,7 @@ class TokenizeChatRequest(_TokenizeFields):
     """POST /tokenize (vLLM's) with chat messages (and tools), rendered as
     /v1/chat/completions renders them."""
 
-    model_config = ConfigDict(**Strict.model_config, json_schema_extra={**TEMPLATE_CONTROLS_SCHEMA,
-                                                                         **TOOLS_NEEDED_SCHEMA})
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra=TEMPLATE_CONTROLS_SCHEMA)
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[Tool] | None = None

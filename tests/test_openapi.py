@@ -41,11 +41,9 @@ REQUEST_TIMEOUT_S = 300
 
 
 def bounded(body):
-    """Names the served model and caps what a fuzzed body may generate, without making
-    an invalid body valid."""
+    """Caps what a fuzzed body may generate, without making an invalid body valid (the
+    document names the served model: an unknown one is a body to refuse)."""
     if isinstance(body, dict):
-        if isinstance(body.get("model"), str):
-            body["model"] = TINY_NAME
         for name in ("max_tokens", "max_completion_tokens"):
             if type(body.get(name)) is int and body[name] > MAX_FUZZ_TOKENS:
                 body[name] = MAX_FUZZ_TOKENS
@@ -157,6 +155,36 @@ def test_every_post_route_documents_its_body_and_errors(live_server):
         (1, None, None, None), (None, 1, 1, None), (None, 1, None, None), (None, 1, None, 1)]
     token_id = document["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert token_id == {"type": "integer", "minimum": 0, "maximum": len(tiny_tokenizer()) - 1}
+    # the served names, in every request that names a model and in GET /v1/models/{model_id}
+    schemas = document["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest", "TokenizePromptRequest", "DetokenizeRequest"):
+        model = schemas[name]["properties"]["model"]
+        assert [branch.get("enum") for branch in model.get("anyOf", [model]) if branch["type"] == "string"] == [
+            [TINY_NAME]], name
+    (model_id,) = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
+    assert model_id["schema"]["enum"] == [TINY_NAME]
+    # the tool controls need tools (none or null do not), and a suffix is empty, as the server refuses otherwise
+    needs_tools = schemas["ChatCompletionRequest"]
+    assert needs_tools["then"] == {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}
+    assert {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"enum": [None, "none"]}}}} \
+        in needs_tools["if"]["anyOf"]
+    assert "if" not in schemas["TokenizeChatRequest"]  # it has no tool controls
+    assert {"maxLength": 0, "type": "string"} in schemas["CompletionRequest"]["properties"]["suffix"]["anyOf"]
+
+
+def test_the_tool_controls_and_a_suffix_are_refused_or_taken_as_the_document_says(live_server):
+    import httpx
+
+    base = {"model": TINY_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+    for extra, status in (({"parallel_tool_calls": False}, 400), ({"tool_choice": "required"}, 400),
+                          ({"tool_choice": "none", "parallel_tool_calls": None}, 200),
+                          ({"tools": [], "tool_choice": "none"}, 200)):
+        r = httpx.post(live_server.url + "/v1/chat/completions", json={**base, **extra}, timeout=REQUEST_TIMEOUT_S)
+        assert r.status_code == status, (extra, r.text)
+    for suffix, status in (("", 200), (None, 200), ("x", 400)):
+        r = httpx.post(live_server.url + "/v1/completions", json={"model": TINY_NAME, "prompt": "Hi", "max_tokens": 1,
+                                                                  "suffix": suffix}, timeout=REQUEST_TIMEOUT_S)
+        assert r.status_code == status, (suffix, r.text)
 
 
 def test_an_integer_may_be_written_without_a_fraction_only(live_server):
