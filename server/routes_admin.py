@@ -25,10 +25,9 @@ from server.fanout import METRICS_PEER_TIMEOUT_S, merge_metrics
 from server.parsing import parse_body
 from server.protocol_training import FeedbackRequest, RollbackRequest
 from server.state import ServerState, Training
-from trainer.adapter_store import AdapterLoadError
+from trainer.adapter_store import AdapterLoadError, AdapterMismatchError
 from trainer.feedback import FeedbackOutcome, FeedbackResult
 from trainer.ledger import LedgerUnavailable
-from trainer.adapter_store import AdapterMismatchError
 
 _FEEDBACK_STATUS = {FeedbackOutcome.INVALID: 400, FeedbackOutcome.UNKNOWN: 404, FeedbackOutcome.CONFLICT: 409,
                     FeedbackOutcome.UNAVAILABLE: 503}

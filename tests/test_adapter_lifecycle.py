@@ -24,9 +24,8 @@ from tests.servers import TINY_NAME, tiny_app, wait_for
 from tests.conftest import make_training, run_into_a_backward
 from tests.test_training import label, make_trainer, serve
 from tests.tiny import tiny_model
-from trainer.adapter_store import AdapterStore
+from trainer.adapter_store import AdapterMismatchError, AdapterStore
 from trainer.ledger_db import LEDGER_FILE, read_ledger
-from trainer.adapter_store import AdapterMismatchError
 
 TRAIN = TrainConfig(mode="cpt", lora_rank=4, learning_rate=1e-2)
 

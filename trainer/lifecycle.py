@@ -369,10 +369,10 @@ class AdapterLifecycle:
             return
         try:
             self.ledger.flush(strict=True)  # the rollback's fates, read below
-            held = [(row.request.id, row.fate_version, row.fate_path) for start in range(0, len(waiting), 500)
-                    for row in read_ledger(self.ledger.path, f"r.fate = 'trained' AND r.id IN "
-                                           f"({','.join('?' * len(waiting[start:start + 500]))})",
-                                           tuple(waiting[start:start + 500]))]
+            chunks = [tuple(waiting[start:start + 500]) for start in range(0, len(waiting), 500)]
+            held = [(row.request.id, row.fate_version, row.fate_path) for chunk in chunks
+                    for row in read_ledger(self.ledger.path,
+                                           f"r.fate = 'trained' AND r.id IN ({','.join('?' * len(chunk))})", chunk)]
         except (LedgerUnavailable, TimeoutError, sqlite3.Error) as exc:
             logger.warning("the ledger cannot be read or written (%s): labels a rollback gave back their training "
                            "may be trained again", exc)
