@@ -143,6 +143,21 @@ def _fate(row) -> str:
     return row.fate + version + (f" ({row.fate_reason})" if row.fate_reason else "")
 
 
+def _left_out(counts) -> str:
+    """What the export left out, and why, as a clause per reason."""
+    said = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
+    if counts.continuing:
+        said += (f"; {counts.continuing} requests left out whose prompt ends with an assistant message (TRL "
+                 "renders it as continued and the completion as a turn of its own: not what was served)")
+    if counts.without_generation_prompt:
+        said += (f"; {counts.without_generation_prompt} requests left out served with add_generation_prompt: "
+                 "false (TRL opens the assistant's turn after such a prompt: not what was served)")
+    if counts.without_prompt:
+        said += (f"; {counts.without_prompt} requests left out whose prompt truncate_prompt_tokens cut (the "
+                 "ledger holds no prompt as the client wrote it)")
+    return said
+
+
 def export_feedback(args: argparse.Namespace) -> int:
     """`alchemist feedback export`: the ledger's rows as JSONL (the server may be running)."""
     from trainer.export import ExportError, export_rows, parse_since, write_jsonl
@@ -160,9 +175,11 @@ def export_feedback(args: argparse.Namespace) -> int:
             print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
                   "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
                   "prompt-completion rows, what it trains on as language-modeling rows", file=sys.stderr)
-        else:
+        elif not _left_out(counts):
             print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need "
                   "--include-quarantined)", file=sys.stderr)
+        else:
+            print(f"alchemist: no rows{_left_out(counts)}", file=sys.stderr)
         print(f"alchemist: no rows: {args.out or 'standard output'} not written", file=sys.stderr)
         return 1
     try:
@@ -173,14 +190,7 @@ def export_feedback(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"alchemist: cannot write {args.out or 'standard output'}: {exc.strerror or exc}", file=sys.stderr)
         return 2
-    skipped = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
-    if counts.continuing:
-        skipped += (f"; {counts.continuing} requests left out whose prompt ends with an assistant message (TRL "
-                    "renders it as continued and the completion as a turn of its own: not what was served)")
-    if counts.without_prompt:
-        skipped += (f"; {counts.without_prompt} requests left out whose prompt truncate_prompt_tokens cut (the "
-                    "ledger holds no prompt as the client wrote it)")
-    print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{skipped}",
+    print(f"alchemist: wrote {counts.rows} {args.format} rows to {args.out or 'standard output'}{_left_out(counts)}",
           file=sys.stderr)
     if counts.truncated:
         done = "left out" if args.drop_truncated else "written (TRL ends each completion with the end of turn, so " \

@@ -27,6 +27,7 @@ _REASONS = {400: "Invalid request: OpenAI's error body names the parameter (`par
             404: "Unknown model, completion id or adapter version.",
             409: "Conflict with the current state (a label given twice, an adapter version that cannot load).",
             413: "Request body too large.",
+            415: "The body was not sent as JSON (`Content-Type: application/json`).",
             429: "Over capacity: retry after the Retry-After header's seconds.",
             500: "Internal error.",
             503: "The engine is not running (shutting down, or failed), or the feedback ledger cannot be written "
@@ -176,7 +177,7 @@ def _operation(generated: dict, spec: Operation, secured: bool, served_names: tu
         if spec.streams:
             content["text/event-stream"] = {"schema": _SSE_EVENT}
     responses = {"200": {"description": "Success", "content": content}}
-    errors = set(spec.errors) | set(_COMMON_ERRORS)
+    errors = set(spec.errors) | set(_COMMON_ERRORS) | ({415} if models else set())
     if not secured:
         errors.discard(401)
     for status in sorted(errors):

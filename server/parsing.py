@@ -16,8 +16,24 @@ from server.tool_prompt import fallback_messages, native_messages, openai_tools,
 from trainer.ledger_db import ClientPrompt
 
 
+def is_json_media_type(content_type: str | None) -> bool:
+    """Whether a Content-Type header names JSON (`application/json`, `…+json`, any
+    parameters); none given counts as JSON, as FastAPI and vLLM take it."""
+    if content_type is None:
+        return True
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
+
 async def parse_body(request: Request, model: type[BaseModel] | TypeAdapter):
-    """The body, validated by `model` (or by a TypeAdapter of a tagged union of models)."""
+    """The body, validated by `model` (or by a TypeAdapter of a tagged union of models).
+    A body sent as another media type is refused (415), as FastAPI refuses it: form and
+    plain-text bodies are what a web page may send another origin without asking first, so
+    reading them as JSON would let any page a user opens label, train or roll back."""
+    content_type = request.headers.get("content-type")
+    if not is_json_media_type(content_type):
+        raise APIError(415, f"The request body must be sent as JSON (Content-Type: application/json), not as "
+                            f"{content_type!r}.", code="unsupported_media_type")
     raw = await request.body()
     if not raw.strip():
         raise APIError(400, "The request body is empty; send a JSON object.", code="invalid_json")
@@ -73,9 +89,7 @@ def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
     if template is None:
         raise APIError(400, "This model has no chat template; use /v1/completions.", "messages")
     continue_final_message = body.continue_final_message
-    # going on with the last message opens no new turn unless the body asks for both (refused)
-    add_generation_prompt = body.add_generation_prompt and (
-        not continue_final_message or "add_generation_prompt" in body.model_fields_set)
+    add_generation_prompt = opens_a_turn(body)
     if add_generation_prompt and continue_final_message:
         raise APIError(400, "continue_final_message goes on with the last message; it cannot be combined with "
                        "add_generation_prompt, which opens a new one (send add_generation_prompt: false)",
@@ -99,6 +113,14 @@ def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def opens_a_turn(body) -> bool:
+    """Whether the chat template is asked to open the assistant's turn after the messages
+    (`add_generation_prompt`): going on with the last message opens none unless the body
+    asks for both (which `render_chat` refuses)."""
+    return body.add_generation_prompt and (not body.continue_final_message
+                                           or "add_generation_prompt" in body.model_fields_set)
+
+
 def template_input(template: str, messages: list, tools: ToolUse | None) -> tuple[list[dict], list[dict] | None]:
     """The messages a chat template is given, and the tools it renders itself (OpenAI's
     format; None where the fallback tool prompt puts them inside the messages)."""
@@ -114,11 +136,14 @@ def ledger_prompt(tokenizer, body, tools: ToolUse | None) -> ClientPrompt:
     function is shown those), and the tools offered where the chat template renders them
     itself — or the messages the template was given, where those are not the client's
     (content parts joined, the developer role as system, tool calls and the fallback tool
-    prompt rendered), so that TRL renders from the export the prompt that was served. A
-    group scored again after a restart shows its reward function the ledger's messages."""
+    prompt rendered), so that TRL renders from the export the prompt that was served; and
+    whether the template opened the assistant's turn (TRL opens it after any prompt that
+    does not end with the assistant's message). A group scored again after a restart shows
+    its reward function the ledger's messages."""
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     given, offered = template_input(getattr(tokenizer, "chat_template", None), body.messages, tools)
-    return ClientPrompt(messages, offered, None if given == messages else given, body.chat_template_kwargs or None)
+    return ClientPrompt(messages, offered, None if given == messages else given, body.chat_template_kwargs or None,
+                        opens_a_turn(body))
 
 
 def completion_prompts(tokenizer, prompt, vocab_size: int, tail: int | None = None) -> list[tuple[list[int], str]]:

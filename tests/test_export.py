@@ -226,7 +226,7 @@ def test_a_ledger_written_before_requests_kept_their_tools_is_read_and_extended(
     path = tmp_path / LEDGER_FILE
     Ledger(path).close()
     conn = sqlite3.connect(path)
-    for column in ("tools", "chat_template_kwargs"):  # as an older server wrote it
+    for column in ("tools", "chat_template_kwargs", "generation_prompt"):  # as an older server wrote it
         conn.execute(f"ALTER TABLE requests DROP COLUMN {column}")
     conn.execute("INSERT INTO requests (id, served_at, adapter_version, method, prompt, prompt_token_ids) "
                  "VALUES ('old', 1.0, 0, 'dpo', '\"Hi\"', '[1]')")
@@ -234,10 +234,10 @@ def test_a_ledger_written_before_requests_kept_their_tools_is_read_and_extended(
     conn.close()
     assert [(row.request.id, row.request.tools) for row in read_ledger(path)] == [("old", None)]
     ledger = Ledger(path)  # the writer adds the columns
-    ledger.record_request(RequestRecord("new", 2.0, 0, "dpo", [1], MESSAGES, [WEATHER], {"terse": True}))
+    ledger.record_request(RequestRecord("new", 2.0, 0, "dpo", [1], MESSAGES, [WEATHER], {"terse": True}, False))
     ledger.close()
-    assert [(row.request.id, row.request.tools, row.request.chat_template_kwargs) for row in read_ledger(path)] == [
-        ("old", None, None), ("new", [WEATHER], {"terse": True})]
+    assert [(row.request.id, row.request.tools, row.request.chat_template_kwargs, row.request.generation_prompt)
+            for row in read_ledger(path)] == [("old", None, None, True), ("new", [WEATHER], {"terse": True}, False)]
 
 
 def test_an_export_interrupted_midway_leaves_the_file_that_was_there(tmp_path):
@@ -379,3 +379,27 @@ def test_a_prompt_ending_with_an_assistant_message_is_left_out_and_counted(tmp_p
     _ledger(tmp_path, [("cont", "dpo", partial, served, LABEL), ("chat", "dpo", MESSAGES, served, LABEL)])
     rows, counts = export_rows(read_ledger(tmp_path / LEDGER_FILE), "preference")
     assert [row["prompt"] for row in rows] == [MESSAGES] and counts.continuing == 1
+
+
+def test_a_chat_served_without_the_assistants_turn_opened_is_left_out_and_said(tmp_path, capsys):
+    """`add_generation_prompt: false` after a user's message served a prompt that TRL,
+    which opens the assistant's turn after any prompt not ending with one, never renders:
+    such a row would train on a prompt that was not served."""
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        for opened in (False, True):
+            body = {"model": TINY_NAME, "messages": MESSAGES, "add_generation_prompt": opened}
+            completion = client.post("/v1/chat/completions", json={**body, "max_tokens": 4}).json()["id"]
+            assert client.post("/v1/feedback", json={"id": completion, "chosen": "Paris."}).status_code == 200
+            served = client.post("/tokenize", json=body).json()["tokens"]
+        client.app.state.alchemist.training.ledger.flush()
+    assert [row.request.generation_prompt for row in read_ledger(tmp_path / LEDGER_FILE)] == [False, True]
+    rows, counts = export_rows(read_ledger(tmp_path / LEDGER_FILE), "preference")
+    assert len(rows) == 1 and (counts.without_generation_prompt, counts.continuing) == (1, 0)
+    tokenizer = tiny_tokenizer()
+    rendered = maybe_apply_chat_template({key: rows[0][key] for key in ("prompt", "chosen", "rejected")}, tokenizer)
+    assert tokenizer(rendered["prompt"], add_special_tokens=False)["input_ids"] == served  # the one with the turn
+    assert len(export(tmp_path, capsys, "--format", "unpaired")) == 2
+    out = tmp_path / "prefs.jsonl"
+    assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out)]) == 0
+    assert "1 requests left out served with add_generation_prompt: false" in capsys.readouterr().err

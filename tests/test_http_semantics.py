@@ -1,10 +1,15 @@
 """HTTP semantics schema-driven clients rely on: 405 says which methods are allowed,
-HEAD works where GET does, /metrics is documented as text."""
+HEAD works where GET does, /metrics is documented as text, a body not sent as JSON is
+refused."""
+
+import json
 
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.servers import tiny_app
+from server.parsing import is_json_media_type
+from trainer.config import AdapterConfig, TrainConfig
+from tests.servers import TINY_NAME, tiny_app
 
 
 @pytest.fixture(scope="module")
@@ -31,3 +36,36 @@ def test_metrics_are_documented_as_text(client):
     schema = client.get("/openapi.json").json()
     content = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
     assert content and all(c.startswith("text/plain") for c in content)
+
+
+@pytest.mark.parametrize("content_type, is_json", [(None, True), ("application/json", True),
+                                                   ("Application/JSON; charset=utf-8", True),
+                                                   ("application/merge-patch+json", True), ("text/plain", False),
+                                                   ("application/x-www-form-urlencoded", False),
+                                                   ("multipart/form-data; boundary=x", False), ("text/json+x", False)])
+def test_which_media_types_are_json(content_type, is_json):
+    assert is_json_media_type(content_type) is is_json
+
+
+def test_a_body_sent_as_a_form_or_text_is_refused_before_it_acts(tmp_path):
+    """A web page may send a form or text to another origin without asking first; read as
+    JSON, such a body could label, train or roll back the server of whoever opened it."""
+    train = TrainConfig(mode="dpo", lora_rank=4)
+    with TestClient(tiny_app(train=train, adapter=AdapterConfig(dir=str(tmp_path), save_every=1))) as client:
+        chat = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2}
+        served = client.post("/v1/chat/completions", json=chat)
+        assert served.status_code == 200
+        bodies = {"/v1/chat/completions": chat, "/v1/completions": {"model": TINY_NAME, "prompt": "hi"},
+                  "/v1/feedback": {"id": served.json()["id"], "chosen_index": 0, "rejected_index": 1},
+                  "/v1/adapters/rollback": {"version": 0}, "/tokenize": {"model": TINY_NAME, "prompt": "hi"},
+                  "/detokenize": {"model": TINY_NAME, "tokens": [1]}}
+        documented = client.get("/openapi.json").json()["paths"]
+        for path, body in bodies.items():
+            for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+                refused = client.post(path, content=json.dumps(body), headers={"content-type": content_type})
+                assert refused.status_code == 415, (path, content_type)
+                assert refused.json()["error"]["code"] == "unsupported_media_type"
+            assert "415" in documented[path]["post"]["responses"], path
+        labelled = client.post("/v1/feedback", content=json.dumps(bodies["/v1/feedback"]),
+                               headers={"content-type": "application/json; charset=utf-8"})
+        assert labelled.status_code == 200, labelled.text

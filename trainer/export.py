@@ -34,8 +34,10 @@ with the end of turn, so such a row teaches to stop where the model did not. A r
 whose prompt the ledger does not hold as the client wrote it
 (`truncate_prompt_tokens` cut it), or whose prompt ends with an assistant message (TRL
 renders such a prompt as continued and the completion as a turn of its own: not what was
-served, with `continue_final_message` or without), is left out and counted. A file is written whole or not
-at all (`write_jsonl`).
+served, with `continue_final_message` or without), or whose chat template opened no
+assistant's turn after a prompt that does not end with one (`add_generation_prompt:
+false`; TRL opens it), is left out and counted. A file is written whole or not at all
+(`write_jsonl`).
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class ExportCounts:
     # and chat requests whose prompt ends with an assistant message: TRL renders such a prompt
     # as continued and the completion as a turn of its own, neither what was served
     continuing: int = 0
+    # and chat requests served without the assistant's turn opened (`add_generation_prompt: false`)
+    # after a prompt that does not end with one: TRL opens it, so its prompt is not what was served
+    without_generation_prompt: int = 0
     # requests that passed the filters (time, quarantine) and the style, whatever the format made of them
     selected: int = 0
     # rows with a served answer cut short (left out with `drop_truncated`, written otherwise)
@@ -107,7 +112,7 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
         raise ExportError("the ledger holds chat requests (conversational rows) and text completions (standard "
                           "rows); one dataset holds one style: pass --style conversational or --style standard")
     wanted = style if style != "auto" else next(iter(styles), "conversational")
-    kept = [row for row in chosen if _style(row) == wanted and not _continues(row)]
+    kept = [row for row in chosen if _style(row) == wanted and not _continues(row) and not _unopened(row)]
     # TRL hands a row's `chat_template_kwargs` to the template: every row has one if any has
     with_kwargs = any(row.request.chat_template_kwargs for row in kept)
     out, truncated = [], 0
@@ -122,9 +127,10 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
             if not (cut and drop_truncated):
                 out.append({**made, **extra})
     left_out = [_style(row) for row in producing if _style(row) != wanted]
-    continuing = sum(1 for row in producing if _style(row) == wanted and _continues(row))
-    return out, ExportCounts(len(out), sum(s is not None for s in left_out), left_out.count(None), continuing,
-                             len(kept), truncated)
+    wanted_rows = [row for row in producing if _style(row) == wanted]
+    return out, ExportCounts(len(out), sum(s is not None for s in left_out), left_out.count(None),
+                             continuing=sum(map(_continues, wanted_rows)), selected=len(kept), truncated=truncated,
+                             without_generation_prompt=sum(map(_unopened, wanted_rows)))
 
 
 def _selected(row: LedgerRow, since: float | None, include_quarantined: bool) -> bool:
@@ -146,6 +152,12 @@ def _continues(row: LedgerRow) -> bool:
     prompt = row.request.prompt
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[-1], dict) \
         and prompt[-1].get("role") == "assistant"
+
+
+def _unopened(row: LedgerRow) -> bool:
+    """A chat prompt not ending with an assistant message, served without the assistant's
+    turn opened after it (`add_generation_prompt: false`), which TRL would open."""
+    return isinstance(row.request.prompt, list) and not row.request.generation_prompt and not _continues(row)
 
 
 def _completion(row: LedgerRow, text: str):

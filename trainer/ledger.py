@@ -31,8 +31,8 @@ from pathlib import Path
 
 from trainer import ledger_lineage, ledger_retention
 from trainer.config import LedgerConfig
-from trainer.ledger_db import (ChoiceRecord, Deletion, LabelRecord, LedgerStats, RequestRecord, delete_rows,
-                               open_database, to_json)
+from trainer.ledger_db import (INSERT_REQUEST, ChoiceRecord, Deletion, LabelRecord, LedgerStats, RequestRecord,
+                               delete_rows, open_database, to_json)
 
 logger = logging.getLogger(__name__)
 
@@ -93,11 +93,7 @@ class Ledger:
 
     def record_request(self, record: RequestRecord) -> None:
         """A request got a cache entry (device thread: queued, not waited for)."""
-        self._put(_Write(lambda c: c.execute(  # encoded on the writer thread
-            "INSERT OR REPLACE INTO requests (id, served_at, adapter_version, method, prompt, prompt_token_ids, "
-            "tools, chat_template_kwargs) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (record.id, record.served_at, record.adapter_version, record.method, to_json(record.prompt),
-             to_json(record.prompt_token_ids), to_json(record.tools), to_json(record.chat_template_kwargs)))))
+        self._put(_Write(lambda c: c.execute(INSERT_REQUEST, record.values())))  # encoded on the writer thread
 
     def record_finished(self, request_id: str, choices: list[ChoiceRecord], aborted: bool) -> None:
         """A request's responses, when it finished (device thread: queued)."""

@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS requests (
     fate_reason TEXT,
     fate_at REAL,
     tools TEXT,
-    chat_template_kwargs TEXT
+    chat_template_kwargs TEXT,
+    generation_prompt TEXT
 );
 CREATE INDEX IF NOT EXISTS requests_served_at ON requests (served_at);
 CREATE TABLE IF NOT EXISTS labels (
@@ -142,6 +143,19 @@ class RequestRecord:
     tools: list[dict] | None = None
     # what a chat request gave its chat template besides the messages (vLLM's chat_template_kwargs)
     chat_template_kwargs: dict | None = None
+    # False: a chat request's template did not open the assistant's turn after its messages
+    # (`add_generation_prompt: false`); kept only then (NULL otherwise, and in older ledgers)
+    generation_prompt: bool = True
+
+    def values(self) -> tuple:
+        """The row's values for INSERT_REQUEST, encoded."""
+        return (self.id, self.served_at, self.adapter_version, self.method, to_json(self.prompt),
+                to_json(self.prompt_token_ids), to_json(self.tools), to_json(self.chat_template_kwargs),
+                None if self.generation_prompt else to_json(False))
+
+
+INSERT_REQUEST = ("INSERT OR REPLACE INTO requests (id, served_at, adapter_version, method, prompt, prompt_token_ids, "
+                  "tools, chat_template_kwargs, generation_prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
 
 @dataclass(frozen=True)
@@ -156,6 +170,7 @@ class ClientPrompt:
     tools: list[dict] | None = None
     rendered: list[dict] | None = None
     chat_template_kwargs: dict | None = None
+    generation_prompt: bool = True
 
 
 @dataclass(frozen=True)
@@ -266,7 +281,7 @@ _ROW_COLUMNS = ("r.id, r.served_at, r.finished_at, r.adapter_version, r.method, 
 
 
 # columns of `requests` added since the first schema, in the order rows are read
-_ADDED_ORDER = ("tools", "chat_template_kwargs")
+_ADDED_ORDER = ("tools", "chat_template_kwargs", "generation_prompt")
 _ADDED_COLUMNS = frozenset(_ADDED_ORDER)
 
 
@@ -286,7 +301,7 @@ def read_rows(conn: sqlite3.Connection, where: str = "1", params: tuple = ()) ->
 
 def _row(r: tuple) -> LedgerRow:
     request = RequestRecord(r[0], r[1], r[3], r[4], from_json(r[6]), from_json(r[5]), from_json(r[25]),
-                            from_json(r[26]))
+                            from_json(r[26]), from_json(r[27]) is not False)
     choices = [ChoiceRecord(c["index"], c["token_ids"], c["text"], c.get("token_logprobs"), c.get("finish_reason"),
                             c.get("stop_reason")) for c in from_json(r[7]) or []]
     label = None

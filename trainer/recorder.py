@@ -226,7 +226,8 @@ class Recorder:
             self.ledger.record_request(RequestRecord(request_id, time.time(), adapter_version, self.method.name,
                                                      list(prompt_token_ids),
                                                      client.prompt if client.rendered is None else client.rendered,
-                                                     client.tools, client.chat_template_kwargs))
+                                                     client.tools, client.chat_template_kwargs,
+                                                     client.generation_prompt))
 
 
 def _aborted(output: RequestOutput) -> bool:
