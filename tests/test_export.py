@@ -403,3 +403,21 @@ def test_a_chat_served_without_the_assistants_turn_opened_is_left_out_and_said(t
     out = tmp_path / "prefs.jsonl"
     assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--out", str(out)]) == 0
     assert "1 requests left out served with add_generation_prompt: false" in capsys.readouterr().err
+
+
+def test_a_cpt_prompt_served_without_the_assistants_turn_opened_is_a_language_modeling_row_as_served(tmp_path):
+    """A language-modeling row is the prompt alone, which TRL renders without the turn
+    opened: as a prompt served with `add_generation_prompt: false` was, token for token."""
+    app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        body = {"model": TINY_NAME, "messages": MESSAGES, "add_generation_prompt": False}
+        assert client.post("/v1/chat/completions", json={**body, "max_tokens": 4}).status_code == 200
+        served = client.post("/tokenize", json=body).json()["tokens"]
+        client.app.state.alchemist.training.ledger.flush()
+    rows, counts = export_rows(read_ledger(tmp_path / LEDGER_FILE), "language-modeling")
+    assert rows == [{"messages": MESSAGES}] and counts.without_generation_prompt == 0
+    tokenizer = tiny_tokenizer()
+    assert tokenizer(maybe_apply_chat_template(rows[0], tokenizer)["text"], add_special_tokens=False)["input_ids"] \
+        == served
+    rows, counts = export_rows(read_ledger(tmp_path / LEDGER_FILE), "prompt-completion")
+    assert rows == [] and counts.without_generation_prompt == 1

@@ -34,9 +34,9 @@ with the end of turn, so such a row teaches to stop where the model did not. A r
 whose prompt the ledger does not hold as the client wrote it
 (`truncate_prompt_tokens` cut it), or whose prompt ends with an assistant message (TRL
 renders such a prompt as continued and the completion as a turn of its own: not what was
-served, with `continue_final_message` or without), or whose chat template opened no
-assistant's turn after a prompt that does not end with one (`add_generation_prompt:
-false`; TRL opens it), is left out and counted. A file is written whole or not at all
+served, with `continue_final_message` or without), or, in a format with completions, whose
+chat template opened no assistant's turn after a prompt that does not end with one
+(`add_generation_prompt: false`; TRL opens it before a completion), is left out and counted. A file is written whole or not at all
 (`write_jsonl`).
 """
 
@@ -112,7 +112,9 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
         raise ExportError("the ledger holds chat requests (conversational rows) and text completions (standard "
                           "rows); one dataset holds one style: pass --style conversational or --style standard")
     wanted = style if style != "auto" else next(iter(styles), "conversational")
-    kept = [row for row in chosen if _style(row) == wanted and not _continues(row) and not _unopened(row)]
+    # a language-modeling row is the prompt alone, which TRL renders without the turn opened
+    unopened = (lambda row: False) if format == "language-modeling" else _unopened
+    kept = [row for row in chosen if _style(row) == wanted and not _continues(row) and not unopened(row)]
     # TRL hands a row's `chat_template_kwargs` to the template: every row has one if any has
     with_kwargs = any(row.request.chat_template_kwargs for row in kept)
     out, truncated = [], 0
@@ -130,7 +132,7 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
     wanted_rows = [row for row in producing if _style(row) == wanted]
     return out, ExportCounts(len(out), sum(s is not None for s in left_out), left_out.count(None),
                              continuing=sum(map(_continues, wanted_rows)), selected=len(kept), truncated=truncated,
-                             without_generation_prompt=sum(map(_unopened, wanted_rows)))
+                             without_generation_prompt=sum(map(unopened, wanted_rows)))
 
 
 def _selected(row: LedgerRow, since: float | None, include_quarantined: bool) -> bool:
