@@ -122,3 +122,45 @@ def test_states_that_name_each_other_as_copies_do_not_hang_the_pruning(tmp_path)
         store.save(dataclasses.replace(snapshot, version=version, state=state))
     kept = [saved.version for saved in store.versions()]  # one of the pair (either: they name each other)
     assert len(kept) == 2 and kept[-1] == 3
+
+
+class _Killed(BaseException):
+    """The process ends here (SIGKILL): nothing after it runs."""
+
+
+def test_a_kill_while_an_old_version_is_pruned_leaves_no_half_deleted_version(tmp_path, monkeypatch):
+    """`shutil.rmtree` deletes a file at a time: a kill in its middle used to leave a
+    version directory without its weights, listed as saved (and counted against `keep`),
+    which a rollback to it, or a server serving it, could not load."""
+    import trainer.adapter_store as adapter_store
+
+    snapshot = make_trainer("llama", "dpo").lifecycle.snapshot()
+    store = AdapterStore(tmp_path, keep=2)
+    for version in (0, 1):
+        store.save(dataclasses.replace(snapshot, version=version))
+
+    def killed_midway(path, ignore_errors=False):
+        (Path(path) / adapter_store.WEIGHTS_FILE).unlink()
+        raise _Killed
+
+    monkeypatch.setattr(adapter_store.shutil, "rmtree", killed_midway)
+    with pytest.raises(_Killed):
+        store.save(dataclasses.replace(snapshot, version=2))  # saved, then version 0 pruned: killed in the delete
+    monkeypatch.undo()
+    restarted = AdapterStore(tmp_path, keep=2)
+    assert [saved.version for saved in restarted.versions()] == [1, 2]
+    for saved in restarted.versions():
+        restarted.load(saved.version)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != ".lock") == ["v00000001", "v00000002"]
+
+
+def test_a_version_directory_missing_a_file_is_no_saved_version_and_is_saved_again(tmp_path):
+    snapshot = make_trainer("llama", "dpo").lifecycle.snapshot()
+    store = AdapterStore(tmp_path)
+    for version in (0, 1):
+        store.save(dataclasses.replace(snapshot, version=version))
+    (store.path_of(1) / "optimizer.pt").unlink()  # whatever left it so
+    assert [saved.version for saved in store.versions()] == [0] and not store.is_saved(1)
+    store.save(dataclasses.replace(snapshot, version=1))
+    assert [saved.version for saved in store.versions()] == [0, 1]
+    store.load(1)

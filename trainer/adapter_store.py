@@ -7,7 +7,10 @@
 
 A version is written into `DIR/.tmp-…`, every file fsynced, and renamed into place, so a
 process killed at any moment (SIGKILL mid-save) leaves either the complete version or a
-temporary directory that the next start removes — never a half-written version. Loading
+temporary directory that the next start removes — never a half-written version. A version
+pruned is renamed out of place first, then deleted, so that a kill mid-delete leaves no
+half-deleted version either; and a directory missing any of the four files is no saved
+version (`versions`, `is_saved`) whatever left it so. Loading
 checks every file and falls back to the next older version if one is unreadable anyway
 (a damaged disk), with a warning. One process at a time writes a directory: it holds a
 lock on `DIR/.lock` (released when it ends, by SIGKILL too); a second is refused at start,
@@ -103,12 +106,12 @@ class AdapterStore:
             return []
         for child in children:
             match = _VERSION_DIR.match(child.name)
-            if match and (child / STATE_FILE).is_file():
+            if match and _complete(child):
                 saved.append(SavedVersion(int(match.group(1)), child, (child / STATE_FILE).stat().st_mtime))
         return sorted(saved, key=lambda v: v.version)
 
     def is_saved(self, version: int) -> bool:
-        return (self.path_of(version) / STATE_FILE).is_file()
+        return _complete(self.path_of(version))
 
     def save(self, snapshot: AdapterSnapshot) -> Path:
         """Writes `snapshot` atomically and prunes versions beyond `keep`; a version that is
@@ -207,7 +210,24 @@ class AdapterStore:
         older = saved[:-1]
         duplicates = [version for version in older if version.version not in kept]
         for old in (duplicates + [version for version in older if version not in duplicates])[:excess]:
-            shutil.rmtree(old.path, ignore_errors=True)
+            self._delete(old.path)
+
+    def _delete(self, path: Path) -> None:
+        """Deletes a version's directory: renamed out of place first (the next start
+        removes what a kill leaves of it), so that no half-deleted version is ever listed."""
+        doomed = self.root / f"{_TMP_PREFIX}pruned-{path.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, doomed)
+            _fsync(self.root)
+        except OSError as exc:
+            logger.warning("cannot prune the adapter version %s: %s", path, exc)
+            return
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _complete(path: Path) -> bool:
+    """A version directory holding every file a save writes."""
+    return all((path / name).is_file() for name in (WEIGHTS_FILE, CONFIG_FILE, OPTIMIZER_FILE, STATE_FILE))
 
 
 def _weights_of(saved: SavedVersion) -> int | None:
