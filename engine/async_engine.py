@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import threading
@@ -30,13 +31,16 @@ from typing import AsyncIterator
 
 import torch
 
-from engine.hooks import IdleHook
+from engine.hooks import IdleHook, Wakeup
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineError, ErrorKind, RequestOutput, StepStats, merged
 from engine.request import EngineRequest
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# how long a finished request's answer waits for the recorder's write of it (the feedback ledger's commit)
+ANSWER_WRITE_WAIT_S = 2.0
 
 
 class EngineDeadError(RuntimeError):
@@ -56,23 +60,6 @@ class _Abort:
 @dataclass
 class _Shutdown:
     pass
-
-
-class Wakeup:
-    """Wakes the bridge's loop from any thread: idle work became available (a reward
-    function's result). Made before the bridge, so that parts built earlier can hold it;
-    it does nothing until the bridge starts."""
-
-    def __init__(self):
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._notify = None
-
-    def bind(self, loop: asyncio.AbstractEventLoop, notify) -> None:
-        self._loop, self._notify = loop, notify
-
-    def __call__(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._notify)
 
 
 class AsyncEngine:
@@ -161,7 +148,8 @@ class AsyncEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs (those that queued up while the caller was busy
-        come merged into one). Leaving the iteration early aborts it."""
+        come merged into one; the last once the recorder has written its answer, as
+        `_answer_written` waits). Leaving the iteration early aborts it."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         if request.request_id in self._streams:
@@ -186,11 +174,22 @@ class AsyncEngine:
                         break
                     item = merged(item, later)
                 finished = item.finished
+                if finished and item.error is None:
+                    await self._answer_written(request.request_id)
                 yield item
         finally:
             if not finished:
                 self.abort(request.request_id)
             self._streams.pop(request.request_id, None)
+
+    async def _answer_written(self, request_id: str) -> None:
+        """Waits, at most ANSWER_WRITE_WAIT_S, for the recorder to have written a finished
+        request's answer where its label will look for it (hooks.PrefillRecorder.answer_written)."""
+        recorder = self.engine.hooks.recorder
+        written = recorder.answer_written(request_id) if recorder is not None else None
+        if written is not None and not written.done():
+            with contextlib.suppress(asyncio.TimeoutError):  # (shielded: giving up must not cancel the write)
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(written)), ANSWER_WRITE_WAIT_S)
 
     async def run_on_device(self, fn, *args):
         """Runs `fn(*args)` on the device thread, after the item in progress (adapter

@@ -4,11 +4,15 @@ The engine imports nothing from `trainer/`, `offload/`, `server/` or `bench/`; t
 composition root (server/build.py) hands it objects that satisfy these protocols, at
 construction: `EngineHooks` to `LLMEngine`, an `IdleHook` to `AsyncEngine`. All of them
 are called on the device thread, except `IdleHook`, which the async bridge calls on the
-asyncio loop and which sends its tensor work to the device thread through `DeviceGate`.
+asyncio loop and which sends its tensor work to the device thread through `DeviceGate`,
+and `PrefillRecorder.answer_written`, which the bridge asks on the loop. `Wakeup` lets
+other threads wake the bridge's loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, TypeVar
@@ -47,6 +51,13 @@ class PrefillRecorder(Protocol):
         ...
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None: ...
+
+    def answer_written(self, request_id: str) -> concurrent.futures.Future | None:
+        """Asked on the asyncio loop when a request has finished: the write of its answer
+        that its label will look for (the feedback ledger), while on its way, or None. The
+        async bridge holds the request's last output until it is done (bounded), so that a
+        request answered before a crash still takes its label after the restart."""
+        ...
 
 
 class StepMemoryGuard(Protocol):
@@ -130,3 +141,20 @@ class IdleHook(Protocol):
         """How long the bridge may sleep with nothing to do before asking again
         (deadlines such as label timeouts come due); None: until a message arrives."""
         ...
+
+
+class Wakeup:
+    """Wakes the bridge's loop from any thread: idle work became available (a reward
+    function's result). Made before the bridge, so that parts built earlier can hold it;
+    it does nothing until the bridge starts."""
+
+    def __init__(self):
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._notify = None
+
+    def bind(self, loop: asyncio.AbstractEventLoop, notify) -> None:
+        self._loop, self._notify = loop, notify
+
+    def __call__(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._notify)

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from engine.async_engine import AsyncEngine, Wakeup
+from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
-from engine.hooks import EngineHooks, EngineObserver
+from engine.hooks import EngineHooks, EngineObserver, Wakeup
 from engine.llm_engine import LLMEngine, build_runner
 from engine.model_runner import ModelRunner
 from engine.packed_linear import PackedLinear

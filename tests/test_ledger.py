@@ -4,6 +4,7 @@ a label still to be trained; the file is its owner's; what the server keeps of a
 completion can be deleted; a restart trains every label not in the resumed version and
 still takes feedback for recent requests."""
 
+import json
 import sqlite3
 import stat
 import threading
@@ -36,6 +37,32 @@ def chat(client) -> str:
 
 def rows_by_id(path) -> dict:
     return {row.request.id: row for row in read_ledger(path)}
+
+
+def test_an_answer_goes_out_once_the_ledger_holds_it_so_a_kill_right_after_cannot_lose_its_label(tmp_path,
+                                                                                                   monkeypatch):
+    """A label is looked up in the ledger after a restart: an answer sent before its row was
+    committed, and a kill -9 within those milliseconds, made its label a 404 (an outside
+    kill sweep: 2 of 6 kills right after an answer). The writer is slowed here, so that the
+    answer would come first if it did not wait."""
+    transaction = Ledger._transaction
+
+    def slow_transaction(self, batch):
+        time.sleep(0.3)
+        transaction(self, batch)
+
+    monkeypatch.setattr(Ledger, "_transaction", slow_transaction)
+    app = tiny_app(train=DPO, adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        for stream in (False, True):
+            r = client.post("/v1/chat/completions", json={**CHAT, "n": 2, "temperature": 1.0, "stream": stream})
+            assert r.status_code == 200, r.text
+            completion = r.json()["id"] if not stream else next(
+                json.loads(line[6:])["id"] for line in r.text.splitlines() if line.startswith("data: {"))
+            row = rows_by_id(tmp_path / LEDGER_FILE)[completion]  # another connection, at once
+            assert row.finished_at is not None and [c.index for c in row.choices] == [0, 1], stream
+        untrained = client.post("/v1/chat/completions", json={**CHAT, "train": False})
+        assert untrained.status_code == 200  # a request the ledger does not keep waits for nothing
 
 
 def test_a_label_is_on_disk_before_feedback_answers_200(tmp_path):

@@ -2,7 +2,7 @@
 (tiny model, DPO, an adapter directory) serves six requests, takes three labels while
 another stream keeps the engine busy (so none of them is trained yet), and is killed.
 Restarted on the same directory, it trains the three labels, and the three requests
-served before the crash still take theirs."""
+served before the crash still take theirs, as does one answered the moment before the kill."""
 
 import os
 import signal
@@ -78,7 +78,8 @@ def test_labels_accepted_before_kill_9_are_trained_after_the_restart(tmp_path):
             for completion in ids[:3]:
                 r = client.post("/v1/feedback", json={"id": completion, "chosen": "Paris."})
                 assert r.status_code == 200, r.text
-            os.kill(proc.pid, signal.SIGKILL)
+            pair = client.post("/v1/chat/completions", json={**QUESTION, "n": 2, "temperature": 1.0})
+            os.kill(proc.pid, signal.SIGKILL)  # the moment its answer came: the answer is in the ledger already
             proc.wait()
             stop.set()
             for worker in busy:
@@ -97,9 +98,11 @@ def test_labels_accepted_before_kill_9_are_trained_after_the_restart(tmp_path):
             for completion in ids[3:]:  # served before the crash, labelled after it
                 r = client.post("/v1/feedback", json={"id": completion, "chosen": "Paris."})
                 assert r.status_code == 200, r.text
-            wait_for(lambda: trained(client) == 6)
+            r = client.post("/v1/feedback", json={"id": pair.json()["id"], "chosen_index": 1, "rejected_index": 0})
+            assert r.status_code == 200, r.text
+            wait_for(lambda: trained(client) == 7)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     rows = {row.request.id: row for row in read_ledger(tmp_path / LEDGER_FILE)}
-    assert {rows[i].fate for i in ids} == {"trained"}
+    assert {rows[i].fate for i in [*ids, pair.json()["id"]]} == {"trained"}

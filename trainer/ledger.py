@@ -8,7 +8,8 @@ label answered 200 survives `kill -9`, and what was collected can be read out
     labels    at most one per request: a preference or a group's rewards, from the API or the reward function
 
 Writes run on a thread of their own, one transaction per drain of its queue. A request's
-rows and fates are queued and forgotten (the device thread must not wait for a disk); a
+rows and fates are queued (the device thread must not wait for a disk); its answer waits
+for them on the event loop (`record_finished`), so a label finds it after a crash. A
 label is acknowledged only once its transaction has committed: `commit_label` blocks its
 caller (a worker thread) until then, and raises `LedgerUnavailable` if the database cannot
 be written (disk full, locked, read-only) — nothing committed before is touched.
@@ -31,8 +32,8 @@ from pathlib import Path
 
 from trainer import ledger_lineage, ledger_retention
 from trainer.config import LedgerConfig
-from trainer.ledger_db import (INSERT_REQUEST, ChoiceRecord, Deletion, LabelRecord, LedgerStats, RequestRecord,
-                               delete_rows, open_database, to_json)
+from trainer.ledger_db import (FINISH_REQUEST, INSERT_REQUEST, ChoiceRecord, Deletion, LabelRecord, LedgerStats,
+                               RequestRecord, delete_rows, open_database, to_json)
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +96,15 @@ class Ledger:
         """A request got a cache entry (device thread: queued, not waited for)."""
         self._put(_Write(lambda c: c.execute(INSERT_REQUEST, record.values())))  # encoded on the writer thread
 
-    def record_finished(self, request_id: str, choices: list[ChoiceRecord], aborted: bool) -> None:
-        """A request's responses, when it finished (device thread: queued)."""
-        finished_at = self.clock()
-        self._put(_Write(lambda c: c.execute(
-            "UPDATE requests SET finished_at = ?, choices = ?, aborted = ? WHERE id = ?",
-            (finished_at, to_json([choice.as_row() for choice in choices]), int(aborted), request_id))))
+    def record_finished(self, request_id: str, choices: list[ChoiceRecord], aborted: bool):
+        """A request's responses, when it finished (device thread: queued). Returns a future
+        done once they are committed (with the request's row, queued before), for the answer
+        to wait for; None while the ledger cannot be written (it would wait in vain)."""
+        finished_at, written = self.clock(), concurrent.futures.Future()
+        self._put(_Write(lambda c: c.execute(FINISH_REQUEST, (
+            finished_at, to_json([choice.as_row() for choice in choices]), int(aborted), request_id)),
+            committed=lambda: written.set_result(None)))
+        return None if self._closed or self._retry else written
 
     def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
                     reason: str | None = None) -> None:

@@ -156,6 +156,7 @@ class RequestRecord:
 
 INSERT_REQUEST = ("INSERT OR REPLACE INTO requests (id, served_at, adapter_version, method, prompt, prompt_token_ids, "
                   "tools, chat_template_kwargs, generation_prompt) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+FINISH_REQUEST = "UPDATE requests SET finished_at = ?, choices = ?, aborted = ? WHERE id = ?"
 
 
 @dataclass(frozen=True)

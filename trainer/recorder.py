@@ -16,7 +16,9 @@ admission to its last output; label expiry is the arbiter's (trainer/maintenance
 A request gets an entry only if the method trains on it (GRPO: n >= 2, one entry for the
 group, whose choices share the one recording).
 With a feedback ledger, each request that gets an entry is written there (its prompt as
-the client wrote it and as tokens, the served choices and log-probs when it finishes).
+the client wrote it and as tokens, the served choices and log-probs when it finishes), and
+its answer goes out once that is committed (`answer_written`): a label for an answered
+request finds it after a crash.
 No label is lost: with a method that takes feedback, a trainable request whose prefill is
 not recorded (not drawn, too long, no room, too far behind) still gets an entry when it
 finishes — its tokens, without activations — and its label trains by recomputation.
@@ -24,6 +26,7 @@ finishes — its tokens, without activations — and its label trains by recompu
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 import time
 from typing import Callable, Protocol
@@ -56,7 +59,8 @@ class Recorder:
         """`warmer`: pre-faulted heap (engine.malloc_tuning.HeapWarmer), released just
         before a recording and sized to the largest one; `rewards`: the reward function's
         scorer (trainer/rewards.py), which gets each finished group; `ledger`: the feedback
-        ledger, where every request that gets an entry is written (queued, not waited for);
+        ledger, where every request that gets an entry is written (queued: its answer, not
+        the device thread, waits for the commit);
         `recording_paused`: no prefill is recorded meanwhile (the weights serving runs
         under cannot be recorded with: the eval gate scores a candidate and the promoted
         version's weights are not stashed, as with `max_staleness` 0); `adapter_version`: the
@@ -92,6 +96,8 @@ class Recorder:
         # completion id -> (prompt token ids, adapter version) of trainable requests in
         # flight that were not recorded: they get a label entry when they finish
         self._label_only: dict[str, tuple[list[int], int]] = {}
+        # completion id -> the ledger's commit of its finished answer, until it lands (read on the event loop)
+        self._answers_written: dict[str, concurrent.futures.Future] = {}
 
     # -- PrefillRecorder ------------------------------------------------------------------
 
@@ -208,15 +214,25 @@ class Recorder:
                 self.cache.add(self.method.make_label_entry(request_id, *label_only))
             self.cache.expected.discard(request_id)
             if self.ledger is not None and (label_only is None or not aborted):
-                self.ledger.record_finished(request_id, [
+                self._keep_answer(request_id, self.ledger.record_finished(request_id, [
                     ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i), *reasons.get(i, (None, None)))
-                    for i in sorted(responses)],
-                    aborted)
+                    for i in sorted(responses)], aborted))
             waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps)
             client = self._client_prompts.pop(request_id, None)
             if self.rewards is not None and isinstance(waiting, GroupEntry):
                 self.rewards.score(waiting, client.prompt if client is not None else None,
                                    [texts[i] for i in sorted(texts)])
+
+    def answer_written(self, request_id: str) -> concurrent.futures.Future | None:
+        """The ledger's commit of a finished request's answer while it is on its way: the
+        server answers once it lands, so that a label for an answered request finds it after
+        a crash (called on the event loop)."""
+        return self._answers_written.get(request_id)
+
+    def _keep_answer(self, request_id: str, written: concurrent.futures.Future | None) -> None:
+        if written is not None:
+            self._answers_written[request_id] = written
+            written.add_done_callback(lambda _: self._answers_written.pop(request_id, None))
 
     def _write_request(self, request_id: str, prompt_token_ids: list[int], adapter_version: int) -> None:
         """Writes a request to the ledger before its entry exists, so a label never
