@@ -40,7 +40,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # how long a finished request's answer waits for the recorder's write of it (the feedback ledger's commit)
-ANSWER_WRITE_WAIT_S = 2.0
+ANSWER_WRITE_WAIT_S = 1.0
 
 
 class EngineDeadError(RuntimeError):

@@ -174,7 +174,8 @@ def export_feedback(args: argparse.Namespace) -> int:
         if counts.selected:
             print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
                   "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
-                  "prompt-completion rows, what it trains on as language-modeling rows", file=sys.stderr)
+                  f"prompt-completion rows, what it trains on as language-modeling rows{_left_out(counts)}",
+                  file=sys.stderr)
         elif not _left_out(counts):
             print("alchemist: no request in the ledger passed the filters (--since; quarantined labels need "
                   "--include-quarantined)", file=sys.stderr)

@@ -17,26 +17,28 @@ from trainer.ledger_db import ClientPrompt
 
 
 def is_json_media_type(content_type: str | None) -> bool:
-    """Whether a Content-Type header names JSON (`application/json`, `…+json`, any
-    parameters); none given counts as JSON, as FastAPI and vLLM take it."""
-    if content_type is None:
-        return True
-    media_type = content_type.split(";", 1)[0].strip().lower()
-    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+    """Whether a Content-Type header names JSON (`…/json` or `…/…+json`, any parameters), as
+    FastAPI's strict content type reads it; none given is no JSON."""
+    if not content_type:
+        return False
+    subtype = content_type.split(";", 1)[0].strip().lower().partition("/")[2]
+    return subtype == "json" or subtype.endswith("+json")
 
 
 async def parse_body(request: Request, model: type[BaseModel] | TypeAdapter):
     """The body, validated by `model` (or by a TypeAdapter of a tagged union of models).
-    A body sent as another media type is refused (415), as FastAPI refuses it: form and
-    plain-text bodies are what a web page may send another origin without asking first, so
-    reading them as JSON would let any page a user opens label, train or roll back."""
-    content_type = request.headers.get("content-type")
-    if not is_json_media_type(content_type):
-        raise APIError(415, f"The request body must be sent as JSON (Content-Type: application/json), not as "
-                            f"{content_type!r}.", code="unsupported_media_type")
+    A body not sent as JSON — a form, plain text, or none named — is refused (415), as
+    FastAPI refuses it (422): those are what a web page may send another origin without
+    asking first, so reading them as JSON would let any page a user opens label, train or
+    roll back."""
     raw = await request.body()
     if not raw.strip():
         raise APIError(400, "The request body is empty; send a JSON object.", code="invalid_json")
+    content_type = request.headers.get("content-type")
+    if not is_json_media_type(content_type):
+        sent = f"not as {content_type!r}" if content_type else "and no Content-Type was given"
+        raise APIError(415, f"The request body must be sent as JSON (Content-Type: application/json), {sent}.",
+                       code="unsupported_media_type")
     tagged = isinstance(model, TypeAdapter)
     try:
         return model.validate_json(raw) if tagged else model.model_validate_json(raw)

@@ -164,3 +164,7 @@ def test_a_version_directory_missing_a_file_is_no_saved_version_and_is_saved_aga
     store.save(dataclasses.replace(snapshot, version=1))
     assert [saved.version for saved in store.versions()] == [0, 1]
     store.load(1)
+    (store.path_of(0) / "adapter_model.safetensors").unlink()
+    restarted = AdapterStore(tmp_path)  # moved aside at start, kept to look at
+    assert [saved.version for saved in restarted.versions()] == [1]
+    assert [p.name.split(".")[1].split("-")[0] for p in tmp_path.glob("v00000000.*")] == ["incomplete"]

@@ -22,7 +22,7 @@ from trainer.config import AdapterConfig, LedgerConfig, TrainConfig
 from trainer.entries import EntryState
 from trainer.feedback import FeedbackLabel, FeedbackOutcome
 from trainer.ledger import Ledger, LabelExists, LedgerUnavailable
-from trainer.ledger_db import LEDGER_FILE, LabelRecord, RequestRecord, read_ledger, release_quarantined
+from trainer.ledger_db import LEDGER_FILE, ChoiceRecord, LabelRecord, RequestRecord, read_ledger, release_quarantined
 
 DPO = TrainConfig(mode="dpo", lora_rank=4)
 CHAT = {"model": TINY_NAME, "max_tokens": 4, "temperature": 0,
@@ -112,6 +112,30 @@ def test_feedback_answers_503_while_the_ledger_cannot_be_written_and_loses_nothi
         assert metric(client, 'alchemist:feedback_total{status="unavailable"}') == 1
         assert [r.message for r in caplog.records if "labels and deletions get 503" in r.message]
         assert metric(client, "alchemist:ledger_rows_written_total") >= 6  # 2 requests, 2 finishes, 2 labels
+
+
+def test_an_answers_write_that_fails_lets_its_answer_go_and_lands_on_a_retry(tmp_path):
+    """The answer waits for its request's commit; one the ledger cannot make (another
+    writer holds the database) lets it go at once, rather than after the answer's bound,
+    and, while writes fail, no answer waits at all."""
+    path = tmp_path / LEDGER_FILE
+    ledger = Ledger(path)
+    try:
+        ledger.record_request(request_record(0, time.time()))
+        ledger.flush()
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN EXCLUSIVE")
+        try:
+            written = ledger.record_finished("req-0", [ChoiceRecord(0, [1], "a")], False)
+            written.result(timeout=30)  # tried and failed: done, not pending
+            assert ledger.record_finished("req-0", [ChoiceRecord(0, [1], "a")], False) is None
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        ledger.flush(strict=True)
+        assert rows_by_id(path)["req-0"].choices == [ChoiceRecord(0, [1], "a")]
+    finally:
+        ledger.close()
 
 
 def request_record(i: int, served_at: float, tokens: int = 400) -> RequestRecord:

@@ -10,7 +10,8 @@ process killed at any moment (SIGKILL mid-save) leaves either the complete versi
 temporary directory that the next start removes — never a half-written version. A version
 pruned is renamed out of place first, then deleted, so that a kill mid-delete leaves no
 half-deleted version either; and a directory missing any of the four files is no saved
-version (`versions`, `is_saved`) whatever left it so. Loading
+version (`versions`, `is_saved`) whatever left it so (moved aside at start, as
+`vNNNNNNNN.incomplete-<time>`). Loading
 checks every file and falls back to the next older version if one is unreadable anyway
 (a damaged disk), with a warning. One process at a time writes a directory: it holds a
 lock on `DIR/.lock` (released when it ends, by SIGKILL too); a second is refused at start,
@@ -20,6 +21,7 @@ as two would number different weights alike and delete each other's saves in pro
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import copy
 import fcntl
 import json
@@ -89,9 +91,14 @@ class AdapterStore:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         _lock_directory(self.root)
-        for leftover in self.root.glob(_TMP_PREFIX + "*"):  # a save interrupted by a crash
-            logger.warning("removing an interrupted adapter save: %s", leftover)
+        for leftover in self.root.glob(_TMP_PREFIX + "*"):  # a save or a prune a crash interrupted
+            logger.warning("removing what an interrupted adapter save or prune left: %s", leftover)
             shutil.rmtree(leftover, ignore_errors=True)
+        for child in self.root.iterdir():  # (left so by a prune before they were renamed first, or by hand)
+            if _VERSION_DIR.match(child.name) and not _complete(child):
+                aside = child.with_name(f"{child.name}.incomplete-{int(time.time())}")
+                logger.warning("moving aside an incomplete adapter version: %s -> %s", child, aside)
+                os.rename(child, aside)
 
     def path_of(self, version: int) -> Path:
         return self.root / f"v{version:08d}"
@@ -106,8 +113,9 @@ class AdapterStore:
             return []
         for child in children:
             match = _VERSION_DIR.match(child.name)
-            if match and _complete(child):
-                saved.append(SavedVersion(int(match.group(1)), child, (child / STATE_FILE).stat().st_mtime))
+            with contextlib.suppress(FileNotFoundError):  # (pruned meanwhile)
+                if match and _complete(child):
+                    saved.append(SavedVersion(int(match.group(1)), child, (child / STATE_FILE).stat().st_mtime))
         return sorted(saved, key=lambda v: v.version)
 
     def is_saved(self, version: int) -> bool:

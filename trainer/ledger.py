@@ -34,6 +34,7 @@ from trainer import ledger_lineage, ledger_retention
 from trainer.config import LedgerConfig
 from trainer.ledger_db import (FINISH_REQUEST, INSERT_REQUEST, ChoiceRecord, Deletion, LabelRecord, LedgerStats,
                                RequestRecord, delete_rows, open_database, to_json)
+from trainer.ledger_write import QueuedWrite, is_full
 
 logger = logging.getLogger(__name__)
 
@@ -46,29 +47,13 @@ PRUNE_TO = 0.9
 # queued writes (requests' rows, fates) kept for retry while the ledger cannot be written
 MAX_RETRY_BACKLOG = 100_000
 
+
 class LedgerUnavailable(Exception):
     """The ledger cannot be written now (disk full, locked, read-only, closed)."""
 
 
 class LabelExists(Exception):
     """The request already has a label in the ledger."""
-
-
-def _is_full(exc: Exception) -> bool:
-    return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
-
-
-class _Write:
-    """One queued write: `apply(conn)` inside the writer's transaction; `done` is set
-    for writes whose caller waits (labels); `owed`: a fate or a lineage, which a version
-    saved after it depends on (`flush(strict=True)` waits for those alone)."""
-
-    def __init__(self, apply, done: concurrent.futures.Future | None = None, committed=None, owed: bool = False):
-        self.apply = apply
-        self.done = done
-        self.owed = owed
-        # called once its transaction has committed (not when it is tried again after a failure)
-        self.committed = committed
 
 
 class Ledger:
@@ -78,9 +63,9 @@ class Ledger:
         self.clock = clock
         self.stats = LedgerStats()
         self._conn = open_database(self.path, config.max_bytes)
-        self._queue: queue.Queue[_Write | None] = queue.Queue()
+        self._queue: queue.Queue[QueuedWrite | None] = queue.Queue()
         # writes that failed for want of room or a lock: retried before the next ones
-        self._retry: list[_Write] = []
+        self._retry: list[QueuedWrite] = []
         # owed writes given up (past MAX_RETRY_BACKLOG): no version may be saved after them
         self._given_up_owed = 0
         self._last_error: sqlite3.Error | None = None
@@ -94,23 +79,23 @@ class Ledger:
 
     def record_request(self, record: RequestRecord) -> None:
         """A request got a cache entry (device thread: queued, not waited for)."""
-        self._put(_Write(lambda c: c.execute(INSERT_REQUEST, record.values())))  # encoded on the writer thread
+        self._put(QueuedWrite(lambda c: c.execute(INSERT_REQUEST, record.values())))  # encoded on the writer thread
 
     def record_finished(self, request_id: str, choices: list[ChoiceRecord], aborted: bool):
         """A request's responses, when it finished (device thread: queued). Returns a future
         done once they are committed (with the request's row, queued before), for the answer
-        to wait for; None while the ledger cannot be written (it would wait in vain)."""
+        to wait for, or once it fails (then retried unwaited); None while writes fail."""
         finished_at, written = self.clock(), concurrent.futures.Future()
-        self._put(_Write(lambda c: c.execute(FINISH_REQUEST, (
+        self._put(QueuedWrite(lambda c: c.execute(FINISH_REQUEST, (
             finished_at, to_json([choice.as_row() for choice in choices]), int(aborted), request_id)),
-            committed=lambda: written.set_result(None)))
+            tried=lambda: written.done() or written.set_result(None)))
         return None if self._closed or self._retry else written
 
     def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
                     reason: str | None = None) -> None:
         """How a request's entry ended (queued; called under the cache's lock)."""
         at = self.clock()
-        self._put(_Write(lambda c: ledger_lineage.record_fate(c, request_id, fate, version, path, reason, at),
+        self._put(QueuedWrite(lambda c: ledger_lineage.record_fate(c, request_id, fate, version, path, reason, at),
                          owed=True))
 
     def commit_label(self, request_id: str, label: LabelRecord, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
@@ -127,7 +112,7 @@ class Ledger:
                  label.chosen_index, label.rejected_index, to_json(label.chosen_token_ids),
                  to_json(label.rejected_token_ids), to_json(label.served_logps), to_json(label.rewards)))
 
-        self._wait(_Write(apply, concurrent.futures.Future()), timeout_s)
+        self._wait(QueuedWrite(apply, concurrent.futures.Future()), timeout_s)
 
     def quarantine(self, request_ids: list[str], reason: str, version: int, promoted: int) -> None:
         """The eval gate rejected the version these requests' labels trained into, and made
@@ -140,7 +125,7 @@ class Ledger:
             ledger_lineage.record_parent(c, version, promoted)
             ledger_lineage.quarantine(c, f"id IN ({marks})", tuple(request_ids), reason, at)
 
-        self._put(_Write(apply, owed=True))
+        self._put(QueuedWrite(apply, owed=True))
 
     def rolled_back(self, restored: int, version: int) -> None:
         """A rollback made `version` a copy of saved version `restored` (queued): what
@@ -157,14 +142,14 @@ class Ledger:
         def committed() -> None:
             self.stats.rollback_quarantined += quarantined[0]
 
-        self._put(_Write(apply, committed=committed, owed=True))
+        self._put(QueuedWrite(apply, committed=committed, owed=True))
 
     def reopen(self, request_ids: list[str]) -> None:
         """These requests' labels trained into versions a crash lost before they were saved: in
         no weights until trained again; no later saved version may pass for one holding them (queued)."""
         for start in range(0, len(request_ids), 500):
             chunk = request_ids[start:start + 500]
-            self._put(_Write(lambda c, chunk=chunk: ledger_lineage.reopen(c, chunk), owed=True))
+            self._put(QueuedWrite(lambda c, chunk=chunk: ledger_lineage.reopen(c, chunk), owed=True))
 
     # -- the adapter's saves (AdapterCheckpointer's SaveJournal, in the process that saves versions) --
 
@@ -178,7 +163,7 @@ class Ledger:
             if saving:
                 ledger_retention.record_saved(c, saved)
 
-        self._put(_Write(apply, owed=True))
+        self._put(QueuedWrite(apply, owed=True))
 
     def before_save(self, snapshot=None) -> None:
         """Before a version is saved (the checkpointer's writer thread): the fates it trained
@@ -187,28 +172,28 @@ class Ledger:
 
     def when_written(self, callback) -> None:
         """Calls `callback` on the writer thread once every owed write queued before now has committed (queued)."""
-        marker = _Write(lambda c: None)
+        marker = QueuedWrite(lambda c: None)
         marker.committed = lambda: self._retry.append(marker) if self._owed_waiting() else callback()
         self._put(marker)
 
     def saved(self, version: int) -> None:
         """Version `version` is on disk: the labels it holds may go by retention (queued)."""
-        self._put(_Write(lambda c: ledger_retention.record_saved(c, version)))
+        self._put(QueuedWrite(lambda c: ledger_retention.record_saved(c, version)))
 
     def withdraw_label(self, request_id: str) -> None:
         """Removes a label whose entry ended before it could be attached (queued)."""
-        self._put(_Write(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))
+        self._put(QueuedWrite(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))
 
     def delete(self, request_id: str, label_only: bool = False) -> Deletion:
         """Deletes a request (with its label), or only its label, and those of its prompts
         (`<request_id>-<i>`) where it is a completion of several prompts: whether there was
         one, and which of its labels had trained (blocks until committed; LedgerUnavailable)."""
         found, at = [], self.clock()
-        self._wait(_Write(lambda c: found.append(delete_rows(c, request_id, label_only, at)),
+        self._wait(QueuedWrite(lambda c: found.append(delete_rows(c, request_id, label_only, at)),
                           concurrent.futures.Future()), COMMIT_TIMEOUT_S)
         return found[-1]  # (the last try's: a failed batch's writes are tried again alone)
 
-    def _wait(self, write: _Write, timeout_s: float) -> None:
+    def _wait(self, write: QueuedWrite, timeout_s: float) -> None:
         """Queues `write` and waits for its commit. A write not begun within `timeout_s`
         is withdrawn (LedgerUnavailable: nothing changed); one being committed is waited
         for, so the caller never hears "refused" of a write that lands."""
@@ -226,7 +211,7 @@ class Ledger:
         version is saved (a request's own rows may wait: no save depends on them)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         waiting: list[int] = []  # the owed writes left for their retry (or given up) when this one landed
-        self._put(_Write(lambda c: None, done, committed=lambda: waiting.append(self._owed_waiting())))
+        self._put(QueuedWrite(lambda c: None, done, committed=lambda: waiting.append(self._owed_waiting())))
         try:
             done.result(timeout_s)
         except LedgerUnavailable:
@@ -239,7 +224,7 @@ class Ledger:
     def _owed_waiting(self) -> int:  # fates and lineages left for their retry, or given up
         return sum(w.owed for w in self._retry) + self._given_up_owed
 
-    def _put(self, write: _Write) -> None:
+    def _put(self, write: QueuedWrite) -> None:
         if self._closed:
             if write.done is not None:
                 write.done.set_exception(LedgerUnavailable("the feedback ledger is closed"))
@@ -268,13 +253,13 @@ class Ledger:
             if self.clock() - self._last_prune >= PRUNE_EVERY_S:
                 self._prune_quietly()
 
-    def _commit(self, batch: list[_Write]) -> None:
+    def _commit(self, batch: list[QueuedWrite]) -> None:
         # a waiting caller's write is begun here, unless its caller gave up on it (`_wait`)
         batch = [w for w in batch if w.done is None or w.done.set_running_or_notify_cancel()]
         if batch:
             self._commit_batch(batch)
 
-    def _commit_batch(self, batch: list[_Write]) -> None:
+    def _commit_batch(self, batch: list[QueuedWrite]) -> None:
         """One transaction for the batch. If the ledger is full, retention makes room and
         each write is tried alone, so that one that cannot be written fails by itself;
         if it cannot be written at all (locked, read-only, I/O), every waiting caller
@@ -286,7 +271,7 @@ class Ledger:
             for write in batch:
                 self._commit_one(write)
         except Exception as exc:  # noqa: BLE001 - SQLite's errors, and any other: the writer never dies
-            if _is_full(exc):
+            if is_full(exc):
                 for write in batch:
                     self._commit_one(write)
             else:
@@ -294,20 +279,19 @@ class Ledger:
                     self._failed(write, exc)
         else:
             for write in batch:
-                if write.committed is not None:
-                    write.committed()
-                if write.done is not None:
-                    write.done.set_result(None)
+                write.landed()
             self.stats.rows_written += len(batch)
         self.stats.commits += 1
         self.stats.commit_seconds += time.perf_counter() - started
         self.stats.retry_backlog = len(self._retry)
 
-    def _failed(self, write: _Write, exc: Exception) -> None:
+    def _failed(self, write: QueuedWrite, exc: Exception) -> None:
         """A write that could not be made: its waiting caller hears it (a label, refused
         with nothing changed); a queued one is retried with the next writes."""
         self.stats.write_errors += 1
         self._last_error = exc
+        if write.tried is not None:
+            write.tried()
         if write.done is not None:
             self.stats.refused_writes += 1
             if time.monotonic() - self._refusal_logged >= 60.0:  # one line a minute while it lasts
@@ -323,12 +307,12 @@ class Ledger:
                 logger.error("feedback ledger: more than %d writes wait to be retried; the oldest is given up",
                              MAX_RETRY_BACKLOG)
 
-    def _commit_one(self, write: _Write) -> None:
+    def _commit_one(self, write: QueuedWrite) -> None:
         try:
             try:
                 self._transaction([write])
             except sqlite3.Error as exc:
-                if not _is_full(exc):
+                if not is_full(exc):
                     raise
                 self._prune_quietly()  # room from what retention may drop, then once more
                 self._transaction([write])
@@ -340,16 +324,15 @@ class Ledger:
                 write.done.set_exception(LabelExists(str(exc)))
             else:  # a row for a request the ledger no longer holds (deleted): nothing to do
                 logger.debug("ledger write skipped: %s", exc)
+                if write.tried is not None:
+                    write.tried()
         except Exception as exc:  # noqa: BLE001 - as in _commit_batch
             self._failed(write, exc)
         else:
             self.stats.rows_written += 1
-            if write.committed is not None:
-                write.committed()
-            if write.done is not None:
-                write.done.set_result(None)
+            write.landed()
 
-    def _transaction(self, batch: list[_Write]) -> None:
+    def _transaction(self, batch: list[QueuedWrite]) -> None:
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")  # waits up to BUSY_TIMEOUT_S for another writer's lock
         try:
@@ -366,14 +349,14 @@ class Ledger:
     def _prune_quietly(self) -> None:
         self._last_prune = self.clock()
         try:
-            self._transaction([_Write(self._prune)])
+            self._transaction([QueuedWrite(self._prune)])
         except sqlite3.Error as exc:
             logger.warning("feedback ledger retention failed: %s", exc)
 
     def prune(self) -> None:
         """Applies retention now (it runs on its own every minute and when the file is full)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._put(_Write(self._prune, done))
+        self._put(QueuedWrite(self._prune, done))
         done.result(COMMIT_TIMEOUT_S)
 
     def _prune(self, conn: sqlite3.Connection) -> None:
