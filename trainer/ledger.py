@@ -86,10 +86,11 @@ class Ledger:
         done once they are committed (with the request's row, queued before), for the answer
         to wait for, or once it fails (then retried unwaited); None while writes fail."""
         finished_at, written = self.clock(), concurrent.futures.Future()
+        failing = self._closed or bool(self._retry)  # (before the put: the writer empties it as it takes a batch)
         self._put(QueuedWrite(lambda c: c.execute(FINISH_REQUEST, (
             finished_at, to_json([choice.as_row() for choice in choices]), int(aborted), request_id)),
             tried=lambda: written.done() or written.set_result(None)))
-        return None if self._closed or self._retry else written
+        return None if failing else written
 
     def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
                     reason: str | None = None) -> None:
@@ -290,8 +291,6 @@ class Ledger:
         with nothing changed); a queued one is retried with the next writes."""
         self.stats.write_errors += 1
         self._last_error = exc
-        if write.tried is not None:
-            write.tried()
         if write.done is not None:
             self.stats.refused_writes += 1
             if time.monotonic() - self._refusal_logged >= 60.0:  # one line a minute while it lasts
@@ -306,6 +305,7 @@ class Ledger:
                 self._given_up_owed += self._retry.pop(0).owed  # strict flushes fail: a restart trains them again
                 logger.error("feedback ledger: more than %d writes wait to be retried; the oldest is given up",
                              MAX_RETRY_BACKLOG)
+        write.was_tried()  # (after the retry's append: whoever it tells sees the ledger failing)
 
     def _commit_one(self, write: QueuedWrite) -> None:
         try:
@@ -324,8 +324,7 @@ class Ledger:
                 write.done.set_exception(LabelExists(str(exc)))
             else:  # a row for a request the ledger no longer holds (deleted): nothing to do
                 logger.debug("ledger write skipped: %s", exc)
-                if write.tried is not None:
-                    write.tried()
+                write.was_tried()
         except Exception as exc:  # noqa: BLE001 - as in _commit_batch
             self._failed(write, exc)
         else:

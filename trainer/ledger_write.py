@@ -30,8 +30,13 @@ class QueuedWrite:
 
     def landed(self) -> None:
         """Its transaction committed."""
-        for callback in (self.committed, self.tried):
-            if callback is not None:
-                callback()
+        if self.committed is not None:
+            self.committed()
+        self.was_tried()
         if self.done is not None:
             self.done.set_result(None)
+
+    def was_tried(self) -> None:
+        """It was tried (landed or not): what waits on `tried` waits no longer."""
+        if self.tried is not None:
+            self.tried()
