@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "which keeps the key out of the process list)")
     serve.add_argument("--admin-key", help="key for the adapter routes /v1/adapters* (or ALCHEMIST_SERVER_ADMIN_KEY)")
     serve.add_argument("--max-queued-requests", type=int,
-                       help="requests waiting beyond --max-num-seqs running; more get 429 (default 256)")
+                       help="sequences (prompts x n) waiting beyond --max-num-seqs running; more get 429 "
+                       "(default 256)")
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
     serve.add_argument("--adapter-dir", help="save the adapter here (PEFT format) and resume from it on start; "
                        "with training off, serve its newest version frozen")

@@ -177,7 +177,7 @@ def _operation(generated: dict, spec: Operation, secured: bool, served_names: tu
         if spec.streams:
             content["text/event-stream"] = {"schema": _SSE_EVENT}
     responses = {"200": {"description": "Success", "content": content}}
-    errors = set(spec.errors) | set(_COMMON_ERRORS) | ({415} if models else set())
+    errors = set(spec.declared_errors) | set(_COMMON_ERRORS)
     if not secured:
         errors.discard(401)
     for status in sorted(errors):

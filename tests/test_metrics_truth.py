@@ -228,9 +228,11 @@ def test_every_routes_status_codes_are_series_from_the_first_scrape_and_deletion
     with TestClient(tiny_app()) as client:
         text = client.get("/metrics").text
         for handler, status in (("/v1/chat/completions", 429), ("/v1/chat/completions", 499), ("/health", 503),
-                                ("/v1/feedback/{completion_id}", 404), ("other", 404), ("/v1/completions", 500)):
+                                ("/v1/feedback/{completion_id}", 404), ("other", 404), ("/v1/completions", 500),
+                                ("/v1/feedback", 415), ("/tokenize", 415)):
             assert f'alchemist:http_requests_total{{handler="{handler}",status="{status}"}} 0.0' in text, handler
         assert 'status="401"' not in text  # no key set: none can come
+        assert 'handler="/v1/models",status="415"' not in text  # no body: none can come
         assert client.delete("/v1/feedback/chatcmpl-x").status_code == 404
         assert client.get("/v1/models/org/name").status_code == 404
         text = client.get("/metrics").text
