@@ -268,6 +268,7 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
             join_group(replica, device)
             run_replica(config, replica)
             return 0
+        ensure_port_free(config.server.host, config.server.port)  # before the model loads and the directory is written
         app = build_server(config)
     except ValueError as exc:
         print(f"alchemist: configuration error: {exc}", file=sys.stderr)

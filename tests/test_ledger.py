@@ -382,6 +382,11 @@ def test_feedback_for_a_request_a_crash_cut_short_says_so_after_the_restart(tmp_
     rows = rows_by_id(tmp_path / LEDGER_FILE)
     assert (rows["cut"].fate_reason, rows["aborted"].fate_reason) == ("interrupted", "aborted")
     second.close()
+    third = _training(tmp_path)  # their fates landed: this start's cache never knew them (an outside pass: "unknown")
+    for request_id, why in (("cut", "its request was in flight"), ("aborted", "its request was cut short")):
+        result = third.feedback.submit(FeedbackLabel(request_id, "A label.", None, 0))
+        assert result.outcome is FeedbackOutcome.UNKNOWN and f"is dropped ({why}" in result.message, result.message
+    third.close()
 
 
 def test_deleting_a_batch_after_a_restart_withdraws_the_prompts_the_restart_took_back(tmp_path):
@@ -678,7 +683,7 @@ def test_a_rollback_killed_before_its_quarantine_landed_quarantines_at_the_resta
     second.ledger.flush()
     rows = rows_by_id(tmp_path / LEDGER_FILE)
     assert (rows["kept"].fate, rows["undone"].fate) == ("trained", "quarantined")
-    assert "rolled back to version 1 (as version 3)" in rows["undone"].fate_reason
+    assert "rolled back to version 1, as version 3" in rows["undone"].fate_reason
     second.close()
 
 

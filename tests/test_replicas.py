@@ -525,6 +525,27 @@ def test_a_port_another_group_shares_is_refused_before_the_replicas_start(tmp_pa
     ensure_port_free("127.0.0.1", port)  # free again
 
 
+def test_a_single_server_refuses_a_port_in_use_before_it_loads_anything(tmp_path):
+    """An outside pass: one server learned its port was taken only once uvicorn bound it,
+    after the model, the trainer and a fresh adapter directory (version 0, the ledger) were
+    built, and exited 3. Now it is said at once, as the replicas' agent says it."""
+    import socket
+    import subprocess
+    import sys
+
+    port = free_port()
+    flags = [flag for flag in _flags(tmp_path) if flag not in ("--data-parallel-size", "2")]
+    with socket.socket() as other_server:
+        other_server.bind(("127.0.0.1", port))
+        other_server.listen()
+        root = Path(__file__).resolve().parents[1]
+        run = subprocess.run([sys.executable, "-m", "server.cli", "serve", *flags, "--host", "127.0.0.1",
+                              "--port", str(port)], cwd=root, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 2 and f"port {port} on 127.0.0.1 is in use" in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "adapters").exists()  # nothing built, nothing written
+
+
 def _gone_or_zombie(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] == "Z"

@@ -206,8 +206,7 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
                           "id", "label_exists")
         if ended is EntryState.NOT_TRAINABLE:
             raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} cannot be trained on: it was "
-                          "served with \"train\": false (or only scored); send feedback for completions "
-                          "served with training allowed", "id", "not_trainable")
+                          "served with \"train\": false (or only scored), so it takes no label", "id", "not_trainable")
         if ended is EntryState.NOT_A_GROUP:
             raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group: this server "
                           "trains on groups of samples; request them with n >= 2", "id", "not_a_group")
@@ -226,9 +225,9 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
 
 
 def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int | None) -> None:
-    """Refuses a completion this process's cache never knew as the ledger remembers it (a
-    label sent again after a restart): 409 if its label is kept there, 404 if it was
-    deleted — its own, or for a batch's id, the prompt's its choice `choice` answers."""
+    """Refuses a completion this process's cache never knew as the ledger remembers it (a label sent
+    again after a restart): 409 if its label is kept there, 404 if it was deleted or ended (why, as
+    the ledger says) — its own, or for a batch's id, the prompt's its choice `choice` answers."""
     try:
         memory = remembered(ledger.path, completion_id, choice) if ledger is not None else None
     except (sqlite3.Error, OSError):
@@ -238,8 +237,10 @@ def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int | No
     if memory is not None and memory.labelled:
         raise _refuse(FeedbackOutcome.CONFLICT, f"completion {memory.entry_id!r} already has its label, kept in "
                       f"the feedback ledger (it {memory.how()})", "id", "label_exists")
-    if memory is not None and memory.deleted:
-        raise _refuse(FeedbackOutcome.UNKNOWN, _deleted_message(memory.entry_id), "id", "entry_not_found")
+    if memory is not None and (memory.deleted or memory.fate is not None):  # (or ended before this process)
+        raise _refuse(FeedbackOutcome.UNKNOWN, _deleted_message(memory.entry_id) if memory.deleted else
+                      f"no training entry for completion {memory.entry_id!r}: it {memory.how()}, says the feedback "
+                      "ledger", "id", "entry_not_found")
 
 
 def _deleted_message(completion_id: str) -> str:

@@ -17,6 +17,16 @@ from pathlib import Path
 from trainer.ledger_db import LABEL_DELETED, read_ledger
 
 
+# a fate's reason as the ledger keeps it, in words (others, a rollback's, say themselves)
+_REASONS = {
+    "aborted": "its request was cut short: a client that went away, or the server shutting down",
+    "interrupted": "its request was in flight when the server stopped",
+    "max_label_entries": "the bound on entries waiting for a label, train.max_label_entries, was reached",
+    "cache_full": "the activation cache was full",
+    "reward_function_failed": "the reward function failed on it",
+}
+
+
 def is_prompt_of(completion_id: str, entry_id: str) -> bool:
     """Whether `entry_id` is one prompt's entry (`<id>-<i>`) of a `/v1/completions`
     request of several prompts, `completion_id`."""
@@ -48,7 +58,10 @@ class LedgerMemory:
     def how(self) -> str:
         if self.fate == "trained":
             return f"was trained into version {self.fate_version}"
-        return f"is {self.fate}" if self.fate else "waits to be trained"
+        if self.fate is None:
+            return "waits to be trained"
+        reason = _REASONS.get(self.fate_reason, self.fate_reason)
+        return f"is {self.fate}" + (f" ({reason})" if reason else "")
 
 
 def remembered(ledger_path: str | Path, completion_id: str, choice: int | None = 0) -> LedgerMemory | None:

@@ -30,7 +30,7 @@ HIGHEST_RESUMED_KEY = "resumed_as_version"
 
 
 def rollback_reason(restored: int, version: int) -> str:
-    return f"{ROLLED_BACK} {restored} (as version {version})"
+    return f"{ROLLED_BACK} {restored}, as version {version}"
 
 
 def lineage(conn: sqlite3.Connection, version: int) -> list[tuple[int, int]]:
