@@ -25,6 +25,10 @@ def is_json_media_type(content_type: str | None) -> bool:
     return subtype == "json" or subtype.endswith("+json")
 
 
+_LONE_SURROGATE = (" (a \\uD800-\\uDFFF escape is half a character: a high one then a low one make one;"
+                   " either alone is no Unicode text, which I-JSON, RFC 7493, refuses too)")
+
+
 async def parse_body(request: Request, model: type[BaseModel] | TypeAdapter):
     """The body, validated by `model` (or by a TypeAdapter of a tagged union of models).
     A body not sent as JSON — a form, plain text, or none named — is refused (415), as
@@ -45,8 +49,9 @@ async def parse_body(request: Request, model: type[BaseModel] | TypeAdapter):
     except ValidationError as exc:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-            raise APIError(400, f"We could not parse the JSON body of your request: {first.get('msg')}.",
-                           code="invalid_json") from None
+            lone = "hex escape" in str(first.get("msg"))  # a \ud800 with no low surrogate after it
+            raise APIError(400, f"We could not parse the JSON body of your request: {first.get('msg')}"
+                           f"{_LONE_SURROGATE if lone else ''}.", code="invalid_json") from None
         if first.get("type") == "model_type":
             raise APIError(400, "The request body must be a JSON object.", code="invalid_json") from None
         raise validation_error(exc, tagged) from None

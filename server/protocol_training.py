@@ -17,7 +17,8 @@ Rewards = Annotated[list[float], Field(min_length=1)]
 
 
 class _FeedbackId(Strict):
-    id: Annotated[str, Field(min_length=1)]
+    # a completion's id, as this server gave it (a few dozen characters; longer is none of them)
+    id: Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class PreferenceTexts(_FeedbackId):

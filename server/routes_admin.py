@@ -233,6 +233,11 @@ async def forget(state: ServerState, completion_id: str, label_only: bool) -> di
 
 
 def live_training(state: ServerState) -> Training:
+    if state.training is None and state.served_adapter is not None:
+        raise APIError(400, f"training is off on this server: it serves adapter version "
+                            f"{state.served_adapter.version} frozen (serve another saved version with "
+                            "--adapter-version N, or roll back on a server training into the directory)",
+                       code="adapters_not_used")
     if state.training is None:
         raise APIError(400, "training is off on this server, so there is no adapter (start it with "
                             "--train-mode cpt|dpo|grpo)", code="adapters_not_used")

@@ -112,6 +112,7 @@ def test_the_newest_version_holds_its_weights_for_every_copy_of_them(tmp_path):
     for version, state in ((0, {}), (5, {}), (10, {}), (15, {}), (20, {}), (21, {"weights_of": 5})):
         store.save(dataclasses.replace(snapshot, version=version, state=state))
     assert [saved.version for saved in store.versions()] == [0, 10, 15, 20, 21]
+    assert [store.holder_of(v) for v in (5, 10, 21, 3)] == [21, 10, 21, 3]  # (3: none, read as not saved)
 
 
 

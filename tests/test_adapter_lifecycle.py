@@ -119,6 +119,24 @@ def test_rollback_restores_a_saved_version_as_a_new_version(tmp_path):
         assert client.get("/v1/adapters").json()["version"] == 5
 
 
+def test_a_rollback_retried_after_its_version_was_pruned_for_the_copy_restores_the_same_weights(tmp_path):
+    """An outside pass: with `keep` versions saved, a rollback to version 2 saves its copy,
+    and version 2 gives way to it (copies go first); the client's retry got 404."""
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=3)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        serve_and_train(client, ["first prompt about dogs", "second prompt about birds"])
+        at_v2 = complete(client)
+        serve_and_train(client, ["third prompt about fish"])
+        first = client.post("/v1/adapters/rollback", json={"version": 2})
+        assert first.status_code == 200 and first.json()["version"] == 4, first.text
+        assert [v["version"] for v in first.json()["saved"]] == [1, 3, 4]  # version 2's weights: in version 4
+        retried = client.post("/v1/adapters/rollback", json={"version": 2})
+        assert retried.status_code == 200, retried.text
+        assert retried.json()["version"] == 5 and retried.json()["restored_from"] == 4
+        assert complete(client) == at_v2
+        assert client.post("/v1/adapters/rollback", json={"version": 0}).status_code == 404  # pruned, no copy
+
+
 def test_a_rollback_to_a_version_whose_save_is_in_flight_waits_for_it(tmp_path, monkeypatch):
     """Saves run in the background: a rollback asked for right after a version trained found
     it "not saved" while its save was still on its way to disk (a 404 in one CI run)."""

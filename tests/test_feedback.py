@@ -63,6 +63,7 @@ def test_feedback_is_accepted_once_and_trained_on(dpo_client):
     ({"id": "x", "chosen": 5}, 400, "chosen"),
     ({"id": "x", "chosen": "a", "choice_index": -1}, 400, "choice_index"),
     ({"id": "x", "chosen": "a", "extra": 1}, 400, "extra"),
+    ({"id": "x" * 100_000, "chosen": "a"}, 400, "id"),  # no id of this server's (it was echoed back whole in a 404)
 ])
 def test_bad_feedback_gets_openai_errors(dpo_client, body, status, param):
     outcome = "unknown" if status == 404 else "invalid"
@@ -139,6 +140,19 @@ def test_a_completion_of_several_prompts_takes_a_label_per_choice_as_its_respons
     assert feedback(dpo_client, id=completion, rejected="Worse.").status_code == 200  # choice 0: prompt 0
     r = feedback(dpo_client, id=f"{completion}-0", chosen="x")
     assert r.status_code == 409 and r.json()["error"]["code"] == "label_exists"
+
+
+def test_a_list_of_one_prompt_takes_its_label_by_its_own_id_or_as_prompt_0(dpo_client):
+    """Its entry is the completion's own id (no batch); an outside pass's client, which
+    names a list's prompt i as `<id>-<i>`, got 404 for `<id>-0`."""
+    for label_id in ("{}", "{}-0"):
+        r = dpo_client.post("/v1/completions", json={"model": TINY_NAME, "prompt": ["Once upon"], "max_tokens": 4})
+        completion = r.json()["id"]
+        r = feedback(dpo_client, id=label_id.format(completion), chosen="a time.")
+        assert r.status_code == 200, r.text
+        again = feedback(dpo_client, id=completion, chosen="a time.")  # the completion's label, whichever id named it
+        assert again.status_code == 409 and again.json()["error"]["code"] == "label_exists", again.text
+    assert feedback(dpo_client, id=f"{completion}-1", chosen="a time.").status_code == 404  # no prompt 1
 
 
 def test_feedback_after_the_label_timeout_is_404():

@@ -41,6 +41,8 @@ def test_training_off_serves_the_newest_version_frozen(trained):
         assert status["version"] == 3 and status["frozen"] and status["mode"] == "off"
         r = client.post("/v1/feedback", json={"id": "x", "chosen": "y"})
         assert r.status_code == 400  # frozen: nothing trains
+        r = client.post("/v1/adapters/rollback", json={"version": 0})  # (an outside pass: "there is no adapter")
+        assert r.status_code == 400 and "serves adapter version 3 frozen" in r.json()["error"]["message"], r.text
 
 
 def test_adapter_version_picks_an_older_one(trained):

@@ -57,6 +57,12 @@ def test_group_advantages_are_normalised_by_the_group():
     assert advantages.tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 1
                                                 + [-0.5 / (std + 1e-4), 0.5 / (std + 1e-4)], rel=1e-6)
     assert group_advantages(torch.tensor([2.0, 2.0, 2.0])).tolist() == [0.0, 0.0, 0.0]
+    # an outside pass: rewards of 1e300 were accepted and gave all-zero advantages (the spread's square overflowed)
+    for rewards in ([1e300, 0.0, 0.0, 0.0], [1e308, -1e308, 0.0, 1.0], [1e308, 1e308, 0.0, 0.0]):
+        scale = max(abs(r) for r in rewards)
+        expected = group_advantages(torch.tensor([r / scale for r in rewards], dtype=torch.float64)).tolist()
+        assert group_advantages(torch.tensor(rewards, dtype=torch.float64)).tolist() == pytest.approx(expected)
+        assert any(a != 0 for a in expected)
 
 
 def test_grpo_token_loss_clips_the_ratio_as_the_paper_says():

@@ -71,3 +71,16 @@ def test_a_body_sent_as_a_form_or_text_is_refused_before_it_acts(tmp_path):
         labelled = client.post("/v1/feedback", content=json.dumps(bodies["/v1/feedback"]),
                                headers={"content-type": "application/json; charset=utf-8"})
         assert labelled.status_code == 200, labelled.text
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udc00", "\\ud800\\u0041"])
+def test_a_lone_surrogate_escape_is_a_400_that_says_what_it_is(client, escape):
+    """An outside pass: Python's json takes "\\ud800", and the 400 said only "unexpected
+    end of hex escape"."""
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "a%sb"}]}' % (TINY_NAME, escape)
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text
+    assert "half a character" in r.json()["error"]["message"]
+    pair = '{"model": "%s", "max_tokens": 1, "messages": [{"role": "user", "content": "\\ud83d\\ude42"}]}' % TINY_NAME
+    r = client.post("/v1/chat/completions", content=pair, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text  # a pair makes a character

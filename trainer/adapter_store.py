@@ -39,6 +39,8 @@ from typing import IO, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainer.adapter_copies import holder_of, prunable
+
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -191,34 +193,20 @@ class AdapterStore:
         return None
 
     def _prune(self) -> None:
-        """Keeps the newest `keep` versions. Versions that hold the same weights — a
-        rollback's or the eval gate's copy of a saved version (`weights_of` in its state) —
-        give way first, oldest first, down to one of them: the newest version if it is one
-        of them, else the version copied while it is on disk, else the newest copy. Then the
-        oldest others. The newest always stays, so retried rollbacks and repeated rejections
-        do not push out the distinct versions (version 0 too) to roll back to."""
-        saved = self.versions()
-        excess = len(saved) - self.keep
-        if excess <= 0:
-            return
-        copied = {version.version: _weights_of(version) for version in saved}
-        for number, original in copied.items():  # (older directories name the copy they copied)
-            for _ in copied:  # (bounded: a hand-edited state could name a cycle)
-                if original is None or copied.get(original) in (None, original):
-                    break
-                original = copied[original]
-            copied[number] = original
-        holders: dict[int, list[SavedVersion]] = {}
-        for version in saved:
-            original = copied[version.version]
-            holders.setdefault(version.version if original is None else original, []).append(version)
-        newest = saved[-1]
-        kept = {(newest if newest in group else next((v for v in group if v.version == weights), group[-1])).version
-                for weights, group in holders.items()}
-        older = saved[:-1]
-        duplicates = [version for version in older if version.version not in kept]
-        for old in (duplicates + [version for version in older if version not in duplicates])[:excess]:
-            self._delete(old.path)
+        """Keeps the newest `keep` versions, copies of the same weights going first
+        (trainer/adapter_copies.py)."""
+        saved = {version.version: version for version in self.versions()}
+        for number in prunable(self._copies(saved.values()), self.keep):
+            self._delete(saved[number].path)
+
+    def holder_of(self, version: int) -> int:
+        """The saved version holding `version`'s weights: itself, or a copy of it where it
+        was pruned for one (trainer/adapter_copies.py)."""
+        return holder_of(self._copies(self.versions()), version)
+
+    @staticmethod
+    def _copies(saved) -> dict[int, int | None]:
+        return {version.version: _weights_of(version) for version in saved}
 
     def _delete(self, path: Path) -> None:
         """Deletes a version's directory: renamed out of place first (the next start

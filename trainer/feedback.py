@@ -12,7 +12,6 @@ attaches the label only if the entry still waits for one). A request in flight: 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 import math
 import sqlite3
@@ -23,46 +22,8 @@ from trainer.cache import ActivationCache
 from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, PreferenceEntry, PreferenceLabel
 from trainer.ledger import LabelExists, Ledger, LedgerUnavailable
 from trainer.label_history import fate_said, is_prompt_of, remembered
+from trainer.feedback_result import ACCEPTED, FeedbackOutcome, FeedbackResult, Refused, refuse
 from trainer.ledger_db import LabelRecord
-
-
-class FeedbackOutcome(str, enum.Enum):
-    ACCEPTED = "accepted"
-    # the label is malformed, or this server does not use feedback
-    INVALID = "invalid"
-    # no entry for the completion: unknown, not recorded, evicted or expired
-    UNKNOWN = "unknown"
-    # the entry already has its label, or its response is still being generated
-    CONFLICT = "conflict"
-    # the feedback ledger cannot be written now: nothing was accepted, try again later
-    UNAVAILABLE = "unavailable"
-
-
-@dataclass(frozen=True)
-class FeedbackResult:
-    outcome: FeedbackOutcome
-    message: str = ""
-    # the request field at fault, and OpenAI's error code
-    param: str | None = None
-    code: str | None = None
-    # accepted, but the group's rewards were all equal: it gives no gradient and is not trained
-    skipped: bool = False
-
-    @property
-    def accepted(self) -> bool:
-        return self.outcome is FeedbackOutcome.ACCEPTED
-
-
-ACCEPTED = FeedbackResult(FeedbackOutcome.ACCEPTED)
-
-
-class _Refused(Exception):
-    def __init__(self, result: FeedbackResult):
-        self.result = result
-
-
-def _refuse(outcome: FeedbackOutcome, message: str, param: str | None, code: str) -> _Refused:
-    return _Refused(FeedbackResult(outcome, message, param, code))
 
 
 @dataclass(frozen=True)
@@ -115,14 +76,14 @@ def attach_label(cache: ActivationCache, request: FeedbackLabel, responses: Resp
         if label_kind == REWARDS:
             return _attach_rewards(to, request)
         if request.rewards is not None:
-            raise _refuse(FeedbackOutcome.INVALID, "'rewards' are for group training; this server trains on "
+            raise refuse(FeedbackOutcome.INVALID, "'rewards' are for group training; this server trains on "
                           "preferences (give 'chosen'/'rejected', or 'chosen_index'/'rejected_index')", "rewards",
                           "invalid_value")
         if request.chosen_index is not None or request.rejected_index is not None:
             _attach_indices(to, request)
         else:
             _attach(to, request, responses, max_model_len)
-    except _Refused as refused:
+    except Refused as refused:
         return refused.result
     return ACCEPTED
 
@@ -131,23 +92,28 @@ def entry_ids_of(cache: ActivationCache, completion_id: str) -> list[str]:
     """The ids of the cache's entries for `completion_id`: its own, or its prompts' (`<id>-<i>`,
     a `/v1/completions` request of several) up to the last live one or the last known in
     order from the first (an ended one the cache no longer remembers counts, as unknown)."""
-    def known(entry_id: str) -> bool:
-        return cache.get(entry_id) is not None or cache.ended_state(entry_id) is not None or entry_id in cache.expected
-
-    if known(completion_id):
+    if _known(cache, completion_id):
         return [completion_id]
     indices = {int(entry.completion_id.rpartition("-")[2]) for entry in cache.entries()
                if is_prompt_of(completion_id, entry.completion_id)}
-    indices.update(itertools.takewhile(lambda i: known(f"{completion_id}-{i}"), itertools.count()))
+    indices.update(itertools.takewhile(lambda i: _known(cache, f"{completion_id}-{i}"), itertools.count()))
     return [f"{completion_id}-{i}" for i in range(max(indices) + 1)] if indices else [completion_id]
+
+
+def _known(cache: ActivationCache, entry_id: str) -> bool:
+    return cache.get(entry_id) is not None or cache.ended_state(entry_id) is not None or entry_id in cache.expected
 
 
 def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> FeedbackLabel:
     """A `/v1/completions` request of several prompts keeps an entry per prompt (`<id>-<i>`)
     and numbers its choices across them, as its response does: with n choices per prompt,
     prompt i's j-th is choice i·n + j. A label naming such a completion is `request` for the
-    entry of the prompt its choices belong to; any other label is `request` itself."""
+    entry of the prompt its choices belong to; any other label is `request` itself. A list
+    of one prompt is no batch (its entry is `<id>`), but its `<id>-0` is taken for it."""
     cid = request.completion_id
+    prefix, _, index = cid.rpartition("-")
+    if index == "0" and not _known(cache, cid) and _known(cache, prefix):
+        return dataclasses.replace(request, completion_id=prefix)
     entry_ids = entry_ids_of(cache, cid)
     if entry_ids == [cid]:
         return request
@@ -165,16 +131,16 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
             ended = set(states.values()) - {None}  # (one the cache no longer remembers: None)
             if len(ended) == 1:
                 _waiting_entry(cache, next(entry_id for entry_id, state in states.items() if state is not None))
-            raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry is left for completion {cid!r}: its prompts' "
+            raise refuse(FeedbackOutcome.UNKNOWN, f"no training entry is left for completion {cid!r}: its prompts' "
                           f"entries ended ({', '.join(sorted(s.value for s in ended))})", "id", "entry_not_found")
         raise _still_generating(cid)
     prompts = {name: index // (per_prompt or 1) for name, index in indices.items()}
     for name, prompt in prompts.items():
         if prompt >= len(entries):
-            raise _refuse(FeedbackOutcome.INVALID, f"{name} {indices[name]} does not exist; the completion has "
+            raise refuse(FeedbackOutcome.INVALID, f"{name} {indices[name]} does not exist; the completion has "
                           f"choices 0 to {len(entries) * per_prompt - 1}", name, "invalid_value")
     if len(set(prompts.values())) > 1:
-        raise _refuse(FeedbackOutcome.INVALID, f"choices {indices['chosen_index']} and "
+        raise refuse(FeedbackOutcome.INVALID, f"choices {indices['chosen_index']} and "
                       f"{indices['rejected_index']} answer different prompts; a preference compares two "
                       "answers to one prompt", "rejected_index", "invalid_value")
     prompt = next(iter(prompts.values()), 0)
@@ -183,7 +149,7 @@ def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> Feed
 
 
 def _refuse_batch_rewards(completion_id: str, prompts: int) -> NoReturn:
-    raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} answered {prompts} prompts; send each "
+    raise refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} answered {prompts} prompts; send each "
                   f"prompt's rewards on its own, with id '{completion_id}-<prompt index>'", "rewards", "invalid_value")
 
 
@@ -198,17 +164,17 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
     if entry is None:
         ended = cache.ended_state(completion_id)
         if completion_id in cache.deleted_ids:
-            raise _refuse(FeedbackOutcome.UNKNOWN, _deleted_message(completion_id), "id", "entry_not_found")
+            raise refuse(FeedbackOutcome.UNKNOWN, _deleted_message(completion_id), "id", "entry_not_found")
         if ended in (EntryState.TRAINED, EntryState.SKIPPED):
             how = (ledger is not None and fate_said(ledger.path, completion_id)) or "was " + (
                 "trained on" if ended is EntryState.TRAINED else "skipped (equal rewards)")
-            raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label and {how}",
+            raise refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label and {how}",
                           "id", "label_exists")
         if ended is EntryState.NOT_TRAINABLE:
-            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} cannot be trained on: it was "
+            raise refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} cannot be trained on: it was "
                           "served with \"train\": false (or only scored), so it takes no label", "id", "not_trainable")
         if ended is EntryState.NOT_A_GROUP:
-            raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group: this server "
+            raise refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group: this server "
                           "trains on groups of samples; request them with n >= 2", "id", "not_a_group")
         if ended is None:
             _labelled_before(ledger, completion_id, choice)
@@ -216,10 +182,10 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
                   EntryState.DROPPED: "it was dropped (its request was cut short, or the bound on entries "
                                       "waiting for a label, train.max_label_entries, was reached)"}.get(
             ended, "it is unknown (or so old that the server no longer remembers it)")
-        raise _refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: {reason}",
+        raise refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: {reason}",
                       "id", "entry_not_found")
     if getattr(entry, "label", None) is not None:
-        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
+        raise refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
                       "label_exists")
     return entry
 
@@ -235,10 +201,10 @@ def _labelled_before(ledger: Ledger | None, completion_id: str, choice: int | No
     if memory is not None and memory.prompts:
         _refuse_batch_rewards(completion_id, memory.prompts)
     if memory is not None and memory.labelled:
-        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {memory.entry_id!r} already has its label, kept in "
+        raise refuse(FeedbackOutcome.CONFLICT, f"completion {memory.entry_id!r} already has its label, kept in "
                       f"the feedback ledger (it {memory.how()})", "id", "label_exists")
     if memory is not None and (memory.deleted or memory.fate is not None):  # (or ended before this process)
-        raise _refuse(FeedbackOutcome.UNKNOWN, _deleted_message(memory.entry_id) if memory.deleted else
+        raise refuse(FeedbackOutcome.UNKNOWN, _deleted_message(memory.entry_id) if memory.deleted else
                       f"no training entry for completion {memory.entry_id!r}: it {memory.how()}, says the feedback "
                       "ledger", "id", "entry_not_found")
 
@@ -257,16 +223,16 @@ def _commit(to: _Labels, entry: CacheEntry, label, skip: bool = False) -> None:
         try:
             to.ledger.commit_label(completion_id, _label_record(to.request, label))
         except LabelExists:
-            raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
+            raise refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
                           "label_exists") from None
         except LedgerUnavailable as exc:
-            raise _refuse(FeedbackOutcome.UNAVAILABLE, f"the label was not accepted: {exc}; nothing was changed, "
+            raise refuse(FeedbackOutcome.UNAVAILABLE, f"the label was not accepted: {exc}; nothing was changed, "
                           "send it again later", None, "ledger_unavailable") from None
     if not to.cache.attach_label(entry, label, skip):
         if to.ledger is not None:
             to.ledger.withdraw_label(completion_id)  # answered as refused: it must not train after a restart
         _waiting_entry(to.cache, completion_id)  # (not the ledger: it still holds the label just withdrawn)
-        raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
+        raise refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} already has its label", "id",
                       "label_exists")
 
 
@@ -287,31 +253,31 @@ def _finished_responses(entry: CacheEntry, completion_id: str, what: str) -> dic
     return entry.responses
 
 
-def _still_generating(completion_id: str, what: str = "its label") -> _Refused:
+def _still_generating(completion_id: str, what: str = "its label") -> Refused:
     message = f"completion {completion_id!r} is still being generated; send {what} once it has finished"
-    return _refuse(FeedbackOutcome.CONFLICT, message, "id", "response_pending")
+    return refuse(FeedbackOutcome.CONFLICT, message, "id", "response_pending")
 
 
 def _attach_rewards(to: _Labels, request: FeedbackLabel) -> FeedbackResult:
     completion_id, rewards = request.completion_id, request.rewards
     if rewards is None:
-        raise _refuse(FeedbackOutcome.INVALID, "this server trains on groups of samples (GRPO): send 'rewards', "
+        raise refuse(FeedbackOutcome.INVALID, "this server trains on groups of samples (GRPO): send 'rewards', "
                       "one number per choice", "rewards", "missing_required_parameter")
     for name in ("chosen", "rejected", "chosen_index", "rejected_index"):
         if getattr(request, name) is not None:
-            raise _refuse(FeedbackOutcome.INVALID, f"'{name}' is for preference training; this server trains on "
+            raise refuse(FeedbackOutcome.INVALID, f"'{name}' is for preference training; this server trains on "
                           "groups (GRPO): send only 'rewards'", name, "invalid_value")
     bad = [i for i, r in enumerate(rewards) if not math.isfinite(r)]
     if bad:
-        raise _refuse(FeedbackOutcome.INVALID, f"rewards must be finite numbers; rewards[{bad[0]}] is "
+        raise refuse(FeedbackOutcome.INVALID, f"rewards must be finite numbers; rewards[{bad[0]}] is "
                       f"{rewards[bad[0]]}", "rewards", "invalid_value")
     entry = _waiting_entry(to.cache, completion_id, to.ledger, choice=None)
     if not isinstance(entry, GroupEntry):
-        raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group",
+        raise refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} is not a group",
                       "id", "not_a_group")
     responses = _finished_responses(entry, completion_id, "its rewards")
     if len(rewards) != len(responses):
-        raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} has {len(responses)} choices; "
+        raise refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} has {len(responses)} choices; "
                       f"got {len(rewards)} rewards (one per choice, in choice order)", "rewards",
                       "invalid_value")
     skip = max(rewards) == min(rewards)
@@ -326,27 +292,27 @@ def _attach_indices(to: _Labels, request: FeedbackLabel) -> None:
     """DPO between two served choices: both responses and their log-probs come from decoding."""
     completion_id, chosen, rejected = request.completion_id, request.chosen_index, request.rejected_index
     for name in (n for n in ("chosen", "rejected") if getattr(request, n) is not None):
-        raise _refuse(FeedbackOutcome.INVALID, f"'{name}' (a text) and 'chosen_index'/'rejected_index' (two served "
+        raise refuse(FeedbackOutcome.INVALID, f"'{name}' (a text) and 'chosen_index'/'rejected_index' (two served "
                       "choices) are two forms of a label; a text against choice i: 'choice_index': i", name,
                       "invalid_value")
     if chosen is None or rejected is None:
         missing = "chosen_index" if chosen is None else "rejected_index"
-        raise _refuse(FeedbackOutcome.INVALID, "give both 'chosen_index' and 'rejected_index'", missing,
+        raise refuse(FeedbackOutcome.INVALID, "give both 'chosen_index' and 'rejected_index'", missing,
                       "missing_required_parameter")
     entry = _waiting_entry(to.cache, completion_id, to.ledger, chosen)  # an unknown id: 404 before the pair's checks
     if chosen == rejected:
-        raise _refuse(FeedbackOutcome.INVALID, "'chosen_index' and 'rejected_index' are the same choice",
+        raise refuse(FeedbackOutcome.INVALID, "'chosen_index' and 'rejected_index' are the same choice",
                       "rejected_index", "invalid_value")
     if not isinstance(entry, PreferenceEntry):
-        raise _refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} takes no preference label", "id",
+        raise refuse(FeedbackOutcome.INVALID, f"completion {completion_id!r} takes no preference label", "id",
                       "invalid_value")
     responses = _finished_responses(entry, completion_id, "its preference")
     for name, index in (("chosen_index", chosen), ("rejected_index", rejected)):
         if index not in responses:
-            raise _refuse(FeedbackOutcome.INVALID, f"{name} {index} does not exist; the completion has choices "
+            raise refuse(FeedbackOutcome.INVALID, f"{name} {index} does not exist; the completion has choices "
                           f"{sorted(responses)}", name, "invalid_value")
     if responses[chosen] == responses[rejected]:
-        raise _refuse(FeedbackOutcome.INVALID, f"choices {chosen} and {rejected} are the same response",
+        raise refuse(FeedbackOutcome.INVALID, f"choices {chosen} and {rejected} are the same response",
                       "rejected_index", "invalid_value")
     label = PreferenceLabel(list(responses[chosen]), list(responses[rejected]))
     for side, index in (("chosen", chosen), ("rejected", rejected)):
@@ -359,7 +325,7 @@ def _attach(to: _Labels, request: FeedbackLabel, responses: ResponseText, max_mo
     completion_id, chosen, rejected, choice_index = (request.completion_id, request.chosen, request.rejected,
                                                      request.choice_index)
     if chosen is None and rejected is None:
-        raise _refuse(FeedbackOutcome.INVALID, "give at least one of 'chosen' and 'rejected'; the other defaults "
+        raise refuse(FeedbackOutcome.INVALID, "give at least one of 'chosen' and 'rejected'; the other defaults "
                       "to the served response", "chosen", "missing_required_parameter")
     # the texts are tokenized first, with nothing locked: a large label stalls no one
     texts_ids = {name: responses.ids(text) for name, text in (("chosen", chosen), ("rejected", rejected))
@@ -367,31 +333,31 @@ def _attach(to: _Labels, request: FeedbackLabel, responses: ResponseText, max_mo
     entry = _waiting_entry(to.cache, completion_id, to.ledger, choice_index)
     served = None
     if entry.response_finished and choice_index not in entry.responses:  # (with both texts too)
-        raise _refuse(FeedbackOutcome.INVALID, f"choice_index {choice_index} does not exist; the completion has "
+        raise refuse(FeedbackOutcome.INVALID, f"choice_index {choice_index} does not exist; the completion has "
                       f"choices {sorted(entry.responses)}", "choice_index", "invalid_value")
     if chosen is None or rejected is None:
         if not entry.response_finished:
-            raise _refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} is still being generated; "
+            raise refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} is still being generated; "
                           "send both 'chosen' and 'rejected', or wait for it to finish", "id",
                           "response_pending")
         served = list(entry.responses[choice_index])
         if not served:
-            raise _refuse(FeedbackOutcome.INVALID, "the served response is empty; give both 'chosen' and "
+            raise refuse(FeedbackOutcome.INVALID, "the served response is empty; give both 'chosen' and "
                           "'rejected'", "id", "invalid_value")
     given, text = ("chosen", chosen) if rejected is None else ("rejected", rejected)
     if served is not None and text == responses.text(served):
-        raise _refuse(FeedbackOutcome.INVALID, f"'{given}' is the served response, which is the other side when "
+        raise refuse(FeedbackOutcome.INVALID, f"'{given}' is the served response, which is the other side when "
                       "only one is given: a pair of the same response teaches nothing; give both 'chosen' and "
                       "'rejected'", given, "invalid_value")
     chosen_ids = texts_ids.get("chosen", served)
     rejected_ids = texts_ids.get("rejected", served)
     if chosen_ids == rejected_ids:
-        raise _refuse(FeedbackOutcome.INVALID, "'chosen' and 'rejected' are the same response", "chosen",
+        raise refuse(FeedbackOutcome.INVALID, "'chosen' and 'rejected' are the same response", "chosen",
                       "invalid_value")
     limit = max_model_len - len(entry.prompt_token_ids)
     for name, ids in (("chosen", chosen_ids), ("rejected", rejected_ids)):
         if len(ids) > limit:
-            raise _refuse(FeedbackOutcome.INVALID, f"'{name}' is {len(ids)} tokens; at most {limit} fit after "
+            raise refuse(FeedbackOutcome.INVALID, f"'{name}' is {len(ids)} tokens; at most {limit} fit after "
                           "the prompt", name, "context_length_exceeded")
     label = PreferenceLabel(chosen_ids, rejected_ids)
     if served is not None and choice_index in entry.served_logps:

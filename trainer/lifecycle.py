@@ -214,9 +214,10 @@ class AdapterLifecycle:
 
     def load_saved(self, version: int) -> AdapterSnapshot:
         """Reads a saved version (disk I/O: call off the event loop) once the saves in flight
-        have landed (a version just trained may be on its way to disk); AdapterLoadError."""
+        have landed (a version just trained may be on its way to disk); AdapterLoadError. A
+        version pruned for a copy of its weights is read from the copy."""
         self.checkpointer.wait()
-        return self.checkpointer.store.load(version)
+        return self.checkpointer.store.load(self.checkpointer.store.holder_of(version))
 
     def snapshot(self) -> AdapterSnapshot:
         from peft import get_peft_model_state_dict

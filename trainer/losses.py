@@ -44,8 +44,13 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     reward normalised by its group's mean and standard deviation (unbiased, as TRL's
     GRPOTrainer computes it). rewards (G,) -> (G,), in float64: rewards that differ only
     past float32's precision (0.1 + 0.2 and 0.3) or lie past its range (1e39) would give
-    all-zero or NaN advantages; all equal -> all zero."""
+    all-zero or NaN advantages; all equal -> all zero. Rewards so large that their squares
+    would overflow float64 (1e300) are divided by the largest first: the advantages do not
+    depend on the rewards' scale but through `eps`, nothing beside such a spread."""
     rewards = rewards.double()
+    largest = rewards.abs().max()
+    if largest > 1e150:
+        rewards = rewards / largest
     return (rewards - rewards.mean()) / (rewards.std() + eps)
 
 
