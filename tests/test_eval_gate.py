@@ -96,8 +96,8 @@ def test_a_poisoned_batch_is_rejected_and_quarantined_and_benign_feedback_after_
     rows = {row.request.id: row for row in read_ledger(tmp_path / "adapters" / LEDGER_FILE)}
     assert all(rows[i].fate == "quarantined" and "rejected version 1" in rows[i].fate_reason for i in poisoned)
     again = training.feedback.submit(FeedbackLabel(poisoned[0], RIGHT, WRONG))  # what became of it, not "trained on"
-    assert again.outcome is FeedbackOutcome.CONFLICT and again.message.endswith("already has its label and is "
-                                                                                "quarantined"), again
+    assert again.outcome is FeedbackOutcome.CONFLICT and "already has its label and is quarantined (" in \
+        again.message and "rejected version 1" in again.message, again  # (and why)
 
     labelled_batch(training, "good", RIGHT, WRONG)
     training.train_until_idle()
