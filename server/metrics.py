@@ -41,6 +41,11 @@ def request_finish_reason(choice_reasons: set[str]) -> str:
     return "length" if "length" in choice_reasons else min(choice_reasons)
 
 
+_HTTP_RESPONSES_HELP = ("HTTP responses, by route and status code (401 unauthenticated, 413 body too large, 429 "
+                        "over capacity, 499 client gone before its answer began: a stream it leaves was answered "
+                        "200, and counts in `request_success_total{finished_reason=\"abort\"}`).")
+
+
 class StepsByKind:
     """Engine steps by what they ran (`SchedulerOutput.kind`): their seconds, the tokens
     they computed and the page faults they took."""
@@ -118,9 +123,7 @@ class ServingMetrics:
                                                registry=r))
         self.preemptions = child(Counter(f"{PREFIX}num_preemptions", "Sequences preempted for KV cache space.",
                                          labels, registry=r))
-        self.http_responses = Counter(f"{PREFIX}http_requests", "HTTP responses, by route and status code "
-                                      "(401 unauthenticated, 413 body too large, 429 over capacity, 499 "
-                                      "client gone).", ["handler", "status"], registry=r)
+        self.http_responses = Counter(f"{PREFIX}http_requests", _HTTP_RESPONSES_HELP, ["handler", "status"], registry=r)
         self.success = Counter(f"{PREFIX}request_success", "Finished requests, each once, by finish reason (of "
                                "several choices' reasons: abort, else length, else the first by name).",
                                labels + ["finished_reason"], registry=r)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import logging
 import os
 import socket
@@ -112,17 +113,28 @@ def exchange_addresses(own: str) -> list[str]:
 
 
 def ensure_port_free(host: str, port: int) -> None:
-    """Raises OSError if anything listens on the public port. The replicas bind it with
-    SO_REUSEPORT, which another group's sockets (or any socket bound so) would share with
-    them, the kernel spreading connections over both servers: a plain bind fails then."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT are no listener
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise OSError(exc.errno, f"port {port} on {host} is in use ({exc.strerror}): another server listens "
-                                     "on it") from None
+    """Raises OSError if anything listens on the port, on any address `host` names (as the
+    server binds them all). The replicas bind it with SO_REUSEPORT, which another group's
+    sockets (or any socket bound so) would share with them, the kernel spreading
+    connections over both servers: a plain bind fails then. Any other failure — a host
+    that does not resolve, an address this machine lacks, a port it may not bind — is
+    left for the server's own bind to report as it is."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT are no listener
+            if family == socket.AF_INET6:  # as asyncio binds it: IPv6 alone, beside IPv4's own socket
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise OSError(exc.errno, f"port {port} on {host} is in use ({exc.strerror}): another server "
+                                             "listens on it") from None
 
 
 def public_socket(host: str, port: int) -> socket.socket:

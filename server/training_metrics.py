@@ -29,7 +29,8 @@ class TrainingCollector:
         yield trained
         yield CounterMetricFamily(f"{PREFIX}train_tokens", "Tokens trained on (prompt, plus responses for DPO).",
                                   value=stats.train_tokens)
-        yield GaugeMetricFamily(f"{PREFIX}train_loss", "Mean loss of the latest optimizer step.",
+        yield GaugeMetricFamily(f"{PREFIX}train_loss", "Mean loss of the latest optimizer step (with replicas: of this "
+                                "replica's own jobs in it).",
                                 value=stats.last_loss)
         yield GaugeMetricFamily(f"{PREFIX}adapter_version", "Adapter version serving (optimizer steps applied; with "
                                 "an eval gate, the last promoted).", value=status.adapter_version)
@@ -114,7 +115,8 @@ def _save_metrics(saves):
     family.add_metric(["failed"], saves.failed if saves else 0)
     yield family
     last = saves.last_saved_version if saves else None
-    yield GaugeMetricFamily(f"{PREFIX}adapter_saved_version", "Latest adapter version saved to disk (-1: none).",
+    yield GaugeMetricFamily(f"{PREFIX}adapter_saved_version", "Latest adapter version saved to disk (-1: none; with "
+                            "replicas, only rank 0 saves and reports it).",
                             value=-1 if last is None else last)
 
 

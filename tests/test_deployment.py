@@ -136,8 +136,8 @@ def test_readme_documents_gpu_deployment():
 
 
 def test_the_metrics_reference_lists_every_metric_the_server_exports(tmp_path):
-    """docs/metrics.md, with each metric's type and labels (an outside pass found 23
-    exported metrics no document named)."""
+    """docs/metrics.md, with each metric's type, labels and help text (an outside pass found
+    23 exported metrics no document named; a review, three rows edited apart from the code)."""
     table = re.findall(r"^\| `([^`]+)` \| (\w+) \| ([^|]*) \|", (REPO / "docs" / "metrics.md").read_text(),
                        re.MULTILINE)
     documented = {name for name, _, _ in table}
@@ -148,6 +148,9 @@ def test_the_metrics_reference_lists_every_metric_the_server_exports(tmp_path):
         series = re.findall(rf"^{re.escape(name)}(?:_bucket|_count|_sum)?{{([^}}]*)}}", text, re.MULTILINE)
         keys = {key for labelled in series for key in re.findall(r'(\w+)="', labelled)} - {"le", "quantile"}
         assert keys == ({key.strip() for key in labels.split(",")} - {"—", ""}), name
+    for name, description in re.findall(r"^\| `([^`]+)` \| \w+ \| [^|]* \| (.*) \|$",
+                                        (REPO / "docs" / "metrics.md").read_text(), re.MULTILINE):
+        assert f"# HELP {name} {description}\n" in text, name  # the page's words are the help text's
 
     def family(sample: str) -> str | None:
         for suffix in ("", "_bucket", "_count", "_sum", "_created"):

@@ -566,6 +566,29 @@ def test_a_label_sent_again_after_a_restart_is_told_it_exists_as_before_the_rest
     second.close()
 
 
+def test_a_list_of_one_prompt_named_as_prompt_0_is_the_same_completion_after_a_restart_and_to_delete(tmp_path):
+    """A review: `<id>-0` was taken for a list of one prompt (entry `<id>`) only while this
+    process's cache knew `<id>`; after a restart, a label sent again that way got 404, not
+    409, and a deletion by that name found nothing."""
+    first = _training(tmp_path, save_every=1)
+    for request_id in ("cmpl-one", "cmpl-two"):
+        serve(first, request_id)
+        assert first.feedback.submit(FeedbackLabel(f"{request_id}-0", "Lyon.")).accepted
+    first.train_until_idle()
+    crash(first)
+    second = _training(tmp_path, save_every=1)
+    assert second.cache.get("cmpl-one") is None  # trained and saved: the restarted cache never knew it
+    for name in ("cmpl-one", "cmpl-one-0"):
+        again = second.feedback.submit(FeedbackLabel(name, "Lyon."))
+        assert again.outcome is FeedbackOutcome.CONFLICT and "'cmpl-one'" in again.message, again
+    assert second.forget("cmpl-two-0", label_only=True).found
+    second.ledger.flush()
+    assert rows_by_id(tmp_path / LEDGER_FILE)["cmpl-two"].label is None
+    unknown = second.feedback.submit(FeedbackLabel("cmpl-none-0", "Lyon."))
+    assert unknown.outcome is FeedbackOutcome.UNKNOWN
+    second.close()
+
+
 def test_a_label_sent_again_to_a_batch_of_prompts_after_a_restart_is_told_which_prompt_has_it(tmp_path):
     """A `/v1/completions` request of two prompts keeps an entry per prompt (`<id>-<i>`);
     both were labelled, trained and saved before the crash, so the restarted cache knows

@@ -23,7 +23,7 @@ from trainer.entries import CacheEntry, EntryState, GroupEntry, GroupRewards, Pr
 from trainer.ledger import LabelExists, Ledger, LedgerUnavailable
 from trainer.label_history import fate_said, is_prompt_of, remembered
 from trainer.feedback_result import ACCEPTED, FeedbackOutcome, FeedbackResult, Refused, refuse
-from trainer.ledger_db import LabelRecord
+from trainer.ledger_db import LabelRecord, read_ledger
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,7 @@ def attach_label(cache: ActivationCache, request: FeedbackLabel, responses: Resp
     ready for training). With a `ledger`, the label is committed there before it is
     attached: accepted means on disk."""
     try:
+        request = dataclasses.replace(request, completion_id=lone_prompts_id(cache, ledger, request.completion_id))
         request = _for_prompt_of_batch(cache, request)
         to = _Labels(cache, ledger, request)
         if label_kind == REWARDS:
@@ -104,16 +105,30 @@ def _known(cache: ActivationCache, entry_id: str) -> bool:
     return cache.get(entry_id) is not None or cache.ended_state(entry_id) is not None or entry_id in cache.expected
 
 
+def lone_prompts_id(cache: ActivationCache, ledger: Ledger | None, completion_id: str) -> str:
+    """The id a label or a deletion names: a `/v1/completions` list of one prompt is no batch
+    (its entry is `<id>`, as one prompt's is), but clients that name a list's prompt i
+    `<id>-<i>` name it `<id>-0`, taken for `<id>` when the cache or the ledger knows `<id>`
+    and not `<id>-0`."""
+    prefix, _, index = completion_id.rpartition("-")
+    if index != "0" or not prefix.startswith("cmpl-") or _known(cache, completion_id):
+        return completion_id
+    if _known(cache, prefix):
+        return prefix
+    try:
+        known = {row.request.id for row in read_ledger(ledger.path, "r.id IN (?, ?)", (completion_id, prefix))} \
+            if ledger is not None else set()
+    except (sqlite3.Error, OSError):
+        return completion_id
+    return prefix if known == {prefix} else completion_id
+
+
 def _for_prompt_of_batch(cache: ActivationCache, request: FeedbackLabel) -> FeedbackLabel:
     """A `/v1/completions` request of several prompts keeps an entry per prompt (`<id>-<i>`)
     and numbers its choices across them, as its response does: with n choices per prompt,
     prompt i's j-th is choice i·n + j. A label naming such a completion is `request` for the
-    entry of the prompt its choices belong to; any other label is `request` itself. A list
-    of one prompt is no batch (its entry is `<id>`), but its `<id>-0` is taken for it."""
+    entry of the prompt its choices belong to; any other label is `request` itself."""
     cid = request.completion_id
-    prefix, _, index = cid.rpartition("-")
-    if index == "0" and not _known(cache, cid) and _known(cache, prefix):
-        return dataclasses.replace(request, completion_id=prefix)
     entry_ids = entry_ids_of(cache, cid)
     if entry_ids == [cid]:
         return request

@@ -24,6 +24,10 @@ _REASONS = {
     "max_label_entries": "the bound on entries waiting for a label, train.max_label_entries, was reached",
     "cache_full": "the activation cache was full",
     "reward_function_failed": "the reward function failed on it",
+    "job_failed": "the training job that held it failed",
+    "stale": "its recording was staler than train.max_staleness allows, and train.stale_policy drops such",
+    "non_finite_loss": "its loss was not a finite number",
+    "step_skipped": "its optimizer step was skipped twice (a loss or gradient not finite)",
 }
 
 

@@ -31,6 +31,7 @@ from offload.offloader import ActivationOffloader
 from trainer.adapter_store import AdapterSnapshot
 from trainer.cache import ActivationCache
 from trainer.entries import EntryState
+from trainer.feedback import lone_prompts_id
 from trainer.eval_gate import Verdict
 from trainer.config import TrainConfig
 from trainer.intake import FeedbackIntake
@@ -251,7 +252,8 @@ class OnlineTraining:
         label (users' data): the rows leave the ledger first (LedgerUnavailable if it
         cannot be written, with nothing changed), then its entry leaves the cache. An entry
         being trained is left for `withdraw_from_training`. A completion of several prompts
-        is deleted with all of them. A worker thread's call."""
+        is deleted with all of them (a list of one prompt, by `<id>-0` too). A worker thread's call."""
+        completion_id = lone_prompts_id(self.cache, self.ledger, completion_id)
         deletion = self.ledger.delete(completion_id, label_only) if self.ledger is not None else Deletion(False)
         withdrawn, training = False, []
         for request_id, fate in deletion.fates.items():  # its label, sent again, is told it was deleted
