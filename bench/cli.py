@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from bench.arguments import at_least, fraction, listed, named_file, one_of, output_path, positive
+
 
 def add_bench_commands(commands, add_config_flags) -> None:
     """Adds `bench {serving,steps,http,structured,training,staleness,backlog,recording,colocate,offload,soak,replicas}`
@@ -17,27 +19,27 @@ def add_bench_commands(commands, add_config_flags) -> None:
     _add_serving_benches(benches, add_config_flags)
     _add_training_benches(benches, add_config_flags)
     replicas = benches.add_parser("replicas", help="N data-parallel replicas vs one, closed-loop with feedback")
-    replicas.add_argument("--replicas", type=int, default=2)
-    replicas.add_argument("--requests", type=int, default=48, help="labelled answers per condition")
-    replicas.add_argument("--clients", type=int, default=8, help="closed-loop clients")
-    replicas.add_argument("--max-tokens", type=int, default=24)
-    replicas.add_argument("--rounds", type=int, default=2, help="conditions alternate, in rounds")
-    replicas.add_argument("--learning-rate", type=float, default=1e-4)
+    replicas.add_argument("--replicas", type=at_least(2), default=2)
+    replicas.add_argument("--requests", type=at_least(1), default=48, help="labelled answers per condition")
+    replicas.add_argument("--clients", type=at_least(1), default=8, help="closed-loop clients")
+    replicas.add_argument("--max-tokens", type=at_least(1), default=24)
+    replicas.add_argument("--rounds", type=at_least(1), default=2, help="conditions alternate, in rounds")
+    replicas.add_argument("--learning-rate", type=positive, default=1e-4)
     replicas.add_argument("--no-training", action="store_true", help="serving alone (training off, no feedback)")
-    replicas.add_argument("--json", help="write the results to this JSON file")
+    replicas.add_argument("--json", type=output_path, help="write the results to this JSON file")
     colocate = benches.add_parser("colocate", help="serving latency with training off and on, over HTTP")
     colocate.add_argument("--policy", choices=["idle", "slo"], default="idle")
-    colocate.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
-    colocate.add_argument("--seconds", type=float, default=60.0, help="trace length per run")
-    colocate.add_argument("--tpot-slo-ms", type=float, default=100.0)
-    colocate.add_argument("--rounds", type=int, default=2, help="off/on pairs, alternating")
+    colocate.add_argument("--rate", type=positive, default=0.5, help="requests per second (Poisson)")
+    colocate.add_argument("--seconds", type=positive, default=60.0, help="trace length per run")
+    colocate.add_argument("--tpot-slo-ms", type=positive, default=100.0)
+    colocate.add_argument("--rounds", type=at_least(1), default=2, help="off/on pairs, alternating")
     colocate.add_argument("--seed", type=int, default=0)
-    colocate.add_argument("--warmup-seconds", type=float, default=15.0,
+    colocate.add_argument("--warmup-seconds", type=at_least(0, float), default=15.0,
                           help="a trace of other requests first on each server, reported apart as cold (0: none)")
     colocate.add_argument("--train-config", help="TOML passed to the training-on server (e.g. record_fraction)")
     colocate.add_argument("--no-feedback", action="store_true",
                           help="record but send no feedback (isolates the cost of recording)")
-    colocate.add_argument("--feedback-fraction", type=float, default=1.0,
+    colocate.add_argument("--feedback-fraction", type=fraction, default=1.0,
                           help="share of answers the client sends feedback for (the soak's mix: 0.33)")
     colocate.add_argument("--compare", choices=["training", "ledger", "gate", "ride", "trim"],
                           default="training",
@@ -47,72 +49,78 @@ def add_bench_commands(commands, add_config_flags) -> None:
                           "trim: training on, every pause in recording giving freed memory back vs only beyond "
                           "train.trim_slack_mib")
     colocate.add_argument("--eval-set", default="examples/capital_probes.jsonl", help="the probes of --compare gate")
-    colocate.add_argument("--json", help="write the results to this JSON file")
-    colocate.add_argument("--sweep", help="comma-separated rates; draws TPOT vs rate as PNG")
-    colocate.add_argument("--plot", help="PNG path for --sweep (default bench-colocate-POLICY.png)")
+    colocate.add_argument("--json", type=output_path, help="write the results to this JSON file")
+    colocate.add_argument("--sweep", type=listed(positive), help="comma-separated rates; draws TPOT vs rate as PNG")
+    colocate.add_argument("--plot", type=output_path, help="PNG path for --sweep (default bench-colocate-POLICY.png)")
     offload = benches.add_parser("offload", help="training with recorded layers kept, offloaded, recomputed, hedged")
     add_config_flags(offload)
-    offload.add_argument("--tokens", type=int, default=512, help="prompt tokens per entry (CPT)")
-    offload.add_argument("--entries", type=int, default=3, help="entries cached together")
-    offload.add_argument("--repeats", type=int, default=2)
-    offload.add_argument("--budget-fraction", type=float, default=0.5,
+    offload.add_argument("--tokens", type=at_least(1), default=512, help="prompt tokens per entry (CPT)")
+    offload.add_argument("--entries", type=at_least(1), default=3, help="entries cached together")
+    offload.add_argument("--repeats", type=at_least(1), default=2)
+    offload.add_argument("--budget-fraction", type=fraction, default=0.5,
                          help="device budget as a fraction of the entries' recorded activations")
-    offload.add_argument("--json", help="write the report to this JSON file")
+    offload.add_argument("--json", type=output_path, help="write the report to this JSON file")
     offload.add_argument("--sweep", action="store_true", help="also sweep the freed fraction of layers and plot it")
-    offload.add_argument("--plot", help="PNG path for --sweep (default bench-offload.png)")
+    offload.add_argument("--plot", type=output_path, help="PNG path for --sweep (default bench-offload.png)")
     profile = commands.add_parser("profile", help="measure this device and write the offloading and hedging maps")
     add_config_flags(profile)
-    profile.add_argument("--out", required=True, help="JSON file to write (load it with --offload-profile)")
-    profile.add_argument("--tokens", default="128,512,1024", help="token lengths to measure, comma-separated")
+    profile.add_argument("--out", type=output_path, required=True,
+                         help="JSON file to write (load it with --offload-profile)")
+    profile.add_argument("--tokens", type=listed(at_least(2)), default="128,512,1024",
+                         help="token lengths to measure, comma-separated")
     soak = benches.add_parser("soak", help="mixed traffic with feedback for a while: errors, RSS growth, cache drain")
-    soak.add_argument("--seconds", type=float, default=600.0, help="traffic duration")
-    soak.add_argument("--rate", type=float, default=0.5, help="requests per second (Poisson)")
+    soak.add_argument("--seconds", type=positive, default=600.0, help="traffic duration")
+    soak.add_argument("--rate", type=positive, default=0.5, help="requests per second (Poisson)")
     soak.add_argument("--seed", type=int, default=0)
-    soak.add_argument("--json", help="write the report (with the timeline) to this JSON file")
-    soak.add_argument("--plot", help="PNG of RSS and activation cache over time (default bench-soak.png)")
+    soak.add_argument("--json", type=output_path, help="write the report (with the timeline) to this JSON file")
+    soak.add_argument("--plot", type=output_path,
+                      help="PNG of RSS and activation cache over time (default bench-soak.png)")
 
 
 def _add_serving_benches(benches, add_config_flags) -> None:
     """`bench serving`, `bench structured` and `bench steps`."""
     serving = benches.add_parser("serving", help="engine vs Hugging Face generate and generate_batch")
     add_config_flags(serving)
-    serving.add_argument("--num-prompts", type=int, default=8)
-    serving.add_argument("--max-tokens", type=int, default=64)
-    serving.add_argument("--repeats", type=int, default=3,
+    serving.add_argument("--num-prompts", type=at_least(1), default=8)
+    serving.add_argument("--max-tokens", type=at_least(1), default=64)
+    serving.add_argument("--repeats", type=at_least(1), default=3,
                          help="interleaved rounds: the first reported as cold, the others' median as warm")
     serving.add_argument("--same-prompts", action="store_true",
                          help="every round on the same prompts (by default each round's are new, of a new length)")
-    serving.add_argument("--json", help="write the results to this JSON file")
+    serving.add_argument("--json", type=output_path, help="write the results to this JSON file")
     serving.add_argument("--with-adapter", action="store_true",
                          help="also serve with a LoRA adapter attached (what training mode costs serving)")
-    serving.add_argument("--profile", help="after the rounds, profile one engine run and write the table here")
-    serving.add_argument("--n", type=int, help="instead: one request with n choices on a long prompt, forked "
+    serving.add_argument("--profile", type=output_path,
+                         help="after the rounds, profile one engine run and write the table here")
+    serving.add_argument("--n", type=at_least(1), help="instead: one request with n choices on a long prompt, forked "
                          "(one prefill) vs each choice prefilling, both vs n = 1")
-    serving.add_argument("--prompt-tokens", type=int, default=1000, help="with --n: the prompt's length")
+    serving.add_argument("--prompt-tokens", type=at_least(1), default=1000, help="with --n: the prompt's length")
     serving.add_argument("--paths", default="engine,engine_sequential,engine_plain_linear,hf_generate,"
                          "hf_generate_batch", help="comma-separated paths to run (engine always runs)")
     structured = benches.add_parser("structured", help="grammar-constrained decoding vs unconstrained, per token")
     add_config_flags(structured)
-    structured.add_argument("--num-prompts", type=int, default=8)
-    structured.add_argument("--max-tokens", type=int, default=64)
-    structured.add_argument("--repeats", type=int, default=3, help="interleaved rounds; medians are reported")
-    structured.add_argument("--json", help="write the results to this JSON file")
+    structured.add_argument("--num-prompts", type=at_least(1), default=8)
+    structured.add_argument("--max-tokens", type=at_least(1), default=64)
+    structured.add_argument("--repeats", type=at_least(1), default=3, help="interleaved rounds; medians are reported")
+    structured.add_argument("--json", type=output_path, help="write the results to this JSON file")
     steps = benches.add_parser("steps", help="what a serving step would cost a GPU, counted: host syncs per decode "
                                "step and attention shapes over a trace with arrivals")
     add_config_flags(steps)
-    steps.add_argument("--steps", type=int, default=400, help="engine steps of the trace")
+    steps.add_argument("--steps", type=at_least(1), default=400,
+                       help="engine steps over which requests arrive (the trace runs on until they finish)")
     steps.add_argument("--seed", type=int, default=0)
-    steps.add_argument("--json", help="write the results to this JSON file")
+    steps.add_argument("--json", type=output_path, help="write the results to this JSON file")
     http = benches.add_parser("http", help="streaming over HTTP vs the engine alone, closed batches: TPOT and the "
                               "event loop's CPU per token")
     add_config_flags(http)
-    http.add_argument("--streams", default="1,8,32", help="comma-separated concurrencies")
-    http.add_argument("--max-tokens", type=int, default=64)
-    http.add_argument("--rounds", type=int, default=3, help="engine and HTTP alternate, in rounds; the first is cold")
+    http.add_argument("--streams", type=listed(at_least(1)), default="1,8,32", help="comma-separated concurrencies")
+    http.add_argument("--max-tokens", type=at_least(1), default=64)
+    http.add_argument("--rounds", type=at_least(1), default=3,
+                      help="engine and HTTP alternate, in rounds; the first is cold")
     http.add_argument("--async-output", default="auto", choices=("auto", "on", "off"),
                       help="the server's server.async_output: a step's tokens sent once the next step's device "
                            "work is queued (on), or as each step ends (off); auto: on on a GPU")
-    http.add_argument("--json", help="write the results to this JSON file")
+    http.add_argument("--json", type=output_path, help="write the results to this JSON file")
 
 
 def _add_training_benches(benches, add_config_flags) -> None:
@@ -120,23 +128,28 @@ def _add_training_benches(benches, add_config_flags) -> None:
     training = benches.add_parser("training", help="reuse path vs recompute path on the embedded model")
     add_config_flags(training)
     training.add_argument("--mode", choices=["cpt", "dpo", "grpo"], required=True)
-    training.add_argument("--tokens", type=int, default=512, help="trained tokens per entry")
-    training.add_argument("--repeats", type=int, default=3)
-    training.add_argument("--json", help="write the results to this JSON file")
-    training.add_argument("--sweep", nargs="?", const="128,256,512,1024", default=None,
+    training.add_argument("--tokens", type=at_least(2), default=512, help="trained tokens per entry")
+    training.add_argument("--repeats", type=at_least(1), default=3)
+    training.add_argument("--json", type=output_path, help="write the results to this JSON file")
+    training.add_argument("--sweep", type=listed(at_least(2)), nargs="?", const="128,256,512,1024", default=None,
                           help="comma-separated token lengths (default 128,256,512,1024); draws PNG plots")
-    training.add_argument("--plot-prefix", help="PNG path prefix (default bench-training-MODE)")
-    training.add_argument("--max-fit", nargs="?", const="2048,3072,4096,5120,6144,7168,8192,10240,12288,16384",
+    training.add_argument("--plot-prefix", type=output_path, help="PNG path prefix (default bench-training-MODE)")
+    training.add_argument("--max-fit", type=listed(at_least(2)), nargs="?",
+                          const="2048,3072,4096,5120,6144,7168,8192,10240,12288,16384",
                           default=None, help="also find the longest trained length each path fits on the GPU, "
                           "trying these comma-separated lengths in order")
-    training.add_argument("--profile", help="profile one job of each path at the longest length; write the table here")
+    training.add_argument("--profile", type=output_path,
+                          help="profile one job of each path at the longest length; write the table here")
     training.add_argument("--given-responses", action="store_true", help="DPO: both responses given (the "
                           "served one is not decoded first)")
-    training.add_argument("--group-size", type=int, default=8, help="grpo: samples per prompt (G)")
-    training.add_argument("--prompt-tokens", type=int, default=1024, help="grpo: the shared prompt's length (P)")
-    training.add_argument("--response-tokens", type=int, default=64, help="grpo: each sample's length (R)")
-    training.add_argument("--sweep-group", help="grpo: comma-separated group sizes to sweep (plots)")
-    training.add_argument("--sweep-prompt", help="grpo: comma-separated prompt lengths to sweep (plots)")
+    training.add_argument("--group-size", type=at_least(2), default=8, help="grpo: samples per prompt (G)")
+    training.add_argument("--prompt-tokens", type=at_least(1), default=1024,
+                          help="grpo: the shared prompt's length (P)")
+    training.add_argument("--response-tokens", type=at_least(1), default=64, help="grpo: each sample's length (R)")
+    training.add_argument("--sweep-group", type=listed(at_least(2)),
+                          help="grpo: comma-separated group sizes to sweep (plots)")
+    training.add_argument("--sweep-prompt", type=listed(at_least(1)),
+                          help="grpo: comma-separated prompt lengths to sweep (plots)")
     training.add_argument("--one-vs-two-sweeps", action="store_true", help="dpo, grpo: the reuse job's "
                           "backward in one top-down sweep against two (suffixes, then prompt), side by side")
     training.add_argument("--stale", action="store_true", help="entries one adapter version old: reuse with "
@@ -144,29 +157,31 @@ def _add_training_benches(benches, add_config_flags) -> None:
     staleness = benches.add_parser("staleness", help="learning with delayed (stashed) gradients vs strict "
                                    "recomputation, per learning rate")
     add_config_flags(staleness)
-    staleness.add_argument("--learning-rates", default="1e-4,1e-3,3e-3")
-    staleness.add_argument("--max-staleness", default="1,2", help="values to compare with 0 (strict)")
-    staleness.add_argument("--bursts", type=int, default=4)
-    staleness.add_argument("--burst", type=int, default=3, help="requests per burst (stale by 0 .. burst-1)")
-    staleness.add_argument("--entries-per-step", default="1", help="comma-separated maxima of entries per "
-                           "optimizer step to compare (entries of one version share a step)")
-    staleness.add_argument("--json", help="write the results to this JSON file")
+    staleness.add_argument("--learning-rates", type=listed(positive), default="1e-4,1e-3,3e-3")
+    staleness.add_argument("--max-staleness", type=listed(at_least(0)), default="1,2",
+                           help="values to compare with 0 (strict)")
+    staleness.add_argument("--bursts", type=at_least(1), default=4)
+    staleness.add_argument("--burst", type=at_least(1), default=3, help="requests per burst (stale by 0 .. burst-1)")
+    staleness.add_argument("--entries-per-step", type=listed(at_least(1)), default="1",
+                           help="comma-separated maxima of entries per optimizer step to compare (entries of one "
+                           "version share a step)")
+    staleness.add_argument("--json", type=output_path, help="write the results to this JSON file")
     backlog = benches.add_parser("backlog", help="labels faster than idle gaps: entries trained on their "
                                  "recordings and held-out learning, against strict recomputation, over HTTP")
-    backlog.add_argument("--scenarios", default="dpo,cpt", help="comma-separated: dpo (24 labelled answers), "
-                         "cpt (a made-up fact served 12 times)")
-    backlog.add_argument("--condition", action="append", default=[], metavar="NAME=TOML",
+    backlog.add_argument("--scenarios", type=listed(one_of("dpo", "cpt")), default="dpo,cpt",
+                         help="comma-separated: dpo (24 labelled answers), cpt (a made-up fact served 12 times)")
+    backlog.add_argument("--condition", type=named_file, action="append", default=[], metavar="NAME=TOML",
                          help="a server config to compare besides strict, steps_of_4 and default (repeatable)")
-    backlog.add_argument("--learning-rate", type=float, default=1e-4)
-    backlog.add_argument("--warm-up", type=int, default=0, help="labelled answers trained one at a time first")
-    backlog.add_argument("--json", help="write the results to this JSON file")
+    backlog.add_argument("--learning-rate", type=positive, default=1e-4)
+    backlog.add_argument("--warm-up", type=at_least(0), default=0, help="labelled answers trained one at a time first")
+    backlog.add_argument("--json", type=output_path, help="write the results to this JSON file")
     recording = benches.add_parser("recording", help="recorded over plain prefill of a short prompt, by what happens "
                                    "to earlier recordings (kept, freed, trained) and beside decodes")
     add_config_flags(recording)
-    recording.add_argument("--tokens", type=int, default=100)
-    recording.add_argument("--repeats", type=int, default=6)
+    recording.add_argument("--tokens", type=at_least(1), default=100)
+    recording.add_argument("--repeats", type=at_least(1), default=6)
     recording.add_argument("--cases", help="comma-separated cases to run (default: every one)")
-    recording.add_argument("--json", help="write the results to this JSON file")
+    recording.add_argument("--json", type=output_path, help="write the results to this JSON file")
 
 
 def run_bench_command(args: argparse.Namespace, config) -> int:

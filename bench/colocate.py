@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import random
 import statistics
@@ -130,7 +131,10 @@ def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) 
         staleness[bound] = read_metric(text, name) - read_metric(before, name)
     dropped = read_metric(text, 'alchemist:activation_cache_ended_entries_total{state="dropped"}') - read_metric(
         before, 'alchemist:activation_cache_ended_entries_total{state="dropped"}')
-    return {"trained_by_path": paths, "dropped_entries": dropped,
+    caught_up = {f"{name}_by_the_end": read_metric(text, metric) - read_metric(before, metric)
+                 for name, metric in (("train_tokens", "alchemist:train_tokens_total"),
+                                      ("optimizer_steps", "alchemist:adapter_version"))}
+    return {"trained_by_path": paths, "dropped_entries": dropped, **caught_up,
             "reuse_share": reuse_share(paths),
             "staleness_le": staleness}
 
@@ -254,7 +258,9 @@ def recorded_over_plain(runs: dict[bool, list[dict]]) -> dict:
 def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, seed: int,
                  warmup_seconds: float = 0.0) -> dict:
     trace = make_trace(rate, seconds, seed)
-    warmup = make_trace(rate, warmup_seconds, seed + 1000) if warmup_seconds else None
+    # (a warm-up too short to draw an arrival still sends one request: else the first server
+    # serves its first, cold request in the measured trace)
+    warmup = make_trace(rate, warmup_seconds, seed + 1000, at_least_one=True) if warmup_seconds else None
     runs: dict[bool, list[dict]] = {False: [], True: []}
     for round_index in range(rounds):
         for variant in ((False, True) if round_index % 2 == 0 else (True, False)):
@@ -275,7 +281,9 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
                   f"CPU per token: event loop {result['event_loop_cpu_per_token_ms']:.2f} ms, "
                   f"device thread {result['device_cpu_per_token_ms']:.2f} ms, "
                   + (f"cold TPOT {result['cold_tpot_mean_s'] * 1000:.1f} ms, " if warmup else "")
-                  + f"trained {result['train_tokens_per_s']:.1f} tok/s"
+                  + f"trained {result['train_tokens_per_s']:.1f} tok/s during the trace"
+                  + (f" ({result['train_tokens_by_the_end']:.0f} tokens, {result['optimizer_steps_by_the_end']:.0f} "
+                     "optimizer steps once caught up)" if result["training"] else "")
                   + (f", by path {result['trained_by_path']}, longest slice {result['train_slice_max_s'] * 1000:.0f} "
                      f"ms ({result['train_slice_max_item']})" if result["training"] else ""), flush=True)
 
@@ -356,6 +364,7 @@ def plot(results: list[dict], path: str) -> str:
 def run_colocate_bench(side: TrainingSide, rate: float, seconds: float, rounds: int = 2, seed: int = 0,
                        json_path: str | None = None, sweep: list[float] | None = None,
                        plot_path: str | None = None, warmup_seconds: float = 0.0) -> dict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would drown the progress
     results = [measure_rate(r, seconds, side, rounds, seed, warmup_seconds) for r in (sweep or [rate])]
     for r in results:
         print(json.dumps({k: v for k, v in r.items() if k != "runs"}))

@@ -100,9 +100,21 @@ def reuse_share(paths: dict[str, float]) -> float:
 
 
 def write_json(report: dict, path: str | None) -> None:
+    """`report` as JSON, a figure that is not a number (NaN: nothing measured) as null:
+    strict JSON (JavaScript's JSON.parse, `json.loads` with strict constants) has no NaN."""
     if path:
         with open(path, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(_without_nan(report), f, indent=2, allow_nan=False)
+
+
+def _without_nan(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _without_nan(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_without_nan(item) for item in value]
+    return value
 
 
 def pyplot():

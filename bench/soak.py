@@ -258,7 +258,7 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
                     print(f"  [{sample.t:6.0f} s] {done}/{len(trace)} requests, {len(log.errors)} errors, "
                           f"RSS {sample.rss_bytes / 2**20:.0f} MiB, cache {sample.cache_bytes / 2**20:.1f} MiB, "
                           f"adapter v{sample.adapter_version:.0f}", flush=True)
-                    next_report += 60
+                    next_report += 15
                 with_timeout = asyncio.wait_for(stop_sampling.wait(), config.sample_every_s)
                 try:
                     await with_timeout
@@ -272,6 +272,7 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
         sampling = asyncio.ensure_future(sampler())
         await asyncio.gather(*[launch(r, k) for r, k in zip(trace, kinds)])
         traffic_end = time.perf_counter() - started
+        print(f"  traffic ended at {traffic_end:.0f} s; waiting for the activation cache to drain", flush=True)
         # drain: entries are trained, or expire after the label timeout
         drain_started, drained = time.perf_counter(), False
         while time.perf_counter() - drain_started < config.label_timeout_s + config.drain_timeout_s:
@@ -283,6 +284,7 @@ async def _drive(url: str, pid: int, config: SoakConfig, log: SoakLog) -> dict:
                 break
             await asyncio.sleep(1.0)
         drain_seconds = time.perf_counter() - drain_started
+        print(f"  {'drained' if drained else 'NOT drained'} in {drain_seconds:.0f} s", flush=True)
         stop_sampling.set()
         await sampling
         await asyncio.sleep(3.0)  # idle slices return the freed activation memory

@@ -49,15 +49,18 @@ def lognormal_length(rng: random.Random, median: float, sigma: float, low: int, 
     return int(min(max(rng.lognormvariate(math.log(median), sigma), low), high))
 
 
-def make_trace(rate: float, seconds: float, seed: int) -> list[TraceRequest]:
-    """Poisson arrivals at `rate` per second; log-normal prompt (words) and output lengths."""
+def make_trace(rate: float, seconds: float, seed: int, at_least_one: bool = False) -> list[TraceRequest]:
+    """Poisson arrivals at `rate` per second; log-normal prompt (words) and output lengths.
+    `at_least_one`: a trace that draws no arrival is one request at 0 s instead."""
     rng = random.Random(seed)
-    trace = []
-    for t in poisson_times(rate, seconds, rng):
+
+    def request(t: float) -> TraceRequest:
         prompt_words = lognormal_length(rng, 60, 0.8, 8, 400)
         output = lognormal_length(rng, 48, 0.6, 8, 160)
-        trace.append(TraceRequest(t, " ".join(rng.choice(WORDS) for _ in range(prompt_words)), output))
-    return trace
+        return TraceRequest(t, " ".join(rng.choice(WORDS) for _ in range(prompt_words)), output)
+
+    trace = [request(t) for t in poisson_times(rate, seconds, rng)]
+    return trace or ([request(0.0)] if at_least_one else [])
 
 
 def synthetic_tokens(tokenizer, count: int, offset: int) -> list[int]:

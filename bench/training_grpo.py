@@ -86,6 +86,9 @@ def measure(bench: Bench, group: int, prompt_tokens: int, response_tokens: int, 
     hooks), then with a tracker per path, for the saved bytes and the gradients."""
     rows = []
     for r in range(repeats + 1):  # round 0 warms up and is not reported
+        if r == 0:
+            print(f"  grpo G={group} P={prompt_tokens} R={response_tokens}: a warm-up round first (not reported)",
+                  flush=True)
         prompt = synthetic_tokens(bench.tokenizer, prompt_tokens, r)
         timed = _paths(bench, prompt, group, response_tokens, r, None)
         trackers = {path: SavedTensorTracker() for path in PATHS}
