@@ -8,7 +8,8 @@ Strict: wrong types are rejected, not coerced ("5" is not a number), and unknown
 are rejected with OpenAI's "Unrecognized request argument supplied" so that a typo like
 `max_token` does not pass silently. Fields the OpenAI API defines but that do not change
 generation here (user, metadata, store, service_tier, reasoning_effort, verbosity,
-prediction, prompt_cache_key, safety_identifier, modalities of text) are accepted and
+prediction, prompt_cache_key and _retention, safety_identifier, modalities of text,
+stream_options.include_obfuscation) are accepted and
 ignored; where OpenAI's schema lets a field be null, null takes its default, and a field
 this server does not offer (audio, web search, the deprecated functions) is refused by
 name unless it is null. vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
@@ -196,6 +197,7 @@ class ChatCompletionRequest(_SamplingFields):
     verbosity: str | None = None
     prediction: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     safety_identifier: str | None = None
     modalities: list[Literal["text"]] | None = None
     # vLLM's chat template controls: end with the assistant's turn opening, or go on with the

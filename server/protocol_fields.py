@@ -70,6 +70,8 @@ TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True}), IN
 class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    # OpenAI's random padding of stream events (against side channels): none is sent here
+    include_obfuscation: bool | None = None
 
 
 class TextPart(Strict):

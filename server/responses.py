@@ -82,7 +82,7 @@ def completion_logprobs(tokens: TokenShown, logprobs: list[TokenLogprob | None],
     tokens before these."""
     texts, values, tops, text_offsets = [], [], [], []
     for token_id, lp in zip(token_ids, logprobs):
-        text = tokens.text(token_id)
+        text = tokens.name(token_id)
         texts.append(text)
         text_offsets.append(offsets.advance(tokens.raw_bytes(token_id)))
         if lp is None:
@@ -90,8 +90,9 @@ def completion_logprobs(tokens: TokenShown, logprobs: list[TokenLogprob | None],
             tops.append(None)
         else:
             values.append(clamp_logprob(lp.logprob))
-            top = {tokens.text(t): clamp_logprob(v) for t, v in lp.top}
-            top.setdefault(text, clamp_logprob(lp.logprob))
+            top: dict[str, float] = {}
+            for t, v in [*lp.top, (token_id, lp.logprob)]:  # best first: two tokens of one name keep the better
+                top.setdefault(tokens.name(t), clamp_logprob(v))
             tops.append(top)
     return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops, "text_offset": text_offsets}
 

@@ -45,7 +45,8 @@ def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[s
         finally:
             aborting.cancel()
 
-    return EventSourceResponse(drained(), ping=15, shutdown_grace_period=STREAM_DRAIN_S)
+    # events end in "\n\n", as OpenAI's do (a client that splits on it finds them), pings too
+    return EventSourceResponse(drained(), ping=15, sep="\n", shutdown_grace_period=STREAM_DRAIN_S)
 
 
 def engine_stream(async_engine: AsyncEngine, request: EngineRequest):
@@ -169,10 +170,10 @@ def _event(data: dict) -> bytes:
     text = orjson.dumps(data)
     for raw, escaped in _LINE_BREAKS:
         text = text.replace(raw, escaped)
-    return b"data: " + text + b"\r\n\r\n"
+    return b"data: " + text + b"\n\n"
 
 
-DONE = b"data: [DONE]\r\n\r\n"
+DONE = b"data: [DONE]\n\n"
 
 
 def _cut_short_event() -> bytes:

@@ -35,6 +35,16 @@ class TokenShown:
             text = self._text[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def name(self, token_id: int) -> str:
+        """The token as a text completion's logprobs name it: its text, or, for a token that
+        holds part of a character, `bytes:\\xHH…` (OpenAI's legacy naming) — its text is
+        U+FFFD, which would give every such token one name, and one key in `top_logprobs`."""
+        text = self.text(token_id)
+        if "\ufffd" not in text:
+            return text
+        raw = self.raw_bytes(token_id)
+        return text if raw == text.encode("utf-8") else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
     def raw_bytes(self, token_id: int) -> bytes:
         raw = self._bytes.get(token_id)
         if raw is None:

@@ -41,11 +41,23 @@ def test_logprobs_are_clamped_and_carry_bytes():
 
 
 def test_a_text_offset_counts_the_characters_the_tokens_before_it_completed():
-    """OpenAI's text_offset indexes the text: the two halves of é (each shown as U+FFFD)
+    """OpenAI's text_offset indexes the text: the two halves of é (each named by its byte)
     start where é does, and the token after them one character later."""
     rendered = completion_logprobs(TEXT, [None] * 4, [1, 4, 5, 3], TextOffsets())
-    assert rendered["tokens"] == ["Hel", "\ufffd", "\ufffd", "!"] and rendered["text_offset"] == [0, 3, 3, 4]
+    assert rendered["tokens"] == ["Hel", "bytes:\\xc3", "bytes:\\xa9", "!"] and rendered["text_offset"] == [0, 3, 3, 4]
     assert "Helé!"[rendered["text_offset"][3]:] == "!"
+
+
+def test_tokens_that_hold_part_of_a_character_keep_names_and_values_of_their_own():
+    """An outside pass: both halves of é were named U+FFFD, so in `top_logprobs` one key
+    held whichever came last — the chosen token's value overwritten by a worse one's, so a
+    client's "was it the greedy token?" (lm-evaluation-harness's) read the wrong value."""
+    rendered = completion_logprobs(TEXT, [TokenLogprob(4, -0.1, [(4, -0.1), (5, -2.0), (1, -3.0)])], [4],
+                                   TextOffsets())
+    assert rendered["tokens"] == ["bytes:\\xc3"]
+    assert rendered["top_logprobs"] == [{"bytes:\\xc3": -0.1, "bytes:\\xa9": -2.0, "Hel": -3.0}]
+    top = rendered["top_logprobs"][0]
+    assert max(top, key=top.get) == rendered["tokens"][0]
 
 
 def test_a_character_split_between_stream_chunks_is_counted_once():

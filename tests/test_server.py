@@ -55,6 +55,16 @@ def test_streaming_chat_with_usage_matches_non_streaming(client):
     assert [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_stream_events_end_as_openais_do(client):
+    """An outside pass: events ended in CRLF pairs, which SSE allows, but a client that
+    splits OpenAI's streams on "\\n\\n" found no event in them."""
+    r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "messages": [{"role": "user", "content": "Hi"}],
+                                                  "max_tokens": 3, "stream": True})
+    events = [event for event in r.text.split("\n\n") if event]
+    assert "\r" not in r.text and events[-1] == "data: [DONE]" and len(events) >= 2
+    assert all(event.startswith("data: ") and "\n" not in event for event in events)
+
+
 def test_chat_logprobs(client):
     body = chat(client, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2).json()
     content = body["choices"][0]["logprobs"]["content"]
@@ -227,9 +237,12 @@ def test_bad_chat_requests_get_openai_errors(client, name, body, status, param):
 def test_openai_fields_without_effect_here_are_accepted_and_null_means_the_default(client):
     r = chat(client, max_tokens=3, n=None, stream=None, logprobs=None, audio=None, functions=None,
              reasoning_effort="low", verbosity="low", prompt_cache_key="k", safety_identifier="s",
-             prediction={"type": "content", "content": "Hi"}, modalities=["text"], user="u", store=False)
+             prediction={"type": "content", "content": "Hi"}, modalities=["text"], user="u", store=False,
+             prompt_cache_retention="24h")
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = chat(client, max_tokens=2, stream=True, stream_options={"include_usage": True, "include_obfuscation": False})
+    assert r.status_code == 200 and "data: [DONE]" in r.text, r.text  # (the SDK's newer fields: a 400 before)
     r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hi", "max_tokens": 2, "echo": None,
                                              "n": None, "stream": None, "prompt_logprobs": None, "ignore_eos": True})
     assert r.status_code == 200, r.text  # (its two tokens may decode to no text: a tiny random model's)
