@@ -38,6 +38,9 @@ PEER_TIMEOUT_S = 60.0
 # how long a scrape waits for each other replica: under Prometheus's scrape timeout (10 s by default,
 # 5 s in configs/grafana/prometheus.yml), so that the replicas that answer are scraped
 METRICS_PEER_TIMEOUT_S = 2.0
+# how long a status read (`GET /v1/adapters`) waits for the other replicas before its 503: a
+# hung one must not hold it for PEER_TIMEOUT_S (an outside pass: no answer in 40 s)
+STATUS_PEER_TIMEOUT_S = 10.0
 REPLICA_UP = "alchemist:replica_up"
 
 
@@ -87,10 +90,21 @@ class Peers:
         headers = {k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")}
         return Response(answer.content, answer.status_code, headers=headers)
 
-    async def ask_all(self, request: Request, path: str, method: str | None = None) -> list[httpx.Response]:
-        """`path` asked of every other replica, by rank (this one's slot is None)."""
+    async def ask_all(self, request: Request, path: str, method: str | None = None,
+                      timeout_s: float = PEER_TIMEOUT_S) -> list[httpx.Response]:
+        """`path` asked of every other replica, by rank (this one's slot is None); a 503 if
+        one does not answer within `timeout_s`."""
         others = [r for r in range(self.world_size) if r != self.rank]
-        answers = await asyncio.gather(*(self.ask(r, request, path, method=method) for r in others))
+
+        async def answer_of(rank: int) -> httpx.Response:
+            try:
+                return await asyncio.wait_for(self.ask(rank, request, path, method=method), timeout_s)
+            except asyncio.TimeoutError:
+                raise APIError(503, f"replica {rank} did not answer {path} within {timeout_s:.0f} s (hung, or busy "
+                                    "with a long step); send the request again", code="replica_unavailable",
+                               headers={"Retry-After": "1"}) from None
+
+        answers = await asyncio.gather(*(answer_of(r) for r in others))
         result: list = [None] * self.world_size
         for rank, answer in zip(others, answers):
             if not answer.is_success:

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import EngineDeadError
 from server.errors import APIError, error_body
-from server.fanout import METRICS_PEER_TIMEOUT_S, merge_metrics
+from server.fanout import METRICS_PEER_TIMEOUT_S, STATUS_PEER_TIMEOUT_S, merge_metrics
 from server.parsing import parse_body
 from server.protocol_training import FeedbackRequest, RollbackRequest
 from server.state import ServerState, Training
@@ -122,7 +122,7 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
         status["replicas"] = [await replica_card(state)]
         if state.peers is None or not whole:
             return status
-        answers = await state.peers.ask_all(request, "/v1/adapters", method="GET")
+        answers = await state.peers.ask_all(request, "/v1/adapters", method="GET", timeout_s=STATUS_PEER_TIMEOUT_S)
         return whole_server_status([a.json() if a is not None else status for a in answers])
 
     @router.post("/v1/adapters/rollback")

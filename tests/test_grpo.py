@@ -291,6 +291,8 @@ def test_a_failing_reward_function_drops_the_group_and_counts_it(reward_module, 
     serve_group(trainer)
     wait_for(lambda: trainer.stats.reward_errors == 1)
     assert trainer.cache.get("g") is None and trainer.cache.ended_counts["dropped"] == 1
+    late = trainer.feedback.submit(FeedbackLabel("g", rewards=[1.0] * GROUP))  # (an outside pass: "cut short, or…")
+    assert late.outcome is FeedbackOutcome.UNKNOWN and "the reward function failed" in late.message, late
 
 
 def test_a_reward_function_that_cannot_be_loaded_is_a_config_error():

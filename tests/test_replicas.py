@@ -116,6 +116,37 @@ def test_a_replica_that_does_not_answer_a_scrape_in_time_is_left_out_and_said_do
     assert 'alchemist:replica_up{engine="0"} 1.0' in merged and 'alchemist:replica_up{engine="1"} 0.0' in merged
 
 
+def test_a_status_read_does_not_wait_on_a_hung_replica_past_its_bound():
+    """An outside pass: with one replica stopped, `GET /v1/adapters` on the other gave no
+    answer in 40 s (a peer's question waits up to a minute); it is a 503 within its bound."""
+    import asyncio
+    import socket
+
+    from starlette.requests import Request
+
+    from server.errors import APIError
+    from server.fanout import Peers
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen()
+
+    async def status() -> None:
+        peers = Peers(rank=0, addresses=["127.0.0.1:5001", f"127.0.0.1:{hung.getsockname()[1]}"])
+        try:
+            await peers.ask_all(Request({"type": "http", "method": "GET", "headers": [], "path": "/v1/adapters",
+                                         "query_string": b""}), "/v1/adapters", method="GET", timeout_s=0.5)
+        finally:
+            await peers.close()
+
+    started = time.monotonic()
+    with pytest.raises(APIError) as refused:
+        asyncio.run(status())
+    assert time.monotonic() - started < 30 and refused.value.status == 503
+    assert refused.value.code == "replica_unavailable" and "replica 1 did not answer" in str(refused.value)
+    hung.close()
+
+
 def test_the_whole_servers_adapter_status_sums_the_training_counters():
     def answer(rank, entries, loss):
         return {"version": 5, "saved": [], "replicas": [{"rank": rank, "version": 5, "digest": "ab",

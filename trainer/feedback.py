@@ -193,9 +193,11 @@ def _waiting_entry(cache: ActivationCache, completion_id: str, ledger: Ledger | 
                           "trains on groups of samples; request them with n >= 2", "id", "not_a_group")
         if ended is None:
             _labelled_before(ledger, completion_id, choice)
-        reason = {EntryState.EXPIRED: "it expired (no feedback within the label timeout)",
-                  EntryState.DROPPED: "it was dropped (its request was cut short, or the bound on entries "
-                                      "waiting for a label, train.max_label_entries, was reached)"}.get(
+        said = ended is EntryState.DROPPED and ledger is not None and fate_said(ledger.path, completion_id)
+        reason = f"it {said}, says the feedback ledger" if said else {
+            EntryState.EXPIRED: "it expired (no feedback within the label timeout)",
+            EntryState.DROPPED: "it was dropped (its request was cut short, the reward function failed on it, or "
+                                "the bound on entries waiting for a label, train.max_label_entries, was reached)"}.get(
             ended, "it is unknown (or so old that the server no longer remembers it)")
         raise refuse(FeedbackOutcome.UNKNOWN, f"no training entry for completion {completion_id!r}: {reason}",
                       "id", "entry_not_found")
