@@ -80,11 +80,9 @@ def test_metrics_of_every_replica_carry_an_engine_label():
     assert merged.count("# TYPE alchemist:request_success_total counter") == 1
 
 
-def test_a_replica_that_does_not_answer_a_scrape_in_time_is_left_out_and_said_down():
-    """A hung replica (SIGSTOP: the kernel still accepts its connections) held every
-    replica's `/metrics` for a minute, past Prometheus's scrape timeout, so no sample was
-    scraped at all (an outside pass). The others' samples come back in time, and
-    `alchemist:replica_up` says which replica is missing."""
+def _asked_of_a_hung_replica(ask):
+    """`ask(peers, request)` run as rank 0 of two, rank 1 hung (SIGSTOP: the kernel still
+    accepts its connections, and nothing answers); its result, and the seconds it took."""
     import asyncio
     import socket
 
@@ -92,22 +90,28 @@ def test_a_replica_that_does_not_answer_a_scrape_in_time_is_left_out_and_said_do
 
     from server.fanout import Peers
 
-    hung = socket.socket()
-    hung.bind(("127.0.0.1", 0))
-    hung.listen()
-
-    async def scrape() -> dict:
+    async def asked():
         peers = Peers(rank=0, addresses=["127.0.0.1:5001", f"127.0.0.1:{hung.getsockname()[1]}"])
         try:
-            return await peers.ask_each(Request({"type": "http", "method": "GET", "headers": [], "path": "/metrics",
-                                                 "query_string": b""}), "/metrics", 0.5)
+            return await ask(peers, Request({"type": "http", "method": "GET", "headers": [], "path": "/",
+                                             "query_string": b""}))
         finally:
             await peers.close()
 
-    started = time.monotonic()
-    assert asyncio.run(scrape()) == {1: None}
-    assert time.monotonic() - started < 30  # far from the 60 s a scrape waited before (a loaded machine is slow)
-    hung.close()
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen()
+        started = time.monotonic()
+        return asyncio.run(asked()), time.monotonic() - started
+
+
+def test_a_replica_that_does_not_answer_a_scrape_in_time_is_left_out_and_said_down():
+    """A hung replica held every replica's `/metrics` for a minute, past Prometheus's scrape
+    timeout, so no sample was scraped at all (an outside pass). The others' samples come
+    back in time, and `alchemist:replica_up` says which replica is missing."""
+    answers, seconds = _asked_of_a_hung_replica(lambda peers, request: peers.ask_each(request, "/metrics", 0.5))
+    assert answers == {1: None}
+    assert seconds < 30  # far from the 60 s a scrape waited before (a loaded machine is slow)
     text = ("# HELP alchemist:request_success_total Finished.\n# TYPE alchemist:request_success_total counter\n"
             'alchemist:request_success_total{finished_reason="stop"} 3\n')
     merged = merge_metrics([text, None]).decode()
@@ -119,32 +123,17 @@ def test_a_replica_that_does_not_answer_a_scrape_in_time_is_left_out_and_said_do
 def test_a_status_read_does_not_wait_on_a_hung_replica_past_its_bound():
     """An outside pass: with one replica stopped, `GET /v1/adapters` on the other gave no
     answer in 40 s (a peer's question waits up to a minute); it is a 503 within its bound."""
-    import asyncio
-    import socket
-
-    from starlette.requests import Request
-
     from server.errors import APIError
-    from server.fanout import Peers
 
-    hung = socket.socket()
-    hung.bind(("127.0.0.1", 0))
-    hung.listen()
-
-    async def status() -> None:
-        peers = Peers(rank=0, addresses=["127.0.0.1:5001", f"127.0.0.1:{hung.getsockname()[1]}"])
+    async def status(peers, request):
         try:
-            await peers.ask_all(Request({"type": "http", "method": "GET", "headers": [], "path": "/v1/adapters",
-                                         "query_string": b""}), "/v1/adapters", method="GET", timeout_s=0.5)
-        finally:
-            await peers.close()
+            await peers.ask_all(request, "/v1/adapters", method="GET", timeout_s=0.5)
+        except APIError as refused:
+            return refused
 
-    started = time.monotonic()
-    with pytest.raises(APIError) as refused:
-        asyncio.run(status())
-    assert time.monotonic() - started < 30 and refused.value.status == 503
-    assert refused.value.code == "replica_unavailable" and "replica 1 did not answer" in str(refused.value)
-    hung.close()
+    refused, seconds = _asked_of_a_hung_replica(status)
+    assert seconds < 30 and isinstance(refused, APIError) and refused.status == 503
+    assert refused.code == "replica_unavailable" and "replica 1 did not answer" in str(refused)
 
 
 def test_the_whole_servers_adapter_status_sums_the_training_counters():
