@@ -6,6 +6,7 @@ server/guards.py) and the OpenAPI document (server/openapi.py)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.routing import APIRoute
 
 from server.errors import install_error_handlers
@@ -25,6 +26,9 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     install_error_handlers(app)
     guard = guard or GuardConfig()
     app.add_middleware(RequestGuard, config=guard, count_response=state.metrics.count_response)
+    if guard.allowed_origins:  # outside the guard: a browser's preflight carries no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(guard.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
     state.metrics.expect_responses(expected_statuses(bool(guard.api_key), bool(guard.admin_key)))
     app.state.alchemist = state
     routers = [admin_router(state), openai_router(state), tokens_router(state)]

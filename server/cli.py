@@ -38,6 +38,19 @@ def token_count(text: str) -> int:
     return int(number) * 1024 ** " KMG".index(suffix)
 
 
+def origins(text: str) -> tuple[str, ...]:
+    """`--allowed-origins`: comma-separated, or a JSON list as vLLM's flag takes it."""
+    if text.strip().startswith("["):
+        try:
+            listed = json.loads(text)
+        except ValueError:
+            listed = None
+        if not (isinstance(listed, list) and all(isinstance(o, str) for o in listed)):
+            raise argparse.ArgumentTypeError(f"not a JSON list of origins: {text!r}")
+        return tuple(listed)
+    return tuple(origin.strip() for origin in text.split(",") if origin.strip())
+
+
 def lora_module(text: str) -> str:
     """`--lora-modules` as vLLM takes it: name=DIR, or {"name": …, "path": …} in JSON."""
     if not text.lstrip().startswith("{"):
@@ -136,7 +149,8 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
         "server": {"host": getattr(args, "host", None), "port": getattr(args, "port", None),
                    "api_key": getattr(args, "api_key", None), "admin_key": getattr(args, "admin_key", None),
                    "max_queued_requests": getattr(args, "max_queued_requests", None),
-                   "max_body_bytes": getattr(args, "max_body_bytes", None)},
+                   "max_body_bytes": getattr(args, "max_body_bytes", None),
+                   "allowed_origins": getattr(args, "allowed_origins", None)},
     }
     config = load_config(args.config, overrides)
     gate_flags = [f"--{name.replace('_', '-')}" for name in ("eval_tolerance", "eval_max_kl")
@@ -174,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences (prompts x n) waiting beyond --max-num-seqs running; more get 429 "
                        "(default 256)")
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
+    serve.add_argument("--allowed-origins", type=origins, help="origins whose web pages may call the server from a "
+                       "browser (CORS): comma-separated, or vLLM's JSON list; '*' is any (default: none)")
     serve.add_argument("--adapter-dir", help="save the adapter here (PEFT format) and resume from it on start; "
                        "with training off, serve its newest version frozen")
     serve.add_argument("--adapter-version", type=int, help="with training off: the saved version to serve")

@@ -43,10 +43,18 @@ class ServerConfig:
     # async output processing); off: as each step ends; auto: on on a GPU, off on the CPU
     # (whose forward runs on the host: tokens would wait a whole step)
     async_output: str = "auto"
+    # the origins (scheme://host[:port], or "*": any) whose web pages may call this server
+    # from a browser (CORS); none by default, which is what keeps a page the user opens from
+    # posting labels or rollbacks to it (a JSON body from another origin needs a preflight)
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"server.port must be in 1..65535, got {self.port}")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))  # (a TOML list)
+        if not all(isinstance(origin, str) and origin for origin in self.allowed_origins):
+            raise ValueError(f"server.allowed_origins must be origins (\"https://host\", or \"*\"), "
+                             f"got {list(self.allowed_origins)!r}")
         check_positive(self, "max_body_bytes")
         if self.async_output not in ("auto", "on", "off"):
             raise ValueError(f"server.async_output must be auto, on or off, got {self.async_output!r}")

@@ -63,6 +63,8 @@ class GuardConfig:
     # the private port a replica is asked on by the others (server/fanout.py): their
     # questions, which carry its header there, are not counted as requests
     replica_port: int | None = None
+    # origins whose pages may call the server from a browser (CORS; none: no CORS headers)
+    allowed_origins: tuple[str, ...] = ()
 
 
 class RequestGuard:

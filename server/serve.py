@@ -57,7 +57,8 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
     server = config.server
     app = build_app(state, GuardConfig(server.api_key, server.admin_key,
                                        config.scheduler.max_num_seqs + server.max_queued_requests,
-                                       server.max_body_bytes, peers.private_port if peers else None))
+                                       server.max_body_bytes, peers.private_port if peers else None,
+                                       server.allowed_origins))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

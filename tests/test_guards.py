@@ -239,3 +239,28 @@ def test_bodies_that_never_end_hold_no_capacity():
         finally:
             for sock in stalled:
                 sock.close()
+
+
+def test_web_pages_of_the_allowed_origins_alone_may_call_the_server():
+    """CORS is opt-in (`--allowed-origins`): by default no page the user opens can post a
+    JSON label or rollback to a local server (its preflight finds no CORS headers); an
+    allowed origin's preflight passes before the key is asked for, and its requests still
+    need the key."""
+    from fastapi.testclient import TestClient
+
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    with TestClient(tiny_app()) as client:
+        r = client.options("/v1/feedback", headers=preflight)
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    with TestClient(tiny_app(server=ServerConfig(api_key="k", allowed_origins=("https://app.example",)))) as client:
+        r = client.options("/v1/chat/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        assert client.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"}
+                              ).status_code == 400
+        body = {"model": TINY_NAME, "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+        r = client.post("/v1/chat/completions", json=body, headers={"Origin": "https://app.example"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = client.post("/v1/chat/completions", json=body, headers={"Origin": "https://app.example",
+                                                                    "Authorization": "Bearer k"})
+        assert r.status_code == 200 and "x-request-id" in r.headers["access-control-expose-headers"].lower()
