@@ -295,6 +295,17 @@ def test_a_failing_reward_function_drops_the_group_and_counts_it(reward_module, 
     assert late.outcome is FeedbackOutcome.UNKNOWN and "the reward function failed" in late.message, late
 
 
+def test_a_reward_function_returns_numbers_and_nothing_float_merely_takes():
+    """An outside pass: ["1", "1"] and booleans were taken (float() reads them)."""
+    from trainer.rewards import checked_rewards
+
+    assert checked_rewards([1, 2.5], 2) == [1.0, 2.5] and checked_rewards((x for x in (0, 1)), 2) == [0.0, 1.0]
+    assert checked_rewards(torch.tensor([0.5, 1.0]), 2) == [0.5, 1.0]
+    for value in (["1", "1"], [True, False], "12", None, [1.0], [float("nan"), 1.0]):
+        with pytest.raises(ValueError, match="the reward function must return 2"):
+            checked_rewards(value, 2)
+
+
 def test_a_reward_function_that_cannot_be_loaded_is_a_config_error():
     with pytest.raises(ValueError, match="cannot import"):
         make_trainer(reward_function="no_such_module_here:f")

@@ -50,7 +50,10 @@ def load_reward_function(spec: str) -> Callable:
 def checked_rewards(value, count: int) -> list[float]:
     """The function's return as `count` finite floats; ValueError otherwise."""
     try:
-        rewards = [float(r) for r in value]
+        items = list(value)
+        if any(isinstance(r, (str, bytes, bool)) for r in items):  # float() takes "1" and True: not numbers
+            raise TypeError("not numbers")
+        rewards = [float(r) for r in items]
     except (TypeError, ValueError) as exc:
         raise ValueError(f"the reward function must return {count} numbers, returned {value!r}") from exc
     if len(rewards) != count or not all(math.isfinite(r) for r in rewards):
