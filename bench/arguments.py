@@ -30,7 +30,6 @@ def at_least(minimum: int | float, kind: type = int) -> Callable[[str], int | fl
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
         return value
-    parse.__name__ = "number"  # (argparse names the type in its own messages)
     return parse
 
 
@@ -59,11 +58,11 @@ def listed(item: Callable[[str], object]) -> Callable[[str], str]:
             except argparse.ArgumentTypeError as exc:
                 raise argparse.ArgumentTypeError(f"in {text!r}: {exc}") from None
         return text
-    parse.__name__ = "list"
     return parse
 
 
 def one_of(*names: str) -> Callable[[str], str]:
+    """One of `names`."""
     def parse(text: str) -> str:
         if text not in names:
             raise argparse.ArgumentTypeError(f"{text!r} is none of {', '.join(names)}")

@@ -39,7 +39,7 @@ from typing import IO, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer.adapter_copies import holder_of, prunable
+from trainer import adapter_copies
 
 logger = logging.getLogger(__name__)
 
@@ -196,13 +196,13 @@ class AdapterStore:
         """Keeps the newest `keep` versions, copies of the same weights going first
         (trainer/adapter_copies.py)."""
         saved = {version.version: version for version in self.versions()}
-        for number in prunable(self._copies(saved.values()), self.keep):
+        for number in adapter_copies.prunable(self._copies(saved.values()), self.keep):
             self._delete(saved[number].path)
 
     def holder_of(self, version: int) -> int:
         """The saved version holding `version`'s weights: itself, or a copy of it where it
         was pruned for one (trainer/adapter_copies.py)."""
-        return holder_of(self._copies(self.versions()), version)
+        return adapter_copies.holder_of(self._copies(self.versions()), version)
 
     @staticmethod
     def _copies(saved) -> dict[int, int | None]:
