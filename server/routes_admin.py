@@ -25,7 +25,7 @@ from server.fanout import METRICS_PEER_TIMEOUT_S, STATUS_PEER_TIMEOUT_S, merge_m
 from server.parsing import parse_body
 from server.protocol_training import FeedbackRequest, RollbackRequest
 from server.state import ServerState, Training
-from trainer.adapter_store import AdapterLoadError, AdapterMismatchError
+from trainer.adapter_store import AdapterLoadError, AdapterMismatchError, AdapterNotSaved
 from trainer.feedback import FeedbackOutcome, FeedbackResult
 from trainer.ledger import LedgerUnavailable
 
@@ -133,11 +133,11 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
         training = saving_training(state)
         try:
             snapshot = await asyncio.to_thread(training.lifecycle.load_saved, body.version)
-        except AdapterLoadError as exc:
+        except AdapterNotSaved:
             saved = [v.version for v in training.lifecycle.saved_versions()]
-            if body.version not in saved:
-                raise APIError(404, f"adapter version {body.version} is not saved; saved versions: {saved}",
-                               "version", "version_not_found") from None
+            raise APIError(404, f"adapter version {body.version} is not saved; saved versions: {saved}",
+                           "version", "version_not_found") from None
+        except AdapterLoadError as exc:  # (saved, itself or a copy of its weights, and unreadable)
             raise APIError(409, f"saved adapter version {body.version} cannot be loaded: {exc}", "version",
                            "version_unreadable") from None
         try:

@@ -15,6 +15,7 @@ import pytest
 
 from tests.servers import tiny_app
 from tests.test_training import label, make_trainer, serve
+from trainer import adapter_copies
 from trainer.adapter_store import AdapterCheckpointer, AdapterDirectoryInUse, AdapterStore
 from trainer.config import AdapterConfig, TrainConfig
 
@@ -114,6 +115,13 @@ def test_the_newest_version_holds_its_weights_for_every_copy_of_them(tmp_path):
     assert [saved.version for saved in store.versions()] == [0, 10, 15, 20, 21]
     assert [store.holder_of(v) for v in (5, 10, 21, 3)] == [21, 10, 21, 3]  # (3: none, read as not saved)
 
+
+
+def test_a_pruned_copy_is_read_from_what_it_copied_as_the_ledger_remembers_it():
+    copied = {0: None, 1: None, 6: 1}  # on disk: 6 holds 1's weights
+    ledger = {3: 0, 4: 3, 5: 2, 6: 1, 8: 9, 9: 8}  # 3 copied 0, 4 copied 3; 5 copied 2, gone too; a cycle
+    assert [adapter_copies.holder_of(copied, v, ledger) for v in (3, 4, 5, 1, 2, 8, 7)] == [0, 0, 5, 1, 2, 8, 7]
+    assert adapter_copies.holder_of(copied, 3) == 3  # (no ledger: read as not saved)
 
 
 def test_states_that_name_each_other_as_copies_do_not_hang_the_pruning(tmp_path):

@@ -137,6 +137,32 @@ def test_a_rollback_retried_after_its_version_was_pruned_for_the_copy_restores_t
         assert client.post("/v1/adapters/rollback", json={"version": 0}).status_code == 404  # pruned, no copy
 
 
+def test_a_pruned_copy_is_still_a_version_to_roll_back_to_and_to_serve_and_an_unreadable_holder_is_409(tmp_path):
+    """A copy gives way to the version it copied (kept while on disk): a rollback to the
+    copy's own number got 404, and so did `--adapter-version` (noticed and left last time);
+    a version whose weights' holder cannot be read got 404 too, where 409 says so."""
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=4)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        at_v0 = complete(client)
+        serve_and_train(client, ["first prompt about dogs", "second prompt about birds"])
+        assert client.post("/v1/adapters/rollback", json={"version": 0}).json()["version"] == 3  # a copy of 0
+        serve_and_train(client, ["third prompt about fish"])
+        wait_for(lambda: [v["version"] for v in client.get("/v1/adapters").json()["saved"]] == [0, 1, 2, 4])
+        r = client.post("/v1/adapters/rollback", json={"version": 3})
+        assert r.status_code == 200, r.text
+        assert r.json()["version"] == 5 and r.json()["restored_from"] == 0
+        assert complete(client) == at_v0
+        with TestClient(tiny_app(adapter=AdapterConfig(dir=str(tmp_path), version=3))) as frozen:  # read only
+            assert complete(frozen) == at_v0 and frozen.get("/v1/adapters").json()["version"] == 5
+        assert client.post("/v1/adapters/rollback", json={"version": 99}).status_code == 404
+        (tmp_path / "v00000005" / "adapter_model.safetensors").write_bytes(b"not safetensors")  # 0's weights: in 5
+        for asked in (0, 3, 5):
+            r = client.post("/v1/adapters/rollback", json={"version": asked})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "version_unreadable", r.text
+        with pytest.raises(ValueError, match="cannot be served"):
+            tiny_app(adapter=AdapterConfig(dir=str(tmp_path), version=3))
+
+
 def test_a_rollback_to_a_version_whose_save_is_in_flight_waits_for_it(tmp_path, monkeypatch):
     """Saves run in the background: a rollback asked for right after a version trained found
     it "not saved" while its save was still on its way to disk (a 404 in one CI run)."""

@@ -3,8 +3,8 @@
 A rollback's or the eval gate's copy of a saved version names the version it copies
 (`weights_of` in its state). `prunable` says which versions give way when more than `keep`
 are saved: copies first, so that retried rollbacks and repeated rejections do not push out
-the distinct versions to roll back to. `holder_of` says where a version pruned for a copy
-of it is to be read from.
+the distinct versions to roll back to. `holder_of` says where a version pruned is to be read
+from when a copy of its weights, or what it copied, is saved.
 """
 
 from __future__ import annotations
@@ -45,10 +45,17 @@ def prunable(copied: dict[int, int | None], keep: int) -> list[int]:
     return (duplicates + [number for number in older if number not in duplicates])[:excess]
 
 
-def holder_of(copied: dict[int, int | None], version: int) -> int:
+def holder_of(copied: dict[int, int | None], version: int, copied_before: dict[int, int] | None = None) -> int:
     """The saved version (of `copied`'s keys) that holds `version`'s weights: itself, or,
-    where it was pruned for a copy of it (a retried rollback to it), the newest such copy;
-    `version` itself when none does (reading it fails then as a version not saved)."""
-    if version in copied:
-        return version
-    return max((number for number, original in originals(copied).items() if original == version), default=version)
+    where it was pruned for a copy of it (a retried rollback to it), the newest such copy,
+    or, where `version` was itself a copy that was pruned (`copied_before`: what the feedback
+    ledger says each copy copied, kept after its directory is gone), the holder of what it
+    copied; `version` itself when none does (reading it fails then as a version not saved)."""
+    asked, seen = version, set()
+    while version not in copied and version not in seen:
+        copies = [number for number, original in originals(copied).items() if original == version]
+        if copies:
+            return max(copies)
+        seen.add(version)
+        version = (copied_before or {}).get(version, version)
+    return version if version in copied else asked

@@ -39,7 +39,8 @@ from typing import IO, Protocol
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainer import adapter_copies
+from trainer import adapter_copies, ledger_lineage
+from trainer.ledger_db import LEDGER_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,10 @@ LOCK_FILE = ".lock"
 
 class AdapterLoadError(Exception):
     """A saved version is missing, incomplete or unreadable."""
+
+
+class AdapterNotSaved(AdapterLoadError):
+    """No saved version has that number (missing, or incomplete: no version)."""
 
 
 class AdapterDirectoryInUse(ValueError):
@@ -159,6 +164,8 @@ class AdapterStore:
         from peft import LoraConfig
 
         path = self.path_of(version)
+        if not _complete(path):
+            raise AdapterNotSaved(f"{path}: no saved version")
         try:
             state = json.loads((path / STATE_FILE).read_text())
             if state.get("version") != version:
@@ -200,9 +207,11 @@ class AdapterStore:
             self._delete(saved[number].path)
 
     def holder_of(self, version: int) -> int:
-        """The saved version holding `version`'s weights: itself, or a copy of it where it
-        was pruned for one (trainer/adapter_copies.py)."""
-        return adapter_copies.holder_of(self._copies(self.versions()), version)
+        """The saved version holding `version`'s weights: itself, a copy of it where it was
+        pruned for one, or what it copied where it was a copy pruned (trainer/adapter_copies.py;
+        the ledger in the directory remembers what pruned copies copied)."""
+        copied_before = ledger_lineage.copied_versions(self.root / LEDGER_FILE)
+        return adapter_copies.holder_of(self._copies(self.versions()), version, copied_before)
 
     @staticmethod
     def _copies(saved) -> dict[int, int | None]:

@@ -58,7 +58,7 @@ def merge_frozen_adapter(model, config: AdapterConfig):
         raise ValueError(f"--adapter-dir {config.dir}: no such directory")
     store = AdapterStore(config.dir, read_only=True)  # another process may be saving there
     try:
-        snapshot = store.load(config.version) if config.version >= 0 else store.latest()
+        snapshot = store.load(store.holder_of(config.version)) if config.version >= 0 else store.latest()
     except AdapterLoadError as exc:
         raise ValueError(f"adapter version {config.version} in {config.dir} cannot be served: {exc}") from exc
     if snapshot is None:
@@ -69,7 +69,9 @@ def merge_frozen_adapter(model, config: AdapterConfig):
     if missing or result.unexpected_keys:
         raise ValueError(f"adapter version {snapshot.version} in {config.dir} does not fit this model "
                          f"(missing {missing[:3]}, unexpected {list(result.unexpected_keys)[:3]})")
-    logger.info("serving adapter version %d from %s frozen (merged into the weights)", snapshot.version, config.dir)
+    logger.info("serving adapter version %d from %s frozen (merged into the weights)%s", snapshot.version, config.dir,
+                f"; it holds version {config.version}'s weights, which gave way to it"
+                if 0 <= config.version != snapshot.version else "")
     return _untied_where_adapted(peft_model).merge_and_unload(), ServedAdapter(str(store.path_of(snapshot.version)),
                                                                              snapshot.version)
 

@@ -118,6 +118,19 @@ def highest_version(path: str | Path) -> int:
         conn.close()
 
 
+def copied_versions(path: str | Path) -> dict[int, int]:
+    """Each version that began as a copy of another's weights (a rollback, the gate's return,
+    a restart's resume) → the version it copied; kept after the copy's directory is pruned.
+    Read only, beside the writer; {} where there is no ledger."""
+    if not Path(path).is_file():
+        return {}
+    conn = open_database(Path(path), read_only=True)
+    try:
+        return dict(conn.execute("SELECT version, parent FROM versions").fetchall())
+    finally:
+        conn.close()
+
+
 def resumed_as(conn: sqlite3.Connection, saved: int, version: int) -> None:
     """A restart resumed saved version `saved`'s weights as `version`, a number above every
     one the ledger knew (versions after `saved` died unsaved: their numbers are not given
