@@ -141,6 +141,8 @@ def public_socket(host: str, port: int) -> socket.socket:
     """The public port, shared: each replica binds it with SO_REUSEPORT."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    if family == socket.AF_INET6:  # IPv6 alone, as one server binds it (asyncio) and `ensure_port_free` probes it
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))

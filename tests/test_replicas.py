@@ -545,6 +545,24 @@ def test_a_port_another_group_shares_is_refused_before_the_replicas_start(tmp_pa
     ensure_port_free("127.0.0.1", port)  # free again
 
 
+def test_the_replicas_bind_an_ipv6_host_as_one_server_does_and_as_the_probe_asks():
+    """`--host ::` bound IPv4 and IPv6 under replicas (one server binds IPv6 alone, as
+    asyncio does) while the port probe asked IPv6 alone: an IPv4 listener passed it."""
+    import socket
+
+    from server.replicas import ensure_port_free, public_socket
+
+    port = free_port()
+    with socket.socket(socket.AF_INET) as ipv4_server:
+        ipv4_server.bind(("0.0.0.0", port))
+        ipv4_server.listen()
+        ensure_port_free("::", port)
+        with public_socket("::", port) as public:
+            assert public.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY) == 1
+            with pytest.raises(OSError, match="is in use"):
+                ensure_port_free("::", port)
+
+
 def test_a_single_server_refuses_a_port_in_use_before_it_loads_anything(tmp_path):
     """An outside pass: one server learned its port was taken only once uvicorn bound it,
     after the model, the trainer and a fresh adapter directory (version 0, the ledger) were
