@@ -158,6 +158,9 @@ class LLMEngine:
                                                    params.include_stop_str_in_output, params.skip_special_tokens),
                 awaits_admission=request.train and index == 0,  # choice 0's prefill may be recorded
                 client_prompt=request.client_prompt if request.train and index == 0 else None,
+                # (a choice that does not fork choice 0 may start before choice 0's admission)
+                track_logprob=request.train and self.hooks.recorder is not None
+                and self.hooks.recorder.wants_served_logprobs,
             )
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
@@ -189,8 +192,9 @@ class LLMEngine:
         if recorder is None:
             return None
         spec = recorder.admit(seq.request_id, seq.prompt_token_ids, seq.params.n, seq.client_prompt)
-        for member in (seq, *seq.fork_children):
-            member.track_logprob = spec is not None or recorder.wants_served_logprobs
+        for member in self.outputs.requests.get(seq.request_id, [seq]):  # forked or not (scheduler.fork_choices)
+            if member is seq or not member.output_token_ids:  # (one that started before tracks as it started)
+                member.track_logprob = spec is not None or recorder.wants_served_logprobs
         return spec
 
     def _confirm_recording(self, seq: Sequence) -> RecordSpec | None:

@@ -72,13 +72,14 @@ class OutputProcessor:
         params = seq.params
         num_out = len(seq.output_token_ids)
         if num_out >= params.min_tokens:
-            if not params.ignore_eos and token_id in self.eos_token_ids:
-                self.scheduler.finish(seq, "stop")
+            eos = not params.ignore_eos and token_id in self.eos_token_ids
+            if eos or token_id in params.stop_token_ids:
+                if params.include_stop_str_in_output:  # the stop token's text too, as vLLM's
+                    seq.detokenizer.append(token_id, check_stop=False)
+                self.scheduler.finish(seq, "stop", None if eos else token_id)
                 return
-            if token_id in params.stop_token_ids:
-                self.scheduler.finish(seq, "stop", token_id)
-                return
-        stop = seq.detokenizer.append(token_id, check_stop=num_out >= params.min_tokens)
+        # stop strings count from the token after the first `min_tokens`, as vLLM's
+        stop = seq.detokenizer.append(token_id, check_stop=num_out > params.min_tokens)
         if stop is not None:
             self.scheduler.finish(seq, "stop", stop)
         elif num_out >= seq.max_tokens:

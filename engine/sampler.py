@@ -118,12 +118,13 @@ def _processed(logits: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.T
 
 def truncated(logits: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Top-k, top-p and min-p on temperature-scaled rows (N, V); removed tokens get −inf.
-    Disabled per row by top_k = V, top_p = 1, min_p = 0."""
+    Top-p reads what top-k left, renormalised, as vLLM and transformers do. Disabled per
+    row by top_k = V, top_p = 1, min_p = 0."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(-1)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
     top_p = inputs["top_p"].unsqueeze(1)
     remove = ranks >= inputs["top_k"].unsqueeze(1)
+    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(-1)
     remove |= ((probs.cumsum(-1) - probs) >= top_p) & (top_p < 1.0)  # keep tokens until top_p is reached
     remove |= probs < inputs["min_p"].unsqueeze(1) * probs[:, :1]
     remove[:, 0] = False

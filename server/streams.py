@@ -224,8 +224,12 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
             content = None if parsers[i] is not None and parsers[i].forced else ""
             yield event([{"index": i, "delta": {"role": "assistant", "content": content}, "logprobs": None,
                           "finish_reason": None}])
+        closed = [False] * n  # a finished choice rides along in its request's later outputs: closed once
         async for output in stream:
             for c in output.outputs:
+                if closed[c.index]:
+                    continue
+                closed[c.index] = c.finish_reason is not None
                 counts.completion_tokens += len(c.token_ids)
                 delta, called_tools = _chat_delta(parsers[c.index], c.text, c.finish_reason is not None)
                 reason = _streamed_finish_reason(c.finish_reason, called_tools)
@@ -260,12 +264,16 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
 
     offsets = [TextOffsets() for _ in range(len(prompts) * n)]
     echoed = [False] * (len(prompts) * n)
+    closed = [False] * (len(prompts) * n)  # (as in `chat_events`)
     cut = False
     try:
         async for prompt_index, output in merge(streams):
             prompt_ids, prompt_text = prompts[prompt_index]
             for c in output.outputs:
                 k = prompt_index * n + c.index
+                if closed[k]:
+                    continue
+                closed[k] = c.finish_reason is not None
                 counts.completion_tokens += len(c.token_ids)
                 text, ids, values = c.text, list(c.token_ids), list(c.logprobs or [])
                 if echo and not echoed[k] and (output.prompt_logprobs is not None or logprobs is None):

@@ -67,11 +67,12 @@ _ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def make_training(config, family: str = "llama", offload: OffloadConfig | None = None,
-                  dtype: torch.dtype = torch.float32, num_layers: int = 2, **training_options):
+                  dtype: torch.dtype = torch.float32, num_layers: int = 2, fork_choices: bool = True,
+                  **training_options):
     """A tiny engine with online training (`build_training_engine`); the training's
     engine is remembered for `engine_of`."""
     engine, training = build_training_engine(tiny_model(family, dtype=dtype, num_layers=num_layers), tiny_tokenizer(),
-                                             make_config(offload=offload),
+                                             make_config(offload=offload, fork_choices=fork_choices),
                                              config, offload=offload, **training_options)
     _ENGINES[training] = engine
     return training

@@ -26,10 +26,10 @@ from engine.model_runner import run_to_end
 GROUP = 4
 
 
-def make_trainer(family="llama", mode="grpo", offload=None, **train_kwargs):
+def make_trainer(family="llama", mode="grpo", offload=None, fork_choices=True, **train_kwargs):
     torch.manual_seed(0)
     return make_training(TrainConfig(mode=mode, lora_rank=4, **train_kwargs), family, offload,
-                         init_lora_weights=False)
+                         fork_choices=fork_choices, init_lora_weights=False)
 
 
 def serve_group(trainer, request_id="g", n=GROUP, max_tokens=8, prompt=PROMPT, seed=1) -> list[list[int]]:
@@ -47,6 +47,17 @@ def serve_group(trainer, request_id="g", n=GROUP, max_tokens=8, prompt=PROMPT, s
 
 def reward(trainer, request_id="g", rewards=(1.0, 0.0, 0.5, 0.0)):
     return trainer.feedback.submit(FeedbackLabel(request_id, rewards=list(rewards)))
+
+
+@pytest.mark.parametrize("fork_choices", [True, False])
+def test_every_choice_keeps_its_served_log_probs_forked_or_not(fork_choices):
+    """An outside review: with `scheduler.fork_choices = false` only choice 0 tracked them,
+    so the others' ratio to the old policy read 1 and clipping did nothing."""
+    trainer = make_trainer(fork_choices=fork_choices)
+    served = serve_group(trainer, max_tokens=6)
+    entry = trainer.cache.get("g")
+    assert sorted(entry.served_token_logps) == list(range(GROUP))
+    assert all(len(entry.served_token_logps[i]) == len(served[i]) == 6 for i in range(GROUP))
 
 
 # -- the loss ------------------------------------------------------------------------------

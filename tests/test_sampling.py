@@ -110,13 +110,34 @@ def test_a_stop_string_before_min_tokens_stays_in_the_text_and_the_first_one_aft
     prefix_lengths = [len(tok.decode(greedy_ids[:n])) for n in range(1, 31)]
     stop = next(greedy_text[end - 1:end] for end in prefix_lengths[:5] if greedy_text[end - 1:end].strip()
                 and greedy_text.count(greedy_text[end - 1:end]) >= 2)
-    first_after = greedy_text.index(stop, prefix_lengths[8])  # from the 10th token's text on
+    first_after = greedy_text.index(stop, prefix_lengths[9])  # from the 11th token's text on (vLLM's: past min_tokens)
     outputs = run(make_engine(), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=10,
                                                 stop=[stop]))
     text, ids, _, reason, stop_reason = collect(outputs)
     assert text == greedy_text[:first_after] and reason == "stop" and stop_reason == stop
-    assert ids == greedy_ids[:len(ids)] and len(ids) >= 10
+    assert ids == greedy_ids[:len(ids)] and len(ids) > 10
     assert "".join(c.text for o in outputs for c in o.outputs) == text  # streamed: the same text
+
+
+def test_a_stop_token_is_in_the_text_when_stop_strings_are_and_stop_strings_count_past_min_tokens():
+    """An outside review against vLLM: `include_stop_str_in_output` kept a stop string but
+    not a stop token's text; and a stop string the min_tokens-th token completed ended the
+    request, leaving fewer than min_tokens tokens of text (vLLM looks from the next one)."""
+    greedy_text, greedy_ids, _, _, _ = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=12,
+                                                                                ignore_eos=True)))
+    tok = tiny_tokenizer()
+    target = greedy_ids[3]
+    first = greedy_ids.index(target)
+    for include in (False, True):
+        text, ids, _, _, stop_reason = collect(run(make_engine(), SamplingParams(
+            temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[target], include_stop_str_in_output=include)))
+        assert ids == greedy_ids[:first + 1] and stop_reason == target
+        assert text == tok.decode(greedy_ids[:first + 1 if include else first])
+    pieces = [tok.decode(greedy_ids[:n + 1])[len(tok.decode(greedy_ids[:n])):] for n in range(12)]
+    stop = pieces[1]  # completed by token 2
+    text, ids, _, _, _ = collect(run(make_engine(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                                                                   min_tokens=2, stop=[stop])))
+    assert len(ids) > 2 and text.startswith("".join(pieces[:2]))
 
 
 def test_n_choices_are_returned_and_differ():
@@ -228,3 +249,27 @@ def test_a_seeded_server_samples_the_same_tokens_for_unseeded_requests_on_every_
     first = sampled(5)
     assert sampled(5) == first and len(set(first)) > 1
     assert sampled(6) != first
+
+
+def test_top_p_reads_what_top_k_left_as_transformers_and_vllm_do():
+    """An outside review: top-p summed the whole distribution, so with [.30, .25, .20, .15,
+    .10], top_k = 2 and top_p = 0.5 both tokens stayed, where transformers' and vLLM's
+    top-k-then-top-p keep the first alone."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from engine.sampler import truncated
+
+    logits = torch.tensor([[.30, .25, .20, .15, .10]]).log()
+    inputs = {"top_k": torch.tensor([2]), "top_p": torch.tensor([0.5]), "min_p": torch.tensor([0.0])}
+    assert truncated(logits, inputs).isfinite().tolist() == [[True, False, False, False, False]]
+    generator = torch.Generator().manual_seed(0)
+    for top_k, top_p, min_p in ((5, 0.9, 0.0), (20, 0.6, 0.0), (40, 0.95, 0.05), (64, 1.0, 0.1), (3, 0.3, 0.0)):
+        logits = torch.randn(16, 64, generator=generator) * 2
+        inputs = {"top_k": torch.full((16,), top_k), "top_p": torch.full((16,), top_p),
+                  "min_p": torch.full((16,), min_p)}
+        expected = TopKLogitsWarper(top_k)(None, logits)
+        if top_p < 1.0:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        if min_p > 0.0:
+            expected = MinPLogitsWarper(min_p)(None, expected)
+        assert torch.equal(truncated(logits, inputs).isfinite(), expected.isfinite()), (top_k, top_p, min_p)

@@ -55,6 +55,19 @@ def test_streaming_chat_with_usage_matches_non_streaming(client):
     assert [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_each_streamed_choice_of_n_ends_once(client):
+    """An outside review: a choice that finished before its siblings rides along in the
+    request's later outputs, and its finish_reason was sent again in every later chunk
+    (streamed tool calls were counted again each time too)."""
+    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}]}),
+                        ("/v1/completions", {"prompt": ["Hello, how are you", "Good day"]})):
+        with client.stream("POST", route, json={**body, "model": TINY_NAME, "n": 4, "temperature": 1.5, "seed": 1,
+                                                  "max_tokens": 30, "stop": ["e", "a", "o"], "stream": True}) as r:
+            chunks = sse_events(r)[:-1]
+        ends = [c["index"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+        assert sorted(ends) == list(range(4 if "messages" in body else 8)), ends
+
+
 def test_stream_events_end_as_openais_do(client):
     """An outside pass: events ended in CRLF pairs, which SSE allows, but a client that
     splits OpenAI's streams on "\\n\\n" found no event in them."""
