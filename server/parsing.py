@@ -117,7 +117,8 @@ def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
                                              continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the user's to fix
         raise APIError(400, f"The chat template rejected the messages: {exc}", "messages") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    # (vLLM's /tokenize may add the tokenizer's special tokens on top of the template's)
+    return tokenizer(text, add_special_tokens=getattr(body, "add_special_tokens", False))["input_ids"]
 
 
 def opens_a_turn(body) -> bool:

@@ -31,7 +31,7 @@ from engine.structured import Grammar
 from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, TOOLS_NEEDED_SCHEMA, ChatMessage, Int,
                                     LimitFrom0, LimitFrom1, StreamOptions, Strict, TokenId, non_empty_alternatives)
 from server.protocol_formats import (NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, build_grammar,
-                                     functions)
+                                     check_parameters, functions)
 from server.tool_calls import ToolUse
 
 
@@ -218,6 +218,7 @@ class ChatCompletionRequest(_SamplingFields):
         names = [tool.function.name for tool in self.tools]
         if len(set(names)) != len(names):
             raise InvalidParameter("tools", "tools must have distinct function names")
+        check_parameters(self.tools)  # whatever tool_choice is, as OpenAI does
         choice = self.tool_choice or "auto"
         if choice == "none":
             return None
@@ -257,6 +258,7 @@ class ChatCompletionRequest(_SamplingFields):
                 raise InvalidParameter(params.grammar.param, f"{params.grammar.param} cannot be combined with a "
                                        "tool_choice that forces a tool call")
             params.grammar = tools.grammar(tool_call_token)
+            params.stop = []  # the grammar ends a forced call: a stop string ("\n") would cut its layout
         if tools is not None and tool_call_token is not None:
             params.skip_special_tokens = False  # the parser reads the <tool_call> tags
         return params
@@ -309,6 +311,8 @@ class TokenizeChatRequest(_TokenizeFields):
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: list[Tool] | None = None
+    # vLLM's: the tokenizer's special tokens (BOS) on top of what the chat template writes
+    add_special_tokens: bool = False
     # as in /v1/chat/completions (vLLM's chat template controls)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -316,6 +320,7 @@ class TokenizeChatRequest(_TokenizeFields):
 
     def tool_use(self) -> ToolUse | None:
         check_messages(self.messages)
+        check_parameters(self.tools or [])
         return ToolUse(functions(self.tools)) if self.tools else None
 
 
@@ -323,7 +328,8 @@ def check_messages(messages: list[ChatMessage]) -> None:
     """What the schema says across a message's fields (its `allOf`), which pydantic does not check."""
     for i, message in enumerate(messages):
         if message.role == "tool" and message.tool_call_id is None:
-            raise InvalidParameter("messages", "a message with role 'tool' needs 'tool_call_id'")
+            raise InvalidParameter(f"messages[{i}].tool_call_id", f"Missing required parameter: 'messages[{i}]"
+                                   ".tool_call_id' (a message with role 'tool' needs it).", "missing_required_parameter")
         if message.content is None and message.role != "assistant":  # (an assistant's may be its tool calls)
             raise InvalidParameter(f"messages[{i}].content", f"Missing required parameter: 'messages[{i}]"
                                    f".content' (a message with role '{message.role}' needs content).",

@@ -41,8 +41,26 @@ def functions(tools: list[Tool]) -> list[dict]:
     return [tool.function.model_dump(exclude_none=True) for tool in tools]
 
 
+def check_parameters(tools: list[Tool]) -> None:
+    """Each function's `parameters` is a JSON schema of an object (OpenAI's rule: arguments
+    are a JSON object) that can be enforced: a forced call is decoded under it."""
+    import llguidance
+
+    for i, tool in enumerate(tools):
+        parameters, param = tool.function.parameters, f"tools[{i}].function.parameters"
+        if parameters is None:
+            continue
+        kind = parameters.get("type", "object")
+        if kind != "object":
+            raise InvalidParameter(param, f"Invalid schema for function '{tool.function.name}': schema must be a "
+                                   f"JSON Schema of 'type: \"object\"', got 'type: {json.dumps(kind)}'.")
+        error = llguidance.LLMatcher.validate_grammar(json_schema_grammar(parameters, param).text)
+        if error:
+            raise InvalidParameter(param, f"Invalid schema for function '{tool.function.name}': {error}")
+
+
 class JsonSchemaFormat(Strict):
-    name: Annotated[str, Field(min_length=1, max_length=64)]
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]  # OpenAI's rule, as for function names
     description: str | None = None
     # "schema" itself would shadow pydantic's BaseModel.schema
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")

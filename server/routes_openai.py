@@ -87,7 +87,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     parsers = None
     if tools is not None:  # a forced call's layout is the grammar's, so its arguments can stream as decoded
         parsers = [ToolCallParser(tools.forced, state.metrics.count_tool_calls, tools.forced_names,
-                                   named=tools.choice == "named")
+                                   named=tools.choice == "named", parallel=tools.parallel)
                    for _ in range(params.n)]
     if body.stream:
         events = chat_events(request_id, body.model, stream, params.n, len(prompt_ids),

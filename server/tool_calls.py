@@ -211,16 +211,20 @@ class ToolCallParser:
     empty arguments, once its name is certain (always, for a named `tool_choice`).
     `named`: the call is forced by a `tool_choice` that names its function; such an answer
     ends with finish reason "stop", not "tool_calls", as OpenAI's does.
+    `parallel`: False keeps the first call alone (`parallel_tool_calls: false`; a forced
+    call's grammar writes one only), as vLLM does.
     `finish` calls `on_finish` with the parser, e.g. to count its calls. Whitespace is
-    handed out only once text follows it, so the blank lines around calls are not content.
+    handed out only once text follows it, so the blank lines around calls are not content;
+    an answer without calls keeps its text whole.
     Feeding the whole text at once gives what streaming it gives: `calls` and the
     concatenated deltas are the same.
     """
 
     def __init__(self, stream_arguments: bool = False, on_finish: Callable[[ToolCallParser], None] | None = None,
-                 forced_names: tuple[str, ...] = (), named: bool = False):
+                 forced_names: tuple[str, ...] = (), named: bool = False, parallel: bool = True):
         self._forced_names = tuple(forced_names)
         self.named = named
+        self.parallel = parallel
         self._stream_arguments = stream_arguments or bool(self._forced_names)
         self._on_finish = on_finish
         self._pending = ""
@@ -279,6 +283,9 @@ class ToolCallParser:
             self._close("", False, content, deltas)
         else:
             content.append(self._text(self._pending))
+        if not self.calls and not self.forced:  # no calls for the whitespace to surround
+            content.append(self._held_space)
+            self._held_space = ""
         self._pending, self._inside = "", False
         if self._on_finish is not None:
             self._on_finish(self)
@@ -326,8 +333,9 @@ class ToolCallParser:
             self._send(opened, arguments, deltas)
             self.calls.append(ToolCall(opened.name, arguments, opened.id))
         elif (call := _parse_call(body.strip())) is not None:
-            deltas.append(ToolCallDelta(len(self.calls), call.arguments, call.id, call.name))
-            self.calls.append(call)
+            if self.parallel or not self.calls:
+                deltas.append(ToolCallDelta(len(self.calls), call.arguments, call.id, call.name))
+                self.calls.append(call)
         else:
             self.invalid_blocks += 1
             block = TOOL_CALL_OPEN + body + (TOOL_CALL_CLOSE if closed else "")

@@ -54,6 +54,7 @@ def test_json_object_output_is_an_object(client, temperature):
 @pytest.mark.parametrize("response_format", [
     {"type": "json_schema"},
     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+    {"type": "json_schema", "json_schema": {"name": "my schema!", "schema": {}}},  # OpenAI's names: [a-zA-Z0-9_-]
     {"type": "yaml"},
 ])
 def test_unenforceable_formats_are_400_naming_response_format(client, response_format):

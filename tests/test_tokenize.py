@@ -33,6 +33,8 @@ def test_tokenize_messages_as_chat_completions_renders_them(client):
     assert tokens == tokenizer(text, add_special_tokens=False)["input_ids"]
     without = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
     assert without["count"] < len(tokens)
+    special = client.post("/tokenize", json={"messages": messages, "add_special_tokens": True}).json()["tokens"]
+    assert special == tokenizer(text, add_special_tokens=True)["input_ids"]  # vLLM's field (a review: a 400)
     # the count is what a chat completion is charged for its prompt
     r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "messages": messages, "max_tokens": 1})
     assert r.json()["usage"]["prompt_tokens"] == len(tokens)

@@ -305,6 +305,12 @@ def test_langchain_binds_tools_and_structures_outputs():
       "tool_choice": "required"}, "tools"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": QUESTION + [{"role": "tool", "content": "18"}]}, "messages"),
+    # an outside review: a schema was checked only when a call was forced, and none had to be an object's
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "nonsense"}}}}}], "tool_choice": "none"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "boolean"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
     ({"messages": QUESTION + [{"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f"}}]}]},
      "messages"),
 ])
@@ -332,6 +338,8 @@ CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     ("Look: <tool_call>not json</tool_call> done", "Look: <tool_call>not json</tool_call> done", []),
     ("Sure. \n" + CALL + " Done.", "Sure. Done.", ["f"]),
     ("1 < 2 and <b>", "1 < 2 and <b>", []),
+    ("def f():\n    return 1\n\n", "def f():\n    return 1\n\n", []),  # no calls: the text whole (a review)
+    ("Sure.\n" + CALL + "\n\n", "Sure.", ["f"]),
 ])
 def test_the_parser_gives_the_same_split_whatever_the_chunks(text, content, names):
     for size in range(1, len(text) + 1):
@@ -340,6 +348,25 @@ def test_the_parser_gives_the_same_split_whatever_the_chunks(text, content, name
         assert "".join(p[0] for p in pieces) == content, size
         assert [d.name for p in pieces for d in p[1]] == names, size
         assert [c.name for c in parser.calls] == names
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_a_free_answer():
+    """An outside review: under `auto` the flag shaped forced grammars only; vLLM keeps the first call."""
+    text = CALL + "\n" + CALL.replace('"f"', '"g"')
+    for size in (1, 7, len(text)):
+        parser = ToolCallParser(parallel=False)
+        pieces = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
+        assert [d.name for p in pieces for d in p[1]] == ["f"] and "".join(p[0] for p in pieces) == ""
+        assert [c.name for c in parser.calls] == ["f"]
+
+
+def test_a_stop_string_does_not_cut_a_forced_calls_layout(client):
+    """An outside review: `stop: ["\\n"]` ended every forced call inside the markup around
+    it, before its arguments, which came back empty with finish reason "tool_calls"."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = chat(client, tool_choice=choice, stop=["\n", ","], temperature=0.0)
+        call = r.json()["choices"][0]["message"]["tool_calls"][0]
+        assert_valid_call(call)
 
 
 FORCED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}ris", "unit": "celsius"}}\n</tool_call>'
