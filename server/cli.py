@@ -88,7 +88,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=token_count)
     parser.add_argument("--kv-cache-bytes", type=int)
     parser.add_argument("--train-mode", choices=list(TRAIN_MODES), help="online training from served traffic")
-    parser.add_argument("--learning-rate", type=float)
+    parser.add_argument("--learning-rate", type=float,
+                        help="AdamW's rate per entry trained (default 1e-4; a step applies it times its entries)")
     parser.add_argument("--dpo-reference", choices=["base", "served"],
                         help="DPO's reference: the base model (default) or the adapter version that served the prompt")
     parser.add_argument("--reward-function", help="grpo: rewards computed in the server, 'package.module:function' "

@@ -120,6 +120,21 @@ def test_one_side_that_is_the_served_response_is_refused_as_a_pair_of_the_same(d
     assert feedback(dpo_client, id=completion, **{side: served + "!"}).status_code == 200
 
 
+def test_the_text_read_of_an_answer_a_stop_string_ended_is_the_served_response_too(dpo_client):
+    """A review: the served ids hold the stop string's tokens, which the client never read;
+    its own text, sent back as one side, made a pair that taught the end of sequence
+    against the stop string."""
+    body = {"model": TINY_NAME, "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "Go."}]}
+    whole = dpo_client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    stop = whole[len(whole) // 2:][:2]
+    r = dpo_client.post("/v1/chat/completions", json={**body, "stop": [stop]})
+    completion, read = r.json()["id"], r.json()["choices"][0]["message"]["content"]
+    assert r.json()["choices"][0]["stop_reason"] == stop and stop not in read
+    r = feedback(dpo_client, id=completion, chosen=read)
+    assert r.status_code == 400 and "served response" in r.json()["error"]["message"], r.text
+    assert feedback(dpo_client, id=completion, chosen=read + " Better.").status_code == 200
+
+
 def test_a_completion_of_several_prompts_takes_a_label_per_choice_as_its_response_numbers_them(dpo_client):
     """`/v1/completions` with a list of prompts answers with one id; choice i·n + j is
     prompt i's j-th: a label names it by `choice_index` (or a pair by their indices)."""

@@ -362,7 +362,7 @@ def _attach(to: _Labels, request: FeedbackLabel, responses: ResponseText, max_mo
             raise refuse(FeedbackOutcome.INVALID, "the served response is empty; give both 'chosen' and "
                           "'rejected'", "id", "invalid_value")
     given, text = ("chosen", chosen) if rejected is None else ("rejected", rejected)
-    if served is not None and text == responses.text(served):
+    if served is not None and text in (responses.text(served), entry.texts_read.get(choice_index)):
         raise refuse(FeedbackOutcome.INVALID, f"'{given}' is the served response, which is the other side when "
                       "only one is given: a pair of the same response teaches nothing; give both 'chosen' and "
                       "'rejected'", given, "invalid_value")

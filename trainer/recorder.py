@@ -199,8 +199,7 @@ class Recorder:
             responses.setdefault(completion.index, []).extend(completion.token_ids)
             if completion.finish_reason is not None:
                 reasons[completion.index] = (completion.finish_reason, completion.stop_reason)
-            if self.keeps_client_prompt:
-                texts[completion.index] = texts.get(completion.index, "") + completion.text
+            texts[completion.index] = texts.get(completion.index, "") + completion.text
             if completion.token_logprob_values is not None:
                 token_logps.setdefault(completion.index, []).extend(completion.token_logprob_values)
         if output.finished:
@@ -217,6 +216,10 @@ class Recorder:
                 self._keep_answer(request_id, self.ledger.record_finished(request_id, [
                     ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i), *reasons.get(i, (None, None)))
                     for i in sorted(responses)], aborted))
+            entry = self.cache.get(request_id)
+            if entry is not None:  # (before a label can come)
+                entry.texts_read = {i: texts.get(i, "") for i, (reason, stop) in reasons.items()
+                                    if reason == "stop" and isinstance(stop, str)}
             waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps)
             client = self._client_prompts.pop(request_id, None)
             if self.rewards is not None and isinstance(waiting, GroupEntry):

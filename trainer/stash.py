@@ -15,9 +15,10 @@ runs against them:
     θ_now: a delayed gradient, as in asynchronous SGD and PipeDream's weight stashing.
 With `train.stale_weights = "live"` the copies are given the live values before such a
 job (`aim_at_live`), which then runs with the live weights (nothing swapped): the
-recording's activations are v's, its LoRA products today's — the gradient a fresh pass
-would have to first order in the weights' change, and, from a fresh adapter whose B is
-zero at v, a gradient for A, which ∇L(θ_v) does not have.
+recording's activations are v's, its LoRA products today's — closer to a fresh pass's
+gradient than ∇L(θ_v) where the job runs forwards of its own (DPO's responses), though
+not exact to first order (each layer's input is still what v's lower layers made), and,
+from a fresh adapter whose B is zero at v, a gradient for A, which ∇L(θ_v) does not have.
 A version's copies are freed with the last recording that needs them.
 """
 
