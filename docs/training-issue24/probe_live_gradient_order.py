@@ -15,10 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.model_runner import run_to_end  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from tests.conftest import encode, engine_of, make_training  # noqa: E402
-from trainer.adapter import lora_gradients  # noqa: E402
+from tests.test_training import gradients_of as gradients  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from trainer.feedback import FeedbackLabel  # noqa: E402
 from trainer.optimizer import AdapterOptimizer  # noqa: E402
@@ -26,14 +25,6 @@ from trainer.optimizer import AdapterOptimizer  # noqa: E402
 PROMPTS = {"a": "Hello, how are you today? I am fine, thank you.",
            "b": "The quick brown fox jumps over the lazy dog. What is the capital of France?"}
 CHOSEN = {"a": "I am fine.", "b": "Paris is the capital of France."}
-
-
-def gradients(trainer, job) -> dict:
-    trainer.optimizer.zero_grad()
-    run_to_end(job)
-    grads = lora_gradients(trainer.peft_model)
-    trainer.optimizer.zero_grad()
-    return grads
 
 
 def distance(a: dict, b: dict) -> float:
