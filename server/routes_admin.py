@@ -143,7 +143,7 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
         try:
             version = await state.engine.run_on_device(training.rollback, snapshot)
             if isinstance(version, concurrent.futures.Future):  # every replica rolls back at one round
-                await asyncio.wrap_future(version)
+                version = await asyncio.wrap_future(version)
         except AdapterMismatchError as exc:
             raise APIError(409, str(exc), "version", "version_incompatible") from None
         except EngineDeadError:
@@ -152,9 +152,11 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
             raise APIError(503, f"the rollback did not reach every replica: {exc}", code="replica_unavailable",
                            headers={"Retry-After": "1"}) from None
         try:  # as GET /v1/adapters answers: every replica's
-            return await server_status(request, whole=True)
+            status = await server_status(request, whole=True)
         except APIError:  # a replica did not answer: the rollback is done all the same; this one's
-            return await server_status(request, whole=False)
+            status = await server_status(request, whole=False)
+        # the rollback's own version, though steps may have trained on top of it since (replicas' rounds)
+        return {**status, "version": version, "restored_from": snapshot.version}
 
 
 def owner_elsewhere(state: ServerState, request: Request, completion_id: str) -> int | None:

@@ -87,6 +87,7 @@ async def until_disconnect(request: Request, work) -> object:
     aborts its engine requests) and returns None. A shutdown that would cut it first
     cancels it too, and answers 503 (`server_shutting_down`), as a stream ends: uvicorn
     would else cancel it when its graceful shutdown ran out, and send a plain-text 500."""
+    arrived_in_shutdown = AppStatus.should_exit
     task = asyncio.ensure_future(work)
     disconnect = asyncio.ensure_future(_listen_for_disconnect(request))
     shutdown = asyncio.ensure_future(_shutdown_cut())
@@ -106,8 +107,8 @@ async def until_disconnect(request: Request, work) -> object:
     except asyncio.CancelledError:
         pass
     if shutdown in done:
-        raise APIError(503, "the server is shutting down: this answer was cut short; send the request again",
-                       code="server_shutting_down")
+        why = "the request came after the shutdown began" if arrived_in_shutdown else "this answer was cut short"
+        raise APIError(503, f"the server is shutting down: {why}; send the request again", code="server_shutting_down")
     return None
 
 
@@ -180,7 +181,7 @@ def _cut_short_event() -> bytes:
     """The error event of a stream whose answer a shutdown cut short (an aborted choice:
     only a shutdown's abort leaves a reader), sent before [DONE]; the SDK raises it."""
     return _event(error_body(503, "the server is shutting down: this answer was cut short; send the request again",
-                             None, "server_shutting_down", "server_error"))
+                             None, "server_shutting_down"))
 
 
 def _streamed_finish_reason(reason: str | None, called_tools: bool = False) -> str | None:

@@ -163,6 +163,24 @@ def test_a_pruned_copy_is_still_a_version_to_roll_back_to_and_to_serve_and_an_un
             tiny_app(adapter=AdapterConfig(dir=str(tmp_path), version=3))
 
 
+def test_a_rollbacks_answer_names_its_own_version_though_steps_trained_on_top_of_it(tmp_path, monkeypatch):
+    """An outside chaos pass over `-dp 2`: the answer read the adapter's status after the
+    rollback, when the replicas' rounds had often stepped it on (version 11, "restored_from":
+    5, where the rollback had made version 9). Here the status read after it says so."""
+    import server.routes_admin as routes_admin
+
+    adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
+    with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
+        serve_and_train(client, ["first prompt about dogs", "second prompt about birds"])
+        status = routes_admin.adapter_status
+        monkeypatch.setattr(routes_admin, "adapter_status", lambda state: {**status(state), "version": 7,
+                                                                              "restored_from": None})
+        r = client.post("/v1/adapters/rollback", json={"version": 1})
+        assert r.status_code == 200, r.text
+        assert (r.json()["version"], r.json()["restored_from"]) == (3, 1)
+        assert 3 in [v["version"] for v in r.json()["saved"]]
+
+
 def test_a_rollback_to_a_version_whose_save_is_in_flight_waits_for_it(tmp_path, monkeypatch):
     """Saves run in the background: a rollback asked for right after a version trained found
     it "not saved" while its save was still on its way to disk (a 404 in one CI run)."""

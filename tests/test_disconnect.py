@@ -116,6 +116,7 @@ def test_a_stream_running_into_a_shutdown_ends_as_an_abort_rather_than_cut(monke
                         monkeypatch.setattr(AppStatus, "should_exit", True)  # what uvicorn's SIGTERM sets
         monkeypatch.setattr(AppStatus, "should_exit", False)
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+        assert json.loads(events[-2])["error"]["type"] == "service_unavailable"  # as the whole answer's 503
         reasons = [choice["finish_reason"] for event in events[:-2] for choice in json.loads(event)["choices"]]
         # no finish reason: "stop" (OpenAI has no "abort") passed the cut answer off as complete
         assert set(reasons) == {None} and generated_tokens(server) < 2900
@@ -146,7 +147,14 @@ def test_a_whole_answer_running_into_a_shutdown_gets_a_503_in_openais_format(mon
         wait_for(lambda: engine.engine.num_requests == 0)  # its engine request was aborted
         assert answers[0].status_code == 503, answers[0].text
         assert answers[0].json()["error"]["code"] == "server_shutting_down"
+        assert answers[0].json()["error"]["type"] == "service_unavailable"
+        assert "this answer was cut short" in answers[0].json()["error"]["message"]
         assert generated_tokens(server) < 2900
+        # one that comes after the shutdown began (a kept-alive connection) is told so, not "cut short"
+        monkeypatch.setattr(AppStatus, "should_exit", True)
+        late = httpx.post(server.url + path, json=body, timeout=300)
+        monkeypatch.setattr(AppStatus, "should_exit", False)
+        assert late.status_code == 503 and "came after the shutdown began" in late.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("finish_reason, cut", [("stop", False), ("length", False), ("abort", True)])
