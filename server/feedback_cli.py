@@ -148,13 +148,14 @@ def _left_out(counts) -> str:
     said = f"; {counts.skipped} requests of another style left out" if counts.skipped else ""
     if counts.continuing:
         said += (f"; {counts.continuing} requests left out whose prompt ends with an assistant message (TRL "
-                 "renders it as continued and the completion as a turn of its own: not what was served)")
+                 "renders it as continued and the completion as a turn of its own: not what was served) or a system "
+                 "or developer message (which TRL refuses)")
     if counts.without_generation_prompt:
         said += (f"; {counts.without_generation_prompt} requests left out served with add_generation_prompt: "
                  "false (TRL opens the assistant's turn after such a prompt: not what was served)")
     if counts.without_prompt:
-        said += (f"; {counts.without_prompt} requests left out whose prompt truncate_prompt_tokens cut (the "
-                 "ledger holds no prompt as the client wrote it)")
+        said += (f"; {counts.without_prompt} requests left out whose prompt the ledger does not hold as the client "
+                 "wrote it (sent as token ids, or cut by truncate_prompt_tokens)")
     return said
 
 
@@ -171,7 +172,10 @@ def export_feedback(args: argparse.Namespace) -> int:
         print(f"alchemist: {exc}", file=sys.stderr)
         return 2
     if not counts.rows:  # an empty JSONL file is not a dataset `datasets` loads: nothing is written
-        if counts.selected:
+        if counts.truncated and args.drop_truncated:
+            print(f"alchemist: {counts.truncated} rows hold a served answer cut short (by max_tokens, a stop the "
+                  f"client gave, or a disconnect): left out (--drop-truncated){_left_out(counts)}", file=sys.stderr)
+        elif counts.selected:
             print(f"alchemist: {counts.selected} requests, none with rows in this format: DPO labels and rewarded "
                   "groups export as preference or unpaired rows, what a CPT server served and rewarded samples as "
                   f"prompt-completion rows, what it trains on as language-modeling rows{_left_out(counts)}",

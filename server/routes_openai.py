@@ -21,6 +21,7 @@ from server.streams import (chat_events, completion_events, engine_stream, event
                             until_disconnect)
 from server.state import ServerState
 from server.tool_calls import ToolCallParser
+from trainer.ledger_db import ClientPrompt
 
 
 def openai_router(state: ServerState) -> APIRouter:
@@ -122,9 +123,12 @@ async def serve_completion(state: ServerState, request: Request):
     request_id = state.completion_id("cmpl")
     # with one prompt, the completion id is the training entry's id (for feedback)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+    # the ledger keeps a prompt as the client wrote it: not one sent as token ids, nor one cut short
+    written = [body.prompt] if isinstance(body.prompt, str) else [p if isinstance(p, str) else None for p in body.prompt]
     engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt",
-                                    text if state.keeps_client_prompt else None)
-                       for rid, (prompt_ids, text) in zip(ids, prompts)]
+                                    ClientPrompt(text, as_written=text == client_text) if state.keeps_client_prompt
+                                    else None)
+                       for rid, (prompt_ids, text), client_text in zip(ids, prompts, written)]
     state.metrics.count_constraints(params.grammar, None)
     streams = [engine_stream(state.engine, r) for r in engine_requests]
     if body.stream:

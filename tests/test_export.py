@@ -283,6 +283,18 @@ def test_answers_cut_by_max_tokens_are_counted_and_left_out_on_request(tmp_path,
         assert len(exported) == rows and exported[-1]["chosen"][0]["content"] == "Yes."
 
 
+
+def test_an_export_whose_rows_drop_truncated_left_out_says_so(tmp_path, capsys):
+    """A review: it said "1 requests, none with rows in this format: DPO labels … export as
+    preference" of a DPO label exported as preference rows."""
+    _ledger(tmp_path, [("cut", "dpo", MESSAGES, [ChoiceRecord(0, [10], "Lyo", None, "length")], LABEL)])
+    out = tmp_path / "none.jsonl"
+    assert main(["feedback", "export", "--adapter-dir", str(tmp_path), "--drop-truncated", "--out", str(out)]) == 1
+    said = capsys.readouterr().err
+    assert "1 rows hold a served answer cut short" in said and "left out (--drop-truncated)" in said
+    assert "none with rows in this format" not in said and not out.exists()
+
+
 def test_an_answer_a_clients_stop_ended_is_counted_as_cut_short(tmp_path, capsys):
     """An answer that a client's `stop` string or `stop_token_ids` ended (an outside pass):
     the model did not end its turn there, and the stop string is not in the text, so TRL's
@@ -376,9 +388,46 @@ def test_a_prompt_ending_with_an_assistant_message_is_left_out_and_counted(tmp_p
     neither what `continue_final_message` served nor what a new turn after it served."""
     served = [ChoiceRecord(0, [10], " chicken cross the road?", None, "stop")]
     partial = [*MESSAGES, {"role": "assistant", "content": "Why did the"}]
-    _ledger(tmp_path, [("cont", "dpo", partial, served, LABEL), ("chat", "dpo", MESSAGES, served, LABEL)])
+    # and one that ends with a system message, which TRL's apply_chat_template refuses (a review)
+    last_system = [*MESSAGES, {"role": "system", "content": "Answer in French."}]
+    _ledger(tmp_path, [("cont", "dpo", partial, served, LABEL), ("chat", "dpo", MESSAGES, served, LABEL),
+                       ("sys", "dpo", last_system, served, LABEL)])
     rows, counts = export_rows(read_ledger(tmp_path / LEDGER_FILE), "preference")
-    assert [row["prompt"] for row in rows] == [MESSAGES] and counts.continuing == 1
+    assert [row["prompt"] for row in rows] == [MESSAGES] and counts.continuing == 2
+
+
+def test_every_row_has_the_tools_column_once_one_has(tmp_path):
+    """`datasets` infers a file's columns from its first 10 MB: a `tools` column that first
+    appeared past it failed to load (a review)."""
+    served = [ChoiceRecord(0, [10], "Lyon.", None, "stop")]
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    for request_id, tools in (("plain", None), ("tools", [WEATHER])):
+        ledger.record_request(RequestRecord(request_id, time.time(), 0, "dpo", [1, 2, 3], MESSAGES, tools))
+        ledger.record_finished(request_id, served, False)
+        ledger.commit_label(request_id, LABEL)
+    ledger.close()
+    rows, _ = export_rows(read_ledger(tmp_path / LEDGER_FILE), "preference")
+    assert [row["tools"] for row in rows] == [None, json.dumps([WEATHER])]
+
+
+def test_a_completions_prompt_sent_as_token_ids_or_cut_is_no_prompt_as_written(tmp_path, capsys):
+    """A review: /v1/completions handed the ledger the text its token ids decode to, and a
+    prompt truncate_prompt_tokens cut as the decoded tail (which may begin inside a
+    character); TRL would train on a re-tokenization of it, not on what was served."""
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4), adapter=AdapterConfig(dir=str(tmp_path)))
+    with TestClient(app) as client:
+        ids = {}
+        for name, body in (("text", {"prompt": "The capital of France is"}),
+                           ("token ids", {"prompt": tiny_tokenizer()("The capital of Italy is")["input_ids"]}),
+                           ("cut", {"prompt": "The capital of Spain is", "truncate_prompt_tokens": 3})):
+            r = client.post("/v1/completions", json={"model": TINY_NAME, "max_tokens": 3, **body})
+            ids[name] = r.json()["id"]
+            assert client.post("/v1/feedback", json={"id": ids[name], "chosen": " Paris."}).status_code == 200
+        client.app.state.alchemist.training.ledger.flush()
+    prompts = {row.request.id: row.request.prompt for row in read_ledger(tmp_path / LEDGER_FILE)}
+    assert [prompts[ids[name]] for name in ("text", "token ids", "cut")] == ["The capital of France is", None, None]
+    rows, counts = export_rows(read_ledger(tmp_path / LEDGER_FILE), "preference")
+    assert [row["prompt"] for row in rows] == ["The capital of France is"] and counts.without_prompt == 2
 
 
 def test_a_chat_served_without_the_assistants_turn_opened_is_left_out_and_said(tmp_path, capsys):

@@ -70,8 +70,9 @@ class ExportCounts:
     skipped: int = 0
     # and without a prompt as the client wrote it (truncate_prompt_tokens cut it)
     without_prompt: int = 0
-    # and chat requests whose prompt ends with an assistant message: TRL renders such a prompt
-    # as continued and the completion as a turn of its own, neither what was served
+    # and chat requests whose prompt ends with an assistant message (TRL renders such a prompt
+    # as continued and the completion as a turn of its own, neither what was served), or with a
+    # system or developer message (TRL refuses it)
     continuing: int = 0
     # and chat requests served without the assistant's turn opened (`add_generation_prompt: false`)
     # after a prompt that does not end with one: TRL opens it, so its prompt is not what was served
@@ -115,11 +116,12 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
     # a language-modeling row is the prompt alone, which TRL renders without the turn opened
     unopened = (lambda row: False) if format == "language-modeling" else _unopened
     kept = [row for row in chosen if _style(row) == wanted and not _continues(row) and not unopened(row)]
-    # TRL hands a row's `chat_template_kwargs` to the template: every row has one if any has
+    # TRL hands a row's `chat_template_kwargs` and `tools` to the template: every row has them if any has
     with_kwargs = any(row.request.chat_template_kwargs for row in kept)
+    with_tools = any(row.request.tools for row in kept)
     out, truncated = [], 0
     for row in kept:
-        extra = {"tools": json.dumps(row.request.tools)} if row.request.tools else {}
+        extra = {"tools": json.dumps(row.request.tools) if row.request.tools else None} if with_tools else {}
         if with_kwargs:
             extra["chat_template_kwargs"] = row.request.chat_template_kwargs or {}
         if include_quarantined:
@@ -150,10 +152,11 @@ def _style(row: LedgerRow) -> str | None:
 
 
 def _continues(row: LedgerRow) -> bool:
-    """A chat prompt ending with an assistant message (continued or not, as the request said)."""
+    """A chat prompt ending with an assistant message (continued or not, as the request said),
+    or with a system or developer message, which TRL's `apply_chat_template` refuses."""
     prompt = row.request.prompt
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[-1], dict) \
-        and prompt[-1].get("role") == "assistant"
+        and prompt[-1].get("role") in ("assistant", "system", "developer")
 
 
 def _unopened(row: LedgerRow) -> bool:

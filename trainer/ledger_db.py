@@ -172,6 +172,9 @@ class ClientPrompt:
     rendered: list[dict] | None = None
     chat_template_kwargs: dict | None = None
     generation_prompt: bool = True
+    # False: a text the server made (token ids decoded, a prompt truncate_prompt_tokens cut), which
+    # a reward function is shown but the ledger does not keep as the client's prompt
+    as_written: bool = True
 
 
 @dataclass(frozen=True)

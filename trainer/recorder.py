@@ -244,6 +244,7 @@ class Recorder:
             client = self._client_prompts.get(request_id) or ClientPrompt(None)
             self.ledger.record_request(RequestRecord(request_id, time.time(), adapter_version, self.method.name,
                                                      list(prompt_token_ids),
+                                                     None if not client.as_written else
                                                      client.prompt if client.rendered is None else client.rendered,
                                                      client.tools, client.chat_template_kwargs,
                                                      client.generation_prompt))
