@@ -33,6 +33,8 @@ from bench.report import (TRAINING_PATHS, percentile, pyplot, read_metric, reuse
 from bench.traces import WORDS, TraceRequest, make_trace
 from engine.scheduler import STEP_KINDS
 from trainer.config import TrainConfig
+from trainer.status import SLICE_BUCKETS
+
 
 async def _one(client: httpx.AsyncClient, model: str, request: TraceRequest, start: float, feedback: bool,
                rng: random.Random) -> dict:
@@ -113,10 +115,8 @@ class TrainingSide:
         return variant, {}
 
 
-def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) -> dict:
-    """Once the trainer has caught up (no entry ready or training), the entries trained
-    during the run by path, the share that trained on the served activations (reuse or
-    stashed reuse), and the staleness distribution (versions between serving and training)."""
+def _caught_up(url: str, timeout_s: float = 120.0) -> str:
+    """The server's metrics once its trainer has caught up (no entry ready or training)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = httpx.get(f"{url}/metrics").text
@@ -124,6 +124,14 @@ def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) 
                for s in ("ready", "training")):
             break
         time.sleep(1.0)
+    return text
+
+
+def _trained_after_catching_up(url: str, before: str) -> dict:
+    """Once the trainer has caught up, the entries trained since `before` by path, the
+    share that trained on the served activations (reuse or stashed reuse), and the
+    staleness distribution (versions between serving and training)."""
+    text = _caught_up(url)
     paths = trained_by_path(text, "dpo", before)
     staleness = {}
     for bound in ("0", "1", "2", "4", "8", "16", "+Inf"):
@@ -139,12 +147,23 @@ def _trained_after_catching_up(url: str, before: str, timeout_s: float = 120.0) 
             "staleness_le": staleness}
 
 
-def _longest_slice_item(text: str) -> str:
-    """What the server's longest training slice ran (its metric's `item` label)."""
+def _longest_slice(before: str, after: str) -> tuple[float, str]:
+    """The longest training slice between two scrapes, and what it ran: the server's longest
+    so far where it grew meanwhile, else the bound of the highest slice bucket that grew
+    (an upper bound; what it ran is not known then: "")."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return next((sample.labels.get("item", "") for family in text_string_to_metric_families(text)
-                 for sample in family.samples if sample.name == "alchemist:train_slice_max_seconds"), "")
+    gauge, histogram = "alchemist:train_slice_max_seconds", "alchemist:train_slice_seconds_bucket"
+    if read_metric(after, gauge) > read_metric(before, gauge):
+        return read_metric(after, gauge), next((sample.labels.get("item", "") for family in
+                                                text_string_to_metric_families(after)
+                                                for sample in family.samples if sample.name == gauge), "")
+    grown = {bound: read_metric(after, f'{histogram}{{le="{bound}"}}') - read_metric(before, f'{histogram}{{le="{bound}"}}')
+             for bound in (*map(str, SLICE_BUCKETS[:-1]), "+Inf")}
+    least = next(bound for bound, count in grown.items() if count >= grown["+Inf"])  # the least bound holding all
+    return (float(least.replace("+Inf", "inf")) if grown["+Inf"] else 0.0), ""
+
+
 
 
 def _mean_delta(before: str, after: str, histogram: str) -> float:
@@ -179,7 +198,8 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
     with running_server(*flags, env=env) as url:
         cold = asyncio.run(run_trace(url, warmup, training and side.feedback, seed + 1, side.feedback_fraction)) \
             if warmup else []
-        before = httpx.get(f"{url}/metrics").text
+        # the warm-up's labelled entries train before the measured trace, not in it
+        before = _caught_up(url) if training and warmup else httpx.get(f"{url}/metrics").text
         started = time.perf_counter()
         results = asyncio.run(run_trace(url, trace, training and side.feedback, seed, side.feedback_fraction))
         elapsed = time.perf_counter() - started
@@ -209,10 +229,10 @@ def run_condition(variant: bool, side: TrainingSide, trace: list[TraceRequest], 
                                ("itl", "inter_token_latency"))},
         # engine steps by kind: a recorded prefill's seconds per token against a plain one's
         "steps": steps_by_kind(before, after),
-        "train_slice_max_s": read_metric(after, "alchemist:train_slice_max_seconds"),
-        "train_slice_max_item": _longest_slice_item(after),
+        **dict(zip(("train_slice_max_s", "train_slice_max_item"), _longest_slice(before, after))),
         "between_step_slices": read_metric(after, 'alchemist:arbiter_slices_total{gap="between_steps",policy="'
-                                           + side.policy + '"}'),
+                                           + side.policy + '"}') - read_metric(before, 'alchemist:arbiter_slices_total'
+                                           '{gap="between_steps",policy="' + side.policy + '"}'),
         **{name: read_metric(after, f"alchemist:{name}_total") - read_metric(before, f"alchemist:{name}_total")
            for name in ("offloaded_layers", "dropped_layers", "reloaded_layers", "recomputed_layers",
                         "unrecorded_prefills", "train_preemptions")},
@@ -284,8 +304,10 @@ def measure_rate(rate: float, seconds: float, side: TrainingSide, rounds: int, s
                   + f"trained {result['train_tokens_per_s']:.1f} tok/s during the trace"
                   + (f" ({result['train_tokens_by_the_end']:.0f} tokens, {result['optimizer_steps_by_the_end']:.0f} "
                      "optimizer steps once caught up)" if result["training"] else "")
-                  + (f", by path {result['trained_by_path']}, longest slice {result['train_slice_max_s'] * 1000:.0f} "
-                     f"ms ({result['train_slice_max_item']})" if result["training"] else ""), flush=True)
+                  + (f", by path {result['trained_by_path']}, longest slice "
+                     + (f"{result['train_slice_max_s'] * 1000:.0f} ms ({result['train_slice_max_item']})"
+                        if result["train_slice_max_item"] else f"<= {result['train_slice_max_s'] * 1000:.0f} ms")
+                     if result["training"] else ""), flush=True)
 
     def median(variant: bool, key: str) -> float:
         return statistics.median(r[key] for r in runs[variant])

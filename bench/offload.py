@@ -51,8 +51,10 @@ class _OffloadBench(Bench):
             self.serve(prompt, True, request_id)
             entries.append(self.trainer.cache.get(request_id))
         cached = offloader.device_bytes
+        started = synchronized_clock()  # freeing runs before a serving step (it copies to the host at freeing time)
         if POLICIES[policy] is not None:
             free(offloader, [e.recording.placement for e in entries], cached)
+        free_seconds = synchronized_clock() - started
         offloader.stats.peak_device_bytes = offloader.device_bytes
         rows = []
         for entry in entries:
@@ -71,6 +73,7 @@ class _OffloadBench(Bench):
                          "recomputed": stats.recomputed_layers - before.recomputed_layers,
                          "reload_wait_s": stats.reload_wait_seconds - before.reload_wait_seconds})
         rows[-1]["peak_device_bytes"] = offloader.stats.peak_device_bytes
+        rows[0]["free_s"] = free_seconds
         offloader.config = self.base_config
         return rows
 
@@ -129,7 +132,10 @@ def _summarize(rounds: dict[str, list[list[dict]]], reference: str = "keep") -> 
                        "recomputed_layers": sum(row["recomputed"] for row in rows) // len(per_round),
                        "reload_wait_fraction": round(sum(row["reload_wait_s"] for row in rows)
                                                      / sum(row["seconds"] for row in rows), 4),
-                       "peak_device_bytes": max(r[-1]["peak_device_bytes"] for r in per_round)}
+                       "peak_device_bytes": max(r[-1]["peak_device_bytes"] for r in per_round),
+                       # freeing's seconds (not in the training time above) over the training's
+                       "freeing_over_training": round(statistics.median(r[0]["free_s"] for r in per_round) / seconds,
+                                                      4)}
     for policy in out:
         out[policy]["relative_to_keep"] = round(out[policy]["tokens_per_s"] / out[reference]["tokens_per_s"], 3)
     return out
@@ -192,7 +198,8 @@ def run_offload_bench(config: AlchemistConfig | None = None, tokens: int = 512, 
     for policy, result in policies.items():
         print(f"  {policy:9s} {result['tokens_per_s']:8.1f} tok/s  x{result['relative_to_keep']:.3f}  "
               f"grad diff {result['max_grad_rel_diff']:.1e}  reloaded {result['reloaded_layers']}  "
-              f"recomputed {result['recomputed_layers']}  wait {result['reload_wait_fraction']:.1%}", flush=True)
+              f"recomputed {result['recomputed_layers']}  wait {result['reload_wait_fraction']:.1%}  "
+              f"freeing {result['freeing_over_training']:.1%} of the training's time", flush=True)
     if sweep or fractions:
         rows = []
         for fraction in fractions or (0.0, 0.25, 0.5, 0.75, 1.0):

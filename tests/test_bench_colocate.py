@@ -1,0 +1,78 @@
+"""`bench colocate`'s window: what it reports of the measured trace is the trace's alone, not
+the warm-up's, on `run_condition` itself with a server that answers as the real one's
+metrics do (the server faked: a real one takes minutes per round)."""
+
+import contextlib
+import types
+
+import bench.colocate as colocate
+from bench.traces import make_trace
+from trainer.status import SLICE_BUCKETS
+
+
+class _FakeServer:
+    """Counters as a training server exports them: the warm-up's labelled entries train, one
+    in a cold 0.30 s slice, a second after the warm-up ends (the second scrape), or during the
+    trace if it starts first; the trace's own entries train during it, in 0.04 s slices."""
+
+    def __init__(self):
+        self.trained = self.ready = self.between = 0
+        self.longest, self.item = 0.0, ""
+        self.slices = {bound: 0 for bound in SLICE_BUCKETS}
+        self.traces = self.scrapes = 0
+
+    def train(self, entries: int, seconds: float, item: str) -> None:
+        self.trained += entries
+        self.slices[next(bound for bound in SLICE_BUCKETS if seconds <= bound)] += entries
+        if seconds > self.longest:
+            self.longest, self.item = seconds, item
+
+    def metrics(self) -> str:
+        self.scrapes += 1
+        if self.traces == 1 and self.scrapes == 2:  # a second after the warm-up: caught up
+            self.train(self.ready, 0.30, "dpo reuse job (cold)")
+            self.ready = 0
+        cumulative, buckets = 0, []
+        for bound, count in self.slices.items():
+            cumulative += count
+            buckets.append(f'alchemist:train_slice_seconds_bucket{{le="{"+Inf" if bound == float("inf") else bound}"}} '
+                           f'{cumulative}')
+        return "\n".join([
+            "# TYPE alchemist:trained_entries counter",
+            f'alchemist:trained_entries_total{{mode="dpo",path="reuse"}} {self.trained}',
+            "# TYPE alchemist:activation_cache_entries gauge",
+            f'alchemist:activation_cache_entries{{state="ready"}} {self.ready}',
+            f'alchemist:activation_cache_entries{{state="training"}} 0',
+            "# TYPE alchemist:train_slice_max_seconds gauge",
+            f'alchemist:train_slice_max_seconds{{item="{self.item}"}} {self.longest}',
+            "# TYPE alchemist:train_slice_seconds histogram", *buckets,
+            "# TYPE alchemist:arbiter_slices counter",
+            f'alchemist:arbiter_slices_total{{gap="between_steps",policy="idle"}} {self.between}', ""])
+
+    async def run_trace(self, url, trace, feedback, seed, feedback_fraction=1.0):
+        self.traces += 1
+        if self.traces == 1:  # the warm-up: labelled, not trained yet when it ends
+            self.ready, self.between = len(trace), self.between + 5
+        else:
+            if self.ready:  # the warm-up's, not waited for
+                self.train(self.ready, 0.30, "dpo reuse job (cold)")
+                self.ready = 0
+            self.train(len(trace), 0.04, "dpo reuse job")
+            self.between += 2
+        return [{"ttft": 0.1, "tpot": 0.05, "tokens": 10} for _ in trace]
+
+
+def test_the_measured_trace_reports_its_own_entries_slices_and_between_step_slices(monkeypatch):
+    """A review: the warm-up's labelled entries trained in the measured window and were
+    counted with it ("35 of 35" from a 29-request trace), its cold first job was the
+    "longest training slice", and between-step slices were the server's lifetime count."""
+    server = _FakeServer()
+    monkeypatch.setattr(colocate, "running_server", contextlib.contextmanager(lambda *flags, env=None: iter(["x"])))
+    monkeypatch.setattr(colocate, "run_trace", server.run_trace)
+    monkeypatch.setattr(colocate.httpx, "get", lambda url, **kwargs: types.SimpleNamespace(text=server.metrics()))
+    monkeypatch.setattr(colocate, "steps_by_kind", lambda before, after: {})
+    trace, warmup = make_trace(0.25, 60, 0), make_trace(0.25, 15, 1000, at_least_one=True)
+    result = colocate.run_condition(True, colocate.TrainingSide(), trace, 0, 60, warmup)
+    assert sum(result["trained_by_path"].values()) == len(trace)
+    assert result["between_step_slices"] == 2
+    assert (result["train_slice_max_s"], result["train_slice_max_item"]) == (0.05, "")  # the bound holding 0.04 s
