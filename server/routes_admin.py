@@ -28,6 +28,7 @@ from server.state import ServerState, Training
 from trainer.adapter_store import AdapterLoadError, AdapterMismatchError, AdapterNotSaved
 from trainer.feedback import FeedbackOutcome, FeedbackResult
 from trainer.ledger import LedgerUnavailable
+from trainer.replicated import RollbackSuperseded
 
 _FEEDBACK_STATUS = {FeedbackOutcome.INVALID: 400, FeedbackOutcome.UNKNOWN: 404, FeedbackOutcome.CONFLICT: 409,
                     FeedbackOutcome.UNAVAILABLE: 503}
@@ -148,6 +149,8 @@ def add_adapter_routes(router: APIRouter, state: ServerState) -> None:
             raise APIError(409, str(exc), "version", "version_incompatible") from None
         except EngineDeadError:
             raise APIError(503, "the server is shutting down") from None
+        except RollbackSuperseded as exc:
+            raise APIError(409, str(exc), "version", "rollback_superseded") from None
         except RuntimeError as exc:  # the replicas' rounds stopped
             raise APIError(503, f"the rollback did not reach every replica: {exc}", code="replica_unavailable",
                            headers={"Retry-After": "1"}) from None

@@ -181,6 +181,24 @@ def test_a_rollbacks_answer_names_its_own_version_though_steps_trained_on_top_of
         assert 3 in [v["version"] for v in r.json()["saved"]]
 
 
+def test_a_rollback_a_later_one_superseded_before_it_reached_the_replicas_is_a_409_saying_so(tmp_path, monkeypatch):
+    """An outside pass: under replicas it was a 503 "the rollback did not reach every replica"."""
+    import concurrent.futures
+
+    from trainer.online import OnlineTraining
+    from trainer.replicated import RollbackSuperseded
+
+    def superseded(training, snapshot):
+        future = concurrent.futures.Future()
+        future.set_exception(RollbackSuperseded("a later rollback, to version 0, … superseded it"))
+        return future
+
+    monkeypatch.setattr(OnlineTraining, "rollback", superseded)
+    with TestClient(tiny_app(train=TRAIN, adapter=AdapterConfig(dir=str(tmp_path)))) as client:
+        r = client.post("/v1/adapters/rollback", json={"version": 0})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "rollback_superseded", r.text
+
+
 def test_a_rollback_to_a_version_whose_save_is_in_flight_waits_for_it(tmp_path, monkeypatch):
     """Saves run in the background: a rollback asked for right after a version trained found
     it "not saved" while its save was still on its way to disk (a 404 in one CI run)."""

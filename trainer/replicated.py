@@ -119,6 +119,10 @@ class ReplicatedRollback:
     done: concurrent.futures.Future | None = None
 
 
+class RollbackSuperseded(RuntimeError):
+    """A later rollback asked before this one reached the replicas: it is the one applied."""
+
+
 def weights_digest(params: list[torch.Tensor]) -> str:
     """A hash of the weights' bytes, in order: equal digests, equal weights bit for bit."""
     h = hashlib.sha256()
@@ -250,7 +254,9 @@ class ReplicaSync:
                 done.set_exception(RuntimeError(f"the replicas' sync stopped: {self.stopped}"))
                 return done
             if self._rollback is not None:
-                self._rollback.done.set_exception(RuntimeError("superseded by a later rollback"))
+                self._rollback.done.set_exception(RollbackSuperseded(
+                    f"a later rollback, to version {snapshot.version}, asked before this one reached every replica, "
+                    "superseded it: that one is applied"))
             self._rollback = ReplicatedRollback(snapshot, done)
         return done
 
