@@ -3,8 +3,10 @@ scrapes, JSON files and plots (matplotlib is the `bench` extra, imported only he
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import platform
 import time
 
 import torch
@@ -104,7 +106,26 @@ def write_json(report: dict, path: str | None) -> None:
     strict JSON (JavaScript's JSON.parse, `json.loads` with strict constants) has no NaN."""
     if path:
         with open(path, "w") as f:
-            json.dump(_without_nan(report), f, indent=2, allow_nan=False)
+            json.dump(_without_nan({**report, "machine": report.get("machine") or machine_name()}), f, indent=2,
+                      allow_nan=False)
+
+
+def machine_name() -> str:
+    """The accelerator the figures were measured on, else the CPU's model: what a figure names."""
+    import subprocess
+
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=10).stdout.split("\n")[0].strip()
+    except (OSError, subprocess.SubprocessError):  # no NVIDIA driver here: the CPU it ran on
+        gpus = ""
+    if gpus:
+        return gpus
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpus:
+        for line in cpus:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def _without_nan(value):

@@ -1,6 +1,7 @@
-"""`bench colocate`'s window: what it reports of the measured trace is the trace's alone, not
-the warm-up's, on `run_condition` itself with a server that answers as the real one's
-metrics do (the server faked: a real one takes minutes per round)."""
+"""What the benchmarks' reports mean: `bench colocate`'s window (what it reports of the
+measured trace is the trace's alone, not the warm-up's, on `run_condition` itself with a
+server that answers as the real one's metrics do: a real one takes minutes per round), and
+the machine every JSON report names."""
 
 import contextlib
 import types
@@ -76,3 +77,16 @@ def test_the_measured_trace_reports_its_own_entries_slices_and_between_step_slic
     assert sum(result["trained_by_path"].values()) == len(trace)
     assert result["between_step_slices"] == 2
     assert (result["train_slice_max_s"], result["train_slice_max_item"]) == (0.05, "")  # the bound holding 0.04 s
+
+
+def test_every_json_report_names_the_machine_it_ran_on_and_writes_no_nan(tmp_path):
+    """Figures are named with their device: several GPU reports said "cuda:0" or nothing,
+    the device's name only in gpu.sh's log (a review)."""
+    import json
+
+    from bench.report import machine_name, write_json
+
+    path = tmp_path / "report.json"
+    write_json({"ratio": float("nan"), "steps": [1.0, float("inf")]}, str(path))
+    assert json.loads(path.read_text()) == {"ratio": None, "steps": [1.0, None], "machine": machine_name()}
+    assert machine_name()
