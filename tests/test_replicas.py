@@ -518,6 +518,39 @@ def test_at_shutdown_a_replica_mid_job_still_applies_the_steps_the_others_apply(
     assert training.cache.get("mine").state is EntryState.READY  # not trained: a restart trains its label
 
 
+def test_a_replica_that_could_not_apply_a_result_applies_no_later_one_nor_saves(monkeypatch):
+    """A review: a replica that failed to apply step I "left the group" but went on applying
+    step J while its shutdown ran, and rank 0 then saved k + J as the version the others
+    hold as k + I. It applies nothing more, and saves nothing at shutdown: the group
+    restarts from the last version saved."""
+    from tests.test_training import make_trainer
+
+    training = make_trainer(mode="dpo")
+    params = training.optimizer.params
+    steps = [CombinedStep(torch.randn(sum(p.numel() for p in params)), entries=1, finite=True, mine=False)
+             for _ in range(2)]
+    training.replicas = training.trainer.replicas = rounds_with(params, steps)
+    left, saves = [], []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: left.append(sig))  # what leave() sends
+    monkeypatch.setattr(training.lifecycle, "save_final", lambda **kwargs: saves.append(kwargs))
+    clip = torch.nn.utils.clip_grad_norm_
+    failures = [RuntimeError("CUDA out of memory")]
+
+    def clip_once_failing(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_once_failing)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        training.apply_synced()
+    assert left == [signal.SIGTERM] and not training.sync_due() and training.replicas.has_result()
+    training.close()
+    assert training.optimizer.version == 0 and all(torch.equal(b, p) for b, p in zip(before, params))
+    assert saves == []
+
+
 def test_a_port_another_group_shares_is_refused_before_the_replicas_start(tmp_path):
     """Replicas bind the public port with SO_REUSEPORT, which any socket bound so (another
     group's, an old group still running through a redeploy) shares with them: the kernel

@@ -81,6 +81,8 @@ class OnlineTraining:
     _published: Verdict | None = field(default=None, init=False)
     # the adapter's digest and the version it is of
     _digest: tuple[int, str] | None = field(default=None, init=False)
+    # (replicas) a round's result could not be applied here: this replica follows the sequence no more
+    _left: bool = field(default=False, init=False)
 
     @property
     def mode(self) -> str:
@@ -111,8 +113,8 @@ class OnlineTraining:
     def sync_due(self) -> bool:
         """(replicas) A round's step, rollback or verdict can be applied: no job is
         computing, and while a candidate waits for its verdict, that is what arrived."""
-        if self.replicas is None or self.trainer.computing():
-            return False
+        if self.replicas is None or self._left or self.trainer.computing():
+            return False  # (one that left applies no later result: its weights would not be the others')
         return self.replicas.has_verdict() if self._scoring() else self.replicas.has_result()
 
     def apply_synced(self) -> bool:
@@ -127,6 +129,7 @@ class OnlineTraining:
             except Exception:  # this replica would leave the others' sequence: the group restarts
                 logger.critical("replica %d could not apply %s; leaving the group, which restarts from rank 0's "
                                 "adapter", self.replicas.rank, type(item).__name__, exc_info=True)
+                self._left = True
                 self.replicas.leave()
                 raise
             applied = True
@@ -343,6 +346,9 @@ class OnlineTraining:
             self.offloader.close()
         if self.rewards is not None:
             self.rewards.close()
-        self.lifecycle.save_final(candidate_waits=self._published is not None)
+        if self._left:  # its weights are not the sequence's: the group restarts from the last version saved
+            logger.error("replica %d left the group: its adapter is not saved at shutdown", self.replicas.rank)
+        else:
+            self.lifecycle.save_final(candidate_waits=self._published is not None)
         if self.ledger is not None:
             self.ledger.close()
