@@ -876,6 +876,28 @@ def _write_twice_in_a_failed_batch(tmp_path) -> None:
     assert ledger.stats.rollback_quarantined == 1
 
 
+def test_a_rollbacks_number_is_given_to_no_other_weights_when_its_save_failed_and_a_kill_came(tmp_path):
+    """A randomized test of the ledger: a rollback answered as version 2 whose save failed,
+    nothing served or trained at 2, then a kill: the restart resumed version 1 under its own
+    number and the next step was numbered 2 again — one number, two adapters."""
+    first = _training(tmp_path, save_every=1)
+    serve_and_label(first, ("a",), train_each=True)
+    first.lifecycle.checkpointer.wait()
+
+    def disk_full(snapshot):
+        raise OSError("disk full")
+
+    first.lifecycle.checkpointer.store.save = disk_full
+    rolled = first.rollback(first.lifecycle.load_saved(0))
+    assert rolled == 2
+    crash(first)
+    second = _training(tmp_path, save_every=1)
+    assert second.optimizer.version == 3 and second.lifecycle.restored_from == 1
+    serve_and_label(second, ("b",), train_each=True)
+    assert second.optimizer.version == 4
+    second.close()
+
+
 def test_a_rollback_quarantines_only_the_versions_it_undid(tmp_path):
     """Restoring version 2 as version 5 undoes versions 3 and 4; what trained into version
     5 or later (another replica may apply the same rollback later) is left alone."""

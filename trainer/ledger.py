@@ -128,6 +128,12 @@ class Ledger:
 
         self._put(QueuedWrite(apply, owed=True))
 
+    def version_named(self, version: int) -> None:
+        """Adapter version `version` was given to weights (a rollback's, saved or not): a
+        restart gives its number to no other weights (waits until tried)."""
+        self._put(QueuedWrite(lambda c: ledger_lineage.named(c, version), owed=True))
+        self.flush()
+
     def rolled_back(self, restored: int, version: int) -> None:
         """A rollback made `version` a copy of saved version `restored` (queued): what
         trained into versions it undid is quarantined, what an earlier rollback quarantined

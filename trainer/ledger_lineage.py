@@ -25,7 +25,7 @@ from pathlib import Path
 from trainer.ledger_db import LABEL_DELETED, RELEASED, open_database
 
 ROLLED_BACK = "rolled back to version"
-# the meta key of the last version a restart resumed as (`resumed_as`)
+# the meta key of the last version a restart resumed as (`resumed_as`), or a rollback was given (`named`)
 HIGHEST_RESUMED_KEY = "resumed_as_version"
 
 
@@ -139,6 +139,13 @@ def resumed_as(conn: sqlite3.Connection, saved: int, version: int) -> None:
         return
     record_parent(conn, version, saved)
     conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (HIGHEST_RESUMED_KEY, str(version)))
+
+
+def named(conn: sqlite3.Connection, version: int) -> None:
+    """Version `version` was given to weights: `highest_version` knows it from now on."""
+    conn.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = "
+                 "CAST(max(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER)) AS TEXT)",
+                 (HIGHEST_RESUMED_KEY, str(version)))
 
 
 def record_parent(conn: sqlite3.Connection, version: int, parent: int) -> None:

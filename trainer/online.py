@@ -241,7 +241,10 @@ class OnlineTraining:
         if self.replicas is not None:
             return self.replicas.request_rollback(snapshot)
         self.trainer.abandon_job()  # its gradients were computed under the weights being replaced
-        return self.lifecycle.rollback(snapshot)
+        version = self.lifecycle.rollback(snapshot)
+        if self.ledger is not None:  # (its fates wait for its save, which may fail: its number may not)
+            self.ledger.version_named(version)
+        return version
 
     def adapter_digest(self) -> str:
         """A hash of the live adapter's weights (device thread): equal on every replica."""
