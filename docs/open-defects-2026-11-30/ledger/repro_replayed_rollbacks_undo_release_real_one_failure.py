@@ -7,18 +7,8 @@ import sys, tempfile
 from pathlib import Path
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 sys.dont_write_bytecode = True
-from tests.test_ledger import DPO, serve_and_label, rows_by_id
-from tests.conftest import make_training
-from trainer.adapter_store import AdapterCheckpointer, AdapterStore
-from trainer.ledger import Ledger
-from trainer.ledger_db import LEDGER_FILE
-
-
-def _training(root, save_every: int = 10):  # (tests/test_ledger.py's)
-    ledger = Ledger(root / LEDGER_FILE)
-    return make_training(DPO, checkpointer=AdapterCheckpointer(AdapterStore(root), save_every, ledger), ledger=ledger)
-
-
+from common import training_on as _training
+from tests.test_ledger import serve_and_label, rows_by_id
 from trainer.ledger_db import LEDGER_FILE, release_quarantined
 
 root = Path(tempfile.mkdtemp())
