@@ -122,8 +122,10 @@ def _caught_up(url: str, timeout_s: float = 120.0) -> str:
         text = httpx.get(f"{url}/metrics").text
         if all(read_metric(text, f'alchemist:activation_cache_entries{{state="{s}"}}') == 0
                for s in ("ready", "training")):
-            break
+            return text
         time.sleep(1.0)
+    print(f"  the trainer did not catch up in {timeout_s:.0f} s: what it trains next is counted as if it had",
+          flush=True)
     return text
 
 
@@ -158,8 +160,8 @@ def _longest_slice(before: str, after: str) -> tuple[float, str]:
         return read_metric(after, gauge), next((sample.labels.get("item", "") for family in
                                                 text_string_to_metric_families(after)
                                                 for sample in family.samples if sample.name == gauge), "")
-    grown = {bound: read_metric(after, f'{histogram}{{le="{bound}"}}') - read_metric(before, f'{histogram}{{le="{bound}"}}')
-             for bound in (*map(str, SLICE_BUCKETS[:-1]), "+Inf")}
+    grown = {bound: read_metric(after, f'{histogram}{{le="{bound}"}}')
+             - read_metric(before, f'{histogram}{{le="{bound}"}}') for bound in (*map(str, SLICE_BUCKETS[:-1]), "+Inf")}
     least = next(bound for bound, count in grown.items() if count >= grown["+Inf"])  # the least bound holding all
     return (float(least.replace("+Inf", "inf")) if grown["+Inf"] else 0.0), ""
 

@@ -88,7 +88,7 @@ _TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents
                                  "return_tensors", "padding", "truncation", "max_length"})
 
 
-def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
+def render_chat(tokenizer, body, tools: ToolUse | None = None, add_special_tokens: bool = False) -> list[int]:
     """The prompt's token ids: the messages (and the tools offered) through the chat
     template, or through the fallback tool prompt (server/tool_prompt.py) where the
     template has no tool section; with the body's template controls (vLLM's)."""
@@ -117,8 +117,8 @@ def render_chat(tokenizer, body, tools: ToolUse | None = None) -> list[int]:
                                              continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the user's to fix
         raise APIError(400, f"The chat template rejected the messages: {exc}", "messages") from None
-    # (vLLM's /tokenize may add the tokenizer's special tokens on top of the template's)
-    return tokenizer(text, add_special_tokens=getattr(body, "add_special_tokens", False))["input_ids"]
+    # `add_special_tokens`: the tokenizer's on top of the template's (vLLM's /tokenize may ask for them)
+    return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
 def opens_a_turn(body) -> bool:

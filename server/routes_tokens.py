@@ -30,7 +30,7 @@ def tokens_router(state: ServerState) -> APIRouter:
         if body.model is not None:
             check_model(state.model_names, body.model)
         if isinstance(body, TokenizeChatRequest):
-            tokens = render_chat(state.tokenizer, body, body.tool_use())
+            tokens = render_chat(state.tokenizer, body, body.tool_use(), body.add_special_tokens)
         else:
             tokens = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
         result = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}

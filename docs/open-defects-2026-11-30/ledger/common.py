@@ -16,3 +16,19 @@ from trainer.ledger_db import LEDGER_FILE  # noqa: E402
 def training_on(root: Path, save_every: int = 10):
     ledger = Ledger(root / LEDGER_FILE)
     return make_training(DPO, checkpointer=AdapterCheckpointer(AdapterStore(root), save_every, ledger), ledger=ledger)
+
+
+def first_save_fails(training) -> list[int]:
+    """The next save of `training`'s checkpointer fails (a full disk); the later ones save.
+    The versions it was asked to save, in order."""
+    store, asked = training.lifecycle.checkpointer.store, []
+    plain = store.save
+
+    def save(snapshot):
+        asked.append(snapshot.version)
+        if len(asked) == 1:
+            raise OSError("disk full")
+        return plain(snapshot)
+
+    store.save = save
+    return asked

@@ -7,21 +7,14 @@ import sys, tempfile
 from pathlib import Path
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 sys.dont_write_bytecode = True
-from common import training_on as _training
+from common import first_save_fails, training_on as _training
 from tests.test_ledger import crash, released_after_a_rollback, rows_by_id
 from trainer.ledger_db import LEDGER_FILE
 
 root = Path(tempfile.mkdtemp())
 released_after_a_rollback(root)
 last = _training(root, save_every=1)
-store, saves = last.lifecycle.checkpointer.store, []
-plain = store.save
-def save_once_failing(snapshot):
-    saves.append(snapshot.version)
-    if len(saves) == 1:
-        raise OSError("disk full")
-    return plain(snapshot)
-store.save = save_once_failing
+saves = first_save_fails(last)
 v = last.rollback(last.lifecycle.load_saved(1))
 print("rollback as", v, "saves", saves, "rollback_saving:", last.lifecycle.rollback_saving(),
       "r queued:", last.cache.get("r") is not None)

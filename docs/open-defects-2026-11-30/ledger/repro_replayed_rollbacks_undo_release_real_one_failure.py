@@ -7,7 +7,7 @@ import sys, tempfile
 from pathlib import Path
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 sys.dont_write_bytecode = True
-from common import training_on as _training
+from common import first_save_fails, training_on as _training
 from tests.test_ledger import serve_and_label, rows_by_id
 from trainer.ledger_db import LEDGER_FILE, release_quarantined
 
@@ -18,15 +18,7 @@ assert first.optimizer.version == 1
 first.lifecycle.checkpointer.wait()
 store = first.lifecycle.checkpointer.store
 plain = store.save
-def failing(snapshot):
-    raise OSError("disk full")
-calls = []
-def failing_once(snapshot):
-    calls.append(snapshot.version)
-    if len(calls) == 1:
-        raise OSError("disk full")
-    return plain(snapshot)
-store.save = failing_once
+first_save_fails(first)
 print("rollbacks as", first.rollback(first.lifecycle.load_saved(1)), first.rollback(first.lifecycle.load_saved(0)))
 store.save = plain
 first.close()  # the shutdown's save carries both
