@@ -219,10 +219,11 @@ def test_a_rollback_to_a_version_whose_save_is_in_flight_waits_for_it(tmp_path, 
 
 def test_a_rollback_whose_save_failed_serves_and_is_recorded_by_the_next_version_saved_and_a_restart_at_it(
         tmp_path):
-    """Until a later version is saved, a restart would resume from before the rollback,
-    which holds the labels it undid: they stay trained, and the answer's saved list says
-    so. Once one is (the restart resumes it), they are quarantined, not left `trained` in
-    no weights and never trained again."""
+    """The fates follow the weights that serve: the labels it undid are quarantined at once
+    (a restart before a later save resumes the weights before it, and the ledger follows
+    them: tests/test_ledger.py), and the answer's saved list says it is not saved. A later
+    version saved carries it, and a restart at that version applies its fates again if a
+    kill lost them."""
     adapter = AdapterConfig(dir=str(tmp_path), save_every=1, keep=10)
     with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:
         serve_and_train(client, ["first prompt about dogs"])
@@ -240,7 +241,7 @@ def test_a_rollback_whose_save_failed_serves_and_is_recorded_by_the_next_version
         assert 3 not in [v["version"] for v in r.json()["saved"]]
         training.ledger.flush()
         fates = {row.request.prompt: row.fate for row in read_ledger(tmp_path / LEDGER_FILE)}
-        assert fates["second prompt about birds"] == "trained"
+        assert fates["second prompt about birds"] == "quarantined"
         store.save = save  # room again
         serve_and_train(client, ["third prompt about cats"])  # version 4, saved, carries the rollback
         training.lifecycle.checkpointer.wait()
@@ -251,6 +252,7 @@ def test_a_rollback_whose_save_failed_serves_and_is_recorded_by_the_next_version
         assert fates["first prompt about dogs"] == ("trained", 1) and fates["third prompt about cats"][0] == "trained"
     with sqlite3.connect(tmp_path / LEDGER_FILE) as conn:  # as if a kill came before those fates were written
         conn.execute("UPDATE requests SET fate = 'trained', fate_reason = NULL WHERE fate = 'quarantined'")
+        conn.execute("DELETE FROM versions WHERE version = 3")  # (written in the same transaction)
     with TestClient(tiny_app(train=TRAIN, adapter=adapter)) as client:  # resumes version 4, which carries it
         training = client.app.state.alchemist.training
         training.ledger.flush()

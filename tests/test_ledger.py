@@ -290,7 +290,8 @@ def crash(training) -> None:
     (labels are committed before they are accepted), and so have the saves already begun
     (each flushes the ledger first: closed before them, it failed them, one run in a few);
     nothing is saved at exit."""
-    training.lifecycle.checkpointer.wait()
+    if training.lifecycle.checkpointer is not None:  # (a replica that saves no version has none)
+        training.lifecycle.checkpointer.wait()
     training.ledger.flush()
     training.ledger.close()
 
@@ -964,13 +965,10 @@ def test_a_released_label_the_restored_weights_hold_already_is_not_trained_again
     last.close()
 
 
-def test_a_rollback_whose_save_failed_lets_go_of_the_label_once_a_later_save_carries_it(tmp_path):
-    """The rollback serves but its save failed: its fates wait for the next version saved,
-    which carries it, and land on the checkpointer's thread; the queue then lets go of the
-    released label the restored weights hold, as a saved rollback's does at once."""
-    released_after_a_rollback(tmp_path)
-    last = _training(tmp_path, save_every=1)
-    store, saves = last.lifecycle.checkpointer.store, []
+def first_save_fails(training) -> list[int]:
+    """The next save of `training`'s checkpointer fails (a full disk), the later ones save;
+    the versions it was asked to save."""
+    store, saves = training.lifecycle.checkpointer.store, []
     plain_save = store.save
 
     def save_once_failing(snapshot):
@@ -980,15 +978,40 @@ def test_a_rollback_whose_save_failed_lets_go_of_the_label_once_a_later_save_car
         return plain_save(snapshot)
 
     store.save = save_once_failing
+    return saves
+
+
+@pytest.mark.parametrize("after", ["saved-later", "killed"])
+def test_a_rollback_whose_save_failed_lets_go_at_once_of_the_label_its_weights_hold(tmp_path, after):
+    """The rollback serves but its save failed: its fates follow the weights that serve at
+    once (they waited for the next version saved, and meanwhile the queue trained the
+    released label the restored weights hold into them a second time: a randomized test of
+    the ledger). A later save carries it; a kill before one resumes the saved version,
+    which does not hold the label: quarantined then, not `trained` by weights that are gone."""
+    released_after_a_rollback(tmp_path)
+    last = _training(tmp_path, save_every=1)
+    saves = first_save_fails(last)
     assert last.rollback(last.lifecycle.load_saved(1)) == 3
-    assert saves == [3] and last.cache.get("r") is not None  # not saved: its fates wait, and so does the label
+    assert saves == [3] and last.cache.get("r") is None
+    assert_held_not_trained_again(last, tmp_path)
     carried = last.lifecycle.snapshot()
     assert carried.state["rollbacks"] == [[1, 3]]
-    last.lifecycle._save(carried)  # the next version saved (a due save, the gate's promotion) carries it
-    wait_for(lambda: last.cache.get("r") is None, timeout=30)  # (a callback of the save's, after its result)
-    assert saves == [3, 3]
-    assert_held_not_trained_again(last, tmp_path)
-    last.close()
+    if after == "saved-later":
+        last.lifecycle._save(carried)  # the next version saved (a due save, the gate's promotion) carries it
+        wait_for(lambda: not last.lifecycle.snapshot().state.get("rollbacks"), timeout=30)
+        assert saves == [3, 3]
+        assert_held_not_trained_again(last, tmp_path)
+        last.close()
+        return
+    crash(last)
+    again = _training(tmp_path, save_every=1)
+    assert (again.lifecycle.restored_from, again.optimizer.version) == (2, 4)  # v2: a copy of v0
+    again.ledger.flush()
+    row = rows_by_id(tmp_path / LEDGER_FILE)["r"]
+    assert (row.fate, row.fate_version) == ("quarantined", 1)
+    assert row.fate_reason.startswith("resumed saved version 2 as version 4")
+    assert again.cache.get("r") is None
+    again.close()
 
 
 def test_a_rollback_killed_before_its_fates_landed_gives_them_back_before_the_restart_replays(tmp_path):
@@ -1006,3 +1029,57 @@ def test_a_rollback_killed_before_its_fates_landed_gives_them_back_before_the_re
     assert third.optimizer.version == 3 and third.cache.get("r") is None
     assert_held_not_trained_again(third, tmp_path)
     third.close()
+
+
+def test_a_rollback_applied_again_after_a_release_changes_nothing(tmp_path):
+    """Two rollbacks a save carried (to 1 as 2, to 0 as 3) quarantined "r"; released while
+    the server was down. The restart applies the saved version's rollbacks again, in order:
+    the first gave the released label back `trained` (v1 holds it), the second quarantined
+    it, and the release was silently undone (a randomized test of the ledger)."""
+    path = tmp_path / LEDGER_FILE
+
+    def fate():
+        ledger.flush()
+        row = rows_by_id(path)["r"]
+        return row.fate, row.fate_version, row.fate_reason
+
+    ledger = Ledger(path)
+    ledger.record_request(RequestRecord("r", time.time(), 0, "dpo", [1, 2]))
+    ledger.commit_label("r", LabelRecord("preference", chosen="a", rejected="b"))
+    ledger.record_fate("r", "trained", 1)
+    ledger.rolled_back(1, 2)
+    ledger.rolled_back(0, 3)
+    assert fate()[0] == "quarantined"
+    ledger.close()
+    assert release_quarantined(path) == ["r"]
+    ledger = Ledger(path)
+    ledger.rolled_back(1, 2)
+    ledger.rolled_back(0, 3)
+    assert fate() == (None, 1, "released")
+    ledger.close()
+
+
+def test_fates_a_replica_wrote_before_rank_0_saved_the_rollback_follow_the_weights_a_restart_resumes(tmp_path):
+    """A replica that saves no version writes a rollback's fates when it applies the round;
+    rank 0 saves the rollback later. Killed between, the restart resumes the last saved
+    version, whose weights hold the labels the ledger had quarantined: `feedback release`
+    would have trained them twice (a review of the replicas' protocol). The ledger's fates
+    follow the weights resumed."""
+    rank0 = _training(tmp_path, save_every=1)
+    rank1 = make_training(DPO, ledger=Ledger(tmp_path / LEDGER_FILE))  # the same node: the same ledger
+    serve_and_label(rank0, ("a", "b"), train_each=True)
+    crash(rank0)
+    assert rank0.optimizer.version == 2
+    rank1.lifecycle.restore(rank0.lifecycle.snapshot(), 2)
+    assert rank1.lifecycle.rollback_saved_later(rank0.lifecycle.load_saved(0)) == (3, None)
+    rank1.ledger.flush()
+    assert {row.fate for row in rows_by_id(tmp_path / LEDGER_FILE).values()} == {"quarantined"}
+    crash(rank1)
+    again = _training(tmp_path, save_every=1)
+    assert (again.lifecycle.restored_from, again.optimizer.version) == (2, 4)
+    again.ledger.flush()
+    rows = rows_by_id(tmp_path / LEDGER_FILE)
+    assert {(rid, row.fate, row.fate_version) for rid, row in rows.items()} == {("a", "trained", 1),
+                                                                                ("b", "trained", 2)}
+    again.close()
+    assert release_quarantined(tmp_path / LEDGER_FILE) == []

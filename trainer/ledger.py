@@ -161,12 +161,19 @@ class Ledger:
     # -- the adapter's saves (AdapterCheckpointer's SaveJournal, in the process that saves versions) --
 
     def resumed(self, saved: int, version: int, saving: bool = True) -> None:
-        """Training resumed saved version `saved` as `version` (before serving): the versions
-        after `saved` died unsaved; `saving`: this is the process that saves versions, and
-        `saved` is on disk (else a replica's node ledger learns the lineage only; queued)."""
+        """Training resumed saved version `saved` as `version` (before serving, after the
+        saved rollbacks' fates are applied again): the versions after `saved` died unsaved,
+        and the fates follow `saved`'s weights (trainer/ledger_lineage.py); `saving`: this
+        is the process that saves versions, and `saved` is on disk (queued)."""
+        at = self.clock()
+
         def apply(c: sqlite3.Connection) -> None:
             ledger_lineage.forget_after(c, saved)
-            ledger_lineage.resumed_as(c, saved, version)
+            quarantined = ledger_lineage.resumed_as(c, saved, version, at)
+            if quarantined:
+                logger.warning("feedback ledger: %d labels the lost versions' rollbacks had given back are in no "
+                               "weights that survived: quarantined (`alchemist feedback release` trains them again)",
+                               quarantined)
             if saving:
                 ledger_retention.record_saved(c, saved)
 

@@ -12,9 +12,15 @@ versions of its lineage (it, its parent, its parent's parent, …), so a rollbac
     and to those released since, waiting to train again (a release keeps the version).
 A label released and trained again has two trainings (the `earlier_trainings` table keeps
 the one before its last): it is held by weights whose lineage has either.
-A label deleted after it trained is dropped for good instead of quarantined. Applying the
-same rollback twice (a restart after a kill, each data-parallel replica) changes nothing
-the second time.
+A label deleted after it trained is dropped for good instead of quarantined. A rollback's
+fates are applied once: applied again (a restart after a kill, each data-parallel replica
+on a shared ledger) it changes nothing, whatever happened since (a release, a deletion).
+
+A restart that resumes saved version S as W (the versions after S died unsaved with the
+process) moves the fates to what S's weights hold, as a rollback to S would, except that
+what trained into the lost versions is opened again (trainer/replay.py), not quarantined:
+fates a lost rollback wrote, or a replica wrote before the save that should have kept its
+rollback, follow the weights that survived.
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ HIGHEST_RESUMED_KEY = "resumed_as_version"
 
 def rollback_reason(restored: int, version: int) -> str:
     return f"{ROLLED_BACK} {restored}, as version {version}"
+
+
+def resume_reason(saved: int, version: int) -> str:
+    return f"resumed saved version {saved} as version {version}: the weights after it were lost"
 
 
 def lineage(conn: sqlite3.Connection, version: int) -> list[tuple[int, int]]:
@@ -62,11 +72,14 @@ def record_fate(conn: sqlite3.Connection, request_id: str, fate: str, version: i
                  "WHERE id = ?", (fate, version, path, reason, at, request_id))
 
 
-def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) -> int:
-    """Version `version` is a copy of version `restored`'s weights (a rollback): records the
-    parent, then moves the labels' fates to what the weights now hold — a label is held
-    where its training, or an earlier one, is in `restored`'s lineage, and its fate then
-    names that one; the labels it quarantined."""
+def restore(conn: sqlite3.Connection, restored: int, version: int, at: float, resumed: bool = False) -> int:
+    """Version `version` is a copy of version `restored`'s weights (a rollback; `resumed`: a
+    restart's, after the versions that followed `restored` were lost): records the parent,
+    then moves the labels' fates to what the weights now hold — a label is held where its
+    training, or an earlier one, is in `restored`'s lineage, and its fate then names that
+    one; the labels it quarantined (none if this rollback's fates were applied already)."""
+    if conn.execute("SELECT 1 FROM versions WHERE version = ? AND parent = ?", (version, restored)).fetchone():
+        return 0
     conn.execute("INSERT OR REPLACE INTO versions (version, parent) VALUES (?, ?)", (version, restored))
     ranges = lineage(conn, restored)
     bounds = tuple(bound for pair in ranges for bound in pair)
@@ -75,8 +88,12 @@ def restore(conn: sqlite3.Connection, restored: int, version: int, at: float) ->
     held = f"(({last}) OR id IN (SELECT request_id FROM earlier_trainings WHERE {earlier}))"
     held_version = (f"CASE WHEN {last} THEN fate_version ELSE (SELECT max(version) FROM earlier_trainings t "
                     f"WHERE t.request_id = requests.id AND ({earlier})) END")
+    # a rollback quarantines what the versions it undid trained; a restart's resume leaves what
+    # trained into the lost versions to be opened again (trainer/replay.py)
+    undone_below = restored + 1 if resumed else version
+    reason = resume_reason(restored, version) if resumed else rollback_reason(restored, version)
     quarantined = quarantine(conn, f"fate = 'trained' AND fate_version < ? AND NOT {held}",
-                             (version, *bounds, *bounds), rollback_reason(restored, version), at)
+                             (undone_below, *bounds, *bounds), reason, at)
     # in the weights again: quarantined (by an earlier rollback, or by the gate after an earlier
     # training these weights hold), released since (a release keeps the version), or trained
     # again after a release where the weights hold the training before (deleted or not: the
@@ -131,14 +148,18 @@ def copied_versions(path: str | Path) -> dict[int, int]:
         conn.close()
 
 
-def resumed_as(conn: sqlite3.Connection, saved: int, version: int) -> None:
+def resumed_as(conn: sqlite3.Connection, saved: int, version: int, at: float) -> int:
     """A restart resumed saved version `saved`'s weights as `version`, a number above every
     one the ledger knew (versions after `saved` died unsaved: their numbers are not given
-    to other weights); nothing when it resumed under its own number (0: fresh weights, none saved)."""
+    to other weights), and the fates follow `saved`'s weights (`restore`); nothing when it
+    resumed under its own number (0: fresh weights, none saved). The labels it quarantined."""
     if version == max(saved, 0):
-        return
-    record_parent(conn, version, saved)
+        return 0
     conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (HIGHEST_RESUMED_KEY, str(version)))
+    if saved < 0:  # fresh weights hold nothing: what trained before trains again (trainer/replay.py)
+        record_parent(conn, version, saved)
+        return 0
+    return restore(conn, saved, version, at, resumed=True)
 
 
 def named(conn: sqlite3.Connection, version: int) -> None:

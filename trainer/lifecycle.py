@@ -8,10 +8,10 @@ scores, so a restart serves the last promoted one) or rejects it (the promoted w
 optimizer state come back as a new version number, the step's labels are quarantined in
 the ledger, and the rollback is counted with reason "eval_gate").
 
-A rollback whose own save fails (or, on replicas' rank 0, is on its way: `rollback_saved_later`)
-still serves; every later snapshot carries it (`state["rollbacks"]`: [restored, as version])
-until one is saved, and its ledger fates are written then, or by the restart that resumes
-such a version — never lost because the save that should have recorded it failed.
+A rollback's ledger fates are written once its save lands or fails (jobs wait meanwhile).
+One whose save failed still serves, and every later snapshot carries it (`state["rollbacks"]`:
+[restored, as version]) until one is saved; a restart before that resumes the last saved
+version, and the ledger's fates follow those weights (trainer/ledger_lineage.py).
 
 Everything here runs on the device thread (weights change between steps, never under
 one). A rollback abandons the job in progress first; that is the caller's
@@ -97,18 +97,19 @@ class AdapterLifecycle:
             version = max(saved, 0) if known <= saved else known + 1
             if snapshot is not None:
                 self.restore(snapshot, version)
-                self.checkpointer.resumed(snapshot.version, version)
-                self.maintenance.merge_all()
-                logger.info("resumed adapter version %d from %s%s", snapshot.version, self.checkpointer.store.root,
-                            "" if version == snapshot.version else f" as version {version} (versions after it "
-                            "died unsaved with the last process; their numbers are not given to other weights)")
-                # the rollbacks its saves failed to record, then its own (a kill may have cut their fates short)
+                # the rollbacks its saves failed to record, then its own (a kill may have cut their fates
+                # short), before the fates follow the weights resumed (those of lost versions after it)
                 replayed = [tuple(pair) for pair in snapshot.state.get("rollbacks", [])]
                 if "rolled_back_to" in snapshot.state:
                     replayed.append((snapshot.state["rolled_back_to"], snapshot.version))
                 self._replayed_rollbacks = replayed
                 for restored, as_version in replayed:
                     self._ledger_after_rollback(restored, as_version)
+                self.checkpointer.resumed(snapshot.version, version)
+                self.maintenance.merge_all()
+                logger.info("resumed adapter version %d from %s%s", snapshot.version, self.checkpointer.store.root,
+                            "" if version == snapshot.version else f" as version {version} (versions after it "
+                            "died unsaved with the last process; their numbers are not given to other weights)")
             else:
                 self.optimizer.version = version
                 self.checkpointer.resumed(None, version)
@@ -123,15 +124,15 @@ class AdapterLifecycle:
 
     def adopted(self, snapshot: AdapterSnapshot) -> None:
         """This replica took rank 0's resumed adapter `snapshot`: one that saves no version
-        tells its node's ledger which versions died unsaved, and applies again the fates of
-        the rollbacks rank 0 applied again, as rank 0's start did in its own (another node's
-        ledger may have lost them to a kill; applying them twice changes nothing)."""
+        applies again the fates of the rollbacks rank 0 applied again, as rank 0's start did
+        in its own (another node's ledger may have lost them to a kill; applying them twice
+        changes nothing), then tells its node's ledger which versions died unsaved."""
         self.restored_from = snapshot.state.get("restored_from")
         if self.checkpointer is None and self.ledger is not None:
-            saved = -1 if self.restored_from is None else self.restored_from
-            self.ledger.resumed(saved, snapshot.version, saving=False)
             for restored, as_version in snapshot.state.get("rollbacks_replayed", []):
                 self._ledger_after_rollback(restored, as_version)
+            self.ledger.resumed(-1 if self.restored_from is None else self.restored_from, snapshot.version,
+                                saving=False)
 
     def score_baseline(self) -> None:
         """The second half of `start`: with a gate, the live weights' scores are the bar."""
@@ -313,9 +314,10 @@ class AdapterLifecycle:
     def _rollback_saved(self, rolled_back: AdapterSnapshot, pair: tuple[int, int], saved: bool) -> bool:
         """(The checkpointer's thread) saved, its fates follow and it is carried no more."""
         try:
-            if not saved:
+            if not saved:  # its fates follow the weights that serve (a restart before a later save moves them back)
                 logger.error("the rollback to version %d (now version %d) serves, but it could not be saved: a "
                              "restart resumes from the last saved version; the next version saved carries it", *pair)
+                self._ledger_after_rollback(*pair)
                 return False
             self._rollbacks_saved(rolled_back)
             self._ledger_after_rollback(*pair)
@@ -333,8 +335,8 @@ class AdapterLifecycle:
             future.add_done_callback(lambda done: done.result() is not None and self._rollbacks_saved(snapshot))
 
     def _rollbacks_saved(self, snapshot: AdapterSnapshot) -> None:
-        """`snapshot` is saved: the rollbacks it carries get their ledger fates, in order,
-        and are carried no more."""
+        """`snapshot` is saved: the rollbacks it carries are carried no more (their fates,
+        written when their saves failed, are written again if the ledger lost them)."""
         carried = tuple(tuple(pair) for pair in snapshot.state.get("rollbacks", []))
         for restored, version in carried:
             self._ledger_after_rollback(restored, version)
@@ -350,9 +352,8 @@ class AdapterLifecycle:
 
     def _ledger_after_rollback(self, restored: int, version: int) -> None:
         """The ledger's fates after a rollback to `restored`, as `version`: what the versions
-        it undid trained is quarantined, what `restored` holds trained (again after a
-        restart resumed at `version`: it changes nothing if the rollback's own landed); then
-        the queue lets go of the labels those weights hold already (`_settle_held_again`)."""
+        it undid trained is quarantined, what `restored` holds trained (once: nothing again);
+        then the queue lets go of the labels those weights hold already."""
         if self.ledger is not None:
             self.ledger.rolled_back(restored, version)
             self._settle_held_again()
@@ -362,9 +363,7 @@ class AdapterLifecycle:
         by a crash) whose label the weights a rollback restored hold through an earlier
         training: the ledger gave them back `trained`, and trained again they would be in
         the weights twice. They end as trained, into the version that holds them (any
-        thread: the rollback's, or the checkpointer's that lands a rollback's fates late;
-        no job starts on this replica while a rollback's save is on its way, so none takes
-        them meanwhile: `rollback_saving`)."""
+        thread; no job starts here while a rollback's save is on its way: `rollback_saving`)."""
         waiting = [entry.completion_id for entry in self.cache.entries()]
         if not waiting:  # a restart's, before the replay: nothing queued yet
             return
