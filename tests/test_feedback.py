@@ -252,3 +252,26 @@ def test_a_deletion_that_comes_after_its_labels_step_is_a_409_that_says_so():
         assert "in the adapter from the next version on" in r.json()["error"]["message"]
         training.withdraw_from_training = lambda completion_ids: []  # withdrawn from its job
         assert client.delete("/v1/feedback/chatcmpl-x").status_code == 200
+
+
+@pytest.mark.parametrize("served_end", ["end-of-turn", "cut"])
+def test_a_labels_text_ends_as_the_served_response_did(served_end):
+    """A chat's end of turn need not be the tokenizer's `eos_token` (Gemma's `<end_of_turn>`,
+    Llama 3's `<|eot_id|>` under a base tokenizer): a text label ended with the tokenizer's,
+    so a pair of one text and the served response taught one ending against the other. It
+    ends with the token the served response ended with, where that was one of the model's
+    end tokens; else (cut by `max_tokens`) with the tokenizer's."""
+    training = make_training(TrainConfig(mode="dpo", lora_rank=4))
+    eos = training.feedback.tokenizer.eos_token_id
+    end_of_turn = next(i for i in range(3, 100) if i != eos)
+    training.feedback.end_token_ids = frozenset({eos, end_of_turn})
+    served = serve(training, "r")
+    entry = training.cache.get("r")
+    if served_end == "end-of-turn":
+        entry.responses[0][-1] = end_of_turn
+    assert training.feedback.submit(FeedbackLabel("r", "Paris is the capital.", None, 0)).accepted
+    chosen, rejected = entry.label.chosen, entry.label.rejected
+    assert rejected == entry.responses[0] and rejected[:-1] == served[:-1]
+    assert chosen[-1] == (end_of_turn if served_end == "end-of-turn" else eos)
+    assert chosen[:-1] == training.feedback.tokenizer("Paris is the capital.", add_special_tokens=False)["input_ids"]
+    training.close()

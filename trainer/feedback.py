@@ -59,10 +59,12 @@ class _Labels:
 class ResponseText:
     """A response's text and its token ids, as the served tokenizer maps them."""
 
-    # a label's text to the ids it trains on (the end of sequence appended)
+    # a label's text to its ids (the end of sequence not appended)
     ids: Callable[[str], list[int]]
     # served ids to the text the client read (special tokens skipped)
     text: Callable[[list[int]], str]
+    # the served response's ids (None: not finished) to the end of sequence a label's text trains with
+    end: Callable[[list[int] | None], list[int]]
 
 
 def attach_label(cache: ActivationCache, request: FeedbackLabel, responses: ResponseText, max_model_len: int,
@@ -352,6 +354,8 @@ def _attach(to: _Labels, request: FeedbackLabel, responses: ResponseText, max_mo
     if entry.response_finished and choice_index not in entry.responses:  # (with both texts too)
         raise refuse(FeedbackOutcome.INVALID, f"choice_index {choice_index} does not exist; the completion has "
                       f"choices {sorted(entry.responses)}", "choice_index", "invalid_value")
+    end = responses.end(entry.responses[choice_index] if entry.response_finished else None)
+    texts_ids = {name: ids + end for name, ids in texts_ids.items()}
     if chosen is None or rejected is None:
         if not entry.response_finished:
             raise refuse(FeedbackOutcome.CONFLICT, f"completion {completion_id!r} is still being generated; "

@@ -18,9 +18,11 @@ class FeedbackIntake:
     its entry and counts the outcomes. Call it on a worker thread."""
 
     def __init__(self, method: TrainingMethod, cache: ActivationCache, stats: TrainingStats, tokenizer,
-                 max_model_len: int, ledger: Ledger | None = None):
-        """`ledger`: the feedback ledger, where a label is committed before it is accepted."""
+                 max_model_len: int, ledger: Ledger | None = None, end_token_ids: frozenset[int] = frozenset()):
+        """`ledger`: the feedback ledger, where a label is committed before it is accepted;
+        `end_token_ids`: the tokens that end the model's responses (the engine's)."""
         self.ledger = ledger
+        self.end_token_ids = end_token_ids
         self.method = method
         self.cache = cache
         self.stats = stats
@@ -34,7 +36,7 @@ class FeedbackIntake:
                                     f"this server trains in {self.method.name!r} mode (start it with --train-mode "
                                     "dpo or grpo)", None, "feedback_not_used")
         else:
-            result = attach_label(self.cache, request, ResponseText(self._response_ids, self._served_text),
+            result = attach_label(self.cache, request, ResponseText(self._response_ids, self._served_text, self._label_end),
                                   self.max_model_len, self.method.label_kind, self.ledger)
         self.count(result, request.rewards if result.accepted else None, request.source == "api")
         return result
@@ -60,6 +62,14 @@ class FeedbackIntake:
         return self.tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
 
     def _response_ids(self, text: str) -> list[int]:
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _label_end(self, served: list[int] | None) -> list[int]:
+        """A label's text ends as the served response did where that was one of the model's
+        end tokens (a chat's end of turn need not be the tokenizer's `eos_token`: Gemma's
+        `<end_of_turn>`, Llama 3's `<|eot_id|>` under a base tokenizer), else with the
+        tokenizer's end of sequence: both sides of a pair end alike."""
+        if served and served[-1] in self.end_token_ids:
+            return [served[-1]]
         eos = self.tokenizer.eos_token_id
-        return ids + ([eos] if eos is not None else [])
+        return [eos] if eos is not None else []
