@@ -1083,3 +1083,28 @@ def test_fates_a_replica_wrote_before_rank_0_saved_the_rollback_follow_the_weigh
                                                                                 ("b", "trained", 2)}
     again.close()
     assert release_quarantined(tmp_path / LEDGER_FILE) == []
+
+
+def test_a_label_deleted_after_it_trained_is_named_in_the_weights_a_rollback_brings_back(tmp_path):
+    """Deleted after its training into 1, dropped by a rollback to 0 (as 2): a rollback to 1
+    (as 3) brings its training back into the weights that serve, but it stayed `dropped`,
+    and deleting the request then answered `trained_into_version: null` ("in no weights",
+    README) though version 3 holds it (a randomized test of the ledger). It reads trained
+    into 1 again, and never trains again."""
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    ledger.record_request(RequestRecord("r", time.time(), 0, "dpo", [1, 2]))
+    ledger.commit_label("r", LabelRecord("preference", chosen="a", rejected="b"))
+    ledger.record_fate("r", "trained", 1)
+    assert ledger.delete("r", label_only=True).trained_into == 1
+    ledger.rolled_back(0, 2)
+    ledger.flush()
+    assert (rows_by_id(tmp_path / LEDGER_FILE)["r"].fate, ledger.stats.rollback_quarantined) == ("dropped", 0)
+    ledger.rolled_back(1, 3)
+    ledger.flush()
+    assert rows_by_id(tmp_path / LEDGER_FILE)["r"].fate == "trained"
+    ledger.rolled_back(0, 4)
+    ledger.flush()
+    assert rows_by_id(tmp_path / LEDGER_FILE)["r"].fate == "dropped"
+    ledger.rolled_back(3, 5)
+    assert ledger.delete("r").trained_into == 1
+    ledger.close()

@@ -12,7 +12,9 @@ versions of its lineage (it, its parent, its parent's parent, …), so a rollbac
     and to those released since, waiting to train again (a release keeps the version).
 A label released and trained again has two trainings (the `earlier_trainings` table keeps
 the one before its last): it is held by weights whose lineage has either.
-A label deleted after it trained is dropped for good instead of quarantined. A rollback's
+A label deleted after it trained is dropped for good instead of quarantined (it never trains
+again; weights a later rollback restores that hold it make it `trained` again, which names the
+version a deletion reports). A rollback's
 fates are applied once: applied again (a restart after a kill, each data-parallel replica
 on a shared ledger) it changes nothing, whatever happened since (a release, a deletion).
 
@@ -95,10 +97,12 @@ def restore(conn: sqlite3.Connection, restored: int, version: int, at: float, re
     quarantined = quarantine(conn, f"fate = 'trained' AND fate_version < ? AND NOT {held}",
                              (undone_below, *bounds, *bounds), reason, at)
     # in the weights again: quarantined (by an earlier rollback, or by the gate after an earlier
-    # training these weights hold), released since (a release keeps the version), or trained
-    # again after a release where the weights hold the training before (deleted or not: the
-    # fate names what holds it); a fate moved to an earlier training keeps the later one
+    # training these weights hold), released since (a release keeps the version), dropped when
+    # deleted after its training (never to train again, but held: a deletion names the version),
+    # or trained again after a release where the weights hold the training before (deleted or
+    # not: the fate names what holds it); a fate moved to an earlier training keeps the later one
     again = (f"(((fate = 'quarantined' OR (fate IS NULL AND fate_reason = '{RELEASED}')) AND NOT {LABEL_DELETED}) "
+             f"OR (fate = 'dropped' AND fate_reason = 'deleted' AND {LABEL_DELETED}) "
              f"OR (fate = 'trained' AND fate_version < ? AND NOT ({last}))) AND {held}")
     again_params = (version, *bounds, *bounds, *bounds)
     conn.execute(f"INSERT OR IGNORE INTO earlier_trainings SELECT id, fate_version FROM requests WHERE {again} "
