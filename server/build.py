@@ -166,8 +166,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
                                  gate, ledger)
     context = TrainContext(runner, peft_model, offloader, config.head_chunk_rows, config.one_backward_sweep)
     trainer = Trainer(config, method, context, optimizer, cache, stats, stash, lifecycle, offloader, replicas)
-    feedback = FeedbackIntake(method, cache, stats, tokenizer, max_model_len, ledger,
-                              frozenset(runner.sampler.eos_token_ids))
+    feedback = FeedbackIntake(method, cache, stats, tokenizer, max_model_len, ledger, runner.sampler.eos_token_ids)
     rewards = None
     if config.reward_function:
         decode = functools.partial(tokenizer.decode, skip_special_tokens=False)

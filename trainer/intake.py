@@ -6,6 +6,8 @@ thread: a label's texts are tokenized here.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from trainer.cache import ActivationCache
 from trainer.feedback import FeedbackLabel, FeedbackOutcome, FeedbackResult, ResponseText, attach_label
 from trainer.ledger import Ledger
@@ -18,11 +20,11 @@ class FeedbackIntake:
     its entry and counts the outcomes. Call it on a worker thread."""
 
     def __init__(self, method: TrainingMethod, cache: ActivationCache, stats: TrainingStats, tokenizer,
-                 max_model_len: int, ledger: Ledger | None = None, end_token_ids: frozenset[int] = frozenset()):
+                 max_model_len: int, ledger: Ledger | None = None, end_token_ids: Iterable[int] = ()):
         """`ledger`: the feedback ledger, where a label is committed before it is accepted;
         `end_token_ids`: the tokens that end the model's responses (the engine's)."""
         self.ledger = ledger
-        self.end_token_ids = end_token_ids
+        self.end_token_ids = frozenset(end_token_ids)
         self.method = method
         self.cache = cache
         self.stats = stats
