@@ -9,8 +9,10 @@
 FROM pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
 
 # (no adapter directory by default: with training off, one names a saved version to serve)
+# the address as configuration, not flags: ALCHEMIST_SERVER_PORT or a TOML's server.port still move it
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
-    ALCHEMIST_CACHE=/var/cache/alchemist HF_HUB_OFFLINE=1
+    ALCHEMIST_CACHE=/var/cache/alchemist HF_HUB_OFFLINE=1 \
+    ALCHEMIST_SERVER_HOST=0.0.0.0 ALCHEMIST_SERVER_PORT=8000
 
 RUN useradd --create-home --uid 10001 alchemist
 WORKDIR /opt/alchemist
@@ -32,5 +34,6 @@ USER alchemist
 VOLUME ["/var/lib/alchemist/adapters"]
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=3s --start-period=60s --retries=3 \
-    CMD python -c "import urllib.request,sys; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2).status != 200)"
-ENTRYPOINT ["alchemist", "serve", "--host", "0.0.0.0", "--port", "8000"]
+    CMD python -c "import os,urllib.request,sys; port = os.environ.get('ALCHEMIST_SERVER_PORT', '8000'); \
+    sys.exit(urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=2).status != 200)"
+ENTRYPOINT ["alchemist", "serve"]

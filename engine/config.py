@@ -105,9 +105,12 @@ class EngineConfig:
 
 
 def check_positive(section: Any, *names: str) -> None:
+    """Each of `names` is a positive integer; the error names the setting as a TOML does
+    (`ModelConfig.max_model_len` is `model.max_model_len`)."""
     for name in names:
         value = getattr(section, name)
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{type(section).__name__}.{name} must be a positive integer, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            prefix = type(section).__name__.removesuffix("Config").lower()
+            raise ValueError(f"{prefix}.{name} must be a positive integer, got {value!r}")
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,9 @@ from trainer.config import AdapterConfig, ArbiterConfig, LedgerConfig, TrainConf
 DEFAULT_CONFIG_PATH = Path(__file__).resolve().parents[1] / "configs" / "default.toml"
 
 logger = logging.getLogger(__name__)
+
+
+ORIGIN_PATTERN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s?#]+")
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,12 @@ class ServerConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"server.port must be in 1..65535, got {self.port}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))  # (a TOML list)
-        if not all(isinstance(origin, str) and origin for origin in self.allowed_origins):
-            raise ValueError(f"server.allowed_origins must be origins (\"https://host\", or \"*\"), "
-                             f"got {list(self.allowed_origins)!r}")
+        # as a browser sends it: scheme://host[:port], no path, no trailing slash (else it never matches)
+        if not all(isinstance(origin, str) and (origin == "*" or ORIGIN_PATTERN.fullmatch(origin))
+                   for origin in self.allowed_origins):
+            raise ValueError(f"server.allowed_origins must be origins as a browser sends them (\"https://host\", "
+                             f"\"http://host:port\": no path or trailing slash), or \"*\"; got "
+                             f"{list(self.allowed_origins)!r}")
         check_positive(self, "max_body_bytes")
         if self.async_output not in ("auto", "on", "off"):
             raise ValueError(f"server.async_output must be auto, on or off, got {self.async_output!r}")
@@ -174,17 +181,47 @@ def load_config(
     merged: dict[str, dict[str, Any]] = {}
     if DEFAULT_CONFIG_PATH.exists():
         _merge(merged, tomllib.loads(DEFAULT_CONFIG_PATH.read_text()), str(DEFAULT_CONFIG_PATH), typed=True)
+    given: list[tuple[str, dict[str, Any]]] = []  # the layers above the defaults, as (origin, layer)
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
+        if path.is_dir() or not path.exists():
+            raise FileNotFoundError(f"config file not found: {path}" + (" (a directory)" if path.is_dir() else ""))
         try:
-            layer = tomllib.loads(path.read_text())
+            given.append((str(path), tomllib.loads(path.read_text())))
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"{path}: {exc}") from None
-        _merge(merged, layer, str(path), typed=True)
-    _merge(merged, config_from_env(environ), "environment")
+        _merge(merged, given[-1][1], str(path), typed=True)
+    given.append(("environment", config_from_env(environ)))
+    _merge(merged, given[-1][1], "environment")
     if overrides:
-        cleaned = {s: {k: v for k, v in kv.items() if v is not None} for s, kv in overrides.items()}
-        _merge(merged, cleaned, "command line")
-    return AlchemistConfig(**{s: _SECTIONS[s].default_factory(**kv) for s, kv in merged.items()})
+        flags = {section: {k: v for k, v in values.items() if v is not None} for section, values in overrides.items()}
+        given.append(("command line", flags))
+        _merge(merged, given[-1][1], "command line")
+    config = AlchemistConfig(**{s: _SECTIONS[s].default_factory(**kv) for s, kv in merged.items()})
+    _refuse_a_key_left_unset(config, os.environ if environ is None else environ)
+    _refuse_a_gate_without_its_set(config, given)
+    return config
+
+
+def _refuse_a_gate_without_its_set(config: AlchemistConfig, given: list[tuple[str, dict[str, Any]]]) -> None:
+    """A gate's setting given (a flag, the environment, a file) without `train.eval_set`: no
+    version would be gated, the operator believing one is (a mistyped --eval-set too)."""
+    if config.train.eval_set:
+        return
+    for origin, layer in given:
+        for key in ("eval_tolerance", "eval_max_kl"):
+            if key in layer.get("train", {}):
+                raise ValueError(f"{origin}: train.{key} (--{key.replace('_', '-')}) sets the eval gate, which runs "
+                                 "with train.eval_set (--eval-set FILE); without it no version is gated")
+
+
+def _refuse_a_key_left_unset(config: AlchemistConfig, environ: dict[str, str]) -> None:
+    """`ALCHEMIST_API_KEY=… alchemist serve` (compose's name on the host) would serve every
+    route without a key, the operator believing it set one: a start-up error while the key
+    it stands for (`server.api_key`, `server.admin_key`) is unset in every layer."""
+    for name in environ:
+        rest = name[len(ENV_PREFIX):].lower() if name.startswith(ENV_PREFIX) else ""
+        if rest in ("api_key", "admin_key") and not getattr(config.server, rest):
+            raise ValueError(f"environment: {name} is set, but the server reads its key from {ENV_PREFIX}SERVER_"
+                             f"{rest.upper()} (or --{rest.replace('_', '-')}, or server.{rest} in --config): "
+                             f"started, it would serve without that key. Set one of those, or unset {name}")

@@ -113,17 +113,20 @@ def exchange_addresses(own: str) -> list[str]:
 
 
 def ensure_port_free(host: str, port: int) -> None:
-    """Raises OSError if anything listens on the port, on any address `host` names (as the
-    server binds them all). The replicas bind it with SO_REUSEPORT, which another group's
-    sockets (or any socket bound so) would share with them, the kernel spreading
-    connections over both servers: a plain bind fails then. Any other failure — a host
-    that does not resolve, an address this machine lacks, a port it may not bind — is
-    left for the server's own bind to report as it is."""
+    """Raises OSError, naming the setting, before the model loads: if anything listens on
+    the port, on any address `host` names (as the server binds them all); or if `host`
+    does not resolve, is no address of this machine, or the port may not be bound. The
+    replicas bind it with SO_REUSEPORT, which another group's sockets (or any socket bound
+    so) would share with them, the kernel spreading connections over both servers: a
+    plain bind fails then. A family the machine lacks is skipped, as asyncio's bind skips
+    it (`localhost` without IPv6), unless it is every address the host names."""
     try:
         addresses = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, socket.SOCK_STREAM,
                                        flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return
+    except socket.gaierror as exc:
+        raise OSError(f"server.host (--host) {host!r} does not resolve ({exc.strerror}): give a name or address of "
+                      "this machine (0.0.0.0: every IPv4 address)") from None
+    unavailable = 0
     for family, kind, protocol, _, address in addresses:
         with socket.socket(family, kind, protocol) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT are no listener
@@ -135,6 +138,15 @@ def ensure_port_free(host: str, port: int) -> None:
                 if exc.errno == errno.EADDRINUSE:
                     raise OSError(exc.errno, f"port {port} on {host} is in use ({exc.strerror}): another server "
                                              "listens on it") from None
+                if exc.errno == errno.EACCES:
+                    raise OSError(f"server.port (--port) {port} on {host}: binding it is not permitted "
+                                  f"({exc.strerror}; below 1024 it takes root or CAP_NET_BIND_SERVICE)") from None
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                unavailable += 1
+    if addresses and unavailable == len(addresses):
+        raise OSError(f"server.host (--host) {host!r} is no address of this machine: give one of its own (0.0.0.0: "
+                      "every IPv4 address)")
 
 
 def public_socket(host: str, port: int) -> socket.socket:

@@ -1,6 +1,7 @@
 """Configuration: the TOML defaults, layering, and clear errors for bad keys."""
 
 import dataclasses
+import math
 import tomllib
 
 import pytest
@@ -85,14 +86,29 @@ def test_max_staleness_by_the_learning_rate():
 
 
 def test_an_alchemist_variable_that_is_no_configuration_is_said_to_be_ignored(caplog):
-    """`ALCHEMIST_API_KEY` (compose.yaml's name on the host) in a server's environment
-    leaves it open: the log says so, and which variable it reads."""
+    """A stray `ALCHEMIST_*` variable is logged as ignored, and which variable the server
+    reads for it; `ALCHEMIST_API_KEY` (compose.yaml's name on the host) too, where the key
+    it stands for is set."""
     with caplog.at_level("WARNING"):
-        config = load_config(environ={"ALCHEMIST_API_KEY": "sk-secret", "ALCHEMIST_CACHE": "/tmp/x",
-                                      "ALCHEMIST_EXP_GAPS": "1"})
-    assert config.server.api_key == ""
+        config = load_config(environ={"ALCHEMIST_API_KEY": "sk-secret", "ALCHEMIST_SERVER_API_KEY": "sk-secret",
+                                      "ALCHEMIST_CACHE": "/tmp/x", "ALCHEMIST_EXP_GAPS": "1",
+                                      "ALCHEMIST_TRAINER_MODE": "dpo"})
+    assert config.server.api_key == "sk-secret"
     said = [r.getMessage() for r in caplog.records]
-    assert len(said) == 1 and "ALCHEMIST_API_KEY" in said[0] and "ALCHEMIST_SERVER_API_KEY" in said[0]
+    assert len(said) == 2 and "ALCHEMIST_API_KEY" in said[0] and "ALCHEMIST_SERVER_API_KEY" in said[0]
+    assert "ALCHEMIST_TRAINER_MODE" in said[1]
+
+
+@pytest.mark.parametrize("name", ["ALCHEMIST_API_KEY", "ALCHEMIST_ADMIN_KEY"])
+def test_a_key_in_a_variable_the_server_does_not_read_is_a_start_up_error_not_an_open_server(name):
+    """`ALCHEMIST_API_KEY=sk-… alchemist serve` started a server that answered every route
+    without a key, with a warning the operator may never read (a review of the
+    configuration). Refused while the key it stands for is unset; a flag sets it too."""
+    with pytest.raises(ValueError, match=f"{name} is set.*SERVER_"):
+        load_config(environ={name: "sk-secret"})
+    key = name.removeprefix("ALCHEMIST_").lower()
+    config = load_config(overrides={"server": {key: "sk-flag"}}, environ={name: "sk-secret"})
+    assert getattr(config.server, key) == "sk-flag"
 
 
 def test_a_model_directory_that_cannot_be_read_is_a_one_line_start_up_error(tmp_path, capsys):
@@ -157,3 +173,63 @@ def test_lora_modules_take_vllms_forms_and_one_adapter():
         module("a=/x", "b=/y")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--lora-modules", '{"name": "sql"}'])
+
+
+def test_a_gate_setting_from_any_layer_without_an_eval_set_is_refused(tmp_path):
+    """`--eval-tolerance` without `--eval-set` was refused, but the same setting from a file
+    or the environment started a server with no gate (a review of the configuration)."""
+    with pytest.raises(ValueError, match="environment: train.eval_max_kl .* sets the eval gate"):
+        load_config(environ={"ALCHEMIST_TRAIN_MODE": "dpo", "ALCHEMIST_TRAIN_EVAL_MAX_KL": "0.5"})
+    config_file = tmp_path / "gate.toml"
+    config_file.write_text('[train]\nmode = "dpo"\neval_tolerance = 0.1\n')
+    with pytest.raises(ValueError, match="gate.toml: train.eval_tolerance"):
+        load_config(config_file, environ={})
+    with pytest.raises(ValueError, match="command line: train.eval_tolerance"):
+        load_config(overrides={"train": {"mode": "dpo", "eval_tolerance": 0.2}}, environ={})
+    assert load_config(config_file, {"train": {"eval_set": "held-out.jsonl"}}, environ={}).train.eval_tolerance == 0.1
+
+
+@pytest.mark.parametrize("values, match", [({"learning_rate": math.inf}, "learning_rate must be positive and finite"),
+                                           ({"target_modules": [1, 2]}, "target_modules must be a list of module"),
+                                           ({"target_modules": "q_proj"}, "target_modules must be a list of module")])
+def test_training_values_that_cannot_work_are_refused_naming_the_setting(values, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**values)
+
+
+def test_a_target_module_that_names_no_layer_is_refused_not_dropped():
+    """PEFT drops a name that matches nothing while another matches: `q_proj,foo` trained
+    an adapter on q_proj alone, saying nothing."""
+    from tests.conftest import make_training
+    with pytest.raises(ValueError, match=r"train.target_modules: \[.foo.\] name no module"):
+        make_training(TrainConfig(mode="cpt", lora_rank=4, target_modules=("q_proj", "foo")))
+
+
+def test_settings_are_named_as_an_operator_writes_them_and_origins_as_a_browser_sends_them():
+    """`ALCHEMIST_ADAPTER_KEEP=0` said "AdapterConfig.keep"; an origin with a trailing slash
+    or no scheme never matches a browser's `Origin`, and CORS was silently off (a review of
+    the configuration)."""
+    with pytest.raises(ValueError, match=r"^adapter\.keep must be a positive integer"):
+        load_config(environ={"ALCHEMIST_ADAPTER_KEEP": "0"})
+    with pytest.raises(ValueError, match=r"^model\.max_model_len must be a positive integer"):
+        load_config(overrides={"model": {"max_model_len": 0}}, environ={})
+    for origins in (["app.example.com"], ["https://x.com/"], ["https://x.com/app"]):
+        with pytest.raises(ValueError, match="server.allowed_origins must be origins as a browser sends them"):
+            load_config(overrides={"server": {"allowed_origins": origins}}, environ={})
+    config = load_config(overrides={"server": {"allowed_origins": ["https://x.com", "http://localhost:3000", "*"]}},
+                         environ={})
+    assert config.server.allowed_origins == ("https://x.com", "http://localhost:3000", "*")
+
+
+def test_an_activation_cache_that_holds_no_token_is_refused_at_start():
+    """`train.cache_bytes = 2048` (MiB meant) started a server that recorded no prompt and
+    never trained on one, saying "about 0 prompt tokens" at INFO (a review of the configuration)."""
+    import torch
+
+    from tests.conftest import tiny_model
+    from trainer.cache_budget import recorded_bytes_per_token, size_cache
+    model_config = tiny_model("llama").config
+    per_token = recorded_bytes_per_token(model_config, torch.float32)
+    with pytest.raises(ValueError, match=f"train.cache_bytes = {per_token - 1} holds no recorded prompt token"):
+        size_cache(per_token - 1, torch.device("cpu"), model_config, torch.float32)
+    assert size_cache(per_token, torch.device("cpu"), model_config, torch.float32).tokens == 1

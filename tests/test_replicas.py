@@ -578,6 +578,29 @@ def test_a_port_another_group_shares_is_refused_before_the_replicas_start(tmp_pa
     ensure_port_free("127.0.0.1", port)  # free again
 
 
+def test_a_host_the_server_cannot_bind_is_a_start_up_error_before_the_model_loads():
+    """A host that does not resolve, or is no address of this machine, failed after the
+    model loaded, with uvicorn's words and exit code 3, naming no setting (a review of the
+    configuration). The probe that refuses a port in use refuses them first."""
+    import subprocess
+    import sys
+
+    from server.replicas import ensure_port_free
+
+    port = free_port()
+    with pytest.raises(OSError, match="server.host .* 'not a host' does not resolve"):
+        ensure_port_free("not a host", port)
+    with pytest.raises(OSError, match="server.host .* '192.0.2.1' is no address of this machine"):
+        ensure_port_free("192.0.2.1", port)  # TEST-NET-1: documentation's, never a machine's
+    ensure_port_free("localhost", port)  # a family the machine may lack is skipped, as asyncio skips it
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--host", "192.0.2.1", "--port", str(port)],
+                         cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert run.returncode == 2 and "alchemist: start-up error: server.host" in run.stderr, run.stderr[-2000:]
+    assert "Application startup" not in run.stderr
+
+
 def test_the_replicas_bind_an_ipv6_host_as_one_server_does_and_as_the_probe_asks():
     """`--host ::` bound IPv4 and IPv6 under replicas (one server binds IPv6 alone, as
     asyncio does) while the port probe asked IPv6 alone: an IPv4 listener passed it."""

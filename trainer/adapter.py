@@ -261,6 +261,13 @@ def peft_model_of(model, lora: LoraConfig) -> PeftModel:
 def attach_lora(model, config: TrainConfig, init_lora_weights: bool | str = True) -> PeftModel:
     """Wraps `model` (modified in place) with a fresh LoRA adapter; base weights frozen."""
     targets = list(config.target_modules) or list(DEFAULT_TARGETS[model.config.model_type])
+    named = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    unknown = [target for target in targets if target not in named]
+    if unknown:  # PEFT drops a name that matches nothing while another matches: an adapter without it
+        linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                  if isinstance(module, torch.nn.Linear)}
+        raise ValueError(f"train.target_modules: {unknown} name no module of this model; its linear layers are "
+                         f"{sorted(linear)}")
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=targets, lora_dropout=0.0,
                       bias="none", task_type="CAUSAL_LM", init_lora_weights=init_lora_weights)
     device = next(model.parameters()).device

@@ -52,6 +52,9 @@ def size_cache(configured: int, device: torch.device, model_config, dtype: torch
                free_bytes: Callable[[torch.device], int] = free_device_bytes) -> CacheBudget:
     """The cache's budget: `configured` bytes, or with 0 sized to `device` (see above)."""
     per_token = recorded_bytes_per_token(model_config, dtype)
+    if 0 < configured < per_token:  # every prompt would be served unrecorded, and nothing would train on one
+        raise ValueError(f"train.cache_bytes = {configured} holds no recorded prompt token: one takes {per_token} "
+                         "bytes on this model (the setting is in bytes, 2 GiB is 2147483648; 0 sizes it to the device)")
     if configured > 0:
         return CacheBudget(configured, "train.cache_bytes", per_token)
     if device.type == "cuda":

@@ -158,8 +158,8 @@ class TrainConfig:
         if self.reward_function and self.mode != "grpo":
             raise ValueError(f"train.reward_function is used by train.mode grpo, not {self.mode!r}")
         for name in ("learning_rate", "dpo_beta", "label_timeout_s", "max_grad_norm", "reward_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"train.{name} must be positive, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"train.{name} must be positive and finite, got {getattr(self, name)}")
         if not 0 <= self.eval_tolerance < math.inf or not 0 <= self.eval_max_kl < math.inf:
             raise ValueError("train.eval_tolerance and train.eval_max_kl must be finite and >= 0")
         if self.eval_set and self.mode == "off":
@@ -175,6 +175,9 @@ class TrainConfig:
         if self.cohort_max_entries < self.entries_per_step:
             raise ValueError(f"train.cohort_max_entries ({self.cohort_max_entries}) must be at least "
                              f"train.entries_per_step ({self.entries_per_step})")
+        if isinstance(self.target_modules, str) or not all(isinstance(m, str) and m for m in self.target_modules):
+            raise ValueError(f"train.target_modules must be a list of module names (e.g. [\"q_proj\", \"v_proj\"]), "
+                             f"got {self.target_modules!r}")
         object.__setattr__(self, "target_modules", tuple(self.target_modules))
         if self.max_staleness == -1:  # resolved once the learning rate is known to be valid
             object.__setattr__(self, "max_staleness", staleness_for(self.learning_rate))
