@@ -14,7 +14,7 @@ import re
 import sys
 
 from engine.config import DECODE_ATTENTION
-from server.config import AlchemistConfig, load_config
+from server.config import AlchemistConfig, check_paths, load_config
 from server.feedback_cli import add_feedback_commands, feedback_command
 from trainer.config import TRAIN_MODES
 
@@ -263,6 +263,7 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
             if missing:
                 raise OSError(f"{', '.join(missing)} is no local directory")
             replica_device(config.model.device, Replica(0, args.data_parallel_size, 0, args.data_parallel_size))
+            check_paths(config)
             ensure_port_free(config.server.host, config.server.port)
         except ValueError as exc:
             print(f"alchemist: configuration error: {exc}", file=sys.stderr)
@@ -279,7 +280,8 @@ def serve_command(args: argparse.Namespace, config: AlchemistConfig, argv: list[
             join_group(replica, device)
             run_replica(config, replica)
             return 0
-        ensure_port_free(config.server.host, config.server.port)  # before the model loads and the directory is written
+        check_paths(config)  # before the model loads and the directory is written
+        ensure_port_free(config.server.host, config.server.port)
         app = build_server(config)
     except ValueError as exc:
         print(f"alchemist: configuration error: {exc}", file=sys.stderr)

@@ -225,3 +225,19 @@ def _refuse_a_key_left_unset(config: AlchemistConfig, environ: dict[str, str]) -
             raise ValueError(f"environment: {name} is set, but the server reads its key from {ENV_PREFIX}SERVER_"
                              f"{rest.upper()} (or --{rest.replace('_', '-')}, or server.{rest} in --config): "
                              f"started, it would serve without that key. Set one of those, or unset {name}")
+
+
+def check_paths(config: AlchemistConfig) -> None:
+    """The directory and files the settings name, checked before the model loads: an
+    OSError naming the setting (not an `[Errno 17]` from deep in the start, after it)."""
+    if config.offload.profile and not Path(config.offload.profile).is_file():
+        raise OSError(f"offload.profile (--offload-profile) {config.offload.profile} is no file")
+    if not config.adapter.dir or config.train.mode == "off":
+        return
+    directory = Path(config.adapter.dir)
+    if directory.exists() and not directory.is_dir():
+        raise OSError(f"adapter.dir (--adapter-dir) {directory} is no directory")
+    existing = next(path for path in (directory, *directory.parents) if path.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise OSError(f"adapter.dir (--adapter-dir) {directory} cannot be written: {existing} is no directory this "
+                      "user may write in")

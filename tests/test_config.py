@@ -233,3 +233,21 @@ def test_an_activation_cache_that_holds_no_token_is_refused_at_start():
     with pytest.raises(ValueError, match=f"train.cache_bytes = {per_token - 1} holds no recorded prompt token"):
         size_cache(per_token - 1, torch.device("cpu"), model_config, torch.float32)
     assert size_cache(per_token, torch.device("cpu"), model_config, torch.float32).tokens == 1
+
+
+def test_an_adapter_directory_or_profile_that_cannot_be_used_is_named_before_the_model_loads(tmp_path):
+    """`--adapter-dir` naming a file said `[Errno 17] File exists` after the model loaded,
+    naming no setting (a review of the configuration)."""
+    from server.config import check_paths
+
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    cases = {str(a_file): "is no directory", str(a_file / "adapters"): "cannot be written"}
+    for directory, said in cases.items():
+        config = load_config(overrides={"train": {"mode": "dpo"}, "adapter": {"dir": directory}}, environ={})
+        with pytest.raises(OSError, match=f"adapter.dir \\(--adapter-dir\\) .* {said}"):
+            check_paths(config)
+    check_paths(load_config(overrides={"train": {"mode": "dpo"}, "adapter": {"dir": str(tmp_path / "a" / "b")}},
+                            environ={}))
+    with pytest.raises(OSError, match="offload.profile .* is no file"):
+        check_paths(load_config(overrides={"offload": {"profile": str(tmp_path / "missing.json")}}, environ={}))
