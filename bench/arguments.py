@@ -78,6 +78,13 @@ def output_path(text: str) -> str:
     return text
 
 
+def existing_file(text: str) -> str:
+    """A file that exists (checked before any condition runs)."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no file at {text!r}")
+    return text
+
+
 def named_file(text: str) -> str:
     """NAME=PATH, the file there."""
     name, equals, path = text.partition("=")

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 
-from bench.arguments import at_least, fraction, listed, named_file, one_of, output_path, positive
+from bench.arguments import (at_least, existing_file, fraction, listed, named_file, one_of, output_path,
+                             positive)
 
 
 def add_bench_commands(commands, add_config_flags) -> None:
@@ -36,7 +37,8 @@ def add_bench_commands(commands, add_config_flags) -> None:
     colocate.add_argument("--seed", type=int, default=0)
     colocate.add_argument("--warmup-seconds", type=at_least(0, float), default=15.0,
                           help="a trace of other requests first on each server, reported apart as cold (0: none)")
-    colocate.add_argument("--train-config", help="TOML passed to the training-on server (e.g. record_fraction)")
+    colocate.add_argument("--train-config", type=existing_file,
+                          help="TOML passed to the training-on server (e.g. record_fraction)")
     colocate.add_argument("--no-feedback", action="store_true",
                           help="record but send no feedback (isolates the cost of recording)")
     colocate.add_argument("--feedback-fraction", type=fraction, default=1.0,

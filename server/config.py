@@ -88,6 +88,12 @@ _SECTIONS = {f.name: f for f in dataclasses.fields(AlchemistConfig)}
 def _merge(base: dict[str, dict[str, Any]], layer: dict[str, Any], origin: str, typed: bool = False) -> None:
     """Layers `layer` over `base`; `typed` (a TOML file's): each value must have its key's type."""
     for section, values in layer.items():
+        if section not in _SECTIONS and not isinstance(values, dict):  # `mode = "dpo"` above every [section]
+            homes = [f"[{name}]" for name, f in _SECTIONS.items()
+                     if section in {field.name for field in dataclasses.fields(f.default_factory())}]
+            raise ValueError(f"{origin}: {section} is outside any section; "
+                             + (f"it belongs under {' or '.join(homes)}" if homes else
+                                f"the sections are {sorted(_SECTIONS)}"))
         if section not in _SECTIONS:
             raise ValueError(f"{origin}: unknown section [{section}]; known: {sorted(_SECTIONS)}")
         if not isinstance(values, dict):

@@ -20,6 +20,7 @@ BAD = [
     "bench offload --repeats 0", "bench replicas --replicas 1", "bench replicas --clients 0",
     "profile --out /tmp/p.json --tokens 0", "profile --out /nonexistent-dir/p.json",
     "bench training --mode dpo --json /nonexistent-dir/x.json",
+    "bench colocate --train-config /nonexistent-dir/train.toml",  # (it failed after the first condition's run)
 ]
 
 

@@ -251,3 +251,10 @@ def test_an_adapter_directory_or_profile_that_cannot_be_used_is_named_before_the
                             environ={}))
     with pytest.raises(OSError, match="offload.profile .* is no file"):
         check_paths(load_config(overrides={"offload": {"profile": str(tmp_path / "missing.json")}}, environ={}))
+
+
+def test_a_key_written_above_every_section_is_told_where_it_belongs(tmp_path):
+    config_file = tmp_path / "flat.toml"
+    config_file.write_text('mode = "dpo"\n')
+    with pytest.raises(ValueError, match=r"mode is outside any section; it belongs under \[train\]"):
+        load_config(config_file, environ={})
