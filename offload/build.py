@@ -34,7 +34,7 @@ def calibrated_model(model, max_model_len: int, recompute: RecomputeFn,
 
 def build_offloader(model, offload: OffloadConfig, max_model_len: int, recompute: RecomputeFn) -> ActivationOffloader:
     if offload.profile:
-        memory, timings = load_profile(offload.profile)
+        memory, timings = load_profile(offload.profile, model.config, next(model.parameters()).element_size())
         source = offload.profile
     else:
         memory, timings, _ = calibrated_model(model, max_model_len, recompute)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 
@@ -52,9 +53,25 @@ def write_profile(profile: dict, path: str | Path) -> None:
     Path(path).write_text(json.dumps(profile, indent=1))
 
 
-def load_profile(path: str | Path) -> tuple[MemoryModel, Timings]:
-    data = json.loads(Path(path).read_text())
+def load_profile(path: str | Path, model_config=None, dtype_bytes: int | None = None) -> tuple[MemoryModel, Timings]:
+    """The memory model and timings of the profile at `path`, checked: a profile of another
+    model's shape (`model_config`, `dtype_bytes`: the served model's) would size every
+    serving step wrong, and a speed that is not positive and finite has no plan."""
     try:
-        return MemoryModel(**data["memory_model"]), Timings(**data["timings"])
-    except (KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a profile written by `alchemist profile`: {err}") from err
+        data = json.loads(Path(path).read_text())
+        memory, timings = MemoryModel(**data["memory_model"]), Timings(**data["timings"])
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"offload.profile {path} is not a profile written by `alchemist profile`: {err}") from None
+    speeds, sizes = dataclasses.asdict(timings), dataclasses.asdict(memory)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
+               for v in (*speeds.values(), *sizes.values())) or not timings.bandwidth_bytes_per_s > 0:
+        raise ValueError(f"offload.profile {path}: its sizes and timings must be numbers, finite and >= 0, its "
+                         f"bandwidth positive: {sizes}, {speeds}")
+    if model_config is not None:
+        served = MemoryModel.analytic(model_config, dtype_bytes, memory.max_model_len)
+        shape = ("num_layers", "step_per_token", "step_per_row")  # (per_token is fitted to measurements)
+        if any(not math.isclose(getattr(memory, name), getattr(served, name)) for name in shape):
+            raise ValueError(f"offload.profile {path} was written for another model's shape "
+                             f"({[getattr(memory, name) for name in shape]} for {list(shape)}; this model's: "
+                             f"{[getattr(served, name) for name in shape]}): write one for it with `alchemist profile`")
+    return memory, timings

@@ -407,3 +407,42 @@ def test_dpo_responses_go_one_at_a_time_when_the_budget_has_no_room_for_both():
     grads = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
     assert schedules == [1]
     assert relative_difference(grads, reference) <= 1e-5
+
+
+def test_a_profile_of_another_model_or_with_impossible_figures_is_refused_naming_it(tmp_path):
+    """`offload.profile` was taken as it came: another model's shape sized every serving
+    step wrong for good, a zero bandwidth failed every hedged plan with a ZeroDivisionError,
+    and a corrupt file raised a bare JSON error naming no setting (a review of the offloader)."""
+    import functools
+    import json
+
+    from offload.build import build_offloader, calibrated_model
+    from offload.profile import build_profile, write_profile
+    from trainer.forward import recompute_segment
+
+    trainer = make_trainer(offload=OffloadConfig(device_budget_bytes=1 << 40))
+    recompute = functools.partial(recompute_segment, engine_of(trainer).runner)
+    memory, timings, measurements = calibrated_model(trainer.peft_model, 256, recompute)
+    good = build_profile(memory, timings, 1 << 30, 1000, 5, 2, measurements)
+
+    def offloader_from(profile_text: str):
+        path = tmp_path / "profile.json"
+        path.write_text(profile_text)
+        return build_offloader(trainer.peft_model, OffloadConfig(device_budget_bytes=1 << 30, profile=str(path)),
+                               256, recompute)
+
+    assert offloader_from(json.dumps(good)).map.model.num_layers == memory.num_layers
+    other = json.loads(json.dumps(good))
+    other["memory_model"]["num_layers"] = 30
+    zero = json.loads(json.dumps(good))
+    zero["timings"]["bandwidth_bytes_per_s"] = 0.0
+    typed = json.loads(json.dumps(good))
+    typed["memory_model"]["per_token"] = "lots"
+    for text, said in ((json.dumps(other), "written for another model's shape"),
+                       (json.dumps(zero), "bandwidth positive"), (json.dumps(typed), "must be numbers"),
+                       (json.dumps(good)[:200], "not a profile written by `alchemist profile`"),
+                       ("[1, 2]", "not a profile written by `alchemist profile`")):
+        with pytest.raises(ValueError, match=f"offload.profile .*{said}"):
+            offloader_from(text)
+    write_profile(good, tmp_path / "unused.json")
+    trainer.close()

@@ -139,6 +139,33 @@ def test_live_stale_weights_train_a_stale_recording_with_todays_lora_weights(mod
     assert relative_difference(reaimed, stashed) > 1e-3 and relative_difference(today, fresh) > 1e-3
 
 
+def test_dpo_schedules_agree_on_a_stale_entry_under_the_live_weights():
+    """A DPO reuse job without room for both responses' graphs takes its served response's
+    log-prob from decoding; under the live weights that was the served version's, where the
+    batched schedule scores both responses under today's: the two schedules' gradients
+    differed by 1e-3 (a review of the offloader). The served value is used only under the
+    weights that decoded it."""
+    trainer = make_trainer("dpo", max_staleness=4, stale_weights="live")
+    for request_id in ("s", "t"):  # the same recording twice: one for each schedule
+        serve(trainer, request_id, max_tokens=8)
+        hold(trainer, request_id)
+    advance(trainer, 2, "dpo")
+    for request_id in ("s", "t"):
+        label(trainer, request_id, chosen="Paris, of course. It is a lovely city.")
+    entries = [trainer.cache.get(request_id) for request_id in ("s", "t")]
+    assert all(entry.label.served_logps for entry in entries) and trainer.stash.has(0)
+    trainer.stash.aim_at_live(0)
+    trainer.context.under_served_weights = False  # as the trainer starts a stale entry's job under "live"
+    batched = stashed_gradients(trainer, entries[0], 0)
+    graph_fits = type(trainer.context).graph_fits
+    type(trainer.context).graph_fits = lambda self, rows: False
+    try:
+        one_at_a_time = stashed_gradients(trainer, entries[1], 0)
+    finally:
+        type(trainer.context).graph_fits = graph_fits
+    assert relative_difference(one_at_a_time, batched) <= 1e-5
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: the training copies re-aimed
 @pytest.mark.parametrize("stale_weights", ["stashed", "live"])
 def test_live_stale_weights_give_a_fresh_adapters_a_a_gradient(stale_weights, dtype):

@@ -226,8 +226,8 @@ class DPOMethod(TrainingMethod):
         """`reuse_job` holding as little as possible: only one response graph is alive at a time: the
         loss needs the responses' log-probs only as values, and its gradient with respect
         to each then weights that response's backward. The served response's value comes
-        from decoding (under this same adapter version); otherwise the shorter response is
-        scored once without grad. Then each response is forwarded and back-propagated in
+        from decoding, where the job runs under the weights that decoded it; otherwise (or
+        a stale entry under the live weights) the shorter response is scored once without grad. Then each response is forwarded and back-propagated in
         turn, its head in row chunks (the first's run once, as it is scored). Peak: the
         prompt's recording plus one response's graph."""
         yield from self._base_reference(entry, ctx)
@@ -237,7 +237,7 @@ class DPOMethod(TrainingMethod):
         last = recording.logits[-1:].detach().requires_grad_()
         responses = {"chosen": label.chosen, "rejected": label.rejected}
         values = {}
-        if label.served_logps:
+        if label.served_logps and ctx.under_served_weights:
             second = next(iter(label.served_logps))
             values[second] = torch.tensor(label.served_logps[second], device=ctx.runner.device)
         else:

@@ -41,6 +41,10 @@ class TrainContext:
     # a batch of suffixes and their prompt back-propagate in one top-down sweep
     # (trainer.forward.backward_sweep); false, or with an offloader: the suffixes', then the prompt's
     one_backward_sweep: bool = True
+    # the job in progress runs under the weights that served its entry (fresh, or a stale
+    # one's stashed weights); false: a stale entry under the live weights
+    # (`train.stale_weights = "live"`), where a value decoding computed is not this job's
+    under_served_weights: bool = True
 
     def residency(self, recording: RecordedPrefill):
         """What brings the recording's freed layers back for backward (None: all resident)."""

@@ -206,12 +206,14 @@ class Trainer:
         if entry.recording is None and (lag == 0 or not entry.was_recorded):
             # a label entry is computed at the current version, whatever its own: never stale
             return self.method.recompute_job(entry, self.context), "recompute"
+        self.context.under_served_weights = True
         if lag == 0:
             return self.method.reuse_job(entry, self.context), "reuse"
         if (entry.recording is not None and lag <= self.config.max_staleness
                 and self.stash.has(entry.adapter_version)):
             if self.config.stale_weights == "live":
                 self.stash.aim_at_live(entry.adapter_version)
+                self.context.under_served_weights = False
             return self.method.reuse_job(entry, self.context), "stashed"
         drop = self.config.stale_policy == "drop"
         with self.stats.lock:
