@@ -28,7 +28,7 @@ from server.state import ServerState, Training
 from trainer.adapter_store import AdapterLoadError, AdapterMismatchError, AdapterNotSaved
 from trainer.feedback import FeedbackOutcome, FeedbackResult
 from trainer.ledger import LedgerUnavailable
-from trainer.replicated import RollbackSuperseded
+from trainer.replica_messages import RollbackSuperseded
 
 _FEEDBACK_STATUS = {FeedbackOutcome.INVALID: 400, FeedbackOutcome.UNKNOWN: 404, FeedbackOutcome.CONFLICT: 409,
                     FeedbackOutcome.UNAVAILABLE: 503}

@@ -33,7 +33,8 @@ from tests.tiny import tiny_model, tiny_tokenizer
 from trainer.ledger_db import LEDGER_FILE, read_ledger
 from trainer.optimizer import AdapterOptimizer
 from trainer.replica_fates import FateWatermarks
-from trainer.replicated import CombinedStep, Replica, ReplicaSync, weights_digest
+from trainer.replica_messages import CombinedStep, ReplicatedRollback
+from trainer.replicated import Replica, ReplicaSync, weights_digest
 
 SHAPES = [(4, 8), (8, 4), (3,)]
 STEPS = 3
@@ -233,6 +234,58 @@ def test_every_replica_applies_the_same_steps_as_one_optimizer_on_the_summed_gra
             expected -= entries
     for mine, theirs in zip(ranks[0]["weights"], plain):
         torch.testing.assert_close(mine, theirs.detach(), rtol=1e-6, atol=1e-7)
+
+
+def _left_out_main(rank: int, world_size: int, port: int, out: str) -> None:
+    """Rank 0 asks for a rollback; each replica sees it made before applying it. Rank 1's
+    job ran before it applied it (it contributes at once); rank 0's after."""
+    import types
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    test_group = dist.new_group(backend="gloo")  # the test's barrier: never the sync thread's group
+    params = adapter_params(seed=0)
+    sync = ReplicaSync(params, rank, round_interval_s=0.01)
+    sync.start(0)
+    if rank == 0:
+        sync.request_rollback(types.SimpleNamespace(version=0))
+    seen, deadline = [], time.time() + 30
+    while not any(isinstance(item, ReplicatedRollback) for item in seen):
+        assert time.time() < deadline, "no rollback"
+        item = sync.next_result()
+        seen.append(item) if item is not None else time.sleep(0.01)
+    if rank == 0:
+        sync.rollbacks_applied += 1  # (as OnlineTraining applies it) the job runs after it
+    for p, g in zip(params, _gradients(rank, 0)):
+        p.grad = g
+    sync.contribute(rank + 1, finite=True)
+    expected = {"CombinedStep", "LeftOut"} if rank == 1 else {"CombinedStep"}  # in one round or two
+    while not expected <= {type(item).__name__ for item in seen}:
+        assert time.time() < deadline, "no step"
+        item = sync.next_result()
+        seen.append(item) if item is not None else time.sleep(0.01)
+    step = next(item for item in seen if isinstance(item, CombinedStep))
+    torch.save({"kinds": sorted(type(item).__name__ for item in seen), "entries": step.entries, "mine": step.mine,
+                "grads": step.grads.clone()}, f"{out}/left{rank}.pt")
+    dist.barrier(group=test_group)
+    sync.close()
+    dist.destroy_process_group()
+
+
+def test_a_job_run_on_weights_a_rollback_replaced_is_left_out_of_the_replicas_step(tmp_path):
+    """A replica's job that computed while a rollback's round went by handed its gradients
+    to the next round: they were summed into a step applied on the restored weights, and
+    its labels read trained into a version that holds the rolled-back weights' gradient (a
+    review of the replicas' protocol). Left out, as one server abandons such a job: the
+    step sums the others', and that replica's entries train again."""
+    mp.spawn(_left_out_main, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"left{rank}.pt") for rank in range(2)]
+    assert ranks[1]["kinds"] == ["CombinedStep", "LeftOut", "ReplicatedRollback"], ranks[1]["kinds"]
+    assert ranks[0]["kinds"] == ["CombinedStep", "ReplicatedRollback"], ranks[0]["kinds"]
+    assert [r["entries"] for r in ranks] == [1, 1] and [r["mine"] for r in ranks] == [True, False]
+    alone = torch.cat([g.reshape(-1) for g in _gradients(0, 0)])
+    for r in ranks:
+        torch.testing.assert_close(r["grads"], alone)
 
 
 def _largest_main(rank: int, world_size: int, port: int, out: str) -> None:
@@ -516,6 +569,48 @@ def test_at_shutdown_a_replica_mid_job_still_applies_the_steps_the_others_apply(
     training.close()
     assert training.optimizer.version == 1 and not training.replicas.has_result()
     assert training.cache.get("mine").state is EntryState.READY  # not trained: a restart trains its label
+
+
+def test_a_replicas_job_left_out_after_a_rollback_trains_again_on_the_restored_weights():
+    """The device thread's side of `LeftOut`: the job that handed its gradients to a round
+    after the rollback's is dropped, and its entry trains again, recomputed under the
+    weights the rollback restored (it had trained into the version after the rollback,
+    on the replaced weights' gradient)."""
+    import queue
+
+    from tests.conftest import run_into_a_backward
+    from tests.test_training import label, make_trainer, serve
+    from trainer.entries import EntryState
+    from trainer.replica_messages import LeftOut
+
+    training = make_trainer(mode="dpo")
+    before = training.lifecycle.snapshot()  # version 0: what the operator rolls back to
+    with torch.no_grad():
+        for p in training.optimizer.params:
+            p.add_(0.01)
+    training.optimizer.version = 1
+    serve(training, "chatcmpl-r1-x")
+    label(training, "chatcmpl-r1-x")
+    sync = rounds_with(training.optimizer.params, [])
+    sync._inbox, sync.rollbacks_applied = queue.Queue(), 0
+    training.replicas = training.trainer.replicas = sync
+    run_into_a_backward(training)  # the job computes under version 1's weights
+    sync._results.append(ReplicatedRollback(before))
+    assert not training.sync_due()  # (no result applies under a computing job)
+    while training.trainer.computing():
+        training.run_slice()
+    assert sync._inbox.get_nowait().rollbacks == 0  # handed over before the rollback was applied
+    training.apply_synced()
+    assert training.optimizer.version == 2 and sync.rollbacks_applied == 1
+    sync._results.append(LeftOut(1))  # what the next round makes of it
+    training.apply_synced()
+    entry = training.cache.get("chatcmpl-r1-x")
+    assert entry is not None and entry.state is EntryState.READY and not training.trainer.in_job()
+    for _ in range(1000):  # trains again, under version 2 (version 0's weights)
+        if not sync._inbox.empty() or not training.run_slice():
+            break
+    assert sync._inbox.get_nowait().rollbacks == 1
+    training.close()
 
 
 def test_a_replica_that_could_not_apply_a_result_applies_no_later_one_nor_saves(monkeypatch):

@@ -43,7 +43,8 @@ from trainer.maintenance import Maintenance
 from trainer.methods import TrainContext, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
 from trainer.recorder import Recorder
-from trainer.replicated import ReplicaSync, ReplicatedRollback, ReplicatedVerdict, weights_digest
+from trainer.replica_messages import LeftOut, ReplicatedRollback, ReplicatedVerdict
+from trainer.replicated import ReplicaSync, weights_digest
 from trainer.rewards import RewardScorer
 from trainer.stash import WeightStash
 from trainer.status import (SLICE_BUCKETS, CacheStatus, Forgotten, GateStatus, OffloadStatus, SaveStatus,
@@ -151,12 +152,17 @@ class OnlineTraining:
                 self._settle_everywhere(item)
             else:  # cannot come without a candidate; kept for the log
                 logger.warning("a gate verdict arrived with no candidate waiting: %s", item)
+        elif isinstance(item, LeftOut):  # its job ran on weights a rollback replaced: its entries train again
+            logger.info("replica %d: a job of %d entries ran on weights a rollback replaced; they train again",
+                        self.replicas.rank, item.entries)
+            self.trainer.abandon_job()
         elif isinstance(item, ReplicatedRollback):
-            # never abandons a job: a job here has handed its gradients to a round, whose step
-            # every replica applies after the rollback (a delayed gradient) and which ends it.
+            # never abandons a job: a job here has handed its gradients to a round, whose step, if it
+            # came before the rollback, every replica applies before it; if after, it is `LeftOut`.
             # Rank 0's request is answered once the rollback is saved, which waits for every
             # replica's fates of the versions it undid; this thread does not wait for that.
             version, saving = self.lifecycle.rollback_saved_later(item.snapshot)
+            self.replicas.rollbacks_applied += 1
             if item.done is not None:
                 def answer(_=None, done=item.done):
                     if not done.done():

@@ -25,7 +25,12 @@ out by every replica (each quarantines the labels it trained into a rejected ver
 
 A replica whose job waits for its round starts no other job. A job's gradient is ∇L at
 the weights it ran under; when steps from other replicas landed while it ran, it is
-applied a version later than that — a delayed gradient, as the weight stash's are.
+applied a version later than that — a delayed gradient, as the weight stash's are. But a
+job that ran on weights a rollback replaced is left out of the sum (`LeftOut`: its
+entries train again), as one server abandons the job a rollback interrupts: each replica
+knows it alone, from the rollbacks its rounds made and those it had applied.
+
+What the rounds carry is in trainer/replica_messages.py.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ import torch.distributed as dist
 
 from trainer.adapter_store import AdapterSnapshot
 from trainer.replica_fates import FateWatermarks
+from trainer.replica_messages import (CombinedStep, Contribution, LeftOut, ReplicatedRollback, ReplicatedVerdict,
+                                      RollbackSuperseded)
 
 logger = logging.getLogger(__name__)
 
@@ -85,60 +92,12 @@ class Replica:
         return self.owner_of(completion_id) == self.rank
 
 
-@dataclass
-class Contribution:
-    """A finished job's gradients, flattened in the parameters' order."""
-
-    grads: torch.Tensor
-    entries: int
-    finite: bool
-    # (CUDA) recorded on the device thread's stream once `grads` is written
-    ready: object = None
-
-
-@dataclass
-class CombinedStep:
-    """A round's optimizer step: every replica's gradients summed."""
-
-    grads: torch.Tensor
-    entries: int
-    # every replica's loss was finite
-    finite: bool
-    # this replica's waiting job is in it
-    mine: bool
-    # (CUDA) recorded on the rounds' stream once `grads` holds the sum
-    done: object = None
-
-
-@dataclass
-class ReplicatedRollback:
-    """A saved version every replica loads at the same point of the sequence."""
-
-    snapshot: AdapterSnapshot
-    # rank 0's caller waits for the new version number
-    done: concurrent.futures.Future | None = None
-
-
-class RollbackSuperseded(RuntimeError):
-    """A later rollback asked before this one reached the replicas: it is the one applied."""
-
-
 def weights_digest(params: list[torch.Tensor]) -> str:
     """A hash of the weights' bytes, in order: equal digests, equal weights bit for bit."""
     h = hashlib.sha256()
     for p in params:
         h.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-@dataclass
-class ReplicatedVerdict:
-    """Rank 0's eval gate verdict on the candidate every replica holds (trainer/eval_gate.py):
-    its scores, why it failed (empty: promoted), and whether it was a baseline scoring."""
-
-    scores: object
-    failures: tuple[str, ...]
-    baseline: bool
 
 
 class ReplicaSync:
@@ -160,6 +119,10 @@ class ReplicaSync:
         self._results: collections.deque = collections.deque()
         self._rollback: ReplicatedRollback | None = None
         self._verdict: ReplicatedVerdict | None = None
+        # rollbacks the device thread applied, and the rounds made (a contribution of a job run
+        # before one of them is `LeftOut`)
+        self.rollbacks_applied = 0
+        self._rollbacks_made = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # this replica's ledger fates, and every replica's, as the rounds hear them
@@ -214,7 +177,7 @@ class ReplicaSync:
         if self._stream is not None:
             ready = torch.cuda.Event()
             ready.record()
-        self._inbox.put(Contribution(flat, entries, finite, ready))
+        self._inbox.put(Contribution(flat, entries, finite, ready, self.rollbacks_applied))
 
     def has_result(self) -> bool:
         with self._lock:
@@ -224,7 +187,7 @@ class ReplicaSync:
         with self._lock:
             return any(isinstance(item, ReplicatedVerdict) for item in self._results)
 
-    def next_result(self) -> CombinedStep | ReplicatedRollback | ReplicatedVerdict | None:
+    def next_result(self) -> CombinedStep | ReplicatedRollback | ReplicatedVerdict | LeftOut | None:
         with self._lock:
             return self._results.popleft() if self._results else None
 
@@ -340,6 +303,10 @@ class ReplicaSync:
 
     def _round(self, contribution: Contribution | None, rollback: ReplicatedRollback | None,
                verdict: ReplicatedVerdict | None = None) -> bool:
+        results: list = []
+        if contribution is not None and contribution.rollbacks < self._rollbacks_made:
+            results.append(LeftOut(contribution.entries))  # the weights it ran on were rolled back
+            contribution = None
         control = torch.tensor([contribution.entries if contribution else 0,
                                 0 if contribution is None or contribution.finite else 1,
                                 rollback.snapshot.version + 1 if rollback else 0,
@@ -353,20 +320,20 @@ class ReplicaSync:
         self.fates.heard(int(table[:, 5].min()))
         if table[:, 6].any():  # a replica leaves the group: its stop is a failure, not a shutdown agreed on
             self.fates.settle(failed=True)
-        results: list = []
         if entries:
             results.append(self._sum_gradients(contribution, entries, non_finite == 0))
         if rollback_to:  # snapshots hold host tensors
             box = [rollback.snapshot if rollback is not None else None]
             dist.broadcast_object_list(box, src=0, group=self._control)
             results.append(ReplicatedRollback(box[0], rollback.done if rollback is not None else None))
+            self._rollbacks_made += 1
         if verdicts:
             box = [verdict]
             dist.broadcast_object_list(box, src=0, group=self._control)
             results.append(box[0])
         with self._lock:
             self._results.extend(results)
-        if entries or rollback_to or verdicts:
+        if results:
             self.wakeup()
         return bool(stop)
 

@@ -37,7 +37,8 @@ from trainer.config import TrainConfig
 from trainer.lifecycle import AdapterLifecycle
 from trainer.methods import JobResult, TrainContext, TrainingMethod
 from trainer.optimizer import AdapterOptimizer
-from trainer.replicated import CombinedStep, ReplicaSync
+from trainer.replica_messages import CombinedStep
+from trainer.replicated import ReplicaSync
 from trainer.stash import WeightStash
 from trainer.status import TrainingStats
 
