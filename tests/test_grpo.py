@@ -306,13 +306,49 @@ def test_a_failing_reward_function_drops_the_group_and_counts_it(reward_module, 
     assert late.outcome is FeedbackOutcome.UNKNOWN and "the reward function failed" in late.message, late
 
 
+def test_reward_calls_that_hang_do_not_stop_the_later_groups_from_being_scored(reward_module, monkeypatch):
+    """Four calls that never returned held the scorer's four threads: every later group was
+    dropped as "timed out" without its function ever being called, until a restart (a
+    review of GRPO's rewards: its queue time counted against the timeout). Each call runs
+    on a thread of its own, timed from its start; past `MAX_RUNNING_CALLS` hung calls, a
+    group is dropped saying so."""
+    import threading
+
+    import trainer.rewards as rewards
+
+    release = threading.Event()
+
+    def hangs_for_some(prompt, responses):
+        reward_module.calls.append(prompt)
+        if len(reward_module.calls) <= 5:
+            release.wait(60)
+        return [float(len(r)) for r in responses]
+
+    reward_module.hangs_for_some = hangs_for_some
+    trainer = make_trainer(reward_function="grpo_test_rewards:hangs_for_some", reward_timeout_s=0.3)
+    try:
+        for i in range(5):
+            serve_group(trainer, f"hung-{i}", seed=i)
+        wait_for(lambda: trainer.stats.reward_errors == 5)
+        serve_group(trainer, "later", seed=9)
+        wait_for(lambda: trainer.stats.rewarded_groups == 1)
+        assert len(reward_module.calls) == 6 and trainer.cache.get("later").label is not None
+        monkeypatch.setattr(rewards, "MAX_RUNNING_CALLS", 5)  # the five hung calls still run
+        serve_group(trainer, "refused", seed=10)
+        wait_for(lambda: trainer.stats.reward_errors == 6)
+        assert len(reward_module.calls) == 6  # not called: dropped, saying why
+    finally:
+        release.set()
+    trainer.close()
+
+
 def test_a_reward_function_returns_numbers_and_nothing_float_merely_takes():
     """An outside pass: ["1", "1"] and booleans were taken (float() reads them)."""
     from trainer.rewards import checked_rewards
 
     assert checked_rewards([1, 2.5], 2) == [1.0, 2.5] and checked_rewards((x for x in (0, 1)), 2) == [0.0, 1.0]
     assert checked_rewards(torch.tensor([0.5, 1.0]), 2) == [0.5, 1.0]
-    for value in (["1", "1"], [True, False], "12", None, [1.0], [float("nan"), 1.0]):
+    for value in (["1", "1"], [True, False], "12", None, [1.0], [float("nan"), 1.0], {0: 5.0, 1: -3.0}):
         with pytest.raises(ValueError, match="the reward function must return 2"):
             checked_rewards(value, 2)
 
