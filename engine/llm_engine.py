@@ -279,11 +279,21 @@ class LLMEngine:
         return StepStats(seconds, num_tokens, len(scheduler.running), waiting, scheduler.kv_usage, num_preempted, kind)
 
     def _publish(self, outputs: list[RequestOutput], stats: StepStats | None) -> None:
+        """Tells the observers (metrics, training's recorder) a step's results. One that
+        raises is logged and serving goes on: raised here, the step's finished outputs were
+        lost with it, and their clients waited for ever."""
         for observer in self.hooks.observers:
             if stats is not None:
-                observer.on_step(stats)
+                try:
+                    observer.on_step(stats)
+                except Exception:  # noqa: BLE001 - an observer's fault is not the requests'
+                    logger.exception("%s failed on a step; serving goes on", type(observer).__name__)
             for output in outputs:
-                observer.on_output(output)
+                try:
+                    observer.on_output(output)
+                except Exception:  # noqa: BLE001 - (try costs nothing until it catches)
+                    logger.exception("%s failed on %s's output; serving goes on", type(observer).__name__,
+                                     output.request_id)
 
     # -- offline use ------------------------------------------------------------------
 

@@ -32,9 +32,9 @@ def test_a_configured_budget_is_kept_and_zero_sizes_it_to_the_device():
     assert on_gpu.budget_bytes == free // 2 and "free on cuda:0" in on_gpu.source
     assert on_gpu.tokens == on_gpu.budget_bytes // recorded_bytes_per_token(config, torch.bfloat16)
     assert size_cache(0, torch.device("cpu"), config, torch.bfloat16).budget_bytes == CPU_CACHE_BYTES
-    configured = size_cache(12345, torch.device("cuda", 0), config, torch.bfloat16,
+    configured = size_cache(12345 << 10, torch.device("cuda", 0), config, torch.bfloat16,
                             free_bytes=lambda device: pytest.fail("a configured budget reads no device memory"))
-    assert configured.budget_bytes == 12345 and configured.source == "train.cache_bytes"
+    assert configured.budget_bytes == 12345 << 10 and configured.source == "train.cache_bytes"
 
 
 def test_a_negative_budget_is_refused():

@@ -378,3 +378,25 @@ def test_dpo_between_two_served_choices_uses_both_served_logprobs():
     reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
     recompute = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
     assert relative_difference(reuse, recompute) <= 1e-4
+
+
+@pytest.mark.parametrize("when", ["queued", "decoding-unrecorded"])
+def test_a_group_cut_short_before_it_had_an_entry_says_so_and_is_counted(when):
+    """A stream cut while its request was still queued (or decoding unrecorded) left no
+    entry: its rewards were answered "unknown (or so old that the server no longer
+    remembers it)" and no drop was counted, where one cut a moment later was "dropped (its
+    request was cut short…)" and counted (a review of GRPO's rewards)."""
+    trainer = make_trainer(record_fraction=0.0 if when == "decoding-unrecorded" else 1.0)
+    engine = engine_of(trainer)
+    params = SamplingParams(n=GROUP, temperature=1.0, seed=1, max_tokens=8, ignore_eos=True)
+    engine.add_request("g", encode(PROMPT), params, train=True)
+    if when == "decoding-unrecorded":
+        engine.step()
+        engine.step()
+    engine.abort_request("g")
+    while engine.has_unfinished():
+        engine.step()
+    result = trainer.feedback.submit(FeedbackLabel("g", rewards=[1.0, 0.0, 0.0, 0.0]))
+    assert result.outcome is FeedbackOutcome.UNKNOWN and "cut short" in result.message, result
+    assert trainer.cache.ended_counts["dropped"] == 1
+    trainer.close()

@@ -31,13 +31,24 @@ async def concurrent_chats(url: str, count: int) -> list[str]:
     return [r.json()["id"] for r in responses]
 
 
+def one_token_of_recording() -> int:
+    """A cache that holds one token's recording, so no prompt's (one that holds none is refused at start)."""
+    import torch
+
+    from tests.tiny import tiny_model
+    from trainer.cache_budget import recorded_bytes_per_token
+    return recorded_bytes_per_token(tiny_model("llama").config, torch.float32)
+
+
 @pytest.mark.parametrize("train", [
-    {"cache_bytes": 1},  # no recording ever fits
+    {"cache_bytes": "one token"},  # no recording ever fits
     {"record_fraction": 0.0},  # none drawn
     {"max_record_tokens": 1},  # every prompt too long to record
-    {"cache_bytes": 1, "cache_full_policy": "evict_oldest"},
+    {"cache_bytes": "one token", "cache_full_policy": "evict_oldest"},
 ], ids=["cache-full", "not-drawn", "too-long", "evict-oldest"])
 def test_every_label_is_accepted_and_trained_when_activations_cannot_be_kept(train):
+    if train.get("cache_bytes") == "one token":
+        train = {**train, "cache_bytes": one_token_of_recording()}
     app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4, **train))
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         ids = asyncio.run(concurrent_chats(server.url, 6))
@@ -83,7 +94,8 @@ def test_feedback_for_a_request_served_without_training_is_a_clear_400():
 
 
 def test_label_entries_past_the_bound_are_refused_counted_and_explained():
-    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4, cache_bytes=1, max_label_entries=2))
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4, cache_bytes=one_token_of_recording(),
+                                     max_label_entries=2))
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         ids = [client.post("/v1/chat/completions", json=QUESTION).json()["id"] for _ in range(3)]
         assert metric(client, "alchemist:label_entries") == 2

@@ -11,9 +11,8 @@ a new recording does not fit, the full policy decides which activations go:
   - `unlabelled_give_way`: the oldest recordings still waiting for a label give way;
     labelled ones keep theirs until trained (most labels come soon after the answer, so
     a fresh recording is likelier to be trained on than one that has waited unlabelled).
-One waiting for a label never loses its tokens for want of room: it stays as a label entry.
-States: trainer/entries.py. Thread-safe (labels arrive on worker threads). Every ending goes to the ledger too.
-Trainable requests in flight without an entry yet are `expected` (trainer/cache_index.py).
+One waiting for a label never loses its tokens for want of room: it stays as a label entry. States in entries.py.
+Thread-safe; every ending goes to the ledger too; requests in flight without an entry are `expected` (cache_index.py).
 
 The cache alone moves an entry from state to state: every transition is one of its
 methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
@@ -60,8 +59,7 @@ class ActivationCache:
         self.journal = journal
         self.budget_bytes = budget_bytes
         self.max_label_entries = max_label_entries
-        # label entries refused at the bound
-        self.refused_label_entries = 0
+        self.refused_label_entries = 0  # label entries refused at the bound
         self.full_policy = full_policy
         self.label_timeout_s = label_timeout_s
         self.clock = clock
@@ -203,12 +201,14 @@ class ActivationCache:
         for recording in recordings:
             recording.release()
 
-    def note_ended(self, completion_id: str, state: EntryState | None, deleted: bool = False) -> None:
-        """A request that can never get an entry (NOT_TRAINABLE, NOT_A_GROUP; EXPIRED or DROPPED, as a restart
-        finds it), or one the cache knows whose data were `deleted`: feedback for it says why."""
+    def note_ended(self, completion_id: str, state: EntryState | None, deleted=False, counted=False) -> None:
+        """A request that can never get an entry (NOT_TRAINABLE, NOT_A_GROUP; EXPIRED or DROPPED as a restart finds it,
+        or cut short before it had one: `counted`), or one whose data were `deleted`: its feedback says why."""
         with self._lock:
             if completion_id not in self._entries and state is not None:
                 self._remember(completion_id, state)
+                if counted:
+                    self.ended_counts[state.value] += 1
             if deleted and (completion_id in self._entries or completion_id in self._ended):
                 self.deleted_ids.add(completion_id)
 

@@ -185,11 +185,13 @@ class Recorder:
         responses = self._responses.get(request_id)
         if responses is None:
             if output.finished:
+                expected = request_id in self.cache.expected
                 self.cache.expected.discard(request_id)
-            if output.finished and self.method.uses_feedback and not _aborted(output):
-                group = self.method.trains_on(len(output.outputs))
-                self.cache.note_ended(request_id, EntryState.NOT_TRAINABLE if group else EntryState.NOT_A_GROUP)
-            if output.finished:
+                if self.method.uses_feedback and not _aborted(output):
+                    group = self.method.trains_on(len(output.outputs))
+                    self.cache.note_ended(request_id, EntryState.NOT_TRAINABLE if group else EntryState.NOT_A_GROUP)
+                elif expected:  # cut short while it was queued: its feedback says so, as an entry's would
+                    self.cache.note_ended(request_id, EntryState.DROPPED, counted=True)
                 self._client_prompts.pop(request_id, None)
             return
         token_logps = self._token_logps.setdefault(request_id, {})
@@ -211,6 +213,8 @@ class Recorder:
             if label_only is not None and not aborted:
                 self._write_request(request_id, *label_only)
                 self.cache.add(self.method.make_label_entry(request_id, *label_only))
+            elif label_only is not None:  # cut short, unrecorded: no entry to drop, but its feedback says why
+                self.cache.note_ended(request_id, EntryState.DROPPED, counted=True)
             self.cache.expected.discard(request_id)
             if self.ledger is not None and (label_only is None or not aborted):
                 self._keep_answer(request_id, self.ledger.record_finished(request_id, [
