@@ -10,11 +10,10 @@ import argparse
 import json
 import logging
 import os
-import re
 import sys
 
 from engine.config import DECODE_ATTENTION
-from server.config import AlchemistConfig, check_paths, load_config
+from server.config import AlchemistConfig, check_paths, load_config, tokens_in
 from server.feedback_cli import add_feedback_commands, feedback_command
 from trainer.config import TRAIN_MODES
 
@@ -23,19 +22,10 @@ logger = logging.getLogger("alchemist")
 
 def token_count(text: str) -> int:
     """A length as vLLM's flags take it: 4096, 25.6k (1000s) or 32K (1024s, whole numbers only)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG])", text.strip())
-    if match is None:
-        try:
-            return int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number (e.g. 4096, 4k or 4K)") from None
-    number, suffix = match.groups()
-    if suffix.islower():
-        return int(float(number) * 1000 ** " kmg".index(suffix))
-    if "." in number:
-        raise argparse.ArgumentTypeError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; "
-                                         f"{number}{suffix.lower()} is in thousands")
-    return int(number) * 1024 ** " KMG".index(suffix)
+    try:
+        return tokens_in(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def origins(text: str) -> tuple[str, ...]:

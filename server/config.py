@@ -132,7 +132,33 @@ ENV_PREFIX = "ALCHEMIST_"
 NOT_CONFIG_VARIABLES = ("ALCHEMIST_CACHE", "ALCHEMIST_AGENT_PID", "ALCHEMIST_SERVING_MARKS", "ALCHEMIST_TEST_DEVICE")
 
 
+# settings that are lengths in tokens: `4k` and `32K` as vLLM's flags take them
+TOKEN_LENGTHS = ("max_model_len", "max_num_batched_tokens")
+
+
+def tokens_in(text: str) -> int:
+    """4096, 25.6k (1000s) or 32K (1024s, whole numbers only); ValueError otherwise."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgG])", text.strip())
+    if match is None:
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a whole number (e.g. 4096, 4k or 4K)") from None
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** " kmg".index(suffix))
+    if "." in number:
+        raise ValueError(f"{text!r}: a binary suffix ({suffix}) takes a whole number; {number}{suffix.lower()} is "
+                         "in thousands")
+    return int(number) * 1024 ** " KMG".index(suffix)
+
+
 def _parse_env_value(name: str, text: str, default: Any) -> Any:
+    if name.lower().endswith(TOKEN_LENGTHS):
+        try:
+            return tokens_in(text)
+        except ValueError as exc:
+            raise ValueError(f"environment: {name}: {exc}") from None
     try:
         if isinstance(default, bool):
             if text.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):

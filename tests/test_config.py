@@ -258,3 +258,12 @@ def test_a_key_written_above_every_section_is_told_where_it_belongs(tmp_path):
     config_file.write_text('mode = "dpo"\n')
     with pytest.raises(ValueError, match=r"mode is outside any section; it belongs under \[train\]"):
         load_config(config_file, environ={})
+
+
+def test_a_length_in_the_environment_reads_as_the_flag_does():
+    """`--max-model-len 4k` was taken and `ALCHEMIST_MODEL_MAX_MODEL_LEN=4k` refused."""
+    config = load_config(environ={"ALCHEMIST_MODEL_MAX_MODEL_LEN": "2K", "ALCHEMIST_SCHEDULER_MAX_NUM_BATCHED_TOKENS":
+                                  "4k"})
+    assert (config.model.max_model_len, config.scheduler.max_num_batched_tokens) == (2048, 4000)
+    with pytest.raises(ValueError, match="ALCHEMIST_MODEL_MAX_MODEL_LEN: '2.5K': a binary suffix"):
+        load_config(environ={"ALCHEMIST_MODEL_MAX_MODEL_LEN": "2.5K"})
