@@ -9,7 +9,8 @@
 FROM pytorch/pytorch:2.9.0-cuda12.8-cudnn9-runtime
 
 # (no adapter directory by default: with training off, one names a saved version to serve)
-# the address as configuration, not flags: ALCHEMIST_SERVER_PORT or a TOML's server.port still move it
+# the address as configuration, not flags in the entrypoint: -e ALCHEMIST_SERVER_PORT=… or a --port flag
+# moves it (a TOML's server.port does not: the environment is the layer above a file)
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     ALCHEMIST_CACHE=/var/cache/alchemist HF_HUB_OFFLINE=1 \
     ALCHEMIST_SERVER_HOST=0.0.0.0 ALCHEMIST_SERVER_PORT=8000

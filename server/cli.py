@@ -13,7 +13,7 @@ import os
 import sys
 
 from engine.config import DECODE_ATTENTION
-from server.config import AlchemistConfig, check_paths, load_config, tokens_in
+from server.config import AlchemistConfig, check_paths, load_config, refuse_a_key_left_unset, tokens_in
 from server.feedback_cli import add_feedback_commands, feedback_command
 from trainer.config import TRAIN_MODES
 
@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         try:
             config = config_from_args(args)
+            if args.command == "serve":
+                refuse_a_key_left_unset(config)
         except (ValueError, FileNotFoundError) as exc:
             print(f"alchemist: configuration error: {exc}", file=sys.stderr)
             return 2

@@ -55,13 +55,14 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"server.port must be in 1..65535, got {self.port}")
-        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))  # (a TOML list)
-        # as a browser sends it: scheme://host[:port], no path, no trailing slash (else it never matches)
-        if not all(isinstance(origin, str) and (origin == "*" or ORIGIN_PATTERN.fullmatch(origin))
+        # as a browser sends it: scheme://host[:port], no path, no trailing slash (else it never matches), in
+        # lower case as browsers write them; "null" is a file:// page's or a sandboxed frame's
+        if not all(isinstance(origin, str) and (origin in ("*", "null") or ORIGIN_PATTERN.fullmatch(origin.lower()))
                    for origin in self.allowed_origins):
             raise ValueError(f"server.allowed_origins must be origins as a browser sends them (\"https://host\", "
-                             f"\"http://host:port\": no path or trailing slash), or \"*\"; got "
+                             f"\"http://host:port\": no path or trailing slash), \"null\" or \"*\"; got "
                              f"{list(self.allowed_origins)!r}")
+        object.__setattr__(self, "allowed_origins", tuple(origin.lower() for origin in self.allowed_origins))
         check_positive(self, "max_body_bytes")
         if self.async_output not in ("auto", "on", "off"):
             raise ValueError(f"server.async_output must be auto, on or off, got {self.async_output!r}")
@@ -230,7 +231,6 @@ def load_config(
         given.append(("command line", flags))
         _merge(merged, given[-1][1], "command line")
     config = AlchemistConfig(**{s: _SECTIONS[s].default_factory(**kv) for s, kv in merged.items()})
-    _refuse_a_key_left_unset(config, os.environ if environ is None else environ)
     _refuse_a_gate_without_its_set(config, given)
     return config
 
@@ -247,10 +247,12 @@ def _refuse_a_gate_without_its_set(config: AlchemistConfig, given: list[tuple[st
                                  "with train.eval_set (--eval-set FILE); without it no version is gated")
 
 
-def _refuse_a_key_left_unset(config: AlchemistConfig, environ: dict[str, str]) -> None:
+def refuse_a_key_left_unset(config: AlchemistConfig, environ: dict[str, str] | None = None) -> None:
     """`ALCHEMIST_API_KEY=… alchemist serve` (compose's name on the host) would serve every
-    route without a key, the operator believing it set one: a start-up error while the key
-    it stands for (`server.api_key`, `server.admin_key`) is unset in every layer."""
+    route without a key, the operator believing it set one: a start-up error of `serve`
+    while the key it stands for (`server.api_key`, `server.admin_key`) is unset in every
+    layer (commands that serve nothing, `profile` and the benches, are not refused)."""
+    environ = os.environ if environ is None else environ
     for name in environ:
         rest = name[len(ENV_PREFIX):].lower() if name.startswith(ENV_PREFIX) else ""
         if rest in ("api_key", "admin_key") and not getattr(config.server, rest):

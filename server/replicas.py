@@ -128,22 +128,22 @@ def ensure_port_free(host: str, port: int) -> None:
                       "this machine (0.0.0.0: every IPv4 address)") from None
     unavailable = 0
     for family, kind, protocol, _, address in addresses:
-        with socket.socket(family, kind, protocol) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT are no listener
-            if family == socket.AF_INET6:  # as asyncio binds it: IPv6 alone, beside IPv4's own socket
-                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            try:
+        try:
+            with socket.socket(family, kind, protocol) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT: no listener
+                if family == socket.AF_INET6:  # as asyncio binds it: IPv6 alone, beside IPv4's own socket
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 probe.bind(address)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise OSError(exc.errno, f"port {port} on {host} is in use ({exc.strerror}): another server "
-                                             "listens on it") from None
-                if exc.errno == errno.EACCES:
-                    raise OSError(f"server.port (--port) {port} on {host}: binding it is not permitted "
-                                  f"({exc.strerror}; below 1024 it takes root or CAP_NET_BIND_SERVICE)") from None
-                if exc.errno != errno.EADDRNOTAVAIL:
-                    raise
-                unavailable += 1
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(exc.errno, f"port {port} on {host} is in use ({exc.strerror}): another server "
+                                         "listens on it") from None
+            if exc.errno == errno.EACCES:
+                raise OSError(f"server.port (--port) {port} on {host}: binding it is not permitted "
+                              f"({exc.strerror}; below 1024 it takes root or CAP_NET_BIND_SERVICE)") from None
+            if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # (a family the kernel lacks)
+                raise
+            unavailable += 1
     if addresses and unavailable == len(addresses):
         raise OSError(f"server.host (--host) {host!r} is no address of this machine: give one of its own (0.0.0.0: "
                       "every IPv4 address)")

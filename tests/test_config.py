@@ -103,12 +103,27 @@ def test_an_alchemist_variable_that_is_no_configuration_is_said_to_be_ignored(ca
 def test_a_key_in_a_variable_the_server_does_not_read_is_a_start_up_error_not_an_open_server(name):
     """`ALCHEMIST_API_KEY=sk-… alchemist serve` started a server that answered every route
     without a key, with a warning the operator may never read (a review of the
-    configuration). Refused while the key it stands for is unset; a flag sets it too."""
+    configuration). `serve` is refused while the key it stands for is unset (a flag sets it
+    too); a command that serves nothing (`alchemist profile`) is not."""
+    from server.config import refuse_a_key_left_unset
+
+    environ = {name: "sk-secret"}
     with pytest.raises(ValueError, match=f"{name} is set.*SERVER_"):
-        load_config(environ={name: "sk-secret"})
+        refuse_a_key_left_unset(load_config(environ=environ), environ)
     key = name.removeprefix("ALCHEMIST_").lower()
-    config = load_config(overrides={"server": {key: "sk-flag"}}, environ={name: "sk-secret"})
+    config = load_config(overrides={"server": {key: "sk-flag"}}, environ=environ)
+    refuse_a_key_left_unset(config, environ)
     assert getattr(config.server, key) == "sk-flag"
+
+
+def test_a_stray_key_variable_stops_serve_alone(monkeypatch, capsys):
+    from server.cli import main
+
+    monkeypatch.setenv("ALCHEMIST_API_KEY", "sk-secret")
+    assert main(["serve", "--port", "8199"]) == 2
+    assert "ALCHEMIST_API_KEY is set" in capsys.readouterr().err
+    args = build_parser().parse_args(["profile", "--out", "/tmp/p.json"])
+    assert config_from_args(args).server.api_key == ""  # (profile serves nothing: not refused)
 
 
 def test_a_model_directory_that_cannot_be_read_is_a_one_line_start_up_error(tmp_path, capsys):
@@ -213,12 +228,13 @@ def test_settings_are_named_as_an_operator_writes_them_and_origins_as_a_browser_
         load_config(environ={"ALCHEMIST_ADAPTER_KEEP": "0"})
     with pytest.raises(ValueError, match=r"^model\.max_model_len must be a positive integer"):
         load_config(overrides={"model": {"max_model_len": 0}}, environ={})
-    for origins in (["app.example.com"], ["https://x.com/"], ["https://x.com/app"]):
+    for origins in (["app.example.com"], ["https://x.com/"], ["https://x.com/app"], ["nul"]):
         with pytest.raises(ValueError, match="server.allowed_origins must be origins as a browser sends them"):
             load_config(overrides={"server": {"allowed_origins": origins}}, environ={})
-    config = load_config(overrides={"server": {"allowed_origins": ["https://x.com", "http://localhost:3000", "*"]}},
-                         environ={})
-    assert config.server.allowed_origins == ("https://x.com", "http://localhost:3000", "*")
+    config = load_config(overrides={"server": {"allowed_origins": ["https://x.com", "http://localhost:3000", "*",
+                                                                   "HTTPS://App.Example", "null"]}}, environ={})
+    assert config.server.allowed_origins == ("https://x.com", "http://localhost:3000", "*", "https://app.example",
+                                             "null")
 
 
 def test_an_activation_cache_that_holds_no_token_is_refused_at_start():
@@ -267,3 +283,14 @@ def test_a_length_in_the_environment_reads_as_the_flag_does():
     assert (config.model.max_model_len, config.scheduler.max_num_batched_tokens) == (2048, 4000)
     with pytest.raises(ValueError, match="ALCHEMIST_MODEL_MAX_MODEL_LEN: '2.5K': a binary suffix"):
         load_config(environ={"ALCHEMIST_MODEL_MAX_MODEL_LEN": "2.5K"})
+
+
+def test_target_modules_match_as_peft_matches_them():
+    """A dotted suffix (`self_attn.q_proj`) is a name PEFT adapts: the check refused it (a
+    review of this round's change)."""
+    from tests.conftest import make_training
+    training = make_training(TrainConfig(mode="cpt", lora_rank=4, target_modules=("self_attn.q_proj", "v_proj")))
+    adapted = {name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1] for name, module in
+               training.peft_model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == {"self_attn.q_proj", "self_attn.v_proj"}
+    training.close()

@@ -677,8 +677,11 @@ def test_a_host_the_server_cannot_bind_is_a_start_up_error_before_the_model_load
     """A host that does not resolve, or is no address of this machine, failed after the
     model loaded, with uvicorn's words and exit code 3, naming no setting (a review of the
     configuration). The probe that refuses a port in use refuses them first."""
+    import errno
+    import socket
     import subprocess
     import sys
+    from unittest import mock
 
     from server.replicas import ensure_port_free
 
@@ -688,6 +691,17 @@ def test_a_host_the_server_cannot_bind_is_a_start_up_error_before_the_model_load
     with pytest.raises(OSError, match="server.host .* '192.0.2.1' is no address of this machine"):
         ensure_port_free("192.0.2.1", port)  # TEST-NET-1: documentation's, never a machine's
     ensure_port_free("localhost", port)  # a family the machine may lack is skipped, as asyncio skips it
+    real_socket = socket.socket
+
+    def without_ipv6(family=socket.AF_INET, *args):
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+        return real_socket(family, *args)
+
+    with mock.patch("server.replicas.socket.socket", without_ipv6):  # a kernel booted with ipv6.disable=1
+        ensure_port_free("", port)
+        with pytest.raises(OSError, match="is no address of this machine"):
+            ensure_port_free("::1", port)
     root = Path(__file__).resolve().parents[1]
     run = subprocess.run([sys.executable, "-m", "server.cli", "serve", "--host", "192.0.2.1", "--port", str(port)],
                          cwd=root, capture_output=True, text=True, timeout=120,

@@ -261,8 +261,9 @@ def peft_model_of(model, lora: LoraConfig) -> PeftModel:
 def attach_lora(model, config: TrainConfig, init_lora_weights: bool | str = True) -> PeftModel:
     """Wraps `model` (modified in place) with a fresh LoRA adapter; base weights frozen."""
     targets = list(config.target_modules) or list(DEFAULT_TARGETS[model.config.model_type])
-    named = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    unknown = [target for target in targets if target not in named]
+    names = [name for name, _ in model.named_modules()]
+    unknown = [target for target in targets  # matched as PEFT matches a name: whole, or a dotted suffix
+               if not any(name == target or name.endswith("." + target) for name in names)]
     if unknown:  # PEFT drops a name that matches nothing while another matches: an adapter without it
         linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                   if isinstance(module, torch.nn.Linear)}
