@@ -43,7 +43,7 @@ class _FakeServer:
             f'alchemist:trained_entries_total{{mode="dpo",path="reuse"}} {self.trained}',
             "# TYPE alchemist:activation_cache_entries gauge",
             f'alchemist:activation_cache_entries{{state="ready"}} {self.ready}',
-            f'alchemist:activation_cache_entries{{state="training"}} 0',
+            'alchemist:activation_cache_entries{state="training"} 0',
             "# TYPE alchemist:train_slice_max_seconds gauge",
             f'alchemist:train_slice_max_seconds{{item="{self.item}"}} {self.longest}',
             "# TYPE alchemist:train_slice_seconds histogram", *buckets,

@@ -8,7 +8,6 @@ work is queued, and nothing changes in what each stream gets."""
 import asyncio
 import contextlib
 import threading
-import time
 
 import pytest
 

@@ -227,9 +227,10 @@ class DPOMethod(TrainingMethod):
         loss needs the responses' log-probs only as values, and its gradient with respect
         to each then weights that response's backward. The served response's value comes
         from decoding, where the job runs under the weights that decoded it; otherwise (or
-        a stale entry under the live weights) the shorter response is scored once without grad. Then each response is forwarded and back-propagated in
-        turn, its head in row chunks (the first's run once, as it is scored). Peak: the
-        prompt's recording plus one response's graph."""
+        a stale entry under the live weights) the shorter response is scored once without
+        grad. Then each response is forwarded and back-propagated in turn, its head in row
+        chunks (the first's run once, as it is scored). Peak: the prompt's recording plus
+        one response's graph."""
         yield from self._base_reference(entry, ctx)
         recording, label = entry.recording, entry.label
         prompt_len = len(entry.prompt_token_ids)

@@ -38,8 +38,8 @@ class FeedbackIntake:
                                     f"this server trains in {self.method.name!r} mode (start it with --train-mode "
                                     "dpo or grpo)", None, "feedback_not_used")
         else:
-            result = attach_label(self.cache, request, ResponseText(self._response_ids, self._served_text, self._label_end),
-                                  self.max_model_len, self.method.label_kind, self.ledger)
+            texts = ResponseText(self._response_ids, self._served_text, self._label_end)
+            result = attach_label(self.cache, request, texts, self.max_model_len, self.method.label_kind, self.ledger)
         self.count(result, request.rewards if result.accepted else None, request.source == "api")
         return result
 

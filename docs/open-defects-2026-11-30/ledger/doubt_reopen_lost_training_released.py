@@ -7,5 +7,6 @@ import sys
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.ledger_model import replay  # noqa: E402
-ops = [('serve', 'r3', True), ('step', ['r3']), ('reject', False), ('restart', True, None), ('restart', False, 'all'), ('step', ['r3']), ('restart', True, None)]
+ops = [('serve', 'r3', True), ('step', ['r3']), ('reject', False), ('restart', True, None),
+       ('restart', False, 'all'), ('step', ['r3']), ('restart', True, None)]
 print(replay(ops, verbose=True))
