@@ -77,8 +77,16 @@ def _best_match(errors: list[dict], tagged: bool = False) -> dict:
     with the body's tag, then the field."""
     field = tuple(errors[0]["loc"])[:2 if tagged else 1]
     same = [e for e in errors if tuple(e["loc"])[:len(field)] == field]
-    return max(same, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type"),
+    best = max(same, key=lambda e: (len(e["loc"]), not e["type"].endswith("_type"),
                                     [part for part in e["loc"] if isinstance(part, int)], _expected_its_kind(e)))
+    # within that member, the first bad item (`[true, true]` as rewards: item 0)
+    return min((e for e in same if _member(e) == _member(best)),
+               key=lambda e: [part for part in e["loc"] if isinstance(part, int)])
+
+
+def _member(error: dict) -> tuple:
+    """An error's union member and kind: its location without the list indices, its type."""
+    return tuple(part for part in error["loc"] if not isinstance(part, int)), len(error["loc"]), error["type"]
 
 
 def _expected_its_kind(error: dict) -> bool:

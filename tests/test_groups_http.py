@@ -51,6 +51,7 @@ def test_equal_rewards_answer_skipped_and_are_counted(grpo_client):
     ({"rewards": [1, 0, 0]}, 400, "rewards"),            # one per choice
     ({"rewards": []}, 400, "rewards"),
     ({"rewards": ["1", 0, 0, 0]}, 400, "rewards[0]"),    # numbers only
+    ({"rewards": [0, True, True, 0]}, 400, "rewards[1]"),  # the first item at fault, not the last
     ({"chosen": "Paris."}, 400, "rewards"),              # a preference on a GRPO server
     ({"rewards": [1, 0, 0, 0], "chosen_index": 1}, 400, "chosen_index"),
 ])

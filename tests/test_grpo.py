@@ -208,6 +208,15 @@ def test_a_group_trains_and_moves_the_adapter():
     assert trainer.stats.rewarded_groups == 1 and trainer.stats.rewards_received == GROUP
 
 
+def test_rewards_near_float64s_limit_read_finite_in_the_groups_mean():
+    trainer = make_trainer()
+    serve_group(trainer)
+    assert reward(trainer, rewards=(1e308, 1e308, 0.0, 1.0)).accepted
+    assert trainer.stats.last_group_mean_reward == pytest.approx(5e307)  # the sum of the rewards overflows
+    trainer.train_until_idle()
+    assert trainer.stats.trained_entries[("grpo", "reuse")] == 1
+
+
 def test_stale_group_trains_on_its_recording_with_stashed_weights():
     trainer = make_trainer()
     serve_group(trainer, "old")

@@ -104,8 +104,10 @@ class GRPOMethod(TrainingMethod):
         return loss
 
     def _metrics(self, entry: GroupEntry, loss: float) -> dict[str, float]:
-        rewards = torch.tensor(entry.label.rewards)
-        return {"loss": loss, "mean_reward": rewards.mean().item(), "reward_std": rewards.std().item()}
+        rewards = torch.tensor(entry.label.rewards, dtype=torch.float64)
+        scale = max(rewards.abs().max().item(), 1.0)  # rewards near float64's limit: their sum would overflow
+        scaled = rewards / scale
+        return {"loss": loss, "mean_reward": scaled.mean().item() * scale, "reward_std": scaled.std().item() * scale}
 
     def reference_token_logps(self, entry: GroupEntry, ctx: TrainContext):
         """Generator -> per choice, the base model's log-prob of each response token (no

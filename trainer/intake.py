@@ -56,7 +56,7 @@ class FeedbackIntake:
                 self.stats.rewarded_groups += 1
                 self.stats.rewards_received += len(rewards)
                 self.stats.reward_sum += sum(rewards)
-                self.stats.last_group_mean_reward = sum(rewards) / len(rewards)
+                self.stats.last_group_mean_reward = sum(r / len(rewards) for r in rewards)  # no overflow at 1e308
                 self.stats.zero_advantage_groups += result.skipped
 
     def _served_text(self, ids: list[int]) -> str:
