@@ -87,14 +87,15 @@ class ServingMetrics:
                                     "Time from request arrival to its first generated token, in seconds.",
                                     labels, registry=r, buckets=_LATENCY_BUCKETS))
         self.tpot = child(Histogram(f"{PREFIX}request_time_per_output_token_seconds",
-                                    "Mean time per generated token after the first, per finished request: "
+                                    "Mean time per generated token after the first, per request that ran to its end: "
                                     "(last token - first token) / (tokens - 1) of its longest choice, in seconds.",
                                     labels, registry=r, buckets=_LATENCY_BUCKETS))
         self.itl = child(Histogram(f"{PREFIX}inter_token_latency_seconds",
                                    "Time between consecutive outputs carrying new tokens of a request, in seconds.",
                                    labels, registry=r, buckets=_LATENCY_BUCKETS))
         self.e2e = child(Histogram(f"{PREFIX}e2e_request_latency_seconds",
-                                   "Time from request arrival to its last token, in seconds.",
+                                   "Time from request arrival to its last token, in seconds (requests that ran to their end; "
+                                   "an aborted one counts in request_success_total only).",
                                    labels, registry=r, buckets=_E2E_BUCKETS))
         self.queue_time = child(Histogram(f"{PREFIX}request_queue_time_seconds", "Time a request waited in the "
                                           "queue before its prefill was first scheduled, in seconds.", labels,
@@ -103,12 +104,12 @@ class ServingMetrics:
                                             "scheduled step to its first token, in seconds.", labels, registry=r,
                                             buckets=_E2E_BUCKETS_SHORT))
         self.decode_time = child(Histogram(f"{PREFIX}request_decode_time_seconds", "Time from a request's first "
-                                           "token to its last, in seconds.", labels, registry=r,
+                                           "token to its last, in seconds (requests that ran to their end).", labels, registry=r,
                                            buckets=_E2E_BUCKETS))
-        self.prompt_len = child(Histogram(f"{PREFIX}request_prompt_tokens", "Prompt length of finished requests, "
+        self.prompt_len = child(Histogram(f"{PREFIX}request_prompt_tokens", "Prompt length of requests that ran to their end, "
                                           "in tokens.", labels, registry=r, buckets=_TOKEN_BUCKETS))
-        self.gen_len = child(Histogram(f"{PREFIX}request_generation_tokens", "Tokens generated per finished "
-                                       "request (all choices), in tokens.", labels, registry=r,
+        self.gen_len = child(Histogram(f"{PREFIX}request_generation_tokens", "Tokens generated per request "
+                                       "that ran to its end (all choices), in tokens.", labels, registry=r,
                                        buckets=_TOKEN_BUCKETS))
         self.steps = StepsByKind(model_name, r)
         self.running = child(Gauge(f"{PREFIX}num_requests_running", "Sequences in the running batch.",
@@ -188,14 +189,17 @@ class ServingMetrics:
                 counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
         if output.finished:
             longest = max(self._choice_tokens.pop(rid, {}).values(), default=0)
-            if meta.finish_time is not None:
+            # the histograms describe requests that ran to their end; one aborted (its client
+            # gone, perhaps still queued) is counted by its reason only
+            if meta.finish_time is not None and not aborted:
                 self.e2e.observe(meta.finish_time - meta.arrival_time)
                 if meta.first_token_time is not None:
                     self.decode_time.observe(meta.finish_time - meta.first_token_time)
                     if longest > 1:
                         self.tpot.observe((meta.finish_time - meta.first_token_time) / (longest - 1))
-            self.prompt_len.observe(meta.num_prompt_tokens)
-            self.gen_len.observe(meta.num_generation_tokens)
+            if not aborted:
+                self.prompt_len.observe(meta.num_prompt_tokens)
+                self.gen_len.observe(meta.num_generation_tokens)
             reason = request_finish_reason({c.finish_reason for c in output.outputs if c.finish_reason})
             self.success.labels(model_name=self._model_name, finished_reason=reason).inc()
             self._started.discard(rid)

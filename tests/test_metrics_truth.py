@@ -213,6 +213,27 @@ def test_a_request_of_several_choices_is_counted_once_whatever_its_choices_finis
     assert request_finish_reason(set()) == "abort" and request_finish_reason({"abort", "length"}) == "abort"
 
 
+def test_an_aborted_request_is_counted_by_its_reason_not_in_the_latency_histograms():
+    """An outside pass (guidellm): 506 of 515 end-to-end observations were requests its
+    sweep abandoned in the queue, the histogram's mean 13.7 s against 2.8 s served."""
+    metrics = ServingMetrics(TINY_NAME)
+    served = RequestMetrics(0.0, 0.1, 0.9, 3, 4, 0.05)
+    metrics.on_output(RequestOutput("a", [CompletionOutput(0, "x", [5, 6, 7, 8], None, "length")], True, served))
+    queued = RequestMetrics(0.0, None, 30.0, 3, 0)  # abandoned before it was scheduled
+    metrics.on_output(RequestOutput("b", [CompletionOutput(0, "", [], None, "abort")], True, queued))
+    decoding = RequestMetrics(0.0, 0.1, 20.0, 3, 2, 0.05)  # its client gone mid-answer
+    metrics.on_output(RequestOutput("c", [CompletionOutput(0, "x", [5, 6], None, "abort")], True, decoding))
+
+    def count(histogram):
+        return next(s.value for m in histogram.collect() for s in m.samples if s.name.endswith("_count"))
+
+    assert [count(h) for h in (metrics.e2e, metrics.decode_time, metrics.tpot, metrics.prompt_len,
+                               metrics.gen_len)] == [1, 1, 1, 1, 1]
+    counted = {s.labels["finished_reason"]: s.value for m in metrics.success.collect() for s in m.samples
+               if s.name.endswith("_total")}
+    assert counted == {"length": 1, "stop": 0, "abort": 2}
+
+
 def test_every_finish_reason_is_a_series_from_the_first_scrape():
     """Prometheus' rate() and increase() see a series' first increment only if the series
     was there, at 0, in the scrape before it."""
