@@ -84,8 +84,7 @@ class RequestGuard:
                                 f"holds at once ({limit}).", param, "invalid_value")
         extra = sequences - charged[0]
         if extra > 0 and self.in_flight + extra > limit:
-            raise APIError(429, f"The server is at capacity ({limit} sequences running or queued); retry "
-                                "shortly.", code="rate_limit_exceeded", headers={"retry-after": "1"})
+            raise self._at_capacity()
         self.in_flight += max(extra, 0)
         charged[0] += max(extra, 0)
 
@@ -107,7 +106,7 @@ class RequestGuard:
             await send(message)
 
         try:
-            refusal = self._refusal(scope, path)
+            refusal = self._refusal(scope, path) or self._full(scope, path)
             if refusal is not None:
                 return await _send_error(counting_send, refusal)
             charged = [0]  # the sequences this request holds of max_in_flight
@@ -150,6 +149,17 @@ class RequestGuard:
             if int(length) > self.config.max_body_bytes:
                 return self._too_large()
         return None
+
+    def _full(self, scope, path: str) -> APIError | None:
+        """A generation request while every sequence of the capacity is held: refused
+        before its body is read (a client retrying 429s at once costs the server least)."""
+        if scope.get("method") == "POST" and path in GENERATION_ROUTES and self.in_flight >= self.config.max_in_flight:
+            return self._at_capacity()
+        return None
+
+    def _at_capacity(self) -> APIError:
+        return APIError(429, f"The server is at capacity ({self.config.max_in_flight} sequences running or queued); "
+                             "retry shortly.", code="rate_limit_exceeded", headers={"retry-after": "1"})
 
     def _too_large(self) -> APIError:
         return APIError(413, f"The request body is larger than the server's limit of "
@@ -194,12 +204,12 @@ def _bearer(scope) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def _send_error(send, err: APIError, headers: dict[str, str] | None = None) -> None:
+async def _send_error(send, err: APIError) -> None:
     body = json.dumps(error_body(err.status, err.message, err.param, err.code, err.type), ensure_ascii=False,
                       separators=(",", ":")).encode()  # as every other error body (JSONResponse)
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if err.status == 401:
         raw_headers.append((b"www-authenticate", b"Bearer"))
-    raw_headers += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    raw_headers += [(k.encode(), v.encode()) for k, v in (err.headers or {}).items()]
     await send({"type": "http.response.start", "status": err.status, "headers": raw_headers})
     await send({"type": "http.response.body", "body": body})

@@ -241,6 +241,35 @@ def test_bodies_that_never_end_hold_no_capacity():
                 sock.close()
 
 
+def test_a_full_server_refuses_a_generation_before_reading_its_body():
+    """An outside pass (guidellm's sweep retrying 429s at once, 490 a second): each refusal
+    went through the whole app (its body read and parsed). While every sequence is held,
+    a generation's 429 comes from its headers alone, as cheap as a health probe."""
+    import socket
+
+    from server.guards import RequestGuard
+
+    app = tiny_app(max_num_seqs=1, server=ServerConfig(max_queued_requests=0))
+    with ServerThread(app) as server:
+        guard = app.middleware_stack
+        while not isinstance(guard, RequestGuard):
+            guard = guard.app
+        guard.in_flight = guard.config.max_in_flight  # as if a request held the one sequence
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny")  # the rest never comes
+            head = sock.recv(4096)
+        assert head.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in head.lower(), head
+        assert b"rate_limit_exceeded" in head
+        assert get(f"{server.url}/v1/models").status_code == 200  # only generations wait for room
+        guard.in_flight = 0
+        r = post(f"{server.url}/v1/chat/completions", json={
+            "model": TINY_NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text  # the refusal held nothing
+        assert guard.in_flight == 0
+
+
 def test_web_pages_of_the_allowed_origins_alone_may_call_the_server():
     """CORS is opt-in (`--allowed-origins`): by default no page the user opens can post a
     JSON label or rollback to a local server (its preflight finds no CORS headers); an
