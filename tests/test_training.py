@@ -83,6 +83,31 @@ def test_reuse_and_recompute_paths_give_the_same_lora_gradients(family, mode):
     assert relative_difference(recompute, baseline) <= 1e-4
 
 
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+def test_a_request_its_client_left_is_not_trained_on_but_a_label_given_before_its_end_is(mode):
+    """An outside pass (litellm retrying a chat after its timeout, three times): a CPT
+    server trained the prompt once per abandoned attempt. A request cut short by its
+    client is dropped, in every method; a DPO label that came with both texts before the
+    answer ended was accepted, and keeps its entry."""
+    trainer = make_trainer(mode=mode)
+    engine = engine_of(trainer)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for request_id in ("left", "labelled"):
+        engine.add_request(request_id, encode(PROMPT), params, train=True)
+        engine.step()  # its prefill recorded
+        if request_id == "labelled" and mode == "dpo":
+            assert trainer.feedback.submit(FeedbackLabel("labelled", "Paris.", "Rome.", 0)).accepted
+        engine.abort_request(request_id)
+        while engine.has_unfinished():
+            engine.step()
+    trainer.train_until_idle()
+    assert trainer.cache.ended_counts["dropped"] == (2 if mode == "cpt" else 1)
+    assert sum(trainer.stats.trained_entries.values()) == (0 if mode == "cpt" else 1)
+    serve(trainer, "served")
+    trainer.train_until_idle()
+    assert sum(trainer.stats.trained_entries.values()) == 1  # a CPT prompt served whole trains; DPO waits for a label
+
+
 def test_training_steps_bump_the_adapter_version_and_change_the_model():
     trainer = make_trainer()
     before = [p.detach().clone() for p in lora_parameters(trainer.peft_model)]

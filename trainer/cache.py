@@ -3,8 +3,8 @@
 Entries are keyed by completion id and move through
     waiting_label -> ready -> training -> trained
 or end as expired (no label within the label timeout, paper §4.4), evicted (the cache
-was full and the policy chose it), or dropped (stale with stale_policy=drop, an aborted
-DPO request, a failed job). The cache is bounded in bytes of recorded activations; when
+was full and the policy chose it), or dropped (stale with stale_policy=drop, a request its
+client left, a failed job). The cache is bounded in bytes of recorded activations; when
 a new recording does not fit, the full policy decides which activations go:
   - `drop_new` (the paper's): the old entries keep theirs, the new one is not kept;
   - `evict_oldest`: the oldest entries not being trained give way;
@@ -14,12 +14,12 @@ a new recording does not fit, the full policy decides which activations go:
 One waiting for a label never loses its tokens for want of room: it stays as a label entry. States in entries.py.
 Thread-safe; every ending goes to the ledger too; requests in flight without an entry are `expected` (cache_index.py).
 
-The cache alone moves an entry from state to state: every transition is one of its
-methods (`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`,
-`expire`); nobody else assigns `entry.state`. It keeps its entries indexed by state and
-by whether they hold a recording, and by label deadline (trainer/cache_index.py), so that
-what serving asks per request and the trainer per slice does not grow with the entries
-waiting for labels. Its lock is its own, held only around its own bookkeeping.
+The cache alone moves an entry from state to state: every transition is one of its methods
+(`add`, `hold`, `attach_label`, `take_ready`, `requeue`, `end`, `drop_unlabelled`, `expire`);
+nobody else assigns `entry.state`. It keeps its entries indexed by state, by whether they
+hold a recording and by label deadline (trainer/cache_index.py), so that what serving asks
+per request and the trainer per slice does not grow with the entries waiting for labels.
+Its lock is its own, held only around its own bookkeeping.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from typing import Protocol
 
 from engine.recording import RecordedPrefill
 from trainer.cache_index import EntryIndex, ExpectedIds, lag_behind
-from trainer.entries import TERMINAL, CacheEntry, EntryState
+from trainer.entries import TERMINAL, CacheEntry, EntryState, FateJournal
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +39,6 @@ logger = logging.getLogger(__name__)
 FULL_POLICIES = ("drop_new", "evict_oldest", "unlabelled_give_way")
 # the latest recordings whose times are kept (a pause is measured against their gaps: trainer/maintenance.py)
 RECENT_RECORDINGS = 17
-
-
-class FateJournal(Protocol):
-    """Where the cache writes how each entry ended (the feedback ledger, trainer/ledger.py):
-    called under the cache's lock, so it must only queue the write."""
-
-    def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
-                    reason: str | None = None) -> None: ...
 
 
 class ActivationCache:
@@ -309,10 +300,12 @@ class ActivationCache:
             entry.served_logps = served_logps or {}
             entry.served_token_logps = served_token_logps or {}
             entry.response_finished = True
-            if entry.needs_label:
-                if aborted and entry.state is EntryState.WAITING_LABEL:
-                    self._end(entry, EntryState.DROPPED, reason="aborted")  # no complete response to prefer or reject
-                elif entry.state is EntryState.WAITING_LABEL:
+            # cut short by its client: no whole response to prefer or reject; a CPT prompt, a retry sends
+            # again. A label that came with both texts before the end (READY) keeps its entry.
+            if aborted and entry.state is (EntryState.WAITING_LABEL if entry.needs_label else EntryState.READY):
+                self._end(entry, EntryState.DROPPED, reason="aborted")
+            elif entry.needs_label:
+                if entry.state is EntryState.WAITING_LABEL:
                     entry.label_deadline = (self.clock() + self.label_timeout_s if label_deadline is None
                                             else label_deadline)
                     self._index.awaits_label(entry)

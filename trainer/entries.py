@@ -1,5 +1,5 @@
 """What the activation cache holds: an entry per recorded (or label-only) request, its
-label types, and the states an entry moves through.
+label types, the states an entry moves through, and where the cache writes how each ended.
 
 `CacheEntry` is the paper's AlchemistCacheBase: subclass it (and `TrainingMethod`) to
 train with another method. An entry's `state` is moved only by the cache
@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from engine.recording import RecordedPrefill
 
@@ -126,3 +127,11 @@ class GroupEntry(CacheEntry):
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + sum(len(r) for r in self.responses.values())
+
+
+class FateJournal(Protocol):
+    """Where the cache writes how each entry ended (the feedback ledger, trainer/ledger.py):
+    called under the cache's lock, so it must only queue the write."""
+
+    def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
+                    reason: str | None = None) -> None: ...

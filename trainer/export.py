@@ -14,7 +14,8 @@ to TRL's trainers unchanged.
                      completions, so rewards travel as data)
   language-modeling  {text} or {messages}: what a CPT server trains on, each request's
                      prompt (SFTTrainer, a loss on every token, as CPT's; TRL renders
-                     messages without the generation prompt that opened the answer)
+                     messages without the generation prompt that opened the answer),
+                     but one whose client left before its answer ended
 
 A request from `/v1/chat/completions` gives conversational rows (`prompt` the message list
 the chat template was given, ledger_db.ClientPrompt; each completion one assistant
@@ -181,6 +182,11 @@ def _cut_short(choice: ChoiceRecord) -> bool:
     return choice.finish_reason in CUT_SHORT or (choice.finish_reason == "stop" and choice.stop_reason is not None)
 
 
+def _abandoned(row: LedgerRow) -> bool:
+    """A request whose client left before its answer ended (trainer/cache.py does not train on it)."""
+    return bool(row.choices) and all(choice.finish_reason == "abort" for choice in row.choices)
+
+
 def _served(row: LedgerRow, index: int | None) -> _Answer:
     choice = next((c for c in row.choices if c.index == (index or 0)), None)
     return _Answer(None) if choice is None else _Answer(choice.text, _cut_short(choice))
@@ -245,7 +251,7 @@ def _prompt_completion(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
 
 
 def _language_modeling(row: LedgerRow) -> Iterator[tuple[dict, bool]]:
-    if row.request.method == "cpt":
+    if row.request.method == "cpt" and not _abandoned(row):
         yield {"messages" if _style(row) == "conversational" else "text": row.request.prompt}, False
 
 
