@@ -279,10 +279,11 @@ def test_a_deleted_label_is_not_trained_on(tmp_path):
     training.close()
 
 
-def _training(root, save_every: int = 10):
-    """DPO training on `root` as a server builds it: versions saved there, and the ledger."""
+def _training(root, save_every: int = 10, config: TrainConfig = DPO):
+    """Training (DPO) on `root` as a server builds it: versions saved there, and the ledger."""
     ledger = Ledger(root / LEDGER_FILE)
-    return make_training(DPO, checkpointer=AdapterCheckpointer(AdapterStore(root), save_every, ledger), ledger=ledger)
+    return make_training(config, checkpointer=AdapterCheckpointer(AdapterStore(root), save_every, ledger),
+                         ledger=ledger)
 
 
 def crash(training) -> None:
@@ -388,6 +389,25 @@ def test_feedback_for_a_request_a_crash_cut_short_says_so_after_the_restart(tmp_
         result = third.feedback.submit(FeedbackLabel(request_id, "A label.", None, 0))
         assert result.outcome is FeedbackOutcome.UNKNOWN and f"is dropped ({why}" in result.message, result.message
     third.close()
+
+
+def test_a_restart_takes_back_the_cpt_prompts_served_whole_and_not_those_cut_short(tmp_path):
+    """As online (a client retrying after its timeout sends a CPT prompt again): a prompt
+    whose answer the crash or its client cut short is dropped, saying why."""
+    first = _training(tmp_path, config=TrainConfig(mode="cpt", lora_rank=4))
+    for request_id in ("whole", "cut", "aborted"):
+        first.ledger.record_request(RequestRecord(request_id, time.time(), 0, "cpt", [1, 2, 3, 4], "Hi"))
+    first.ledger.record_finished("whole", [ChoiceRecord(0, [5], "Yes", None, "stop")], False)
+    first.ledger.record_finished("aborted", [ChoiceRecord(0, [5], "Ye", None, "abort")], True)
+    crash(first)
+    second = _training(tmp_path, config=TrainConfig(mode="cpt", lora_rank=4))
+    second.train_until_idle()
+    assert second.stats.copy().trained_entries == {("cpt", "recompute"): 1}
+    second.ledger.flush()
+    rows = rows_by_id(tmp_path / LEDGER_FILE)
+    assert [(rows[i].fate, rows[i].fate_reason) for i in ("whole", "cut", "aborted")] == [
+        ("trained", None), ("dropped", "interrupted"), ("dropped", "aborted")]
+    second.close()
 
 
 def test_deleting_a_batch_after_a_restart_withdraws_the_prompts_the_restart_took_back(tmp_path):

@@ -5,7 +5,7 @@ saved adapter version includes it, so on start, for the training method the serv
   - every label not trained into a version up to the one resumed from (never trained, or
     trained into a version that was not saved before the crash) becomes a ready entry
     again, without activations: it trains by recomputation, at the resumed version (CPT,
-    which needs no label, takes its requests back the same way);
+    which needs no label, takes its requests back the same way, but those cut short);
   - every request served within the label timeout that is still without a label becomes
     an entry waiting for one again, until the same deadline it had (a reward function,
     if one is set, scores its group again);
@@ -75,16 +75,19 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
             cache.note_ended(row.request.id, EntryState.DROPPED, deleted=True)
             closed += 1
             continue
-        if row.label is not None or not entry.needs_label:
-            if row.label is not None and not _labelled(cache, entry, row):
+        if row.label is not None:
+            if _labelled(cache, entry, row):
+                to_train += 1
+            else:
                 closed += 1
-                continue
-            if not entry.needs_label:
-                cache.add(entry, owed=True)
+            continue
+        cut_short = row.aborted or row.finished_at is None  # as online: a client retrying sends a CPT prompt again
+        if not entry.needs_label and not cut_short:
+            cache.add(entry, owed=True)
             to_train += 1
             continue
         deadline = None if row.finished_at is None else row.finished_at + label_timeout_s
-        if row.aborted or deadline is None or deadline <= now_wall:
+        if cut_short or deadline <= now_wall:
             reason = "interrupted" if row.finished_at is None else "aborted" if row.aborted else None
             state = EntryState.EXPIRED if reason is None else EntryState.DROPPED
             ledger.record_fate(row.request.id, state.value, reason=reason)
