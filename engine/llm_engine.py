@@ -107,15 +107,18 @@ class LLMEngine:
         if params.grammar is not None:
             self.grammars.check(params.grammar)
         requested = len(prompt_token_ids) + (params.max_tokens or 0)
-        if len(prompt_token_ids) >= self.max_model_len or requested > self.max_model_len:
-            prompt_alone = len(prompt_token_ids) >= self.max_model_len  # then no max_tokens would fit it
+        # a prompt only scored (max_tokens 0) may fill the context; one answered leaves a position for its token
+        longest_prompt = self.max_model_len if params.max_tokens == 0 else self.max_model_len - 1
+        if len(prompt_token_ids) > longest_prompt or requested > self.max_model_len:
+            prompt_alone = len(prompt_token_ids) > longest_prompt  # then no max_tokens would fit it
             raise InvalidParameter(
                 "prompt" if prompt_alone or not params.max_tokens else params.max_tokens_param,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{requested} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens or 0} in the "
                 f"completion). Please reduce the length of the prompt or completion." + (
                     " A prompt must leave the context one position for the token it is answered with, so it "
-                    f"may have at most {self.max_model_len - 1} tokens." if prompt_alone else ""),
+                    f"may have at most {longest_prompt} tokens (all {self.max_model_len} with max_tokens 0, "
+                    "scoring it)." if prompt_alone and params.max_tokens != 0 else ""),
                 "context_length_exceeded")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -294,6 +294,22 @@ def test_a_prompt_longer_than_the_context_is_named_as_the_prompt_whatever_max_to
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 
+def test_a_prompt_that_fills_the_context_is_scored_with_max_tokens_0_and_refused_with_more(client):
+    """lm-evaluation-harness scores prompts with `echo` and `max_tokens` 0 (an outside pass:
+    one of exactly the context's length was refused, "requested 256 tokens" of 256)."""
+    body = {"model": TINY_NAME, "prompt": [[7] * 256], "echo": True, "logprobs": 1, "max_tokens": 0}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    logprobs = r.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 256 and logprobs["token_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in logprobs["token_logprobs"][1:])
+    r = client.post("/v1/completions", json={**body, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "may have at most 255 tokens (all 256 with max_tokens 0" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={**body, "prompt": [[7] * 257]})
+    assert r.status_code == 400 and "requested 257 tokens (257 in the prompt, 0 in the completion)" in r.text
+
+
 def test_an_output_limit_past_the_context_is_named_as_the_field_sent(client):
     """`max_completion_tokens` (chat's newer name, and guidellm's on completions) or
     `max_new_tokens` past the room left is named as sent, not as `max_tokens` (an outside
