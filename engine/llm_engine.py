@@ -117,8 +117,8 @@ class LLMEngine:
                 f"{requested} tokens ({len(prompt_token_ids)} in the prompt, {params.max_tokens or 0} in the "
                 f"completion). Please reduce the length of the prompt or completion." + (
                     " A prompt must leave the context one position for the token it is answered with, so it "
-                    f"may have at most {longest_prompt} tokens (all {self.max_model_len} with max_tokens 0, "
-                    "scoring it)." if prompt_alone and params.max_tokens != 0 else ""),
+                    f"may have at most {longest_prompt} tokens (a completion's prompt only scored, with "
+                    f"max_tokens 0, all {self.max_model_len})." if prompt_alone and params.max_tokens != 0 else ""),
                 "context_length_exceeded")
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

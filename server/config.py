@@ -189,11 +189,10 @@ def config_from_env(environ: dict[str, str] | None = None) -> dict[str, dict[str
         section = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
         if section is None:
             if name not in NOT_CONFIG_VARIABLES and not name.startswith(f"{ENV_PREFIX}EXP_"):
-                # (a stray key's name is told where the key goes; `serve` refuses to start beside it)
-                fate = f"the server reads {ENV_PREFIX}SERVER_{rest.upper()}" if rest.endswith("_key") \
-                    else "and is ignored"
-                logger.warning("environment: %s is no configuration variable (%s<SECTION>_<KEY>, sections %s): %s",
-                               name, ENV_PREFIX, sorted(_SECTIONS), fate)
+                hint = f"; the server reads {ENV_PREFIX}SERVER_{rest.upper()} (`serve` refuses to start while " \
+                    "that is unset)" if rest in ("api_key", "admin_key") else ""
+                logger.warning("environment: %s is no configuration variable (%s<SECTION>_<KEY>, sections %s), and "
+                               "is ignored%s", name, ENV_PREFIX, sorted(_SECTIONS), hint)
             continue
         key = rest[len(section) + 1:]
         defaults = _SECTIONS[section].default_factory()

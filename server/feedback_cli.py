@@ -153,6 +153,9 @@ def _left_out(counts) -> str:
     if counts.without_generation_prompt:
         said += (f"; {counts.without_generation_prompt} requests left out served with add_generation_prompt: "
                  "false (TRL opens the assistant's turn after such a prompt: not what was served)")
+    if counts.abandoned:
+        said += (f"; {counts.abandoned} prompts left out whose client left before the answer ended (a CPT server "
+                 "does not train on them)")
     if counts.without_prompt:
         said += (f"; {counts.without_prompt} requests left out whose prompt the ledger does not hold as the client "
                  "wrote it (sent as token ids, or cut by truncate_prompt_tokens)")

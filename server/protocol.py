@@ -123,14 +123,14 @@ class _SamplingFields(Strict):
     def prompt_tail(self, max_model_len: int, max_tokens: int | None) -> int | None:
         """How many of the prompt's last tokens to keep (`truncate_prompt_tokens`), or None:
         all. -1 keeps as many as the context holds beside the output (`max_tokens`, at least
-        the one token a prompt is answered with)."""
+        the one token a prompt is answered with, but none for a prompt only scored)."""
         if self.truncate_prompt_tokens is None:
             return None
         if self.truncate_prompt_tokens == 0:
             raise InvalidParameter("truncate_prompt_tokens", "truncate_prompt_tokens must be at least 1, or -1 "
                                    "for as many as the context holds")
-        if self.truncate_prompt_tokens == -1:
-            return max(1, max_model_len - max(1, max_tokens or 0))
+        if self.truncate_prompt_tokens == -1:  # (a prompt only scored, max_tokens 0, may fill the context)
+            return max(1, max_model_len - (0 if max_tokens == 0 else max(1, max_tokens or 0)))
         return self.truncate_prompt_tokens
 
     def _grammar(self, response_format: ResponseFormat | None = None) -> Grammar | None:

@@ -348,7 +348,8 @@ def test_an_answer_a_disconnect_cut_short_is_counted_as_cut_and_left_out_on_requ
     kept, _ = export_rows(rows, "prompt-completion", drop_truncated=True)
     assert [row["completion"][0]["content"] for row in kept] == ["Paris is the capital."]
     # what a CPT server trains on: not a prompt its client left (a retry after a timeout sends it again)
-    assert export_rows(rows, "language-modeling")[0] == [{"messages": MESSAGES}]
+    written, counts = export_rows(rows, "language-modeling")
+    assert written == [{"messages": MESSAGES}] and counts.abandoned == 1
 
 
 def test_a_groups_samples_with_equal_texts_make_no_preference_pair(tmp_path):

@@ -305,7 +305,7 @@ def test_a_prompt_that_fills_the_context_is_scored_with_max_tokens_0_and_refused
     assert all(isinstance(v, float) for v in logprobs["token_logprobs"][1:])
     r = client.post("/v1/completions", json={**body, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    assert "may have at most 255 tokens (all 256 with max_tokens 0" in r.json()["error"]["message"]
+    assert "may have at most 255 tokens (a completion's prompt only scored, with max_tokens 0, all 256)" in r.text
     r = client.post("/v1/completions", json={**body, "prompt": [[7] * 257]})
     assert r.status_code == 400 and "requested 257 tokens (257 in the prompt, 0 in the completion)" in r.text
 
@@ -439,6 +439,7 @@ def test_the_generation_fields_lm_evaluation_harness_passes_on(client):
     assert complete(prompt=long_text, max_tokens=1, truncate_prompt_tokens=200)["usage"]["prompt_tokens"] == 200
     # -1: as many as the context holds beside the output
     assert complete(prompt=long_text, max_tokens=6, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == 250
+    assert complete(prompt=long_text, max_tokens=0, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == 256
     r = chat(client, max_tokens=1, truncate_prompt_tokens=4)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4, r.text
 

@@ -108,6 +108,23 @@ def test_a_request_its_client_left_is_not_trained_on_but_a_label_given_before_it
     assert sum(trainer.stats.trained_entries.values()) == 1  # a CPT prompt served whole trains; DPO waits for a label
 
 
+def test_an_entry_a_custom_method_held_keeps_the_label_it_got_before_its_client_left():
+    """A review: the drop-on-abort rule dropped a held entry's label (a custom method holds
+    any entry until `attach_label`; `needs_label` is not what says it has one)."""
+    from trainer.cache import ActivationCache
+    from trainer.entries import CacheEntry
+
+    cache = ActivationCache(1 << 20)
+    held, plain = CacheEntry("held", [1, 2, 3], None, 0, 0), CacheEntry("plain", [1, 2, 3], None, 0, 0)
+    for entry in (held, plain):
+        assert cache.add(entry, owed=True)
+    cache.hold(held)
+    assert cache.attach_label(held, None) and held.state is EntryState.READY
+    for entry in (held, plain):
+        cache.response_finished(entry.completion_id, {0: [5]}, aborted=True)
+    assert (held.state, plain.state) == (EntryState.READY, EntryState.DROPPED)
+
+
 def test_training_steps_bump_the_adapter_version_and_change_the_model():
     trainer = make_trainer()
     before = [p.detach().clone() for p in lora_parameters(trainer.peft_model)]

@@ -221,6 +221,7 @@ class ActivationCache:
 
     def _hold(self, entry: CacheEntry) -> None:
         if entry.state is EntryState.READY:
+            entry.held = True
             self._move(entry, EntryState.WAITING_LABEL)
 
     def attach_label(self, entry: CacheEntry, label, skip: bool = False) -> bool:
@@ -301,8 +302,9 @@ class ActivationCache:
             entry.served_token_logps = served_token_logps or {}
             entry.response_finished = True
             # cut short by its client: no whole response to prefer or reject; a CPT prompt, a retry sends
-            # again. A label that came with both texts before the end (READY) keeps its entry.
-            if aborted and entry.state is (EntryState.WAITING_LABEL if entry.needs_label else EntryState.READY):
+            # again. A label that came before the end (both texts: READY, once held) keeps its entry.
+            if aborted and (entry.state is EntryState.WAITING_LABEL and entry.needs_label
+                            or entry.state is EntryState.READY and not entry.held):
                 self._end(entry, EntryState.DROPPED, reason="aborted")
             elif entry.needs_label:
                 if entry.state is EntryState.WAITING_LABEL:

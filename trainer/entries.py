@@ -60,6 +60,8 @@ class CacheEntry:
     response_finished: bool = False
     # monotonic time after which an entry still waiting for its label expires
     label_deadline: float | None = None
+    # held for a label once (one that needs a label from its admission; a custom method's by `hold`)
+    held: bool = False
 
     # the cache holds an entry that needs a label (WAITING_LABEL) from its admission until it comes
     needs_label = False

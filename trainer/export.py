@@ -82,6 +82,8 @@ class ExportCounts:
     selected: int = 0
     # rows with a served answer cut short (left out with `drop_truncated`, written otherwise)
     truncated: int = 0
+    # language-modeling: CPT prompts left out whose client left before the answer ended (not trained on)
+    abandoned: int = 0
 
 
 def parse_since(text: str | None) -> float | None:
@@ -133,9 +135,10 @@ def export_rows(rows: list[LedgerRow], format: str, since: float | None = None, 
                 out.append({**made, **extra})
     left_out = [_style(row) for row in producing if _style(row) != wanted]
     wanted_rows = [row for row in producing if _style(row) == wanted]
+    abandoned = sum(format == "language-modeling" and row.request.method == "cpt" and _abandoned(row) for row in kept)
     return out, ExportCounts(len(out), sum(s is not None for s in left_out), left_out.count(None),
                              continuing=sum(map(_continues, wanted_rows)), selected=len(kept), truncated=truncated,
-                             without_generation_prompt=sum(map(unopened, wanted_rows)))
+                             without_generation_prompt=sum(map(unopened, wanted_rows)), abandoned=abandoned)
 
 
 def _selected(row: LedgerRow, since: float | None, include_quarantined: bool) -> bool:

@@ -5,7 +5,7 @@ saved adapter version includes it, so on start, for the training method the serv
   - every label not trained into a version up to the one resumed from (never trained, or
     trained into a version that was not saved before the crash) becomes a ready entry
     again, without activations: it trains by recomputation, at the resumed version (CPT,
-    which needs no label, takes its requests back the same way, but those cut short);
+    which needs no label, takes its requests back the same way, but those its client left);
   - every request served within the label timeout that is still without a label becomes
     an entry waiting for one again, until the same deadline it had (a reward function,
     if one is set, scores its group again);
@@ -81,13 +81,14 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
             else:
                 closed += 1
             continue
-        cut_short = row.aborted or row.finished_at is None  # as online: a client retrying sends a CPT prompt again
-        if not entry.needs_label and not cut_short:
+        # a CPT prompt its client left is not trained on, as online (a retry sends it again); one whose end
+        # the ledger missed is, as it may have been answered (its answer waits for that commit at most 1 s)
+        if not entry.needs_label and not row.aborted:
             cache.add(entry, owed=True)
             to_train += 1
             continue
         deadline = None if row.finished_at is None else row.finished_at + label_timeout_s
-        if cut_short or deadline <= now_wall:
+        if row.aborted or deadline is None or deadline <= now_wall:
             reason = "interrupted" if row.finished_at is None else "aborted" if row.aborted else None
             state = EntryState.EXPIRED if reason is None else EntryState.DROPPED
             ledger.record_fate(row.request.id, state.value, reason=reason)
