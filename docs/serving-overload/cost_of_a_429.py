@@ -1,7 +1,7 @@
 """CPU per 429 answered while the server is full (the guard's count of sequences held set
 to its limit, so nothing else runs), against a /health probe's, over one keep-alive
 client in this process; 5 alternating rounds."""
-import json, os, sys, time
+import json, os, sys
 import httpx
 sys.path.insert(0, os.getcwd())
 from server.config import ServerConfig
