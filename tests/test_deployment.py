@@ -59,6 +59,25 @@ def test_every_dashboard_query_names_an_exported_metric(tmp_path):
         assert f"alchemist:{needed}" in queried, needed
 
 
+# counters of what every data-parallel replica applies alike (one rollback, one skipped step: each
+# replica counts it): summed over `engine` they read N times the events
+EVERY_REPLICAS = ("adapter_rollbacks_total", "skipped_steps_total")
+
+
+def test_the_dashboard_counts_what_every_replica_applies_once_and_averages_per_replica_shares():
+    """An outside pass with Prometheus under `-dp 2`: one rollback read as two a panel's
+    `sum` (the API said one); the reload-wait share summed past 100%, the loss was the
+    worst replica's where `/v1/adapters` averages."""
+    for panel in dashboard_panels():
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for name in EVERY_REPLICAS:
+                if f"alchemist:{name}" in expr:
+                    assert expr.startswith("max"), expr
+            if "alchemist:reload_wait_seconds_total" in expr or "alchemist:train_loss" in expr:
+                assert expr.startswith("avg"), expr
+
+
 def test_exported_metrics_have_help_texts_and_units(tmp_path):
     app = tiny_app(train=TrainConfig(mode="cpt", lora_rank=4))
     with TestClient(app) as client:
