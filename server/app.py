@@ -41,7 +41,7 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     def openapi() -> dict:
         if app.openapi_schema is None:
             app.openapi_schema = openapi_document(app.routes, app.title, app.version, state.engine.vocab_size,
-                                                  offered(state), secured=bool(guard.api_key or guard.admin_key))
+                                                  offered(state), secured=lambda path: bool(guard.key_for(path)))
         return app.openapi_schema
 
     app.openapi = openapi

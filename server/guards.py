@@ -66,6 +66,13 @@ class GuardConfig:
     # origins whose pages may call the server from a browser (CORS; none: no CORS headers)
     allowed_origins: tuple[str, ...] = ()
 
+    def key_for(self, path: str) -> str:
+        """The key a request to `path` must carry ("" for none): the admin key on the adapter
+        routes where one is set, else the API key, on `/v1/*` only."""
+        if not path.startswith("/v1/"):
+            return ""
+        return self.admin_key if path.startswith(ADMIN_PREFIX) and self.admin_key else self.api_key
+
 
 class RequestGuard:
     def __init__(self, app, config: GuardConfig, count_response=None):
@@ -129,19 +136,17 @@ class RequestGuard:
                 self.count_response(route, status_seen[0] if status_seen else 499)
 
     def _refusal(self, scope, path: str) -> APIError | None:
-        if path.startswith("/v1/"):
-            key = self.config.admin_key if path.startswith(ADMIN_PREFIX) and self.config.admin_key \
-                else self.config.api_key
-            if key:
-                given = _bearer(scope)
-                if given is None:
-                    return APIError(401, "You didn't provide an API key. Send it in the Authorization header "
-                                         "as 'Authorization: Bearer YOUR_KEY'.", code="missing_api_key",
-                                    type="invalid_request_error")
-                if not hmac.compare_digest(given.encode(), key.encode()):
-                    which = "admin key" if key is self.config.admin_key else "API key"
-                    return APIError(401, f"Incorrect {which} provided.", code="invalid_api_key",
-                                    type="invalid_request_error")
+        key = self.config.key_for(path)
+        if key:
+            given = _bearer(scope)
+            if given is None:
+                return APIError(401, "You didn't provide an API key. Send it in the Authorization header "
+                                     "as 'Authorization: Bearer YOUR_KEY'.", code="missing_api_key",
+                                type="invalid_request_error")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                which = "admin key" if key is self.config.admin_key else "API key"
+                return APIError(401, f"Incorrect {which} provided.", code="invalid_api_key",
+                                type="invalid_request_error")
         length = _header(scope, b"content-length")
         if length is not None:
             if not length.isdigit():

@@ -13,6 +13,7 @@ training method takes.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -32,7 +33,8 @@ _REASONS = {400: "Invalid request: OpenAI's error body names the parameter (`par
             500: "Internal error.",
             503: "The engine is not running (shutting down, or failed), or the feedback ledger cannot be written "
                  "now: retry after the Retry-After header's seconds, or on another replica."}
-_COMMON_ERRORS = (401, 500)
+# (a body past the limit is refused on every route by its Content-Length, a body or none expected)
+_COMMON_ERRORS = (401, 413, 500)
 
 _FEEDBACK, _ADAPTERS, _ROLLBACK = ("post", "/v1/feedback"), ("get", "/v1/adapters"), ("post", "/v1/adapters/rollback")
 _DELETE_LABEL = ("delete", "/v1/feedback/{completion_id}")
@@ -90,9 +92,9 @@ def served_operations(offered: Offered) -> dict[tuple[str, str], Operation]:
 
 
 def openapi_document(routes: list, title: str, version: str, vocab_size: int, offered: Offered,
-                     secured: bool = False) -> dict:
+                     secured: Callable[[str], bool] = lambda path: False) -> dict:
     """The document for `routes` (the app's) on a server that offers `offered`; token ids
-    are below `vocab_size`; `secured`: `/v1/*` takes a bearer API key."""
+    are below `vocab_size`; `secured(path)`: the path takes a bearer key (server/guards.py)."""
     document = get_openapi(title=title, version=version, routes=routes,
                            description="An OpenAI-compatible server that trains a LoRA adapter online on what "
                                        "it serves.")
@@ -106,8 +108,10 @@ def openapi_document(routes: list, title: str, version: str, vocab_size: int, of
     components = document.setdefault("components", {})
     components["schemas"] = _named_models(_bound_token_ids(definitions.get("$defs", {}), vocab_size),
                                           {model.__name__ for model in requests}, offered.models)
-    if secured:
-        components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    if any(secured(path) for path in document["paths"]):
+        components["securitySchemes"] = {"bearer": {
+            "type": "http", "scheme": "bearer",
+            "description": "The API key; on /v1/adapters routes the admin key, where the server has one."}}
     routed = set()
     for path, methods in list(document["paths"].items()):
         for method, operation in list(methods.items()):
@@ -115,7 +119,7 @@ def openapi_document(routes: list, title: str, version: str, vocab_size: int, of
                 raise KeyError(f"{method.upper()} {path} is not in server/route_table.py's OPERATIONS")
             routed.add((method, path))
             if (method, path) in served:
-                methods[method] = _operation(operation, served[method, path], secured and path.startswith("/v1/"),
+                methods[method] = _operation(operation, served[method, path], secured(path),
                                              offered.models)
             else:
                 del methods[method]
