@@ -29,7 +29,8 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_v
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar
 from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, TOOLS_NEEDED_SCHEMA, ChatMessage, Int,
-                                    LimitFrom0, LimitFrom1, StreamOptions, Strict, TokenId, non_empty_alternatives)
+                                    LimitFrom0, LimitFrom1, LogitBias, StreamOptions, Strict, TokenId,
+                                    documented, non_empty_alternatives)
 from server.protocol_formats import (NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, build_grammar,
                                      check_parameters, functions)
 from server.tool_calls import ToolUse
@@ -66,13 +67,14 @@ class _SamplingFields(Strict):
 
     model: str
     n: Annotated[int, Field(ge=1, le=128), INTEGRAL] | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: Int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # (the ranges engine/sampling_params.py checks, in the document too)
+    temperature: documented(float, minimum=0, maximum=2) | None = None
+    top_p: documented(float, exclusiveMinimum=0, maximum=1) | None = None
+    stop: str | documented(list[documented(str, minLength=1)], maxItems=16) | None = None  # ("" is none)
+    seed: documented(Int, minimum=-(2**63), maximum=2**63 - 1) | None = None
+    presence_penalty: documented(float, minimum=-2, maximum=2) | None = None
+    frequency_penalty: documented(float, minimum=-2, maximum=2) | None = None
+    logit_bias: LogitBias | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -80,10 +82,10 @@ class _SamplingFields(Strict):
     store: bool | None = None
     service_tier: str | None = None
     # vLLM's extra sampling parameters
-    top_k: Int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: Int = 0
+    top_k: documented(Int, minimum=-1) | None = None  # (0 and -1: no top-k)
+    min_p: documented(float, minimum=0, maximum=1) | None = None
+    repetition_penalty: documented(float, exclusiveMinimum=0) | None = None
+    min_tokens: LimitFrom0 = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
@@ -92,10 +94,11 @@ class _SamplingFields(Strict):
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: documented(list[str], minItems=1) | None = None
     guided_grammar: str | None = None
     # vLLM's: keep only the prompt's last k tokens (-1: as many as the served context holds)
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1), INTEGRAL] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, json_schema_extra={"not": {"const": 0}}), INTEGRAL] \
+        | None = None
     # Hugging Face's generation names, which lm-evaluation-harness passes on from a task's
     # generation_kwargs: max_new_tokens limits the output beside the other limits (the
     # smallest applies); beam search is not offered, so num_beams is 1
@@ -187,7 +190,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: LimitFrom1 | None = None
     max_new_tokens: LimitFrom1 | None = None
     logprobs: bool | None = False
-    top_logprobs: Int | None = None
+    top_logprobs: documented(Int, minimum=0, maximum=MAX_LOGPROBS) | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -271,7 +274,7 @@ class CompletionRequest(_SamplingFields):
     # chat's newer name, which some clients (guidellm) send here too: as there, it wins over max_tokens
     max_completion_tokens: LimitFrom0 | None = None
     echo: bool | None = False
-    logprobs: Int | None = None
+    logprobs: documented(Int, minimum=0, maximum=MAX_LOGPROBS) | None = None
     best_of: Int | None = None
     # insertion (fill-in-the-middle) is not offered: only an empty suffix, which is none
     suffix: Annotated[str, Field(json_schema_extra={"maxLength": 0})] | None = None

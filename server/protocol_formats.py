@@ -12,7 +12,7 @@ from pydantic import Field
 
 from engine.sampling_params import InvalidParameter
 from engine.structured import Grammar, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
-from server.protocol_fields import Strict
+from server.protocol_fields import Strict, documented
 from server.tool_calls import NAME_PATTERN
 
 
@@ -89,7 +89,7 @@ class StructuredOutputs(Strict):
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: documented(list[str], minItems=1) | None = None
     grammar: str | None = None
 
     def build(self, param: str = "structured_outputs") -> Grammar:

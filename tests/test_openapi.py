@@ -291,3 +291,26 @@ def test_the_document_asks_a_key_of_the_routes_the_server_asks_one_of(tmp_path, 
     with TestClient(app) as client:
         for path in sorted(p for p in document["paths"] if "{" not in p and "get" in document["paths"][p]):
             assert (client.get(path).status_code == 401) == (path in secured), path
+
+
+@pytest.mark.parametrize("field, inside, outside", [
+    ("temperature", 2, 2.01), ("top_p", 1, 0), ("min_p", 0, -0.1), ("presence_penalty", -2, -2.5),
+    ("frequency_penalty", 2, 2.5), ("repetition_penalty", 0.01, 0), ("top_k", -1, -2), ("top_k", 0, -3),
+    ("logprobs", 20, 21), ("seed", 2**63 - 1, 2**63), ("min_tokens", 0, -1), ("stop", ["a"] * 16, ["a"] * 17),
+    ("stop", "", [""]), ("logit_bias", {"5": 100}, {"5": 101}), ("logit_bias", {"5": 1}, {"x": 1}),
+    ("truncate_prompt_tokens", -1, 0), ("guided_choice", ["a"], []),
+])
+def test_a_sampling_parameters_range_is_the_documents(live_server, field, inside, outside):
+    """An outside pass with schemathesis: the document gave the sampling parameters no
+    range, so values the server refuses were "valid" (`top_p` 0, `temperature` 2.5). Each
+    side of each bound: the document and the server agree."""
+    import httpx
+    import jsonschema
+
+    document = httpx.get(live_server.url + "/openapi.json").json()
+    schema = {"$ref": "#/components/schemas/CompletionRequest", "components": document["components"]}
+    for value, valid in ((inside, True), (outside, False)):
+        body = {"model": TINY_NAME, "prompt": "Hi", "max_tokens": 1, field: value}
+        documented = jsonschema.Draft202012Validator(schema).is_valid(body)
+        status = httpx.post(live_server.url + "/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S).status_code
+        assert (documented, status == 200) == (valid, valid), (value, status)
