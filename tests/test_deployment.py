@@ -64,7 +64,7 @@ def test_every_dashboard_query_names_an_exported_metric(tmp_path):
 EVERY_REPLICAS = ("adapter_rollbacks_total", "skipped_steps_total")
 
 
-def test_the_dashboard_counts_what_every_replica_applies_once_and_averages_per_replica_shares():
+def test_the_dashboard_counts_each_event_once_under_replicas_and_says_its_units():
     """An outside pass with Prometheus under `-dp 2`: one rollback read as two a panel's
     `sum` (the API said one); the reload-wait share summed past 100%, the loss was the
     worst replica's where `/v1/adapters` averages."""
@@ -76,6 +76,11 @@ def test_the_dashboard_counts_what_every_replica_applies_once_and_averages_per_r
                     assert expr.startswith("max"), expr
             if "alchemist:reload_wait_seconds_total" in expr or "alchemist:train_loss" in expr:
                 assert expr.startswith("avg"), expr
+        rates = [t["expr"] for t in panel["targets"]]
+        if all(e.startswith("sum") and "(rate(" in e and " / " not in e and "_seconds" not in e for e in rates):
+            # a count per second says so (an outside pass: four such panels read as plain counts)
+            assert panel["fieldConfig"]["defaults"].get("unit") in ("ops", "reqps", "suffix: /s", "suffix: tok/s"), \
+                (panel["title"], panel["fieldConfig"]["defaults"].get("unit"))
 
 
 def test_exported_metrics_have_help_texts_and_units(tmp_path):
