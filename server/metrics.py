@@ -94,8 +94,8 @@ class ServingMetrics:
                                    "Time between consecutive outputs carrying new tokens of a request, in seconds.",
                                    labels, registry=r, buckets=_LATENCY_BUCKETS))
         self.e2e = child(Histogram(f"{PREFIX}e2e_request_latency_seconds",
-                                   "Time from request arrival to its last token, in seconds (requests that ran to their end; "
-                                   "an aborted one counts in request_success_total only).",
+                                   "Time from request arrival to its last token, in seconds (requests that ran to "
+                                   "their end; an aborted one counts in request_success_total only).",
                                    labels, registry=r, buckets=_E2E_BUCKETS))
         self.queue_time = child(Histogram(f"{PREFIX}request_queue_time_seconds", "Time a request waited in the "
                                           "queue before its prefill was first scheduled, in seconds.", labels,
@@ -104,10 +104,10 @@ class ServingMetrics:
                                             "scheduled step to its first token, in seconds.", labels, registry=r,
                                             buckets=_E2E_BUCKETS_SHORT))
         self.decode_time = child(Histogram(f"{PREFIX}request_decode_time_seconds", "Time from a request's first "
-                                           "token to its last, in seconds (requests that ran to their end).", labels, registry=r,
-                                           buckets=_E2E_BUCKETS))
-        self.prompt_len = child(Histogram(f"{PREFIX}request_prompt_tokens", "Prompt length of requests that ran to their end, "
-                                          "in tokens.", labels, registry=r, buckets=_TOKEN_BUCKETS))
+                                           "token to its last, in seconds (requests that ran to their end).", labels,
+                                           registry=r, buckets=_E2E_BUCKETS))
+        self.prompt_len = child(Histogram(f"{PREFIX}request_prompt_tokens", "Prompt length of requests that ran to "
+                                          "their end, in tokens.", labels, registry=r, buckets=_TOKEN_BUCKETS))
         self.gen_len = child(Histogram(f"{PREFIX}request_generation_tokens", "Tokens generated per request "
                                        "that ran to its end (all choices), in tokens.", labels, registry=r,
                                        buckets=_TOKEN_BUCKETS))
@@ -191,13 +191,13 @@ class ServingMetrics:
             longest = max(self._choice_tokens.pop(rid, {}).values(), default=0)
             # the histograms describe requests that ran to their end; one aborted (its client
             # gone, perhaps still queued) is counted by its reason only
-            if meta.finish_time is not None and not aborted:
-                self.e2e.observe(meta.finish_time - meta.arrival_time)
-                if meta.first_token_time is not None:
-                    self.decode_time.observe(meta.finish_time - meta.first_token_time)
-                    if longest > 1:
-                        self.tpot.observe((meta.finish_time - meta.first_token_time) / (longest - 1))
             if not aborted:
+                if meta.finish_time is not None:
+                    self.e2e.observe(meta.finish_time - meta.arrival_time)
+                    if meta.first_token_time is not None:
+                        self.decode_time.observe(meta.finish_time - meta.first_token_time)
+                        if longest > 1:
+                            self.tpot.observe((meta.finish_time - meta.first_token_time) / (longest - 1))
                 self.prompt_len.observe(meta.num_prompt_tokens)
                 self.gen_len.observe(meta.num_generation_tokens)
             reason = request_finish_reason({c.finish_reason for c in output.outputs if c.finish_reason})

@@ -59,7 +59,8 @@ def _integral(value):
 # with bounds, INTEGRAL goes after the Field so that the schema keeps minimum/maximum
 INTEGRAL = BeforeValidator(_integral)
 Int = Annotated[int, INTEGRAL]
-# output limits: the bound is in the schema, and checked by the request (its error names the field)
+
+
 def documented(kind, **bounds):
     """`kind` with `bounds` in its schema alone (JSON Schema's keywords): the server's own
     check (engine/sampling_params.py) keeps its message; the document stops promising
@@ -67,11 +68,12 @@ def documented(kind, **bounds):
     return Annotated[kind, Field(json_schema_extra=bounds)]
 
 
-LimitFrom0 = Annotated[int, Field(json_schema_extra={"minimum": 0}), INTEGRAL]
+# output limits: the bound is in the schema, and checked by the request (its error names the field)
+LimitFrom0 = documented(Int, minimum=0)
+LimitFrom1 = documented(Int, minimum=1)
 # token ids (their keys) to a bias of -100 .. 100
 LogitBias = documented(dict[str, float], propertyNames={"pattern": "^[0-9]+$"},
                        additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
-LimitFrom1 = Annotated[int, Field(json_schema_extra={"minimum": 1}), INTEGRAL]
 # a token id: the served vocabulary's size bounds it in the OpenAPI document (server/openapi.py)
 # and in the engine's checks
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True}), INTEGRAL]

@@ -78,7 +78,8 @@ class Model:
         self.step_versions: set[int] = set()
         self.labels: dict[str, Label] = {}
         self.pending: list[tuple[int, int]] = []
-        self.carried: dict[int, list] = {}  # saved version -> the unsaved rollbacks its save carried (replayed at restart)
+        # saved version -> the unsaved rollbacks its save carried (replayed at restart)
+        self.carried: dict[int, list] = {}
 
     def lineage(self, v):
         out = set()
@@ -591,7 +592,8 @@ def shrink(ops, kind):
                         ops, changed = cand, True
                         break
             if op[0] == "restart" and op[2] is not None:
-                for simpler in ([None] if op[2] != "all" else [None]) + ([op[2][:-1]] if isinstance(op[2], list) and op[2] else []):
+                shorter = [op[2][:-1]] if isinstance(op[2], list) and op[2] else []
+                for simpler in [None] + shorter:
                     cand = ops[:i] + [("restart", op[1], simpler)] + ops[i + 1:]
                     f = replay(cand)
                     if f is not None and f.kind == kind:

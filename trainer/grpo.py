@@ -103,12 +103,6 @@ class GRPOMethod(TrainingMethod):
 
         return loss
 
-    def _metrics(self, entry: GroupEntry, loss: float) -> dict[str, float]:
-        rewards = torch.tensor(entry.label.rewards, dtype=torch.float64)
-        scale = max(rewards.abs().max().item(), 1.0)  # rewards near float64's limit: their sum would overflow
-        scaled = rewards / scale
-        return {"loss": loss, "mean_reward": scaled.mean().item() * scale, "reward_std": scaled.std().item() * scale}
-
     def reference_token_logps(self, entry: GroupEntry, ctx: TrainContext):
         """Generator -> per choice, the base model's log-prob of each response token (no
         grad): the prompt and the samples in one forward, the samples attending to the
@@ -178,7 +172,7 @@ class GRPOMethod(TrainingMethod):
         last = recording.logits[-1:].detach().requires_grad_()  # scores every sample's first token
         samples = self._samples(entry)
         if not samples:  # no sample gives a gradient: nothing to back-propagate into the prompt
-            return JobResult(0.0, entry.num_tokens, self._metrics(entry, 0.0))
+            return JobResult(0.0, entry.num_tokens, {"loss": 0.0})
         losses = {index: self._token_loss(entry, index, response, advantage, weight, last.device)
                   for index, response, advantage, weight in samples}
         with torch.enable_grad():
@@ -197,10 +191,10 @@ class GRPOMethod(TrainingMethod):
                                                     ctx.head_chunk_rows)
             if len(batch) == len(longer):  # the group in one batch: its backward and the prompt's, together
                 yield from suffixes_and_prompt_backward(recording, last, fwd, prefix, ctx)
-                return JobResult(total, entry.num_tokens, self._metrics(entry, total))
+                return JobResult(total, entry.num_tokens, {"loss": total})
             yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
         yield from prompt_backward(recording, last, prefix, ctx)
-        return JobResult(total, entry.num_tokens, self._metrics(entry, total))
+        return JobResult(total, entry.num_tokens, {"loss": total})
 
     def recompute_job(self, entry: GroupEntry, ctx: TrainContext):
         """The prompt and the samples in one forward (AttentionMetadata.shared_prefix: the
@@ -228,7 +222,7 @@ class GRPOMethod(TrainingMethod):
                                                     lambda logits, a, loss=losses[index]: loss(logits, a + 1),
                                                     ctx.head_chunk_rows)
             yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
-        return JobResult(total, entry.num_tokens, self._metrics(entry, total))
+        return JobResult(total, entry.num_tokens, {"loss": total})
 
     def _samples_per_pack(self, prompt_len: int, responses: list[list[int]]) -> int:
         """How many of `responses` fit beside the prompt in `recompute_tokens` (all, unbounded)."""
@@ -253,4 +247,4 @@ class GRPOMethod(TrainingMethod):
                 total += yield from head_token_loss(ctx.runner, fwd.head_leaf, fwd.offsets[b] + len(prompt) - 1,
                                                     len(response), loss, ctx.head_chunk_rows)
             yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
-        return JobResult(total, entry.num_tokens, self._metrics(entry, total))
+        return JobResult(total, entry.num_tokens, {"loss": total})
