@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from server import protocol, protocol_training, response_schemas as out
+from server import protocol_training, response_schemas as out
 from server.route_table import OPERATIONS, Operation
 
 _REASONS = {400: "Invalid request: OpenAI's error body names the parameter (`param`) and why (`code`).",
