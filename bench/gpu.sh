@@ -10,7 +10,8 @@
 # Issue 24 (training): training grpo profile-dpo precision
 # With 15 device minutes (machine start included; 10 minutes and 8 files back per call; a machine idle for 30 s is
 # given back), one long call, its phases within one deadline, then short ones while the machine is warm:
-#   bash bench/gpu.sh --deadline 565 sdpa cuda-tests training colocate-4 gpu-tests   (timeout_s 595)
+#   bash bench/gpu.sh --deadline 565 sdpa cuda-tests gpu-tests training colocate-4   (timeout_s 595; colocate last: it
+# waits up to 120 s after its warm-up for the trainer, so it takes what is left)
 # --deadline runs each phase under `timeout` with what is left of it, logs to $OUT/gpu.log and tars every phase's
 # files into $OUT/results.tgz as it ends, so that a phase cut short costs only itself. Not measured since the H100's
 # 2026-11-25 session: CPT's sweep (in `training`), 4 req/s with training on (`colocate-4`), the whole CUDA test list.
@@ -72,7 +73,7 @@ PY
         tests/test_step_costs.py tests/test_decode_graphs.py tests/test_structured_outputs.py tests/test_fused_rope.py \
         tests/test_fused_norm.py tests/test_serving_copy.py tests/test_backward_sweep.py tests/test_dpo_gradients.py \
         tests/test_gated_mlp.py tests/test_training_copy.py tests/test_serving_steps.py tests/test_shared_prefix_pack.py \
-        tests/test_direct_apply.py tests/test_optimizer.py tests/test_attention_mask.py} \
+        tests/test_direct_apply.py tests/test_optimizer.py tests/test_attention_mask.py tests/test_causal_prefill.py} \
         2>&1 | tee "$OUT/cuda-tests.log" | tail -30
       ;;
     smoke)  # every benchmark once, short, on the 8B shape

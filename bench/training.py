@@ -251,6 +251,8 @@ def _measure_or_note_oom(bench: Bench, mode: str, tokens: int, repeats: int, sta
         bench.trainer.optimizer.zero_grad()
         for entry in bench.trainer.cache.entries():
             bench.trainer.cache.end(entry, EntryState.DROPPED)
+        for unfinished in bench.engine.request_ids():  # a prefill that ran out of memory: not the next length's
+            bench.engine.abort_request(unfinished)
         torch.cuda.empty_cache()
         print(f"  {mode} {tokens:5d} tokens: out of device memory", flush=True)
         return {"mode": mode, "tokens": tokens, "out_of_memory": True}
