@@ -1,7 +1,7 @@
 """What the benchmarks' reports mean: `bench colocate`'s window (what it reports of the
 measured trace is the trace's alone, not the warm-up's, on `run_condition` itself with a
 server that answers as the real one's metrics do: a real one takes minutes per round), and
-the machine every JSON report names."""
+the machine every JSON report names, and a sweep length that ran out of device memory."""
 
 import contextlib
 import types
@@ -90,3 +90,39 @@ def test_every_json_report_names_the_machine_it_ran_on_and_writes_no_nan(tmp_pat
     write_json({"ratio": float("nan"), "steps": [1.0, float("inf")]}, str(path))
     assert json.loads(path.read_text()) == {"ratio": None, "steps": [1.0, None], "machine": machine_name()}
     assert machine_name()
+
+
+def test_a_length_that_runs_out_of_device_memory_is_a_row_and_leaves_the_next_length_nothing_queued(
+        tmp_path, monkeypatch):
+    """`bench training --sweep` on a GPU: the length whose prefill ran out of memory is
+    reported as such, and its request does not stay queued for the next length to step
+    first (a review of the CUDA-only paths)."""
+    import dataclasses
+
+    import torch
+
+    import bench.training as training
+    from engine.sampling_params import SamplingParams
+    from tests.conftest import make_config
+    from tests.tiny import tiny_model, tiny_tokenizer
+
+    tiny_model("llama").config.save_pretrained(tmp_path / "shape")
+    tiny_tokenizer().save_pretrained(tmp_path / "tok")
+    config = make_config()
+    config = dataclasses.replace(config, model=dataclasses.replace(
+        config.model, model=str(tmp_path / "shape"), tokenizer=str(tmp_path / "tok"), load_format="dummy",
+        dtype="float32", device="cpu"))
+    queued_when_measured = []
+
+    def measure(bench, mode, tokens, repeats, stale):
+        queued_when_measured.append(list(bench.engine.request_ids()))
+        if tokens == 32:  # a prefill queued, then out of memory
+            bench.engine.add_request("too-long", [5] * tokens, SamplingParams(max_tokens=1))
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return {"mode": mode, "tokens": tokens}
+
+    monkeypatch.setattr(training, "measure", measure)
+    monkeypatch.setattr(training, "plot_sweep", lambda *args: [])
+    summary = training.run_training_bench(config, "cpt", 32, sweep=[32, 48], json_path=str(tmp_path / "r.json"))
+    assert summary["results"] == [{"mode": "cpt", "tokens": 32, "out_of_memory": True}, {"mode": "cpt", "tokens": 48}]
+    assert queued_when_measured == [[], []]
