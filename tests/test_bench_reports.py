@@ -1,7 +1,7 @@
 """What the benchmarks' reports mean: `bench colocate`'s window (what it reports of the
 measured trace is the trace's alone, not the warm-up's, on `run_condition` itself with a
-server that answers as the real one's metrics do: a real one takes minutes per round), and
-the machine every JSON report names, and a sweep length that ran out of device memory."""
+server that answers as the real one's metrics do: a real one takes minutes per round),
+the machine every JSON report names, and a sweep length that runs out of device memory."""
 
 import contextlib
 import types
