@@ -79,6 +79,17 @@ def lark_grammar(text: str, param: str, kind: str = "grammar") -> Grammar:
     return _built(param, kind, lambda: llguidance.grammar_from("grammar", text))
 
 
+def check_compiles(grammar: Grammar) -> None:
+    """Raises InvalidParameter for a grammar that does not compile (`GrammarCompiler.check`
+    without the tokenizer: for a grammar no request decodes under, such as the text format
+    beside a forced tool call)."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(grammar.text)
+    if error:
+        raise InvalidParameter(grammar.param, f"{grammar.param} cannot be enforced: {error}")
+
+
 class GrammarCompiler:
     """The tokenizer in llguidance's form, and matchers made from it."""
 

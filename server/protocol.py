@@ -27,7 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
-from engine.structured import Grammar
+from engine.structured import Grammar, check_compiles
 from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, TOOLS_NEEDED_SCHEMA, ChatMessage, Int,
                                     LimitFrom0, LimitFrom1, LogitBias, StreamOptions, Strict, TokenId,
                                     documented, non_empty_alternatives)
@@ -256,12 +256,19 @@ class ChatCompletionRequest(_SamplingFields):
         params = self._sampling_params(max_tokens, top, defaults=defaults)
         params.max_tokens_param = limit_name
         params.grammar = self._grammar(self.response_format)
+        shaped_text = params.grammar is not None and params.grammar.param == "response_format"
         if tools is not None and tools.forced:
-            if params.grammar is not None:
+            if params.grammar is not None and not shaped_text:
                 raise InvalidParameter(params.grammar.param, f"{params.grammar.param} cannot be combined with a "
                                        "tool_choice that forces a tool call")
+            # the call is the whole answer: `response_format` shapes a text answer, as in a
+            # later turn (OpenAI's Agents SDK sends both, then `auto`), so it is only checked
+            if shaped_text:
+                check_compiles(params.grammar)
             params.grammar = tools.grammar(tool_call_token)
             params.stop = []  # the grammar ends a forced call: a stop string ("\n") would cut its layout
+        elif tools is not None and shaped_text:
+            params.grammar = tools.grammar(tool_call_token, (self.response_format.schema(), params.grammar.kind))
         if tools is not None and tool_call_token is not None:
             params.skip_special_tokens = False  # the parser reads the <tool_call> tags
         return params

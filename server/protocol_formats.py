@@ -73,14 +73,19 @@ class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
-    def grammar(self) -> Grammar | None:
+    def schema(self) -> dict | None:
+        """The JSON schema a text answer must follow (None: any text)."""
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return json_schema_grammar({"type": "object"}, kind="json_object")
+            return {"type": "object"}
         if self.json_schema is None:
             raise InvalidParameter("response_format", "response_format of type json_schema needs 'json_schema'")
-        return json_schema_grammar(self.json_schema.schema_)
+        return self.json_schema.schema_
+
+    def grammar(self) -> Grammar | None:
+        schema = self.schema()
+        return None if schema is None else json_schema_grammar(schema, kind=self.type)
 
 
 class StructuredOutputs(Strict):

@@ -7,7 +7,7 @@ server/tool_prompt.py): each call is a JSON object `{"name": ..., "arguments": {
 between `<tool_call>` and `</tool_call>`. A forced call is decoded under a grammar, so its
 name is one offered and its arguments validate against that function's parameters; with
 `auto` the model may write a call or text, and a block that does not parse as a call
-stays in the text.
+stays in the text (under a `response_format`, one grammar allows its JSON or calls).
 """
 
 from __future__ import annotations
@@ -93,20 +93,25 @@ class ToolUse:
             return ()
         return tuple(f["name"] for f in self.functions if self.choice == "required" or f["name"] == self.named)
 
-    def grammar(self, open_token_id: int | None = None) -> Grammar | None:
+    def grammar(self, open_token_id: int | None = None, text: tuple[dict, str] | None = None) -> Grammar | None:
         """For a forced choice, calls and nothing else, each valid against its function's
-        parameters; `open_token_id`: `<tool_call>` is this one special token (as in Qwen)."""
-        if not self.forced:
+        parameters; with `auto` and `text` (the JSON schema `response_format` asks of a text
+        answer, and its kind), that JSON or calls, as OpenAI lets a model answer either way.
+        `open_token_id`: `<tool_call>` is this one special token (as in Qwen)."""
+        if not self.forced and text is None:
             return None
-        offered = [f for f in self.functions if self.choice == "required" or f["name"] == self.named]
+        offered = [f for f in self.functions if self.choice != "named" or f["name"] == self.named]
         parameters = {f"f{i}": rerooted(_parameters(f), f"#/$defs/f{i}") for i, f in enumerate(offered)}
         schema = {"$defs": parameters, "anyOf": [_call_schema(f, f"#/$defs/f{i}") for i, f in enumerate(offered)],
                   "x-guidance": JSON_LAYOUT}
         opening = f"<[{open_token_id}]>" if open_token_id is not None else json.dumps(TOOL_CALL_OPEN)
-        calls = 'call ("\\n" call)*' if self.choice == "required" and self.parallel else "call"
-        text = (f"start: {calls}\n"
-                f"call: {opening} \"\\n\" %json {json.dumps(schema)} \"\\n{TOOL_CALL_CLOSE}\"")
-        return lark_grammar(text, "tools", "tool_call")
+        calls = 'call ("\\n" call)*' if self.choice != "named" and self.parallel else "call"
+        call = f"call: {opening} \"\\n\" %json {json.dumps(schema)} \"\\n{TOOL_CALL_CLOSE}\""
+        if self.forced:
+            return lark_grammar(f"start: {calls}\n{call}", "tools", "tool_call")
+        answer, kind = text
+        return lark_grammar(f"start: answer | calls\nanswer: %json {json.dumps({'x-guidance': JSON_LAYOUT, **answer})}\n"
+                            f"calls: {calls}\n{call}", "response_format", kind)
 
 
 def _parameters(function: dict) -> dict:

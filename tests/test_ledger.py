@@ -463,14 +463,15 @@ def test_labels_in_the_saved_version_are_not_trained_again(tmp_path):
 def test_a_deleted_label_is_still_said_deleted_after_a_restart(tmp_path):
     """The 404 says why, before and after a crash (an outside pass read "unknown" after)."""
     first = _training(tmp_path)
-    for request_id in ("r0", "r1"):
+    for request_id in ("r0", "r1", "r2"):
         serve(first, request_id)
         label(first, request_id)
     assert first.forget("r0", label_only=True).found
     assert first.ledger.delete("r1", label_only=True).found  # killed before the cache withdrew its entry
+    assert first.forget("r2").found  # the request whole (DELETE /v1/chat/completions/{id}): a README pass
     crash(first)
     second = _training(tmp_path)
-    for request_id in ("r0", "r1"):
+    for request_id in ("r0", "r1", "r2"):
         assert second.cache.get(request_id) is None  # not waiting for a label again
         again = second.feedback.submit(FeedbackLabel(request_id, "A new label.", None, 0))
         assert again.outcome is FeedbackOutcome.UNKNOWN and "data were deleted" in again.message, again
@@ -496,8 +497,9 @@ def test_a_label_deleted_after_it_trained_names_its_version_and_is_said_deleted_
     assert row.label is None and (row.fate, row.fate_version) == ("trained", 1)  # it is in version 1
     with TestClient(tiny_app(train=DPO, adapter=AdapterConfig(dir=str(tmp_path), save_every=1))) as client:
         assert client.get("/v1/adapters").json()["restored_from"] == 1
-        r = client.post("/v1/feedback", json={"id": trained, "chosen": "Lyon."})
-        assert r.status_code == 404 and "data were deleted" in r.json()["error"]["message"], r.text
+        for completion_id in (trained, waiting):
+            r = client.post("/v1/feedback", json={"id": completion_id, "chosen": "Lyon."})
+            assert r.status_code == 404 and "data were deleted" in r.json()["error"]["message"], r.text
 
 
 def test_a_label_deleted_while_it_trains_is_withdrawn_from_its_job_and_the_others_train(tmp_path):

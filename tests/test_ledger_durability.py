@@ -15,7 +15,8 @@ from tests.test_training import label, serve
 from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.config import LedgerConfig, TrainConfig
 from trainer.ledger import Ledger, LedgerUnavailable
-from trainer.ledger_db import LEDGER_FILE, LabelRecord, read_ledger, release_quarantined
+from trainer.label_history import remembered
+from trainer.ledger_db import LEDGER_FILE, LabelRecord, deleted_requests, read_ledger, release_quarantined
 from trainer.ledger_lineage import lineage
 
 DPO = TrainConfig(mode="dpo", lora_rank=4)
@@ -184,6 +185,26 @@ def test_retention_keeps_a_label_trained_into_a_version_not_saved_yet(tmp_path):
         ledger.saved(7)
         ledger.prune()
         assert sorted(rows_by_id(tmp_path / LEDGER_FILE)) == ["req-1"]  # version 8 is not saved yet
+    finally:
+        ledger.close()
+
+
+def test_a_request_deleted_whole_is_remembered_as_deleted_for_the_retention_only(tmp_path):
+    """DELETE /v1/chat/completions/{id} keeps the id alone, so that its label sent again is
+    told it was deleted after a restart (a README pass read "unknown"); retention prunes it."""
+    now = [time.time()]
+    ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(retention_days=1), clock=lambda: now[0])
+    try:
+        ledger.record_request(request_record(0, now[0], tokens=4))
+        ledger.commit_label("req-0", LABEL)
+        assert ledger.delete("req-0").found and "req-0" not in rows_by_id(tmp_path / LEDGER_FILE)
+        assert deleted_requests(tmp_path / LEDGER_FILE, "req-0") == ["req-0"]
+        assert remembered(tmp_path / LEDGER_FILE, "req-0").deleted
+        now[0] += 2 * 86400
+        ledger.prune()
+        ledger.flush()
+        assert deleted_requests(tmp_path / LEDGER_FILE, "req-0") == []
+        assert remembered(tmp_path / LEDGER_FILE, "req-0") is None
     finally:
         ledger.close()
 

@@ -446,3 +446,14 @@ def test_a_profile_of_another_model_or_with_impossible_figures_is_refused_naming
             offloader_from(text)
     write_profile(good, tmp_path / "unused.json")
     trainer.close()
+
+
+def test_a_calibration_whose_longer_run_measured_no_slower_still_costs_tokens():
+    """A busy machine's start logged "recompute 0.0 us/token" (a README pass): the fit's
+    slope floored at 1e-12, every length then costing the short run's time."""
+    from offload.calibration import fit_linear
+
+    assert fit_linear([(64, 0.002), (256, 0.005)]) == pytest.approx((0.001, 0.003 / 192))
+    for longer in (0.0019, 0.002):
+        fixed, per_token = fit_linear([(64, 0.002), (256, longer)])
+        assert fixed == 0.0 and per_token == pytest.approx(longer / 256)

@@ -223,6 +223,50 @@ def test_without_tools_the_same_text_is_content(client):
     assert choice["finish_reason"] == "stop"
 
 
+ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+    "additionalProperties": False}}}
+
+
+def opening_bias(text: str) -> dict:
+    """A logit bias that makes the tiny model open its answer with `text`'s first token."""
+    return {str(tiny_tokenizer()(text, add_special_tokens=False)["input_ids"][0]): 100}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_forced_call_with_a_response_format_is_the_call(client, tool_choice):
+    """OpenAI's Agents SDK sends an agent's `output_type` as `response_format` beside a forced
+    `tool_choice` (an outside pass: it was a 400); the format shapes a later turn's text."""
+    r = chat(client, tool_choice=tool_choice, response_format=ANSWER, temperature=1.0, seed=3, n=3)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        assert choice["message"]["content"] is None and choice["message"]["tool_calls"], choice
+        for call in choice["message"]["tool_calls"]:
+            assert_valid_call(call)
+
+
+@pytest.mark.parametrize("opening, called", [("<tool_call>", True), ("{", False)])
+def test_auto_with_a_response_format_answers_the_formats_json_or_calls(client, opening, called):
+    """With `auto`, a model under `response_format` may still call a tool, as OpenAI's may (the
+    Agents SDK's `output_type` with tools, pydantic-ai's NativeOutput with a tool: the format's
+    grammar alone let no call begin). The tiny model is steered to either opening."""
+    r = chat(client, tool_choice="auto", response_format=ANSWER, temperature=1.0, seed=4, n=4,
+             logit_bias=opening_bias(opening))
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        message = choice["message"]
+        if called:
+            assert message["content"] is None and choice["finish_reason"] in ("tool_calls", "length"), choice
+            assert message["tool_calls"][0]["function"]["name"] in ("get_weather", "get_time")
+            if choice["finish_reason"] == "tool_calls":
+                for call in message["tool_calls"]:
+                    assert_valid_call(call)
+        else:
+            assert not message.get("tool_calls") and choice["finish_reason"] in ("stop", "length"), choice
+            if choice["finish_reason"] == "stop":
+                jsonschema.validate(json.loads(message["content"]), ANSWER["json_schema"]["schema"])
+
+
 # -- streaming and the SDKs -------------------------------------------------------------------
 
 def test_streamed_tool_calls_equal_the_whole_response():
@@ -303,7 +347,10 @@ def test_langchain_binds_tools_and_structures_outputs():
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
       "tool_choice": "required"}, "tools"),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    # a forced call is the answer, but the format a later turn's text would take is still checked
+    ({"tool_choice": "required", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, "response_format"),
     ({"messages": QUESTION + [{"role": "tool", "content": "18"}]}, "messages"),
     # an outside review: a schema was checked only when a call was forced, and none had to be an object's
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}]}, "tools"),
@@ -465,6 +512,12 @@ def test_a_special_tool_call_token_opens_a_forced_call():
     llt.fill_next_token_bitmask(matcher, bitmask, 0)
     allowed = [t for t in range(len(tokenizer)) if bitmask[0, t // 32] >> (t % 32) & 1]
     assert allowed == [special]
+    # with `auto` and a response_format: the token, or the format's JSON
+    matcher = compiler.matcher(ToolUse([WEATHER], "auto").grammar(special, ({"type": "object"}, "json_object")))
+    llt.fill_next_token_bitmask(matcher, bitmask, 0)
+    allowed = [t for t in range(len(tokenizer)) if bitmask[0, t // 32] >> (t % 32) & 1]
+    assert special in allowed and all(tokenizer.decode([t]).startswith("{") for t in allowed if t != special)
+    assert len(allowed) > 1
 
 
 def test_constrained_and_tool_requests_are_counted(client):

@@ -14,7 +14,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.ledger_db import LABEL_DELETED, read_ledger
+from trainer.ledger_db import LABEL_DELETED, deleted_requests, read_ledger
 
 
 # a fate's reason as the ledger keeps it, in words (others, a rollback's, say themselves)
@@ -49,7 +49,7 @@ class LedgerMemory:
     fate_reason: str | None
     # the prompts of the batch whose id was asked about (0: not a batch's id)
     prompts: int = 0
-    # its label was deleted (DELETE /v1/feedback/{id}), before or after it trained
+    # its label was deleted (DELETE /v1/feedback/{id}, or its request's whole), before or after it trained
     label_deleted: bool = False
 
     @property
@@ -79,8 +79,12 @@ def remembered(ledger_path: str | Path, completion_id: str, choice: int | None =
         prompts = {row.request.id: row for row in read_ledger(ledger_path, "r.id >= ? AND r.id < ?",
                                                                (prefix, completion_id + "."))
                    if is_prompt_of(completion_id, row.request.id)}
+        if not prompts:  # none, or deleted whole (its prompts with it)
+            deleted = any(i == completion_id or is_prompt_of(completion_id, i)
+                          for i in deleted_requests(ledger_path, completion_id))
+            return LedgerMemory(completion_id, False, None, None, None, label_deleted=True) if deleted else None
         if choice is None:
-            return LedgerMemory(completion_id, False, None, None, None, prompts=len(prompts)) if prompts else None
+            return LedgerMemory(completion_id, False, None, None, None, prompts=len(prompts))
         per_prompt = max((len(row.choices) for row in prompts.values()), default=0) or 1  # (a cut prompt: fewer)
         rows = [row for row in [prompts.get(f"{prefix}{choice // per_prompt}")] if row is not None]
     if not rows:

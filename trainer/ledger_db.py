@@ -59,6 +59,9 @@ CREATE TABLE IF NOT EXISTS deleted_labels (
     request_id TEXT PRIMARY KEY REFERENCES requests (id) ON DELETE CASCADE,
     deleted_at REAL NOT NULL
 );
+-- the requests deleted whole (DELETE /v1/chat/completions/{id}): ids only, so that their
+-- label sent again is told so, after a restart too
+CREATE TABLE IF NOT EXISTS deleted_requests (id TEXT PRIMARY KEY, deleted_at REAL NOT NULL);
 -- versions whose weights are a copy of another's (a rollback, the eval gate's return to
 -- the promoted version): trainer/ledger_lineage.py
 CREATE TABLE IF NOT EXISTS versions (version INTEGER PRIMARY KEY, parent INTEGER NOT NULL);
@@ -232,6 +235,9 @@ def delete_rows(conn: sqlite3.Connection, request_id: str, label_only: bool, at:
         conn.execute("UPDATE requests SET fate = 'dropped', fate_reason = 'deleted', fate_at = ? WHERE (fate "
                      f"IS NULL OR fate = 'quarantined') AND id IN (SELECT request_id FROM labels WHERE "
                      f"request_id = ? OR ({of_its_prompts}))", (at, *arguments))
+    else:
+        conn.execute(f"INSERT OR IGNORE INTO deleted_requests SELECT id, ? FROM requests WHERE id = ? OR "
+                     f"({of_its_prompts})", (at, *arguments))
     deleted = conn.execute(f"DELETE FROM {table} WHERE {column} = ? OR ({of_its_prompts})", arguments).rowcount > 0
     versions = [version for _, fate, version in rows if fate == "trained" and version is not None]
     return Deletion(deleted, {request: fate for request, fate, _ in rows}, min(versions, default=None))
@@ -321,6 +327,17 @@ def read_ledger(path: str | Path, where: str = "1", params: tuple = ()) -> list[
     conn = open_database(Path(path), read_only=True)
     try:
         return read_rows(conn, where, params)
+    finally:
+        conn.close()
+
+
+def deleted_requests(path: str | Path, request_id: str) -> list[str]:
+    """The ids deleted whole (DELETE /v1/chat/completions/{id}) that are `request_id` or
+    begin with `<request_id>-` (its prompts', for a completion of several)."""
+    conn = open_database(Path(path), read_only=True)
+    try:
+        return [row[0] for row in conn.execute("SELECT id FROM deleted_requests WHERE id = ? OR (id >= ? AND id < ?)",
+                                               (request_id, request_id + "-", request_id + "."))]
     finally:
         conn.close()
 

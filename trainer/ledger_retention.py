@@ -43,6 +43,7 @@ def prune(conn: sqlite3.Connection, cutoff: float, target_bytes: int) -> int:
     saved = saved_version(conn)
     deleted = conn.execute(f"DELETE FROM requests WHERE served_at < ? AND NOT ({OWED})",
                            (cutoff, saved, saved)).rowcount
+    conn.execute("DELETE FROM deleted_requests WHERE deleted_at < ?", (cutoff,))  # (ids only, not counted)
     while used_bytes(conn) > target_bytes:
         ids = [r[0] for r in conn.execute(f"SELECT id FROM requests WHERE NOT ({OWED}) ORDER BY served_at LIMIT 256",
                                           (saved, saved))]
