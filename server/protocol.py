@@ -31,8 +31,8 @@ from engine.structured import Grammar, check_compiles
 from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, TOOLS_NEEDED_SCHEMA, ChatMessage, Int,
                                     LimitFrom0, LimitFrom1, LogitBias, StreamOptions, Strict, TokenId,
                                     documented, non_empty_alternatives)
-from server.protocol_formats import (NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, build_grammar,
-                                     check_parameters, functions)
+from server.protocol_formats import (AllowedToolsChoice, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
+                                     build_grammar, check_parameters, functions)
 from server.tool_calls import ToolUse
 
 
@@ -193,7 +193,7 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: documented(Int, minimum=0, maximum=MAX_LOGPROBS) | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     # OpenAI's, without effect on this model's generation
     reasoning_effort: str | None = None
@@ -225,13 +225,23 @@ class ChatCompletionRequest(_SamplingFields):
         choice = self.tool_choice or "auto"
         if choice == "none":
             return None
-        named = None
+        named, offered = None, functions(self.tools)
         if isinstance(choice, NamedToolChoice):
             named = choice.function.name
             if named not in names:
                 raise InvalidParameter("tool_choice", f"tool_choice names `{named}`, which is not in tools")
             choice = "named"
-        return ToolUse(functions(self.tools), choice, named, self.parallel_tool_calls is not False)
+        elif isinstance(choice, AllowedToolsChoice):  # the model is shown, and calls, only those
+            allowed = [tool.function.name for tool in choice.allowed_tools.tools]
+            if not allowed:
+                raise InvalidParameter("tool_choice.allowed_tools.tools", "tool_choice.allowed_tools must name at "
+                                       "least one of tools")
+            for i, name in enumerate(allowed):
+                if name not in names:
+                    raise InvalidParameter(f"tool_choice.allowed_tools.tools[{i}]",
+                                           f"tool_choice.allowed_tools names `{name}`, which is not in tools")
+            offered, choice = [f for f in offered if f["name"] in allowed], choice.allowed_tools.mode
+        return ToolUse(offered, choice, named, self.parallel_tool_calls is not False)
 
     def sampling_params(self, tools: ToolUse | None = None, tool_call_token: int | None = None,
                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:

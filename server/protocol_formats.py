@@ -37,6 +37,18 @@ class NamedToolChoice(Strict):
     function: NamedFunction
 
 
+class AllowedTools(Strict):
+    mode: Literal["auto", "required"]
+    tools: documented(list[NamedToolChoice], minItems=1)
+
+
+class AllowedToolsChoice(Strict):
+    """OpenAI's `tool_choice` that lets the model call only some of `tools`, in `mode`."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 def functions(tools: list[Tool]) -> list[dict]:
     return [tool.function.model_dump(exclude_none=True) for tool in tools]
 

@@ -267,6 +267,28 @@ def test_auto_with_a_response_format_answers_the_formats_json_or_calls(client, o
                 jsonschema.validate(json.loads(message["content"]), ANSWER["json_schema"]["schema"])
 
 
+def allowed(mode: str, *names: str) -> dict:
+    return {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": name}} for name in names]}}
+
+
+def test_allowed_tools_required_calls_only_those_and_auto_offers_only_those(client):
+    """OpenAI's `allowed_tools` choice (a 400 before: an outside pass with openai 2.54's types)."""
+    r = chat(client, tool_choice=allowed("required", "get_time"), temperature=1.0, seed=5, n=4)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        for call in choice["message"]["tool_calls"]:
+            assert_valid_call(call, names=("get_time",))
+
+    def prompt_tokens(tool_choice) -> int:
+        return chat(client, tool_choice=tool_choice, max_tokens=1).json()["usage"]["prompt_tokens"]
+    only_weather = client.post("/tokenize", json={"model": TINY_NAME, "messages": QUESTION,
+                                                  "tools": TOOLS[:1]}).json()["count"]
+    assert prompt_tokens(allowed("auto", "get_weather")) == only_weather < prompt_tokens("auto")
+    r = chat(client, tool_choice=allowed("auto", "get_time", "get_date"))
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "tool_choice.allowed_tools.tools[1]")
+
+
 # -- streaming and the SDKs -------------------------------------------------------------------
 
 def test_streamed_tool_calls_equal_the_whole_response():
@@ -348,6 +370,9 @@ def test_langchain_binds_tools_and_structures_outputs():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objectx"}}}],
       "tool_choice": "required"}, "tools"),
     ({"tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs"),
+    ({"tool_choice": allowed("auto", "get_time", "get_date")}, "tool_choice"),
+    ({"tool_choice": allowed("required")}, "tool_choice"),
+    ({"tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": []}}}, "tool_choice"),
     # a forced call is the answer, but the format a later turn's text would take is still checked
     ({"tool_choice": "required", "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "objectx"}}}}, "response_format"),
