@@ -191,6 +191,51 @@ def mark_serving(replica: Replica) -> None:
             pass
 
 
+LOOPBACK_RENDEZVOUS = "alchemist-loopback"
+
+
+def _loopback_rendezvous(params):
+    """The elastic agent's rendezvous for `launch`'s one node: a store that listens on
+    loopback alone. torch's `c10d` rendezvous listens on every interface and unpickles what
+    its store holds, so that anyone who reached its port could run code as the server (an
+    outside pass did), whatever `--host` and the keys say."""
+    from torch.distributed.elastic.rendezvous.api import (RendezvousHandler, RendezvousInfo,
+                                                          RendezvousStoreInfo)
+
+    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    port = listener.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=START_TIMEOUT_S),
+                          multi_tenant=True, master_listen_fd=listener.detach())
+
+    class LoopbackRendezvous(RendezvousHandler):
+        def get_backend(self) -> str:
+            return LOOPBACK_RENDEZVOUS
+
+        @property
+        def use_agent_store(self) -> bool:  # the replicas' group joins this store
+            return True
+
+        def next_rendezvous(self) -> RendezvousInfo:
+            return RendezvousInfo(dist.PrefixStore(params.run_id, store), 0, 1, RendezvousStoreInfo("127.0.0.1", port))
+
+        def is_closed(self) -> bool:
+            return False
+
+        def set_closed(self) -> None:
+            pass
+
+        def num_nodes_waiting(self) -> int:
+            return 0
+
+        def get_run_id(self) -> str:
+            return params.run_id
+
+        def shutdown(self) -> bool:
+            return True
+
+    return LoopbackRendezvous()
+
+
 def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
     """Runs `alchemist <argv>` as `replicas` replica processes under torch's elastic agent
     on this node; returns when the group ends (the exit status: 2 if it never served). A
@@ -203,9 +248,15 @@ def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     logger.info("starting %d replicas (restarted up to %d times once they serve)", replicas, max_restarts)
+    rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, _loopback_rendezvous)
+    # the replicas' collectives connect over loopback too (gloo and NCCL listen on the host's
+    # address otherwise), unless the environment says where
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     os.environ[AGENT_PID_VARIABLE] = str(os.getpid())  # the replicas' parent: die_with_parent checks it
     marks = tempfile.mkdtemp(prefix="alchemist-serving-")
     os.environ[SERVING_MARKS_VARIABLE] = marks
@@ -213,7 +264,7 @@ def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
         for attempt in range(max_restarts + 1):
             # the agent's own restarts are off: it restarts whatever failed, at any stage
             config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=replicas, run_id=str(uuid.uuid4()),
-                                  rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
+                                  rdzv_backend=LOOPBACK_RENDEZVOUS, rdzv_endpoint="", max_restarts=0,
                                   monitor_interval=0.5)
             try:
                 elastic_launch(config, entrypoint=sys.executable)("-m", "server.cli", *argv)

@@ -359,6 +359,18 @@ def _flags(tmp_path: Path) -> list[str]:
             "--adapter-save-every", "1", "--max-model-len", "512"]
 
 
+def _assert_listens_on_loopback_only(agent_pid: int) -> None:
+    """Every port the agent and its replicas listen on is loopback's (the server's --host is):
+    torch's c10d rendezvous store listened on every interface and unpickled what it held,
+    and gloo on the host's address (an outside pass ran code as the server through it)."""
+    import psutil
+
+    agent = psutil.Process(agent_pid)
+    listening = [(process.pid, c.laddr) for process in [agent, *agent.children(recursive=True)]
+                 for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert len(listening) >= 6 and all(address.ip == "127.0.0.1" for _, address in listening), listening
+
+
 @pytest.mark.slow  # a group of two server processes, killed and restarted
 def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
     adapter_dir = tmp_path / "adapters"
@@ -366,6 +378,7 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
         addresses = _private_addresses(launcher.log_path, 2)
         ids = _served_by_each(url, addresses)
         assert all(i.startswith(f"chatcmpl-r{rank}-") for rank, served in ids.items() for i in served)
+        _assert_listens_on_loopback_only(launcher.pid)
 
         # a label posted to the replica that did not serve its completion trains where it was served
         for rank, served in ids.items():
@@ -414,6 +427,7 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
         wait_for(back, poll_s=0.5)  # the time it takes is a figure (BENCHMARKS.md), not a bound here
         after = _status(url)
         assert after["version"] == before["version"] and after["restored_from"] == before["version"]
+        _assert_listens_on_loopback_only(launcher.pid)  # the restarted group's store and collectives too
         assert {c["digest"] for c in after["replicas"]} == {before["replicas"][0]["digest"]}
         # each replica took back its own requests from the node's ledger: their labels train where they land
         for served in unlabelled.values():
