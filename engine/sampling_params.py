@@ -103,7 +103,9 @@ class SamplingParams:
         ]
         for param, ok, message in checks:
             if not ok:
-                raise InvalidParameter(param, f"{param} {message}, got {getattr(self, param)!r}")
+                given = repr(getattr(self, param))  # (a list of 100,000 stop strings was said back whole)
+                given = given if len(given) <= 200 else given[:200] + "…"
+                raise InvalidParameter(param, f"{param} {message}, got {given}")
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.grammar_limits import check_grammar_size, check_schema_depth, first_line
 from engine.sampling_params import InvalidParameter
 
 # JSON's usual single spaces (as Python's json.dumps writes it, and as models saw it in
@@ -44,12 +45,14 @@ def _built(param: str, kind: str, build) -> Grammar:
     except InvalidParameter:
         raise
     except Exception as exc:  # noqa: BLE001 - the spec is the client's; say what is wrong with it
-        raise InvalidParameter(param, f"{param} cannot be enforced: {exc}") from None
+        raise InvalidParameter(param, f"{param} cannot be enforced: {first_line(exc)}") from None
 
 
 def json_schema_grammar(schema: dict, param: str = "response_format", kind: str = "json_schema") -> Grammar:
     """JSON documents that validate against `schema`."""
     import llguidance
+
+    check_schema_depth(schema, param)
 
     return _built(param, kind, lambda: llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
                                                                                defaults=JSON_LAYOUT))
@@ -76,6 +79,8 @@ def lark_grammar(text: str, param: str, kind: str = "grammar") -> Grammar:
     `%json {schema}`) or in llama.cpp's GBNF; its start rule is `start` (Lark) or `root` (GBNF)."""
     import llguidance
 
+    check_grammar_size(text, param)
+
     return _built(param, kind, lambda: llguidance.grammar_from("grammar", text))
 
 
@@ -87,7 +92,7 @@ def check_compiles(grammar: Grammar) -> None:
 
     error = llguidance.LLMatcher.validate_grammar(grammar.text)
     if error:
-        raise InvalidParameter(grammar.param, f"{grammar.param} cannot be enforced: {error}")
+        raise InvalidParameter(grammar.param, f"{grammar.param} cannot be enforced: {first_line(error)}")
 
 
 class GrammarCompiler:
@@ -112,7 +117,8 @@ class GrammarCompiler:
 
         matcher = llguidance.LLMatcher(self.tokenizer, grammar.text)
         if matcher.is_error():
-            raise InvalidParameter(grammar.param, f"{grammar.param} cannot be enforced: {matcher.get_error()}")
+            raise InvalidParameter(grammar.param,
+                                   f"{grammar.param} cannot be enforced: {first_line(matcher.get_error())}")
         return matcher
 
 

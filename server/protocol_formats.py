@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from engine.grammar_limits import first_line
 from engine.sampling_params import InvalidParameter
 from engine.structured import Grammar, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
 from server.protocol_fields import Strict, documented
@@ -68,7 +69,7 @@ def check_parameters(tools: list[Tool]) -> None:
                                    f"JSON Schema of 'type: \"object\"', got 'type: {json.dumps(kind)}'.")
         error = llguidance.LLMatcher.validate_grammar(json_schema_grammar(parameters, param).text)
         if error:
-            raise InvalidParameter(param, f"Invalid schema for function '{tool.function.name}': {error}")
+            raise InvalidParameter(param, f"Invalid schema for function '{tool.function.name}': {first_line(error)}")
 
 
 class JsonSchemaFormat(Strict):

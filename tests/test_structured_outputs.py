@@ -165,3 +165,52 @@ def test_bad_or_conflicting_constraints_are_400_naming_the_field(client, extra, 
     error = r.json()["error"]
     assert error["param"] == param, error
     assert error["type"] == "invalid_request_error"
+
+
+def reference_chain(links: int) -> dict:
+    """A schema whose definitions each refer to the next, `links` deep."""
+    definitions = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+                   for i in range(links)}
+    return {"$ref": "#/$defs/d0", "$defs": {**definitions, f"d{links}": {"type": "string"}}}
+
+
+def rule_chain(rules: int) -> str:
+    return "start: r0\n" + "".join(f'r{i}: "x" r{i + 1} | "y"\n' for i in range(rules)) + f'r{rules}: "z"'
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": reference_chain(1000)}}},
+     "response_format"),
+    ({"structured_outputs": {"json": reference_chain(1000)}}, "structured_outputs.json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": reference_chain(1000)}}]},
+     "tools[0].function.parameters"),
+    ({"structured_outputs": {"grammar": "start: %json " + json.dumps(reference_chain(1000))}},
+     "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": rule_chain(3000)}}, "structured_outputs.grammar"),
+])
+def test_a_grammar_whose_compiling_would_overflow_the_stack_is_a_400(client, extra, param):
+    """One such request killed the whole server with a segmentation fault (an outside pass:
+    llguidance compiles by recursion on the native stack); each of these did, unchecked."""
+    r = client.post("/v1/chat/completions", json={
+        "model": TINY_NAME, "max_tokens": 5, "messages": [{"role": "user", "content": "Go."}], **extra})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_deep_but_real_schemas_and_grammars_still_compile(client):
+    tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}
+    for response_format in ({"type": "json_schema", "json_schema": {"name": "x", "schema": reference_chain(80)}},
+                            {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}):
+        assert chat(client, response_format, max_tokens=5).status_code == 200
+    r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 5, "messages": [
+        {"role": "user", "content": "Go."}], "structured_outputs": {"grammar": rule_chain(400)}})
+    assert r.status_code == 200, r.text
+
+
+def test_an_error_says_neither_a_panics_backtrace_nor_a_long_value_back(client):
+    """llguidance's panic on 70,000 choices came back with its Rust backtrace (build paths), and
+    100,000 stop strings were said back whole (a 989 KB error body)."""
+    for extra in ({"structured_outputs": {"choice": [f"c{i}" for i in range(70000)]}}, {"stop": ["ab"] * 100000}):
+        r = client.post("/v1/chat/completions", json={
+            "model": TINY_NAME, "max_tokens": 5, "messages": [{"role": "user", "content": "Go."}], **extra})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "\n" not in message and len(message) < 600, message
