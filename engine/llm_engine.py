@@ -94,8 +94,9 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         return self._grammars
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raises InvalidParameter for a request this engine can never serve."""
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, matcher=None):
+        """Raises InvalidParameter for a request this engine can never serve; returns its
+        grammar's matcher (`matcher`, one `grammars.check` gave already; None: it has none)."""
         if not prompt_token_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
@@ -104,8 +105,8 @@ class LLMEngine:
             raise InvalidParameter("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in params.logit_bias):
             raise InvalidParameter("logit_bias", f"logit_bias token ids must be in [0, {self.vocab_size})")
-        if params.grammar is not None:
-            self.grammars.check(params.grammar)
+        if params.grammar is not None and matcher is None:
+            matcher = self.grammars.check(params.grammar)
         requested = len(prompt_token_ids) + (params.max_tokens or 0)
         # a prompt only scored (max_tokens 0) may fill the context; one answered leaves a position for its token
         longest_prompt = self.max_model_len if params.max_tokens == 0 else self.max_model_len - 1
@@ -120,20 +121,22 @@ class LLMEngine:
                     f"may have at most {longest_prompt} tokens (a completion's prompt only scored, with "
                     f"max_tokens 0, all {self.max_model_len})." if prompt_alone and params.max_tokens != 0 else ""),
                 "context_length_exceeded")
+        return matcher
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, train: bool = False,
-                     client_prompt: object = None) -> EngineRequest:
+                     client_prompt: object = None, matcher=None) -> EngineRequest:
         """Validates a request (the only place it is validated); raises InvalidParameter
         for one this engine can never serve. `train`: the client allows training on it;
         `client_prompt`: its prompt as the client wrote it, for the recorder (a reward
-        function is shown it). Scoring requests (prompt logprobs, max_tokens 0) are never
-        trained on."""
-        self._validate(prompt_token_ids, params)
+        function is shown it); `matcher`: its grammar's, from `grammars.check` (which compiles
+        it: a server does so off its event loop). Scoring requests (prompt logprobs,
+        max_tokens 0) are never trained on."""
+        matcher = self._validate(prompt_token_ids, params, matcher)
         scoring = params.prompt_logprobs is not None or params.max_tokens == 0
         request = EngineRequest(request_id, tuple(prompt_token_ids), params,
                                 time.monotonic() if arrival_time is None else arrival_time, train and not scoring,
-                                client_prompt)
+                                client_prompt, matcher)
         self.expect(request)  # its id may reach the client (a stream's first chunk) before it is queued
         return request
 
@@ -168,7 +171,8 @@ class LLMEngine:
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
             if params.grammar is not None:  # compiled once per request, copied for the other choices
-                seq.matcher = self.grammars.matcher(params.grammar) if index == 0 else seqs[0].matcher.deep_copy()
+                seq.matcher = (request.matcher or self.grammars.matcher(params.grammar)) if index == 0 \
+                    else seqs[0].matcher.deep_copy()
             seqs.append(seq)
             if fork and index > 0:
                 seq.fork_parent = seqs[0]

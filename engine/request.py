@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 
@@ -20,3 +20,6 @@ class EngineRequest:
     # the prompt as the client wrote it (chat messages, or text), kept only when a reward
     # function will be shown it; it travels to the recorder with the request
     client_prompt: object = None
+    # its grammar's matcher at the start, compiled when the request was checked (off the
+    # engine's thread): choice 0 decodes with it, the others with copies
+    matcher: object = field(default=None, compare=False, repr=False)

@@ -104,13 +104,14 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
 
-    def check(self, grammar: Grammar) -> None:
-        """Raises InvalidParameter for a grammar that does not compile, or that no text
-        satisfies (its first mask leaves the matcher in error)."""
+    def check(self, grammar: Grammar):
+        """A matcher of `grammar` at its start; raises InvalidParameter for a grammar that
+        does not compile, or that no text satisfies (its first mask leaves the matcher in error)."""
         matcher = self.matcher(grammar)
         fill_allowed_tokens(matcher, token_bitmask(1, self.vocab_size)[0])
         if matcher.is_error():  # (a rule defined only by itself: answered with empty text and "stop" before)
             raise InvalidParameter(grammar.param, f"{grammar.param} cannot be satisfied: no text matches it")
+        return matcher
 
     def matcher(self, grammar: Grammar):
         import llguidance

@@ -7,6 +7,7 @@ disconnects — streaming or not — aborts its request within one engine step.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Request, Response
@@ -65,14 +66,23 @@ def served_adapter_card(state: ServerState) -> dict | None:
     return {"version": adapter.version, "path": adapter.path, "frozen": True}
 
 
+def _tools_and_sampling(state: ServerState, body: ChatCompletionRequest):
+    """A chat's tools (their schemas compiled) and sampling parameters."""
+    tools = body.tool_use()
+    return tools, body.sampling_params(tools=tools, tool_call_token=state.tool_call_token,
+                                       defaults=state.sampling_defaults)
+
+
 async def serve_chat_completion(state: ServerState, request: Request):
     body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
     check_model(state.model_names, body.model)
     check_unsupported(body)
-    tools = body.tool_use()
-    params = body.sampling_params(tools=tools, tool_call_token=state.tool_call_token, defaults=state.sampling_defaults)
+    # the CPU work of a request runs on worker threads (the tokenizer and llguidance let go of
+    # the GIL): a 4 MB prompt, or a tool schema's or grammar's compiling, held the event loop
+    # for seconds, and every other client with it (an outside pass)
+    tools, params = await asyncio.to_thread(_tools_and_sampling, state, body)
     admit_sequences(request, params.n)
-    prompt_ids = render_chat(state.tokenizer, body, tools=tools)
+    prompt_ids = await asyncio.to_thread(render_chat, state.tokenizer, body, tools)
     tail = body.prompt_tail(state.max_model_len, params.max_tokens)
     truncated = tail is not None and len(prompt_ids) > tail
     if truncated:
@@ -82,7 +92,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     client_prompt = ledger_prompt(state.tokenizer, body, tools) if state.keeps_client_prompt and not truncated \
         else None
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages",
-                                  client_prompt)
+                                  client_prompt, await state.engine.check_grammar(params))
     state.metrics.count_constraints(params.grammar, tools)
     stream = engine_stream(state.engine, engine_request)
     parsers = None
@@ -116,8 +126,8 @@ async def serve_completion(state: ServerState, request: Request):
         raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
                        "best_of")
     params = body.sampling_params(defaults=state.sampling_defaults)
-    prompts = completion_prompts(state.tokenizer, body.prompt, state.engine.vocab_size,
-                                 body.prompt_tail(state.max_model_len, params.max_tokens))
+    prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, body.prompt, state.engine.vocab_size,
+                                      body.prompt_tail(state.max_model_len, params.max_tokens))
     # one request of many prompts holds as many sequences
     admit_sequences(request, len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
     request_id = state.completion_id("cmpl")
@@ -125,10 +135,11 @@ async def serve_completion(state: ServerState, request: Request):
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     # the ledger keeps a prompt as the client wrote it: not one sent as token ids, nor one cut short
     written = [body.prompt] if isinstance(body.prompt, str) else [p if isinstance(p, str) else None for p in body.prompt]
+    matcher = await state.engine.check_grammar(params)  # compiled once, copied for the other prompts
     engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt",
                                     ClientPrompt(text, as_written=text == client_text) if state.keeps_client_prompt
-                                    else None)
-                       for rid, (prompt_ids, text), client_text in zip(ids, prompts, written)]
+                                    else None, matcher if i == 0 or matcher is None else matcher.deep_copy())
+                       for i, (rid, (prompt_ids, text), client_text) in enumerate(zip(ids, prompts, written))]
     state.metrics.count_constraints(params.grammar, None)
     streams = [engine_stream(state.engine, r) for r in engine_requests]
     if body.stream:

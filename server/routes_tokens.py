@@ -12,6 +12,8 @@ client's side.
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
 from server.errors import APIError
@@ -19,6 +21,17 @@ from server.parsing import check_model, parse_body, render_chat
 from server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from server.response_schemas import TokenizerInfo
 from server.state import ServerState
+
+
+def _tokenized(state: ServerState, body) -> dict:
+    if isinstance(body, TokenizeChatRequest):
+        tokens = render_chat(state.tokenizer, body, body.tool_use(), body.add_special_tokens)
+    else:
+        tokens = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+    result = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+    if body.return_token_strs:
+        result["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)
+    return result
 
 
 def tokens_router(state: ServerState) -> APIRouter:
@@ -29,14 +42,9 @@ def tokens_router(state: ServerState) -> APIRouter:
         body = await parse_body(request, TokenizeRequest)
         if body.model is not None:
             check_model(state.model_names, body.model)
-        if isinstance(body, TokenizeChatRequest):
-            tokens = render_chat(state.tokenizer, body, body.tool_use(), body.add_special_tokens)
-        else:
-            tokens = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
-        result = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
-        if body.return_token_strs:
-            result["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)
-        return result
+        # on a worker thread (the tokenizer lets go of the GIL): the route is open even with an
+        # API key, as vLLM's, and a 4 MB prompt held the event loop 5 s (an outside pass)
+        return await asyncio.to_thread(_tokenized, state, body)
 
     @router.post("/detokenize")
     async def detokenize(request: Request):
@@ -47,7 +55,7 @@ def tokens_router(state: ServerState) -> APIRouter:
         bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"token ids must be in [0, {vocab}); got {bad}.", "tokens", "invalid_value")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(state.tokenizer.decode, body.tokens)}
 
     @router.get("/tokenizer_info")
     async def tokenizer_info():

@@ -53,3 +53,43 @@ def test_every_release_under_the_server_runs_on_the_device_thread(monkeypatch):
                  and trainer.status().cache.ended.get("dropped", 0) == 1)
     assert len(threads) >= 3
     assert all(name.startswith("alchemist-device") for name in threads), threads
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/tokenize", {"prompt": "Hello there"}),
+    ("/v1/completions", {"prompt": "Hello there", "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                              "structured_outputs": {"choice": ["yes", "no"]}}),
+])
+def test_a_requests_tokenizing_and_grammar_run_off_the_event_loop(monkeypatch, route, body):
+    """A 4 MB prompt held the loop 5 s in the tokenizer, 60,000 choices 3 s in llguidance,
+    and every other client waited (an outside pass): while one request's CPU work is held
+    here, another client is answered."""
+    from engine.structured import GrammarCompiler
+
+    held, release = threading.Event(), threading.Event()
+
+    def holding(work):
+        def held_work(*args, **kwargs):
+            held.set()
+            assert release.wait(60)
+            return work(*args, **kwargs)
+        return held_work
+
+    app = tiny_app()
+    tokenizer = app.state.alchemist.tokenizer
+    if "structured_outputs" in body:
+        monkeypatch.setattr(GrammarCompiler, "check", holding(GrammarCompiler.check))
+    else:
+        monkeypatch.setattr(tokenizer, "apply_chat_template", holding(tokenizer.apply_chat_template))
+        monkeypatch.setattr(type(tokenizer), "__call__", holding(type(tokenizer).__call__))
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        answer = {}
+        worker = threading.Thread(target=lambda: answer.update(r=client.post(route, json={"model": TINY_NAME, **body})))
+        worker.start()
+        assert held.wait(30)
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200  # while it is held
+        release.set()
+        worker.join(60)
+    assert answer["r"].status_code == 200, answer["r"].text

@@ -214,3 +214,22 @@ def test_an_error_says_neither_a_panics_backtrace_nor_a_long_value_back(client):
             "model": TINY_NAME, "max_tokens": 5, "messages": [{"role": "user", "content": "Go."}], **extra})
         message = r.json()["error"]["message"]
         assert r.status_code == 400 and "\n" not in message and len(message) < 600, message
+
+
+def test_a_requests_grammar_is_compiled_once(client, monkeypatch):
+    """Checked off the event loop, its matcher is the one choice 0 decodes with (the engine's
+    thread compiled it a second time, for seconds with a large grammar, while every stream waited)."""
+    from engine.structured import GrammarCompiler
+
+    compiled = []
+    matcher = GrammarCompiler.matcher
+    monkeypatch.setattr(GrammarCompiler, "matcher", lambda self, grammar: compiled.append(grammar) or
+                        matcher(self, grammar))
+    r = chat(client, {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}, n=3, temperature=1.0)
+    assert r.status_code == 200 and len(compiled) == 1, r.text
+    for choice in r.json()["choices"]:
+        assert set(json.loads(choice["message"]["content"])) == {"answer", "level"}
+    r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": ["a", "b"], "max_tokens": 40,
+                                             "structured_outputs": {"json": SCHEMA}})
+    assert r.status_code == 200 and len(compiled) == 2, r.text
+    assert all(set(json.loads(c["text"])) == {"answer", "level"} for c in r.json()["choices"])
