@@ -31,6 +31,7 @@ from typing import AsyncIterator
 
 import torch
 
+from engine.grammar_limits import on_compile_threads
 from engine.hooks import IdleHook, Wakeup
 from engine.llm_engine import LLMEngine
 from engine.outputs import EngineError, ErrorKind, RequestOutput, StepStats, merged
@@ -74,9 +75,8 @@ class AsyncEngine:
         self.wakeup = wakeup or Wakeup()
         # (idle seconds before, when the current idle spell began or None): replaced whole, never seen going back
         self._idle: tuple[float, float | None] = (0.0, None)
-        # serving steps, and the device's seconds between consecutive ones while requests
-        # were running: the round trip through the event loop, and what the idle hook ran
-        # between steps
+        # serving steps, and the device's seconds between consecutive ones while requests were
+        # running: the round trip through the event loop, and what the idle hook ran between steps
         self.serving_steps = 0
         self.step_gap_seconds = 0.0
         self._last_step_end: float | None = None
@@ -148,7 +148,7 @@ class AsyncEngine:
 
     async def check_grammar(self, params: SamplingParams):
         """Its grammar's matcher (or None), compiled off the loop: 60,000 choices held it 3 s."""
-        return await asyncio.to_thread(self.engine.grammars.check, params.grammar) if params.grammar else None
+        return await on_compile_threads(self.engine.grammars.check, params.grammar) if params.grammar else None
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs (those that queued up while the caller was busy

@@ -80,8 +80,9 @@ def lark_grammar(text: str, param: str, kind: str = "grammar") -> Grammar:
     import llguidance
 
     check_grammar_size(text, param)
-
-    return _built(param, kind, lambda: llguidance.grammar_from("grammar", text))
+    grammar = _built(param, kind, lambda: llguidance.grammar_from("grammar", text))
+    check_grammar_size(grammar.text, param)
+    return grammar
 
 
 def check_compiles(grammar: Grammar) -> None:

@@ -76,14 +76,14 @@ def measure_bandwidth(device: torch.device, nbytes: int = 32 << 20, repeats: int
 
 
 def fit_linear(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(fixed, per token) through the first and last of (tokens, seconds); where the longer
-    did not measure slower (a busy machine's noise), through zero and the longer: a
-    layer's time grows with its tokens, and a fit that says it does not would have the
-    offloader recompute long recordings as if they were short."""
+    """(fixed, per token) through the first and last of (tokens, seconds), the per-token
+    cost at least half the longer's average: a layer's time grows with its tokens, and a
+    busy machine's noise (the longer measured no slower, or hardly) read as a cost of
+    0 us per token would have the offloader recompute long recordings as if they were short."""
     (t1, s1), (t2, s2) = points[0], points[-1]
-    if t2 == t1 or s2 <= s1:
-        return 0.0, s2 / t2
-    per_token = (s2 - s1) / (t2 - t1)
+    if t2 == t1:
+        return 0.0, s1 / t1
+    per_token = max((s2 - s1) / (t2 - t1), s2 / t2 / 2)
     return max(s1 - per_token * t1, 0.0), per_token
 
 

@@ -199,15 +199,15 @@ def _loopback_rendezvous(params):
     loopback alone. torch's `c10d` rendezvous listens on every interface and unpickles what
     its store holds, so that anyone who reached its port could run code as the server (an
     outside pass did), whatever `--host` and the keys say."""
-    from torch.distributed.elastic.rendezvous.api import (RendezvousHandler, RendezvousInfo,
-                                                          RendezvousStoreInfo)
-
-    listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=START_TIMEOUT_S),
-                          multi_tenant=True, master_listen_fd=listener.detach())
+    from torch.distributed.elastic.rendezvous.api import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
 
     class LoopbackRendezvous(RendezvousHandler):
+        def __init__(self):
+            listener = socket.create_server(("127.0.0.1", 0), backlog=1024)
+            self.port = listener.getsockname()[1]
+            self.store = dist.TCPStore("127.0.0.1", self.port, None, True, datetime.timedelta(seconds=START_TIMEOUT_S),
+                                       multi_tenant=True, master_listen_fd=listener.detach())
+
         def get_backend(self) -> str:
             return LOOPBACK_RENDEZVOUS
 
@@ -216,7 +216,8 @@ def _loopback_rendezvous(params):
             return True
 
         def next_rendezvous(self) -> RendezvousInfo:
-            return RendezvousInfo(dist.PrefixStore(params.run_id, store), 0, 1, RendezvousStoreInfo("127.0.0.1", port))
+            return RendezvousInfo(dist.PrefixStore(params.run_id, self.store), 0, 1,
+                                  RendezvousStoreInfo("127.0.0.1", self.port))
 
         def is_closed(self) -> bool:
             return False
@@ -231,6 +232,7 @@ def _loopback_rendezvous(params):
             return params.run_id
 
         def shutdown(self) -> bool:
+            self.store = None  # its port closes with it: a group started again gets a store of its own
             return True
 
     return LoopbackRendezvous()
@@ -243,6 +245,7 @@ def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
     first one, failing before any replica served, is not: a configuration error, an adapter
     directory another server trains into or a model that does not fit would fail every
     start the same way, each after loading the model again."""
+    import gc
     import shutil
     import tempfile
 
@@ -282,6 +285,7 @@ def launch(argv: list[str], replicas: int, max_restarts: int) -> int:
                     return 1
                 logger.warning("a replica failed (%s); starting the group again (restart %d of %d)",
                                _first_failure(exc), attempt + 1, max_restarts)
+                gc.collect()  # the failed group's store (in the agent's reference cycles) stops listening
         return 1
     finally:
         shutil.rmtree(marks, ignore_errors=True)

@@ -12,6 +12,7 @@ import time
 
 from fastapi import APIRouter, Request, Response
 
+from engine.grammar_limits import on_compile_threads
 from server.errors import APIError
 from server.guards import admit_sequences
 from server.parsing import (check_model, check_unsupported, completion_prompts, ledger_prompt, make_request,
@@ -80,7 +81,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     # the CPU work of a request runs on worker threads (the tokenizer and llguidance let go of
     # the GIL): a 4 MB prompt, or a tool schema's or grammar's compiling, held the event loop
     # for seconds, and every other client with it (an outside pass)
-    tools, params = await asyncio.to_thread(_tools_and_sampling, state, body)
+    tools, params = await on_compile_threads(_tools_and_sampling, state, body)
     admit_sequences(request, params.n)
     prompt_ids = await asyncio.to_thread(render_chat, state.tokenizer, body, tools)
     tail = body.prompt_tail(state.max_model_len, params.max_tokens)
@@ -125,7 +126,7 @@ async def serve_completion(state: ServerState, request: Request):
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(400, "best_of must equal n (returning the best of several samples is not supported).",
                        "best_of")
-    params = body.sampling_params(defaults=state.sampling_defaults)
+    params = await on_compile_threads(body.sampling_params, defaults=state.sampling_defaults)
     prompts = await asyncio.to_thread(completion_prompts, state.tokenizer, body.prompt, state.engine.vocab_size,
                                       body.prompt_tail(state.max_model_len, params.max_tokens))
     # one request of many prompts holds as many sequences

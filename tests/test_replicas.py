@@ -369,6 +369,7 @@ def _assert_listens_on_loopback_only(agent_pid: int) -> None:
     listening = [(process.pid, c.laddr) for process in [agent, *agent.children(recursive=True)]
                  for c in process.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     assert len(listening) >= 6 and all(address.ip == "127.0.0.1" for _, address in listening), listening
+    assert sum(pid == agent_pid for pid, _ in listening) == 1, listening  # its store, not a failed group's too
 
 
 @pytest.mark.slow  # a group of two server processes, killed and restarted

@@ -167,15 +167,25 @@ def test_bad_or_conflicting_constraints_are_400_naming_the_field(client, extra, 
     assert error["type"] == "invalid_request_error"
 
 
-def reference_chain(links: int) -> dict:
-    """A schema whose definitions each refer to the next, `links` deep."""
-    definitions = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
-                   for i in range(links)}
-    return {"$ref": "#/$defs/d0", "$defs": {**definitions, f"d{links}": {"type": "string"}}}
+def reference_chain(links: int, listed_last_first: bool = False, ref: str = "#/$defs/d{}") -> dict:
+    """A schema whose definitions each refer to the next, `links` deep (listed last first:
+    each is measured before the one that refers to it; `ref`: how a reference is written,
+    `#d{}` by the `$anchor` each definition then has)."""
+    definitions = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": ref.format(i + 1)}}} for i in range(links)}
+    definitions[f"d{links}"] = {"type": "string"}
+    if ref == "#d{}":
+        definitions = {name: {**schema, "$anchor": name} for name, schema in definitions.items()}
+    order = reversed(definitions.items()) if listed_last_first else definitions.items()
+    return {"$id": "http://x.test/s", "$ref": ref.format(0), "$defs": dict(order)}
 
 
-def rule_chain(rules: int) -> str:
-    return "start: r0\n" + "".join(f'r{i}: "x" r{i + 1} | "y"\n' for i in range(rules)) + f'r{rules}: "z"'
+def rule_chain(rules: int, line_end: str = "\n") -> str:
+    return line_end.join(["start: r0", *(f'r{i}: "x" r{i + 1} | "y"' for i in range(rules)), f'r{rules}: "z"'])
+
+
+def gbnf_chain(rules: int, line_end: str) -> str:
+    return line_end.join(["root ::= r0", *(f'r{i} ::= "x" r{i + 1} | "y"' for i in range(rules)),
+                          f'r{rules} ::= "z"'])
 
 
 @pytest.mark.parametrize("extra, param", [
@@ -187,6 +197,15 @@ def rule_chain(rules: int) -> str:
     ({"structured_outputs": {"grammar": "start: %json " + json.dumps(reference_chain(1000))}},
      "structured_outputs.grammar"),
     ({"structured_outputs": {"grammar": rule_chain(3000)}}, "structured_outputs.grammar"),
+    # ways around the first checks (a review): definitions listed last first, references
+    # written otherwise, GBNF's rules ended by a lone carriage return
+    ({"structured_outputs": {"json": reference_chain(1000, listed_last_first=True)}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": reference_chain(1000, ref="#/%24defs/d{}")}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": reference_chain(1000, ref="http://x.test/s#/$defs/d{}")}},
+     "structured_outputs.json"),
+    ({"structured_outputs": {"json": reference_chain(1000, ref="#d{}")}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"$ref": "http://elsewhere.test/schema.json"}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"grammar": gbnf_chain(10000, "\r")}}, "structured_outputs.grammar"),
 ])
 def test_a_grammar_whose_compiling_would_overflow_the_stack_is_a_400(client, extra, param):
     """One such request killed the whole server with a segmentation fault (an outside pass:
@@ -198,11 +217,15 @@ def test_a_grammar_whose_compiling_would_overflow_the_stack_is_a_400(client, ext
 
 def test_deep_but_real_schemas_and_grammars_still_compile(client):
     tree = {"type": "object", "properties": {"children": {"type": "array", "items": {"$ref": "#"}}}}
-    for response_format in ({"type": "json_schema", "json_schema": {"name": "x", "schema": reference_chain(80)}},
-                            {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}):
+    for schema in (reference_chain(80), reference_chain(80, listed_last_first=True), tree,
+                   reference_chain(40, ref="http://x.test/s#/%24defs/d{}"), reference_chain(40, ref="#d{}")):
+        response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
         assert chat(client, response_format, max_tokens=5).status_code == 200
     r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 5, "messages": [
         {"role": "user", "content": "Go."}], "structured_outputs": {"grammar": rule_chain(400)}})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 5, "messages": [
+        {"role": "user", "content": "Go."}], "structured_outputs": {"grammar": gbnf_chain(400, "\r\n")}})
     assert r.status_code == 200, r.text
 
 
