@@ -231,6 +231,9 @@ async def forget(state: ServerState, completion_id: str, label_only: bool) -> di
                                 f"adapter from the next version on (a rollback undoes it); {rest}", "id",
                            "label_in_training")
         found = True
+    if forgotten.pending:  # (as a label for it is answered)
+        raise APIError(409, f"completion {completion_id!r} is still being generated; delete it once it has "
+                            "finished", "id", "response_pending")
     if not found:
         raise APIError(404, f"no {what} for completion {completion_id!r}", "id", "not_found")
     return {"id": completion_id, "object": "feedback.deleted" if label_only else "chat.completion.deleted",

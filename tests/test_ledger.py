@@ -4,6 +4,7 @@ a label still to be trained; the file is its owner's; what the server keeps of a
 completion can be deleted; a restart trains every label not in the resumed version and
 still takes feedback for recent requests."""
 
+import dataclasses
 import json
 import sqlite3
 import stat
@@ -14,7 +15,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 import engine.async_engine as async_engine
-from tests.conftest import engine_of, make_training, run_into_a_backward
+from engine.sampling_params import SamplingParams
+from tests.conftest import encode, engine_of, make_training, run_into_a_backward
 from tests.servers import TINY_NAME, tiny_app, wait_for
 from tests.test_no_label_lost import metric
 from tests.test_training import label, serve
@@ -476,6 +478,31 @@ def test_a_deleted_label_is_still_said_deleted_after_a_restart(tmp_path):
         again = second.feedback.submit(FeedbackLabel(request_id, "A new label.", None, 0))
         assert again.outcome is FeedbackOutcome.UNKNOWN and "data were deleted" in again.message, again
     second.close()
+
+
+@pytest.mark.parametrize("record_fraction", [1.0, 0.0], ids=["recorded", "not-recorded"])
+def test_deleting_a_completion_still_being_generated_deletes_it_or_says_it_is_pending(tmp_path, record_fraction):
+    """A stream's first chunk names the completion before it finishes: deleted then, an
+    unrecorded one was "not found" (404) and then written to the ledger at its end, and took a
+    label (a new pass). It is deleted (recorded: its entry exists) or 409 `response_pending`,
+    and never in the ledger after a deletion was answered 200."""
+    training = _training(tmp_path, config=dataclasses.replace(DPO, record_fraction=record_fraction))
+    engine = engine_of(training)
+    engine.add_request("r", encode("What is the capital of France?"),
+                       SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), train=True)
+    engine.step()  # its prefill: decoding now
+    forgotten = training.forget("r")
+    assert forgotten.found != forgotten.pending, forgotten
+    while engine.has_unfinished():
+        engine.step()
+    training.ledger.flush()
+    if forgotten.found:
+        assert "r" not in rows_by_id(tmp_path / LEDGER_FILE)
+        assert training.feedback.submit(FeedbackLabel("r", "A new label.", None, 0)).outcome is FeedbackOutcome.UNKNOWN
+    else:
+        assert training.forget("r").found  # once finished, it is deleted
+        assert "r" not in rows_by_id(tmp_path / LEDGER_FILE)
+    training.close()
 
 
 def test_a_label_deleted_after_it_trained_names_its_version_and_is_said_deleted_after_a_restart(tmp_path):

@@ -145,3 +145,8 @@ class ExpectedIds:
     def __contains__(self, completion_id: str) -> bool:
         with self._lock:
             return completion_id in self._ids
+
+    def holds_any(self, matches) -> bool:
+        """Whether an id in flight satisfies `matches` (a completion's own, or its prompts')."""
+        with self._lock:
+            return any(matches(completion_id) for completion_id in self._ids)

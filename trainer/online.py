@@ -264,7 +264,8 @@ class OnlineTraining:
         label (users' data): the rows leave the ledger first (LedgerUnavailable if it
         cannot be written, with nothing changed), then its entry leaves the cache. An entry
         being trained is left for `withdraw_from_training`. A completion of several prompts
-        is deleted with all of them (a list of one prompt, by `<id>-0` too). A worker thread's call."""
+        is deleted with all of them (a list of one prompt, by `<id>-0` too); one still being
+        generated whose request is not written yet is `pending`. A worker thread's call."""
         completion_id = lone_prompts_id(self.cache, self.ledger, completion_id)
         deletion = self.ledger.delete(completion_id, label_only) if self.ledger is not None else Deletion(False)
         withdrawn, training = False, []
@@ -281,7 +282,10 @@ class OnlineTraining:
                 withdrawn = True
             elif entry.state is EntryState.TRAINING:
                 training.append(entry.completion_id)
-        return Forgotten(deletion.found or withdrawn, training, deletion.trained_into)
+        found = deletion.found or withdrawn
+        pending = not found and not label_only and self.cache.expected.holds_any(
+            lambda request_id: request_id == completion_id or is_prompt_of(completion_id, request_id))
+        return Forgotten(found, training, deletion.trained_into, pending)
 
     def withdraw_from_training(self, completion_ids: list[str]) -> list[str]:
         """Withdraws entries whose data were deleted while they trained (device thread): the

@@ -158,3 +158,6 @@ class Forgotten:
     # the first adapter version holding a deleted label that had already trained (its effect
     # stays in the weights until a rollback to a version before); None: none had
     trained_into: int | None = None
+    # nothing was found but the completion is still being generated (its request is written
+    # once it finishes, where it is not recorded): deleting it now would delete nothing
+    pending: bool = False
