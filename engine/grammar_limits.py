@@ -23,9 +23,10 @@ from urllib.parse import unquote
 
 from engine.sampling_params import InvalidParameter
 
-# levels of a schema (each object and array of it), counted through its `$ref`s: a chain of
-# 84 references, the most this lets through, compiled on a 2 MiB stack (glibc's default for
-# a thread under `ulimit -s unlimited`); 300 did not
+# levels of a schema (each object and array of it), counted through its `$ref`s; the most
+# these limits let through compiles even on a 2 MiB stack, glibc's default for a thread under
+# `ulimit -s unlimited` (BENCHMARKS.md, "Outside passes with agent libraries, a new user and
+# an attacker")
 MAX_SCHEMA_LEVELS = 256
 # rules of a grammar, as llguidance compiles it (Lark; GBNF is converted first)
 MAX_GRAMMAR_RULES = 500
@@ -117,6 +118,7 @@ class _ReferenceTargets:
             raise InvalidParameter(self.param, f"{self.param} has a $ref this server cannot follow: {str(ref)[:100]!r} "
                                    "(refer within the schema: '#', '#/$defs/…', or an $anchor or $id it defines)")
         return target
+
 
 def _pointed(resource, pointer: str):
     node = resource

@@ -81,19 +81,22 @@ def lark_grammar(text: str, param: str, kind: str = "grammar") -> Grammar:
 
     check_grammar_size(text, param)
     grammar = _built(param, kind, lambda: llguidance.grammar_from("grammar", text))
-    check_grammar_size(grammar.text, param)
+    if grammar.text != text:  # GBNF's, converted: as compiled
+        check_grammar_size(grammar.text, param)
     return grammar
 
 
-def check_compiles(grammar: Grammar) -> None:
+def check_compiles(grammar: Grammar, refusal: str | None = None) -> None:
     """Raises InvalidParameter for a grammar that does not compile (`GrammarCompiler.check`
     without the tokenizer: for a grammar no request decodes under, such as the text format
-    beside a forced tool call)."""
+    beside a forced tool call); `refusal`: how the error begins (its field's name says
+    "cannot be enforced" else)."""
     import llguidance
 
     error = llguidance.LLMatcher.validate_grammar(grammar.text)
     if error:
-        raise InvalidParameter(grammar.param, f"{grammar.param} cannot be enforced: {first_line(error)}")
+        raise InvalidParameter(grammar.param, f"{refusal or grammar.param + ' cannot be enforced'}: "
+                                              f"{first_line(error)}")
 
 
 class GrammarCompiler:

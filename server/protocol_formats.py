@@ -10,9 +10,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from engine.grammar_limits import first_line
 from engine.sampling_params import InvalidParameter
-from engine.structured import Grammar, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
+from engine.structured import Grammar, check_compiles, choice_grammar, json_schema_grammar, lark_grammar, regex_grammar
 from server.protocol_fields import Strict, documented
 from server.tool_calls import NAME_PATTERN
 
@@ -57,8 +56,6 @@ def functions(tools: list[Tool]) -> list[dict]:
 def check_parameters(tools: list[Tool]) -> None:
     """Each function's `parameters` is a JSON schema of an object (OpenAI's rule: arguments
     are a JSON object) that can be enforced: a forced call is decoded under it."""
-    import llguidance
-
     for i, tool in enumerate(tools):
         parameters, param = tool.function.parameters, f"tools[{i}].function.parameters"
         if parameters is None:
@@ -67,9 +64,7 @@ def check_parameters(tools: list[Tool]) -> None:
         if kind != "object":
             raise InvalidParameter(param, f"Invalid schema for function '{tool.function.name}': schema must be a "
                                    f"JSON Schema of 'type: \"object\"', got 'type: {json.dumps(kind)}'.")
-        error = llguidance.LLMatcher.validate_grammar(json_schema_grammar(parameters, param).text)
-        if error:
-            raise InvalidParameter(param, f"Invalid schema for function '{tool.function.name}': {first_line(error)}")
+        check_compiles(json_schema_grammar(parameters, param), f"Invalid schema for function '{tool.function.name}'")
 
 
 class JsonSchemaFormat(Strict):

@@ -89,7 +89,7 @@ def test_a_requests_tokenizing_and_grammar_run_off_the_event_loop(monkeypatch, r
         worker = threading.Thread(target=lambda: answer.update(r=client.post(route, json={"model": TINY_NAME, **body})))
         worker.start()
         assert held.wait(30)
-        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200  # while it is held
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200  # while it is held (for 60 s)
         release.set()
         worker.join(60)
     assert answer["r"].status_code == 200, answer["r"].text

@@ -251,8 +251,10 @@ def test_a_requests_grammar_is_compiled_once(client, monkeypatch):
     r = chat(client, {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}, n=3, temperature=1.0)
     assert r.status_code == 200 and len(compiled) == 1, r.text
     for choice in r.json()["choices"]:
-        assert set(json.loads(choice["message"]["content"])) == {"answer", "level"}
+        if choice["finish_reason"] == "stop":  # (a document max_tokens cut does not parse)
+            assert set(json.loads(choice["message"]["content"])) == {"answer", "level"}
     r = client.post("/v1/completions", json={"model": TINY_NAME, "prompt": ["a", "b"], "max_tokens": 40,
                                              "structured_outputs": {"json": SCHEMA}})
     assert r.status_code == 200 and len(compiled) == 2, r.text
-    assert all(set(json.loads(c["text"])) == {"answer", "level"} for c in r.json()["choices"])
+    assert all(set(json.loads(c["text"])) == {"answer", "level"} for c in r.json()["choices"]
+               if c["finish_reason"] == "stop")

@@ -242,7 +242,9 @@ def test_a_forced_call_with_a_response_format_is_the_call(client, tool_choice):
     for choice in r.json()["choices"]:
         assert choice["message"]["content"] is None and choice["message"]["tool_calls"], choice
         for call in choice["message"]["tool_calls"]:
-            assert_valid_call(call)
+            assert call["function"]["name"] in SCHEMAS
+            if choice["finish_reason"] != "length":  # (a call max_tokens cut is returned as far as it got)
+                assert_valid_call(call)
 
 
 @pytest.mark.parametrize("opening, called", [("<tool_call>", True), ("{", False)])
@@ -278,7 +280,9 @@ def test_allowed_tools_required_calls_only_those_and_auto_offers_only_those(clie
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
         for call in choice["message"]["tool_calls"]:
-            assert_valid_call(call, names=("get_time",))
+            assert call["function"]["name"] == "get_time"
+            if choice["finish_reason"] != "length":
+                assert_valid_call(call, names=("get_time",))
 
     def prompt_tokens(tool_choice) -> int:
         return chat(client, tool_choice=tool_choice, max_tokens=1).json()["usage"]["prompt_tokens"]
