@@ -141,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
                    "api_key": getattr(args, "api_key", None), "admin_key": getattr(args, "admin_key", None),
                    "max_queued_requests": getattr(args, "max_queued_requests", None),
                    "max_body_bytes": getattr(args, "max_body_bytes", None),
+                   "read_timeout_s": getattr(args, "read_timeout", None),
                    "allowed_origins": getattr(args, "allowed_origins", None)},
     }
     return load_config(args.config, overrides)
@@ -173,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences (prompts x n) waiting beyond --max-num-seqs running; more get 429 "
                        "(default 256)")
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
+    serve.add_argument("--read-timeout", type=float, metavar="SECONDS",
+                       help="a request's headers must arrive within this long of the connection's opening, and its "
+                       "body may pause no longer; else the connection closes (default 30)")
     serve.add_argument("--allowed-origins", type=origins, help="origins whose web pages may call the server from a "
                        "browser (CORS): comma-separated, or vLLM's JSON list; '*' is any (default: none)")
     serve.add_argument("--adapter-dir", help="save the adapter here (PEFT format) and resume from it on start; "

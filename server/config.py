@@ -42,6 +42,10 @@ class ServerConfig:
     max_queued_requests: int = 256
     # request bodies larger than this get 413
     max_body_bytes: int = 4 << 20
+    # a request's headers must arrive within this many seconds of the connection's opening (or
+    # of its first byte), and its body may pause no longer between pieces; else the
+    # connection closes (server/read_deadline.py). A request received whole is never timed
+    read_timeout_s: float = 30.0
     # on: a serving step's tokens reach the HTTP streams once the next step's device work is
     # queued, so that the event loop's per-token work runs while the device computes (vLLM's
     # async output processing); off: as each step ends; auto: on on a GPU, off on the CPU
@@ -64,6 +68,9 @@ class ServerConfig:
                              f"{list(self.allowed_origins)!r}")
         object.__setattr__(self, "allowed_origins", tuple(origin.lower() for origin in self.allowed_origins))
         check_positive(self, "max_body_bytes")
+        if not (isinstance(self.read_timeout_s, (int, float)) and not isinstance(self.read_timeout_s, bool)
+                and 0 < self.read_timeout_s < float("inf")):
+            raise ValueError(f"server.read_timeout_s must be positive and finite, got {self.read_timeout_s!r}")
         if self.async_output not in ("auto", "on", "off"):
             raise ValueError(f"server.async_output must be auto, on or off, got {self.async_output!r}")
         if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:

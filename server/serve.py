@@ -19,6 +19,7 @@ import logging
 import torch
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import STARTUP_FAILURE
 
 from engine.model_loader import load
 from server.app import ServerState, build_app
@@ -28,6 +29,7 @@ from server.gc_freeze import freeze_startup_objects
 from server.generation_config import log_defaults, sampling_defaults
 from server.fanout import Peers
 from server.guards import GuardConfig
+from server.read_deadline import uvicorn_config
 from server.replicas import ensure_port_free, exchange_addresses, mark_serving, private_socket, public_socket
 from trainer.replicated import Replica
 
@@ -79,8 +81,12 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
 
 def run(app: FastAPI, config: AlchemistConfig) -> None:
     logger.info("%d start-up objects frozen out of garbage collection", freeze_startup_objects())
-    uvicorn.run(app, host=config.server.host, port=config.server.port, log_level=_uvicorn_level(),
-                timeout_graceful_shutdown=10)
+    server = uvicorn.Server(uvicorn_config(app, config.server, host=config.server.host, port=config.server.port,
+                                           log_level=_uvicorn_level(), timeout_graceful_shutdown=10))
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the SIGINT it shut down on again (as uvicorn.run)
+        server.run()
+    if not server.started:  # it could not start (the port taken): uvicorn.run's exit status
+        raise SystemExit(STARTUP_FAILURE)
 
 
 def _uvicorn_level() -> str:
@@ -100,7 +106,8 @@ def run_replica(config: AlchemistConfig, replica: Replica) -> None:
     app = build_server(config, replica=replica, peers=peers)
     public = public_socket(config.server.host, config.server.port)
     logger.info("replica %d serving on port %d (private %s)", replica.rank, config.server.port, address)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=_uvicorn_level(), timeout_graceful_shutdown=10))
+    server = uvicorn.Server(uvicorn_config(app, config.server, log_level=_uvicorn_level(),
+                                           timeout_graceful_shutdown=10))
     logger.info("%d start-up objects frozen out of garbage collection", freeze_startup_objects())
     mark_serving(replica)
     try:

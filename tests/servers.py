@@ -10,6 +10,8 @@ import time
 import uvicorn
 
 from bench.launch import free_port  # noqa: F401 - re-exported for tests
+from server.config import ServerConfig
+from server.read_deadline import uvicorn_config
 from server.serve import build_server
 from tests.conftest import make_config
 from tests.tiny import tiny_model, tiny_tokenizer
@@ -31,13 +33,13 @@ def tiny_app(family: str = "llama", *, train=None, adapter=None, server=None, of
 class ServerThread:
     """Runs an app under uvicorn in a thread; use as a context manager."""
 
-    def __init__(self, app):
+    def __init__(self, app, server: ServerConfig = ServerConfig()):
         self.app = app
         # bound here and handed to uvicorn: a port picked free and bound later could be
         # taken in between (another test process picking the same one)
         self.socket = socket.create_server(("127.0.0.1", 0))
         self.port = self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(app, server, log_level="warning"))  # as the server runs
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
 
     @property

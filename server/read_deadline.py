@@ -1,0 +1,106 @@
+"""uvicorn's HTTP protocol with read deadlines, and the uvicorn configuration that uses it.
+
+uvicorn closes a kept-alive connection that stays idle after a response, but never one that
+has not sent a whole request: a client that connects and sends nothing, or trickles its
+headers a byte at a time, or vanished mid-request behind a NAT, holds a connection (and a
+file descriptor) for as long as the process lives. Here, as nginx's `client_header_timeout`
+and `client_body_timeout` do:
+  - a request's headers must arrive within `read_timeout_s` of the connection's opening or
+    of the request's first byte; a request begun and not finished gets a 408, one never
+    begun is closed silently (as uvicorn closes an idle kept-alive connection);
+  - its body may pause no longer than `read_timeout_s` between pieces while the server is
+    reading it (not while the app has not yet taken what arrived).
+Connections with a whole request in hand are never timed: a long answer streams as long as
+it takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from server.config import ServerConfig
+
+
+class ReadDeadlineProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol whose reads of a request have deadlines; `read_timeout_s` is set
+    on the subclass `protocol_with_read_timeout` makes."""
+
+    read_timeout_s: float = ServerConfig.read_timeout_s
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._read_deadline: asyncio.TimerHandle | None = None
+        self._request_begun = False
+        super().connection_made(transport)
+        self._arm(self._headers_late)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._request_begun = True
+        if self._read_deadline is None:  # the connection's own deadline runs on, not restarted by a first byte
+            self._arm(self._headers_late)
+
+    def on_headers_complete(self) -> None:
+        self._arm(self._body_stalled)  # lifted when the message completes (at once without a body)
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._arm(self._body_stalled)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        self._request_begun = False
+        super().on_message_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self, on_expiry) -> None:
+        self._disarm()
+        self._read_deadline = self.loop.call_later(self.read_timeout_s, on_expiry)
+
+    def _disarm(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _headers_late(self) -> None:
+        self._read_deadline = None
+        if self.transport.is_closing():
+            return
+        if self._request_begun:
+            self.transport.write(request_timeout_response(
+                f"the request's headers did not arrive within {self.read_timeout_s:g} s"))
+        self.transport.close()
+
+    def _body_stalled(self) -> None:
+        self._read_deadline = None
+        if self.transport.is_closing():
+            return
+        if self.flow.read_paused:  # the app has not taken what arrived: the wait is the server's, not the client's
+            self._arm(self._body_stalled)
+            return
+        self.transport.close()  # the app reading the body sees the client gone (uvicorn's disconnect)
+
+
+def request_timeout_response(message: str) -> bytes:
+    """A whole HTTP 408 response with an error body in OpenAI's format; the connection then closes."""
+    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                   "code": "request_timeout"}})
+    return b"".join([STATUS_LINE[408], b"content-type: application/json\r\n",
+                     b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body])
+
+
+def protocol_with_read_timeout(read_timeout_s: float) -> type[ReadDeadlineProtocol]:
+    """ReadDeadlineProtocol with its deadline set (uvicorn builds one protocol per connection from a class)."""
+    return type("ReadDeadlineProtocol", (ReadDeadlineProtocol,), {"read_timeout_s": float(read_timeout_s)})
+
+
+def uvicorn_config(app, server: ServerConfig, **kwargs) -> uvicorn.Config:
+    """uvicorn's configuration for `app`: the read deadlines of `server`, the rest from `kwargs`."""
+    return uvicorn.Config(app, http=protocol_with_read_timeout(server.read_timeout_s), **kwargs)

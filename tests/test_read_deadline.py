@@ -1,0 +1,135 @@
+"""Read deadlines on HTTP connections (server/read_deadline.py): a connection that sends no
+whole request is closed, one whose request arrived whole is never timed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import select
+import socket
+import time
+
+import pytest
+
+from server.config import ServerConfig
+from tests.servers import ServerThread
+
+DEADLINE_S = 0.6
+
+
+async def slow_echo(scope, receive, send):
+    """A raw ASGI app: reads the whole body, waits past the deadline, answers the body's length."""
+    if scope["type"] == "lifespan":
+        while (message := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": message["type"] + ".complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    await asyncio.sleep(2 * DEADLINE_S)
+    body = str(size).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(slow_echo, ServerConfig(read_timeout_s=DEADLINE_S)) as running:
+        yield running
+
+
+def connect(server) -> socket.socket:
+    client = socket.create_connection(("127.0.0.1", server.port))
+    client.settimeout(30)
+    return client
+
+
+def read_all(client: socket.socket) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and when it closed (monotonic)."""
+    chunks = []
+    while chunk := client.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks), time.monotonic()
+
+
+def test_a_connection_that_sends_nothing_is_closed_without_a_word(server):
+    client = connect(server)
+    opened = time.monotonic()
+    data, closed = read_all(client)
+    assert data == b""
+    assert DEADLINE_S * 0.9 <= closed - opened < 10
+
+
+def test_headers_begun_and_not_finished_get_a_408_in_openais_format(server):
+    client = connect(server)
+    client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\nx-unfinished: ")
+    data, _ = read_all(client)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408")
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and error["type"] == "invalid_request_error"
+    assert "headers" in error["message"]
+
+
+def test_headers_trickled_a_byte_at_a_time_do_not_restart_the_clock(server):
+    client = connect(server)
+    opened = time.monotonic()
+    request = b"POST /x HTTP/1.1\r\nhost: a\r\nx-padding: " + b"a" * 200
+    closed = None
+    for index in range(len(request)):  # 200 bytes a sixth of the deadline apart: 30 deadlines if it never closed
+        try:
+            client.send(request[index:index + 1])
+        except OSError:
+            closed = time.monotonic()
+            break
+        if select.select([client], [], [], DEADLINE_S / 6)[0]:  # the 408, or the close
+            closed = time.monotonic()
+            break
+    assert closed is not None and closed - opened < DEADLINE_S * 5
+
+
+def test_a_body_that_stops_arriving_closes_the_connection(server):
+    client = connect(server)
+    client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 100\r\n\r\n" + b"b" * 10)
+    started = time.monotonic()
+    data, closed = read_all(client)
+    assert data == b""
+    assert DEADLINE_S * 0.9 <= closed - started < 10
+
+
+def test_a_body_sent_in_pieces_within_the_gap_is_read_whole_however_long_it_takes(server):
+    client = connect(server)
+    client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 8\r\nconnection: close\r\n\r\n")
+    for _ in range(8):  # 8 pauses of a third of the deadline: the whole body takes longer than it
+        time.sleep(DEADLINE_S / 3)
+        client.sendall(b"c")
+    data, _ = read_all(client)
+    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"\r\n\r\n8")
+
+
+def test_an_answer_longer_than_the_deadline_and_the_next_request_on_the_connection(server):
+    client = connect(server)
+    for _ in range(2):  # the second on the kept-alive connection: its deadline starts at its first byte
+        client.sendall(b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n")
+        response = b""
+        while not response.endswith(b"\r\n\r\n0"):
+            assert (chunk := client.recv(65536)), response
+            response += chunk
+        assert response.startswith(b"HTTP/1.1 200") and response.endswith(b"\r\n\r\n0")
+        time.sleep(DEADLINE_S / 2)
+    client.close()
+
+
+def test_the_read_timeout_must_be_positive():
+    for bad in (0, -1.0, float("inf"), True, "30"):
+        with pytest.raises(ValueError, match="server.read_timeout_s"):
+            ServerConfig(read_timeout_s=bad)
+    assert ServerConfig(read_timeout_s=5).read_timeout_s == 5
