@@ -1,4 +1,5 @@
-"""The HTTP app: the OpenAI routes (server/routes_openai.py), the admin routes
+"""The HTTP app: the OpenAI routes (server/routes_openai.py, and the Responses API's in
+server/responses_api.py), the admin routes
 (server/routes_admin.py), vLLM's tokenizer routes (server/routes_tokens.py), OpenAI-style
 errors (server/errors.py), the request guard (authentication, body size, capacity:
 server/guards.py) and the OpenAPI document (server/openapi.py)."""
@@ -13,6 +14,7 @@ from server.errors import install_error_handlers
 from server.guards import GuardConfig, RequestGuard
 from server.openapi import Offered, openapi_document
 from server.route_table import expected_statuses
+from server.responses_api import responses_router
 from server.routes_admin import admin_router
 from server.routes_openai import openai_router
 from server.routes_tokens import tokens_router
@@ -31,7 +33,7 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
                            allow_headers=["*"], expose_headers=["x-request-id"])
     state.metrics.expect_responses(expected_statuses(bool(guard.api_key), bool(guard.admin_key)))
     app.state.alchemist = state
-    routers = [admin_router(state), openai_router(state), tokens_router(state)]
+    routers = [admin_router(state), openai_router(state), responses_router(state), tokens_router(state)]
     for router in routers:
         _add_head_routes(router)
         app.include_router(router)

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.sampling_params import InvalidParameter
 from server.protocol import NOT_OFFERED
+from server.protocol_responses import NOT_OFFERED as NOT_OFFERED_IN_RESPONSES
 from server.route_table import PLAIN_PATHS
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def validation_error(exc: ValidationError | RequestValidationError, tagged: bool
     first = _best_match(errors, tagged) if errors else {"loc": (), "msg": "invalid request", "type": ""}
     param = _loc_to_param(tuple(first.get("loc", ()))[1 if tagged else 0:])
     if first.get("type") == "extra_forbidden":
-        why = NOT_OFFERED.get(param)
+        why = NOT_OFFERED.get(param) or NOT_OFFERED_IN_RESPONSES.get(param)
         message = f"{param} is not supported: {why}" if why else f"Unrecognized request argument supplied: {param}"
         return APIError(400, message, param, "unrecognized_argument")
     if first.get("type") == "missing":

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from server import protocol, protocol_training, response_schemas as out
+from server import protocol, protocol_responses, protocol_training, response_schemas as out
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ _GENERATION_ERRORS = (400, 404, 413, 429, 503)
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/chat/completions"): Operation("Chat completion (OpenAI's)", out.ChatCompletion,
                                                 protocol.ChatCompletionRequest, _GENERATION_ERRORS, streams=True),
+    ("post", "/v1/responses"): Operation("A response (OpenAI's Responses API), served as a chat completion",
+                                         out.ModelResponse, protocol_responses.ResponsesRequest, _GENERATION_ERRORS,
+                                         streams=True),
     ("post", "/v1/completions"): Operation("Text completion (OpenAI's)", out.Completion, protocol.CompletionRequest,
                                            _GENERATION_ERRORS, streams=True),
     ("get", "/v1/models"): Operation("The served model", out.ModelList),

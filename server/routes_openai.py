@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
+from typing import AsyncIterator
 
 from fastapi import APIRouter, Request, Response
 
 from engine.grammar_limits import on_compile_threads
+from engine.sampling_params import SamplingParams
 from server.errors import APIError
 from server.guards import admit_sequences
 from server.parsing import (check_model, check_unsupported, completion_prompts, ledger_prompt, make_request,
@@ -74,8 +77,20 @@ def _tools_and_sampling(state: ServerState, body: ChatCompletionRequest):
                                        defaults=state.sampling_defaults)
 
 
-async def serve_chat_completion(state: ServerState, request: Request):
-    body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat request admitted and started in the engine."""
+
+    request_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    outputs: AsyncIterator  # the engine's outputs (server/streams.py's engine_stream)
+    parsers: list[ToolCallParser] | None  # one per choice when tools were offered
+
+
+async def start_chat(state: ServerState, request: Request, body: ChatCompletionRequest,
+                     id_prefix: str = "chatcmpl") -> ChatRun:
+    """Checks, renders and starts `body` in the engine, under a new id beginning `id_prefix`."""
     check_model(state.model_names, body.model)
     check_unsupported(body)
     # the CPU work of a request runs on worker threads (the tokenizer and llguidance let go of
@@ -88,33 +103,40 @@ async def serve_chat_completion(state: ServerState, request: Request):
     truncated = tail is not None and len(prompt_ids) > tail
     if truncated:
         prompt_ids = prompt_ids[-tail:]
-    request_id = state.completion_id("chatcmpl")
+    request_id = state.completion_id(id_prefix)
     # a prompt cut short is not the messages' rendering: no client prompt for the ledger's export
     client_prompt = ledger_prompt(state.tokenizer, body, tools) if state.keeps_client_prompt and not truncated \
         else None
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages",
                                   client_prompt, await state.engine.check_grammar(params))
     state.metrics.count_constraints(params.grammar, tools)
-    stream = engine_stream(state.engine, engine_request)
     parsers = None
     if tools is not None:  # a forced call's layout is the grammar's, so its arguments can stream as decoded
         parsers = [ToolCallParser(tools.forced, state.metrics.count_tool_calls, tools.forced_names,
                                    named=tools.choice == "named", parallel=tools.parallel)
                    for _ in range(params.n)]
+    return ChatRun(request_id, params, len(prompt_ids), engine_stream(state.engine, engine_request), parsers)
+
+
+async def serve_chat_completion(state: ServerState, request: Request):
+    body: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+    run = await start_chat(state, request, body)
+    n = run.params.n
     if body.stream:
-        events = chat_events(request_id, body.model, stream, params.n, len(prompt_ids),
-                             body.stream_options, state.tokens, parsers)
-        return event_stream_response(events, state.engine, [request_id])
+        events = chat_events(run.request_id, body.model, run.outputs, n, run.num_prompt_tokens,
+                             body.stream_options, state.tokens, run.parsers)
+        return event_stream_response(events, state.engine, [run.request_id])
 
     async def whole():
-        choices = Choices(params.n, params.n)
-        async for output in stream:
+        choices = Choices(n, n)
+        async for output in run.outputs:
             choices.add(output)
-        return chat_completion(request_id, body.model, int(time.time()), choices, len(prompt_ids),
-                               state.tokens, params.logprobs is not None, parsers)
+        return chat_completion(run.request_id, body.model, int(time.time()), choices, run.num_prompt_tokens,
+                               state.tokens, run.params.logprobs is not None, run.parsers)
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)
+
 
 async def serve_completion(state: ServerState, request: Request):
     body: CompletionRequest = await parse_body(request, CompletionRequest)

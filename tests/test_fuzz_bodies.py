@@ -38,6 +38,8 @@ def mutate(rng: random.Random, base: dict) -> bytes:
 @pytest.mark.parametrize("route, base", [
     ("/v1/chat/completions", {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
     ("/v1/completions", {"model": TINY_NAME, "prompt": "hi", "max_tokens": 2}),
+    ("/v1/responses", {"model": TINY_NAME, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2,
+                       "instructions": "Be brief."}),
 ])
 def test_fuzzed_bodies_never_get_a_server_error(route, base):
     rng = random.Random(route)

@@ -44,13 +44,15 @@ def bounded(body):
     """Caps what a fuzzed body may generate, without making an invalid body valid (the
     document names the served model: an unknown one is a body to refuse)."""
     if isinstance(body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if type(body.get(name)) is int and body[name] > MAX_FUZZ_TOKENS:
                 body[name] = MAX_FUZZ_TOKENS
         if type(body.get("n")) is int and 2 < body["n"] <= 128:
             body["n"] = 2
         if "max_tokens" not in body and "max_completion_tokens" not in body and "messages" in body:
             body["max_tokens"] = MAX_FUZZ_TOKENS
+        if "max_output_tokens" not in body and "input" in body:
+            body["max_output_tokens"] = MAX_FUZZ_TOKENS
     return body
 
 
@@ -69,6 +71,7 @@ ACCEPTING = {("post", "/v1/adapters/rollback"), ("post", "/detokenize")} | {
 VALID_BODIES = {"/v1/chat/completions": {"model": TINY_NAME, "max_tokens": 3,
                                          "messages": [{"role": "user", "content": "Hi"}]},
                 "/v1/completions": {"model": TINY_NAME, "max_tokens": 3, "prompt": "Hi"},
+                "/v1/responses": {"model": TINY_NAME, "max_output_tokens": 3, "input": "Hi"},
                 "/detokenize": {"model": TINY_NAME, "tokens": [5, 6]}}
 
 
@@ -106,13 +109,14 @@ def test_the_server_answers_as_its_schema_says(api_schema, live_server, method, 
 
 
 @pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
-    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 3}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 3}),
 ])
 def test_a_stream_answers_as_its_schema_says(api_schema, live_server, path, body):
     """Every server-sent event of a stream is checked against the document (schemathesis
     validates each event; fuzzing reaches `"stream": true` only in some runs)."""
-    case = api_schema[path]["POST"].Case(body={"model": TINY_NAME, "max_tokens": 3, "stream": True, **body})
+    case = api_schema[path]["POST"].Case(body={"model": TINY_NAME, "stream": True, **body})
     response = case.call_and_validate(base_url=live_server.url, checks=CHECKS, timeout=REQUEST_TIMEOUT_S)
     assert response.status_code == 200 and response.headers["content-type"][0].startswith("text/event-stream")
 

@@ -1,0 +1,268 @@
+"""The body of OpenAI's Responses API (`POST /v1/responses`), validated as strictly as the
+chat body (server/protocol.py), and its conversion to the chat request it is served as.
+
+A response is a chat completion of one choice: `instructions` are the system turn, `input`
+a string (one user turn) or items — messages, the model's function calls and their outputs
+(what the SDK and OpenAI's Agents SDK send back each turn) — and `text.format` is
+`response_format`. Nothing is stored between requests: `previous_response_id` and
+`conversation` are refused (send the turns as `input`), as vLLM refuses them without its
+store. Fields that do not change generation here (store, metadata, user, reasoning,
+truncation, service tier, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from server.protocol_fields import Int, LimitFrom1, Strict, documented
+from server.tool_calls import NAME_PATTERN
+
+# items of the API's input this server does not take, and why (an item of another type is refused by its type)
+_KNOWN_ITEMS = ("message", "function_call", "function_call_output")
+# fields of OpenAI's Responses API that this server does not offer, and what to send instead (null: not asked)
+NOT_OFFERED = {
+    "previous_response_id": "responses are not stored here; send the conversation's turns as 'input'",
+    "conversation": "conversations are not stored here; send the conversation's turns as 'input'",
+}
+
+
+class _SentBack(Strict):
+    """An item or part a client may send back as the API returned it: the SDK's objects
+    carry fields that newer versions of the API added, null where unused; a null field is
+    not asked (any other unknown field is still refused)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_unasked(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class InputText(_SentBack):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_SentBack):
+    """A part of an earlier answer, as this API returned it (sent back with its message)."""
+
+    type: Literal["output_text"]
+    text: str
+    annotations: list[dict[str, Any]] | None = None
+    logprobs: list[dict[str, Any]] | None = None
+
+
+def _text_parts(content):
+    """Parts other than text (images, files, audio) are refused by their type."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in ("input_text", "output_text"):
+            raise PydanticCustomError("unsupported_content_part", "content parts of type '{kind}' are not supported: "
+                                      "only 'input_text' and 'output_text' are accepted", {"kind": kind})
+    return content
+
+
+TextParts = Annotated[list[Annotated[Union[InputText, OutputText], Field(discriminator="type")]], Field(min_length=1)]
+
+
+class InputMessage(_SentBack):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | TextParts
+    # what the SDK sends back with an output message
+    id: str | None = None
+    status: str | None = None
+
+    _parts = field_validator("content", mode="before")(_text_parts)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class FunctionCallItem(_SentBack):
+    """A function call the model made in an earlier turn."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # a JSON object, as text
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_SentBack):
+    """A function call's result, which the next turn is answered with."""
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | TextParts
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+
+
+def _item_kind(value) -> str:
+    return value.get("type", "message") if isinstance(value, dict) else "message"
+
+
+def _item_model(value) -> str:
+    """The item's model, by its type (named as errors.py leaves a union member out of a field's path)."""
+    return {"function_call": "FunctionCallItem", "function_call_output": "FunctionCallOutputItem"}.get(
+        _item_kind(value), "InputMessage")
+
+
+InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
+                            Annotated[FunctionCallItem, Tag("FunctionCallItem")],
+                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]],
+                      Discriminator(_item_model)]
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class AllowedToolsChoice(Strict):
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: documented(list[FunctionChoice], minItems=1)
+
+
+class TextFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(pattern=NAME_PATTERN)] | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # ("schema" would shadow BaseModel's)
+    strict: bool | None = None
+
+
+class TextConfig(Strict):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesStreamOptions(Strict):
+    include_obfuscation: bool | None = None
+
+
+class ResponsesRequest(Strict):
+    model: str
+    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: LimitFrom1 | None = None
+    temperature: documented(float, minimum=0, maximum=2) | None = None
+    top_p: documented(float, exclusiveMinimum=0, maximum=1) | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    stream: bool | None = False
+    stream_options: ResponsesStreamOptions | None = None
+    top_logprobs: documented(Int, minimum=0, maximum=0) | None = None
+    # OpenAI's, without effect here
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include: list[str] | None = None
+    background: Literal[False] | None = None
+    max_tool_calls: documented(Int, minimum=1) | None = None
+    # alchemist: false keeps this request out of online training
+    train: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unasked(cls, data):
+        """A null field this server does not offer is not asked (errors.py names one sent)."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in NOT_OFFERED and v is None)}
+        return data
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_items(cls, value):
+        for i, item in enumerate(value if isinstance(value, list) else ()):
+            kind = _item_kind(item)
+            if isinstance(kind, str) and kind not in _KNOWN_ITEMS:
+                raise PydanticCustomError("unsupported_item", "input[{i}] is an item of type '{kind}', which is not "
+                                          "supported: messages, function calls and their outputs are",
+                                          {"i": i, "kind": kind})
+        return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, value):
+        for i, tool in enumerate(value if isinstance(value, list) else ()):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise PydanticCustomError("unsupported_tool", "tools[{i}] is of type '{kind}', which is not offered: "
+                                          "this server offers function tools", {"i": i, "kind": kind})
+        return value
+
+    def chat_body(self) -> dict:
+        """The chat completion request this response is served as (a dict for
+        ChatCompletionRequest, so that one validation path checks both)."""
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "train": self.train}
+        for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
+                             ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
+            if getattr(self, ours) is not None:
+                body[theirs] = getattr(self, ours)
+        if self.tools:
+            body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+                             for tool in self.tools]
+        if self.tool_choice is not None:
+            body["tool_choice"] = self._chat_tool_choice()
+        text_format = self.text.format if self.text is not None else None
+        if text_format is not None and text_format.type != "text":
+            body["response_format"] = {"type": text_format.type}
+            if text_format.type == "json_schema":
+                body["response_format"]["json_schema"] = {
+                    "name": text_format.name or "response",
+                    **text_format.model_dump(by_alias=True, include={"description", "schema_", "strict"},
+                                             exclude_none=True)}
+        return body
+
+    def _chat_tool_choice(self):
+        choice = self.tool_choice
+        if isinstance(choice, FunctionChoice):
+            return {"type": "function", "function": {"name": choice.name}}
+        if isinstance(choice, AllowedToolsChoice):
+            return {"type": "allowed_tools", "allowed_tools": {
+                "mode": choice.mode, "tools": [{"type": "function", "function": {"name": t.name}} for t in choice.tools]}}
+        return choice
+
+    def _messages(self) -> list[dict]:
+        """`instructions` and `input` as chat turns: an assistant's function calls join its
+        turn (one turn of text and calls), their outputs are tool turns."""
+        messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return messages + [{"role": "user", "content": self.input}]
+        for item in self.input:
+            if isinstance(item, InputMessage):
+                messages.append({"role": item.role, "content": item.text()})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                if not (messages and messages[-1]["role"] == "assistant"):
+                    messages.append({"role": "assistant", "content": None})
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        return messages

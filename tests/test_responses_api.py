@@ -1,0 +1,162 @@
+"""OpenAI's Responses API (`POST /v1/responses`, server/responses_api.py), through the
+official SDK against a real server: the same tokens as the chat completion it is served
+as, the API's stream events, function calls and their outputs, structured text, errors
+that name the field sent, and a response's id labelled for training."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
+from tests.tiny import tiny_model
+from trainer.config import AdapterConfig, TrainConfig
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+                          "required": ["city"]}}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+
+
+def long_context_app(**kwargs):
+    """Tools' prompt is ~700 tokens of the tiny tokenizer's."""
+    return tiny_app(model=tiny_model(max_positions=2048), max_model_len=2048, kv_cache_bytes=16 << 20,
+                    max_num_batched_tokens=1024, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(long_context_app()) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_response_is_the_chat_completion_of_its_turns(client):
+    response = client.responses.create(model=TINY_NAME, instructions="Be brief.", input="Hello there",
+                                       temperature=0, max_output_tokens=8)
+    chat = client.chat.completions.create(model=TINY_NAME, temperature=0, max_tokens=8, messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
+    assert response.object == "response" and response.id.startswith("resp-")
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens == 8
+    assert response.usage.total_tokens == chat.usage.total_tokens
+    # cut by its limit: incomplete, as the chat's finish_reason "length"
+    assert chat.choices[0].finish_reason == "length"
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant" and message.status == "incomplete"
+    assert response.instructions == "Be brief." and response.max_output_tokens == 8
+
+
+def test_the_stream_sends_the_apis_events_in_order_and_the_same_text(client):
+    whole = client.responses.create(model=TINY_NAME, input=[{"role": "user", "content": "Hi"}], temperature=0,
+                                    max_output_tokens=6)
+    events = list(client.responses.create(model=TINY_NAME, input=[{"role": "user", "content": "Hi"}],
+                                          temperature=0, max_output_tokens=6, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == 6 and final.id.startswith("resp-")
+
+
+def test_a_forced_call_then_its_output_in_the_next_turn(client):
+    response = client.responses.create(model=TINY_NAME, input="Weather in Paris?", tools=[WEATHER],
+                                       tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
+    # (the tiny model writes on after the call, to the limit: the response is incomplete, its call whole)
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    # the next turn: the call sent back as the SDK returned it (null fields of newer API
+    # versions included), and its output
+    turns = [{"role": "user", "content": "Weather in Paris?"}, call.model_dump(),
+             {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    answer = client.responses.create(model=TINY_NAME, input=turns, tools=[WEATHER], temperature=0,
+                                     max_output_tokens=4)
+    chat = client.chat.completions.create(model=TINY_NAME, tools=[CHAT_WEATHER], temperature=0, max_tokens=4,
+                                          messages=[turns[0], {"role": "assistant", "content": None, "tool_calls": [
+                                              {"id": call.call_id, "type": "function",
+                                               "function": {"name": call.name, "arguments": call.arguments}}]},
+                                              {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}])
+    assert answer.usage.input_tokens == chat.usage.prompt_tokens
+    assert answer.output_text == (chat.choices[0].message.content or "")
+
+
+def test_a_streamed_call_comes_whole_with_its_arguments(client):
+    with client.responses.stream(model=TINY_NAME, input="Weather?", tools=[WEATHER], tool_choice="required",
+                                 max_output_tokens=60) as stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    assert "response.output_text.delta" not in kinds
+    done = next(event for event in events if event.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments)["city"] in ("Paris", "Rome")
+    assert events[-1].response.output[0].arguments == done.arguments
+
+
+def test_text_format_json_schema_shapes_the_answer(client):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    response = client.responses.create(model=TINY_NAME, input="json", max_output_tokens=40, text={
+        "format": {"type": "json_schema", "name": "numbers", "schema": schema, "strict": True}})
+    assert response.status == "completed"
+    assert set(json.loads(response.output_text)) == {"a"}
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input", "type 'reasoning'"),
+    ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id", "not stored"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "type 'web_search'"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
+    ({"input": []}, "input", "at least 1 item"),
+    ({"input": "x", "tools": [{**WEATHER, "parameters": {"type": "array"}}]}, "tools[0].parameters", "object"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content", "input_image"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output", ""),
+    ({"input": [{"role": "user", "content": "x", "surprise": 1}]}, "input[0].surprise", "Unrecognized"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "bad", "schema": {"type": "nonsense"}}}},
+     "text.format", ""),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "log-probabilities"),
+    ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options", "stream is true"),
+])
+def test_what_is_refused_is_named_as_sent(server, extra, param, words):
+    r = httpx.post(server.url + "/v1/responses", json={"model": TINY_NAME, **extra}, timeout=120)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_response_id_is_labelled_and_trained_on(tmp_path):
+    app = long_context_app(train=TrainConfig(mode="dpo", lora_rank=4, entries_per_step=1),
+                           adapter=AdapterConfig(dir=str(tmp_path)))
+    with ServerThread(app) as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        response = client.responses.create(model=TINY_NAME, input="Capital of France?", temperature=0,
+                                           max_output_tokens=6)
+        r = httpx.post(running.url + "/v1/feedback", json={"id": response.id, "chosen": "Paris, on the Seine."},
+                       timeout=120)
+        assert r.status_code == 200, r.text
+
+        def trained() -> bool:
+            status = httpx.get(running.url + "/v1/adapters", timeout=120).json()
+            return status["training"]["trained_entries"] >= 1
+
+        wait_for(trained)
+        deleted = httpx.delete(f"{running.url}/v1/chat/completions/{response.id}", timeout=120)
+        assert deleted.status_code == 200 and deleted.json()["deleted"], deleted.text
