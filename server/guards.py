@@ -32,9 +32,11 @@ from starlette.requests import ClientDisconnect
 
 from server.errors import APIError, error_body
 from server.fanout import LOCAL_HEADER
-from server.route_table import route_of
+from server.route_table import OPERATIONS, route_of
 
-GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+# the routes that generate (the table's streaming ones): each holds capacity for its sequences
+GENERATION_ROUTES = frozenset(path for (method, path), operation in OPERATIONS.items()
+                              if method == "post" and operation.streams)
 ADMIN_PREFIX = "/v1/adapters"
 logger = logging.getLogger(__name__)
 # where a generation route finds how to hold the sequences its body asks for (`admit_sequences`)

@@ -256,12 +256,13 @@ def test_a_full_server_refuses_a_generation_before_reading_its_body():
             guard = guard.app
         guard.in_flight = guard.config.max_in_flight  # as if a request held the one sequence
         host, port = server.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=60) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny")  # the rest never comes
-            head = sock.recv(4096)
-        assert head.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in head.lower(), head
-        assert b"rate_limit_exceeded" in head
+        for path in (b"/v1/chat/completions", b"/v1/completions", b"/v1/responses"):
+            with socket.create_connection((host, int(port)), timeout=60) as sock:
+                sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny")  # the rest never comes
+                head = sock.recv(4096)
+            assert head.startswith(b"HTTP/1.1 429") and b"retry-after: 1" in head.lower(), (path, head)
+            assert b"rate_limit_exceeded" in head
         assert get(f"{server.url}/v1/models").status_code == 200  # only generations wait for room
         guard.in_flight = 0
         r = post(f"{server.url}/v1/chat/completions", json={
