@@ -30,6 +30,12 @@ def tiny_app(family: str = "llama", *, train=None, adapter=None, server=None, of
                         model_name=TINY_NAME)
 
 
+def long_context_app(**kwargs):
+    """A tiny app with room for tools: their fallback prompt is ~700 tokens of the tiny tokenizer's."""
+    return tiny_app(model=tiny_model(max_positions=2048), max_model_len=2048, kv_cache_bytes=16 << 20,
+                    max_num_batched_tokens=1024, **kwargs)
+
+
 class ServerThread:
     """Runs an app under uvicorn in a thread; use as a context manager."""
 

@@ -11,20 +11,13 @@ import httpx
 import openai
 import pytest
 
-from tests.servers import TINY_NAME, ServerThread, tiny_app, wait_for
-from tests.tiny import tiny_model
+from tests.servers import TINY_NAME, ServerThread, long_context_app, wait_for
 from trainer.config import AdapterConfig, TrainConfig
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
                           "required": ["city"]}}
 CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
-
-
-def long_context_app(**kwargs):
-    """Tools' prompt is ~700 tokens of the tiny tokenizer's."""
-    return tiny_app(model=tiny_model(max_positions=2048), max_model_len=2048, kv_cache_bytes=16 << 20,
-                    max_num_batched_tokens=1024, **kwargs)
 
 
 @pytest.fixture(scope="module")

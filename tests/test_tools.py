@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from engine.structured import GrammarCompiler
 from server.tool_calls import ToolCallParser, ToolUse, rerooted
 from server.tool_prompt import FALLBACK_PROMPT, fallback_messages, native_messages
-from tests.servers import TINY_NAME, ServerThread, tiny_app
-from tests.tiny import tiny_model, tiny_tokenizer
+from tests.servers import TINY_NAME, ServerThread, long_context_app
+from tests.tiny import tiny_tokenizer
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
@@ -24,12 +24,6 @@ TIME = {"name": "get_time", "parameters": {
 TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": TIME}]
 SCHEMAS = {f["name"]: f["parameters"] for f in (WEATHER, TIME)}
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def long_context_app(**kwargs):
-    """The fallback tool prompt is ~700 tokens of the tiny tokenizer's."""
-    return tiny_app(model=tiny_model(max_positions=2048), max_model_len=2048, kv_cache_bytes=16 << 20,
-                    max_num_batched_tokens=1024, **kwargs)
 
 
 @pytest.fixture(scope="module")
