@@ -52,7 +52,8 @@ async def parse_body(request: Request, model: type[BaseModel] | TypeAdapter):
             lone = "hex escape" in str(first.get("msg"))  # a \ud800 with no low surrogate after it
             raise APIError(400, f"We could not parse the JSON body of your request: {first.get('msg')}"
                            f"{_LONE_SURROGATE if lone else ''}.", code="invalid_json") from None
-        if first.get("type") == "model_type":
+        # the body itself (a tagged union's location holds its tag); a field's object is the field's error
+        if first.get("type") == "model_type" and len(first.get("loc", ())) <= (1 if tagged else 0):
             raise APIError(400, "The request body must be a JSON object.", code="invalid_json") from None
         raise validation_error(exc, tagged) from None
 

@@ -7,14 +7,15 @@ a string (one user turn) or items — messages, the model's function calls and t
 `response_format`. Nothing is stored between requests: `previous_response_id` and
 `conversation` are refused (send the turns as `input`), as vLLM refuses them without its
 store. Fields that do not change generation here (store, metadata, user, reasoning,
-truncation, service tier, ...) are accepted and ignored.
+truncation, service tier, `max_tool_calls`, which bounds calls of OpenAI's built-in tools,
+none offered here, ...) are accepted and ignored.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.protocol_fields import Int, LimitFrom1, Strict, documented
@@ -78,7 +79,7 @@ class InputMessage(_SentBack):
     _parts = field_validator("content", mode="before")(_text_parts)
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
 
 class FunctionCallItem(_SentBack):
@@ -102,7 +103,7 @@ class FunctionCallOutputItem(_SentBack):
     status: str | None = None
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(part.text for part in self.output)
+        return self.output if isinstance(self.output, str) else "\n".join(part.text for part in self.output)
 
 
 def _item_kind(value) -> str:
@@ -141,11 +142,24 @@ class AllowedToolsChoice(Strict):
 
 
 class TextFormat(Strict):
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["name", "schema"]}})
+
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[str, Field(pattern=NAME_PATTERN)] | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # ("schema" would shadow BaseModel's)
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_named(self):
+        """A `json_schema` format has its schema and a name, as OpenAI requires."""
+        for field, name in (("name", "name"), ("schema_", "schema")):
+            if self.type == "json_schema" and getattr(self, field) is None:
+                raise PydanticCustomError("format_incomplete", "a text.format of type json_schema needs '{name}'",
+                                          {"name": name})
+        return self
 
 
 class TextConfig(Strict):
@@ -221,9 +235,11 @@ class ResponsesRequest(Strict):
         ChatCompletionRequest, so that one validation path checks both)."""
         body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "train": self.train}
         for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
-                             ("top_p", "top_p"), ("parallel_tool_calls", "parallel_tool_calls")):
+                             ("top_p", "top_p")):
             if getattr(self, ours) is not None:
                 body[theirs] = getattr(self, ours)
+        if self.tools and self.parallel_tool_calls is not None:  # (the Responses API takes it without tools)
+            body["parallel_tool_calls"] = self.parallel_tool_calls
         if self.tools:
             body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                              for tool in self.tools]
@@ -234,7 +250,7 @@ class ResponsesRequest(Strict):
             body["response_format"] = {"type": text_format.type}
             if text_format.type == "json_schema":
                 body["response_format"]["json_schema"] = {
-                    "name": text_format.name or "response",
+                    "name": text_format.name,
                     **text_format.model_dump(by_alias=True, include={"description", "schema_", "strict"},
                                              exclude_none=True)}
         return body

@@ -12,6 +12,7 @@ cut by `max_output_tokens` is `incomplete`. A stream sends the text as it is dec
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import orjson
@@ -29,9 +30,10 @@ from server.state import ServerState
 from server.streams import event_stream_response, until_disconnect
 from server.tool_calls import ToolCallParser
 
-# the chat request's names for what a Responses body calls otherwise (an error names the field the client sent)
-_PARAMS = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"),
-           ("messages", "input"), (".function.", "."))
+# the chat request's names (as a pattern) for what a Responses body calls otherwise: an error names the field sent
+_PARAMS = ((r"\bmax_completion_tokens\b", "max_output_tokens"), (r"\bresponse_format\b", "text.format"),
+           (r"\bmessages(?=\[)", "input"), (r"\btools\[(\d+)\]\.function\.", r"tools[\1]."),
+           (r"\btool_choice\.allowed_tools\.", "tool_choice."))
 _NO_LOGPROBS = "message.output_text.logprobs"
 
 
@@ -80,8 +82,8 @@ def _named_as_sent(exc: APIError) -> APIError:
     """The error with the Responses API's field names where the chat request's were."""
     for chat_name, name in _PARAMS:
         if exc.param:
-            exc.param = exc.param.replace(chat_name, name)
-        exc.message = exc.message.replace(chat_name, name)
+            exc.param = re.sub(chat_name, name, exc.param)
+        exc.message = re.sub(chat_name, name, exc.message)
     return exc
 
 

@@ -84,3 +84,20 @@ def test_a_lone_surrogate_escape_is_a_400_that_says_what_it_is(client, escape):
     pair = '{"model": "%s", "max_tokens": 1, "messages": [{"role": "user", "content": "\\ud83d\\ude42"}]}' % TINY_NAME
     r = client.post("/v1/chat/completions", content=pair, headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text  # a pair makes a character
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": ["f"]}, "tools[0]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": 5},
+     "stream_options"),
+    ("/v1/chat/completions", {"messages": ["hi"]}, "messages[0]"),
+    ("/tokenize", {"prompt": "hi", "model": TINY_NAME, "extra": 1}, "extra"),
+])
+def test_a_field_that_should_be_an_object_is_named(client, path, body, param):
+    """An outside pass: any object field sent as something else was "The request body must be
+    a JSON object", naming no field; only the body itself is that."""
+    r = client.post(path, json={"model": TINY_NAME, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for whole in ("[1]", "5", '"x"'):
+        r = client.post(path, content=whole, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json", r.text

@@ -125,6 +125,11 @@ def test_text_format_json_schema_shapes_the_answer(client):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "bad", "schema": {"type": "nonsense"}}}},
      "text.format", ""),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "log-probabilities"),
+    ({"input": "x", "tools": ["get_weather"]}, "tools[0]", "should be an object"),
+    ({"input": "x", "text": "json"}, "text", ""),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "needs 'schema'"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [
+        {"type": "function", "name": "nope"}]}}, "tool_choice.tools[0]", "`nope`"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options", "stream is true"),
 ])
 def test_what_is_refused_is_named_as_sent(server, extra, param, words):
@@ -133,6 +138,17 @@ def test_what_is_refused_is_named_as_sent(server, extra, param, words):
     error = r.json()["error"]
     assert error["param"] == param and words in error["message"], error
     assert error["type"] == "invalid_request_error"
+
+
+def test_what_the_responses_api_takes_that_a_chat_refuses(client):
+    """`parallel_tool_calls` without tools (the chat API refuses it); parts joined as a chat joins them."""
+    parts = [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "there"}]
+    response = client.responses.create(model=TINY_NAME, input=[{"role": "user", "content": parts}],
+                                       parallel_tool_calls=False, temperature=0, max_output_tokens=2)
+    chat = client.chat.completions.create(model=TINY_NAME, temperature=0, max_tokens=2, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}])
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.output_text == chat.choices[0].message.content
 
 
 def test_a_response_id_is_labelled_and_trained_on(tmp_path):
