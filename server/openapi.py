@@ -39,6 +39,7 @@ _COMMON_ERRORS = (401, 413, 500)
 _FEEDBACK, _ADAPTERS, _ROLLBACK = ("post", "/v1/feedback"), ("get", "/v1/adapters"), ("post", "/v1/adapters/rollback")
 _DELETE_LABEL = ("delete", "/v1/feedback/{completion_id}")
 _DELETE_STORED = ("delete", "/v1/chat/completions/{completion_id}")
+_DELETE_RESPONSE = ("delete", "/v1/responses/{response_id}")
 # the feedback body, by the label the training method takes (trainer/feedback.py)
 _FEEDBACK_BODIES = {"preference": ("A preference between responses of a served completion (DPO)",
                                    (protocol_training.PreferenceTexts, protocol_training.PreferenceIndices)),
@@ -87,7 +88,7 @@ def served_operations(offered: Offered) -> dict[tuple[str, str], Operation]:
         del operations[_ROLLBACK]
     if not offered.stores:
         operations.pop(_DELETE_LABEL, None)
-        del operations[_DELETE_STORED]
+        del operations[_DELETE_STORED], operations[_DELETE_RESPONSE]
     return operations
 
 

@@ -239,6 +239,15 @@ class CompletionDeleted(BaseModel):
     trained_into_version: int | None = _trained_into()
 
 
+class ResponseDeleted(BaseModel):
+    """OpenAI's answer to deleting a stored response (and the version its label trained into)."""
+
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+    trained_into_version: int | None = _trained_into()
+
+
 class SavedAdapter(BaseModel):
     version: int
     path: str

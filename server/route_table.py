@@ -50,6 +50,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("delete", "/v1/chat/completions/{completion_id}"): Operation(
         "Delete what the server keeps of a completion: its request and label (OpenAI's stored completions)",
         out.CompletionDeleted, errors=(400, 404, 409, 503)),
+    ("delete", "/v1/responses/{response_id}"): Operation(
+        "Delete what the server keeps of a response: its request and label (OpenAI's)", out.ResponseDeleted,
+        errors=(400, 404, 409, 503)),
     ("get", "/v1/adapters"): Operation("The live adapter and the saved versions", out.AdapterStatus,
                                        errors=(400, 503)),  # 503: with replicas, one did not answer
     ("post", "/v1/adapters/rollback"): Operation("Make a saved adapter version the live one", out.AdapterStatus,

@@ -102,6 +102,13 @@ def admin_router(state: ServerState) -> APIRouter:
             return await state.peers.forward(owner, request, b"")
         return await forget(state, completion_id, label_only=False)
 
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        owner = owner_elsewhere(state, request, response_id)
+        if owner is not None:
+            return await state.peers.forward(owner, request, b"")
+        return await forget(state, response_id, label_only=False, deleted_object="response")
+
     add_adapter_routes(router, state)
     return router
 
@@ -200,12 +207,13 @@ def whole_server_status(answers: list[dict]) -> dict:
     return merged
 
 
-async def forget(state: ServerState, completion_id: str, label_only: bool) -> dict:
+async def forget(state: ServerState, completion_id: str, label_only: bool, deleted_object: str | None = None) -> dict:
     """Deletes what the server keeps of a completion (404 if it keeps nothing; 503 if the
     feedback ledger cannot be written now). A label being trained is withdrawn from its
     job on the device thread, the job's other labels requeued; one whose step could not be
     stopped trains, and the answer is a 409 that says so. One that had trained already:
-    the answer names the first version holding it (`trained_into_version`)."""
+    the answer names the first version holding it (`trained_into_version`). `deleted_object`:
+    the answer's `object` (OpenAI's name for what was deleted, by route)."""
     what = "label" if label_only else "stored request"
     training = state.training
     if training is None:
@@ -236,8 +244,8 @@ async def forget(state: ServerState, completion_id: str, label_only: bool) -> di
                             "finished", "id", "response_pending")
     if not found:
         raise APIError(404, f"no {what} for completion {completion_id!r}", "id", "not_found")
-    return {"id": completion_id, "object": "feedback.deleted" if label_only else "chat.completion.deleted",
-            "deleted": True, "trained_into_version": forgotten.trained_into}
+    deleted_object = deleted_object or ("feedback.deleted" if label_only else "chat.completion.deleted")
+    return {"id": completion_id, "object": deleted_object, "deleted": True, "trained_into_version": forgotten.trained_into}
 
 
 def live_training(state: ServerState) -> Training:

@@ -167,5 +167,11 @@ def test_a_response_id_is_labelled_and_trained_on(tmp_path):
             return status["training"]["trained_entries"] >= 1
 
         wait_for(trained)
-        deleted = httpx.delete(f"{running.url}/v1/chat/completions/{response.id}", timeout=120)
-        assert deleted.status_code == 200 and deleted.json()["deleted"], deleted.text
+        deleted = httpx.delete(f"{running.url}/v1/responses/{response.id}", timeout=120)
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json() == {"id": response.id, "object": "response", "deleted": True,
+                                  "trained_into_version": 1}
+        with pytest.raises(openai.NotFoundError):  # as the SDK deletes: nothing is kept of it any more
+            client.responses.delete(response.id)
+        other = client.responses.create(model=TINY_NAME, input="Capital of Italy?", max_output_tokens=2)
+        assert client.responses.delete(other.id) is None  # (the SDK's answer to a deletion)
