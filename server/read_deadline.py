@@ -9,7 +9,8 @@ and `client_body_timeout` do:
     of the request's first byte; a request begun and not finished gets a 408, one never
     begun is closed silently (as uvicorn closes an idle kept-alive connection);
   - its body may pause no longer than `read_timeout_s` between pieces while the server is
-    reading it (not while the app has not yet taken what arrived).
+    reading it (not while the app has not yet taken what arrived), and past its first
+    `read_timeout_s` must arrive at `MIN_BODY_RATE` on average (Apache's `MinRate`).
 Connections with a whole request in hand are never timed: a long answer streams as long as
 it takes.
 """
@@ -25,6 +26,12 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from server.config import ServerConfig
 
 
+# past its first `read_timeout_s`, a body must keep up this average (bytes per second), as
+# Apache's mod_reqtimeout asks by default: a trickle of a byte now and then cannot hold a
+# connection however short its pauses
+MIN_BODY_RATE = 500
+
+
 class ReadDeadlineProtocol(HttpToolsProtocol):
     """HttpToolsProtocol whose reads of a request have deadlines; `read_timeout_s` is set
     on the subclass `protocol_with_read_timeout` makes."""
@@ -34,8 +41,17 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._read_deadline: asyncio.TimerHandle | None = None
         self._request_begun = False
+        self._body_started, self._body_bytes = 0.0, 0
         super().connection_made(transport)
         self._arm(self._headers_late)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # bytes that begin no request (blank lines between requests) cancelled uvicorn's keep-alive
+        # timer: without a deadline of ours, nothing would close the connection
+        if (self._read_deadline is None and self.timeout_keep_alive_task is None and not self._answering()
+                and not self.transport.is_closing()):
+            self._arm(self._headers_late)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -44,11 +60,15 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
             self._arm(self._headers_late)
 
     def on_headers_complete(self) -> None:
-        self._arm(self._body_stalled)  # lifted when the message completes (at once without a body)
+        self._body_started, self._body_bytes = self.loop.time(), 0
+        self._arm(self._body_late)  # lifted when the message completes (at once without a body)
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
-        self._arm(self._body_stalled)
+        self._body_bytes += len(body)
+        # the next piece within the gap, and the whole at MIN_BODY_RATE past the first gap
+        by_rate = self._body_started + self.read_timeout_s + self._body_bytes / MIN_BODY_RATE - self.loop.time()
+        self._arm(self._body_late, max(0.0, min(self.read_timeout_s, by_rate)))
         super().on_body(body)
 
     def on_message_complete(self) -> None:
@@ -60,9 +80,13 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
-    def _arm(self, on_expiry) -> None:
+    def _answering(self) -> bool:
+        """A request of this connection is being answered, or waits to be (pipelined)."""
+        return (self.cycle is not None and not self.cycle.response_complete) or bool(self.pipeline)
+
+    def _arm(self, on_expiry, delay: float | None = None) -> None:
         self._disarm()
-        self._read_deadline = self.loop.call_later(self.read_timeout_s, on_expiry)
+        self._read_deadline = self.loop.call_later(self.read_timeout_s if delay is None else delay, on_expiry)
 
     def _disarm(self) -> None:
         if self._read_deadline is not None:
@@ -73,17 +97,21 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
         self._read_deadline = None
         if self.transport.is_closing():
             return
+        if self.flow.read_paused or self._answering():  # the wait is the server's: uvicorn reads the next request later
+            self._arm(self._headers_late)
+            return
         if self._request_begun:
             self.transport.write(request_timeout_response(
                 f"the request's headers did not arrive within {self.read_timeout_s:g} s"))
         self.transport.close()
 
-    def _body_stalled(self) -> None:
+    def _body_late(self) -> None:
         self._read_deadline = None
         if self.transport.is_closing():
             return
-        if self.flow.read_paused:  # the app has not taken what arrived: the wait is the server's, not the client's
-            self._arm(self._body_stalled)
+        # the wait is the server's: the app has not taken what arrived, or has not asked for the body yet
+        if self.flow.read_paused or (self.cycle is not None and self.cycle.waiting_for_100_continue):
+            self._arm(self._body_late)
             return
         self.transport.close()  # the app reading the body sees the client gone (uvicorn's disconnect)
 

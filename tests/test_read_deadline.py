@@ -14,7 +14,8 @@ import pytest
 from server.config import ServerConfig
 from tests.servers import ServerThread
 
-DEADLINE_S = 0.6
+# long beside what a loaded machine's event loop may stall for (a timer runs late, not early)
+DEADLINE_S = 1.5
 
 
 async def slow_echo(scope, receive, send):
@@ -69,7 +70,7 @@ def test_a_connection_that_stops_sending_is_closed_without_a_word(server, sent):
     started = time.monotonic()
     data, closed = read_all(client)
     assert data == b""
-    assert DEADLINE_S * 0.9 <= closed - started < 10
+    assert DEADLINE_S * 0.5 <= closed - started < 10
 
 
 def test_headers_begun_and_not_finished_get_a_408_in_openais_format(server):
@@ -98,17 +99,60 @@ def test_headers_trickled_a_byte_at_a_time_do_not_restart_the_clock(server):
         if select.select([client], [], [], DEADLINE_S / 6)[0]:  # the 408, or the close
             closed = time.monotonic()
             break
-    assert closed is not None and closed - opened < DEADLINE_S * 5
+    assert closed is not None and closed - opened < DEADLINE_S * 4
 
 
 def test_a_body_sent_in_pieces_within_the_gap_is_read_whole_however_long_it_takes(server):
     client = connect(server)
-    client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 8\r\nconnection: close\r\n\r\n")
-    for _ in range(8):  # 8 pauses of a third of the deadline: the whole body takes longer than it
+    client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 8000\r\nconnection: close\r\n\r\n")
+    for _ in range(8):  # 8 pauses of a third of the deadline (the whole takes longer than it), at 2 kB/s
         time.sleep(DEADLINE_S / 3)
-        client.sendall(b"c")
+        client.sendall(b"c" * 1000)
     data, _ = read_all(client)
-    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"\r\n\r\n8")
+    assert data.startswith(b"HTTP/1.1 200") and data.endswith(b"\r\n\r\n8000")
+
+
+def test_a_body_trickled_below_the_minimum_rate_is_cut(server):
+    """Each pause within the gap, the whole far below MIN_BODY_RATE: the connection does
+    not outlive the first gap by much."""
+    client = connect(server)
+    client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 1000\r\n\r\n")
+    started, closed = time.monotonic(), None
+    for _ in range(1000):
+        try:
+            client.send(b"d")
+        except OSError:
+            closed = time.monotonic()
+            break
+        if select.select([client], [], [], DEADLINE_S / 4)[0]:  # the close
+            closed = time.monotonic()
+            break
+    assert closed is not None and closed - started < DEADLINE_S * 4
+
+
+def test_blank_lines_after_an_answer_do_not_keep_the_connection(server):
+    """uvicorn's keep-alive timer is cancelled by any bytes; blank lines begin no request."""
+    client = connect(server)
+    client.sendall(b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n")
+    response = b""
+    while not response.endswith(b"\r\n\r\n0"):
+        assert (chunk := client.recv(65536)), response
+        response += chunk
+    client.sendall(b"\r\n")
+    data, _ = read_all(client)  # closed (uvicorn's keep-alive is 5 s: the socket's own timeout is 30)
+    assert data == b""
+
+
+def test_a_pipelined_request_waits_for_the_answers_before_it_without_a_408_among_them(server):
+    """While earlier requests are answered, uvicorn reads no further: the next one's
+    headers waiting then is the server's doing; its deadline runs once they are answered."""
+    client = connect(server)
+    client.sendall(b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n" b"GET /y HTTP/1.1\r\nhost: a\r\n\r\n"
+                   b"GET /z HTTP/1.1\r\nhost:")
+    data, _ = read_all(client)
+    answers = data.split(b"HTTP/1.1 ")[1:]
+    assert [answer[:3] for answer in answers] == [b"200", b"200", b"408"], data
+    assert answers[0].endswith(b"\r\n\r\n0") and answers[1].endswith(b"\r\n\r\n0")
 
 
 def test_an_answer_longer_than_the_deadline_and_the_next_request_on_the_connection(server):
