@@ -29,7 +29,7 @@ from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_v
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar, check_compiles
 from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, TOOLS_NEEDED_SCHEMA, ChatMessage, Int,
-                                    LimitFrom0, LimitFrom1, LogitBias, StreamOptions, Strict, TokenId,
+                                    LimitFrom0, LimitFrom1, LogitBias, Metadata, StreamOptions, Strict, TokenId,
                                     documented, non_empty_alternatives)
 from server.protocol_formats import (AllowedToolsChoice, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
                                      build_grammar, check_parameters, functions)
@@ -78,7 +78,7 @@ class _SamplingFields(Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     store: bool | None = None
     service_tier: str | None = None
     # vLLM's extra sampling parameters

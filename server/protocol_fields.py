@@ -79,6 +79,11 @@ LogitBias = documented(dict[str, float], propertyNames={"pattern": "^[0-9]+$"},
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True}), INTEGRAL]
 
 
+# OpenAI's bounds on `metadata`: 16 pairs, keys of at most 64 characters, values of at most 512
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                     Field(max_length=16)]
+
+
 class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False

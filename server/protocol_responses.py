@@ -18,15 +18,15 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from server.protocol_fields import Int, LimitFrom1, Strict, documented
+from server.protocol_fields import Int, LimitFrom1, Metadata, Strict, documented
 from server.tool_calls import NAME_PATTERN
 
 # items of the API's input this server does not take, and why (an item of another type is refused by its type)
 _KNOWN_ITEMS = ("message", "function_call", "function_call_output")
 # fields of OpenAI's Responses API that this server does not offer, and what to send instead (null: not asked)
 NOT_OFFERED = {
-    "previous_response_id": "responses are not stored here; send the conversation's turns as 'input'",
-    "conversation": "conversations are not stored here; send the conversation's turns as 'input'",
+    "previous_response_id": "responses are not stored here; send the whole conversation with each request",
+    "conversation": "conversations are not stored here; send the whole conversation with each request",
 }
 
 
@@ -107,7 +107,9 @@ class FunctionCallOutputItem(_SentBack):
 
 
 def _item_kind(value) -> str:
-    return value.get("type", "message") if isinstance(value, dict) else "message"
+    """An item's type; "message" where it has none (or one that is not a string, which the message refuses)."""
+    kind = value.get("type", "message") if isinstance(value, dict) else "message"
+    return kind if isinstance(kind, str) else "message"
 
 
 def _item_model(value) -> str:
@@ -187,7 +189,7 @@ class ResponsesRequest(Strict):
     top_logprobs: documented(Int, minimum=0, maximum=0) | None = None
     # OpenAI's, without effect here
     store: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = None
     user: str | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None

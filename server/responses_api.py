@@ -15,7 +15,6 @@ import json
 import re
 import time
 
-import orjson
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
 
@@ -27,13 +26,13 @@ from server.protocol_responses import ResponsesRequest
 from server.responses import Choices
 from server.routes_openai import ChatRun, start_chat
 from server.state import ServerState
-from server.streams import event_stream_response, until_disconnect
+from server.streams import event_stream_response, sse_json, until_disconnect
 from server.tool_calls import ToolCallParser
 
 # the chat request's names (as a pattern) for what a Responses body calls otherwise: an error names the field sent
 _PARAMS = ((r"\bmax_completion_tokens\b", "max_output_tokens"), (r"\bresponse_format\b", "text.format"),
-           (r"\bmessages(?=\[)", "input"), (r"\btools\[(\d+)\]\.function\.", r"tools[\1]."),
-           (r"\btool_choice\.allowed_tools\.", "tool_choice."))
+           (r"\bmessages\[\d+\]", "input"),  # (its turns are not input's items one for one)
+           (r"\btools\[(\d+)\]\.function\.", r"tools[\1]."), (r"\btool_choice\.allowed_tools\.", "tool_choice."))
 _NO_LOGPROBS = "message.output_text.logprobs"
 
 
@@ -101,6 +100,7 @@ class _Answer:
         self.run, self.body, self.created = run, body, created
         self.parser: ToolCallParser | None = run.parsers[0] if run.parsers else None
         self.text = ""
+        self.text_ended = False
         self.message_id = "msg_" + run.request_id.rsplit("-", 1)[-1]
         self.sequence = 0
 
@@ -113,8 +113,9 @@ class _Answer:
 
     def end_text(self) -> str:
         """The text the parser held back until the end (none without tools)."""
-        if self.parser is None:
+        if self.parser is None or self.text_ended:
             return ""
+        self.text_ended = True  # (the parser counts its calls when it finishes: once)
         rest, _ = self.parser.finish()
         self.text += rest
         return rest
@@ -161,7 +162,7 @@ class _Answer:
         self.end_text()
         cut = reason == "length"
         status = "incomplete" if cut else "completed"
-        output = ([self.message(status)] if self.has_message() else []) + self.calls()
+        output = ([self.message("completed")] if self.has_message() else []) + self.calls()
         if cut and output and not _whole_call(output[-1]):  # the limit cut the last item
             output[-1]["status"] = "incomplete"
         return self.response(status, output, output_tokens, "max_output_tokens" if cut else None)
@@ -169,7 +170,7 @@ class _Answer:
     def event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+        return b"event: " + kind.encode() + b"\ndata: " + sse_json(data) + b"\n\n"
 
     async def events(self):
         """The API's stream: created, in progress, the message's text as deltas, each call

@@ -5,13 +5,14 @@ into one, and the SSE event streams of chat and text completions."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator
 
 import orjson
 from fastapi import Request
 from sse_starlette import EventSourceResponse
-from sse_starlette.sse import AppStatus
+from sse_starlette.sse import AppStatus, SendTimeoutError
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import ErrorKind
@@ -27,6 +28,20 @@ from server.tool_calls import ToolCallParser
 # (a request answered whole gets a 503 then)
 STREAM_DRAIN_S = 8.0
 ABORT_BEFORE_CUT_S = 1.5
+# a client that takes nothing of its stream for this long (the sockets' buffers full) has left
+# as far as the server can tell: its stream ends, its request is aborted and its place freed
+STREAM_SEND_TIMEOUT_S = 60.0
+logger = logging.getLogger(__name__)
+
+
+class _EventStream(EventSourceResponse):
+    """An SSE response whose client stopped reading ends quietly (sse-starlette raises)."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except* SendTimeoutError:
+            logger.info("a client took nothing of its stream for %.0f s: the stream ended", self.send_timeout)
 
 
 def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[str]) -> EventSourceResponse:
@@ -46,7 +61,8 @@ def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[s
             aborting.cancel()
 
     # events end in "\n\n", as OpenAI's do (a client that splits on it finds them), pings too
-    return EventSourceResponse(drained(), ping=15, sep="\n", shutdown_grace_period=STREAM_DRAIN_S)
+    return _EventStream(drained(), ping=15, sep="\n", shutdown_grace_period=STREAM_DRAIN_S,
+                        send_timeout=STREAM_SEND_TIMEOUT_S)
 
 
 def engine_stream(async_engine: AsyncEngine, request: EngineRequest):
@@ -165,13 +181,18 @@ class _Usage:
 _LINE_BREAKS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
 
 
-def _event(data: dict) -> bytes:
-    """One SSE event, encoded: sse-starlette sends bytes as they are (orjson writes the
-    JSON, with no line break left in it, so it fits one `data:` line)."""
+def sse_json(data: dict) -> bytes:
+    """`data` as JSON with no line break left in it (orjson's, and those line readers take
+    for one escaped), so that it fits one `data:` line of an event."""
     text = orjson.dumps(data)
     for raw, escaped in _LINE_BREAKS:
         text = text.replace(raw, escaped)
-    return b"data: " + text + b"\n\n"
+    return text
+
+
+def _event(data: dict) -> bytes:
+    """One SSE event, encoded: sse-starlette sends bytes as they are."""
+    return b"data: " + sse_json(data) + b"\n\n"
 
 
 DONE = b"data: [DONE]\n\n"

@@ -239,3 +239,37 @@ def test_a_handler_cancelled_while_it_waits_cancels_its_work_and_watchers():
         return [task for task in before if not task.done() and task is not asyncio.current_task()]
 
     assert asyncio.run(run()) == []
+
+
+def test_a_client_that_stops_reading_its_stream_lets_it_go(monkeypatch):
+    """A client that keeps its connection but reads nothing held its stream (and its
+    request's place) for as long as it stayed: once the sockets' buffers are full, a stream
+    whose sends wait past STREAM_SEND_TIMEOUT_S ends, its events closed as a disconnect's."""
+    import socket
+    import threading
+
+    from fastapi import FastAPI
+
+    from server import streams
+    from tests.servers import ServerThread
+
+    monkeypatch.setattr(streams, "STREAM_SEND_TIMEOUT_S", 1.0)
+    ended = threading.Event()
+
+    async def events():
+        try:
+            while True:
+                yield b"data: " + b"x" * (1 << 20) + b"\n\n"
+        finally:
+            ended.set()  # (an answer's events close its engine stream, which aborts its request)
+
+    class Engine:  # what the response asks of the engine: to abort its requests at a shutdown's cut
+        def abort(self, request_id: str) -> None:
+            raise AssertionError("no shutdown here")
+
+    app = FastAPI()
+    app.add_api_route("/stream", lambda: streams.event_stream_response(events(), Engine(), ["r"]))
+    with ServerThread(app) as server:
+        with socket.create_connection(("127.0.0.1", server.port)) as client:
+            client.sendall(b"GET /stream HTTP/1.1\r\nhost: a\r\n\r\n")
+            assert ended.wait(120)

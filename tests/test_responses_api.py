@@ -101,6 +101,29 @@ def test_a_streamed_call_comes_whole_with_its_arguments(client):
     assert events[-1].response.output[0].arguments == done.arguments
 
 
+def test_a_streamed_call_is_counted_once_and_events_carry_no_raw_line_separator(server, client):
+    def parsed_calls() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=120).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("alchemist:tool_calls_total") and 'outcome="parsed"' in line)
+
+    before = parsed_calls()
+    body = {"model": TINY_NAME, "input": "Weather?", "instructions": "Line\u2028separated\u2029and\u0085next",
+            "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 60, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=120) as r:
+        raw = b"".join(r.iter_raw())
+    assert parsed_calls() == before + 1
+    for separator in ("\u2028", "\u2029", "\u0085"):
+        assert separator.encode() not in raw
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert events[0]["response"]["instructions"] == "Line\u2028separated\u2029and\u0085next"
+
+
+def test_a_response_delete_takes_response_ids_alone(server):
+    r = httpx.delete(server.url + "/v1/responses/chatcmpl-0123", timeout=120)
+    assert r.status_code == 404 and "begins 'resp-'" in r.json()["error"]["message"], r.text
+
+
 def test_text_format_json_schema_shapes_the_answer(client):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
@@ -131,6 +154,9 @@ def test_text_format_json_schema_shapes_the_answer(client):
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [
         {"type": "function", "name": "nope"}]}}, "tool_choice.tools[0]", "`nope`"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options", "stream is true"),
+    ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0].type", ""),
+    ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
+    ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata.k", "at most 512"),
 ])
 def test_what_is_refused_is_named_as_sent(server, extra, param, words):
     r = httpx.post(server.url + "/v1/responses", json={"model": TINY_NAME, **extra}, timeout=120)
