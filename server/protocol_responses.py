@@ -262,8 +262,8 @@ class ResponsesRequest(Strict):
         if isinstance(choice, FunctionChoice):
             return {"type": "function", "function": {"name": choice.name}}
         if isinstance(choice, AllowedToolsChoice):
-            return {"type": "allowed_tools", "allowed_tools": {
-                "mode": choice.mode, "tools": [{"type": "function", "function": {"name": t.name}} for t in choice.tools]}}
+            named = [{"type": "function", "function": {"name": tool.name}} for tool in choice.tools]
+            return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": named}}
         return choice
 
     def _messages(self) -> list[dict]:

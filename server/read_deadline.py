@@ -30,6 +30,9 @@ from server.config import ServerConfig
 # Apache's mod_reqtimeout asks by default: a trickle of a byte now and then cannot hold a
 # connection however short its pauses
 MIN_BODY_RATE = 500
+# the ASGI scope's extension through which the app may drop its connection at once (a stream
+# whose client reads nothing: server/streams.py), where a close would wait to flush
+ABORT_CONNECTION = "alchemist.abort_connection"
 
 
 class ReadDeadlineProtocol(HttpToolsProtocol):
@@ -61,6 +64,7 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._body_started, self._body_bytes = self.loop.time(), 0
+        self.scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.transport.abort
         self._arm(self._body_late)  # lifted when the message completes (at once without a body)
         super().on_headers_complete()
 
@@ -83,6 +87,10 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
     def _answering(self) -> bool:
         """A request of this connection is being answered, or waits to be (pipelined)."""
         return (self.cycle is not None and not self.cycle.response_complete) or bool(self.pipeline)
+
+    def _queued(self) -> bool:
+        """The request being read waits behind another's answer."""
+        return any(cycle is self.cycle for cycle, _ in self.pipeline)
 
     def _arm(self, on_expiry, delay: float | None = None) -> None:
         self._disarm()
@@ -109,8 +117,10 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
         self._read_deadline = None
         if self.transport.is_closing():
             return
-        # the wait is the server's: the app has not taken what arrived, or has not asked for the body yet
-        if self.flow.read_paused or (self.cycle is not None and self.cycle.waiting_for_100_continue):
+        # the wait is the server's: the app has not taken what arrived, has not asked for the body yet, or
+        # the request waits behind another's answer (pipelined: uvicorn reads on once that ends)
+        if self.flow.read_paused or self._queued() or (self.cycle is not None and self.cycle.waiting_for_100_continue):
+            self._body_started, self._body_bytes = self.loop.time(), 0  # the rate counts from when reading resumes
             self._arm(self._body_late)
             return
         self.transport.close()  # the app reading the body sees the client gone (uvicorn's disconnect)

@@ -247,7 +247,8 @@ async def forget(state: ServerState, completion_id: str, label_only: bool, delet
     if not found:
         raise APIError(404, f"no {what} for completion {completion_id!r}", "id", "not_found")
     deleted_object = deleted_object or ("feedback.deleted" if label_only else "chat.completion.deleted")
-    return {"id": completion_id, "object": deleted_object, "deleted": True, "trained_into_version": forgotten.trained_into}
+    return {"id": completion_id, "object": deleted_object, "deleted": True,
+            "trained_into_version": forgotten.trained_into}
 
 
 def live_training(state: ServerState) -> Training:

@@ -9,6 +9,7 @@ import logging
 import time
 from typing import AsyncIterator
 
+import anyio
 import orjson
 from fastapi import Request
 from sse_starlette import EventSourceResponse
@@ -18,6 +19,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.outputs import ErrorKind
 from engine.request import EngineRequest
 from server.errors import APIError, error_body
+from server.read_deadline import ABORT_CONNECTION
 from server.responses import TextOffsets, chat_logprobs, chunk, completion_logprobs, finish_reason, usage
 from server.token_shown import TokenShown
 from server.tool_calls import ToolCallParser
@@ -35,13 +37,25 @@ logger = logging.getLogger(__name__)
 
 
 class _EventStream(EventSourceResponse):
-    """An SSE response whose client stopped reading ends quietly (sse-starlette raises)."""
+    """An SSE response whose client stopped reading ends, its connection aborted: every send
+    is bounded (sse-starlette bounds the events and pings, not the closing send), and the
+    socket is dropped rather than closed (a close waits to flush what the client never reads)."""
 
     async def __call__(self, scope, receive, send) -> None:
+        async def bounded(message) -> None:
+            with anyio.move_on_after(self.send_timeout) as waited:
+                await send(message)
+            if waited.cancel_called:
+                raise SendTimeoutError()
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, bounded)
         except* SendTimeoutError:
             logger.info("a client took nothing of its stream for %.0f s: the stream ended", self.send_timeout)
+            abort = scope.get("extensions", {}).get(ABORT_CONNECTION)
+            if abort is not None:
+                abort()
+                await asyncio.sleep(0)  # the connection's loss marks the answer's cycle disconnected first
 
 
 def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[str]) -> EventSourceResponse:

@@ -241,17 +241,20 @@ def test_a_handler_cancelled_while_it_waits_cancels_its_work_and_watchers():
     assert asyncio.run(run()) == []
 
 
-def test_a_client_that_stops_reading_its_stream_lets_it_go(monkeypatch):
+@pytest.mark.parametrize("last", [False, True], ids=["events-go-on", "the-last-event-fills-the-buffers"])
+def test_a_client_that_stops_reading_its_stream_lets_it_go(monkeypatch, last):
     """A client that keeps its connection but reads nothing held its stream (and its
     request's place) for as long as it stayed: once the sockets' buffers are full, a stream
-    whose sends wait past STREAM_SEND_TIMEOUT_S ends, its events closed as a disconnect's."""
+    whose sends wait past STREAM_SEND_TIMEOUT_S ends, its events closed as a disconnect's,
+    and its connection is dropped (a close would wait to flush what the client never reads),
+    also where the closing send is the one that waits (sse-starlette bounds only events)."""
     import socket
     import threading
 
     from fastapi import FastAPI
 
     from server import streams
-    from tests.servers import ServerThread
+    from tests.servers import ServerThread, wait_for
 
     monkeypatch.setattr(streams, "STREAM_SEND_TIMEOUT_S", 1.0)
     ended = threading.Event()
@@ -259,7 +262,9 @@ def test_a_client_that_stops_reading_its_stream_lets_it_go(monkeypatch):
     async def events():
         try:
             while True:
-                yield b"data: " + b"x" * (1 << 20) + b"\n\n"
+                yield b"data: " + b"x" * (4 << 20) + b"\n\n"
+                if last:
+                    return
         finally:
             ended.set()  # (an answer's events close its engine stream, which aborts its request)
 
@@ -270,6 +275,9 @@ def test_a_client_that_stops_reading_its_stream_lets_it_go(monkeypatch):
     app = FastAPI()
     app.add_api_route("/stream", lambda: streams.event_stream_response(events(), Engine(), ["r"]))
     with ServerThread(app) as server:
-        with socket.create_connection(("127.0.0.1", server.port)) as client:
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.connect(("127.0.0.1", server.port))
             client.sendall(b"GET /stream HTTP/1.1\r\nhost: a\r\n\r\n")
             assert ended.wait(120)
+            wait_for(lambda: not server.server.server_state.connections and not server.server.server_state.tasks)

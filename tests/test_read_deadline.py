@@ -168,6 +168,23 @@ def test_an_answer_longer_than_the_deadline_and_the_next_request_on_the_connecti
     client.close()
 
 
+def test_a_pipelined_body_is_timed_from_when_the_server_reads_it(server):
+    """A body waiting behind an earlier answer (uvicorn reads no further meanwhile) is not
+    behind its rate when reading resumes."""
+    client = connect(server)
+    client.sendall(b"GET /x HTTP/1.1\r\nhost: a\r\n\r\n"
+                   b"POST /y HTTP/1.1\r\nhost: a\r\ncontent-length: 400\r\nconnection: close\r\n\r\n" + b"e" * 100)
+    response = b""
+    while b"\r\n\r\n0" not in response:  # the first answer, after 2 deadlines
+        assert (chunk := client.recv(65536)), response
+        response += chunk
+    for _ in range(3):  # the rest at 1 kB/s
+        time.sleep(0.1)
+        client.sendall(b"e" * 100)
+    data, _ = read_all(client)
+    assert (response + data).split(b"HTTP/1.1 ")[2].startswith(b"200") and data.endswith(b"\r\n\r\n400"), data
+
+
 def test_the_read_timeout_must_be_positive():
     for bad in (0, -1.0, float("inf"), True, "30"):
         with pytest.raises(ValueError, match="server.read_timeout_s"):
