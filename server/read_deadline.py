@@ -43,7 +43,7 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._read_deadline: asyncio.TimerHandle | None = None
-        self._request_begun = False
+        self._request_begun = self._reading_body = False
         self._body_started, self._body_bytes = 0.0, 0
         super().connection_made(transport)
         self._arm(self._headers_late)
@@ -63,6 +63,7 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
             self._arm(self._headers_late)
 
     def on_headers_complete(self) -> None:
+        self._reading_body = True
         self._body_started, self._body_bytes = self.loop.time(), 0
         self.scope.setdefault("extensions", {})[ABORT_CONNECTION] = self.transport.abort
         self._arm(self._body_late)  # lifted when the message completes (at once without a body)
@@ -77,8 +78,16 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._disarm()
-        self._request_begun = False
+        self._request_begun = self._reading_body = False
         super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # a request read while this answer ran waited on the server (pipelined): its clock starts now
+        if self._request_begun and not self.transport.is_closing():
+            if self._reading_body:
+                self._body_started, self._body_bytes = self.loop.time(), 0
+            self._arm(self._body_late if self._reading_body else self._headers_late)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

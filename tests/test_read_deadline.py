@@ -52,6 +52,19 @@ def connect(server) -> socket.socket:
     return client
 
 
+def trickle_until_closed(client: socket.socket, data: bytes, gap_s: float) -> float | None:
+    """Sends `data` a byte at a time, `gap_s` apart, until the server answers or closes;
+    when that was (monotonic), or None if it never did."""
+    for index in range(len(data)):
+        try:
+            client.send(data[index:index + 1])
+        except OSError:
+            return time.monotonic()
+        if select.select([client], [], [], gap_s)[0]:  # an answer, or the close
+            return time.monotonic()
+    return None
+
+
 def read_all(client: socket.socket) -> tuple[bytes, float]:
     """What the server sends until it closes the connection, and when it closed (monotonic)."""
     chunks = []
@@ -88,17 +101,8 @@ def test_headers_begun_and_not_finished_get_a_408_in_openais_format(server):
 def test_headers_trickled_a_byte_at_a_time_do_not_restart_the_clock(server):
     client = connect(server)
     opened = time.monotonic()
-    request = b"POST /x HTTP/1.1\r\nhost: a\r\nx-padding: " + b"a" * 200
-    closed = None
-    for index in range(len(request)):  # 200 bytes a sixth of the deadline apart: 30 deadlines if it never closed
-        try:
-            client.send(request[index:index + 1])
-        except OSError:
-            closed = time.monotonic()
-            break
-        if select.select([client], [], [], DEADLINE_S / 6)[0]:  # the 408, or the close
-            closed = time.monotonic()
-            break
+    # 200 bytes a sixth of the deadline apart: 30 deadlines if it never closed
+    closed = trickle_until_closed(client, b"POST /x HTTP/1.1\r\nhost: a\r\nx-padding: " + b"a" * 200, DEADLINE_S / 6)
     assert closed is not None and closed - opened < DEADLINE_S * 4
 
 
@@ -117,16 +121,8 @@ def test_a_body_trickled_below_the_minimum_rate_is_cut(server):
     not outlive the first gap by much."""
     client = connect(server)
     client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 1000\r\n\r\n")
-    started, closed = time.monotonic(), None
-    for _ in range(1000):
-        try:
-            client.send(b"d")
-        except OSError:
-            closed = time.monotonic()
-            break
-        if select.select([client], [], [], DEADLINE_S / 4)[0]:  # the close
-            closed = time.monotonic()
-            break
+    started = time.monotonic()
+    closed = trickle_until_closed(client, b"d" * 1000, DEADLINE_S / 4)
     assert closed is not None and closed - started < DEADLINE_S * 4
 
 
