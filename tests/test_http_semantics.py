@@ -20,11 +20,15 @@ def client():
 
 @pytest.mark.parametrize("method, path, allow", [("GET", "/v1/chat/completions", "POST"),
                                                  ("DELETE", "/health", "GET, HEAD"),
-                                                 ("GET", "/v1/feedback", "POST")])
+                                                 ("GET", "/v1/feedback", "POST"),
+                                                 ("GET", "/v1/responses/resp-0123", "DELETE")])
 def test_405_names_the_allowed_methods(client, method, path, allow):
     r = client.request(method, path)
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == set(allow.split(", "))
-    assert r.json()["error"]["message"]
+    message = r.json()["error"]["message"]
+    assert f"Method {method} is not allowed" in message and allow.split(", ")[0] in message
+    if path.startswith("/v1/responses/"):
+        assert "not kept to be retrieved" in message
 
 
 @pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models"])
