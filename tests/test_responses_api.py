@@ -89,16 +89,22 @@ def test_a_forced_call_then_its_output_in_the_next_turn(client):
     assert answer.output_text == (chat.choices[0].message.content or "")
 
 
-def test_a_streamed_call_comes_whole_with_its_arguments(client):
+def test_a_forced_call_streams_its_arguments_as_decoded(client):
     with client.responses.stream(model=TINY_NAME, input="Weather?", tools=[WEATHER], tool_choice="required",
                                  max_output_tokens=60) as stream:
         events = list(stream)
     kinds = [event.type for event in events]
     assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
     assert "response.output_text.delta" not in kinds
+    added = kinds.index("response.output_item.added")
+    assert events[added].item.type == "function_call" and events[added].item.arguments == ""
+    pieces = [event for event in events if event.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and kinds.index("response.function_call_arguments.delta") > added
     done = next(event for event in events if event.type == "response.function_call_arguments.done")
+    assert "".join(piece.delta for piece in pieces) == done.arguments
     assert json.loads(done.arguments)["city"] in ("Paris", "Rome")
     assert events[-1].response.output[0].arguments == done.arguments
+    assert [event.sequence_number for event in events] == list(range(len(events)))
 
 
 def test_a_streamed_call_is_counted_once_and_events_carry_no_raw_line_separator(server, client):
@@ -201,3 +207,53 @@ def test_a_response_id_is_labelled_and_trained_on(tmp_path):
             client.responses.delete(response.id)
         other = client.responses.create(model=TINY_NAME, input="Capital of Italy?", max_output_tokens=2)
         assert client.responses.delete(other.id) is None  # (the SDK's answer to a deletion)
+
+
+def _answer_of(pieces: list[str], reason: str = "stop"):
+    """A response's `Answer` over decoded `pieces` (the last ending for `reason`), tools offered."""
+    from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from engine.sampling_params import SamplingParams
+    from server.protocol_responses import ResponsesRequest
+    from server.responses_api import Answer
+    from server.routes_openai import ChatRun
+    from server.tool_calls import ToolCallParser
+
+    async def outputs():
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield RequestOutput("resp-1", [CompletionOutput(0, piece, [1], None, reason if last else None)], last,
+                                RequestMetrics(0.0, None, None, 3, i + 1))
+
+    body = ResponsesRequest.model_validate({"model": TINY_NAME, "input": "x", "tools": [WEATHER]})
+    return Answer(ChatRun("resp-1", SamplingParams(), 3, outputs(), [ToolCallParser()]), body, 0)
+
+
+def test_a_call_the_model_chose_after_text_streams_in_the_order_it_was_written():
+    import asyncio
+
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    pieces = ["Let me ", "check. ", call[:20], call[20:], ""]
+    raw = b"".join(asyncio.run(_collect(_answer_of(pieces).events())))
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    assert added == [(0, "message"), (1, "function_call")]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"
+    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == text and text.startswith("Let me check.")
+    assert json.loads(arguments) == json.loads(final["output"][1]["arguments"]) == {"city": "Rome"}
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    # the same answer whole: the same items
+    whole = _answer_of(pieces)
+    for piece in pieces:
+        whole.add_text(piece)
+    def without_ids(items):
+        return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
+
+    assert without_ids(whole.finish("stop", len(pieces))["output"]) == without_ids(final["output"])
+
+
+async def _collect(events) -> list[bytes]:
+    return [event async for event in events]
