@@ -3,12 +3,13 @@
 runs it), its answer rendered as a `response` object or streamed as the API's typed events.
 
 The response's id is its completion's: it is what `POST /v1/feedback` labels and
-`DELETE /v1/chat/completions/{id}` forgets, as for a chat completion. Its output is a
-message (the answer's text) and a `function_call` item per call, in that order; an answer
-cut by `max_output_tokens` is `incomplete`. A stream opens each item as it begins and sends
-the text (`response.output_text.delta`) and a call's arguments
-(`response.function_call_arguments.delta`) as the parser passes them on: as decoded for a
-call the grammar forces, whole once its closing tag arrives for one the model chose.
+`DELETE /v1/responses/{id}` forgets, as for a chat completion. Its output is messages (the
+answer's text) and a `function_call` item per call; an answer cut by `max_output_tokens`
+is `incomplete`. Items come in the order written (a run of text
+is a message); a stream opens each as it begins, sends its text
+(`response.output_text.delta`) or a call's arguments (`response.function_call_arguments.delta`)
+as the parser passes them on — as decoded for a call the grammar forces, whole once its
+closing tag arrives for one the model chose — and ends it before the next opens.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from server.errors import APIError, validation_error
 from server.parsing import parse_body
 from server.protocol import ChatCompletionRequest
 from server.protocol_responses import ResponsesRequest
-from server.responses import Choices
 from server.routes_openai import ChatRun, start_chat
 from server.state import ServerState
 from server.streams import event_stream_response, sse_json, until_disconnect
-from server.tool_calls import ToolCallDelta, ToolCallParser
+from server.tool_calls import ToolCallParser
 
 # the chat request's names (as a pattern) for what a Responses body calls otherwise: an error names the field sent
 _PARAMS = ((r"\bmax_completion_tokens\b", "max_output_tokens"), (r"\bresponse_format\b", "text.format"),
@@ -69,11 +69,13 @@ async def serve_response(state: ServerState, request: Request):
         return event_stream_response(answer.events(), state.engine, [run.request_id])
 
     async def whole():
-        choices = Choices(1, 1)
-        async for output in run.outputs:
-            choices.add(output)
-        answer.add_text(choices.texts[0])  # (the calls' pieces: the parser keeps the calls whole)
-        return answer.finish(choices.reasons[0], choices.completion_tokens)
+        reason, tokens = None, 0
+        async for output in run.outputs:  # fed as a stream feeds them: the same pieces, the same items
+            for choice in output.outputs:
+                tokens += len(choice.token_ids)
+                reason = choice.finish_reason or reason
+                answer.feed(choice.text, final=choice.finish_reason is not None)
+        return answer.finish(reason, tokens)[0]
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)
@@ -95,71 +97,89 @@ def output_usage(prompt_tokens: int, output_tokens: int) -> dict:
 
 
 class Answer:
-    """One response's output as it is decoded: its text, its function calls, and the
-    `response` object that describes it at each moment."""
+    """One response's output as it is decoded: its items in the order written (runs of text
+    as messages, function calls), the stream's events of each piece, and the `response`
+    object that describes it at each moment. A stream and a whole answer feed it the same
+    pieces, so both have the same items."""
 
     def __init__(self, run: ChatRun, body: ResponsesRequest, created: int):
         self.run, self.body, self.created = run, body, created
         self.parser: ToolCallParser | None = run.parsers[0] if run.parsers else None
-        self.text = ""
-        self.text_ended = False
-        self.message_id = "msg_" + run.request_id.rsplit("-", 1)[-1]
+        self.parser_ended = False
+        # {"type": "message", "id", "text"} or {"type": "function_call", "index" (among the parser's calls),
+        # "call_id", "name", "arguments"}, in the order written; the last one is open while `is_open`
+        self.items: list[dict] = []
+        self.is_open = False
         self.sequence = 0
-        # a streamed call's id, name and arguments so far, by its index among the parser's calls
-        self.streamed: dict[int, list] = {}
+        self._id = run.request_id.rsplit("-", 1)[-1]
 
-    def add_text(self, text: str) -> tuple[str, list[ToolCallDelta]]:
-        """Feeds decoded text; returns what of it is the answer's text, and the calls' pieces."""
-        deltas: list[ToolCallDelta] = []
-        if self.parser is not None:
-            text, deltas = self.parser.feed(text)
-        self.text += text
-        return text, deltas
+    def feed(self, text: str, final: bool = False) -> list[bytes]:
+        """Decoded text in (`final`: the last); the stream's events of what it adds."""
+        content, deltas = self.parser.feed(text) if self.parser is not None else (text, [])
+        if final and self.parser is not None and not self.parser_ended:
+            self.parser_ended = True  # (the parser counts its calls when it finishes: once)
+            rest, more = self.parser.finish()
+            content, deltas = content + rest, deltas + more
+        events = []
+        if content:
+            if not (self.is_open and self.items[-1]["type"] == "message"):
+                messages = sum(item["type"] == "message" for item in self.items)
+                events += self._open({"type": "message", "text": "",
+                                      "id": f"msg_{self._id}" + (f"_{messages}" if messages else "")})
+            self.items[-1]["text"] += content
+            events.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
+                                     output_index=len(self.items) - 1, content_index=0, delta=content, logprobs=[]))
+        for delta in deltas:
+            if delta.id is not None:  # a call begins
+                events += self._open({"type": "function_call", "index": delta.index, "call_id": delta.id,
+                                      "name": delta.name, "arguments": ""})
+            position = next((i for i, item in enumerate(self.items) if item.get("index") == delta.index), None)
+            if delta.arguments and position is not None:
+                self.items[position]["arguments"] += delta.arguments
+                events.append(self.event("response.function_call_arguments.delta", output_index=position,
+                                         item_id=f"fc_{self.items[position]['call_id']}", delta=delta.arguments))
+        return events
 
-    def end_text(self) -> tuple[str, list[ToolCallDelta]]:
-        """What the parser held back until the end (nothing without tools)."""
-        if self.parser is None or self.text_ended:
-            return "", []
-        self.text_ended = True  # (the parser counts its calls when it finishes: once)
-        rest, deltas = self.parser.finish()
-        self.text += rest
-        return rest, deltas
+    def _open(self, item: dict) -> list[bytes]:
+        """Closes the item before (the API ends one before the next begins), opens `item`."""
+        events = self._close(self.rendered(self.items[-1], "completed")) if self.is_open else []
+        self.items.append(item)
+        self.is_open = True
+        index = len(self.items) - 1
+        events.append(self.event("response.output_item.added", output_index=index,
+                                 item=self.rendered(item, "in_progress")))
+        if item["type"] == "message":
+            events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                     content_index=0, part=self.text_part("")))
+        return events
 
-    def message(self, status: str) -> dict:
-        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
-                "content": [self.text_part(self.text)] if status != "in_progress" else []}
+    def _close(self, rendered: dict) -> list[bytes]:
+        """The end events of the open item, whole as `rendered`."""
+        self.is_open = False
+        index = len(self.items) - 1
+        if rendered["type"] == "message":
+            text = rendered["content"][0]["text"]
+            events = [self.event("response.output_text.done", item_id=rendered["id"], output_index=index,
+                                 content_index=0, text=text, logprobs=[]),
+                      self.event("response.content_part.done", item_id=rendered["id"], output_index=index,
+                                 content_index=0, part=self.text_part(text))]
+        else:
+            events = [self.event("response.function_call_arguments.done", item_id=rendered["id"],
+                                 output_index=index, name=rendered["name"], arguments=rendered["arguments"])]
+        return events + [self.event("response.output_item.done", output_index=index, item=rendered)]
+
+    def rendered(self, item: dict, status: str) -> dict:
+        """An item as the API shows it."""
+        if item["type"] == "message":
+            return {"type": "message", "id": item["id"], "status": status, "role": "assistant",
+                    "content": [self.text_part(item["text"])] if status != "in_progress" else []}
+        return {"type": "function_call", "id": f"fc_{item['call_id']}", "call_id": item["call_id"],
+                "name": item["name"], "arguments": item["arguments"] if status != "in_progress" else "",
+                "status": status}
 
     @staticmethod
     def text_part(text: str) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def calls(self) -> list[dict]:
-        return [{"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
-                 "arguments": call.arguments, "status": "completed"}
-                for call in (self.parser.calls if self.parser is not None else [])]
-
-    def has_message(self) -> bool:
-        """An answer of calls alone has no message item; any other has one, empty or not."""
-        return bool(self.text) or not self.calls()
-
-    def output(self, order: list) -> list[dict]:
-        """The output items in `order` ("message", or a call's index; the calls not in it
-        after), a call only streamed (never ended: the parser dropped it) as far as it came."""
-        calls = self.calls()
-        order = order + [k for k in range(len(calls)) if k not in order]
-        if self.has_message() and "message" not in order:
-            order = ["message"] + order
-        items = []
-        for key in order:
-            if key == "message":
-                items.append(self.message("completed"))
-            elif key < len(calls):
-                items.append(calls[key])
-            else:
-                call_id, name = self.streamed[key][:2]
-                items.append({"type": "function_call", "id": f"fc_{call_id}", "call_id": call_id, "name": name,
-                              "arguments": self.streamed[key][2], "status": "incomplete"})
-        return items
 
     def response(self, status: str, output: list[dict], output_tokens: int | None = None,
                  incomplete: str | None = None, error: dict | None = None) -> dict:
@@ -181,16 +201,20 @@ class Answer:
             "usage": output_usage(self.run.num_prompt_tokens, output_tokens) if output_tokens is not None else None,
         }
 
-    def finish(self, reason: str | None, output_tokens: int, order: list | None = None) -> dict:
-        """The whole `response` object, once decoding ended for `reason`; `order`: the items'
-        as a stream opened them (by default the message first)."""
-        self.end_text()
+    def finish(self, reason: str | None, output_tokens: int) -> tuple[dict, list[bytes]]:
+        """The whole `response` object once decoding ended for `reason`, and the events that
+        end its output (the last item's, or an empty message's where nothing was written)."""
+        events = self.feed("", final=True)
+        if not self.items:  # an answer of nothing is an empty message
+            events += self._open({"type": "message", "id": f"msg_{self._id}", "text": ""})
         cut = reason == "length"
-        status = "incomplete" if cut else "completed"
-        output = self.output(order or [])
-        if cut and output and not _whole_call(output[-1]):  # the limit cut the last item
+        output = [self.rendered(item, "completed") for item in self.items]
+        if cut and not _whole_call(output[-1]):  # the limit cut the last item
             output[-1]["status"] = "incomplete"
-        return self.response(status, output, output_tokens, "max_output_tokens" if cut else None)
+        if self.is_open:
+            events += self._close(output[-1])
+        return self.response("incomplete" if cut else "completed", output, output_tokens,
+                             "max_output_tokens" if cut else None), events
 
     def event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -198,23 +222,18 @@ class Answer:
         return b"event: " + kind.encode() + b"\ndata: " + sse_json(data) + b"\n\n"
 
     async def events(self):
-        """The API's stream: created, in progress, then each output item as it opens — the
-        message's text and a call's arguments as they are decoded — then each item done and
+        """The API's stream: created, in progress, then each output item as it is written —
+        opened, its text or arguments as decoded, done before the next opens — then
         completed (or incomplete); an error is an `error` event, then `response.failed`."""
         yield self.event("response.created", response=self.response("in_progress", []))
         yield self.event("response.in_progress", response=self.response("in_progress", []))
-        order: list = []  # the items in the order they opened: "message", or a call's index
         reason, tokens = None, 0
         try:
             async for output in self.run.outputs:
                 for choice in output.outputs:
                     tokens += len(choice.token_ids)
                     reason = choice.finish_reason or reason
-                    text, deltas = self.add_text(choice.text)
-                    if choice.finish_reason:
-                        rest, more = self.end_text()
-                        text, deltas = text + rest, deltas + more
-                    for event in self._pieces(order, text, deltas):
+                    for event in self.feed(choice.text, final=choice.finish_reason is not None):
                         yield event
         except APIError as exc:
             error = {"code": exc.code or exc.type, "message": exc.message}
@@ -227,53 +246,11 @@ class Answer:
             yield self.event("error", param=None, **error)
             yield self.event("response.failed", response=self.response("failed", [], tokens, error=error))
             return
-        whole = self.finish(reason, tokens, order)
-        for index, item in enumerate(whole["output"]):
-            for event in self._close_item(index, item, order):
-                yield event
+        whole, ending = self.finish(reason, tokens)
+        for event in ending:
+            yield event
         yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
                          response=whole)
-
-    def _pieces(self, order: list, text: str, deltas: list[ToolCallDelta]):
-        """The events of new text and calls' pieces, opening their items as they begin."""
-        if text:
-            if "message" not in order:
-                order.append("message")
-                yield from self._open_message(len(order) - 1)
-            yield self.event("response.output_text.delta", item_id=self.message_id,
-                             output_index=order.index("message"), content_index=0, delta=text, logprobs=[])
-        for delta in deltas:
-            if delta.id is not None:  # a call begins
-                order.append(delta.index)
-                self.streamed[delta.index] = [delta.id, delta.name, ""]
-                yield self.event("response.output_item.added", output_index=len(order) - 1, item={
-                    "type": "function_call", "id": f"fc_{delta.id}", "call_id": delta.id, "name": delta.name,
-                    "arguments": "", "status": "in_progress"})
-            if delta.arguments and delta.index in self.streamed:
-                call = self.streamed[delta.index]
-                call[2] += delta.arguments
-                yield self.event("response.function_call_arguments.delta", item_id=f"fc_{call[0]}",
-                                 output_index=order.index(delta.index), delta=delta.arguments)
-
-    def _open_message(self, index: int):
-        yield self.event("response.output_item.added", output_index=index, item=self.message("in_progress"))
-        yield self.event("response.content_part.added", item_id=self.message_id, output_index=index,
-                         content_index=0, part=self.text_part(""))
-
-    def _close_item(self, index: int, item: dict, order: list):
-        """The end events of the whole response's output item `item` (its opening ones too,
-        where nothing of it streamed: an empty message)."""
-        if item["type"] == "message":
-            if "message" not in order:
-                yield from self._open_message(index)
-            yield self.event("response.output_text.done", item_id=self.message_id, output_index=index,
-                             content_index=0, text=self.text, logprobs=[])
-            yield self.event("response.content_part.done", item_id=self.message_id, output_index=index,
-                             content_index=0, part=self.text_part(self.text))
-        else:
-            yield self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                             name=item["name"], arguments=item["arguments"])
-        yield self.event("response.output_item.done", output_index=index, item=item)
 
 
 def _whole_call(item: dict) -> bool:

@@ -228,31 +228,47 @@ def _answer_of(pieces: list[str], reason: str = "stop"):
     return Answer(ChatRun("resp-1", SamplingParams(), 3, outputs(), [ToolCallParser()]), body, 0)
 
 
-def test_a_call_the_model_chose_after_text_streams_in_the_order_it_was_written():
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+
+
+@pytest.mark.parametrize("pieces, kinds", [
+    (["Let me ", "check. ", CALL[:20], CALL[20:], ""], ["message", "function_call"]),
+    ([CALL[:30], CALL[30:], " It is", " sunny."], ["function_call", "message"]),
+])
+def test_a_call_the_model_chose_streams_in_the_order_it_was_written(pieces, kinds):
+    """Each item ends before the next begins, as OpenAI's stream does; the whole answer has
+    the same items in the same order."""
     import asyncio
 
-    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
-    pieces = ["Let me ", "check. ", call[:20], call[20:], ""]
     raw = b"".join(asyncio.run(_collect(_answer_of(pieces).events())))
     events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
-    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
-    assert added == [(0, "message"), (1, "function_call")]
+    lifecycle = [(e["type"].rsplit(".", 1)[-1], e["output_index"]) for e in events
+                 if e["type"] in ("response.output_item.added", "response.output_item.done")]
+    assert lifecycle == [("added", 0), ("done", 0), ("added", 1), ("done", 1)]
+    open_index = None
+    for e in events:  # every piece belongs to the item open then
+        if e["type"] == "response.output_item.added":
+            open_index = e["output_index"]
+        elif "output_index" in e:
+            assert e["output_index"] == open_index, e
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     arguments = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.completed"
-    assert [item["type"] for item in final["output"]] == ["message", "function_call"]
-    assert final["output"][0]["content"][0]["text"] == text and text.startswith("Let me check.")
-    assert json.loads(arguments) == json.loads(final["output"][1]["arguments"]) == {"city": "Rome"}
+    assert [item["type"] for item in final["output"]] == kinds
+    message = final["output"][kinds.index("message")]
+    assert message["content"][0]["text"] == text and text.strip() in ("Let me check.", "It is sunny.")
+    assert json.loads(arguments) == json.loads(final["output"][kinds.index("function_call")]["arguments"]) \
+        == {"city": "Rome"}
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    # the same answer whole: the same items
-    whole = _answer_of(pieces)
-    for piece in pieces:
-        whole.add_text(piece)
+    whole = _answer_of(pieces)  # the same pieces, answered whole
+    for i, piece in enumerate(pieces):
+        whole.feed(piece, final=i == len(pieces) - 1)
+
     def without_ids(items):
         return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items]
 
-    assert without_ids(whole.finish("stop", len(pieces))["output"]) == without_ids(final["output"])
+    assert without_ids(whole.finish("stop", len(pieces))[0]["output"]) == without_ids(final["output"])
 
 
 async def _collect(events) -> list[bytes]:
