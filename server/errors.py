@@ -138,13 +138,11 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"Not found: no such route. Routes: {', '.join(PLAIN_PATHS)}."
-        allowed = ", ".join(_allowed_methods(request)) if exc.status_code == 405 else ""
-        if exc.status_code == 405:
+        elif exc.status_code == 405:  # the methods the path takes, over all its routes (RFC 9110)
+            allowed = ", ".join(_allowed_methods(request))
             message = f"Method {request.method} is not allowed on this route; it takes {allowed}."
-            if request.url.path.startswith("/v1/responses/"):  # the SDK's responses.retrieve
-                message += " Responses are not kept to be retrieved here: each is whole in its answer."
         response = error_response(APIError(exc.status_code, message))
-        if exc.status_code == 405:  # the methods the path takes, over all its routes (RFC 9110)
+        if exc.status_code == 405:
             response.headers["Allow"] = allowed
         return response
 

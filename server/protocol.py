@@ -30,7 +30,7 @@ from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParam
 from engine.structured import Grammar, check_compiles
 from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, TOOLS_NEEDED_SCHEMA, ChatMessage, Int,
                                     LimitFrom0, LimitFrom1, LogitBias, Metadata, StreamOptions, Strict, TokenId,
-                                    documented, non_empty_alternatives)
+                                    documented, drop_unasked, non_empty_alternatives)
 from server.protocol_formats import (AllowedToolsChoice, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
                                      build_grammar, check_parameters, functions)
 from server.tool_calls import ToolUse
@@ -53,9 +53,7 @@ class _SamplingFields(Strict):
     @model_validator(mode="before")
     @classmethod
     def _unasked(cls, data):
-        if isinstance(data, dict) and any(data.get(name, 0) is None for name in NOT_OFFERED):
-            return {k: v for k, v in data.items() if not (k in NOT_OFFERED and v is None)}
-        return data
+        return drop_unasked(data, NOT_OFFERED)
 
     @model_validator(mode="after")
     def _null_takes_the_default(self):

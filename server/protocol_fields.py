@@ -96,15 +96,28 @@ class TextPart(Strict):
     text: str
 
 
-def _text_parts_only(content):
-    """Content parts other than text (images, audio, files) are refused by their type, not
-    as a list that should have been a string."""
-    for part in content if isinstance(content, list) else ():
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind != "text":
-            raise PydanticCustomError("unsupported_content_part", "content parts of type '{kind}' are not supported: "
-                                      "only parts of type 'text' are accepted", {"kind": kind})
-    return content
+def only_parts(*kinds: str):
+    """A validator of a message's content: parts of other types (images, audio, files) are
+    refused by their type, not as a list that should have been a string."""
+    accepted = " and ".join(f"'{kind}'" for kind in kinds)
+
+    def check(content):
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind not in kinds:
+                raise PydanticCustomError("unsupported_content_part", "content parts of type '{kind}' are not "
+                                          "supported: only parts of type {accepted} are accepted",
+                                          {"kind": kind, "accepted": accepted})
+        return content
+
+    return check
+
+
+def drop_unasked(data, names) -> object:
+    """A body without the fields of `names` sent as null (a field not offered, sent null, is not asked)."""
+    if isinstance(data, dict) and any(data.get(name, 0) is None for name in names):
+        return {k: v for k, v in data.items() if not (k in names and v is None)}
+    return data
 
 
 class FunctionCall(Strict):
@@ -133,7 +146,7 @@ class ChatMessage(Strict):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | Annotated[list[TextPart], Field(min_length=1)] | None,
-                       BeforeValidator(_text_parts_only)] = None
+                       BeforeValidator(only_parts("text"))] = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None

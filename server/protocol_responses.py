@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from server.protocol_fields import Int, LimitFrom1, Metadata, Strict, documented
+from server.protocol_fields import Int, LimitFrom1, Metadata, Strict, documented, drop_unasked, only_parts
 from server.tool_calls import NAME_PATTERN
 
 # items of the API's input this server does not take, and why (an item of another type is refused by its type)
@@ -55,16 +55,6 @@ class OutputText(_SentBack):
     logprobs: list[dict[str, Any]] | None = None
 
 
-def _text_parts(content):
-    """Parts other than text (images, files, audio) are refused by their type."""
-    for part in content if isinstance(content, list) else ():
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind not in ("input_text", "output_text"):
-            raise PydanticCustomError("unsupported_content_part", "content parts of type '{kind}' are not supported: "
-                                      "only 'input_text' and 'output_text' are accepted", {"kind": kind})
-    return content
-
-
 TextParts = Annotated[list[Annotated[Union[InputText, OutputText], Field(discriminator="type")]], Field(min_length=1)]
 
 
@@ -76,7 +66,7 @@ class InputMessage(_SentBack):
     id: str | None = None
     status: str | None = None
 
-    _parts = field_validator("content", mode="before")(_text_parts)
+    _parts = field_validator("content", mode="before")(only_parts("input_text", "output_text"))
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
@@ -207,9 +197,7 @@ class ResponsesRequest(Strict):
     @classmethod
     def _unasked(cls, data):
         """A null field this server does not offer is not asked (errors.py names one sent)."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if not (k in NOT_OFFERED and v is None)}
-        return data
+        return drop_unasked(data, NOT_OFFERED)
 
     @field_validator("input", mode="before")
     @classmethod

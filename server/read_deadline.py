@@ -24,6 +24,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from server.config import ServerConfig
+from server.errors import error_body
 
 
 # past its first `read_timeout_s`, a body must keep up this average (bytes per second), as
@@ -137,8 +138,7 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
 
 def request_timeout_response(message: str) -> bytes:
     """A whole HTTP 408 response with an error body in OpenAI's format; the connection then closes."""
-    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                   "code": "request_timeout"}})
+    body = orjson.dumps(error_body(408, message, code="request_timeout"))
     return b"".join([STATUS_LINE[408], b"content-type: application/json\r\n",
                      b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body])
 

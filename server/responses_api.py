@@ -5,8 +5,8 @@ runs it), its answer rendered as a `response` object or streamed as the API's ty
 The response's id is its completion's: it is what `POST /v1/feedback` labels and
 `DELETE /v1/responses/{id}` forgets, as for a chat completion. Its output is messages (the
 answer's text) and a `function_call` item per call; an answer cut by `max_output_tokens`
-is `incomplete`. Items come in the order written (a run of text
-is a message); a stream opens each as it begins, sends its text
+is `incomplete`. Items come in the order written (a run of text is a message); a stream
+opens each as it begins, sends its text
 (`response.output_text.delta`) or a call's arguments (`response.function_call_arguments.delta`)
 as the parser passes them on — as decoded for a call the grammar forces, whole once its
 closing tag arrives for one the model chose — and ends it before the next opens.
@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from engine.sampling_params import InvalidParameter
 from server.errors import APIError, validation_error
-from server.parsing import parse_body
+from server.parsing import check_unsupported, parse_body
 from server.protocol import ChatCompletionRequest
 from server.protocol_responses import ResponsesRequest
 from server.routes_openai import ChatRun, start_chat
@@ -50,8 +50,7 @@ def responses_router(state: ServerState) -> APIRouter:
 
 async def serve_response(state: ServerState, request: Request):
     body: ResponsesRequest = await parse_body(request, ResponsesRequest)
-    if body.stream_options is not None and not body.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true.", "stream_options")
+    check_unsupported(body)
     if _NO_LOGPROBS in (body.include or ()) or body.top_logprobs:
         raise APIError(400, "log-probabilities are not offered by /v1/responses here; /v1/chat/completions gives "
                             "them ('logprobs': true)", "include" if body.top_logprobs is None else "top_logprobs")
@@ -69,13 +68,9 @@ async def serve_response(state: ServerState, request: Request):
         return event_stream_response(answer.events(), state.engine, [run.request_id])
 
     async def whole():
-        reason, tokens = None, 0
-        async for output in run.outputs:  # fed as a stream feeds them: the same pieces, the same items
-            for choice in output.outputs:
-                tokens += len(choice.token_ids)
-                reason = choice.finish_reason or reason
-                answer.feed(choice.text, final=choice.finish_reason is not None)
-        return answer.finish(reason, tokens)[0]
+        async for _ in answer.decoded():  # as a stream is fed: the same pieces, the same items
+            pass
+        return answer.finish()[0]
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)
@@ -112,6 +107,16 @@ class Answer:
         self.is_open = False
         self.sequence = 0
         self._id = run.request_id.rsplit("-", 1)[-1]
+        self.reason: str | None = None  # why decoding ended
+        self.output_tokens = 0
+
+    async def decoded(self):
+        """Feeds the engine's outputs as they come; yields the stream's events of each."""
+        async for output in self.run.outputs:
+            for choice in output.outputs:
+                self.output_tokens += len(choice.token_ids)
+                self.reason = choice.finish_reason or self.reason
+                yield self.feed(choice.text, final=choice.finish_reason is not None)
 
     def feed(self, text: str, final: bool = False) -> list[bytes]:
         """Decoded text in (`final`: the last); the stream's events of what it adds."""
@@ -201,19 +206,19 @@ class Answer:
             "usage": output_usage(self.run.num_prompt_tokens, output_tokens) if output_tokens is not None else None,
         }
 
-    def finish(self, reason: str | None, output_tokens: int) -> tuple[dict, list[bytes]]:
-        """The whole `response` object once decoding ended for `reason`, and the events that
-        end its output (the last item's, or an empty message's where nothing was written)."""
+    def finish(self) -> tuple[dict, list[bytes]]:
+        """The whole `response` object once decoding ended, and the events that end its
+        output (the last item's, or an empty message's where nothing was written)."""
         events = self.feed("", final=True)
         if not self.items:  # an answer of nothing is an empty message
             events += self._open({"type": "message", "id": f"msg_{self._id}", "text": ""})
-        cut = reason == "length"
+        cut = self.reason == "length"
         output = [self.rendered(item, "completed") for item in self.items]
         if cut and not _whole_call(output[-1]):  # the limit cut the last item
             output[-1]["status"] = "incomplete"
         if self.is_open:
             events += self._close(output[-1])
-        return self.response("incomplete" if cut else "completed", output, output_tokens,
+        return self.response("incomplete" if cut else "completed", output, self.output_tokens,
                              "max_output_tokens" if cut else None), events
 
     def event(self, kind: str, **fields) -> bytes:
@@ -227,26 +232,22 @@ class Answer:
         completed (or incomplete); an error is an `error` event, then `response.failed`."""
         yield self.event("response.created", response=self.response("in_progress", []))
         yield self.event("response.in_progress", response=self.response("in_progress", []))
-        reason, tokens = None, 0
         try:
-            async for output in self.run.outputs:
-                for choice in output.outputs:
-                    tokens += len(choice.token_ids)
-                    reason = choice.finish_reason or reason
-                    for event in self.feed(choice.text, final=choice.finish_reason is not None):
-                        yield event
+            async for events in self.decoded():
+                for event in events:
+                    yield event
         except APIError as exc:
             error = {"code": exc.code or exc.type, "message": exc.message}
             yield self.event("error", code=error["code"], message=exc.message, param=exc.param)
-            yield self.event("response.failed", response=self.response("failed", [], tokens, error=error))
+            yield self.event("response.failed", response=self.response("failed", [], self.output_tokens, error=error))
             return
-        if reason == "abort":  # a shutdown cut the answer short (a disconnected client reads nothing)
+        if self.reason == "abort":  # a shutdown cut the answer short (a disconnected client reads nothing)
             error = {"code": "server_shutting_down",
                      "message": "the server is shutting down: this answer was cut short; send the request again"}
             yield self.event("error", param=None, **error)
-            yield self.event("response.failed", response=self.response("failed", [], tokens, error=error))
+            yield self.event("response.failed", response=self.response("failed", [], self.output_tokens, error=error))
             return
-        whole, ending = self.finish(reason, tokens)
+        whole, ending = self.finish()
         for event in ending:
             yield event
         yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",

@@ -103,7 +103,7 @@ def test_headers_trickled_a_byte_at_a_time_do_not_restart_the_clock(server):
     opened = time.monotonic()
     # 200 bytes a sixth of the deadline apart: 30 deadlines if it never closed
     closed = trickle_until_closed(client, b"POST /x HTTP/1.1\r\nhost: a\r\nx-padding: " + b"a" * 200, DEADLINE_S / 6)
-    assert closed is not None and closed - opened < DEADLINE_S * 4
+    assert closed is not None and closed - opened < 10  # (a trickle never cut would take 50 s)
 
 
 def test_a_body_sent_in_pieces_within_the_gap_is_read_whole_however_long_it_takes(server):
@@ -123,7 +123,7 @@ def test_a_body_trickled_below_the_minimum_rate_is_cut(server):
     client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 1000\r\n\r\n")
     started = time.monotonic()
     closed = trickle_until_closed(client, b"d" * 1000, DEADLINE_S / 4)
-    assert closed is not None and closed - started < DEADLINE_S * 4
+    assert closed is not None and closed - started < 10  # (never cut: 375 s)
 
 
 def test_blank_lines_after_an_answer_do_not_keep_the_connection(server):
