@@ -37,24 +37,24 @@ logger = logging.getLogger(__name__)
 
 
 class _EventStream(EventSourceResponse):
-    """An SSE response whose client stopped reading ends, its connection aborted: every send
-    is bounded here (sse-starlette's `send_timeout` bounds the events and pings, not the
-    closing send), and the socket is dropped rather than closed (a close waits to flush what
-    the client never reads)."""
+    """An SSE response whose client stopped reading ends, its connection aborted: its events
+    and pings are bounded by sse-starlette's `send_timeout`, its closing send here (which
+    sse-starlette leaves unbounded), and the socket is dropped rather than closed (a close
+    waits to flush what the client never reads)."""
 
     async def __call__(self, scope, receive, send) -> None:
-        limit_s = STREAM_SEND_TIMEOUT_S
-
-        async def bounded(message) -> None:
-            with anyio.move_on_after(limit_s) as waited:
+        async def closing_bounded(message) -> None:
+            if message["type"] != "http.response.body" or message.get("more_body", False):
+                return await send(message)
+            with anyio.move_on_after(self.send_timeout) as waited:
                 await send(message)
             if waited.cancel_called:
                 raise SendTimeoutError()
 
         try:
-            await super().__call__(scope, receive, bounded)
+            await super().__call__(scope, receive, closing_bounded)
         except* SendTimeoutError:
-            logger.info("a client took nothing of its stream for %.0f s: the stream ended", limit_s)
+            logger.info("a client took nothing of its stream for %.0f s: the stream ended", self.send_timeout)
             abort = scope.get("extensions", {}).get(ABORT_CONNECTION)
             if abort is not None:
                 abort()
@@ -78,7 +78,8 @@ def event_stream_response(events, async_engine: AsyncEngine, request_ids: list[s
             aborting.cancel()
 
     # events end in "\n\n", as OpenAI's do (a client that splits on it finds them), pings too
-    return _EventStream(drained(), ping=15, sep="\n", shutdown_grace_period=STREAM_DRAIN_S)
+    return _EventStream(drained(), ping=15, sep="\n", shutdown_grace_period=STREAM_DRAIN_S,
+                        send_timeout=STREAM_SEND_TIMEOUT_S)
 
 
 def engine_stream(async_engine: AsyncEngine, request: EngineRequest):
