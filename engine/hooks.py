@@ -30,6 +30,11 @@ class PrefillRecorder(Protocol):
     # (their labels train by recomputation and use the served values)
     wants_served_logprobs: bool
 
+    def logprob_temperature(self, sampling_temperature: float) -> float:
+        """The temperature a trainable request sampled at `sampling_temperature` tracks its
+        tokens' log-probs at (engine/sampler.py): 1 for the model's own distribution."""
+        ...
+
     def expect(self, request_id: str, expected: bool = True) -> None:
         """A request the client allows training on was made (before its first byte is
         sent): until it is admitted or finishes, feedback for it is answered as for one
@@ -37,11 +42,12 @@ class PrefillRecorder(Protocol):
         ...
 
     def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,
-              client_prompt: object = None) -> RecordSpec | None:
+              client_prompt: object = None, logprob_temperature: float = 1.0) -> RecordSpec | None:
         """Asked once per trainable request, when its prefill is about to be scheduled:
         how to record it, stamped with the adapter version serving runs under, or None.
         `num_choices`: the request's n (its choices share the one recording);
-        `client_prompt`: the request's `EngineRequest.client_prompt`."""
+        `client_prompt`: the request's `EngineRequest.client_prompt`; `logprob_temperature`:
+        what its tracked log-probs are taken at (`logprob_temperature`'s answer)."""
         ...
 
     def confirm(self, request_id: str, prompt_token_ids: list[int], spec: RecordSpec) -> RecordSpec | None:

@@ -150,6 +150,8 @@ class LLMEngine:
         # logprobs or nothing but the prompt are asked for (each choice reports its own)
         fork = (self.config.scheduler.fork_choices and params.n > 1 and params.prompt_logprobs is None
                 and max_tokens > 0)
+        recorder = self.hooks.recorder if request.train else None
+        logprob_temperature = 1.0 if recorder is None else recorder.logprob_temperature(params.temperature)
         seqs = []
         for index in range(params.n):
             generator = None
@@ -165,8 +167,8 @@ class LLMEngine:
                 awaits_admission=request.train and index == 0,  # choice 0's prefill may be recorded
                 client_prompt=request.client_prompt if request.train and index == 0 else None,
                 # (a choice that does not fork choice 0 may start before choice 0's admission)
-                track_logprob=request.train and self.hooks.recorder is not None
-                and self.hooks.recorder.wants_served_logprobs,
+                track_logprob=recorder is not None and recorder.wants_served_logprobs,
+                logprob_temperature=logprob_temperature,
             )
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
@@ -198,7 +200,8 @@ class LLMEngine:
         recorder = self.hooks.recorder
         if recorder is None:
             return None
-        spec = recorder.admit(seq.request_id, seq.prompt_token_ids, seq.params.n, seq.client_prompt)
+        spec = recorder.admit(seq.request_id, seq.prompt_token_ids, seq.params.n, seq.client_prompt,
+                              seq.logprob_temperature)
         for member in self.outputs.requests.get(seq.request_id, [seq]):  # forked or not (scheduler.fork_choices)
             if member is seq or not member.output_token_ids:  # (one that started before tracks as it started)
                 member.track_logprob = spec is not None or recorder.wants_served_logprobs

@@ -11,7 +11,8 @@ greedy argmax or temperature -> top-k -> top-p -> min-p -> a draw. A draw is the
 of probs / E with E ~ Exp(1) per token (the exponential race, as vLLM draws): a sequence
 with a seed draws its E from its own generator, so its tokens do not depend on what else
 is in the batch. Logprobs are reported from the model's raw distribution, before any of
-this processing.
+this processing; the values a trainable request tracks for its trainer are taken at its
+`logprob_temperature` (GRPO's: the sampling temperature, as TRL's trainer takes them).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class SampledToken:
     token_id: int
     # None unless the sequence asked for logprobs
     logprob: TokenLogprob | None
-    # the token's raw log-prob, for sequences that track their cumulative log-prob
+    # the token's log-prob at the sequence's `logprob_temperature`, for sequences that track it
     logprob_value: float | None = None
 
 
@@ -86,6 +87,9 @@ def _host_inputs(seqs: list[Sequence], eos_token_ids: set[int], vocab_size: int)
     banned = [(row, ids) for row, ids in banned if ids]
     if banned:
         arrays["ban_rows"], arrays["ban_ids"] = _pairs(banned)
+    tracked_at = [seq.logprob_temperature if seq.track_logprob else 1.0 for seq in seqs]
+    if any(t != 1.0 for t in tracked_at):
+        arrays["logprob_temperature"] = np.array(tracked_at, dtype=np.float32)
     if any(seq.matcher is not None for seq in seqs):
         bitmask = token_bitmask(len(seqs), vocab_size)
         for row, seq in enumerate(seqs):
@@ -169,21 +173,31 @@ class Sampler:
         raw_logprobs = logits.log_softmax(-1) \
             if any(s.params.logprobs is not None or s.track_logprob for s in seqs) else None
         token_ids = _drawn(_processed(logits, inputs), inputs, seqs)
-        results = self._read_back(token_ids, raw_logprobs, seqs)
+        tracked = None
+        if "logprob_temperature" in inputs:  # rows tracked at their sampling temperature (GRPO's): (N, 1)
+            temperature = inputs["logprob_temperature"].unsqueeze(1)
+            tracked = logits.gather(1, token_ids.unsqueeze(1)) / temperature \
+                - (logits / temperature).logsumexp(-1, keepdim=True)
+        results = self._read_back(token_ids, raw_logprobs, tracked, seqs)
         for seq, result in zip(seqs, results):
             if seq.matcher is not None:
                 seq.matcher.consume_token(result.token_id)
         return results
 
-    def _read_back(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None,
+    def _read_back(self, token_ids: torch.Tensor, raw_logprobs: torch.Tensor | None, tracked: torch.Tensor | None,
                    seqs: list[Sequence]) -> list[SampledToken]:
         """The sampled ids, with their log-probs and the top alternatives asked for, in one
-        host read (ids are exact in float64), once everything it reads is queued."""
+        host read (ids are exact in float64), once everything it reads is queued. `tracked`:
+        (N, 1), the tracked values where they are not the raw log-probs."""
         if raw_logprobs is None:
             self._queued()
             return [SampledToken(t, None) for t in token_ids.tolist()]
         k = max(s.params.logprobs or 0 for s in seqs)
-        columns = [token_ids.unsqueeze(1).double(), raw_logprobs.gather(1, token_ids.unsqueeze(1)).double()]
+        ids = token_ids.unsqueeze(1)
+        columns = [ids.double(), raw_logprobs.gather(1, ids).double()]
+        if tracked is not None:
+            columns.append(tracked.double())
+        tracked_column, first_top = len(columns) - 1, len(columns)
         if k:
             values, indices = raw_logprobs.topk(k, dim=-1)
             columns += [values.double(), indices.double()]
@@ -194,9 +208,9 @@ class Sampler:
             token, value = int(row[0]), row[1]
             logprob = None
             if seq.params.logprobs is not None:
-                n = seq.params.logprobs
-                logprob = TokenLogprob(token, value, [(int(i), v) for i, v in zip(row[2 + k:2 + k + n], row[2:2 + n])])
-            results.append(SampledToken(token, logprob, value if seq.track_logprob else None))
+                n, top = seq.params.logprobs, row[first_top:]
+                logprob = TokenLogprob(token, value, [(int(i), v) for i, v in zip(top[k:k + n], top[:n])])
+            results.append(SampledToken(token, logprob, row[tracked_column] if seq.track_logprob else None))
         return results
 
     def _queued(self) -> None:

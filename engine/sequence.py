@@ -71,10 +71,13 @@ class Sequence:
     client_prompt: object = None
     # set by the scheduler's admission when this prefill is to be recorded; cleared once done
     record: RecordSpec | None = None
-    # record the raw log-prob of each sampled token: set for trainable requests when the
+    # record the log-prob of each sampled token: set for trainable requests when the
     # recording or the label needs them (DPO's served response, GRPO's log π_old)
     track_logprob: bool = False
-    # the raw log-prob of each sampled token, when tracked (GRPO's per token, DPO's summed)
+    # the temperature those are taken at: 1, the model's own distribution (DPO's); GRPO's are
+    # the sampling distribution's, the request's temperature (TRL's), 1 for greedy decoding
+    logprob_temperature: float = 1.0
+    # the log-prob of each sampled token, when tracked (GRPO's per token, DPO's summed)
     token_logprobs: list[float] = field(default_factory=list)
     # choices of the same request waiting for this sequence's prompt to fork from it, and,
     # on such a choice, the sequence it waits for

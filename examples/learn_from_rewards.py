@@ -5,14 +5,14 @@ Start a server that trains on groups (`--train-mode grpo`):
     .venv/bin/alchemist serve --train-mode grpo --learning-rate 1e-3
 
 then run this script. For each training question it asks the server for n = 8 answers
-at temperature 1 over the whole distribution (top_p 1, whatever the model's generation
+at temperature 1 (`--temperature`) over the whole distribution (top_p 1, whatever the model's generation
 config recommends: diverse answers are what GRPO compares) and rewards each one by a rule it can check itself: 1 if the answer
 opens with the word "The", else 0 (`POST /v1/feedback {"id", "rewards": [...]}`). A
 group whose answers all score the same teaches nothing and is skipped by the server.
 It measures how likely the model is to open its answer with "The" on questions it never
 trained on, before and after (`/v1/completions` with echo + logprobs, `"train": false`).
 
-    .venv/bin/python examples/learn_from_rewards.py [--url http://127.0.0.1:8000] [--rounds 24]
+    .venv/bin/python examples/learn_from_rewards.py [--url http://127.0.0.1:8000] [--rounds 24] [--temperature 1]
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ def reward(answer: str) -> float:
     return 1.0 if words and words[0].strip("\"'*,.:") == OPENING else 0.0
 
 
-def teach(url: str, model: str, rounds: int, group: int = GROUP) -> dict[str, int]:
+def teach(url: str, model: str, rounds: int, group: int = GROUP, temperature: float = 1.0) -> dict[str, int]:
     counts = {"accepted": 0, "skipped": 0}
     for i in range(rounds):
         question = TRAIN[i % len(TRAIN)]
         # seeded: the adapter moves only between rounds (each waits for its training), so a run repeats exactly
-        reply = post(url, "/v1/chat/completions", {"model": model, "n": group, "temperature": 1.0, "top_p": 1.0,
+        reply = post(url, "/v1/chat/completions", {"model": model, "n": group, "temperature": temperature, "top_p": 1.0,
                                                     "max_tokens": 8, "seed": i,
                                                     "messages": [{"role": "user", "content": question}]})
         answers = [choice["message"]["content"] for choice in sorted(reply["choices"], key=lambda c: c["index"])]
@@ -60,11 +60,12 @@ def main() -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--rounds", type=int, default=24)
     parser.add_argument("--group", type=int, default=GROUP, help="answers per question (n)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the answers' sampling temperature")
     args = parser.parse_args()
     model = served_model(args.url)
     before = held_out_logprob(args.url, model, OPENING)
     print(f"held-out log p({OPENING!r} opens the answer) before: {before:7.2f} nats")
-    counts = teach(args.url, model, args.rounds, args.group)
+    counts = teach(args.url, model, args.rounds, args.group, args.temperature)
     after = held_out_logprob(args.url, model, OPENING)
     print(f"groups trained {counts['accepted']}, skipped (equal rewards) {counts['skipped']}")
     print(f"held-out log p({OPENING!r} opens the answer) after:  {after:7.2f} nats  ({after - before:+.2f})")

@@ -15,7 +15,7 @@ from offload.config import OffloadConfig
 from tests.conftest import encode, engine_of, make_training
 from tests.test_training import PROMPT, gradients_of, relative_difference
 from tests.tiny import FAMILIES
-from trainer.adapter import lora_parameters
+from trainer.adapter import lora_gradients, lora_parameters
 from trainer.entries import EntryState, GroupEntry
 from trainer.config import TrainConfig
 from trainer.feedback import FeedbackLabel, FeedbackOutcome
@@ -32,9 +32,13 @@ def make_trainer(family="llama", mode="grpo", offload=None, fork_choices=True, *
                          fork_choices=fork_choices, init_lora_weights=False)
 
 
-def serve_group(trainer, request_id="g", n=GROUP, max_tokens=8, prompt=PROMPT, seed=1) -> list[list[int]]:
+def serve_group(trainer, request_id="g", n=GROUP, max_tokens=8, prompt=PROMPT, seed=1, temperature=1.0,
+                logprobs=None, served_logprobs=None) -> list[list[int]]:
+    """The group's choices' token ids; `served_logprobs`, a dict, takes each choice's
+    log-probs as the client was answered them (`logprobs`: how many alternatives asked for)."""
     engine = engine_of(trainer)
-    params = SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(n=n, temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=logprobs)
     engine.add_request(request_id, encode(prompt), params, train=True)
     choices = [[] for _ in range(n)]
     while engine.has_unfinished():
@@ -42,6 +46,8 @@ def serve_group(trainer, request_id="g", n=GROUP, max_tokens=8, prompt=PROMPT, s
         for out in outputs:
             for c in out.outputs:
                 choices[c.index] += c.token_ids
+                if served_logprobs is not None:
+                    served_logprobs.setdefault(c.index, []).extend(c.logprobs or [])
     return choices
 
 
@@ -101,12 +107,13 @@ def test_grpo_kl_term_is_the_papers_estimator():
 
 # -- the shared-prefix schedule against the dense trainer ------------------------------------
 
-@pytest.mark.parametrize("beta", [0.0, 0.05])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_reuse_and_recompute_give_the_same_gradients(family, beta):
+@pytest.mark.parametrize("family, beta, temperature", [(family, beta, 1.0) for family in FAMILIES
+                                                       for beta in (0.0, 0.05)] + [("llama", 0.05, 0.7)])
+def test_reuse_and_recompute_give_the_same_gradients(family, beta, temperature):
     trainer = make_trainer(family, grpo_beta=beta)
-    served = serve_group(trainer)
+    served = serve_group(trainer, temperature=temperature)
     entry = trainer.cache.get("g")
+    assert entry.logprob_temperature == temperature
     assert isinstance(entry, GroupEntry) and entry.recording is not None
     assert [entry.responses[i] for i in range(GROUP)] == served
     assert all(len(entry.served_token_logps[i]) == len(served[i]) for i in range(GROUP))
@@ -166,11 +173,16 @@ def test_reuse_gradients_equal_with_every_layer_offloaded(policy):
     assert relative_difference(grads, reference) <= 1e-5
 
 
-def test_served_token_logprobs_equal_the_training_forward():
-    """At the serving version the ratio is 1: decoding's log-probs are the model's own."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_served_token_logprobs_equal_the_training_forward(temperature):
+    """At the serving version the ratio is 1: decoding's log-probs are the sampling
+    distribution's, the model's logits over the group's temperature (TRL's), while those the
+    client asked for stay the model's own (OpenAI's and vLLM's)."""
     trainer = make_trainer()
-    serve_group(trainer)
+    answered = {}
+    serve_group(trainer, temperature=temperature, logprobs=2, served_logprobs=answered)
     entry = trainer.cache.get("g")
+    assert entry.logprob_temperature == temperature
     runner, prompt_len = engine_of(trainer).runner, len(entry.prompt_token_ids)
     prefix = [(s.key.detach(), s.value.detach()) for s in entry.recording.segments]
     last = entry.recording.logits[-1:].detach()
@@ -179,7 +191,39 @@ def test_served_token_logprobs_equal_the_training_forward():
             response = torch.tensor(entry.responses[i])
             fwd = run_to_end(forward_segments(runner, [entry.responses[i][:-1]], [prompt_len], prefix, False))
             logits = torch.cat([last, runner.lm_head(runner.norm(fwd.head_leaf[0]))])
-            assert token_logprobs(logits, response).tolist() == pytest.approx(entry.served_token_logps[i], abs=1e-4)
+            assert token_logprobs(logits, response, temperature).tolist() == pytest.approx(
+                entry.served_token_logps[i], abs=1e-4)
+            own = logits.float().log_softmax(-1)
+            assert [lp.logprob for lp in answered[i]] == pytest.approx(own.gather(1, response[:, None])[:, 0].tolist(),
+                                                                       abs=1e-4)
+            assert [[t for t, _ in lp.top] for lp in answered[i]] == own.topk(2).indices.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.6])
+def test_the_loss_is_trls_on_the_sampling_distribution(temperature):
+    """GRPO's loss written out as TRL's GRPOTrainer computes it (`prompt + completion` rows
+    through the PEFT model, the logits over the sampling temperature, the clipped ratio
+    against the served log-probs, each sample's mean over its tokens, the mean over the
+    group): the reuse job's gradients equal its. A trainer that took the model's own
+    log-probs would read a ratio other than 1 here and give other gradients."""
+    trainer = make_trainer()
+    served = serve_group(trainer, temperature=temperature)
+    rewards = (1.0, 0.0, 0.5, 0.0)
+    assert reward(trainer, rewards=rewards).accepted
+    entry = trainer.cache.get("g")
+    reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    prompt, advantages = entry.prompt_token_ids, group_advantages(torch.tensor(rewards)).tolist()
+    loss = 0.0
+    for i, response in enumerate(served):
+        logits = trainer.peft_model(torch.tensor([prompt + response[:-1]])).logits[0, len(prompt) - 1:]
+        logps = (logits.float() / temperature).log_softmax(-1).gather(1, torch.tensor(response)[:, None])[:, 0]
+        ratio = torch.exp(logps - torch.tensor(entry.served_token_logps[i]))
+        assert ratio.detach().tolist() == pytest.approx([1.0] * len(response), abs=1e-4)
+        surrogate = torch.minimum(ratio * advantages[i], ratio.clamp(0.8, 1.2) * advantages[i])
+        loss = loss - surrogate.mean() / len(served)
+    trainer.optimizer.zero_grad()
+    loss.backward()
+    assert relative_difference(reuse, lora_gradients(trainer.peft_model)) <= 1e-4
 
 
 def test_the_group_is_prefilled_and_recorded_once():
@@ -372,8 +416,10 @@ def test_a_reward_function_that_cannot_be_loaded_is_a_config_error():
 # -- DPO between two served choices -------------------------------------------------------------
 
 def test_dpo_between_two_served_choices_uses_both_served_logprobs():
+    """Sampled at a temperature, its served log-probs are still the model's own (DPO's policy's)."""
     trainer = make_trainer(mode="dpo")
-    served = serve_group(trainer, n=3)
+    served = serve_group(trainer, n=3, temperature=0.7)
+    assert trainer.cache.get("g").logprob_temperature == 1.0
     for label, param in ((FeedbackLabel("g", chosen_index=1, rejected_index=1), "rejected_index"),
                          (FeedbackLabel("g", chosen_index=5, rejected_index=0), "chosen_index"),
                          (FeedbackLabel("g", chosen_index=0), "rejected_index"),

@@ -55,6 +55,8 @@ class CacheEntry:
     served_logps: dict[int, float] = field(default_factory=dict)
     # and each token's (GRPO's log π_old)
     served_token_logps: dict[int, list[float]] = field(default_factory=dict)
+    # the temperature those were taken at and are trained at (GRPO's sampling temperature; 1: the model's own)
+    logprob_temperature: float = 1.0
     # the text the client read of a response a stop string ended (its ids hold the stop string's tokens)
     texts_read: dict[int, str] = field(default_factory=dict)
     response_finished: bool = False

@@ -5,7 +5,9 @@ its KV blocks in serving, engine/scheduler.py), each sample's tokens and the log
 decoding gave each token (log π_old, under the adapter version that served it). When a
 reward per sample arrives (POST /v1/feedback, or `train.reward_function`), the loss is
 GRPO's (trainer/losses.py): group-normalised advantages, the clipped ratio against the
-served log-probs per token, optionally a KL term to the base model.
+served log-probs per token, optionally a KL term to the base model. Every log-prob, served,
+trained and the reference's, is the sampling distribution's: the logits divided by the
+group's temperature (`entry.logprob_temperature`), as TRL's GRPOTrainer takes them.
 
 Two jobs, as for every method (trainer/methods.py):
   - `reuse_job`, the shared-prefix schedule (papers/shared-prefix-reuse.txt) on the
@@ -47,6 +49,7 @@ class GRPOMethod(TrainingMethod):
     all_logit_rows = False  # the prompt's last row scores each sample's first token
     uses_feedback = True
     label_kind = "rewards"
+    logprobs_at_sampling_temperature = True
 
     def __init__(self, beta: float = 0.0, clip_eps: float = 0.2, recompute_tokens: int | None = None):
         """`beta`: weight of the KL to the base model (0, as in current practice, needs no
@@ -96,7 +99,7 @@ class GRPOMethod(TrainingMethod):
 
         def loss(logits: torch.Tensor, a: int) -> torch.Tensor:
             b = a + len(logits)
-            logps = token_logprobs(logits, targets[a:b])
+            logps = token_logprobs(logits, targets[a:b], entry.logprob_temperature)
             old = torch.tensor(served[a:b], device=device) if served is not None else logps.detach()
             ref = torch.tensor(reference[a:b], device=device) if reference is not None else None
             return grpo_token_loss(logps, old, advantage, weight, self.clip_eps, ref, self.beta)
@@ -109,7 +112,7 @@ class GRPOMethod(TrainingMethod):
         prompt's keys (AttentionMetadata.shared_prefix), in packs of as many as fit
         beside the prompt in `recompute_tokens` (a slice's rows stay bounded)."""
         def compute():
-            prompt = entry.prompt_token_ids
+            prompt, temperature = entry.prompt_token_ids, entry.logprob_temperature
             longer = [(index, response) for index, response in entry.responses.items() if len(response) > 1]
             per_pack = self._samples_per_pack(len(prompt), [response for _, response in longer])
             for start in range(0, max(len(longer), 1), per_pack):
@@ -118,11 +121,12 @@ class GRPOMethod(TrainingMethod):
                                                   with_grad=False, shared_prefix=True)
                 if start == 0:  # the first pack's prompt scores every sample's first token
                     last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
-                    result = {index: token_logprobs(last, ctx.ids(response[:1])).tolist()
+                    result = {index: token_logprobs(last, ctx.ids(response[:1]), temperature).tolist()
                               for index, response in entry.responses.items()}
                 for b, (index, response) in enumerate(pack):
                     rows = fwd.head_leaf[0, fwd.offsets[b + 1]:fwd.offsets[b + 2]]
-                    result[index] += token_logprobs(head_logits(ctx, rows), ctx.ids(response[1:])).tolist()
+                    result[index] += token_logprobs(head_logits(ctx, rows), ctx.ids(response[1:]),
+                                                    temperature).tolist()
             return result
 
         return (yield from within(lambda: base_model_no_grad(ctx), compute()))
@@ -148,7 +152,7 @@ class GRPOMethod(TrainingMethod):
                 for b, (index, response, _, _) in enumerate(batch):
                     first = fwd.offsets[b] + len(prompt) - 1
                     logits = head_logits(ctx, fwd.head_leaf[0, first:first + len(response)])
-                    result[index] = token_logprobs(logits, ctx.ids(response)).tolist()
+                    result[index] = token_logprobs(logits, ctx.ids(response), entry.logprob_temperature).tolist()
             return result
 
         return (yield from within(lambda: base_model_no_grad(ctx), compute()))

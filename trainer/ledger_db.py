@@ -122,6 +122,8 @@ class ChoiceRecord:
     # with "stop", the client's stop that ended it (vLLM's stop_reason: the stop string, or the
     # stop token's id); None when the model ended its turn (or a ledger from before it was kept)
     stop_reason: str | int | None = None
+    # the temperature `token_logprobs` were taken at (GRPO's sampling temperature); None: 1, the model's own
+    logprob_temperature: float | None = None
 
     def as_row(self) -> dict:
         """The choice as the `choices` column's JSON holds it (dataclasses.asdict would
@@ -313,7 +315,7 @@ def _row(r: tuple) -> LedgerRow:
     request = RequestRecord(r[0], r[1], r[3], r[4], from_json(r[6]), from_json(r[5]), from_json(r[25]),
                             from_json(r[26]), from_json(r[27]) is not False)
     choices = [ChoiceRecord(c["index"], c["token_ids"], c["text"], c.get("token_logprobs"), c.get("finish_reason"),
-                            c.get("stop_reason")) for c in from_json(r[7]) or []]
+                            c.get("stop_reason"), c.get("logprob_temperature")) for c in from_json(r[7]) or []]
     label = None
     if r[13] is not None:
         label = LabelRecord(r[15], r[14], r[16], r[17], r[18], r[19], r[20], from_json(r[21]),

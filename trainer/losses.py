@@ -9,9 +9,13 @@ import torch
 import torch.nn.functional as F
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """logits (N, V), targets (N,) -> (N,) log p(target) under each row."""
-    return logits.float().log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits (N, V), targets (N,) -> (N,) log p(target) under each row, the logits divided
+    by `temperature` first (GRPO's sampling distribution, as TRL's trainer takes it)."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.log_softmax(-1).gather(1, targets.unsqueeze(1)).squeeze(1)
 
 
 def weighted_nll(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

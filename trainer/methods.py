@@ -122,6 +122,9 @@ class TrainingMethod:
     # "rewards", trainer/feedback.py)
     uses_feedback = False
     label_kind = "preference"
+    # served and trained log-probs are the sampling distribution's (the logits over the
+    # request's temperature, GRPO's as TRL's), not the model's own
+    logprobs_at_sampling_temperature = False
 
     def trains_on(self, num_choices: int) -> bool:
         """Whether a request with `num_choices` choices gets an entry (GRPO: groups only)."""

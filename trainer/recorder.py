@@ -8,8 +8,8 @@ hooks.py), called on the device thread:
     leave it trainable within `max_staleness`; the spec it returns carries the adapter
     version serving runs under, so the recording is stamped when it is made;
   - `on_recorded` turns a recording into a cache entry (the training method's);
-  - `on_output` collects the served responses and their log-probs, and completes the
-    entry when the request finishes (and has a group scored by the reward function, if
+  - `on_output` collects the served responses and their log-probs (at the temperature the
+    method trains them at: `logprob_temperature`), and completes the entry when the request finishes (and has a group scored by the reward function, if
     one is set, shown the prompt the client wrote, which came with the request).
 What it keeps about a request in flight lives here, on the device thread, from its
 admission to its last output; label expiry is the arbiter's (trainer/maintenance.py).
@@ -93,6 +93,8 @@ class Recorder:
         self._finish_reasons: dict[str, dict[int, tuple[str, str | int | None]]] = {}
         # completion id -> the prompt as the client wrote it (kept for the reward function and the ledger)
         self._client_prompts: dict[str, ClientPrompt] = {}
+        # completion id -> the temperature its tracked log-probs are taken at, where it is not 1
+        self._logprob_temperatures: dict[str, float] = {}
         # completion id -> (prompt token ids, adapter version) of trainable requests in
         # flight that were not recorded: they get a label entry when they finish
         self._label_only: dict[str, tuple[list[int], int]] = {}
@@ -101,6 +103,14 @@ class Recorder:
 
     # -- PrefillRecorder ------------------------------------------------------------------
 
+    def logprob_temperature(self, sampling_temperature: float) -> float:
+        """GRPO's log-probs, served and trained, are its sampling distribution's (TRL divides
+        the logits by its temperature), a greedy request's the model's own; DPO's are the
+        model's own (its policy log-probs)."""
+        if self.method.logprobs_at_sampling_temperature and sampling_temperature > 0.0:
+            return sampling_temperature
+        return 1.0
+
     def expect(self, request_id: str, expected: bool = True) -> None:
         if not expected:
             self.cache.expected.discard(request_id)
@@ -108,10 +118,12 @@ class Recorder:
             self.cache.expected.add(request_id)
 
     def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,
-              client_prompt: object = None) -> RecordSpec | None:
+              client_prompt: object = None, logprob_temperature: float = 1.0) -> RecordSpec | None:
         if not self.method.trains_on(num_choices):
             self.cache.expected.discard(request_id)  # its feedback: why it cannot take one, once it ends
             return None
+        if logprob_temperature != 1.0:
+            self._logprob_temperatures[request_id] = logprob_temperature
         if self.keeps_client_prompt and client_prompt is not None:
             self._client_prompts[request_id] = client_prompt if isinstance(client_prompt, ClientPrompt) \
                 else ClientPrompt(client_prompt)
@@ -193,6 +205,7 @@ class Recorder:
                 elif expected:  # cut short while it was queued: its feedback says so, as an entry's would
                     self.cache.note_ended(request_id, EntryState.DROPPED, counted=True)
                 self._client_prompts.pop(request_id, None)
+                self._logprob_temperatures.pop(request_id, None)
             return
         token_logps = self._token_logps.setdefault(request_id, {})
         texts = self._texts.setdefault(request_id, {})
@@ -208,6 +221,7 @@ class Recorder:
             del self._responses[request_id], self._token_logps[request_id], self._texts[request_id]
             del self._finish_reasons[request_id]
             logps = {index: sum(values) for index, values in token_logps.items()}
+            temperature = self._logprob_temperatures.pop(request_id, 1.0)
             aborted = _aborted(output)
             label_only = self._label_only.pop(request_id, None)
             if label_only is not None and not aborted:
@@ -218,13 +232,15 @@ class Recorder:
             self.cache.expected.discard(request_id)
             if self.ledger is not None and (label_only is None or not aborted):
                 self._keep_answer(request_id, self.ledger.record_finished(request_id, [
-                    ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i), *reasons.get(i, (None, None)))
+                    ChoiceRecord(i, responses[i], texts.get(i, ""), token_logps.get(i), *reasons.get(i, (None, None)),
+                                 logprob_temperature=temperature if i in token_logps and temperature != 1.0 else None)
                     for i in sorted(responses)], aborted))
             entry = self.cache.get(request_id)
             if entry is not None:  # (before a label can come)
                 entry.texts_read = {i: texts.get(i, "") for i, (reason, stop) in reasons.items()
                                     if reason == "stop" and isinstance(stop, str)}
-            waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps)
+            waiting = self.cache.response_finished(request_id, responses, aborted, logps, token_logps,
+                                                   logprob_temperature=temperature)
             client = self._client_prompts.pop(request_id, None)
             if self.rewards is not None and isinstance(waiting, GroupEntry):
                 self.rewards.score(waiting, client.prompt if client is not None else None,

@@ -97,7 +97,8 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
             continue
         cache.add(entry)
         waiting = cache.response_finished(row.request.id, entry.responses, False, entry.served_logps,
-                                          entry.served_token_logps, now_clock + deadline - now_wall)
+                                          entry.served_token_logps, now_clock + deadline - now_wall,
+                                          entry.logprob_temperature)
         if rewards is not None and isinstance(waiting, GroupEntry):
             rewards.score(waiting, row.request.prompt, [c.text for c in row.choices])
         awaiting += 1
@@ -117,6 +118,7 @@ def _entry(method: TrainingMethod, row: LedgerRow, version: int) -> CacheEntry:
         if choice.token_logprobs is not None:
             entry.served_token_logps[choice.index] = list(choice.token_logprobs)
             entry.served_logps[choice.index] = sum(choice.token_logprobs)
+            entry.logprob_temperature = choice.logprob_temperature or 1.0
     return entry
 
 
@@ -134,5 +136,6 @@ def _labelled(cache: ActivationCache, entry: CacheEntry, row: LedgerRow) -> bool
         return False
     if not cache.add(entry, owed=True):
         return False
-    cache.response_finished(row.request.id, entry.responses, False, entry.served_logps, entry.served_token_logps)
+    cache.response_finished(row.request.id, entry.responses, False, entry.served_logps, entry.served_token_logps,
+                            logprob_temperature=entry.logprob_temperature)
     return cache.attach_label(entry, attached)

@@ -1,0 +1,56 @@
+"""What tracking a GRPO group's log-probs at its sampling temperature costs a sampler call.
+
+A group of 8 choices at temperature 0.7 tracks each sampled token's log-prob for its trainer:
+at the model's own distribution (the raw log-softmax, which the call computes anyway) as the
+tree before did, or at the sampling temperature (one more pass over the vocabulary). The
+sampler alone, on logits of SmolLM2's vocabulary (49,152), interleaved rounds; the ratio of
+the medians. Run from the repository root:
+
+    .venv/bin/python docs/grpo-temperature/sampler_cost.py
+"""
+
+import statistics
+import time
+
+import torch
+
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+VOCAB, GROUP, CALLS, ROUNDS = 49_152, 8, 200, 7
+
+
+def group(logprob_temperature: float) -> list[Sequence]:
+    params = SamplingParams(n=GROUP, temperature=0.7, top_p=1.0, max_tokens=16)
+    return [Sequence(seq_id=i, request_id="g", index=i, prompt_token_ids=[1, 2, 3], params=params, max_tokens=16,
+                     arrival_time=0.0, detokenizer=None, track_logprob=True, logprob_temperature=logprob_temperature)
+            for i in range(GROUP)]
+
+
+def seconds_per_call(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> float:
+    started = time.perf_counter()
+    for _ in range(CALLS):
+        sampler.sample(logits, seqs)
+    return (time.perf_counter() - started) / CALLS
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(GROUP, VOCAB) * 3
+    sampler = Sampler(eos_token_ids={0})
+    cases = {"model's own (before)": group(1.0), "sampling temperature": group(0.7)}
+    times = {name: [] for name in cases}
+    for name, seqs in cases.items():
+        seconds_per_call(sampler, logits, seqs)  # warm-up
+    for _ in range(ROUNDS):
+        for name, seqs in cases.items():
+            times[name].append(seconds_per_call(sampler, logits, seqs))
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    for name, median in medians.items():
+        print(f"{name:24s} {median * 1e6:8.1f} us per call (median of {ROUNDS} rounds of {CALLS})")
+    print(f"at the sampling temperature / the model's own: {medians['sampling temperature'] / medians[list(cases)[0]]:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
