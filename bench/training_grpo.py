@@ -56,6 +56,7 @@ def tokens_only(bench: Bench, entry: GroupEntry) -> GroupEntry:
     copy = bench.method.make_label_entry(entry.completion_id + "-tokens", entry.prompt_token_ids,
                                          entry.adapter_version)
     copy.responses, copy.served_token_logps = dict(entry.responses), dict(entry.served_token_logps)
+    copy.logprob_temperature = entry.logprob_temperature
     copy.label = entry.label
     return copy
 

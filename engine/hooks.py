@@ -30,9 +30,10 @@ class PrefillRecorder(Protocol):
     # (their labels train by recomputation and use the served values)
     wants_served_logprobs: bool
 
-    def logprob_temperature(self, sampling_temperature: float) -> float:
-        """The temperature a trainable request sampled at `sampling_temperature` tracks its
-        tokens' log-probs at (engine/sampler.py): 1 for the model's own distribution."""
+    def logprob_temperature(self, sampling_temperature: float, num_choices: int) -> float:
+        """The temperature a trainable request of `num_choices` choices sampled at
+        `sampling_temperature` tracks its tokens' log-probs at (engine/sampler.py): 1 for the
+        model's own distribution."""
         ...
 
     def expect(self, request_id: str, expected: bool = True) -> None:

@@ -151,7 +151,7 @@ class LLMEngine:
         fork = (self.config.scheduler.fork_choices and params.n > 1 and params.prompt_logprobs is None
                 and max_tokens > 0)
         recorder = self.hooks.recorder if request.train else None
-        logprob_temperature = 1.0 if recorder is None else recorder.logprob_temperature(params.temperature)
+        logprob_temperature = 1.0 if recorder is None else recorder.logprob_temperature(params.temperature, params.n)
         seqs = []
         for index in range(params.n):
             generator = None

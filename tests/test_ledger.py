@@ -674,7 +674,7 @@ def test_group_rewards_survive_a_restart_and_train_with_the_served_log_probs(tmp
     first = grpo()
     choices = serve_group(first, "g", temperature=0.7)
     served = {i: list(v) for i, v in first.cache.get("g").served_token_logps.items()}
-    serve_group(first, "h", seed=2)
+    serve_group(first, "h", seed=2, temperature=1.3)
     assert reward(first, "g").accepted
     crash(first)
 
@@ -682,7 +682,7 @@ def test_group_rewards_survive_a_restart_and_train_with_the_served_log_probs(tmp
     entry = second.cache.get("g")
     assert entry.state.value == "ready" and entry.label.rewards == [1.0, 0.0, 0.5, 0.0]
     assert entry.responses == dict(enumerate(choices)) and entry.served_token_logps == served
-    assert entry.logprob_temperature == 0.7 and second.cache.get("h").logprob_temperature == 1.0
+    assert entry.logprob_temperature == 0.7 and second.cache.get("h").logprob_temperature == 1.3
     assert second.cache.get("h").state.value == "waiting_label"
     assert reward(second, "h", (0.0, 1.0, 0.0, 0.0)).accepted  # served before the crash, rewarded after it
     second.train_until_idle()

@@ -273,3 +273,32 @@ def test_top_p_reads_what_top_k_left_as_transformers_and_vllm_do():
         if min_p > 0.0:
             expected = MinPLogitsWarper(min_p)(None, expected)
         assert torch.equal(truncated(logits, inputs).isfinite(), expected.isfinite()), (top_k, top_p, min_p)
+
+
+def test_tracked_log_probs_are_taken_at_each_rows_temperature_and_the_clients_stay_raw():
+    """One batch: rows tracked at 0.7 (a GRPO group's) and at 1, with and without the
+    client's logprobs, and one that tracks nothing. A tracked value is log_softmax(z / T)
+    of the sampled token; the client's value and alternatives are the raw distribution's."""
+    from engine.sampler import Sampler
+    from engine.sequence import Sequence
+
+    torch.manual_seed(0)
+    rows = [(True, 0.7, 2), (True, 1.0, None), (False, 1.0, 3), (True, 0.7, None), (False, 1.0, None)]
+    seqs = [Sequence(seq_id=i, request_id=str(i), index=0, prompt_token_ids=[1], max_tokens=4, arrival_time=0.0,
+                     detokenizer=None, params=SamplingParams(temperature=0.9, logprobs=logprobs),
+                     track_logprob=tracked, logprob_temperature=temperature)
+            for i, (tracked, temperature, logprobs) in enumerate(rows)]
+    logits = torch.randn(len(rows), 50) * 3
+    results = Sampler(eos_token_ids={0}).sample(logits, seqs)
+    raw = logits.log_softmax(-1)
+    for row, ((tracked, temperature, logprobs), result) in enumerate(zip(rows, results)):
+        token = result.token_id
+        at_temperature = (logits[row] / temperature).log_softmax(-1)[token].item()
+        assert result.logprob_value == (pytest.approx(at_temperature, abs=1e-5) if tracked else None)
+        if logprobs is None:
+            assert result.logprob is None
+            continue
+        assert result.logprob.logprob == pytest.approx(raw[row, token].item(), abs=1e-5)
+        values, ids = raw[row].topk(logprobs)
+        assert [t for t, _ in result.logprob.top] == ids.tolist()
+        assert [v for _, v in result.logprob.top] == pytest.approx(values.tolist(), abs=1e-5)

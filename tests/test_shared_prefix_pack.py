@@ -27,9 +27,10 @@ CHOSEN, REJECTED = "Paris, of course. It is a lovely city.", "Rome."
 
 
 def token_logps_of_whole_sequences(peft_model, prompt: list[int], responses: list[list[int]],
-                                   base: bool = True) -> list[torch.Tensor]:
+                                   base: bool = True, temperature: float = 1.0) -> list[torch.Tensor]:
     """Each response's per-token log-probs from the model's own forward of prompt +
-    response, all in one batch (the responses padded at the end), under the base model."""
+    response, all in one batch (the responses padded at the end), under the base model;
+    the logits over `temperature` (GRPO's sampling distribution, as TRL takes it)."""
     width = len(prompt) + max(len(r) for r in responses)
     ids = torch.tensor([prompt + r + [0] * (width - len(prompt) - len(r)) for r in responses], device=TEST_DEVICE)
     if base:
@@ -38,8 +39,8 @@ def token_logps_of_whole_sequences(peft_model, prompt: list[int], responses: lis
     else:
         logits = peft_model(ids).logits
     first = len(prompt) - 1
-    return [token_logprobs(logits[b, first:first + len(r)], torch.tensor(r, device=TEST_DEVICE))
-            for b, r in enumerate(responses)]
+    return [(logits[b, first:first + len(r)].float() / temperature).log_softmax(-1)
+            .gather(1, torch.tensor(r, device=TEST_DEVICE)[:, None])[:, 0] for b, r in enumerate(responses)]
 
 
 @pytest.mark.parametrize("shapes", ["exact", "bucketed"])
@@ -56,17 +57,18 @@ def test_dpo_reference_is_the_base_models_log_probs_of_each_whole_sequence(famil
     assert [chosen, rejected] == pytest.approx([e.sum().item() for e in expected], abs=1e-3)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_grpo_reference_is_the_base_models_log_prob_of_every_token(family):
+@pytest.mark.parametrize("family, temperature", [("llama", 1.0), ("qwen2", 1.0), ("llama", 0.7)])
+def test_grpo_reference_is_the_base_models_log_prob_of_every_token(family, temperature):
+    """At the group's sampling temperature, as TRL's reference model's."""
     torch.manual_seed(0)
     trainer = make_training(TrainConfig(mode="grpo", lora_rank=4, grpo_beta=0.05), family, init_lora_weights=False)
-    serve_group(trainer, "g")
+    serve_group(trainer, "g", temperature=temperature)
     assert reward(trainer, "g").accepted
     entry = trainer.cache.get("g")
     result = run_to_end(trainer.method.reference_token_logps(entry, trainer.context))
     indices = sorted(entry.responses)
     expected = token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids,
-                                              [entry.responses[i] for i in indices])
+                                              [entry.responses[i] for i in indices], temperature=temperature)
     assert sorted(result) == indices
     for index, want in zip(indices, expected):
         assert result[index] == pytest.approx(want.tolist(), abs=1e-4)
@@ -106,11 +108,11 @@ def test_the_separate_trainers_dpo_reference_is_trls_the_prompt_once_per_respons
     assert list(entry.reference_logps) == pytest.approx(list(packed), abs=1e-3)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_the_separate_trainers_grpo_reference_is_trls_a_row_per_sample(family, monkeypatch):
+@pytest.mark.parametrize("family, temperature", [("llama", 1.0), ("qwen2", 1.0), ("llama", 0.7)])
+def test_the_separate_trainers_grpo_reference_is_trls_a_row_per_sample(family, temperature, monkeypatch):
     torch.manual_seed(0)
     trainer = make_training(TrainConfig(mode="grpo", lora_rank=4, grpo_beta=0.05), family, init_lora_weights=False)
-    serve_group(trainer, "g")
+    serve_group(trainer, "g", temperature=temperature)
     assert reward(trainer, "g").accepted
     entry = trainer.cache.get("g")
     forwards = forwards_rows(trainer.context.runner, monkeypatch)
@@ -120,7 +122,8 @@ def test_the_separate_trainers_grpo_reference_is_trls_a_row_per_sample(family, m
     responses = [entry.responses[i] for i in indices]
     rows = len(entry.prompt_token_ids) * len(responses) + sum(len(r) - 1 for r in responses)
     assert forwards == [(rows, False), (rows, True)]
-    expected = token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids, responses)
+    expected = token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids, responses,
+                                              temperature=temperature)
     assert sorted(entry.reference_token_logps) == indices
     for index, want in zip(indices, expected):
         assert entry.reference_token_logps[index] == pytest.approx(want.tolist(), abs=1e-4)

@@ -289,10 +289,11 @@ class ActivationCache:
     def response_finished(self, completion_id: str, responses: dict[int, list[int]], aborted: bool,
                           served_logps: dict[int, float] | None = None,
                           served_token_logps: dict[int, list[float]] | None = None,
-                          label_deadline: float | None = None, logprob_temperature: float = 1.0) -> CacheEntry | None:
+                          label_deadline: float | None = None,
+                          logprob_temperature: float | None = None) -> CacheEntry | None:
         """Completes an entry with its served responses and their log-probs (taken at
-        `logprob_temperature`); the entry, if it still waits for its label (until
-        `label_deadline`, clock time; default: the label timeout from now)."""
+        `logprob_temperature`; None: the entry's own); the entry, if it still waits for its
+        label (until `label_deadline`, clock time; default: the label timeout from now)."""
         waiting = None
         with self._lock:
             entry = self._entries.get(completion_id)
@@ -301,7 +302,8 @@ class ActivationCache:
             entry.responses = responses
             entry.served_logps = served_logps or {}
             entry.served_token_logps = served_token_logps or {}
-            entry.logprob_temperature = logprob_temperature
+            if logprob_temperature is not None:
+                entry.logprob_temperature = logprob_temperature
             entry.response_finished = True
             # cut short by its client: no whole response to prefer or reject; a CPT prompt, a retry sends
             # again. A label that came before the end (both texts: READY, once held) keeps its entry.

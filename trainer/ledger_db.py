@@ -127,8 +127,11 @@ class ChoiceRecord:
 
     def as_row(self) -> dict:
         """The choice as the `choices` column's JSON holds it (dataclasses.asdict would
-        copy every token id and log-prob first)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        copy every token id and log-prob first); `logprob_temperature` only where it is not 1."""
+        row = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.logprob_temperature is None:
+            del row["logprob_temperature"]
+        return row
 
 
 @dataclass(frozen=True)

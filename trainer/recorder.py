@@ -9,8 +9,9 @@ hooks.py), called on the device thread:
     version serving runs under, so the recording is stamped when it is made;
   - `on_recorded` turns a recording into a cache entry (the training method's);
   - `on_output` collects the served responses and their log-probs (at the temperature the
-    method trains them at: `logprob_temperature`), and completes the entry when the request finishes (and has a group scored by the reward function, if
-    one is set, shown the prompt the client wrote, which came with the request).
+    method trains them at: `logprob_temperature`), and completes the entry when the
+    request finishes (and has a group scored by the reward function, if one is set, shown
+    the prompt the client wrote, which came with the request).
 What it keeps about a request in flight lives here, on the device thread, from its
 admission to its last output; label expiry is the arbiter's (trainer/maintenance.py).
 A request gets an entry only if the method trains on it (GRPO: n >= 2, one entry for the
@@ -103,11 +104,13 @@ class Recorder:
 
     # -- PrefillRecorder ------------------------------------------------------------------
 
-    def logprob_temperature(self, sampling_temperature: float) -> float:
+    def logprob_temperature(self, sampling_temperature: float, num_choices: int) -> float:
         """GRPO's log-probs, served and trained, are its sampling distribution's (TRL divides
-        the logits by its temperature), a greedy request's the model's own; DPO's are the
-        model's own (its policy log-probs)."""
-        if self.method.logprobs_at_sampling_temperature and sampling_temperature > 0.0:
+        the logits by its temperature), a greedy group's the model's own; DPO's are the
+        model's own (its policy log-probs), as are those of a request the method does not
+        train on."""
+        if (self.method.logprobs_at_sampling_temperature and sampling_temperature > 0.0
+                and self.method.trains_on(num_choices)):
             return sampling_temperature
         return 1.0
 

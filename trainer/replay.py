@@ -97,8 +97,7 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
             continue
         cache.add(entry)
         waiting = cache.response_finished(row.request.id, entry.responses, False, entry.served_logps,
-                                          entry.served_token_logps, now_clock + deadline - now_wall,
-                                          entry.logprob_temperature)
+                                          entry.served_token_logps, now_clock + deadline - now_wall)
         if rewards is not None and isinstance(waiting, GroupEntry):
             rewards.score(waiting, row.request.prompt, [c.text for c in row.choices])
         awaiting += 1
@@ -136,6 +135,5 @@ def _labelled(cache: ActivationCache, entry: CacheEntry, row: LedgerRow) -> bool
         return False
     if not cache.add(entry, owed=True):
         return False
-    cache.response_finished(row.request.id, entry.responses, False, entry.served_logps, entry.served_token_logps,
-                            logprob_temperature=entry.logprob_temperature)
+    cache.response_finished(row.request.id, entry.responses, False, entry.served_logps, entry.served_token_logps)
     return cache.attach_label(entry, attached)
