@@ -77,6 +77,7 @@ class TrainingCollector:
                                   value=stats.not_recorded)
         yield from _offload_metrics(status.offload)
         yield from _group_metrics(stats)
+        yield from _preference_metrics(stats)
         if status.ledger is not None:
             yield from _ledger_metrics(status.ledger)
         yield from _gate_metrics(stats, status.gate, status.ledger)
@@ -191,6 +192,27 @@ def _group_metrics(stats):
                               "no gradient, not trained.", value=stats.zero_advantage_groups)
     yield CounterMetricFamily(f"{PREFIX}reward_errors", "Reward function calls that raised, timed out or returned "
                               "a bad value (their groups dropped).", value=stats.reward_errors)
+
+
+def _preference_metrics(stats):
+    """DPO: TRL's `rewards/*` figures of each preference trained in an applied step, taken by
+    its job before the step (summaries, for the mean over time as the rewards': delta(_sum) /
+    increase(_count)), and the preferences it already ranked right (`rewards/accuracies`:
+    their increase over the margin's count's)."""
+    sums, counts = stats.job_metric_sums, stats.job_metric_counts
+    for name, text in (("reward_margin", "Implicit reward margin β·((policy − reference) of the chosen − of the "
+                                         "rejected) of each trained preference, before its step (TRL's "
+                                         "rewards/margins)."),
+                       ("reward_chosen", "Implicit reward β·(policy − reference log-prob) of each trained "
+                                         "preference's chosen response, before its step (TRL's rewards/chosen)."),
+                       ("reward_rejected", "Implicit reward β·(policy − reference log-prob) of each trained "
+                                           "preference's rejected response, before its step (TRL's "
+                                           "rewards/rejected).")):
+        yield SummaryMetricFamily(f"{PREFIX}dpo_{name}", text, count_value=counts.get(name, 0),
+                                  sum_value=sums.get(name, 0.0))
+    yield CounterMetricFamily(f"{PREFIX}dpo_ranked_right", "Trained preferences whose chosen response's implicit "
+                              "reward was already above the rejected one's before their step (TRL's "
+                              "rewards/accuracies, over dpo_reward_margin_count).", value=sums.get("accuracy", 0.0))
 
 
 _STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)

@@ -288,3 +288,37 @@ def test_a_prompt_counts_as_running_while_its_prefill_runs():
     engine.runner.execute = execute
     engine.step()
     assert during_prefill[:2] == [(1, 0), ("in the forward", 1, 0)]
+
+
+def test_a_trained_preference_is_exported_with_trls_implicit_rewards():
+    """TRL's DPO figures (rewards/chosen, rejected, margins, accuracies) of a preference,
+    taken before its step, written out on the PEFT model's dense forward: β times the
+    policy's summed log-prob of a response over the base model's."""
+    import pytest
+
+    from server.training_metrics import TrainingCollector
+    from tests.test_shared_prefix_pack import token_logps_of_whole_sequences
+    from tests.test_training import label, make_trainer, serve
+
+    trainer = make_trainer(mode="dpo")
+    serve(trainer, "r")
+    label(trainer, "r", chosen="Paris is the capital.")  # the served response is the rejected one
+    entry = trainer.cache.get("r")
+    responses = [entry.label.chosen, entry.label.rejected]
+    policy, reference = (token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids, responses,
+                                                        base=base) for base in (False, True))
+    beta = trainer.config.dpo_beta
+    chosen, rejected = (beta * (p.sum().item() - r.sum().item()) for p, r in zip(policy, reference))
+    assert abs(chosen - rejected) > 1e-3  # random LoRA weights: the policy is not the base model
+    trainer.train_until_idle()
+    families = {f.name: f for f in TrainingCollector(trainer).collect()}
+
+    def summary(name):
+        samples = {s.name: s.value for s in families[f"alchemist:dpo_{name}"].samples}
+        return samples[f"alchemist:dpo_{name}_count"], samples[f"alchemist:dpo_{name}_sum"]
+
+    assert summary("reward_chosen") == (1, pytest.approx(chosen, abs=1e-4))
+    assert summary("reward_rejected") == (1, pytest.approx(rejected, abs=1e-4))
+    assert summary("reward_margin") == (1, pytest.approx(chosen - rejected, abs=1e-4))
+    (ranked,) = families["alchemist:dpo_ranked_right"].samples
+    assert ranked.value == (1.0 if chosen > rejected else 0.0)

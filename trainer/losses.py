@@ -36,11 +36,14 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, referen
 
     Each argument is the summed log-probability of a response given the prompt: scalars
     (or (B,) for a batch). Reference values come from the base model (adapter disabled).
+    Its figures are TRL's: the implicit rewards β·(policy − reference) of each response,
+    their margin, and whether the chosen one's is the larger (`rewards/accuracies`).
     """
-    margin = (policy_chosen - reference_chosen) - (policy_rejected - reference_rejected)
-    loss = -F.logsigmoid(beta * margin).mean()
-    return loss, {"loss": loss.item(), "reward_margin": (beta * margin).mean().item(),
-                  "accuracy": (margin > 0).float().mean().item()}
+    chosen, rejected = beta * (policy_chosen - reference_chosen), beta * (policy_rejected - reference_rejected)
+    loss = -F.logsigmoid(chosen - rejected).mean()
+    return loss, {"loss": loss.item(), "reward_margin": (chosen - rejected).mean().item(),
+                  "reward_chosen": chosen.mean().item(), "reward_rejected": rejected.mean().item(),
+                  "accuracy": (chosen > rejected).float().mean().item()}
 
 
 def group_advantages(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:

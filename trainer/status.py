@@ -52,6 +52,10 @@ class TrainingStats:
     last_group_mean_reward: float = math.nan
     zero_advantage_groups: int = 0
     reward_errors: int = 0
+    # the jobs' own figures besides the loss (`JobResult.metrics`; DPO's, TRL's implicit rewards,
+    # their margin and accuracy), summed over the entries of applied steps, and those entries
+    job_metric_sums: dict[str, float] = field(default_factory=dict)
+    job_metric_counts: dict[str, int] = field(default_factory=dict)
     # adapter rollbacks by reason ("manual": the rollback route; "eval_gate": a rejected
     # candidate), and labels quarantined by the gate
     rollbacks: dict[str, int] = field(default_factory=lambda: {"manual": 0, "eval_gate": 0})

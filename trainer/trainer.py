@@ -273,6 +273,7 @@ class Trainer:
                         self.stats.trained_entries[key] = self.stats.trained_entries.get(key, 0) + 1
                     for lag in job.lags:
                         self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
+                    _add_job_metrics(self.stats, job.results)
         trained = [e for e in job.entries if e.state is EntryState.TRAINING]
         if not stepped:
             self._end_skipped(job, trained)
@@ -345,3 +346,12 @@ class Trainer:
         if job.collect_from is not None:
             self.stash.discard_gradients(job.collect_from)
         self.optimizer.zero_grad()
+
+
+def _add_job_metrics(stats: TrainingStats, results: list[JobResult]) -> None:
+    """Sums the finite figures of an applied step's jobs into `stats` (its lock held)."""
+    for result in results:
+        for name, value in result.metrics.items():
+            if name != "loss" and math.isfinite(value):
+                stats.job_metric_sums[name] = stats.job_metric_sums.get(name, 0.0) + value
+                stats.job_metric_counts[name] = stats.job_metric_counts.get(name, 0) + 1
