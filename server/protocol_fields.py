@@ -113,6 +113,22 @@ def only_parts(*kinds: str):
     return check
 
 
+def only_object_types(field: str, *kinds: str):
+    """A validator of a field that takes a string or objects told apart by their `type`: an
+    object of another type is refused by its type (a union's first member would say only
+    what it expected)."""
+    accepted = " or ".join(f"'{kind}'" for kind in kinds)
+
+    def check(value):
+        kind = value.get("type") if isinstance(value, dict) else None
+        if isinstance(kind, str) and kind not in kinds:
+            raise PydanticCustomError("unknown_object_type", "{field} of type '{kind}' is not supported: its type "
+                                      "must be {accepted}", {"field": field, "kind": kind, "accepted": accepted})
+        return value
+
+    return check
+
+
 def drop_unasked(data, names) -> object:
     """A body without the fields of `names` sent as null (a field not offered, sent null, is not asked)."""
     if isinstance(data, dict) and any(data.get(name, 0) is None for name in names):

@@ -390,6 +390,16 @@ def test_bad_tool_requests_are_400_naming_the_field(client, body, param):
     assert r.json()["error"]["param"].split(".")[0].split("[")[0] == param, r.json()
 
 
+@pytest.mark.parametrize("kind", ["functoin", "allowed_tool", "web_search"])
+def test_a_tool_choice_of_an_unknown_type_is_refused_by_its_type(client, kind):
+    """A review: a typo in its type was told it "should be 'function'", an allowed_tools choice's too."""
+    r = chat(client, tool_choice={"type": kind, "function": {"name": "get_time"}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tool_choice" and f"type '{kind}'" in error["message"], error
+    assert "'function' or 'allowed_tools'" in error["message"], error
+
+
 # -- the parser and the prompt, alone ---------------------------------------------------------
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
