@@ -640,6 +640,28 @@ def test_a_list_of_one_prompt_named_as_prompt_0_is_the_same_completion_after_a_r
     second.close()
 
 
+@pytest.mark.parametrize("restart", [False, True])
+@pytest.mark.parametrize("label_only", [False, True])
+def test_a_label_for_a_batchs_prompt_deleted_alone_is_told_it_was_deleted(tmp_path, restart, label_only):
+    """With one prompt of a batch deleted alone (`<id>-0`, whole or its label), a label sent
+    to the batch's id for that prompt's choice is told that prompt's data were deleted, in
+    this process and after a restart; the batch's other prompt still takes its label."""
+    training = _training(tmp_path, save_every=1)
+    for prompt in range(2):
+        serve(training, f"cmpl-x-{prompt}")
+    if label_only:
+        label(training, "cmpl-x-0")
+    assert training.forget("cmpl-x-0", label_only=label_only).found
+    if restart:
+        crash(training)
+        training = _training(tmp_path, save_every=1)
+    refused = training.feedback.submit(FeedbackLabel("cmpl-x", "Lyon.", None, 0))
+    assert refused.outcome is FeedbackOutcome.UNKNOWN and "'cmpl-x-0'" in refused.message, refused
+    assert "were deleted" in refused.message, refused
+    assert training.feedback.submit(FeedbackLabel("cmpl-x", "Lyon.", None, 1)).accepted
+    training.close()
+
+
 def test_a_label_sent_again_to_a_batch_of_prompts_after_a_restart_is_told_which_prompt_has_it(tmp_path):
     """A `/v1/completions` request of two prompts keeps an entry per prompt (`<id>-<i>`);
     both were labelled, trained and saved before the crash, so the restarted cache knows
