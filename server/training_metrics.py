@@ -192,6 +192,16 @@ def _group_metrics(stats):
                               "no gradient, not trained.", value=stats.zero_advantage_groups)
     yield CounterMetricFamily(f"{PREFIX}reward_errors", "Reward function calls that raised, timed out or returned "
                               "a bad value (their groups dropped).", value=stats.reward_errors)
+    sums = stats.job_metric_sums  # what the trained groups' losses saw, before their steps (TRL's figures)
+    yield CounterMetricFamily(f"{PREFIX}grpo_scored_tokens", "Tokens of the trained groups' samples that gave a "
+                              "gradient.", value=sums.get("scored_tokens", 0.0))
+    yield CounterMetricFamily(f"{PREFIX}grpo_clipped_tokens", "Tokens whose ratio to their served log-prob was "
+                              "clipped on the side of their advantage (TRL's clip_ratio/region_mean, over "
+                              "grpo_scored_tokens_total): trained off the policy that sampled them.",
+                              value=sums.get("clipped_tokens", 0.0))
+    yield SummaryMetricFamily(f"{PREFIX}grpo_kl", "KL to the base model per token of the trained groups' samples, "
+                              "the loss's estimator (TRL's kl; only with train.grpo_beta > 0).",
+                              count_value=sums.get("kl_tokens", 0.0), sum_value=sums.get("kl_sum", 0.0))
 
 
 def _preference_metrics(stats):

@@ -322,3 +322,38 @@ def test_a_trained_preference_is_exported_with_trls_implicit_rewards():
     assert summary("reward_margin") == (1, pytest.approx(chosen - rejected, abs=1e-4))
     (ranked,) = families["alchemist:dpo_ranked_right"].samples
     assert ranked.value == (1.0 if chosen > rejected else 0.0)
+
+
+def test_a_trained_group_is_exported_with_trls_clip_ratio_and_kl():
+    """TRL's GRPO figures of a group: its tokens clipped on the side of their advantage
+    (served log-probs lowered by 0.5 here, so that every ratio reads e^0.5: those of the
+    samples with a positive advantage are clipped, the others not) and the KL to the base
+    model per token, written out on the PEFT model's dense forward."""
+    import pytest
+    import torch
+
+    from server.training_metrics import TrainingCollector
+    from tests.test_grpo import make_trainer, reward, serve_group
+    from tests.test_shared_prefix_pack import token_logps_of_whole_sequences
+    from trainer.losses import group_advantages
+
+    trainer = make_trainer(grpo_beta=0.05)
+    served = serve_group(trainer, temperature=0.8)
+    rewards = (1.0, 0.0, 0.5, 0.0)
+    assert reward(trainer, rewards=rewards).accepted
+    entry = trainer.cache.get("g")
+    entry.served_token_logps = {i: [v - 0.5 for v in values] for i, values in entry.served_token_logps.items()}
+    policy, base = (token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids, served, base=b,
+                                                   temperature=0.8) for b in (False, True))
+    kl = sum((torch.exp(r - p) - (r - p) - 1).sum().item() for p, r in zip(policy, base))
+    assert kl > 1e-4  # random LoRA weights: the policy is not the base model
+    advantages = group_advantages(torch.tensor(rewards)).tolist()
+    trainer.train_until_idle()
+    assert trainer.stats.trained_entries == {("grpo", "reuse"): 1}
+    families = {f.name: {s.name: s.value for s in f.samples} for f in TrainingCollector(trainer).collect()}
+    tokens = sum(map(len, served))
+    assert families["alchemist:grpo_scored_tokens"]["alchemist:grpo_scored_tokens_total"] == tokens
+    assert families["alchemist:grpo_clipped_tokens"]["alchemist:grpo_clipped_tokens_total"] == sum(
+        len(response) for response, advantage in zip(served, advantages) if advantage > 0)
+    assert families["alchemist:grpo_kl"] == {"alchemist:grpo_kl_count": tokens,
+                                             "alchemist:grpo_kl_sum": pytest.approx(kl, abs=1e-5)}

@@ -34,6 +34,8 @@ A sample whose advantage is 0 gives no gradient (without the KL term) and is ski
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from engine.recording import RecordedPrefill
@@ -42,6 +44,36 @@ from trainer.forward import backward_segments, forward_segments, head_token_loss
 from trainer.losses import group_advantages, grpo_token_loss, token_logprobs
 from trainer.methods import (JobResult, TrainContext, TrainingMethod, base_model_no_grad, head_logits,
                              prompt_backward, suffixes_and_prompt_backward)
+
+
+@dataclass
+class _Tally:
+    """What a job's losses saw of its tokens, TRL's GRPO figures: those whose ratio to the
+    served log-prob was clipped (`clip_ratio/region_mean`) and the KL to the reference
+    (`kl`, with its term on). Kept on the device until the job ends, then read at once."""
+
+    sums: list = field(default_factory=list)  # per loss call: (clipped tokens, KL summed over its tokens)
+    tokens: int = 0
+    kl_tokens: int = 0
+
+    def add(self, logps: torch.Tensor, served: torch.Tensor, advantage: float, clip_eps: float,
+            reference: torch.Tensor | None) -> None:
+        with torch.no_grad():
+            ratio = torch.exp(logps.detach() - served)
+            clipped = ratio > 1 + clip_eps if advantage > 0 else ratio < 1 - clip_eps if advantage < 0 \
+                else torch.zeros_like(ratio, dtype=torch.bool)
+            kl = logps.new_zeros(())
+            if reference is not None:
+                log_ratio = reference - logps.detach()
+                kl = (torch.exp(log_ratio) - log_ratio - 1).sum()
+                self.kl_tokens += len(logps)
+            self.sums.append(torch.stack([clipped.sum().float(), kl.float()]))
+            self.tokens += len(logps)
+
+    def result(self, loss: float, tokens: int) -> JobResult:
+        clipped, kl = torch.stack(self.sums).sum(0).tolist() if self.sums else (0.0, 0.0)
+        return JobResult(loss, tokens, {"loss": loss, "clipped_tokens": clipped, "scored_tokens": self.tokens,
+                                        "kl_sum": kl, "kl_tokens": self.kl_tokens})
 
 
 class GRPOMethod(TrainingMethod):
@@ -91,8 +123,9 @@ class GRPOMethod(TrainingMethod):
                 for i, a in zip(indices, advantages) if a != 0.0 or self.beta]
 
     def _token_loss(self, entry: GroupEntry, index: int, response: list[int], advantage: float, weight: float,
-                    device: torch.device):
-        """loss(logits, a): GRPO's loss over the response's tokens a .. a + len(logits) − 1."""
+                    device: torch.device, tally: _Tally):
+        """loss(logits, a): GRPO's loss over the response's tokens a .. a + len(logits) − 1
+        (what it saw added to `tally`)."""
         targets = torch.tensor(response, device=device)
         served = entry.served_token_logps.get(index)
         reference = (entry.reference_token_logps or {}).get(index)
@@ -101,7 +134,8 @@ class GRPOMethod(TrainingMethod):
             b = a + len(logits)
             logps = token_logprobs(logits, targets[a:b], entry.logprob_temperature)
             old = torch.tensor(served[a:b], device=device) if served is not None else logps.detach()
-            ref = torch.tensor(reference[a:b], device=device) if reference is not None else None
+            ref = torch.tensor(reference[a:b], device=device) if reference is not None and self.beta else None
+            tally.add(logps, old, advantage, self.clip_eps, ref)
             return grpo_token_loss(logps, old, advantage, weight, self.clip_eps, ref, self.beta)
 
         return loss
@@ -175,9 +209,10 @@ class GRPOMethod(TrainingMethod):
         prefix = kv_leaves(recording.segments)
         last = recording.logits[-1:].detach().requires_grad_()  # scores every sample's first token
         samples = self._samples(entry)
+        tally = _Tally()
         if not samples:  # no sample gives a gradient: nothing to back-propagate into the prompt
-            return JobResult(0.0, entry.num_tokens, {"loss": 0.0})
-        losses = {index: self._token_loss(entry, index, response, advantage, weight, last.device)
+            return tally.result(0.0, entry.num_tokens)
+        losses = {index: self._token_loss(entry, index, response, advantage, weight, last.device, tally)
                   for index, response, advantage, weight in samples}
         with torch.enable_grad():
             first = sum(losses[index](last, 0) for index, _, _, _ in samples)
@@ -195,10 +230,10 @@ class GRPOMethod(TrainingMethod):
                                                     ctx.head_chunk_rows)
             if len(batch) == len(longer):  # the group in one batch: its backward and the prompt's, together
                 yield from suffixes_and_prompt_backward(recording, last, fwd, prefix, ctx)
-                return JobResult(total, entry.num_tokens, {"loss": total})
+                return tally.result(total, entry.num_tokens)
             yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
         yield from prompt_backward(recording, last, prefix, ctx)
-        return JobResult(total, entry.num_tokens, {"loss": total})
+        return tally.result(total, entry.num_tokens)
 
     def recompute_job(self, entry: GroupEntry, ctx: TrainContext):
         """The prompt and the samples in one forward (AttentionMetadata.shared_prefix: the
@@ -208,13 +243,13 @@ class GRPOMethod(TrainingMethod):
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
         rows = self._samples_per_pack(len(prompt), [response for _, response, _, _ in samples])
-        total = 0.0
+        total, tally = 0.0, _Tally()
         for start in range(0, len(samples), rows):
             batch = samples[start:start + rows]
             longer = [sample for sample in batch if len(sample[1]) > 1]
             fwd = yield from forward_segments(ctx.runner, [prompt, *(response[:-1] for _, response, _, _ in longer)],
                                               shared_prefix=True)
-            losses = {index: self._token_loss(entry, index, response, advantage, weight, fwd.head_leaf.device)
+            losses = {index: self._token_loss(entry, index, response, advantage, weight, fwd.head_leaf.device, tally)
                       for index, response, advantage, weight in batch}
             with torch.enable_grad():  # the prompt's last row scores every sample's first token
                 last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
@@ -226,7 +261,7 @@ class GRPOMethod(TrainingMethod):
                                                     lambda logits, a, loss=losses[index]: loss(logits, a + 1),
                                                     ctx.head_chunk_rows)
             yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
-        return JobResult(total, entry.num_tokens, {"loss": total})
+        return tally.result(total, entry.num_tokens)
 
     def _samples_per_pack(self, prompt_len: int, responses: list[list[int]]) -> int:
         """How many of `responses` fit beside the prompt in `recompute_tokens` (all, unbounded)."""
@@ -242,13 +277,13 @@ class GRPOMethod(TrainingMethod):
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
         rows = self._rows_per_forward(len(prompt), samples)
-        total = 0.0
+        total, tally = 0.0, _Tally()
         for start in range(0, len(samples), rows):
             batch = samples[start:start + rows]
             fwd = yield from forward_segments(ctx.runner, [prompt + response[:-1] for _, response, _, _ in batch])
             for b, (index, response, advantage, weight) in enumerate(batch):
-                loss = self._token_loss(entry, index, response, advantage, weight, fwd.head_leaf.device)
+                loss = self._token_loss(entry, index, response, advantage, weight, fwd.head_leaf.device, tally)
                 total += yield from head_token_loss(ctx.runner, fwd.head_leaf, fwd.offsets[b] + len(prompt) - 1,
                                                     len(response), loss, ctx.head_chunk_rows)
             yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
-        return JobResult(total, entry.num_tokens, {"loss": total})
+        return tally.result(total, entry.num_tokens)
