@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import typing
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from pydantic_core.core_schema import ErrorType
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.sampling_params import InvalidParameter
@@ -64,6 +66,8 @@ def _loc_to_param(loc: tuple) -> str:
     return out or "body"
 
 
+# pydantic's own error types (a validator of this server's raises others, with messages of their own)
+_PYDANTIC_ERRORS = frozenset(typing.get_args(ErrorType))
 # what a type error's member expected, as JSON kinds (bool is not a number to a schema)
 _EXPECTED_KINDS = {"string_type": (str,), "int_type": (int, float), "float_type": (int, float), "list_type": (list,),
                    "dict_type": (dict,), "bool_type": (bool,)}
@@ -106,6 +110,8 @@ def validation_error(exc: ValidationError | RequestValidationError, tagged: bool
         return APIError(400, message, param, "unrecognized_argument")
     if first.get("type") == "missing":
         return APIError(400, f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    if first.get("type") not in _PYDANTIC_ERRORS:  # one of this server's, whose message names what was sent
+        return APIError(400, f"Invalid value for '{param}': {first.get('msg')}.", param, "invalid_value")
     value = first.get("input")
     shown = json.dumps(value)[:80] if isinstance(value, (str, int, float, bool, type(None))) else type(value).__name__
     return APIError(400, f"Invalid value for '{param}': {first.get('msg')} (got {shown}).", param, "invalid_value")

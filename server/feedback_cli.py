@@ -119,8 +119,9 @@ def list_requests(args: argparse.Namespace, path: Path) -> int:
         sys.stdout.write("".join(json.dumps({**dataclasses.asdict(row), "unsaved": unsaved(row)}, ensure_ascii=False)
                                  + "\n" for row in rows))
     else:
-        table = [("id", "served_at", "method", "label", "fate")]
+        table = [("id", "served_at", "method", "label", "trained by", "fate")]
         table += [(row.id, _when(row.served_at), row.method, row.label or "-",
+                   row.fate_path if row.fate == "trained" and row.fate_path else "-",
                    _fate(row) + (" (not saved yet)" if unsaved(row) else "")) for row in rows]
         widths = [max(len(line[i]) for line in table) for i in range(len(table[0]) - 1)]
         sys.stdout.write("".join("  ".join([*(cell.ljust(w) for cell, w in zip(line, widths)), line[-1]]).rstrip()

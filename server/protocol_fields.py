@@ -7,6 +7,7 @@ are rejected, so that a typo does not pass silently.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -120,10 +121,11 @@ def only_object_types(field: str, *kinds: str):
     accepted = " or ".join(f"'{kind}'" for kind in kinds)
 
     def check(value):
-        kind = value.get("type") if isinstance(value, dict) else None
-        if isinstance(kind, str) and kind not in kinds:
-            raise PydanticCustomError("unknown_object_type", "{field} of type '{kind}' is not supported: its type "
-                                      "must be {accepted}", {"field": field, "kind": kind, "accepted": accepted})
+        kind = value.get("type", kinds[0]) if isinstance(value, dict) else kinds[0]
+        if kind not in kinds:
+            raise PydanticCustomError("unknown_object_type", "{field} of type {kind} is not supported: its type "
+                                      "must be {accepted}", {"field": field, "kind": json.dumps(kind)[:80],
+                                                             "accepted": accepted})
         return value
 
     return check

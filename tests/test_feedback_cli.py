@@ -40,25 +40,28 @@ def test_list_finds_the_quarantined_labels_and_release_says_which_it_did_not_rel
     assert "r2: released already" in capsys.readouterr().err
     assert main(["feedback", "list", "--adapter-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["id", "served_at", "method", "label", "fate"]
+    assert table[0].split() == ["id", "served_at", "method", "label", "trained", "by", "fate"]
     assert [line.split()[0] for line in table[1:]] == ["r1", "r2", "r3"]
-    assert table[2].endswith("waiting (released)") and table[3].split()[3:] == ["-", "waiting"]
+    assert table[2].endswith("waiting (released)") and table[3].split()[3:] == ["-", "-", "waiting"]
     assert main(["feedback", "list", "--adapter-dir", str(tmp_path), "--fate", "waiting", "--labelled", "--json"]) == 0
     assert [json.loads(line)["id"] for line in capsys.readouterr().out.splitlines()] == ["r2"]
 
 
 def test_list_says_which_trained_labels_no_saved_version_holds_yet(tmp_path, capsys):
     """After a kill, `list` showed labels "trained v13" where only version 12 was on disk (an
-    outside pass): the restart trains them again. They say "not saved yet" (JSON: `unsaved`)."""
+    outside pass): the restart trains them again. They say "not saved yet" (JSON: `unsaved`).
+    And how each trained (an outside pass: only SQLite said)."""
     ledger = Ledger(tmp_path / LEDGER_FILE)
     ledger.resumed(12, 12)  # the process that saves versions: version 12 is on disk
-    for request_id, version in (("in-12", 12), ("in-13", 13)):
+    for request_id, version, path in (("in-12", 12, "stashed"), ("in-13", 13, "recompute")):
         ledger.record_request(RequestRecord(request_id, time.time(), 11, "dpo", [1, 2]))
         ledger.commit_label(request_id, LabelRecord("preference", chosen="a", rejected="b"))
-        ledger.record_fate(request_id, "trained", version)
+        ledger.record_fate(request_id, "trained", version, path)
     ledger.close()
     assert main(["feedback", "list", "--adapter-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[1].endswith("trained v12") and table[2].endswith("trained v13 (not saved yet)")
+    assert table[1].split()[4] == "stashed" and table[2].split()[4] == "recompute"
     assert main(["feedback", "list", "--adapter-dir", str(tmp_path), "--json"]) == 0
-    assert [json.loads(line)["unsaved"] for line in capsys.readouterr().out.splitlines()] == [False, True]
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(row["unsaved"], row["fate_path"]) for row in rows] == [(False, "stashed"), (True, "recompute")]

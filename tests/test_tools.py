@@ -390,14 +390,15 @@ def test_bad_tool_requests_are_400_naming_the_field(client, body, param):
     assert r.json()["error"]["param"].split(".")[0].split("[")[0] == param, r.json()
 
 
-@pytest.mark.parametrize("kind", ["functoin", "allowed_tool", "web_search"])
+@pytest.mark.parametrize("kind", ["functoin", "allowed_tool", "web_search", None, 5])
 def test_a_tool_choice_of_an_unknown_type_is_refused_by_its_type(client, kind):
-    """A review: a typo in its type was told it "should be 'function'", an allowed_tools choice's too."""
+    """A review: a typo in its type was told it "should be 'function'", an allowed_tools choice's too
+    (and an outside pass: a type sent as null or a number, with a message and a param of their own)."""
     r = chat(client, tool_choice={"type": kind, "function": {"name": "get_time"}})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == "tool_choice" and f"type '{kind}'" in error["message"], error
-    assert "'function' or 'allowed_tools'" in error["message"], error
+    assert error["param"] == "tool_choice" and f"type {json.dumps(kind)} is" in error["message"], error
+    assert error["message"].endswith("must be 'function' or 'allowed_tools'."), error
 
 
 # -- the parser and the prompt, alone ---------------------------------------------------------

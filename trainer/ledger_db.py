@@ -359,6 +359,9 @@ class FateRow:
     fate: str | None
     fate_version: int | None
     fate_reason: str | None
+    # how a trained label trained: "reuse" (on its recording), "stashed" (on an older version's, with
+    # that version's weights), "recompute" (a full forward)
+    fate_path: str | None = None
 
 
 def read_fates(path: str | Path, where: str = "1", params: tuple = ()) -> list[FateRow]:
@@ -367,7 +370,8 @@ def read_fates(path: str | Path, where: str = "1", params: tuple = ()) -> list[F
     conn = open_database(Path(path), read_only=True)
     try:
         return [FateRow(*row) for row in conn.execute(
-            "SELECT r.id, r.served_at, r.method, l.kind, l.source, r.fate, r.fate_version, r.fate_reason FROM requests "
+            "SELECT r.id, r.served_at, r.method, l.kind, l.source, r.fate, r.fate_version, r.fate_reason, r.fate_path "
+            "FROM requests "
             f"r LEFT JOIN labels l ON l.request_id = r.id WHERE {where} ORDER BY r.served_at, r.id", params)]
     finally:
         conn.close()
