@@ -123,9 +123,9 @@ def only_object_types(field: str, *kinds: str):
     def check(value):
         kind = value.get("type", kinds[0]) if isinstance(value, dict) else kinds[0]
         if kind not in kinds:
+            shown = f"'{kind}'" if isinstance(kind, str) else json.dumps(kind)[:80]
             raise PydanticCustomError("unknown_object_type", "{field} of type {kind} is not supported: its type "
-                                      "must be {accepted}", {"field": field, "kind": json.dumps(kind)[:80],
-                                                             "accepted": accepted})
+                                      "must be {accepted}", {"field": field, "kind": shown, "accepted": accepted})
         return value
 
     return check

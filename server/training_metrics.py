@@ -193,11 +193,11 @@ def _group_metrics(stats):
     yield CounterMetricFamily(f"{PREFIX}reward_errors", "Reward function calls that raised, timed out or returned "
                               "a bad value (their groups dropped).", value=stats.reward_errors)
     sums = stats.job_metric_sums  # what the trained groups' losses saw, before their steps (TRL's figures)
-    yield CounterMetricFamily(f"{PREFIX}grpo_scored_tokens", "Tokens of the trained groups' samples that gave a "
-                              "gradient.", value=sums.get("scored_tokens", 0.0))
+    yield CounterMetricFamily(f"{PREFIX}grpo_completion_tokens", "Tokens of the trained groups' samples.",
+                              value=sums.get("completion_tokens", 0.0))
     yield CounterMetricFamily(f"{PREFIX}grpo_clipped_tokens", "Tokens whose ratio to their served log-prob was "
                               "clipped on the side of their advantage (TRL's clip_ratio/region_mean, over "
-                              "grpo_scored_tokens_total): trained off the policy that sampled them.",
+                              "grpo_completion_tokens_total): trained off the policy that sampled them.",
                               value=sums.get("clipped_tokens", 0.0))
     yield SummaryMetricFamily(f"{PREFIX}grpo_kl", "KL to the base model per token of the trained groups' samples, "
                               "the loss's estimator (TRL's kl; only with train.grpo_beta > 0).",
@@ -210,19 +210,20 @@ def _preference_metrics(stats):
     increase(_count)), and the preferences it already ranked right (`rewards/accuracies`:
     their increase over the margin's count's)."""
     sums, counts = stats.job_metric_sums, stats.job_metric_counts
+    base = "; with train.dpo_reference base)."  # (against the served policy itself they are 0: not counted)
     for name, text in (("reward_margin", "Implicit reward margin β·((policy − reference) of the chosen − of the "
                                          "rejected) of each trained preference, before its step (TRL's "
-                                         "rewards/margins)."),
+                                         "rewards/margins"),
                        ("reward_chosen", "Implicit reward β·(policy − reference log-prob) of each trained "
-                                         "preference's chosen response, before its step (TRL's rewards/chosen)."),
+                                         "preference's chosen response, before its step (TRL's rewards/chosen"),
                        ("reward_rejected", "Implicit reward β·(policy − reference log-prob) of each trained "
                                            "preference's rejected response, before its step (TRL's "
-                                           "rewards/rejected).")):
-        yield SummaryMetricFamily(f"{PREFIX}dpo_{name}", text, count_value=counts.get(name, 0),
+                                           "rewards/rejected")):
+        yield SummaryMetricFamily(f"{PREFIX}dpo_{name}", text + base, count_value=counts.get(name, 0),
                                   sum_value=sums.get(name, 0.0))
     yield CounterMetricFamily(f"{PREFIX}dpo_ranked_right", "Trained preferences whose chosen response's implicit "
                               "reward was already above the rejected one's before their step (TRL's "
-                              "rewards/accuracies, over dpo_reward_margin_count).", value=sums.get("accuracy", 0.0))
+                              "rewards/accuracies, over dpo_reward_margin_count" + base, value=sums.get("accuracy", 0.0))
 
 
 _STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)

@@ -6,6 +6,8 @@ import dataclasses
 import math
 import time
 
+import pytest
+
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import STEP_KINDS
@@ -294,8 +296,6 @@ def test_a_trained_preference_is_exported_with_trls_implicit_rewards():
     """TRL's DPO figures (rewards/chosen, rejected, margins, accuracies) of a preference,
     taken before its step, written out on the PEFT model's dense forward: β times the
     policy's summed log-prob of a response over the base model's."""
-    import pytest
-
     from server.training_metrics import TrainingCollector
     from tests.test_shared_prefix_pack import token_logps_of_whole_sequences
     from tests.test_training import label, make_trainer, serve
@@ -324,12 +324,30 @@ def test_a_trained_preference_is_exported_with_trls_implicit_rewards():
     assert ranked.value == (1.0 if chosen > rejected else 0.0)
 
 
-def test_a_trained_group_is_exported_with_trls_clip_ratio_and_kl():
-    """TRL's GRPO figures of a group: its tokens clipped on the side of their advantage
-    (served log-probs lowered by 0.5 here, so that every ratio reads e^0.5: those of the
-    samples with a positive advantage are clipped, the others not) and the KL to the base
+def test_a_preference_trained_against_its_served_policy_exports_no_implicit_rewards():
+    """With `dpo_reference = "served"` the reference is the policy itself: its implicit
+    rewards are 0 by construction, so none are counted (a review: the panel read 0% ranked right)."""
+    from server.training_metrics import TrainingCollector
+    from tests.test_training import label, make_trainer, serve
+
+    trainer = make_trainer(mode="dpo", dpo_reference="served")
+    serve(trainer, "r")
+    label(trainer, "r")
+    trainer.train_until_idle()
+    assert trainer.stats.trained_entries == {("dpo", "reuse"): 1}
+    families = {f.name: {s.name: s.value for s in f.samples} for f in TrainingCollector(trainer).collect()}
+    assert families["alchemist:dpo_reward_margin"]["alchemist:dpo_reward_margin_count"] == 0
+    assert families["alchemist:dpo_ranked_right"]["alchemist:dpo_ranked_right_total"] == 0
+
+
+@pytest.mark.parametrize("beta, rewards, shift", [(0.05, (1.0, 0.0, 0.5, 0.0), -0.5),
+                                                 (0.0, (1.0, 0.0, 0.5, 0.5), 0.5)])
+def test_a_trained_group_is_exported_with_trls_clip_ratio_and_kl(beta, rewards, shift):
+    """TRL's GRPO figures of a group: its tokens clipped on the side of their advantage, over
+    all its tokens (served log-probs moved by `shift` here, so that every ratio reads e^-shift:
+    lowered, the samples with a positive advantage are clipped; raised, those with a negative
+    one; a sample without advantage never is, though its tokens count), and the KL to the base
     model per token, written out on the PEFT model's dense forward."""
-    import pytest
     import torch
 
     from server.training_metrics import TrainingCollector
@@ -337,23 +355,24 @@ def test_a_trained_group_is_exported_with_trls_clip_ratio_and_kl():
     from tests.test_shared_prefix_pack import token_logps_of_whole_sequences
     from trainer.losses import group_advantages
 
-    trainer = make_trainer(grpo_beta=0.05)
+    trainer = make_trainer(grpo_beta=beta)
     served = serve_group(trainer, temperature=0.8)
-    rewards = (1.0, 0.0, 0.5, 0.0)
     assert reward(trainer, rewards=rewards).accepted
     entry = trainer.cache.get("g")
-    entry.served_token_logps = {i: [v - 0.5 for v in values] for i, values in entry.served_token_logps.items()}
+    entry.served_token_logps = {i: [v + shift for v in values] for i, values in entry.served_token_logps.items()}
     policy, base = (token_logps_of_whole_sequences(trainer.peft_model, entry.prompt_token_ids, served, base=b,
                                                    temperature=0.8) for b in (False, True))
-    kl = sum((torch.exp(r - p) - (r - p) - 1).sum().item() for p, r in zip(policy, base))
-    assert kl > 1e-4  # random LoRA weights: the policy is not the base model
+    kl = sum((torch.exp(r - p) - (r - p) - 1).sum().item() for p, r in zip(policy, base)) if beta else 0.0
+    assert kl > 1e-4 or not beta  # random LoRA weights: the policy is not the base model
     advantages = group_advantages(torch.tensor(rewards)).tolist()
+    assert 0.0 in advantages or beta
     trainer.train_until_idle()
     assert trainer.stats.trained_entries == {("grpo", "reuse"): 1}
     families = {f.name: {s.name: s.value for s in f.samples} for f in TrainingCollector(trainer).collect()}
     tokens = sum(map(len, served))
-    assert families["alchemist:grpo_scored_tokens"]["alchemist:grpo_scored_tokens_total"] == tokens
+    assert families["alchemist:grpo_completion_tokens"]["alchemist:grpo_completion_tokens_total"] == tokens
+    clipped_side = 1 if shift < 0 else -1
     assert families["alchemist:grpo_clipped_tokens"]["alchemist:grpo_clipped_tokens_total"] == sum(
-        len(response) for response, advantage in zip(served, advantages) if advantage > 0)
-    assert families["alchemist:grpo_kl"] == {"alchemist:grpo_kl_count": tokens,
+        len(response) for response, advantage in zip(served, advantages) if advantage * clipped_side > 0) > 0
+    assert families["alchemist:grpo_kl"] == {"alchemist:grpo_kl_count": tokens if beta else 0,
                                              "alchemist:grpo_kl_sum": pytest.approx(kl, abs=1e-5)}

@@ -162,7 +162,7 @@ def test_text_format_json_schema_shapes_the_answer(client):
         {"type": "function", "name": "nope"}]}}, "tool_choice.tools[0]", "`nope`"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options", "stream is true"),
     ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice",
-     'type "web_search_preview"'),
+     "type 'web_search_preview'"),
     ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0].type", ""),
     ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
     ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata.k", "at most 512"),

@@ -397,7 +397,8 @@ def test_a_tool_choice_of_an_unknown_type_is_refused_by_its_type(client, kind):
     r = chat(client, tool_choice={"type": kind, "function": {"name": "get_time"}})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == "tool_choice" and f"type {json.dumps(kind)} is" in error["message"], error
+    shown = f"'{kind}'" if isinstance(kind, str) else json.dumps(kind)
+    assert error["param"] == "tool_choice" and f"type {shown} is" in error["message"], error
     assert error["message"].endswith("must be 'function' or 'allowed_tools'."), error
 
 

@@ -181,7 +181,10 @@ class DPOMethod(TrainingMethod):
         else:
             reference = entry.reference_logps
         reference_chosen, reference_rejected = (torch.tensor(v) for v in reference)
-        return dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected, self.beta)
+        loss, metrics = dpo_loss(policy_chosen, policy_rejected, reference_chosen, reference_rejected, self.beta)
+        if self.reference == "served":  # implicit rewards against itself: 0 by construction, no figure
+            metrics = {"loss": metrics["loss"]}
+        return loss, metrics
 
     def reuse_job(self, entry: PreferenceEntry, ctx: TrainContext):
         """Shared-prefix schedule: the responses read the prompt's K/V as detached leaves

@@ -48,12 +48,13 @@ from trainer.methods import (JobResult, TrainContext, TrainingMethod, base_model
 
 @dataclass
 class _Tally:
-    """What a job's losses saw of its tokens, TRL's GRPO figures: those whose ratio to the
-    served log-prob was clipped (`clip_ratio/region_mean`) and the KL to the reference
-    (`kl`, with its term on). Kept on the device until the job ends, then read at once."""
+    """What a job's losses saw of its group's tokens, TRL's GRPO figures: those whose ratio to
+    the served log-prob was clipped (`clip_ratio/region_mean`, over all `tokens` of the group's
+    samples, a sample without advantage never clipped) and the KL to the reference (`kl`,
+    with its term on). Kept on the device until the job ends, then read at once."""
 
+    tokens: int
     sums: list = field(default_factory=list)  # per loss call: (clipped tokens, KL summed over its tokens)
-    tokens: int = 0
     kl_tokens: int = 0
 
     def add(self, logps: torch.Tensor, served: torch.Tensor, advantage: float, clip_eps: float,
@@ -68,11 +69,10 @@ class _Tally:
                 kl = (torch.exp(log_ratio) - log_ratio - 1).sum()
                 self.kl_tokens += len(logps)
             self.sums.append(torch.stack([clipped.sum().float(), kl.float()]))
-            self.tokens += len(logps)
 
     def result(self, loss: float, tokens: int) -> JobResult:
         clipped, kl = torch.stack(self.sums).sum(0).tolist() if self.sums else (0.0, 0.0)
-        return JobResult(loss, tokens, {"loss": loss, "clipped_tokens": clipped, "scored_tokens": self.tokens,
+        return JobResult(loss, tokens, {"loss": loss, "clipped_tokens": clipped, "completion_tokens": self.tokens,
                                         "kl_sum": kl, "kl_tokens": self.kl_tokens})
 
 
@@ -209,7 +209,7 @@ class GRPOMethod(TrainingMethod):
         prefix = kv_leaves(recording.segments)
         last = recording.logits[-1:].detach().requires_grad_()  # scores every sample's first token
         samples = self._samples(entry)
-        tally = _Tally()
+        tally = _Tally(sum(map(len, entry.responses.values())))
         if not samples:  # no sample gives a gradient: nothing to back-propagate into the prompt
             return tally.result(0.0, entry.num_tokens)
         losses = {index: self._token_loss(entry, index, response, advantage, weight, last.device, tally)
@@ -243,7 +243,7 @@ class GRPOMethod(TrainingMethod):
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
         rows = self._samples_per_pack(len(prompt), [response for _, response, _, _ in samples])
-        total, tally = 0.0, _Tally()
+        total, tally = 0.0, _Tally(sum(map(len, entry.responses.values())))
         for start in range(0, len(samples), rows):
             batch = samples[start:start + rows]
             longer = [sample for sample in batch if len(sample[1]) > 1]
@@ -277,7 +277,7 @@ class GRPOMethod(TrainingMethod):
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
         rows = self._rows_per_forward(len(prompt), samples)
-        total, tally = 0.0, _Tally()
+        total, tally = 0.0, _Tally(sum(map(len, entry.responses.values())))
         for start in range(0, len(samples), rows):
             batch = samples[start:start + rows]
             fwd = yield from forward_segments(ctx.runner, [prompt + response[:-1] for _, response, _, _ in batch])

@@ -349,9 +349,12 @@ class Trainer:
 
 
 def _add_job_metrics(stats: TrainingStats, results: list[JobResult]) -> None:
-    """Sums the finite figures of an applied step's jobs into `stats` (its lock held)."""
+    """Sums the figures of an applied step's jobs into `stats` (its lock held), each job's
+    only where all of them are finite."""
     for result in results:
+        if not all(math.isfinite(value) for value in result.metrics.values()):
+            continue  # a job's figures are counted together or not at all (ratios between them hold)
         for name, value in result.metrics.items():
-            if name != "loss" and math.isfinite(value):
+            if name != "loss":
                 stats.job_metric_sums[name] = stats.job_metric_sums.get(name, 0.0) + value
                 stats.job_metric_counts[name] = stats.job_metric_counts.get(name, 0) + 1
