@@ -223,7 +223,8 @@ def _preference_metrics(stats):
                                   sum_value=sums.get(name, 0.0))
     yield CounterMetricFamily(f"{PREFIX}dpo_ranked_right", "Trained preferences whose chosen response's implicit "
                               "reward was already above the rejected one's before their step (TRL's "
-                              "rewards/accuracies, over dpo_reward_margin_count" + base, value=sums.get("accuracy", 0.0))
+                              "rewards/accuracies, over dpo_reward_margin_count" + base,
+                              value=sums.get("accuracy", 0.0))
 
 
 _STALENESS_BUCKETS = (0, 1, 2, 4, 8, 16)
