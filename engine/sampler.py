@@ -87,9 +87,12 @@ def _host_inputs(seqs: list[Sequence], eos_token_ids: set[int], vocab_size: int)
     banned = [(row, ids) for row, ids in banned if ids]
     if banned:
         arrays["ban_rows"], arrays["ban_ids"] = _pairs(banned)
-    tracked_at = [seq.logprob_temperature if seq.track_logprob else 1.0 for seq in seqs]
-    if any(t != 1.0 for t in tracked_at):
-        arrays["logprob_temperature"] = np.array(tracked_at, dtype=np.float32)
+    tracked_at = [(row, seq.logprob_temperature) for row, seq in enumerate(seqs)
+                  if seq.track_logprob and seq.logprob_temperature != 1.0]
+    if tracked_at:  # only those rows pay the pass over the vocabulary (all of them: no row picked)
+        arrays["tracked_temperature"] = np.array([t for _, t in tracked_at], dtype=np.float32)
+        if len(tracked_at) < len(seqs):
+            arrays["tracked_rows"] = np.array([row for row, _ in tracked_at], dtype=np.int64)
     if any(seq.matcher is not None for seq in seqs):
         bitmask = token_bitmask(len(seqs), vocab_size)
         for row, seq in enumerate(seqs):
@@ -155,6 +158,19 @@ def _drawn(logits: torch.Tensor, inputs: dict[str, torch.Tensor], seqs: list[Seq
     return torch.where(greedy_rows[:, 0], greedy, drawn)
 
 
+def _at_temperature(logits: torch.Tensor, raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
+                    rows: torch.Tensor | None, temperature: torch.Tensor) -> torch.Tensor:
+    """(N, 1): each sampled token's raw log-prob, and on `rows` (None: every row) its log-prob
+    with the logits over that row's `temperature` (one pass over the vocabulary for those rows alone)."""
+    ids, temperature = token_ids.unsqueeze(1), temperature.unsqueeze(1)
+    if rows is None:
+        return logits.gather(1, ids) / temperature - (logits / temperature).logsumexp(-1, keepdim=True)
+    picked = logits.index_select(0, rows)
+    values = picked.gather(1, ids.index_select(0, rows)) / temperature \
+        - (picked / temperature).logsumexp(-1, keepdim=True)
+    return raw_logprobs.gather(1, ids).index_put((rows,), values)
+
+
 class Sampler:
     def __init__(self, eos_token_ids: set[int]):
         self.eos_token_ids = eos_token_ids
@@ -174,10 +190,9 @@ class Sampler:
             if any(s.params.logprobs is not None or s.track_logprob for s in seqs) else None
         token_ids = _drawn(_processed(logits, inputs), inputs, seqs)
         tracked = None
-        if "logprob_temperature" in inputs:  # rows tracked at their sampling temperature (GRPO's): (N, 1)
-            temperature = inputs["logprob_temperature"].unsqueeze(1)
-            tracked = logits.gather(1, token_ids.unsqueeze(1)) / temperature \
-                - (logits / temperature).logsumexp(-1, keepdim=True)
+        if "tracked_temperature" in inputs:  # rows tracked at their sampling temperature (GRPO's), the others raw
+            tracked = _at_temperature(logits, raw_logprobs, token_ids, inputs.get("tracked_rows"),
+                                      inputs["tracked_temperature"])
         results = self._read_back(token_ids, raw_logprobs, tracked, seqs)
         for seq, result in zip(seqs, results):
             if seq.matcher is not None:

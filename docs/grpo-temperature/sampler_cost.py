@@ -2,9 +2,10 @@
 
 A group of 8 choices at temperature 0.7 tracks each sampled token's log-prob for its trainer:
 at the model's own distribution (the raw log-softmax, which the call computes anyway) as the
-tree before did, or at the sampling temperature (one more pass over the vocabulary). The
-sampler alone, on logits of SmolLM2's vocabulary (49,152), interleaved rounds; the ratio of
-the medians. Run from the repository root:
+tree before did, or at the sampling temperature (one more pass over the vocabulary, for the
+group's rows). The sampler alone, on logits of SmolLM2's vocabulary (49,152), the group
+alone and beside 24 other running sequences; interleaved rounds, the ratio of the medians.
+Run from the repository root:
 
     .venv/bin/python docs/grpo-temperature/sampler_cost.py
 """
@@ -18,14 +19,16 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
-VOCAB, GROUP, CALLS, ROUNDS = 49_152, 8, 200, 7
+VOCAB, GROUP, OTHERS, CALLS, ROUNDS = 49_152, 8, 24, 100, 7
 
 
-def group(logprob_temperature: float) -> list[Sequence]:
-    params = SamplingParams(n=GROUP, temperature=0.7, top_p=1.0, max_tokens=16)
-    return [Sequence(seq_id=i, request_id="g", index=i, prompt_token_ids=[1, 2, 3], params=params, max_tokens=16,
-                     arrival_time=0.0, detokenizer=None, track_logprob=True, logprob_temperature=logprob_temperature)
-            for i in range(GROUP)]
+def batch(logprob_temperature: float, others: int) -> list[Sequence]:
+    group = SamplingParams(n=GROUP, temperature=0.7, top_p=1.0, max_tokens=16)
+    alone = SamplingParams(temperature=0.7, top_p=1.0, max_tokens=16)
+    return [Sequence(seq_id=i, request_id=str(i if i >= GROUP else "g"), index=min(i, GROUP), prompt_token_ids=[1],
+                     params=group if i < GROUP else alone, max_tokens=16, arrival_time=0.0, detokenizer=None,
+                     track_logprob=i < GROUP, logprob_temperature=logprob_temperature if i < GROUP else 1.0)
+            for i in range(GROUP + others)]
 
 
 def seconds_per_call(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> float:
@@ -37,20 +40,22 @@ def seconds_per_call(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence
 
 def main() -> None:
     torch.manual_seed(0)
-    logits = torch.randn(GROUP, VOCAB) * 3
     sampler = Sampler(eos_token_ids={0})
-    cases = {"model's own (before)": group(1.0), "sampling temperature": group(0.7)}
-    times = {name: [] for name in cases}
-    for name, seqs in cases.items():
-        seconds_per_call(sampler, logits, seqs)  # warm-up
-    for _ in range(ROUNDS):
-        for name, seqs in cases.items():
-            times[name].append(seconds_per_call(sampler, logits, seqs))
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    for name, median in medians.items():
-        print(f"{name:24s} {median * 1e6:8.1f} us per call (median of {ROUNDS} rounds of {CALLS})")
-    ratio = medians["sampling temperature"] / medians["model's own (before)"]
-    print(f"at the sampling temperature / the model's own: {ratio:.3f}x")
+    for others in (0, OTHERS):
+        logits = torch.randn(GROUP + others, VOCAB) * 3
+        cases = {"model's own (before)": batch(1.0, others), "sampling temperature": batch(0.7, others)}
+        times = {name: [] for name in cases}
+        for seqs in cases.values():
+            seconds_per_call(sampler, logits, seqs)  # warm-up
+        for _ in range(ROUNDS):
+            for name, seqs in cases.items():
+                times[name].append(seconds_per_call(sampler, logits, seqs))
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        print(f"a group of {GROUP} beside {others} other sequences:")
+        for name, median in medians.items():
+            print(f"  {name:24s} {median * 1e6:8.1f} us per call (median of {ROUNDS} rounds of {CALLS})")
+        ratio = medians["sampling temperature"] / medians["model's own (before)"]
+        print(f"  at the sampling temperature / the model's own: {ratio:.3f}x")
 
 
 if __name__ == "__main__":
