@@ -24,13 +24,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from engine.sampling_params import MAX_LOGPROBS, InvalidParameter, SamplingParams
 from engine.structured import Grammar, check_compiles
-from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, TOOLS_NEEDED_SCHEMA, ChatMessage, Int,
-                                    LimitFrom0, LimitFrom1, LogitBias, Metadata, StreamOptions, Strict, TokenId,
-                                    documented, drop_unasked, non_empty_alternatives, only_object_types)
+from server.protocol_fields import (INTEGRAL, TEMPLATE_CONTROLS_SCHEMA, TOOL_CHOICE_TYPES, TOOLS_NEEDED_SCHEMA,
+                                    ChatMessage, Int, LimitFrom0, LimitFrom1, LogitBias, Metadata, StreamOptions,
+                                    Strict, TokenId, documented, drop_unasked, non_empty_alternatives)
 from server.protocol_formats import (AllowedToolsChoice, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool,
                                      build_grammar, check_parameters, functions)
 from server.tool_calls import ToolUse
@@ -191,9 +191,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: documented(Int, minimum=0, maximum=MAX_LOGPROBS) | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
-    _tool_choice_type = field_validator("tool_choice", mode="before")(
-        only_object_types("tool_choice", "function", "allowed_tools"))
+    tool_choice: Annotated[Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None,
+                           TOOL_CHOICE_TYPES] = None
     parallel_tool_calls: bool | None = None
     # OpenAI's, without effect on this model's generation
     reasoning_effort: str | None = None

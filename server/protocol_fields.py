@@ -131,6 +131,10 @@ def only_object_types(field: str, *kinds: str):
     return check
 
 
+# OpenAI's `tool_choice` objects, on chat and the Responses API: one of another type is refused by its type
+TOOL_CHOICE_TYPES = BeforeValidator(only_object_types("tool_choice", "function", "allowed_tools"))
+
+
 def drop_unasked(data, names) -> object:
     """A body without the fields of `names` sent as null (a field not offered, sent null, is not asked)."""
     if isinstance(data, dict) and any(data.get(name, 0) is None for name in names):

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from server.protocol_fields import (Int, LimitFrom1, Metadata, Strict, documented, drop_unasked,
-                                    only_object_types, only_parts)
+from server.protocol_fields import (TOOL_CHOICE_TYPES, Int, LimitFrom1, Metadata, Strict, documented,
+                                    drop_unasked, only_parts)
 from server.tool_calls import NAME_PATTERN
 
 # items of the API's input this server does not take, and why (an item of another type is refused by its type)
@@ -172,9 +172,8 @@ class ResponsesRequest(Strict):
     temperature: documented(float, minimum=0, maximum=2) | None = None
     top_p: documented(float, exclusiveMinimum=0, maximum=1) | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None = None
-    _tool_choice_type = field_validator("tool_choice", mode="before")(
-        only_object_types("tool_choice", "function", "allowed_tools"))
+    tool_choice: Annotated[Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None,
+                           TOOL_CHOICE_TYPES] = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     stream: bool | None = False

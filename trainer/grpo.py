@@ -54,8 +54,12 @@ class _Tally:
     with its term on). Kept on the device until the job ends, then read at once."""
 
     tokens: int
-    sums: list = field(default_factory=list)  # per loss call: (clipped tokens, KL summed over its tokens)
+    sums: list[torch.Tensor] = field(default_factory=list)  # per loss call: (clipped tokens, KL summed over its tokens)
     kl_tokens: int = 0
+
+    @classmethod
+    def of(cls, entry: GroupEntry) -> "_Tally":
+        return cls(sum(map(len, entry.responses.values())))
 
     def add(self, logps: torch.Tensor, served: torch.Tensor, advantage: float, clip_eps: float,
             reference: torch.Tensor | None) -> None:
@@ -209,7 +213,7 @@ class GRPOMethod(TrainingMethod):
         prefix = kv_leaves(recording.segments)
         last = recording.logits[-1:].detach().requires_grad_()  # scores every sample's first token
         samples = self._samples(entry)
-        tally = _Tally(sum(map(len, entry.responses.values())))
+        tally = _Tally.of(entry)
         if not samples:  # no sample gives a gradient: nothing to back-propagate into the prompt
             return tally.result(0.0, entry.num_tokens)
         losses = {index: self._token_loss(entry, index, response, advantage, weight, last.device, tally)
@@ -243,7 +247,7 @@ class GRPOMethod(TrainingMethod):
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
         rows = self._samples_per_pack(len(prompt), [response for _, response, _, _ in samples])
-        total, tally = 0.0, _Tally(sum(map(len, entry.responses.values())))
+        total, tally = 0.0, _Tally.of(entry)
         for start in range(0, len(samples), rows):
             batch = samples[start:start + rows]
             longer = [sample for sample in batch if len(sample[1]) > 1]
@@ -277,7 +281,7 @@ class GRPOMethod(TrainingMethod):
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
         rows = self._rows_per_forward(len(prompt), samples)
-        total, tally = 0.0, _Tally(sum(map(len, entry.responses.values())))
+        total, tally = 0.0, _Tally.of(entry)
         for start in range(0, len(samples), rows):
             batch = samples[start:start + rows]
             fwd = yield from forward_segments(ctx.runner, [prompt + response[:-1] for _, response, _, _ in batch])
