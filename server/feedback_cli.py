@@ -57,15 +57,23 @@ def add_feedback_commands(commands) -> None:
 
 def feedback_command(args: argparse.Namespace) -> int:
     """`alchemist feedback export|list|release`."""
+    import sqlite3
+
     from trainer.ledger_db import LEDGER_FILE
 
-    if args.feedback_command == "export":
-        return export_feedback(args)
     path = Path(args.adapter_dir) / LEDGER_FILE
-    if not path.is_file():
-        print(f"alchemist: no feedback ledger at {path}", file=sys.stderr)
-        return 2
-    return list_requests(args, path) if args.feedback_command == "list" else release_labels(args, path)
+    try:
+        if args.feedback_command == "export":
+            return export_feedback(args)
+        if not path.is_file():
+            print(f"alchemist: no feedback ledger at {path}", file=sys.stderr)
+            return 2
+        return list_requests(args, path) if args.feedback_command == "list" else release_labels(args, path)
+    except sqlite3.Error as exc:  # (one that cannot be opened is an OSError saying so, below)
+        print(f"alchemist: the feedback ledger {path} cannot be read: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"alchemist: {exc}", file=sys.stderr)
+    return 2
 
 
 def release_labels(args: argparse.Namespace, path: Path) -> int:
@@ -95,7 +103,8 @@ def release_labels(args: argparse.Namespace, path: Path) -> int:
 def list_requests(args: argparse.Namespace, path: Path) -> int:
     """`feedback list`: the ledger's requests, oldest first. A label trained into a version
     after the last saved one says so: a crash before that save hands it back to training."""
-    from trainer.ledger_db import open_database, read_fates
+    from trainer.ledger_db import read_fates
+    from trainer.ledger_file import open_database
     from trainer.ledger_retention import saved_version
 
     where, params = "1", ()

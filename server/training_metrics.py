@@ -169,7 +169,7 @@ def _ledger_metrics(ledger):
             ("ledger_write_errors", "Writes the feedback ledger could not make (full, locked, read-only).",
              ledger.write_errors),
             ("ledger_refused_writes", "Labels and deletions refused with 503 because the feedback ledger could not "
-                                      "be written.", ledger.refused_writes),
+                                      "be written, or not within 10 s.", ledger.refused_writes),
             ("ledger_pruned_requests", "Requests pruned from the feedback ledger by retention (age, size).",
              ledger.pruned_requests),
             ("ledger_commit_seconds", "Seconds the feedback ledger's writer spent committing.",

@@ -143,6 +143,34 @@ def test_an_answers_write_that_fails_lets_its_answer_go_and_lands_on_a_retry(tmp
         ledger.close()
 
 
+def test_while_the_ledger_cannot_be_written_its_log_says_so_once_a_minute(tmp_path, caplog, monkeypatch):
+    """Not once per queued write and per retry (an outside pass saw 206 lines from about 20
+    requests on a read-only disk), with the writes waiting, counted, and landing after."""
+    monkeypatch.setattr("trainer.ledger_file.BUSY_TIMEOUT_S", 0.05)  # (each try waits for the lock that long)
+    path = tmp_path / LEDGER_FILE
+    ledger = Ledger(path)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        for i in range(20):
+            ledger.record_request(request_record(i, time.time(), tokens=4))
+            ledger.flush()  # a retry of every write waiting, each time
+        assert ledger.stats.retry_backlog == 20
+        for _ in range(2):
+            with pytest.raises(LedgerUnavailable):
+                ledger.commit_label("req-0", LabelRecord("preference", chosen="yes"), timeout_s=5)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    ledger.flush(strict=True)
+    ledger.close()
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("trainer.ledger")]
+    said = ("writes fail (database is locked)", "labels and deletions get 503", "retention failed: database is locked")
+    assert sorted(next(i for i, words in enumerate(said) if words in w) for w in warnings) == [0, 1, 2], warnings
+    assert ledger.stats.refused_writes == 2
+    assert len(rows_by_id(path)) == 20
+
+
 def request_record(i: int, served_at: float, tokens: int = 400) -> RequestRecord:
     return RequestRecord(f"req-{i}", served_at, 0, "dpo", list(range(tokens)), [{"role": "user", "content": "hi"}])
 
@@ -1182,3 +1210,25 @@ def test_a_label_deleted_after_it_trained_is_named_in_the_weights_a_rollback_bri
     ledger.rolled_back(3, 5)
     assert ledger.delete("r").trained_into == 1
     ledger.close()
+
+
+def test_labels_a_crash_took_back_train_after_a_start_in_another_mode_saved_a_version(tmp_path, caplog):
+    """DPO labels trained into a version a crash lost, then a start in GRPO mode, which
+    saves a version of its own at its stop: the labels are untrained again at that start
+    whatever the mode, so the next DPO start trains them (an outside pass found them left
+    `trained` into the lost version, which the GRPO start's saved version then passed for
+    one holding them: never trained again); the GRPO start says they wait for their mode."""
+    first = _training(tmp_path, save_every=100)
+    serve_and_label(first, ("r0", "r1"))
+    first.train_until_idle()
+    assert first.optimizer.version == 1 and first.lifecycle.checkpointer.last_saved_version == 0
+    crash(first)
+    other = _training(tmp_path, save_every=100, config=TrainConfig(mode="grpo", lora_rank=4))
+    assert "labels of another training method wait to be trained (dpo: 2)" in caplog.text
+    other.close()  # saves the version it resumed at, which holds neither label
+    back = _training(tmp_path)
+    assert back.lifecycle.restored_from == 2
+    assert {back.cache.get(r).state.value for r in ("r0", "r1")} == {"ready"}
+    back.train_until_idle()
+    assert back.stats.copy().trained_entries == {("dpo", "recompute"): 2}
+    back.close()

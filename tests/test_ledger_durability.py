@@ -16,7 +16,7 @@ from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.config import LedgerConfig, TrainConfig
 from trainer.ledger import Ledger, LedgerUnavailable
 from trainer.label_history import remembered
-from trainer.ledger_db import LEDGER_FILE, LabelRecord, deleted_requests, read_ledger, release_quarantined
+from trainer.ledger_db import LEDGER_FILE, ChoiceRecord, LabelRecord, deleted_requests, read_ledger, release_quarantined
 from trainer.ledger_lineage import lineage
 
 DPO = TrainConfig(mode="dpo", lora_rank=4)
@@ -135,6 +135,30 @@ def test_a_version_is_not_saved_while_the_fates_it_trained_wait_for_their_retry(
     training.close()
 
 
+def filled_with_labels(ledger: Ledger) -> list[str]:
+    """Fills `ledger` (a small `max_bytes`) with labels still to be trained, which retention
+    cannot drop; their requests' ids."""
+    labelled = []
+    for i in range(2000):
+        ledger.record_request(request_record(i, time.time()))
+        try:
+            ledger.commit_label(f"req-{i}", LABEL)
+        except LedgerUnavailable:
+            return labelled
+        labelled.append(f"req-{i}")
+    pytest.fail("the ledger never filled")
+
+
+def make_room(ledger: Ledger, labelled: list[str]) -> None:
+    """The labels trained into version 1, which is saved: retention may drop them now."""
+    for request_id in labelled:
+        ledger.record_fate(request_id, "trained", version=1, path="recompute")
+    ledger.flush(strict=True)  # the fates landed: version 1 may be saved
+    ledger.saved(1)
+    ledger.prune()
+    ledger.flush()
+
+
 def test_a_full_ledger_still_lets_versions_be_saved_and_their_labels_then_make_room(tmp_path):
     """A full ledger tries each write alone: a new request's row waits for its retry, but no
     save depends on it (a strict flush waits for owed writes only), so the version holding
@@ -145,27 +169,39 @@ def test_a_full_ledger_still_lets_versions_be_saved_and_their_labels_then_make_r
     # it is saved (without, the fates' own commit could make room, and the retry land before it is seen)
     ledger.resumed(0, 0)
     try:
-        labelled = []
-        for i in range(2000):  # labels still to be trained: retention cannot make room
-            ledger.record_request(request_record(i, time.time()))
-            try:
-                ledger.commit_label(f"req-{i}", LABEL)
-            except LedgerUnavailable:
-                break
-            labelled.append(f"req-{i}")
-        else:
-            pytest.fail("the ledger never filled")
-        for request_id in labelled:
-            ledger.record_fate(request_id, "trained", version=1, path="recompute")
+        labelled = filled_with_labels(ledger)
         ledger.record_request(request_record(9999, time.time()))  # waits for its retry
         ledger.flush()
         assert ledger.stats.retry_backlog > 0
-        ledger.flush(strict=True)  # the fates landed: version 1 may be saved
-        ledger.saved(1)
-        ledger.prune()
-        ledger.flush()
+        make_room(ledger, labelled)
         assert ledger.stats.retry_backlog == 0 and ledger.stats.pruned_requests > 0
         assert "req-9999" in rows_by_id(tmp_path / LEDGER_FILE)
+    finally:
+        ledger.close()
+
+
+def test_a_requests_writes_land_in_their_order_when_its_row_waits_for_room(tmp_path):
+    """A request served while the ledger is full: its row waits for its retry, and its
+    answer, written after it, waits behind it, as a label or a deletion of it is refused
+    (503) meanwhile. An outside pass on a real full disk found the answer's update run
+    before the row it updates, matching no row: the ledger lost the request's choices, and
+    after a kill its label did not train (or it took none), nor could it be exported."""
+    ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(max_bytes=1 << 20))
+    ledger.resumed(0, 0)
+    try:
+        labelled = filled_with_labels(ledger)
+        refused = ledger.stats.refused_writes
+        ledger.record_request(request_record(9999, time.time(), tokens=8000))  # more than retention frees now
+        ledger.record_finished("req-9999", [ChoiceRecord(0, [5, 6], "Paris.", finish_reason="stop")], False)
+        with pytest.raises(LedgerUnavailable, match="cannot be written"):
+            ledger.commit_label("req-9999", LABEL)
+        with pytest.raises(LedgerUnavailable, match="cannot be written"):
+            ledger.delete("req-9999")  # not "nothing to delete", with its row to land after
+        assert ledger.stats.refused_writes == refused + 2
+        make_room(ledger, labelled)
+        row = rows_by_id(tmp_path / LEDGER_FILE)["req-9999"]
+        assert row.choices == [ChoiceRecord(0, [5, 6], "Paris.", finish_reason="stop")]
+        ledger.commit_label("req-9999", LABEL)
     finally:
         ledger.close()
 

@@ -30,7 +30,8 @@ from tests.test_ledger_durability import LABEL, training_that_saves
 from tests.test_replicas import adapter_params, rounds_with
 from trainer.adapter_store import AdapterSnapshot
 from trainer.ledger import Ledger
-from trainer.ledger_db import BUSY_TIMEOUT_S, LEDGER_FILE
+from trainer.ledger_db import LEDGER_FILE
+from trainer.ledger_file import BUSY_TIMEOUT_S
 from trainer.replica_fates import FateWatermarks, FatesUnconfirmed, ReplicatedSaveJournal
 from trainer.replicated import CombinedStep, ReplicaSync
 

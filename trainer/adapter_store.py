@@ -253,8 +253,7 @@ def _fsync(path: Path) -> None:
 
 
 class SaveRefused(Exception):
-    """A journal refused a save: what the version trained is not known to be kept (the
-    version is not saved; the next one may be)."""
+    """A journal refused a save: what the version trained is not known to be kept (the next may be)."""
 
 
 class SaveJournal(Protocol):
@@ -267,8 +266,7 @@ class SaveJournal(Protocol):
         """Version `version` is on disk."""
 
     def resumed(self, saved: int, version: int) -> None:
-        """Training resumes from saved version `saved` (-1: none) as `version`: the versions
-        after `saved` died unsaved."""
+        """Training resumes from saved version `saved` (-1: none) as `version`; those after it died unsaved."""
 
 
 # the adapter directories this process holds, each by one open file for the process's life: a POSIX record
@@ -301,8 +299,7 @@ class AdapterCheckpointer:
     at a time, so serving never waits for the disk."""
 
     def __init__(self, store: AdapterStore, save_every: int, journal: SaveJournal | None = None):
-        """`journal`: told on the writer thread before each version is written, and once it
-        is (the feedback ledger)."""
+        """`journal` (the feedback ledger): told on the writer thread before each version is written, and after."""
         self.store = store
         self.save_every = save_every
         self.journal = journal
@@ -339,9 +336,13 @@ class AdapterCheckpointer:
             self.failed += 1
             logger.warning("adapter version %d is not saved: %s", snapshot.version, exc)
             return None
-        except Exception:  # noqa: BLE001 - a failed save is counted; the next one may succeed
+        except Exception as exc:  # noqa: BLE001 - a failed save is counted; the next one may succeed
             self.failed += 1
-            logger.exception("saving adapter version %d failed", snapshot.version)
+            short = self._short_of_room()
+            if short:  # (torch's writer says "unexpected pos", not that the disk is full)
+                logger.warning("saving adapter version %d failed: %s (%s)", snapshot.version, short, exc)
+            else:
+                logger.exception("saving adapter version %d failed", snapshot.version)
             return None
         self.saved += 1
         self.last_saved_version = snapshot.version
@@ -349,6 +350,18 @@ class AdapterCheckpointer:
             self.journal.saved(snapshot.version)
         logger.info("saved adapter version %d to %s", snapshot.version, path)
         return path
+
+    def _short_of_room(self) -> str | None:
+        """What a failed save says of the disk, where it has less room than the last version saved took."""
+        if self.last_saved_version is None:
+            return None
+        try:
+            taken = sum(f.stat().st_size for f in self.store.path_of(self.last_saved_version).iterdir())
+            free = shutil.disk_usage(self.store.root).free
+        except OSError:  # (that version pruned meanwhile, the directory gone)
+            return None
+        return None if free >= taken else (f"the disk holds {free / 2**20:.1f} MiB free, a version takes "
+                                           f"{taken / 2**20:.1f} MiB (room for adapter.keep versions and one more)")
 
     def wait(self) -> None:
         for future in list(self._pending):

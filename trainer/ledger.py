@@ -33,8 +33,9 @@ from pathlib import Path
 from trainer import ledger_lineage, ledger_retention
 from trainer.config import LedgerConfig
 from trainer.ledger_db import (FINISH_REQUEST, INSERT_REQUEST, ChoiceRecord, Deletion, LabelRecord, LedgerStats,
-                               RequestRecord, delete_rows, open_database, to_json)
-from trainer.ledger_write import QueuedWrite, is_full
+                               RequestRecord, delete_rows, to_json)
+from trainer.ledger_file import open_database
+from trainer.ledger_write import LOG_EVERY_S, QueuedWrite, RetryBacklog, is_full
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,6 @@ COMMIT_TIMEOUT_S = 10.0
 PRUNE_EVERY_S = 60.0
 # retention prunes to this share of max_bytes, so that it does not run on every write
 PRUNE_TO = 0.9
-# queued writes (requests' rows, fates) kept for retry while the ledger cannot be written
-MAX_RETRY_BACKLOG = 100_000
 
 
 class LedgerUnavailable(Exception):
@@ -65,12 +64,10 @@ class Ledger:
         self._conn = open_database(self.path, config.max_bytes)
         self._queue: queue.Queue[QueuedWrite | None] = queue.Queue()
         # writes that failed for want of room or a lock: retried before the next ones
-        self._retry: list[QueuedWrite] = []
-        # owed writes given up (past MAX_RETRY_BACKLOG): no version may be saved after them
-        self._given_up_owed = 0
+        self._retry = RetryBacklog()
         self._last_error: sqlite3.Error | None = None
-        self._refusal_logged = float("-inf")
-        self._last_prune = float("-inf")
+        self._refusal_logged = self._retention_logged = self._last_prune = float("-inf")
+        self._room_may_change = True  # a write landed since retention last ran (when full, it runs again only then)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="alchemist-ledger", daemon=True)
         self._thread.start()
@@ -79,7 +76,8 @@ class Ledger:
 
     def record_request(self, record: RequestRecord) -> None:
         """A request got a cache entry (device thread: queued, not waited for)."""
-        self._put(QueuedWrite(lambda c: c.execute(INSERT_REQUEST, record.values())))  # encoded on the writer thread
+        self._put(QueuedWrite(lambda c: c.execute(INSERT_REQUEST, record.values()),  # encoded on the writer thread
+                              request_id=record.id))
 
     def record_finished(self, request_id: str, choices: list[ChoiceRecord], aborted: bool):
         """A request's responses, when it finished (device thread: queued). Returns a future
@@ -89,7 +87,7 @@ class Ledger:
         failing = self._closed or bool(self._retry)  # (before the put: the writer empties it as it takes a batch)
         self._put(QueuedWrite(lambda c: c.execute(FINISH_REQUEST, (
             finished_at, to_json([choice.as_row() for choice in choices]), int(aborted), request_id)),
-            tried=lambda: written.done() or written.set_result(None)))
+            tried=lambda: written.done() or written.set_result(None), request_id=request_id))
         return None if failing else written
 
     def record_fate(self, request_id: str, fate: str, version: int | None = None, path: str | None = None,
@@ -97,7 +95,7 @@ class Ledger:
         """How a request's entry ended (queued; called under the cache's lock)."""
         at = self.clock()
         self._put(QueuedWrite(lambda c: ledger_lineage.record_fate(c, request_id, fate, version, path, reason, at),
-                         owed=True))
+                              owed=True, request_id=request_id))
 
     def commit_label(self, request_id: str, label: LabelRecord, timeout_s: float = COMMIT_TIMEOUT_S) -> None:
         """Writes a label and returns once it is committed (call on a worker thread).
@@ -113,7 +111,7 @@ class Ledger:
                  label.chosen_index, label.rejected_index, to_json(label.chosen_token_ids),
                  to_json(label.rejected_token_ids), to_json(label.served_logps), to_json(label.rewards)))
 
-        self._wait(QueuedWrite(apply, concurrent.futures.Future()), timeout_s)
+        self._wait(QueuedWrite(apply, concurrent.futures.Future(), request_id=request_id), timeout_s)
 
     def quarantine(self, request_ids: list[str], reason: str, version: int, promoted: int) -> None:
         """The eval gate rejected the version these requests' labels trained into, and made
@@ -187,7 +185,7 @@ class Ledger:
     def when_written(self, callback) -> None:
         """Calls `callback` on the writer thread once every owed write queued before now has committed (queued)."""
         marker = QueuedWrite(lambda c: None)
-        marker.committed = lambda: self._retry.append(marker) if self._owed_waiting() else callback()
+        marker.committed = lambda: self._retry.keep(marker) if self._owed_waiting() else callback()
         self._put(marker)
 
     def saved(self, version: int) -> None:
@@ -196,7 +194,8 @@ class Ledger:
 
     def withdraw_label(self, request_id: str) -> None:
         """Removes a label whose entry ended before it could be attached (queued)."""
-        self._put(QueuedWrite(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,))))
+        self._put(QueuedWrite(lambda c: c.execute("DELETE FROM labels WHERE request_id = ?", (request_id,)),
+                              request_id=request_id))
 
     def delete(self, request_id: str, label_only: bool = False) -> Deletion:
         """Deletes a request (with its label), or only its label, and those of its prompts
@@ -204,7 +203,7 @@ class Ledger:
         one, and which of its labels had trained (blocks until committed; LedgerUnavailable)."""
         found, at = [], self.clock()
         self._wait(QueuedWrite(lambda c: found.append(delete_rows(c, request_id, label_only, at)),
-                          concurrent.futures.Future()), COMMIT_TIMEOUT_S)
+                               concurrent.futures.Future(), request_id=request_id, with_prompts=True), COMMIT_TIMEOUT_S)
         return found[-1]  # (the last try's: a failed batch's writes are tried again alone)
 
     def _wait(self, write: QueuedWrite, timeout_s: float) -> None:
@@ -216,6 +215,7 @@ class Ledger:
             write.done.result(timeout_s)
         except concurrent.futures.TimeoutError:
             if write.done.cancel():
+                self.stats.refused_writes += write.request_id is not None  # (the writer is stuck meanwhile)
                 raise LedgerUnavailable(f"the feedback ledger did not commit within {timeout_s:g} s") from None
             write.done.result()
 
@@ -236,7 +236,7 @@ class Ledger:
             raise LedgerUnavailable(f"{waiting[0]} fates in the feedback ledger are not written: {self._last_error}")
 
     def _owed_waiting(self) -> int:  # fates and lineages left for their retry, or given up
-        return sum(w.owed for w in self._retry) + self._given_up_owed
+        return self._retry.owed_waiting()
 
     def _put(self, write: QueuedWrite) -> None:
         if self._closed:
@@ -252,8 +252,7 @@ class Ledger:
             first = self._queue.get()
             if first is None:
                 return
-            batch = [*self._retry, first]
-            self._retry = []
+            batch = [*self._retry.take(), first]
             while len(batch) < 512:
                 try:
                     item = self._queue.get_nowait()
@@ -268,24 +267,20 @@ class Ledger:
                 self._prune_quietly()
 
     def _commit(self, batch: list[QueuedWrite]) -> None:
-        # a waiting caller's write is begun here, unless its caller gave up on it (`_wait`)
-        batch = [w for w in batch if w.done is None or w.done.set_running_or_notify_cancel()]
-        if batch:
-            self._commit_batch(batch)
-
-    def _commit_batch(self, batch: list[QueuedWrite]) -> None:
         """One transaction for the batch. If the ledger is full, retention makes room and
         each write is tried alone, so that one that cannot be written fails by itself;
         if it cannot be written at all (locked, read-only, I/O), every waiting caller
         hears it at once and the rest is kept to be retried."""
+        # a waiting caller's write is begun here, unless its caller gave up on it (`_wait`)
+        batch = [w for w in batch if w.done is None or w.done.set_running_or_notify_cancel()]
+        if not batch:
+            return
         started = time.perf_counter()
         try:
             self._transaction(batch)
-        except sqlite3.IntegrityError:
-            for write in batch:
-                self._commit_one(write)
         except Exception as exc:  # noqa: BLE001 - SQLite's errors, and any other: the writer never dies
-            if is_full(exc):
+            if isinstance(exc, sqlite3.IntegrityError) or is_full(exc):
+                self._room_may_change = True
                 for write in batch:
                     self._commit_one(write)
             else:
@@ -299,49 +294,58 @@ class Ledger:
         self.stats.commit_seconds += time.perf_counter() - started
         self.stats.retry_backlog = len(self._retry)
 
-    def _failed(self, write: QueuedWrite, exc: Exception) -> None:
-        """A write that could not be made: its waiting caller hears it (a label, refused
-        with nothing changed); a queued one is retried with the next writes."""
-        self.stats.write_errors += 1
-        self._last_error = exc
+    def _failed(self, write: QueuedWrite, exc: Exception, tried: bool = True) -> None:
+        """A write that could not be made (`tried` False: may not be yet, behind a failed one of
+        its request): its waiting caller hears it (a label, refused with nothing changed); a
+        queued one is retried with the next writes."""
+        if tried:
+            self.stats.write_errors += 1
+            self._last_error = exc
         if write.done is not None:
-            self.stats.refused_writes += 1
-            if time.monotonic() - self._refusal_logged >= 60.0:  # one line a minute while it lasts
-                self._refusal_logged = time.monotonic()
-                logger.warning("feedback ledger cannot be written (%s): labels and deletions get 503 until it can "
-                               "(%d refused so far)", exc, self.stats.refused_writes)
-            write.done.set_exception(LedgerUnavailable(f"the feedback ledger cannot be written: {exc}"))
+            self._refuse(write, f"the feedback ledger cannot be written: {exc}")
         else:
-            logger.warning("feedback ledger write failed (%s); it is retried with the next writes", exc)
-            self._retry.append(write)
-            if len(self._retry) > MAX_RETRY_BACKLOG:
-                self._given_up_owed += self._retry.pop(0).owed  # strict flushes fail: a restart trains them again
-                logger.error("feedback ledger: more than %d writes wait to be retried; the oldest is given up",
-                             MAX_RETRY_BACKLOG)
+            self._retry.keep(write, exc if tried else None)
         write.was_tried()  # (after the retry's append: whoever it tells sees the ledger failing)
 
+    def _refuse(self, write: QueuedWrite, message: str) -> None:
+        """A waiting caller's write refused, with nothing changed: a label's or a deletion's is a 503."""
+        self.stats.refused_writes += write.request_id is not None  # (not a flush's)
+        if write.request_id is not None and time.monotonic() - self._refusal_logged >= LOG_EVERY_S:
+            self._refusal_logged = time.monotonic()
+            logger.warning("%s: labels and deletions get 503 until it can (%d refused so far)", message,
+                           self.stats.refused_writes)
+        write.done.set_exception(LedgerUnavailable(message))
+
     def _commit_one(self, write: QueuedWrite) -> None:
+        if self._retry.holds_back(write):
+            self._failed(write, self._last_error, tried=False)
+            return
         try:
             try:
                 self._transaction([write])
             except sqlite3.Error as exc:
-                if not is_full(exc):
+                if not (is_full(exc) and self._room_may_change):  # (no write landed since retention last ran)
                     raise
                 self._prune_quietly()  # room from what retention may drop, then once more
                 self._transaction([write])
         except sqlite3.IntegrityError as exc:
             if write.done is not None and "FOREIGN KEY" in str(exc):  # its request's row is not written yet
-                why = f"it cannot be written: {self._last_error}" if self._retry else "its request is not in it yet"
-                write.done.set_exception(LedgerUnavailable(f"the feedback ledger does not hold the label: {why}"))
+                if self._retry:
+                    self._refuse(write, f"the feedback ledger does not hold the label: it cannot be written: "
+                                        f"{self._last_error}")
+                else:
+                    write.done.set_exception(LedgerUnavailable("the feedback ledger does not hold the label: its "
+                                                               "request is not in it yet"))
             elif write.done is not None:
                 write.done.set_exception(LabelExists(str(exc)))
             else:  # a row for a request the ledger no longer holds (deleted): nothing to do
                 logger.debug("ledger write skipped: %s", exc)
                 write.was_tried()
-        except Exception as exc:  # noqa: BLE001 - as in _commit_batch
+        except Exception as exc:  # noqa: BLE001 - as in _commit
             self._failed(write, exc)
         else:
             self.stats.rows_written += 1
+            self._room_may_change = True
             write.landed()
 
     def _transaction(self, batch: list[QueuedWrite]) -> None:
@@ -359,11 +363,13 @@ class Ledger:
     # -- retention ---------------------------------------------------------------------
 
     def _prune_quietly(self) -> None:
-        self._last_prune = self.clock()
+        self._last_prune, self._room_may_change = self.clock(), False
         try:
             self._transaction([QueuedWrite(self._prune)])
         except sqlite3.Error as exc:
-            logger.warning("feedback ledger retention failed: %s", exc)
+            if time.monotonic() - self._retention_logged >= LOG_EVERY_S:
+                self._retention_logged = time.monotonic()
+                logger.warning("feedback ledger retention failed: %s", exc)
 
     def prune(self) -> None:
         """Applies retention now (it runs on its own every minute and when the file is full)."""
@@ -376,7 +382,6 @@ class Ledger:
         deleted = ledger_retention.prune(conn, self.clock() - self.config.retention_days * 86400,
                                          int(self.config.max_bytes * PRUNE_TO))
         if deleted:
-            conn.execute("PRAGMA incremental_vacuum").fetchall()  # one row per page freed: step them all
             self.stats.pruned_requests += deleted
             logger.info("feedback ledger: pruned %d old requests", deleted)
 

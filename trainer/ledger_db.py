@@ -1,4 +1,5 @@
-"""The feedback ledger's database: its schema, its rows as dataclasses, and reading them.
+"""The feedback ledger's rows as dataclasses, writing and deleting them, and reading them
+(the file and its schema: trainer/ledger_file.py).
 
 The writer is trainer/ledger.py; replay at start (trainer/replay.py) and export
 (trainer/export.py, which may run in another process while the server writes) read
@@ -8,77 +9,18 @@ through `read_ledger`, on connections of their own.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-LEDGER_FILE = "ledger.sqlite3"
-# how long a write waits for a lock held by another connection before it fails
-BUSY_TIMEOUT_S = 2.0
+from trainer.ledger_file import ADDED_COLUMNS, open_database, table_columns
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS requests (
-    id TEXT PRIMARY KEY,
-    served_at REAL NOT NULL,
-    finished_at REAL,
-    adapter_version INTEGER NOT NULL,
-    method TEXT NOT NULL,
-    prompt TEXT,
-    prompt_token_ids TEXT NOT NULL,
-    choices TEXT,
-    aborted INTEGER NOT NULL DEFAULT 0,
-    fate TEXT,
-    fate_version INTEGER,
-    fate_path TEXT,
-    fate_reason TEXT,
-    fate_at REAL,
-    tools TEXT,
-    chat_template_kwargs TEXT,
-    generation_prompt TEXT
-);
-CREATE INDEX IF NOT EXISTS requests_served_at ON requests (served_at);
-CREATE TABLE IF NOT EXISTS labels (
-    request_id TEXT PRIMARY KEY REFERENCES requests (id) ON DELETE CASCADE,
-    created_at REAL NOT NULL,
-    source TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    chosen TEXT,
-    rejected TEXT,
-    choice_index INTEGER,
-    chosen_index INTEGER,
-    rejected_index INTEGER,
-    chosen_token_ids TEXT,
-    rejected_token_ids TEXT,
-    served_logps TEXT,
-    rewards TEXT
-);
--- the requests whose label was deleted (DELETE /v1/feedback/{id}): ids only, so that a
--- rollback or the gate never quarantines (and `feedback release` never brings back) one
-CREATE TABLE IF NOT EXISTS deleted_labels (
-    request_id TEXT PRIMARY KEY REFERENCES requests (id) ON DELETE CASCADE,
-    deleted_at REAL NOT NULL
-);
--- the requests deleted whole (DELETE /v1/chat/completions/{id}): ids only, so that their
--- label sent again is told so, after a restart too
-CREATE TABLE IF NOT EXISTS deleted_requests (id TEXT PRIMARY KEY, deleted_at REAL NOT NULL);
--- versions whose weights are a copy of another's (a rollback, the eval gate's return to
--- the promoted version): trainer/ledger_lineage.py
-CREATE TABLE IF NOT EXISTS versions (version INTEGER PRIMARY KEY, parent INTEGER NOT NULL);
--- the versions a label trained into before its last (`fate_version`): it was quarantined,
--- released and trained again, and a rollback may restore weights that hold an earlier one
-CREATE TABLE IF NOT EXISTS earlier_trainings (
-    request_id TEXT NOT NULL REFERENCES requests (id) ON DELETE CASCADE,
-    version INTEGER NOT NULL,
-    PRIMARY KEY (request_id, version)
-);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
+LEDGER_FILE = "ledger.sqlite3"
+
 # a request whose label was deleted (SQL, on `requests`)
 LABEL_DELETED = "id IN (SELECT request_id FROM deleted_labels)"
 # the reason a released label's request keeps beside no fate (release_quarantined)
 RELEASED = "released"
-SCHEMA_VERSION = "1"
 
 
 @dataclass
@@ -256,37 +198,6 @@ def from_json(text: str | None):
     return None if text is None else json.loads(text)
 
 
-def open_database(path: Path, max_bytes: int | None = None, read_only: bool = False) -> sqlite3.Connection:
-    """A connection to the ledger at `path` (created owner-only, WAL, schema applied
-    unless `read_only`)."""
-    if read_only:
-        if not path.is_file():
-            raise FileNotFoundError(f"no feedback ledger at {path}")
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
-        conn.execute("PRAGMA foreign_keys = ON")
-        return conn
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    os.close(fd)
-    os.chmod(path, 0o600)
-    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect on a new file: pruning shrinks it
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("PRAGMA synchronous = FULL")  # a commit is on disk before its label is acknowledged
-    conn.execute("PRAGMA foreign_keys = ON")
-    conn.executescript(SCHEMA)
-    for column in _ADDED_COLUMNS - _columns(conn, "requests"):  # a ledger written before requests kept them
-        try:
-            conn.execute(f"ALTER TABLE requests ADD COLUMN {column} TEXT")
-        except sqlite3.OperationalError as exc:  # another process added it first
-            if "duplicate column" not in str(exc):
-                raise
-    conn.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
-    if max_bytes is not None:
-        page_size = conn.execute("PRAGMA page_size").fetchone()[0]
-        conn.execute(f"PRAGMA max_page_count = {max(max_bytes // page_size, 64)}")
-    return conn
-
-
 # -- reading (replay at start, export, other processes) --------------------------------
 
 _ROW_COLUMNS = ("r.id, r.served_at, r.finished_at, r.adapter_version, r.method, r.prompt, r.prompt_token_ids, "
@@ -295,20 +206,11 @@ _ROW_COLUMNS = ("r.id, r.served_at, r.finished_at, r.adapter_version, r.method, 
                 "l.chosen_token_ids, l.rejected_token_ids, l.served_logps, l.rewards")
 
 
-# columns of `requests` added since the first schema, in the order rows are read
-_ADDED_ORDER = ("tools", "chat_template_kwargs", "generation_prompt")
-_ADDED_COLUMNS = frozenset(_ADDED_ORDER)
-
-
-def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
-    return {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-
-
 def read_rows(conn: sqlite3.Connection, where: str = "1", params: tuple = ()) -> list[LedgerRow]:
     """Requests with their labels, oldest first, filtered by an SQL condition on `r`
     (requests) and `l` (labels)."""
-    present = _columns(conn, "requests")
-    added = ", ".join(f"r.{c}" if c in present else "NULL" for c in _ADDED_ORDER)  # an older ledger, read only
+    present = table_columns(conn, "requests")
+    added = ", ".join(f"r.{c}" if c in present else "NULL" for c in ADDED_COLUMNS)  # an older ledger, read only
     rows = conn.execute(f"SELECT {_ROW_COLUMNS}, {added} FROM requests r LEFT JOIN labels l ON l.request_id = r.id "
                         f"WHERE {where} ORDER BY r.served_at, r.id", params).fetchall()
     return [_row(r) for r in rows]

@@ -30,7 +30,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from trainer.ledger_db import LABEL_DELETED, RELEASED, open_database
+from trainer.ledger_db import LABEL_DELETED, RELEASED
+from trainer.ledger_file import open_database
 
 ROLLED_BACK = "rolled back to version"
 # the meta key of the last version a restart resumed as (`resumed_as`), or a rollback was given (`named`)

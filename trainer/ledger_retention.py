@@ -39,7 +39,7 @@ def used_bytes(conn: sqlite3.Connection) -> int:
 
 def prune(conn: sqlite3.Connection, cutoff: float, target_bytes: int) -> int:
     """Deletes the requests served before `cutoff`, then the oldest until the pages in use
-    are at most `target_bytes`, none of them owed; how many it deleted."""
+    are at most `target_bytes`, none of them owed, and gives their pages back; how many it deleted."""
     saved = saved_version(conn)
     deleted = conn.execute(f"DELETE FROM requests WHERE served_at < ? AND NOT ({OWED})",
                            (cutoff, saved, saved)).rowcount
@@ -50,4 +50,6 @@ def prune(conn: sqlite3.Connection, cutoff: float, target_bytes: int) -> int:
         if not ids:
             break
         deleted += conn.execute(f"DELETE FROM requests WHERE id IN ({','.join('?' * len(ids))})", ids).rowcount
+    if deleted:
+        conn.execute("PRAGMA incremental_vacuum").fetchall()  # one row per page freed: step them all
     return deleted

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -58,13 +59,15 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
     this replica's (data-parallel replicas share a node's ledger; None: all)."""
     saved = -1 if saved_version is None else saved_version
     ledger.flush()  # the fates a restart applied again (a rollback's, resumed) before they are read
-    rows = read_ledger(ledger.path, "r.method = ? AND (r.fate IS NULL OR (r.fate = 'trained' AND r.fate_version > ?))",
-                       (method.name, saved))
+    rows = read_ledger(ledger.path, "r.fate IS NULL OR (r.fate = 'trained' AND r.fate_version > ?)", (saved,))
     if owns is not None:
         rows = [row for row in rows if owns(row.request.id)]
     lost = [row.request.id for row in rows if row.fate == "trained"]
-    if lost:  # trained into versions that died unsaved: untrained again, before any later version is saved
+    if lost:  # trained into versions that died unsaved (in any mode): untrained again, before a later version is saved
         ledger.reopen(lost)
+    _tell_of_other_methods([row for row in rows if row.request.method != method.name and row.label is not None],
+                           method)
+    rows = [row for row in rows if row.request.method == method.name]
     now_wall, now_clock = time.time(), cache.clock()
     to_train = awaiting = closed = 0
     for row in rows:
@@ -107,6 +110,17 @@ def replay_ledger(ledger: Ledger, method: TrainingMethod, cache: ActivationCache
         logger.info("feedback ledger: %d labels to train again (after saved version %s), %d requests still take "
                     "feedback, %d can no longer", to_train, saved_version, awaiting, closed)
     return counts
+
+
+def _tell_of_other_methods(rows: list[LedgerRow], method: TrainingMethod) -> None:
+    """Labels of another training method wait in the ledger, untrained: this mode cannot
+    train them, and they wait for a start in theirs."""
+    if not rows:
+        return
+    counts = Counter(row.request.method for row in rows)
+    logger.warning("feedback ledger: labels of another training method wait to be trained (%s); the server trains "
+                   "%s, so they wait until it is started in their mode again",
+                   ", ".join(f"{name}: {n}" for name, n in sorted(counts.items())), method.name)
 
 
 def _entry(method: TrainingMethod, row: LedgerRow, version: int) -> CacheEntry:
