@@ -10,9 +10,11 @@ and `client_body_timeout` do:
     begun is closed silently (as uvicorn closes an idle kept-alive connection);
   - its body may pause no longer than `read_timeout_s` between pieces while the server is
     reading it (not while the app has not yet taken what arrived), and past its first
-    `read_timeout_s` must arrive at `MIN_BODY_RATE` on average (Apache's `MinRate`).
+    `read_timeout_s` must arrive at `MIN_BODY_RATE` on average (Apache's `MinRate`); else it
+    gets a 408 too, unless its answer has begun.
 Connections with a whole request in hand are never timed: a long answer streams as long as
-it takes.
+it takes. When the server shuts down, a request whose body is still arriving is answered 503
+at once (uvicorn would wait its whole grace period for the rest, then cancel the app: a 500).
 """
 
 from __future__ import annotations
@@ -119,8 +121,8 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
             self._arm(self._headers_late)
             return
         if self._request_begun:
-            self.transport.write(request_timeout_response(
-                f"the request's headers did not arrive within {self.read_timeout_s:g} s"))
+            self.transport.write(error_response(408, f"the request's headers did not arrive within "
+                                                     f"{self.read_timeout_s:g} s", "request_timeout"))
         self.transport.close()
 
     def _body_late(self) -> None:
@@ -133,13 +135,33 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
             self._body_started, self._body_bytes = self.loop.time(), 0  # the rate counts from when reading resumes
             self._arm(self._body_late)
             return
-        self.transport.close()  # the app reading the body sees the client gone (uvicorn's disconnect)
+        self._answer_instead_of_the_app(error_response(408, f"the request's body did not arrive at "
+                                                            f"{MIN_BODY_RATE} bytes a second, or paused for "
+                                                            f"{self.read_timeout_s:g} s", "request_timeout"))
+
+    def shutdown(self) -> None:
+        """uvicorn's graceful shutdown (closes idle connections, lets answers finish)."""
+        if self._reading_body and self.cycle is not None and not self._queued() and not self.transport.is_closing():
+            self._disarm()
+            self._answer_instead_of_the_app(error_response(
+                503, "the server is shutting down: the request's body had not arrived whole; send the request again",
+                "server_shutting_down"))
+            return
+        super().shutdown()
+
+    def _answer_instead_of_the_app(self, response: bytes) -> None:
+        """Ends a request whose body is being read: `response`, unless the app's answer has
+        begun, then the connection closes, which the app reading the body sees as the
+        client gone (uvicorn's disconnect), so that whatever it sends after goes nowhere."""
+        if not self.cycle.response_started:
+            self.transport.write(response)
+        self.transport.close()
 
 
-def request_timeout_response(message: str) -> bytes:
-    """A whole HTTP 408 response with an error body in OpenAI's format; the connection then closes."""
-    body = orjson.dumps(error_body(408, message, code="request_timeout"))
-    return b"".join([STATUS_LINE[408], b"content-type: application/json\r\n",
+def error_response(status: int, message: str, code: str) -> bytes:
+    """A whole HTTP response with an error body in OpenAI's format; the connection then closes."""
+    body = orjson.dumps(error_body(status, message, code=code))
+    return b"".join([STATUS_LINE[status], b"content-type: application/json\r\n",
                      b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n", body])
 
 
