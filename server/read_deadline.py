@@ -140,8 +140,9 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
                                                             f"{self.read_timeout_s:g} s", "request_timeout"))
 
     def shutdown(self) -> None:
-        """uvicorn's graceful shutdown (closes idle connections, lets answers finish)."""
-        if self._reading_body and self.cycle is not None and not self._queued() and not self.transport.is_closing():
+        """uvicorn's graceful shutdown (closes idle connections, lets answers begun finish)."""
+        if (self._reading_body and self.cycle is not None and not self.cycle.response_started and not self._queued()
+                and not self.transport.is_closing()):
             self._disarm()
             self._answer_instead_of_the_app(error_response(
                 503, "the server is shutting down: the request's body had not arrived whole; send the request again",
@@ -151,11 +152,14 @@ class ReadDeadlineProtocol(HttpToolsProtocol):
 
     def _answer_instead_of_the_app(self, response: bytes) -> None:
         """Ends a request whose body is being read: `response`, unless the app's answer has
-        begun, then the connection closes, which the app reading the body sees as the
-        client gone (uvicorn's disconnect), so that whatever it sends after goes nowhere."""
-        if not self.cycle.response_started:
+        begun, then the connection closes. The app reading the body hears that its client
+        left (uvicorn's disconnect) at once, so that nothing it sends follows `response`."""
+        cycle = self.cycle
+        if not cycle.response_started:
             self.transport.write(response)
         self.transport.close()
+        cycle.disconnected = True
+        cycle.message_event.set()
 
 
 def error_response(status: int, message: str, code: str) -> bytes:

@@ -18,6 +18,7 @@ from trainer.ledger import Ledger, LedgerUnavailable
 from trainer.label_history import remembered
 from trainer.ledger_db import LEDGER_FILE, ChoiceRecord, LabelRecord, deleted_requests, read_ledger, release_quarantined
 from trainer.ledger_lineage import lineage
+from trainer.ledger_write import QueuedWrite, RetryBacklog
 
 DPO = TrainConfig(mode="dpo", lora_rank=4)
 LABEL = LabelRecord("preference", chosen="yes", chosen_token_ids=[1], rejected_token_ids=[2])
@@ -335,3 +336,46 @@ def test_a_number_another_nodes_ledger_knows_is_not_given_again_and_that_node_le
         assert lineage(conn, 19) == [(18, 19), (0, 0)]  # versions 1 to 17 are not in these weights
         assert conn.execute("SELECT value FROM meta WHERE key = 'saved_version'").fetchone() is None
     replica.close()
+
+
+def test_the_fate_of_a_request_whose_row_waits_for_room_does_not_hold_up_the_save_that_makes_room(tmp_path):
+    """A request served while the ledger is full, whose entry then ended unlabelled: its fate
+    waits behind its row, and no save waits for it (a review found every save refused for
+    good: room comes only from labels a saved version holds)."""
+    ledger = Ledger(tmp_path / LEDGER_FILE, LedgerConfig(max_bytes=1 << 20))
+    ledger.resumed(0, 0)
+    try:
+        labelled = filled_with_labels(ledger)
+        ledger.record_request(request_record(9999, time.time(), tokens=8000))  # waits for room
+        ledger.record_fate("req-9999", "expired")
+        make_room(ledger, labelled)  # a strict flush first: the save may go ahead
+        assert rows_by_id(tmp_path / LEDGER_FILE)["req-9999"].fate == "expired"
+    finally:
+        ledger.close()
+
+
+def test_what_waits_behind_a_write_kept_for_its_retry():
+    """RetryBacklog's order: behind a request's row, all its writes; behind its fate, its next
+    fate alone (its answer writes other columns); behind a fate a save waits for, a lineage
+    (a rollback, a quarantine); behind a prompt's row, the deletion of its batch. A fate
+    behind its request's row holds no save up (the regression test above)."""
+    def write(**kwargs) -> QueuedWrite:
+        return QueuedWrite(lambda conn: None, **kwargs)
+
+    backlog = RetryBacklog()
+    row = write(request_id="batch-0", inserts_row=True)
+    backlog.keep(row, OSError("database or disk is full"))
+    assert backlog.holds_back(write(request_id="batch-0"))  # its answer
+    assert backlog.holds_back(write(request_id="batch", with_prompts=True))  # the batch's deletion
+    assert not backlog.holds_back(write(request_id="batch"))  # another request's label
+    fate_behind_row = write(request_id="batch-0", owed=True)
+    assert backlog.holds_back(fate_behind_row)
+    backlog.keep(fate_behind_row)
+    assert backlog.owed_waiting() == 0 and not backlog.holds_back(write(owed=True))
+    fate = write(request_id="s", owed=True)
+    backlog.keep(fate, OSError("database or disk is full"))
+    assert backlog.owed_waiting() == 1
+    assert backlog.holds_back(write(request_id="s", owed=True)) and not backlog.holds_back(write(request_id="s"))
+    assert backlog.holds_back(write(owed=True)) and not backlog.holds_back(write())  # a rollback; a flush
+    assert backlog.take() == [row, fate_behind_row, fate] and backlog.owed_waiting() == 0
+    assert not backlog.holds_back(write(request_id="batch-0")) and not backlog.holds_back(write(owed=True))

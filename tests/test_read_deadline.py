@@ -7,6 +7,7 @@ import asyncio
 import json
 import select
 import socket
+import threading
 import time
 
 import pytest
@@ -97,16 +98,25 @@ def test_a_body_that_stops_arriving_gets_a_408_in_openais_format(server):
 def test_a_body_still_arriving_when_the_server_shuts_down_gets_a_503_at_once():
     """uvicorn lets answers finish; the app waiting for the rest of a body would wait until
     its grace ran out (the server's: 10 s, then a 500; here none: for ever)."""
-    running = ServerThread(slow_echo, ServerConfig(read_timeout_s=60)).__enter__()
-    client = connect(running)
-    client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 100\r\n\r\n" + b"b" * 10)
-    time.sleep(0.3)  # (the app reads what came)
-    started = time.monotonic()
-    running.server.should_exit = True
-    data, _ = read_all(client)
-    running.thread.join(30)
-    assert not running.thread.is_alive() and time.monotonic() - started < 10
-    running.socket.close()
+    reading = threading.Event()
+
+    async def reads_the_body(scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await slow_echo(scope, receive, send)
+        while (message := await receive())["type"] == "http.request":
+            reading.set()
+            if not message.get("more_body"):
+                return await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    with ServerThread(reads_the_body, ServerConfig(read_timeout_s=60)) as running:
+        client = connect(running)
+        client.sendall(b"POST /x HTTP/1.1\r\nhost: a\r\ncontent-length: 100\r\n\r\n" + b"b" * 10)
+        assert reading.wait(30)
+        started = time.monotonic()
+        running.server.should_exit = True
+        data, _ = read_all(client)
+        running.thread.join(30)
+        assert not running.thread.is_alive() and time.monotonic() - started < 10
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 503"), data
     assert json.loads(body)["error"]["code"] == "server_shutting_down"

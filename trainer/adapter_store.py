@@ -338,11 +338,10 @@ class AdapterCheckpointer:
             return None
         except Exception as exc:  # noqa: BLE001 - a failed save is counted; the next one may succeed
             self.failed += 1
-            short = self._short_of_room()
-            if short:  # (torch's writer says "unexpected pos", not that the disk is full)
-                logger.warning("saving adapter version %d failed: %s (%s)", snapshot.version, short, exc)
-            else:
-                logger.exception("saving adapter version %d failed", snapshot.version)
+            short = self._short_of_room()  # (torch's writer says "unexpected pos", not that the disk is full)
+            logger.log(logging.WARNING if short else logging.ERROR, "saving adapter version %d failed: %s%s",
+                       snapshot.version, exc, f" ({short})" if short else "",
+                       exc_info=not short or logger.isEnabledFor(logging.DEBUG))
             return None
         self.saved += 1
         self.last_saved_version = snapshot.version

@@ -35,7 +35,7 @@ from trainer.config import LedgerConfig
 from trainer.ledger_db import (FINISH_REQUEST, INSERT_REQUEST, ChoiceRecord, Deletion, LabelRecord, LedgerStats,
                                RequestRecord, delete_rows, to_json)
 from trainer.ledger_file import open_database
-from trainer.ledger_write import LOG_EVERY_S, QueuedWrite, RetryBacklog, is_full
+from trainer.ledger_write import LOG_EVERY_S, QueuedWrite, RefusalCount, RetryBacklog, is_full
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class Ledger:
         # writes that failed for want of room or a lock: retried before the next ones
         self._retry = RetryBacklog()
         self._last_error: sqlite3.Error | None = None
-        self._refusal_logged = self._retention_logged = self._last_prune = float("-inf")
+        self._refusals = RefusalCount(self.stats)
+        self._retention_logged = self._last_prune = float("-inf")
         self._room_may_change = True  # a write landed since retention last ran (when full, it runs again only then)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="alchemist-ledger", daemon=True)
@@ -77,7 +78,7 @@ class Ledger:
     def record_request(self, record: RequestRecord) -> None:
         """A request got a cache entry (device thread: queued, not waited for)."""
         self._put(QueuedWrite(lambda c: c.execute(INSERT_REQUEST, record.values()),  # encoded on the writer thread
-                              request_id=record.id))
+                              request_id=record.id, inserts_row=True))
 
     def record_finished(self, request_id: str, choices: list[ChoiceRecord], aborted: bool):
         """A request's responses, when it finished (device thread: queued). Returns a future
@@ -215,7 +216,8 @@ class Ledger:
             write.done.result(timeout_s)
         except concurrent.futures.TimeoutError:
             if write.done.cancel():
-                self.stats.refused_writes += write.request_id is not None  # (the writer is stuck meanwhile)
+                if write.request_id is not None:  # (not a flush's; the writer is stuck meanwhile)
+                    self._refusals.add("the feedback ledger does not commit")
                 raise LedgerUnavailable(f"the feedback ledger did not commit within {timeout_s:g} s") from None
             write.done.result()
 
@@ -309,11 +311,8 @@ class Ledger:
 
     def _refuse(self, write: QueuedWrite, message: str) -> None:
         """A waiting caller's write refused, with nothing changed: a label's or a deletion's is a 503."""
-        self.stats.refused_writes += write.request_id is not None  # (not a flush's)
-        if write.request_id is not None and time.monotonic() - self._refusal_logged >= LOG_EVERY_S:
-            self._refusal_logged = time.monotonic()
-            logger.warning("%s: labels and deletions get 503 until it can (%d refused so far)", message,
-                           self.stats.refused_writes)
+        if write.request_id is not None:  # (not a flush's)
+            self._refusals.add(message)
         write.done.set_exception(LedgerUnavailable(message))
 
     def _commit_one(self, write: QueuedWrite) -> None:

@@ -97,17 +97,20 @@ def _open_read_only(path: Path) -> sqlite3.Connection:
     backup), SQLite cannot make the shared-memory file a write-ahead log is read through:
     with no log left to read (the last writer closed cleanly), the file is read as
     immutable; with one, that would miss its commits, so it is refused."""
-    wal = path.with_name(path.name + "-wal")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute("PRAGMA schema_version").fetchone()
         return conn
     except sqlite3.OperationalError as exc:
-        if os.access(path.parent, os.W_OK) or (wal.exists() and wal.stat().st_size > 0):
+        conn.close()
+        wal = path.with_name(path.name + "-wal")
+        # (SQLite's "unable to open": its shared memory, beside a file in a directory it may not write in)
+        shut_out = exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_CANTOPEN and not os.access(path.parent, os.W_OK)
+        if not shut_out or (wal.exists() and wal.stat().st_size > 0):
             raise LedgerOpenError(f"the feedback ledger {path} cannot be read: {exc}" + (
-                "" if os.access(path.parent, os.W_OK) else " (its directory cannot be written, and its write-ahead "
-                "log holds commits a reader needs to write beside: read a copy of the directory)")) from exc
+                " (its directory cannot be written, and its write-ahead log holds commits a reader needs to write "
+                "beside: read a copy of the directory)" if shut_out else "")) from exc
     conn = sqlite3.connect(f"file:{path}?immutable=1", uri=True, check_same_thread=False)
     conn.execute("PRAGMA foreign_keys = ON")
     return conn
@@ -118,6 +121,15 @@ def _open_for_writing(path: Path, max_bytes: int | None) -> sqlite3.Connection:
     os.close(fd)
     os.chmod(path, 0o600)
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+    try:
+        return _ready(conn, max_bytes)
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _ready(conn: sqlite3.Connection, max_bytes: int | None) -> sqlite3.Connection:
+    """The writer's connection `conn` with its settings and the schema."""
     conn.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect on a new file: pruning shrinks it
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = FULL")  # a commit is on disk before its label is acknowledged
