@@ -16,7 +16,8 @@ import pytest
 from tests.servers import tiny_app
 from tests.test_training import label, make_trainer, serve
 from trainer import adapter_copies
-from trainer.adapter_store import AdapterCheckpointer, AdapterDirectoryInUse, AdapterStore
+from trainer.adapter_lock import AdapterDirectoryInUse
+from trainer.adapter_store import AdapterCheckpointer, AdapterStore
 from trainer.config import AdapterConfig, TrainConfig
 
 HOLDER = textwrap.dedent("""

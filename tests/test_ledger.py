@@ -171,6 +171,24 @@ def test_while_the_ledger_cannot_be_written_its_log_says_so_once_a_minute(tmp_pa
     assert len(rows_by_id(path)) == 20
 
 
+def test_writes_a_stop_leaves_unmade_are_said_lost(tmp_path, caplog, monkeypatch):
+    """A stop while the ledger cannot be written (an outside pass: 16 queued writes went
+    without a word, and the requests they recorded took no label after the restart)."""
+    monkeypatch.setattr("trainer.ledger_file.BUSY_TIMEOUT_S", 0.05)
+    ledger = Ledger(tmp_path / LEDGER_FILE)
+    blocker = sqlite3.connect(tmp_path / LEDGER_FILE, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")
+    try:
+        for i in range(3):
+            ledger.record_request(request_record(i, time.time(), tokens=4))
+        ledger.flush()
+        ledger.close()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert any("3 writes could not be made before the stop" in r.getMessage() for r in caplog.records)
+
+
 def request_record(i: int, served_at: float, tokens: int = 400) -> RequestRecord:
     return RequestRecord(f"req-{i}", served_at, 0, "dpo", list(range(tokens)), [{"role": "user", "content": "hi"}])
 

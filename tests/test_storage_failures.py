@@ -111,5 +111,5 @@ def test_a_save_on_a_full_disk_says_how_much_room_a_version_needs(tmp_path, capl
         checkpointer.wait()
         assert training.optimizer.version == 1 and checkpointer.failed == 1
         said = [r for r in caplog.records if "saving adapter version 1 failed" in r.getMessage()]
-        assert len(said) == 1 and "MiB free, a version takes" in said[0].getMessage() and not said[0].exc_info, said
+        assert len(said) == 1 and "MiB free, this version takes" in said[0].getMessage() and not said[0].exc_info, said
         training.close()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
-import fcntl
 import json
 import logging
 import os
@@ -34,12 +33,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from trainer import adapter_copies, ledger_lineage
+from trainer.adapter_lock import lock_directory
 from trainer.ledger_db import LEDGER_FILE
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,6 @@ OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "alchemist_state.json"
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
 _TMP_PREFIX = ".tmp-"
-LOCK_FILE = ".lock"
 
 
 class AdapterLoadError(Exception):
@@ -59,10 +58,6 @@ class AdapterLoadError(Exception):
 
 class AdapterNotSaved(AdapterLoadError):
     """No saved version has that number (missing, or incomplete: no version)."""
-
-
-class AdapterDirectoryInUse(ValueError):
-    """Another process writes the adapter directory (a configuration error at start)."""
 
 
 @dataclass
@@ -97,7 +92,7 @@ class AdapterStore:
         if read_only:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        _lock_directory(self.root)
+        lock_directory(self.root)
         for leftover in self.root.glob(_TMP_PREFIX + "*"):  # a save or a prune a crash interrupted
             logger.warning("removing what an interrupted adapter save or prune left: %s", leftover)
             shutil.rmtree(leftover, ignore_errors=True)
@@ -244,6 +239,14 @@ def _weights_of(saved: SavedVersion) -> int | None:
     return state.get("weights_of", state.get("rolled_back_to", state.get("copy_of")))
 
 
+def _tensor_bytes(value) -> int:
+    """Bytes of the tensors in `value` (nested dicts and lists, as an optimizer's state)."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return sum(_tensor_bytes(item) for item in items)
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -267,30 +270,6 @@ class SaveJournal(Protocol):
 
     def resumed(self, saved: int, version: int) -> None:
         """Training resumes from saved version `saved` (-1: none) as `version`; those after it died unsaved."""
-
-
-# the adapter directories this process holds, each by one open file for the process's life: a POSIX record
-# lock is the process's, and closing any file on it (a second store's, dropped) would release it
-_HELD: dict[Path, IO] = {}
-
-
-def _lock_directory(root: Path) -> IO:
-    """Holds `root/.lock` for this process: a POSIX record lock, which the process's end
-    releases (SIGKILL too), and which the same process may take again (a restart in tests)."""
-    key = root.resolve()
-    if key in _HELD:
-        return _HELD[key]
-    handle = open(root / LOCK_FILE, "a+")
-    try:
-        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        handle.close()
-        raise AdapterDirectoryInUse(
-            f"another process is training into the adapter directory {root} (it holds {root / LOCK_FILE}): two "
-            "servers would overwrite each other's versions; give each its own --adapter-dir, or serve this one's "
-            "versions with --train-mode off") from None
-    _HELD[key] = handle
-    return handle
 
 
 class AdapterCheckpointer:
@@ -338,7 +317,7 @@ class AdapterCheckpointer:
             return None
         except Exception as exc:  # noqa: BLE001 - a failed save is counted; the next one may succeed
             self.failed += 1
-            short = self._short_of_room()  # (torch's writer says "unexpected pos", not that the disk is full)
+            short = self._short_of_room(snapshot)  # (torch's writer says "unexpected pos", not that the disk is full)
             logger.log(logging.WARNING if short else logging.ERROR, "saving adapter version %d failed: %s%s",
                        snapshot.version, exc, f" ({short})" if short else "",
                        exc_info=not short or logger.isEnabledFor(logging.DEBUG))
@@ -350,17 +329,15 @@ class AdapterCheckpointer:
         logger.info("saved adapter version %d to %s", snapshot.version, path)
         return path
 
-    def _short_of_room(self) -> str | None:
-        """What a failed save says of the disk, where it has less room than the last version saved took."""
-        if self.last_saved_version is None:
-            return None
+    def _short_of_room(self, snapshot: AdapterSnapshot) -> str | None:
+        """What a failed save says of the disk, where it has less room than `snapshot` takes."""
+        needed = _tensor_bytes([snapshot.weights, snapshot.optimizer_state])
         try:
-            taken = sum(f.stat().st_size for f in self.store.path_of(self.last_saved_version).iterdir())
             free = shutil.disk_usage(self.store.root).free
-        except OSError:  # (that version pruned meanwhile, the directory gone)
+        except OSError:  # (the directory gone)
             return None
-        return None if free >= taken else (f"the disk holds {free / 2**20:.1f} MiB free, a version takes "
-                                           f"{taken / 2**20:.1f} MiB (room for adapter.keep versions and one more)")
+        return None if free >= needed else (f"the disk holds {free / 2**20:.1f} MiB free, this version takes "
+                                            f"{needed / 2**20:.1f} MiB (room for adapter.keep versions and one more)")
 
     def wait(self) -> None:
         for future in list(self._pending):

@@ -186,7 +186,7 @@ class Ledger:
     def when_written(self, callback) -> None:
         """Calls `callback` on the writer thread once every owed write queued before now has committed (queued)."""
         marker = QueuedWrite(lambda c: None)
-        marker.committed = lambda: self._retry.keep(marker) if self._owed_waiting() else callback()
+        marker.committed = lambda: self._retry.keep(marker) if self._retry.owed_waiting() else callback()
         self._put(marker)
 
     def saved(self, version: int) -> None:
@@ -227,7 +227,7 @@ class Ledger:
         version is saved (a request's own rows may wait: no save depends on them)."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         waiting: list[int] = []  # the owed writes left for their retry (or given up) when this one landed
-        self._put(QueuedWrite(lambda c: None, done, committed=lambda: waiting.append(self._owed_waiting())))
+        self._put(QueuedWrite(lambda c: None, done, committed=lambda: waiting.append(self._retry.owed_waiting())))
         try:
             done.result(timeout_s)
         except LedgerUnavailable:
@@ -236,9 +236,6 @@ class Ledger:
             return  # tried, and failed: the writes wait for their retry
         if strict and waiting[0]:
             raise LedgerUnavailable(f"{waiting[0]} fates in the feedback ledger are not written: {self._last_error}")
-
-    def _owed_waiting(self) -> int:  # fates and lineages left for their retry, or given up
-        return self._retry.owed_waiting()
 
     def _put(self, write: QueuedWrite) -> None:
         if self._closed:
@@ -252,7 +249,8 @@ class Ledger:
     def _run(self) -> None:
         while True:
             first = self._queue.get()
-            if first is None:
+            if first is None:  # the stop: a last try at what waits for its retry
+                self._commit(self._retry.take())
                 return
             batch = [*self._retry.take(), first]
             while len(batch) < 512:
@@ -395,5 +393,8 @@ class Ledger:
         self._closed = True
         self._queue.put(None)
         self._thread.join(30)
+        if self._retry:  # (the answers of requests it records went out: their labels get 404 after a restart)
+            logger.warning("feedback ledger: %d writes could not be made before the stop (%s) and are lost",
+                           len(self._retry), self._last_error)
         self._conn.close()
 

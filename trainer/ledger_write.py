@@ -99,8 +99,8 @@ class RetryBacklog:
         self._count(write, 1)
         if exc is not None and time.monotonic() - self._logged >= LOG_EVERY_S:
             self._logged = time.monotonic()
-            logger.warning("feedback ledger writes fail (%s): %d wait to be retried with the next writes", exc,
-                           len(self.writes))
+            logger.warning("feedback ledger writes fail (%s): they wait to be retried with the next writes "
+                           "(alchemist:ledger_retry_backlog)", exc)
         if len(self.writes) > MAX_RETRY_BACKLOG:
             oldest = self.writes.pop(0)
             self._count(oldest, -1)
