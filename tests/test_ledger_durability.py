@@ -379,3 +379,29 @@ def test_what_waits_behind_a_write_kept_for_its_retry():
     assert backlog.holds_back(write(owed=True)) and not backlog.holds_back(write())  # a rollback; a flush
     assert backlog.take() == [row, fate_behind_row, fate] and backlog.owed_waiting() == 0
     assert not backlog.holds_back(write(request_id="batch-0")) and not backlog.holds_back(write(owed=True))
+
+
+def test_versions_given_while_nothing_could_be_written_are_not_given_again(tmp_path, monkeypatch):
+    """A version trained and served while neither the ledger nor a save could be written
+    (a full disk), then a stop: the restart resumes version 0's weights under a number after
+    it (an outside pass saw it call them 0, and name the next step as the lost one: one
+    number, two adapters). The directory's VersionMark kept it."""
+    monkeypatch.setattr("trainer.ledger_file.BUSY_TIMEOUT_S", 0.05)
+    training = training_that_saves(tmp_path, save_every=100)
+    for request_id in ("r0", "r1"):
+        serve(training, request_id)
+        label(training, request_id)
+    blocker = sqlite3.connect(tmp_path / LEDGER_FILE, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # what the full disk refuses: every write of the ledger, and so every save
+    try:
+        training.train_until_idle()
+        lost = training.optimizer.version
+        assert lost >= 1
+        training.close()  # its final save refused: the fates it trained are not on disk
+        assert not training.lifecycle.checkpointer.store.is_saved(lost)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    again = training_that_saves(tmp_path, save_every=100)
+    assert again.lifecycle.restored_from == 0 and again.optimizer.version > lost
+    again.close()

@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from trainer import adapter_copies, ledger_lineage
 from trainer.adapter_lock import lock_directory
+from trainer.version_mark import VersionMark
 from trainer.ledger_db import LEDGER_FILE
 
 logger = logging.getLogger(__name__)
@@ -287,12 +288,19 @@ class AdapterCheckpointer:
         self.saved = 0
         self.failed = 0
         self.last_saved_version: int | None = None
+        # the version numbers given out (trainer/version_mark.py): a restart gives none of them again
+        self.mark = VersionMark(store.root)
 
     def resumed(self, saved: int | None, version: int) -> None:
         """Training resumes from saved version `saved` (None: none is saved yet) as `version`."""
         self.last_saved_version = saved
         if self.journal is not None:
             self.journal.resumed(-1 if saved is None else saved, version)
+
+    def version_given(self, version: int) -> None:
+        """The adapter took version number `version` (device thread): recorded on the writer thread."""
+        with contextlib.suppress(RuntimeError):  # (after `close`: nothing the stop changes is recorded)
+            self._writer.submit(self.mark.give, version)
 
     def due(self, version: int) -> bool:
         return version % self.save_every == 0
@@ -349,6 +357,7 @@ class AdapterCheckpointer:
         if final is not None:
             self._save(final)
         self._writer.shutdown(wait=True)
+        self.mark.close()
 
 
 class AdapterMismatchError(ValueError):

@@ -93,7 +93,7 @@ class AdapterLifecycle:
         served or trained before a crash, are not given to the weights resumed."""
         if self.checkpointer is not None:
             snapshot = self.checkpointer.store.latest()
-            saved = -1 if snapshot is None else snapshot.version
+            saved, known = -1 if snapshot is None else snapshot.version, max(known, self.checkpointer.mark.given)
             version = max(saved, 0) if known <= saved else known + 1
             if snapshot is not None:
                 self.restore(snapshot, version)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Callable
 
 import torch
 
@@ -33,16 +34,29 @@ def adamw(params: list[torch.nn.Parameter], learning_rate: float, fused: bool = 
 
 class AdapterOptimizer:
     def __init__(self, params: list[torch.nn.Parameter], learning_rate: float, max_grad_norm: float,
-                 fused: bool = True):
+                 fused: bool = True, given: Callable[[int], None] | None = None):
+        """`given`: told of each version number before the weights take it (the adapter
+        directory's VersionMark, in the process that saves versions)."""
         self.params = params
         self.optimizer = adamw(params, learning_rate, fused)
         self.max_grad_norm = max_grad_norm
-        # bumped by every applied step
-        self.version = 0
+        self._given = given
+        self._version = 0
         # the entries these weights were trained on since version 0, every replica's
         # (restored with a saved version)
         self.entries_in_weights = 0
         self.skipped_steps = 0
+
+    @property
+    def version(self) -> int:
+        """The adapter's version: bumped by every applied step, set by a restore or a rollback."""
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        if self._given is not None and version != self._version:
+            self._given(version)
+        self._version = version
 
     def step(self, loss_is_finite: bool = True, entries: int = 1, updates: int = 1) -> bool:
         """Applies the accumulated gradients of `entries` entries as `updates` AdamW
