@@ -19,6 +19,7 @@ from trainer.config import TrainConfig
 from trainer.ledger import Ledger
 from trainer.ledger_db import LEDGER_FILE, ChoiceRecord, LabelRecord, RequestRecord
 from trainer.ledger_file import LedgerOpenError
+from trainer.version_mark import MARK_FILE, VersionMark
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,3 +114,22 @@ def test_a_save_on_a_full_disk_says_how_much_room_a_version_needs(tmp_path, capl
         said = [r for r in caplog.records if "saving adapter version 1 failed" in r.getMessage()]
         assert len(said) == 1 and "MiB free, this version takes" in said[0].getMessage() and not said[0].exc_info, said
         training.close()
+
+
+def test_the_version_numbers_given_are_kept_on_a_disk_that_filled_after_start(tmp_path):
+    """`DIR/.versions-given` is overwritten in place: a full disk (tmpfs: no copy-on-write)
+    does not refuse it, and a directory from before it reads -1 (the ledger's alone)."""
+    first = VersionMark(tmp_path)
+    assert first.given == -1
+    first.close()
+    with mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=64k", "tmpfs") as small:
+        mark = VersionMark(small)
+        with contextlib.suppress(OSError), open(small / "filler", "wb") as out:
+            out.write(b"\0" * (1 << 20))
+        for version in (1, 7, 3):  # (a lower number is never written over a higher)
+            mark.give(version)
+        mark.close()
+        mark.close()  # (once)
+        again = VersionMark(small)
+        assert (small / MARK_FILE).read_text() == f"{7:020d}\n" and again.given == 7
+        again.close()

@@ -40,8 +40,8 @@ from safetensors.torch import load_file, save_file
 
 from trainer import adapter_copies, ledger_lineage
 from trainer.adapter_lock import lock_directory
-from trainer.version_mark import VersionMark
 from trainer.ledger_db import LEDGER_FILE
+from trainer.version_mark import VersionMark
 
 logger = logging.getLogger(__name__)
 
@@ -298,9 +298,8 @@ class AdapterCheckpointer:
             self.journal.resumed(-1 if saved is None else saved, version)
 
     def version_given(self, version: int) -> None:
-        """The adapter took version number `version` (device thread): recorded on the writer thread."""
-        with contextlib.suppress(RuntimeError):  # (after `close`: nothing the stop changes is recorded)
-            self._writer.submit(self.mark.give, version)
+        """The adapter took version number `version` (device thread): recorded on the mark's thread."""
+        self.mark.give(version)
 
     def due(self, version: int) -> bool:
         return version % self.save_every == 0

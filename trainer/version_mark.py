@@ -4,21 +4,27 @@ A restart gives the weights it resumes a number after every number given before,
 a number never names two adapters. The feedback ledger knows the numbers its rows name,
 but on a full disk it writes none, and neither does a save: so the process that saves
 versions also keeps the highest number given in `DIR/.versions-given`, written over bytes
-allocated at start (a full disk does not refuse an overwrite in place) on the saves'
-writer thread, as the ledger's rows are written on its own: the device thread never waits
-for the disk.
+allocated at start (a full disk does not refuse an overwrite in place, but on a
+copy-on-write filesystem, btrfs or ZFS, it may) by a thread of its own, as the ledger's
+rows are written on theirs: the device thread never waits for the disk, nor a number for
+a save.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 MARK_FILE = ".versions-given"
 _WIDTH = 21  # b"%020d\n"
+# while writes fail, one line of the log per this many seconds
+_LOG_EVERY_S = 60.0
 
 
 class VersionMark:
@@ -27,22 +33,38 @@ class VersionMark:
         text = os.pread(self._fd, _WIDTH, 0).strip()
         # the highest number given (-1: none; a directory from before it was kept)
         self.given = int(text) if text.isdigit() else -1
-        if os.fstat(self._fd).st_size < _WIDTH:
-            self._write(self.given)  # the bytes later writes overwrite
+        self._logged = float("-inf")
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-version-mark")
+        if os.fstat(self._fd).st_size < _WIDTH:  # the bytes later writes overwrite
+            error = self._write(self.given)
+            if error is not None:
+                logger.warning("cannot allocate %s (%s): the numbers given are known from the feedback ledger alone",
+                               MARK_FILE, error)
 
     def give(self, version: int) -> None:
-        """`version` was given to weights."""
+        """`version` was given to weights (any thread): written on the mark's thread."""
         if version > self.given:
-            self._write(version)
+            with contextlib.suppress(RuntimeError):  # (closed: a stop gives no number)
+                self._writer.submit(self._given, version)
 
-    def _write(self, value: int) -> None:
+    def _given(self, version: int) -> None:
+        error = self._write(version) if version > self.given else None
+        if error is not None and time.monotonic() - self._logged >= _LOG_EVERY_S:  # a restart may give it again
+            self._logged = time.monotonic()
+            logger.warning("cannot record adapter version %d as given in %s: %s", version, MARK_FILE, error)
+
+    def _write(self, value: int) -> OSError | None:
         try:
             os.pwrite(self._fd, b"%020d\n" % value, 0)
             os.fdatasync(self._fd)
-        except OSError as exc:  # a restart may then give this number again
-            logger.warning("cannot record adapter version %d as given in %s: %s", value, MARK_FILE, exc)
-            return
+        except OSError as exc:
+            return exc
         self.given = value
+        return None
 
     def close(self) -> None:
-        os.close(self._fd)
+        """Writes what was given, then closes the file (once)."""
+        self._writer.shutdown(wait=True)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
