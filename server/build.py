@@ -126,7 +126,7 @@ def build_training(runner: ModelRunner, tokenizer, max_model_len: int, config: T
     method, model = method or default_method(config), runner.model
     peft_model = attach_lora(model, config, init_lora_weights)
     optimizer = AdapterOptimizer(lora_parameters(peft_model), config.learning_rate, config.max_grad_norm,
-                                 given=checkpointer.version_given if checkpointer is not None else None)
+                                 given=checkpointer.mark.give if checkpointer is not None else None)
     replicas = ReplicaSync(optimizer.params, replica.rank, wakeup or (lambda: None)) if replica is not None else None
     model_dtype = next(model.parameters()).dtype
     budget = size_cache(config.cache_bytes, runner.device, model.config, model_dtype)

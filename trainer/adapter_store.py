@@ -297,10 +297,6 @@ class AdapterCheckpointer:
         if self.journal is not None:
             self.journal.resumed(-1 if saved is None else saved, version)
 
-    def version_given(self, version: int) -> None:
-        """The adapter took version number `version` (device thread): recorded on the mark's thread."""
-        self.mark.give(version)
-
     def due(self, version: int) -> bool:
         return version % self.save_every == 0
 

@@ -35,7 +35,8 @@ from trainer.config import LedgerConfig
 from trainer.ledger_db import (FINISH_REQUEST, INSERT_REQUEST, ChoiceRecord, Deletion, LabelRecord, LedgerStats,
                                RequestRecord, delete_rows, to_json)
 from trainer.ledger_file import open_database
-from trainer.ledger_write import LOG_EVERY_S, QueuedWrite, RefusalCount, RetryBacklog, is_full
+from trainer.ledger_write import QueuedWrite, RefusalCount, RetryBacklog, is_full
+from trainer.log_throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class Ledger:
         self._retry = RetryBacklog()
         self._last_error: sqlite3.Error | None = None
         self._refusals = RefusalCount(self.stats)
-        self._retention_logged = self._last_prune = float("-inf")
+        self._retention_failing, self._last_prune = Throttle(), float("-inf")
         self._room_may_change = True  # a write landed since retention last ran (when full, it runs again only then)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="alchemist-ledger", daemon=True)
@@ -364,8 +365,7 @@ class Ledger:
         try:
             self._transaction([QueuedWrite(self._prune)])
         except sqlite3.Error as exc:
-            if time.monotonic() - self._retention_logged >= LOG_EVERY_S:
-                self._retention_logged = time.monotonic()
+            if self._retention_failing.due():
                 logger.warning("feedback ledger retention failed: %s", exc)
 
     def prune(self) -> None:

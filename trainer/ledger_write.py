@@ -8,15 +8,14 @@ import concurrent.futures
 import logging
 import sqlite3
 import threading
-import time
 from collections import Counter
+
+from trainer.log_throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
 # queued writes (requests' rows, fates) kept for retry while the ledger cannot be written
 MAX_RETRY_BACKLOG = 100_000
-# while writes fail, one line of the log per this many seconds
-LOG_EVERY_S = 60.0
 
 
 def is_full(exc: Exception) -> bool:
@@ -79,7 +78,7 @@ class RetryBacklog:
         self._anchored_owed = 0
         # owed writes given up (past MAX_RETRY_BACKLOG): no version may be saved after them
         self.given_up_owed = 0
-        self._logged = float("-inf")
+        self._failing = Throttle()
 
     def __len__(self) -> int:
         return len(self.writes)
@@ -97,8 +96,7 @@ class RetryBacklog:
         waits behind an earlier write)."""
         self.writes.append(write)
         self._count(write, 1)
-        if exc is not None and time.monotonic() - self._logged >= LOG_EVERY_S:
-            self._logged = time.monotonic()
+        if exc is not None and self._failing.due():
             logger.warning("feedback ledger writes fail (%s): they wait to be retried with the next writes "
                            "(alchemist:ledger_retry_backlog)", exc)
         if len(self.writes) > MAX_RETRY_BACKLOG:
@@ -142,13 +140,11 @@ class RefusalCount:
     def __init__(self, stats):
         self._stats = stats
         self._lock = threading.Lock()
-        self._logged = float("-inf")
+        self._said = Throttle()
 
     def add(self, why: str) -> None:
         with self._lock:
             self._stats.refused_writes += 1
             refused = self._stats.refused_writes
-            if time.monotonic() - self._logged < LOG_EVERY_S:
-                return
-            self._logged = time.monotonic()
-        logger.warning("%s: labels and deletions get 503 until it can (%d refused so far)", why, refused)
+        if self._said.due():
+            logger.warning("%s: labels and deletions get 503 until it can (%d refused so far)", why, refused)

@@ -16,15 +16,14 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import time
 from pathlib import Path
+
+from trainer.log_throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
 MARK_FILE = ".versions-given"
 _WIDTH = 21  # b"%020d\n"
-# while writes fail, one line of the log per this many seconds
-_LOG_EVERY_S = 60.0
 
 
 class VersionMark:
@@ -33,7 +32,7 @@ class VersionMark:
         text = os.pread(self._fd, _WIDTH, 0).strip()
         # the highest number given (-1: none; a directory from before it was kept)
         self.given = int(text) if text.isdigit() else -1
-        self._logged = float("-inf")
+        self._failing = Throttle()
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="alchemist-version-mark")
         if os.fstat(self._fd).st_size < _WIDTH:  # the bytes later writes overwrite
             error = self._write(self.given)
@@ -49,8 +48,7 @@ class VersionMark:
 
     def _given(self, version: int) -> None:
         error = self._write(version) if version > self.given else None
-        if error is not None and time.monotonic() - self._logged >= _LOG_EVERY_S:  # a restart may give it again
-            self._logged = time.monotonic()
+        if error is not None and self._failing.due():  # a restart may give it again
             logger.warning("cannot record adapter version %d as given in %s: %s", version, MARK_FILE, error)
 
     def _write(self, value: int) -> OSError | None:
