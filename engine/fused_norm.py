@@ -1,6 +1,6 @@
 """RMSNorm as one op: `torch.nn.functional.rms_norm` in place of the model's own pieces.
 
-The Hugging Face families the engine serves (Llama, Mistral, Qwen2, Phi-3) normalise in
+The Hugging Face families the engine serves (Llama, Mistral, Qwen2, Qwen3, Phi-3) normalise in
 six ops (eight in bfloat16, with the casts): `pow`, `mean`, `add`, `rsqrt`, `mul`, then
 the weight's `mul`. Every decoder layer runs two, and the model one more before the head,
 in every serving step and every training forward. On a GPU each op is a kernel launch,
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # the classes whose forward is Llama's `weight * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)`
-_SAME_AS_LLAMA = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Phi3RMSNorm")
+_SAME_AS_LLAMA = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
 
 
 def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

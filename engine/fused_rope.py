@@ -80,7 +80,7 @@ def _projections(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.
 
 def _window_kwargs(module: nn.Module) -> dict:
     """The sliding window the family's own forward passes to the attention function:
-    Qwen2 its layer's, Mistral and Phi-3 the config's, Llama none."""
+    Qwen2's and Qwen3's their layer's, Mistral and Phi-3 the config's, Llama none."""
     if module.window_from == "layer":
         return {"sliding_window": module.sliding_window}
     if module.window_from == "config":
@@ -93,8 +93,11 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     cache = cache if cache is not None else past_key_values
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    query, key, value = (t.view(hidden_shape).transpose(1, 2) for t in _projections(self, hidden_states))
-    query, key = rotate_query_and_key(query, key, position_embeddings)
+    query, key, value = (t.view(hidden_shape) for t in _projections(self, hidden_states))
+    if self.norms_heads:  # Qwen3: an RMSNorm over each head's query and key, before RoPE
+        query, key = self.q_norm(query), self.k_norm(key)
+    query, key = rotate_query_and_key(query.transpose(1, 2), key.transpose(1, 2), position_embeddings)
+    value = value.transpose(1, 2)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
@@ -106,16 +109,17 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
 
 
 # the attention classes whose forward is Llama's but for where its sliding window comes
-# from (Phi-3 also splits one qkv projection)
+# from (Phi-3 also splits one qkv projection; Qwen3 normalises each head's query and key)
 _WINDOW_FROM = {"LlamaAttention": None, "MistralAttention": "config", "Qwen2Attention": "layer",
-                "Phi3Attention": "config"}
+                "Qwen3Attention": "layer", "Phi3Attention": "config"}
 
 
 @functools.cache
 def _fused_class(original: type) -> type:
     name = f"Fused{original.__name__}"
     globals()[name] = fused = type(name, (original,), {"forward": _fused_forward, "__module__": __name__,
-                                                      "window_from": _WINDOW_FROM[original.__name__]})
+                                                      "window_from": _WINDOW_FROM[original.__name__],
+                                                      "norms_heads": original.__name__ == "Qwen3Attention"})
     return fused  # a module-level name, as pickle looks it up, in a process that installed it
 
 

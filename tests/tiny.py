@@ -11,9 +11,10 @@ import os
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+                          Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
-FAMILIES = ("llama", "mistral", "phi3", "qwen2")
+FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 # ALCHEMIST_TEST_DEVICE=cuda runs the tests built on tiny models on a GPU (the bring-up
 # of `bench/gpu.sh`); the default is the CPU that CI has
 TEST_DEVICE = torch.device(os.environ.get("ALCHEMIST_TEST_DEVICE", "cpu"))
@@ -66,8 +67,11 @@ def tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.
         "mistral": (MistralConfig, MistralForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     }[family]
     extra = {"sliding_window": None} if family in ("mistral", "phi3") else {}
+    if family == "qwen3":  # heads wider than hidden / heads, as Qwen3's are (its q/k norms act on them)
+        extra["head_dim"] = 2 * hidden_size // common["num_attention_heads"]
     torch.manual_seed(seed)
     config = config_cls(**common, **extra)
     model = model_cls(config).to(dtype).eval()

@@ -52,6 +52,7 @@ DEFAULT_TARGETS = {
     "llama": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
     "qwen2": _LLAMA_LIKE,
+    "qwen3": _LLAMA_LIKE,
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
 }
 
