@@ -15,6 +15,7 @@ import sys
 from engine.config import DECODE_ATTENTION
 from server.config import AlchemistConfig, check_paths, load_config, refuse_a_key_left_unset, tokens_in
 from server.feedback_cli import add_feedback_commands, feedback_command
+from server.reasoning import REASONING_PARSERS
 from trainer.config import TRAIN_MODES
 
 logger = logging.getLogger("alchemist")
@@ -142,7 +143,8 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
                    "max_queued_requests": getattr(args, "max_queued_requests", None),
                    "max_body_bytes": getattr(args, "max_body_bytes", None),
                    "read_timeout_s": getattr(args, "read_timeout", None),
-                   "allowed_origins": getattr(args, "allowed_origins", None)},
+                   "allowed_origins": getattr(args, "allowed_origins", None),
+                   "reasoning_parser": getattr(args, "reasoning_parser", None)},
     }
     return load_config(args.config, overrides)
 
@@ -179,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "body may pause no longer; else the connection closes (default 30)")
     serve.add_argument("--allowed-origins", type=origins, help="origins whose web pages may call the server from a "
                        "browser (CORS): comma-separated, or vLLM's JSON list; '*' is any (default: none)")
+    serve.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS),
+                       help="a thinking model's <think> section as a chat message's `reasoning`, apart from its "
+                       "`content` (as vLLM's flag; default: the answer's text as generated)")
     serve.add_argument("--adapter-dir", help="save the adapter here (PEFT format) and resume from it on start; "
                        "with training off, serve its newest version frozen")
     serve.add_argument("--adapter-version", type=int, help="with training off: the saved version to serve")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig, check_positive
+from server.reasoning import REASONING_PARSERS
 from offload.config import OffloadConfig
 from trainer.config import AdapterConfig, ArbiterConfig, LedgerConfig, TrainConfig
 
@@ -55,6 +56,9 @@ class ServerConfig:
     # from a browser (CORS); none by default, which is what keeps a page the user opens from
     # posting labels or rollbacks to it (a JSON body from another origin needs a preflight)
     allowed_origins: tuple[str, ...] = ()
+    # a thinking model's reasoning apart from its answer in chat completions (server/reasoning.py):
+    # "qwen3" or "deepseek_r1", as vLLM's --reasoning-parser; empty: the answer's text as generated
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -73,6 +77,9 @@ class ServerConfig:
             raise ValueError(f"server.read_timeout_s must be positive and finite, got {self.read_timeout_s!r}")
         if self.async_output not in ("auto", "on", "off"):
             raise ValueError(f"server.async_output must be auto, on or off, got {self.async_output!r}")
+        if self.reasoning_parser not in ("", *REASONING_PARSERS):
+            raise ValueError(f"server.reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or empty), "
+                             f"got {self.reasoning_parser!r}")
         if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
             raise ValueError(f"server.max_queued_requests must be a non-negative integer, "
                              f"got {self.max_queued_requests!r}")

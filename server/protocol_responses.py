@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.protocol_fields import (TOOL_CHOICE_TYPES, Int, LimitFrom1, Metadata, Strict, documented,
@@ -164,6 +164,12 @@ class ResponsesStreamOptions(Strict):
     include_obfuscation: bool | None = None
 
 
+def _a_boolean(value):
+    if not isinstance(value, bool):
+        raise PydanticCustomError("bool_type", "Input should be a valid boolean")
+    return value
+
+
 class ResponsesRequest(Strict):
     model: str
     input: str | Annotated[list[InputItem], Field(min_length=1)]
@@ -190,7 +196,8 @@ class ResponsesRequest(Strict):
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     include: list[str] | None = None
-    background: Literal[False] | None = None
+    # false or absent: a literal's check alone takes 0 and 0.0 as false (they equal it)
+    background: Annotated[Literal[False], BeforeValidator(_a_boolean)] | None = None
     max_tool_calls: documented(Int, minimum=1) | None = None
     # alchemist: false keeps this request out of online training
     train: bool = True

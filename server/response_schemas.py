@@ -86,6 +86,10 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # with a reasoning parser (`--reasoning-parser`): the answer's <think> section, under vLLM's
+    # name and its earlier one (DeepSeek's), null where the model gave none
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -153,6 +157,21 @@ class OutputMessage(BaseModel):
     content: list[OutputText]
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """With a reasoning parser (`--reasoning-parser`): the answer's <think> section."""
+
+    type: Literal["reasoning"]
+    id: str
+    status: ItemStatus
+    summary: list[dict]
+    content: list[ReasoningText]
+
+
 class OutputFunctionCall(BaseModel):
     type: Literal["function_call"]
     id: str
@@ -193,7 +212,7 @@ class ModelResponse(BaseModel):
     instructions: str | None
     max_output_tokens: int | None
     model: str
-    output: list[Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]]
+    output: list[Annotated[OutputMessage | OutputReasoning | OutputFunctionCall, Field(discriminator="type")]]
     parallel_tool_calls: bool
     previous_response_id: None
     reasoning: dict

@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 
 from engine.outputs import RequestOutput, TokenLogprob
+from server.reasoning import ReasoningSplitter
 from server.token_shown import TokenShown
 from server.tool_calls import ToolCallParser
 
@@ -31,18 +32,32 @@ def finish_reason(reason: str | None, called_tools: bool = False) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-def assistant_message(text: str, parser: ToolCallParser | None) -> tuple[dict, bool]:
+def assistant_message(text: str, parser: ToolCallParser | None,
+                      splitter: ReasoningSplitter | None = None) -> tuple[dict, bool]:
     """A whole choice's `message`, and whether it ends as "tool_calls"; with a parser (tools
-    were offered), its tool calls split from its text."""
+    were offered), its tool calls split from its text; with a splitter, its reasoning."""
+    reasoning = None
+    if splitter is not None:
+        (reasoning, text), (more_reasoning, rest) = splitter.feed(text), splitter.finish()
+        reasoning, text = (reasoning + more_reasoning) or None, text + rest
     if parser is None:
-        return {"role": "assistant", "content": text}, False
+        message = {"role": "assistant", "content": text if text or reasoning is None else None}
+        return _with_reasoning(message, splitter, reasoning), False
     content, _ = parser.feed(text)
     rest, _ = parser.finish()
     content += rest
-    message = {"role": "assistant", "content": content if content or not (parser.calls or parser.forced) else None}
+    empty = parser.calls or parser.forced or reasoning is not None
+    message = {"role": "assistant", "content": content if content or not empty else None}
     if parser.calls:
         message["tool_calls"] = [call.as_openai() for call in parser.calls]
-    return message, parser.ends_as_tool_calls
+    return _with_reasoning(message, splitter, reasoning), parser.ends_as_tool_calls
+
+
+def _with_reasoning(message: dict, splitter: ReasoningSplitter | None, reasoning: str | None) -> dict:
+    """`message` with its reasoning as vLLM names it, and under its earlier name (DeepSeek's)."""
+    if splitter is not None:
+        message["reasoning"] = message["reasoning_content"] = reasoning
+    return message
 
 
 def clamp_logprob(value: float) -> float:
@@ -129,11 +144,14 @@ class Choices:
 
 
 def chat_completion(request_id: str, model: str, created: int, choices: Choices, num_prompt_tokens: int,
-                    tokens: TokenShown, with_logprobs: bool, parsers: list[ToolCallParser] | None = None) -> dict:
-    """A whole `chat.completion` body; `parsers`: one per choice when tools were offered."""
+                    tokens: TokenShown, with_logprobs: bool, parsers: list[ToolCallParser] | None = None,
+                    splitters: list[ReasoningSplitter] | None = None) -> dict:
+    """A whole `chat.completion` body; `parsers`: one per choice when tools were offered;
+    `splitters`: one per choice with a reasoning parser."""
     rendered = []
     for i, text in enumerate(choices.texts):
-        message, called_tools = assistant_message(text, parsers[i] if parsers else None)
+        message, called_tools = assistant_message(text, parsers[i] if parsers else None,
+                                                  splitters[i] if splitters else None)
         rendered.append({
             "index": i,
             "message": message,

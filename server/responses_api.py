@@ -5,7 +5,9 @@ runs it), its answer rendered as a `response` object or streamed as the API's ty
 The response's id is its completion's: it is what `POST /v1/feedback` labels and
 `DELETE /v1/responses/{id}` forgets, as for a chat completion. Its output is messages (the
 answer's text) and a `function_call` item per call; an answer cut by `max_output_tokens`
-is `incomplete`. Items come in the order written (a run of text is a message); a stream
+is `incomplete`. With a reasoning parser (server/reasoning.py), the answer's <think> section is a
+`reasoning` item before them (`response.reasoning_text.delta` as it streams). Items come in the order
+written (a run of text is a message); a stream
 opens each as it begins, sends its text
 (`response.output_text.delta`) or a call's arguments (`response.function_call_arguments.delta`)
 as the parser passes them on — as decoded for a call the grammar forces, whole once its
@@ -26,6 +28,7 @@ from server.errors import APIError, validation_error
 from server.parsing import check_unsupported, parse_body
 from server.protocol import ChatCompletionRequest
 from server.protocol_responses import ResponsesRequest
+from server.reasoning import ReasoningSplitter
 from server.routes_openai import ChatRun, start_chat
 from server.state import ServerState
 from server.streams import event_stream_response, sse_json, until_disconnect
@@ -86,7 +89,7 @@ def _named_as_sent(exc: APIError) -> APIError:
 
 
 def output_usage(prompt_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + output_tokens}
 
@@ -101,6 +104,7 @@ class Answer:
         self.run, self.body, self.created = run, body, created
         self.parser: ToolCallParser | None = run.parsers[0] if run.parsers else None
         self.parser_ended = False
+        self.splitter: ReasoningSplitter | None = run.splitters[0] if run.splitters else None
         # {"type": "message", "id", "text"} or {"type": "function_call", "index" (among the parser's calls),
         # "call_id", "name", "arguments"}, in the order written; the last one is open while `is_open`
         self.items: list[dict] = []
@@ -120,12 +124,19 @@ class Answer:
 
     def feed(self, text: str, final: bool = False) -> list[bytes]:
         """Decoded text in (`final`: the last); the stream's events of what it adds."""
+        events = []
+        if self.splitter is not None:  # the reasoning apart (server/reasoning.py)
+            reasoning, text = self.splitter.feed(text)
+            if final:
+                more, rest = self.splitter.finish()
+                reasoning, text = reasoning + more, text + rest
+            if reasoning:
+                events += self._reasoned(reasoning)
         content, deltas = self.parser.feed(text) if self.parser is not None else (text, [])
         if final and self.parser is not None and not self.parser_ended:
             self.parser_ended = True  # (the parser counts its calls when it finishes: once)
             rest, more = self.parser.finish()
             content, deltas = content + rest, deltas + more
-        events = []
         if content:
             if not (self.is_open and self.items[-1]["type"] == "message"):
                 messages = sum(item["type"] == "message" for item in self.items)
@@ -145,6 +156,14 @@ class Answer:
                                          item_id=f"fc_{self.items[position]['call_id']}", delta=delta.arguments))
         return events
 
+    def _reasoned(self, text: str) -> list[bytes]:
+        """The events of reasoning `text`: a reasoning item's, opened if the last is not one."""
+        events = [] if self.is_open and self.items[-1]["type"] == "reasoning" else \
+            self._open({"type": "reasoning", "id": f"rs_{self._id}", "text": ""})
+        self.items[-1]["text"] += text
+        return events + [self.event("response.reasoning_text.delta", item_id=self.items[-1]["id"],
+                                    output_index=len(self.items) - 1, content_index=0, delta=text)]
+
     def _open(self, item: dict) -> list[bytes]:
         """Closes the item before (the API ends one before the next begins), opens `item`."""
         events = self._close(self.rendered(self.items[-1], "completed")) if self.is_open else []
@@ -153,9 +172,10 @@ class Answer:
         index = len(self.items) - 1
         events.append(self.event("response.output_item.added", output_index=index,
                                  item=self.rendered(item, "in_progress")))
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
+            part = self.text_part("") if item["type"] == "message" else {"type": "reasoning_text", "text": ""}
             events.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
-                                     content_index=0, part=self.text_part("")))
+                                     content_index=0, part=part))
         return events
 
     def _close(self, rendered: dict) -> list[bytes]:
@@ -168,6 +188,12 @@ class Answer:
                                  content_index=0, text=text, logprobs=[]),
                       self.event("response.content_part.done", item_id=rendered["id"], output_index=index,
                                  content_index=0, part=self.text_part(text))]
+        elif rendered["type"] == "reasoning":
+            part = rendered["content"][0]
+            events = [self.event("response.reasoning_text.done", item_id=rendered["id"], output_index=index,
+                                 content_index=0, text=part["text"]),
+                      self.event("response.content_part.done", item_id=rendered["id"], output_index=index,
+                                 content_index=0, part=part)]
         else:
             events = [self.event("response.function_call_arguments.done", item_id=rendered["id"],
                                  output_index=index, name=rendered["name"], arguments=rendered["arguments"])]
@@ -178,6 +204,9 @@ class Answer:
         if item["type"] == "message":
             return {"type": "message", "id": item["id"], "status": status, "role": "assistant",
                     "content": [self.text_part(item["text"])] if status != "in_progress" else []}
+        if item["type"] == "reasoning":
+            return {"type": "reasoning", "id": item["id"], "status": status, "summary": [],
+                    "content": [{"type": "reasoning_text", "text": item["text"]}] if status != "in_progress" else []}
         return {"type": "function_call", "id": f"fc_{item['call_id']}", "call_id": item["call_id"],
                 "name": item["name"], "arguments": item["arguments"] if status != "in_progress" else "",
                 "status": status}

@@ -21,6 +21,7 @@ from server.guards import admit_sequences
 from server.parsing import (check_model, check_unsupported, completion_prompts, ledger_prompt, make_request,
                             parse_body, render_chat)
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.reasoning import ReasoningSplitter, opens_reasoning
 from server.responses import Choices, chat_completion, text_completion
 from server.streams import (chat_events, completion_events, engine_stream, event_stream_response, merge,
                             until_disconnect)
@@ -86,6 +87,7 @@ class ChatRun:
     num_prompt_tokens: int
     outputs: AsyncIterator  # the engine's outputs (server/streams.py's engine_stream)
     parsers: list[ToolCallParser] | None  # one per choice when tools were offered
+    splitters: list[ReasoningSplitter] | None = None  # one per choice with a reasoning parser (server/reasoning.py)
 
 
 async def start_chat(state: ServerState, request: Request, body: ChatCompletionRequest,
@@ -115,7 +117,12 @@ async def start_chat(state: ServerState, request: Request, body: ChatCompletionR
         parsers = [ToolCallParser(tools.forced, state.metrics.count_tool_calls, tools.forced_names,
                                    named=tools.choice == "named", parallel=tools.parallel)
                    for _ in range(params.n)]
-    return ChatRun(request_id, params, len(prompt_ids), engine_stream(state.engine, engine_request), parsers)
+    splitters = None
+    if state.reasoning_parser:
+        in_reasoning = opens_reasoning(state.tokenizer.decode(prompt_ids[-8:]))
+        splitters = [ReasoningSplitter(in_reasoning) for _ in range(params.n)]
+    return ChatRun(request_id, params, len(prompt_ids), engine_stream(state.engine, engine_request), parsers,
+                   splitters)
 
 
 async def serve_chat_completion(state: ServerState, request: Request):
@@ -124,7 +131,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
     n = run.params.n
     if body.stream:
         events = chat_events(run.request_id, body.model, run.outputs, n, run.num_prompt_tokens,
-                             body.stream_options, state.tokens, run.parsers)
+                             body.stream_options, state.tokens, run.parsers, run.splitters)
         return event_stream_response(events, state.engine, [run.request_id])
 
     async def whole():
@@ -132,7 +139,7 @@ async def serve_chat_completion(state: ServerState, request: Request):
         async for output in run.outputs:
             choices.add(output)
         return chat_completion(run.request_id, body.model, int(time.time()), choices, run.num_prompt_tokens,
-                               state.tokens, run.params.logprobs is not None, run.parsers)
+                               state.tokens, run.params.logprobs is not None, run.parsers, run.splitters)
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)

@@ -55,7 +55,8 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
     aliases = tuple(names[1:]) if name == names[0] else ()  # a frozen adapter is served under its own name
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, training,
                         stack.served_adapter, aliases, keeps_client_prompt=keeps_client_prompt,
-                        sampling_defaults=defaults, replica=replica, peers=peers)
+                        sampling_defaults=defaults, reasoning_parser=config.server.reasoning_parser,
+                        replica=replica, peers=peers)
     server = config.server
     app = build_app(state, GuardConfig(server.api_key, server.admin_key,
                                        config.scheduler.max_num_seqs + server.max_queued_requests,

@@ -90,6 +90,8 @@ class ServerState:
     keeps_client_prompt: bool = False
     # the sampling fields a request leaves out take these values (server/generation_config.py)
     sampling_defaults: dict = field(default_factory=dict)
+    # a chat's reasoning apart from its answer (server/reasoning.py): a parser's name, or "" for none
+    reasoning_parser: str = ""
     # this process's place among data-parallel replicas, and how it reaches the others
     # (server/replicas.py, server/fanout.py); None for a single server
     replica: Replica | None = None

@@ -20,6 +20,7 @@ from engine.outputs import ErrorKind
 from engine.request import EngineRequest
 from server.errors import APIError, error_body
 from server.read_deadline import ABORT_CONNECTION
+from server.reasoning import ReasoningSplitter
 from server.responses import TextOffsets, chat_logprobs, chunk, completion_logprobs, finish_reason, usage
 from server.token_shown import TokenShown
 from server.tool_calls import ToolCallParser
@@ -229,29 +230,44 @@ def _streamed_finish_reason(reason: str | None, called_tools: bool = False) -> s
     return None if reason == "abort" else finish_reason(reason, called_tools)
 
 
-def _chat_delta(parser: ToolCallParser | None, text: str, finished: bool) -> tuple[dict, bool]:
-    """A choice's delta for its new text — content, and, when tools were offered, tool-call
-    deltas (server/tool_calls.py) — and whether the choice ends as "tool_calls"."""
+def _chat_delta(parser: ToolCallParser | None, splitter: ReasoningSplitter | None, text: str,
+                finished: bool) -> tuple[dict, bool]:
+    """A choice's delta for its new text — its reasoning apart with a splitter
+    (server/reasoning.py), content, and, when tools were offered, tool-call deltas
+    (server/tool_calls.py) — and whether the choice ends as "tool_calls"."""
+    delta: dict = {}
+    if splitter is not None:
+        reasoning, text = splitter.feed(text)
+        if finished:
+            more_reasoning, rest = splitter.finish()
+            reasoning, text = reasoning + more_reasoning, text + rest
+        if reasoning:  # under vLLM's name, and its earlier one (DeepSeek's)
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
     if parser is None:
-        return ({"content": text} if text else {}), False
+        if text:
+            delta["content"] = text
+        return delta, False
     content, calls = parser.feed(text)
     if finished:
         rest, more = parser.finish()
         content, calls = content + rest, calls + more
-    delta: dict = {"content": content} if content else {}
+    if content:
+        delta["content"] = content
     if calls:
         delta["tool_calls"] = [call.as_openai() for call in calls]
     return delta, parser.ends_as_tool_calls
 
 
 async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_tokens: int, stream_options,
-                      tokens: TokenShown, parsers: list[ToolCallParser] | None = None):
+                      tokens: TokenShown, parsers: list[ToolCallParser] | None = None,
+                      splitters: list[ReasoningSplitter] | None = None):
     """SSE events of a streamed chat completion: a role chunk per choice, content (and,
-    with `parsers`, one per choice, tool-call) deltas, finish reasons, the usage chunk,
-    then [DONE] (an error becomes an error event)."""
+    with `parsers`, one per choice, tool-call; with `splitters`, reasoning) deltas, finish
+    reasons, the usage chunk, then [DONE] (an error becomes an error event)."""
     created = int(time.time())
     counts = _Usage(stream_options, num_prompt_tokens)
     parsers = parsers or [None] * n
+    splitters = splitters or [None] * n
     cut = False
 
     def event(choices, usage_value=None):
@@ -270,7 +286,8 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
                     continue
                 closed[c.index] = c.finish_reason is not None
                 counts.completion_tokens += len(c.token_ids)
-                delta, called_tools = _chat_delta(parsers[c.index], c.text, c.finish_reason is not None)
+                delta, called_tools = _chat_delta(parsers[c.index], splitters[c.index], c.text,
+                                                  c.finish_reason is not None)
                 reason = _streamed_finish_reason(c.finish_reason, called_tools)
                 cut = cut or c.finish_reason == "abort"
                 if not delta and not reason and not c.logprobs:

@@ -166,6 +166,10 @@ def test_text_format_json_schema_shapes_the_answer(client):
     ({"input": [{"type": ["message"], "role": "user", "content": "x"}]}, "input[0].type", ""),
     ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "at most 16"),
     ({"input": "x", "metadata": {"k": "v" * 513}}, "metadata.k", "at most 512"),
+    # numbers equal to false are no booleans (schemathesis sent 0.0, and it was taken)
+    ({"input": "x", "background": 0.0}, "background", "valid boolean"),
+    ({"input": "x", "background": 0}, "background", "valid boolean"),
+    ({"input": "x", "background": True}, "background", "False"),
 ])
 def test_what_is_refused_is_named_as_sent(server, extra, param, words):
     r = httpx.post(server.url + "/v1/responses", json={"model": TINY_NAME, **extra}, timeout=120)
