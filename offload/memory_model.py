@@ -48,16 +48,17 @@ class MemoryModel:
     def analytic(cls, config, dtype_bytes: int, max_model_len: int) -> "MemoryModel":
         hidden, inter = config.hidden_size, config.intermediate_size
         heads = config.num_attention_heads
-        kv = getattr(config, "num_key_value_heads", heads) * (hidden // heads)
+        head_dim = getattr(config, "head_dim", None) or hidden // heads  # Qwen3's heads are wider
+        queries, kv = heads * head_dim, getattr(config, "num_key_value_heads", heads) * head_dim
         # saved per token by one decoder layer under LoRA training: the two norms' inputs and
         # outputs, q/k/v and attention output, the MLP's gate and up (engine/gated_mlp.py forms
         # silu(gate) and the product again in backward), and the LoRA input of each adapted
         # linear (shared with the above where they are the same tensor)
-        per_token = dtype_bytes * (6 * hidden + 2 * kv + 2 * inter)
+        per_token = dtype_bytes * (4 * hidden + 2 * queries + 2 * kv + 2 * inter)
         step_per_token = dtype_bytes * (4 * hidden + 2 * kv + 3 * inter)
         # once per recording: the rotary tables (cos, sin and the signed sin of
         # engine/fused_rope.py), the head's input and the logits
-        head = dtype_bytes * (3 * (hidden // heads) + hidden + config.vocab_size)
+        head = dtype_bytes * (3 * head_dim + hidden + config.vocab_size)
         kept = dtype_bytes * config.num_hidden_layers * (2 * hidden + 2 * kv) + head
         return cls(config.num_hidden_layers, float(per_token), 0.0, float(step_per_token),
                    float(4 * heads), float(4 * config.vocab_size), max_model_len, kept_per_token=float(kept),

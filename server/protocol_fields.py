@@ -173,6 +173,11 @@ class ChatMessage(Strict):
     tool_call_id: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     refusal: str | None = None
+    # an earlier answer's reasoning, as `--reasoning-parser` returned it (under vLLM's name or its
+    # earlier one, DeepSeek's): given to the chat template as `reasoning_content` (Qwen3's renders
+    # it for the turns after the last user message, a tool loop's; others drop it)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     # what the SDK sends back when a returned message is appended as is; not used here
     annotations: list[dict[str, Any]] | None = None
     audio: dict[str, Any] | None = None
@@ -187,6 +192,9 @@ class ChatMessage(Strict):
             entry["tool_calls"] = [call.model_dump(exclude={"index"}) for call in self.tool_calls]
         if self.tool_call_id is not None:
             entry["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            entry["reasoning_content"] = reasoning
         return entry
 
     def text(self) -> str:

@@ -23,7 +23,7 @@ from server.protocol_fields import (TOOL_CHOICE_TYPES, Int, LimitFrom1, Metadata
 from server.tool_calls import NAME_PATTERN
 
 # items of the API's input this server does not take, and why (an item of another type is refused by its type)
-_KNOWN_ITEMS = ("message", "function_call", "function_call_output")
+_KNOWN_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 # fields of OpenAI's Responses API that this server does not offer, and what to send instead (null: not asked)
 NOT_OFFERED = {
     "previous_response_id": "responses are not stored here; send the whole conversation with each request",
@@ -84,6 +84,27 @@ class FunctionCallItem(_SentBack):
     status: str | None = None
 
 
+class ReasoningTextPart(_SentBack):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ReasoningItem(_SentBack):
+    """An earlier answer's reasoning, as this API returned it (`--reasoning-parser`): the
+    assistant turn it opens carries it to the chat template as `reasoning_content` (Qwen3's
+    renders it in a tool loop; others drop it)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    status: str | None = None
+    summary: list[dict[str, Any]] | None = None
+    content: list[ReasoningTextPart] | None = None
+    encrypted_content: str | None = None
+
+    def text(self) -> str:
+        return "\n".join(part.text for part in self.content or ())
+
+
 class FunctionCallOutputItem(_SentBack):
     """A function call's result, which the next turn is answered with."""
 
@@ -105,13 +126,14 @@ def _item_kind(value) -> str:
 
 def _item_model(value) -> str:
     """The item's model, by its type (named as errors.py leaves a union member out of a field's path)."""
-    return {"function_call": "FunctionCallItem", "function_call_output": "FunctionCallOutputItem"}.get(
-        _item_kind(value), "InputMessage")
+    return {"function_call": "FunctionCallItem", "function_call_output": "FunctionCallOutputItem",
+            "reasoning": "ReasoningItem"}.get(_item_kind(value), "InputMessage")
 
 
 InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
                             Annotated[FunctionCallItem, Tag("FunctionCallItem")],
-                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")]],
+                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
+                            Annotated[ReasoningItem, Tag("ReasoningItem")]],
                       Discriminator(_item_model)]
 
 
@@ -215,7 +237,7 @@ class ResponsesRequest(Strict):
             kind = _item_kind(item)
             if isinstance(kind, str) and kind not in _KNOWN_ITEMS:
                 raise PydanticCustomError("unsupported_item", "input[{i}] is an item of type '{kind}', which is not "
-                                          "supported: messages, function calls and their outputs are",
+                                          "supported: messages, function calls and their outputs, and reasoning are",
                                           {"i": i, "kind": kind})
         return value
 
@@ -264,14 +286,23 @@ class ResponsesRequest(Strict):
         return choice
 
     def _messages(self) -> list[dict]:
-        """`instructions` and `input` as chat turns: an assistant's function calls join its
-        turn (one turn of text and calls), their outputs are tool turns."""
+        """`instructions` and `input` as chat turns: an assistant's reasoning opens its turn
+        and its function calls join it (one turn of reasoning, text and calls), their outputs
+        are tool turns."""
         messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return messages + [{"role": "user", "content": self.input}]
+        reasoning = None  # a reasoning item's text, for the assistant turn it opens
         for item in self.input:
-            if isinstance(item, InputMessage):
-                messages.append({"role": item.role, "content": item.text()})
+            if isinstance(item, ReasoningItem):
+                reasoning = item.text()
+                messages.append({"role": "assistant", "content": None, "reasoning_content": reasoning})
+            elif isinstance(item, InputMessage):
+                if item.role == "assistant" and reasoning is not None and messages[-1].get("content") is None \
+                        and "tool_calls" not in messages[-1]:
+                    messages[-1]["content"] = item.text()  # the message its reasoning opened
+                else:
+                    messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
@@ -280,4 +311,6 @@ class ResponsesRequest(Strict):
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+            if not isinstance(item, ReasoningItem):
+                reasoning = None
         return messages

@@ -45,7 +45,7 @@ class ReasoningSplitter:
         self._state = "reasoning" if in_reasoning else "start"
         self._pending = ""  # text held back: a tag's possible beginning, or newlines next to a tag
         self._after_tag = in_reasoning  # newlines right after a tag are dropped
-        self.reasoned = False  # whether any reasoning was given
+        self.began = in_reasoning  # whether the answer began with reasoning (empty, or cut short, as it may be)
 
     def feed(self, text: str) -> tuple[str, str]:
         """The reasoning and the content that `text` (and what was held back) completes."""
@@ -56,7 +56,7 @@ class ReasoningSplitter:
             if self._state == "start":
                 stripped = text.lstrip()
                 if stripped.startswith(OPEN):
-                    text, self._state, self._after_tag = stripped[len(OPEN):], "reasoning", True
+                    text, self._state, self._after_tag, self.began = stripped[len(OPEN):], "reasoning", True, True
                 elif OPEN.startswith(stripped):  # whitespace, or a beginning of the tag: wait
                     self._pending = text
                     return reasoning, content
@@ -85,7 +85,6 @@ class ReasoningSplitter:
                     self._after_tag = not text
                 content += text
                 break
-        self.reasoned = self.reasoned or bool(reasoning)
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:

@@ -39,7 +39,8 @@ def assistant_message(text: str, parser: ToolCallParser | None,
     reasoning = None
     if splitter is not None:
         (reasoning, text), (more_reasoning, rest) = splitter.feed(text), splitter.finish()
-        reasoning, text = (reasoning + more_reasoning) or None, text + rest
+        # an answer that began with reasoning has it, if empty (a thought cut at its tag)
+        reasoning, text = (reasoning + more_reasoning) if splitter.began else None, text + rest
     if parser is None:
         message = {"role": "assistant", "content": text if text or reasoning is None else None}
         return _with_reasoning(message, splitter, reasoning), False
