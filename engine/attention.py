@@ -1,6 +1,6 @@
 """Varlen attention over the paged KV cache, plugged into transformers' attention modules.
 
-The model's own attention modules (Llama, Mistral, Phi-3, Qwen2, Qwen3; their forward swapped
+The model's own attention modules (Llama, Mistral, Phi-3, Qwen2, Qwen3, Gemma 3; their forward swapped
 for the family's own with a cheaper RoPE, engine/fused_rope.py) project Q/K/V, apply
 RoPE and call the cache's `update()` (our `StepKV`) and then the registered attention
 function. Registering one function under the name "alchemist" lets the engine pass its

@@ -1,6 +1,6 @@
 """RMSNorm as one op: `torch.nn.functional.rms_norm` in place of the model's own pieces.
 
-The Hugging Face families the engine serves (Llama, Mistral, Qwen2, Qwen3, Phi-3) normalise in
+The Hugging Face families the engine serves (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) normalise in
 six ops (eight in bfloat16, with the casts): `pow`, `mean`, `add`, `rsqrt`, `mul`, then
 the weight's `mul`. Every decoder layer runs two, and the model one more before the head,
 in every serving step and every training forward. On a GPU each op is a kernel launch,
@@ -13,7 +13,8 @@ The results are those of the model's own module, to the bit on the CPU (in float
 bfloat16, forward and input gradient; `tests/test_fused_norm.py`); on an H100 to the bit in
 bfloat16, and in float32 not to the bit (the fused kernel sums in another order). The
 module normalises in float32, rounds to the model's dtype and then multiplies by the weight in that dtype,
-so outside float32 the weight stays a separate `mul` after the fused op.
+so outside float32 the weight stays a separate `mul` after the fused op. Gemma's norm scales by
+1 + weight in float32 and rounds last: the fused op in float32, then its scaling and rounding.
 
 `install_fused_rms_norm(model)` swaps the class of each such module in place for a
 subclass of its own (names, parameters and state dict unchanged); modules of any other
@@ -30,6 +31,8 @@ from torch import nn
 
 # the classes whose forward is Llama's `weight * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)`
 _SAME_AS_LLAMA = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Phi3RMSNorm")
+# Gemma's: `(x.float() * rsqrt(mean(x²) + eps) * (1 + weight.float())).to(dtype)`
+_GEMMA = ("Gemma3RMSNorm",)
 
 
 def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -39,10 +42,16 @@ def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(hidden_states, shape, None, self.variance_epsilon) * self.weight
 
 
+def _fused_gemma_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    normed = F.rms_norm(hidden_states.float(), (hidden_states.shape[-1],), None, self.eps)
+    return (normed * (1.0 + self.weight.float())).type_as(hidden_states)
+
+
 @functools.cache
 def _fused_class(original: type) -> type:
     name = f"Fused{original.__name__}"
-    globals()[name] = fused = type(name, (original,), {"forward": _fused_forward, "__module__": __name__})
+    forward = _fused_gemma_forward if original.__name__ in _GEMMA else _fused_forward
+    globals()[name] = fused = type(name, (original,), {"forward": forward, "__module__": __name__})
     return fused  # a module-level name, as pickle looks it up, in a process that installed it
 
 
@@ -50,7 +59,8 @@ def install_fused_rms_norm(model: nn.Module) -> int:
     """Switches every RMSNorm of a supported family to the fused op; returns how many."""
     count = 0
     for module in model.modules():
-        if type(module).__name__ in _SAME_AS_LLAMA and hasattr(module, "variance_epsilon"):
+        name = type(module).__name__
+        if (name in _SAME_AS_LLAMA and hasattr(module, "variance_epsilon")) or (name in _GEMMA and hasattr(module, "eps")):
             module.__class__ = _fused_class(type(module))
             count += 1
     return count

@@ -19,6 +19,7 @@ projection) with this RoPE; a module of any other class keeps its forward.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -31,6 +32,27 @@ class RotaryTables(tuple):
 
     signed_sin: torch.Tensor
 
+    def of_layer(self, index: int) -> "RotaryTables":
+        """The tables decoder layer `index` rotates with: these, for every layer."""
+        return self
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self, self.signed_sin)
+
+
+class LayerTables:
+    """RotaryTables by kind of decoder layer, for a model whose kinds rotate with bases of
+    their own (Gemma 3: its sliding-window layers' and its full-attention layers')."""
+
+    def __init__(self, by_kind: dict[str, RotaryTables], layer_kinds: list[str]):
+        self.by_kind, self.layer_kinds = by_kind, layer_kinds
+
+    def of_layer(self, index: int) -> RotaryTables:
+        return self.by_kind[self.layer_kinds[index]]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for tables in self.by_kind.values() for t in tables.tensors())
+
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """ŝ = cat(−sin₁, sin₂) over the last dimension's halves."""
@@ -39,16 +61,25 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 
 class SignedRotary:
-    """The model's rotary embedding module, returning RotaryTables."""
+    """The model's rotary embedding module, returning RotaryTables (LayerTables where the
+    module makes one per kind of layer, `layer_kinds` naming each decoder layer's)."""
 
-    def __init__(self, rotary: nn.Module):
+    def __init__(self, rotary: nn.Module, layer_kinds: list[str] | None = None):
         self.rotary = rotary
+        by_kind = "layer_type" in inspect.signature(rotary.forward).parameters
+        self.layer_kinds = list(layer_kinds) if by_kind and layer_kinds else None
 
-    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> RotaryTables:
-        cos, sin = self.rotary(x, position_ids)
-        tables = RotaryTables((cos, sin))
-        tables.signed_sin = signed_sin(sin)
-        return tables
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> RotaryTables | LayerTables:
+        if self.layer_kinds is None:
+            return _signed(*self.rotary(x, position_ids))
+        return LayerTables({kind: _signed(*self.rotary(x, position_ids, kind)) for kind in dict.fromkeys(self.layer_kinds)},
+                           self.layer_kinds)
+
+
+def _signed(cos: torch.Tensor, sin: torch.Tensor) -> RotaryTables:
+    tables = RotaryTables((cos, sin))
+    tables.signed_sin = signed_sin(sin)
+    return tables
 
 
 def rotate_query_and_key(query: torch.Tensor, key: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
@@ -80,7 +111,7 @@ def _projections(module: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.
 
 def _window_kwargs(module: nn.Module) -> dict:
     """The sliding window the family's own forward passes to the attention function:
-    Qwen2's and Qwen3's their layer's, Mistral and Phi-3 the config's, Llama none."""
+    Qwen2's, Qwen3's and Gemma 3's their layer's, Mistral and Phi-3 the config's, Llama none."""
     if module.window_from == "layer":
         return {"sliding_window": module.sliding_window}
     if module.window_from == "config":
@@ -94,7 +125,7 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     query, key, value = (t.view(hidden_shape) for t in _projections(self, hidden_states))
-    if self.norms_heads:  # Qwen3: an RMSNorm over each head's query and key, before RoPE
+    if self.norms_heads:  # Qwen3, Gemma 3: an RMSNorm over each head's query and key, before RoPE
         query, key = self.q_norm(query), self.k_norm(key)
     query, key = rotate_query_and_key(query.transpose(1, 2), key.transpose(1, 2), position_embeddings)
     value = value.transpose(1, 2)
@@ -109,9 +140,10 @@ def _fused_forward(self, hidden_states: torch.Tensor, position_embeddings=None, 
 
 
 # the attention classes whose forward is Llama's but for where its sliding window comes
-# from (Phi-3 also splits one qkv projection; Qwen3 normalises each head's query and key)
+# from (Phi-3 also splits one qkv projection; Qwen3 and Gemma 3 normalise each head's query and key)
 _WINDOW_FROM = {"LlamaAttention": None, "MistralAttention": "config", "Qwen2Attention": "layer",
-                "Qwen3Attention": "layer", "Phi3Attention": "config"}
+                "Qwen3Attention": "layer", "Gemma3Attention": "layer", "Phi3Attention": "config"}
+_NORMS_HEADS = ("Qwen3Attention", "Gemma3Attention")
 
 
 @functools.cache
@@ -119,7 +151,7 @@ def _fused_class(original: type) -> type:
     name = f"Fused{original.__name__}"
     globals()[name] = fused = type(name, (original,), {"forward": _fused_forward, "__module__": __name__,
                                                       "window_from": _WINDOW_FROM[original.__name__],
-                                                      "norms_heads": original.__name__ == "Qwen3Attention"})
+                                                      "norms_heads": original.__name__ in _NORMS_HEADS})
     return fused  # a module-level name, as pickle looks it up, in a process that installed it
 
 

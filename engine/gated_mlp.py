@@ -1,8 +1,8 @@
 """The gated MLP's activation under autograd, saving what its backward needs and no more.
 
 The families the engine serves (Llama, Mistral, Qwen2, Qwen3, Phi-3) compute their MLP as
-`down(silu(gate(x)) * up(x))`. Under autograd, `silu` saves its input (the gate) and the
-`*` saves both its inputs: silu(gate) and up — one tensor the width of the MLP's
+`down(silu(gate(x)) * up(x))` (Gemma 3's is GELU's, and keeps its own forward). Under autograd,
+`silu` saves its input (the gate) and the `*` saves both its inputs: silu(gate) and up — one tensor the width of the MLP's
 intermediate more than the backward needs, since silu(gate) is one cheap elementwise op
 from the gate. Every recorded prefill keeps those tensors per token and layer until its
 label comes (the MLP's are the widest a recording holds), and every training forward holds

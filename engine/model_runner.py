@@ -18,7 +18,7 @@ import torch
 from engine.attention import cache_keyword, use_engine_attention
 from engine.decode_graphs import CaptureReport, DecodeGraphs
 from engine.fused_norm import install_fused_rms_norm
-from engine.fused_rope import SignedRotary, install_fused_rope
+from engine.fused_rope import LayerTables, RotaryTables, SignedRotary, install_fused_rope
 from engine.gated_mlp import install_gated_mlp
 from engine.packed_linear import install_packed_linear
 from engine.kv_cache import AttentionGroup, AttentionMetadata, KVCacheSpec, PagedKVCache, StepKV
@@ -102,7 +102,7 @@ class ModelRunner:
             install_packed_linear(model)
         self.embed, self.layers, self.norm, rotary, self.lm_head = decoder_parts(model)
         self._cache_keyword = cache_keyword(self.layers[0])
-        self.rotary = SignedRotary(rotary)
+        self.rotary = SignedRotary(rotary, getattr(model.config, "layer_types", None))
         self.kv_cache = PagedKVCache(kv_spec, num_blocks, self.device)
         self.block_size = kv_spec.block_size
         self.buckets = StepBuckets(kv_spec.block_size)
@@ -186,7 +186,7 @@ class ModelRunner:
 
     def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
                     leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
-                    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None):
+                    position_embeddings: RotaryTables | LayerTables | None = None):
         """Generator over the decoder layers, yielding after each one (a training slice);
         returns the last layer's output. hidden: (1, T, hidden) -> (1, T, hidden).
 
@@ -206,10 +206,10 @@ class ModelRunner:
         return hidden
 
     def run_layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,
-                  past, position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                  past, position_embeddings: RotaryTables | LayerTables) -> torch.Tensor:
         """Decoder layer `index` on (1, T, hidden)."""
         out = self.layers[index](hidden, attention_mask=metadata, position_ids=position_ids,
-                                 position_embeddings=position_embeddings, **{self._cache_keyword: past})
+                                 position_embeddings=position_embeddings.of_layer(index), **{self._cache_keyword: past})
         return out[0] if isinstance(out, tuple) else out
 
     def run_layers(self, *args, **kwargs) -> torch.Tensor:
@@ -309,7 +309,7 @@ class ModelRunner:
                     hidden = self.embed(packed.input_ids.unsqueeze(0))
                 rotary = self.rotary(hidden, packed.positions.unsqueeze(0))
                 if placement is not None:
-                    placement.keep(*rotary, rotary.signed_sin)
+                    placement.keep(*rotary.tensors())
                 layers = self.iter_layers(hidden, packed.positions, packed.metadata, past, leaves, outs, rotary)
                 hidden = self._record_layers(layers, tracker, placement, leaves, outs, past)
                 head_leaf = hidden[:, :num_prompt].detach().requires_grad_()

@@ -38,8 +38,9 @@ def test_fused_norm_equals_the_models_own_to_the_bit(family, dtype):
         return out.detach(), leaf.grad, served
 
     own = run()
-    # two per decoder layer and one before the head; Qwen3 normalises each head's query and key too
-    per_layer = 4 if family == "qwen3" else 2
+    # two per decoder layer and one before the head; Qwen3 normalises each head's query and key too,
+    # Gemma 3 those and each sublayer's output
+    per_layer = {"qwen3": 4, "gemma3_text": 6}.get(family, 2)
     assert install_fused_rms_norm(model) == per_layer * model.config.num_hidden_layers + 1
     assert type(norm).__name__.startswith("Fused")
     fused = run()

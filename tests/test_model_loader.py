@@ -12,7 +12,7 @@ from engine.model_loader import (EMBEDDED_MODEL_NAME, embedded_model_dir, load, 
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "qwen3", "gemma3_text"])
 def test_loads_a_local_model_directory(tmp_path, family):
     model = tiny_model(family)
     model.save_pretrained(tmp_path)
@@ -42,6 +42,19 @@ def test_a_model_directory_without_its_tokenizer_or_with_one_too_large_or_too_sh
     positions = model.config.max_position_embeddings
     with pytest.raises(ValueError, match="longer than the model's positions"):
         load(ModelConfig(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=positions + 1))
+
+
+@pytest.mark.parametrize("setting", [{"final_logit_softcapping": 30.0}, {"attn_logit_softcapping": 50.0},
+                                     {"use_bidirectional_attention": True}])
+def test_a_setting_the_engine_does_not_apply_is_refused(tmp_path, setting):
+    """Gemma 2's soft-capping and EmbeddingGemma's bidirectional attention, on Gemma 3's family."""
+    model = tiny_model("gemma3_text")
+    for name, value in setting.items():
+        setattr(model.config, name, value)
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"{next(iter(setting))} is not supported"):
+        load_model(str(tmp_path), "float32", "cpu")
 
 
 def test_missing_directory_is_a_clear_error(tmp_path):

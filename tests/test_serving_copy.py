@@ -29,7 +29,7 @@ def _logits(model, ids: torch.Tensor, peft: bool) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3_text", "phi3"])
 def test_serving_from_the_copy_equals_peft_forward(family):
     model, _, groups = _adapted(family)
     sizes = {len(group.layers) for group in groups}

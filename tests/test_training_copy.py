@@ -31,7 +31,7 @@ def gradients_on(model, peft_model, ids: torch.Tensor) -> dict:
     return lora_gradients(peft_model)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3_text", "phi3"])
 def test_bfloat16_gradient_lands_on_the_float32_weights_as_close_to_the_truth_as_peft(family):
     ids = torch.randint(3, 200, (1, 24), generator=torch.Generator().manual_seed(0)).to(TEST_DEVICE)
     truth = gradients_on(*adapted(family, torch.float32, True)[:2], ids)  # float32 model: PEFT's path

@@ -10,11 +10,11 @@ import os
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
-                          Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Phi3Config, Phi3ForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "gemma3_text")
 # ALCHEMIST_TEST_DEVICE=cuda runs the tests built on tiny models on a GPU (the bring-up
 # of `bench/gpu.sh`); the default is the CPU that CI has
 TEST_DEVICE = torch.device(os.environ.get("ALCHEMIST_TEST_DEVICE", "cpu"))
@@ -68,10 +68,15 @@ def tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.
         "phi3": (Phi3Config, Phi3ForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "gemma3_text": (Gemma3TextConfig, Gemma3ForCausalLM),
     }[family]
     extra = {"sliding_window": None} if family in ("mistral", "phi3") else {}
     if family == "qwen3":  # heads wider than hidden / heads, as Qwen3's are (its q/k norms act on them)
         extra["head_dim"] = 2 * hidden_size // common["num_attention_heads"]
+    if family == "gemma3_text":  # a window short enough that the tests' prompts pass it; both kinds of layer
+        head_dim = hidden_size // common["num_attention_heads"]
+        extra.update(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
+                     layer_types=(["sliding_attention", "full_attention"] * num_layers)[:num_layers])
     torch.manual_seed(seed)
     config = config_cls(**common, **extra)
     model = model_cls(config).to(dtype).eval()

@@ -53,6 +53,7 @@ DEFAULT_TARGETS = {
     "mistral": _LLAMA_LIKE,
     "qwen2": _LLAMA_LIKE,
     "qwen3": _LLAMA_LIKE,
+    "gemma3_text": _LLAMA_LIKE,
     "phi3": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
 }
 
