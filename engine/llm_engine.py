@@ -30,7 +30,7 @@ from engine.request import EngineRequest
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidParameter, SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured import GrammarCompiler
+from engine.structured import GrammarCompiler, mask_vocab
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,8 @@ def build_runner(model, tokenizer, config: EngineConfig) -> ModelRunner:
             f"cache.kv_cache_bytes={config.cache.kv_cache_bytes} holds {num_blocks * spec.block_size} tokens "
             f"({spec.bytes_per_token} bytes per token); max_model_len={max_model_len} needs at least "
             f"{min_blocks * spec.block_size * spec.bytes_per_token} bytes")
-    runner = ModelRunner(model, spec, num_blocks, Sampler(_eos_token_ids(model, tokenizer)),
+    sampler = Sampler(_eos_token_ids(model, tokenizer), mask_vocab(tokenizer, model.config.vocab_size))
+    runner = ModelRunner(model, spec, num_blocks, sampler,
                          packed_linear=config.model.packed_linear, max_num_seqs=config.scheduler.max_num_seqs,
                          max_model_len=max_model_len, enforce_eager=config.model.enforce_eager,
                          decode_attention=config.model.decode_attention)
@@ -100,7 +101,11 @@ class LLMEngine:
         if not prompt_token_ids:
             raise InvalidParameter("prompt", "the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise InvalidParameter("prompt", f"prompt token ids must be in [0, {self.vocab_size})")
+            past = next(t for t in prompt_token_ids if not 0 <= t < self.vocab_size)
+            named = f" (token {self.tokenizer.convert_ids_to_tokens(past)!r}, id {past})" \
+                if self.vocab_size <= past < len(self.tokenizer) else ""
+            raise InvalidParameter("prompt", f"prompt token ids must be in [0, {self.vocab_size}){named}: the "
+                                             "model has no embedding for it")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise InvalidParameter("stop_token_ids", f"stop_token_ids must be in [0, {self.vocab_size})")
         if any(t >= self.vocab_size for t in params.logit_bias):

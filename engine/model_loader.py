@@ -121,6 +121,17 @@ def load(config: ModelConfig):
     return loaded
 
 
+def tokens_past_vocabulary(tokenizer, vocab_size: int) -> list[str]:
+    """The tokenizer's tokens whose ids the model has no embedding for, but added special
+    tokens: Gemma 3's tokenizer carries its image models' `<image_soft_token>` one past
+    the text models' vocabulary (a prompt that holds it is refused, engine/llm_engine.py)."""
+    if len(tokenizer) <= vocab_size:
+        return []
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return [repr(tokenizer.convert_ids_to_tokens(i)) for i in range(vocab_size, len(tokenizer))
+            if not (i in added and added[i].special)]
+
+
 def load_model(model: str = "", dtype: str = "auto", device: str = "auto", tokenizer: str = "",
                load_format: str = "auto"):
     """Returns (model in eval mode, tokenizer, served name) for a local directory or, with
@@ -150,9 +161,11 @@ def load_model(model: str = "", dtype: str = "auto", device: str = "auto", token
     loaded = loaded.to(torch_device).eval()
     tokenizer_path = _tokenizer_dir(path, tokenizer, load_format)
     loaded_tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-    if len(loaded_tokenizer) > config.vocab_size:  # ids past the embedding: garbage or 400s, never what was meant
+    beyond = tokens_past_vocabulary(loaded_tokenizer, config.vocab_size)
+    if beyond:  # ids past the embedding: garbage or 400s, never what was meant
         raise ValueError(f"the tokenizer at {tokenizer_path} has {len(loaded_tokenizer)} tokens, more than the "
-                         f"model's vocabulary ({config.vocab_size}): pass the model's own with --tokenizer")
+                         f"model's vocabulary ({config.vocab_size}; {', '.join(beyond[:3])} past it): pass the "
+                         "model's own with --tokenizer")
     logger.info("loaded %s (%s, %s%s) in %.2f s", path, torch_dtype, torch_device,
                 ", random weights" if load_format == "dummy" else "", time.perf_counter() - started)
     name = EMBEDDED_MODEL_NAME if not model else path.resolve().name

@@ -55,7 +55,8 @@ def _pairs(rows_and_ids: list[tuple[int, list[int]]]) -> tuple[np.ndarray, np.nd
     return rows, ids
 
 
-def _host_inputs(seqs: list[Sequence], eos_token_ids: set[int], vocab_size: int) -> dict[str, np.ndarray]:
+def _host_inputs(seqs: list[Sequence], eos_token_ids: set[int], vocab_size: int,
+                 mask_vocab: int) -> dict[str, np.ndarray]:
     """The batch's sampling parameters as host arrays, only those some sequence uses."""
     params = [seq.params for seq in seqs]
     arrays: dict[str, np.ndarray] = {}
@@ -94,7 +95,7 @@ def _host_inputs(seqs: list[Sequence], eos_token_ids: set[int], vocab_size: int)
         if len(tracked_at) < len(seqs):
             arrays["tracked_rows"] = np.array([row for row, _ in tracked_at], dtype=np.int64)
     if any(seq.matcher is not None for seq in seqs):
-        bitmask = token_bitmask(len(seqs), vocab_size)
+        bitmask = token_bitmask(len(seqs), mask_vocab)  # (sampling reads its first `vocab_size` bits)
         for row, seq in enumerate(seqs):
             if seq.matcher is not None:  # after the log-probs are taken: they stay the model's own
                 fill_allowed_tokens(seq.matcher, bitmask[row])
@@ -172,8 +173,11 @@ def _at_temperature(logits: torch.Tensor, raw_logprobs: torch.Tensor, token_ids:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: set[int]):
+    def __init__(self, eos_token_ids: set[int], grammar_vocab: int = 0):
         self.eos_token_ids = eos_token_ids
+        # tokens a grammar's mask covers (engine/structured.py, `mask_vocab`): the tokenizer's, where it
+        # has more than the logits (an added special token past the model's vocabulary); 0: the logits'
+        self.grammar_vocab = grammar_vocab
         self._staging: HostStaging | None = None
         # runs once, just before the next blocking read of sampled ids, when the step's
         # device work is queued (the async engine delivers the step before's outputs there)
@@ -183,7 +187,7 @@ class Sampler:
         """logits: (N, V), one row per sequence, in the model's dtype; never modified."""
         if self._staging is None or self._staging.device != logits.device:
             self._staging = HostStaging(logits.device)
-        host = _host_inputs(seqs, self.eos_token_ids, logits.shape[-1])
+        host = _host_inputs(seqs, self.eos_token_ids, logits.shape[-1], max(self.grammar_vocab, logits.shape[-1]))
         inputs = self._staging.upload(**host) if host else {}
         logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) \

@@ -105,8 +105,8 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int):
         import llguidance.hf
 
-        self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.vocab_size = mask_vocab(tokenizer, vocab_size)
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size)
 
     def check(self, grammar: Grammar):
         """A matcher of `grammar` at its start; raises InvalidParameter for a grammar that
@@ -125,6 +125,12 @@ class GrammarCompiler:
             raise InvalidParameter(grammar.param,
                                    f"{grammar.param} cannot be enforced: {first_line(matcher.get_error())}")
         return matcher
+
+
+def mask_vocab(tokenizer, vocab_size: int) -> int:
+    """How many tokens a grammar's mask covers: the model's vocabulary, or the tokenizer's
+    where it is larger (llguidance takes no fewer; sampling reads the model's part)."""
+    return max(vocab_size, len(tokenizer))
 
 
 def token_bitmask(rows: int, vocab_size: int) -> np.ndarray:

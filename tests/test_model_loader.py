@@ -1,5 +1,6 @@
 """Loading local Hugging Face model directories of each family, and clear errors."""
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import torch
 from engine.config import ModelConfig
 from engine.model_loader import (EMBEDDED_MODEL_NAME, embedded_model_dir, load, load_model, resolve_device,
                                  resolve_dtype)
+from fastapi.testclient import TestClient
+
+from tests.servers import TINY_NAME, tiny_app
 from tests.tiny import tiny_model, tiny_tokenizer
 
 
@@ -42,6 +46,36 @@ def test_a_model_directory_without_its_tokenizer_or_with_one_too_large_or_too_sh
     positions = model.config.max_position_embeddings
     with pytest.raises(ValueError, match="longer than the model's positions"):
         load(ModelConfig(model=str(tmp_path), device="cpu", dtype="float32", max_model_len=positions + 1))
+
+
+def _with_added_token(special: bool):
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image_soft_token>"]})
+    else:
+        tokenizer.add_tokens(["<image_soft_token>"])
+    return tokenizer
+
+
+def test_an_added_special_token_past_the_vocabulary_is_taken_and_a_prompt_holding_it_refused(tmp_path):
+    """Gemma 3's tokenizer carries its image models' `<image_soft_token>` one past the text
+    models' vocabulary: the model loads, and only a prompt that holds it is a 400."""
+    model = tiny_model("gemma3_text")
+    model.save_pretrained(tmp_path)
+    _with_added_token(special=True).save_pretrained(tmp_path)
+    loaded, tokenizer, _ = load_model(str(tmp_path), "float32", "cpu")
+    assert len(tokenizer) == loaded.config.vocab_size + 1
+    with TestClient(tiny_app("gemma3_text", model=loaded, tokenizer=tokenizer)) as client:
+        def chat(text, **extra):
+            return client.post("/v1/chat/completions", json={"model": TINY_NAME, "max_tokens": 3, **extra,
+                                                            "messages": [{"role": "user", "content": text}]})
+        assert chat("Hello").status_code == 200
+        assert chat("Hello", response_format={"type": "json_object"}).status_code == 200
+        refused = chat("Look: <image_soft_token>")
+        assert refused.status_code == 400 and "'<image_soft_token>', id 400" in refused.json()["error"]["message"]
+    _with_added_token(special=False).save_pretrained(tmp_path)  # a plain token past it is text the model cannot read
+    with pytest.raises(ValueError, match="'<image_soft_token>' past it"):
+        load_model(str(tmp_path), "float32", "cpu")
 
 
 @pytest.mark.parametrize("setting", [{"final_logit_softcapping": 30.0}, {"attn_logit_softcapping": 50.0},

@@ -73,9 +73,10 @@ def tiny_model(family: str = "llama", seed: int = 0, dtype: torch.dtype = torch.
     extra = {"sliding_window": None} if family in ("mistral", "phi3") else {}
     if family == "qwen3":  # heads wider than hidden / heads, as Qwen3's are (its q/k norms act on them)
         extra["head_dim"] = 2 * hidden_size // common["num_attention_heads"]
-    if family == "gemma3_text":  # a window short enough that the tests' prompts pass it; both kinds of layer
+    if family == "gemma3_text":  # a window short enough that the tests' prompts pass it; both kinds of layer;
+        # attention scaled by a scalar of its own, not by the heads' width (as some Gemma 3 models are)
         head_dim = hidden_size // common["num_attention_heads"]
-        extra.update(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=8,
+        extra.update(head_dim=head_dim, query_pre_attn_scalar=head_dim + 8, sliding_window=8,
                      layer_types=(["sliding_attention", "full_attention"] * num_layers)[:num_layers])
     torch.manual_seed(seed)
     config = config_cls(**common, **extra)

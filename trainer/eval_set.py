@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.turn_end import chat_turn_end, label_end
+
 
 class EvalSetError(ValueError):
     """The eval set cannot be used (the message says which line and why)."""
@@ -85,8 +87,8 @@ def _probe(record, tokenizer, where: str) -> Probe:
                                                             return_dict=True)["input_ids"])
         except Exception as exc:  # noqa: BLE001 - the template's own errors (jinja2's, ValueError)
             raise EvalSetError(f"{where}: the chat template cannot render these messages: {exc}") from None
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        responses = tuple(tokenizer(texts[n], add_special_tokens=False)["input_ids"] + eos for n in names)
+        end = label_end(None, prompt_ids, frozenset(), chat_turn_end(tokenizer), tokenizer.eos_token_id)
+        responses = tuple(tokenizer(texts[n], add_special_tokens=False)["input_ids"] + end for n in names)
     else:
         if not isinstance(prompt, str) or not prompt:
             raise EvalSetError(f"{where}: 'prompt' must be a non-empty string")

@@ -63,8 +63,9 @@ class ResponseText:
     ids: Callable[[str], list[int]]
     # served ids to the text the client read (special tokens skipped)
     text: Callable[[list[int]], str]
-    # the served response's ids (None: not finished) to the end of sequence a label's text trains with
-    end: Callable[[list[int] | None], list[int]]
+    # the served response's ids (None: not finished) and the prompt's to the end a label's text trains
+    # with (trainer/turn_end.py)
+    end: Callable[[list[int] | None, list[int]], list[int]]
 
 
 def attach_label(cache: ActivationCache, request: FeedbackLabel, responses: ResponseText, max_model_len: int,
@@ -354,7 +355,7 @@ def _attach(to: _Labels, request: FeedbackLabel, responses: ResponseText, max_mo
     if entry.response_finished and choice_index not in entry.responses:  # (with both texts too)
         raise refuse(FeedbackOutcome.INVALID, f"choice_index {choice_index} does not exist; the completion has "
                       f"choices {sorted(entry.responses)}", "choice_index", "invalid_value")
-    end = responses.end(entry.responses[choice_index] if entry.response_finished else None)
+    end = responses.end(entry.responses[choice_index] if entry.response_finished else None, entry.prompt_token_ids)
     texts_ids = {name: ids + end for name, ids in texts_ids.items()}
     if chosen is None or rejected is None:
         if not entry.response_finished:

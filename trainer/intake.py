@@ -13,6 +13,7 @@ from trainer.feedback import FeedbackLabel, FeedbackOutcome, FeedbackResult, Res
 from trainer.ledger import Ledger
 from trainer.methods import TrainingMethod
 from trainer.status import TrainingStats
+from trainer.turn_end import chat_turn_end, label_end
 
 
 class FeedbackIntake:
@@ -25,6 +26,7 @@ class FeedbackIntake:
         `end_token_ids`: the tokens that end the model's responses (the engine's)."""
         self.ledger = ledger
         self.end_token_ids = frozenset(end_token_ids)
+        self.turn_end = chat_turn_end(tokenizer)  # what a chat's label ends with where its answer gave no end
         self.method = method
         self.cache = cache
         self.stats = stats
@@ -66,12 +68,5 @@ class FeedbackIntake:
     def _response_ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _label_end(self, served: list[int] | None) -> list[int]:
-        """A label's text ends as the served response did where that was one of the model's
-        end tokens (a chat's end of turn need not be the tokenizer's `eos_token`: Gemma's
-        `<end_of_turn>`, Llama 3's `<|eot_id|>` under a base tokenizer), else with the
-        tokenizer's end of sequence: both sides of a pair end alike."""
-        if served and served[-1] in self.end_token_ids:
-            return [served[-1]]
-        eos = self.tokenizer.eos_token_id
-        return [eos] if eos is not None else []
+    def _label_end(self, served: list[int] | None, prompt_ids: list[int]) -> list[int]:
+        return label_end(served, prompt_ids, self.end_token_ids, self.turn_end, self.tokenizer.eos_token_id)
