@@ -14,7 +14,8 @@ bfloat16, forward and input gradient; `tests/test_fused_norm.py`); on an H100 to
 bfloat16, and in float32 not to the bit (the fused kernel sums in another order). The
 module normalises in float32, rounds to the model's dtype and then multiplies by the weight in that dtype,
 so outside float32 the weight stays a separate `mul` after the fused op. Gemma's norm scales by
-1 + weight in float32 and rounds last: the fused op in float32, then its scaling and rounding.
+1 + weight in float32 and rounds last: the fused op in float32 with 1 + weight as its weight (made
+once, not per call), then the rounding.
 
 `install_fused_rms_norm(model)` swaps the class of each such module in place for a
 subclass of its own (names, parameters and state dict unchanged); modules of any other
@@ -43,8 +44,21 @@ def _fused_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _fused_gemma_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    normed = F.rms_norm(hidden_states.float(), (hidden_states.shape[-1],), None, self.eps)
-    return (normed * (1.0 + self.weight.float())).type_as(hidden_states)
+    normed = F.rms_norm(hidden_states.float(), (hidden_states.shape[-1],), _gemma_scale(self), self.eps)
+    return normed if normed.dtype == hidden_states.dtype else normed.to(hidden_states.dtype)
+
+
+def _gemma_scale(norm: nn.Module) -> torch.Tensor:
+    """1 + weight in float32, made once per value of the weight (a frozen one, as under LoRA:
+    a weight that is trained gets it formed in its graph each time)."""
+    weight = norm.weight
+    if weight.requires_grad and torch.is_grad_enabled():
+        return 1.0 + weight.float()
+    made = getattr(norm, "_scale_of", None)
+    if made is None or made[0] is not weight or made[1] != weight._version or made[2].device != weight.device:
+        with torch.inference_mode(False), torch.no_grad():  # a tensor a recorded graph may save
+            made = norm._scale_of = (weight, weight._version, 1.0 + weight.float())
+    return made[2]
 
 
 @functools.cache
