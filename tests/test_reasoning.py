@@ -16,6 +16,7 @@ from server.protocol_fields import ChatMessage
 from server.reasoning import ReasoningSplitter, opens_reasoning
 from server.responses import assistant_message
 from tests.servers import TINY_NAME, ServerThread, long_context_app, tiny_app
+from tests.test_responses_api import answer_of
 
 # (text, whether the prompt opened a <think>) -> (reasoning, content)
 SPLITS = [
@@ -173,21 +174,7 @@ def test_tool_calls_are_parsed_from_the_answer_after_the_reasoning():
 
 
 def _answer(pieces: list[str], reason: str = "stop"):
-    """A response's `Answer` over decoded `pieces` (the last ending for `reason`), with the qwen3 parser."""
-    from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from engine.sampling_params import SamplingParams
-    from server.protocol_responses import ResponsesRequest
-    from server.responses_api import Answer
-    from server.routes_openai import ChatRun
-
-    async def outputs():
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            yield RequestOutput("resp-1", [CompletionOutput(0, piece, [1], None, reason if last else None)], last,
-                                RequestMetrics(0.0, None, None, 3, i + 1))
-
-    body = ResponsesRequest.model_validate({"model": TINY_NAME, "input": "2+2?"})
-    return Answer(ChatRun("resp-1", SamplingParams(), 3, outputs(), None, [ReasoningSplitter(False)]), body, 0)
+    return answer_of(pieces, reason, ReasoningSplitter(False))
 
 
 def _events_of(answer) -> list[dict]:

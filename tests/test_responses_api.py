@@ -216,8 +216,9 @@ def test_a_response_id_is_labelled_and_trained_on(tmp_path):
         assert client.responses.delete(other.id) is None  # (the SDK's answer to a deletion)
 
 
-def _answer_of(pieces: list[str], reason: str = "stop"):
-    """A response's `Answer` over decoded `pieces` (the last ending for `reason`), tools offered."""
+def answer_of(pieces: list[str], reason: str = "stop", splitter=None):
+    """A response's `Answer` over decoded `pieces` (the last ending for `reason`): tools
+    offered, or with `splitter` (server/reasoning.py) none, the reasoning apart."""
     from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from engine.sampling_params import SamplingParams
     from server.protocol_responses import ResponsesRequest
@@ -231,8 +232,11 @@ def _answer_of(pieces: list[str], reason: str = "stop"):
             yield RequestOutput("resp-1", [CompletionOutput(0, piece, [1], None, reason if last else None)], last,
                                 RequestMetrics(0.0, None, None, 3, i + 1))
 
-    body = ResponsesRequest.model_validate({"model": TINY_NAME, "input": "x", "tools": [WEATHER]})
-    return Answer(ChatRun("resp-1", SamplingParams(), 3, outputs(), [ToolCallParser()]), body, 0)
+    tools = {"tools": [WEATHER]} if splitter is None else {}
+    body = ResponsesRequest.model_validate({"model": TINY_NAME, "input": "x", **tools})
+    run = ChatRun("resp-1", SamplingParams(), 3, outputs(), [ToolCallParser()] if splitter is None else None,
+                  [splitter] if splitter is not None else None)
+    return Answer(run, body, 0)
 
 
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
@@ -247,7 +251,7 @@ def test_a_call_the_model_chose_streams_in_the_order_it_was_written(pieces, kind
     the same items in the same order."""
     import asyncio
 
-    raw = b"".join(asyncio.run(_collect(_answer_of(pieces).events())))
+    raw = b"".join(asyncio.run(_collect(answer_of(pieces).events())))
     events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
     lifecycle = [(e["type"].rsplit(".", 1)[-1], e["output_index"]) for e in events
                  if e["type"] in ("response.output_item.added", "response.output_item.done")]
@@ -268,7 +272,7 @@ def test_a_call_the_model_chose_streams_in_the_order_it_was_written(pieces, kind
     assert json.loads(arguments) == json.loads(final["output"][kinds.index("function_call")]["arguments"]) \
         == {"city": "Rome"}
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    whole = _answer_of(pieces)  # the same pieces, answered whole
+    whole = answer_of(pieces)  # the same pieces, answered whole
     asyncio.run(_collect(whole.decoded()))
 
     def without_ids(items):
