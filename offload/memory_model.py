@@ -54,10 +54,9 @@ class MemoryModel:
         # outputs, q/k/v and attention output, the MLP's gate and up (engine/gated_mlp.py forms
         # silu(gate) and the product again in backward), and the LoRA input of each adapted
         # linear (shared with the above where they are the same tensor). Gemma 3 normalises each
-        # sublayer's output too (two norms more), and its GELU MLP keeps its own forward, whose
-        # autograd saves the activation's output and the product besides
-        gemma = config.model_type == "gemma3_text"
-        per_token = dtype_bytes * ((8 if gemma else 4) * hidden + 2 * queries + 2 * kv + (4 if gemma else 2) * inter)
+        # sublayer's output too: two norms more
+        norms = 4 if config.model_type == "gemma3_text" else 2
+        per_token = dtype_bytes * (2 * norms * hidden + 2 * queries + 2 * kv + 2 * inter)
         step_per_token = dtype_bytes * (4 * hidden + 2 * kv + 3 * inter)
         # once per recording: the rotary tables (cos, sin and the signed sin of
         # engine/fused_rope.py), the head's input and the logits

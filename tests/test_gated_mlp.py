@@ -6,7 +6,7 @@ recording."""
 import pytest
 import torch
 
-from engine.gated_mlp import SiluAndMul, install_gated_mlp
+from engine.gated_mlp import GELU_TANH, SILU, ActAndMul, install_gated_mlp
 from engine.saved_bytes_memo import SavedBytesMemo
 from tests.conftest import engine_of, make_training
 from tests.test_training import gradients_of, serve
@@ -37,21 +37,19 @@ def test_the_gated_mlp_equals_the_models_own_to_the_bit(family, dtype):
         return [out.detach(), leaf.grad, served] + [p.grad for p in mlp.parameters()]
 
     own = run()
-    if family == "gemma3_text":  # GELU, not SiLU: the family's own MLP stays
-        assert install_gated_mlp(model) == 0 and run()[0].equal(own[0])
-        return
     assert install_gated_mlp(model) == model.config.num_hidden_layers
     assert type(mlp).__name__.startswith("Gated")
     gated = run()
     assert all(torch.equal(a, b) for a, b in zip(own, gated))
 
 
-def test_silu_and_mul_saves_gate_and_up_only():
+@pytest.mark.parametrize("kind", [SILU, GELU_TANH])
+def test_act_and_mul_saves_gate_and_up_only(kind):
     gate = torch.randn(5, 8, requires_grad=True)
     up = torch.randn(5, 8, requires_grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        SiluAndMul.apply(gate, up).sum().backward()
+        ActAndMul.apply(gate, up, kind).sum().backward()
     assert len(saved) == 2 and saved[0] is gate and saved[1] is up
 
 
@@ -61,7 +59,7 @@ def _own_mlps(model) -> None:
             mlp.__class__ = type(mlp).__mro__[1]
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_recording_keeps_two_intermediate_wide_tensors_less_per_token_and_layer(family, dtype):
     """silu(gate) (autograd's `*` saved it) and the product (the down projection's LoRA
@@ -86,7 +84,7 @@ def test_a_recording_keeps_two_intermediate_wide_tensors_less_per_token_and_laye
         kept_less * config.num_hidden_layers * tokens * config.intermediate_size * dtype.itemsize
 
 
-@pytest.mark.parametrize("family", ["llama", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "phi3", "gemma3_text"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_adapters_gradients_are_the_models_own_to_the_bit(family, dtype):
     """Reuse (the recorded prefill's backward) and recompute, through the merged LoRA

@@ -37,7 +37,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear, LoraLayer
 
 from engine.direct_apply import direct_apply
-from engine.gated_mlp import silu_and_mul_again, silu_and_mul_inputs
+from engine.gated_mlp import act_and_mul_again, act_and_mul_inputs
 from engine.packed_linear import packed_linear_available
 from engine.recording import stale_tensor_error
 from trainer.config import TrainConfig
@@ -76,9 +76,9 @@ class _MergedLoraFunction(torch.autograd.Function):
         weight = layer._merged_from[0]  # the base weight the pack was built from: this layer's (records_merged)
         ctx.weights = (a, b, weight)
         ctx.versions = (a._version, b._version, weight._version)
-        factors = silu_and_mul_inputs(x)  # x = silu(gate) * up: saved already, x is formed again
-        ctx.x_again = factors is not None
-        ctx.save_for_backward(*(factors or (x,)))
+        factors = act_and_mul_inputs(x)  # x = act(gate) * up: saved already, x is formed again
+        ctx.x_again = factors[2] if factors is not None else None  # the activation, or None: x is saved
+        ctx.save_for_backward(*(factors[:2] if factors is not None else (x,)))
         flat = x.reshape(-1, x.shape[-1])
         out = torch.ops.mkldnn._linear_pointwise(flat, layer._merged_pack, layer._merged_bias, "none", [], "")
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -86,7 +86,7 @@ class _MergedLoraFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         inputs = ctx.saved_tensors
-        x = silu_and_mul_again(*inputs) if ctx.x_again else inputs[0]
+        x = act_and_mul_again(*inputs, ctx.x_again) if ctx.x_again else inputs[0]
         layer = ctx.layer
         weight, scale = ctx.weights[2], layer.scaling[layer.active_adapters[0]]
         if weight._version != ctx.versions[2]:

@@ -48,7 +48,7 @@ from collections import OrderedDict
 import torch
 
 from engine.direct_apply import direct_apply
-from engine.gated_mlp import silu_and_mul_again, silu_and_mul_inputs
+from engine.gated_mlp import act_and_mul_again, act_and_mul_inputs
 
 # copies kept per group: the live weights' and those of the stashed version a job swaps in
 # (a graph holds its own copy for as long as it lives)
@@ -246,7 +246,7 @@ class TrainingCopies:
         if self._input is not x:
             copy = self.current()
             out = _group_lora(flat, copy.a, copy.b, (self.group, self.group.held == copy.key, copy.landing,
-                                                     silu_and_mul_inputs(x)))
+                                                     act_and_mul_inputs(x)))
             self._outputs = out.split_with_sizes(self.group.outs, dim=1)
             self._input, self._served = x, 0
         outputs = self._outputs
@@ -268,11 +268,11 @@ class _GroupLoraFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, call: tuple):
         # (the group, whether the serving copy holds this copy's values, where the gradients
-        # land, the gate and up that `flat` is the product of, or None)
+        # land, the gate, up and activation that `flat` is the product of, or None)
         group, from_serving, landing, factors = call
-        # the down projection's input is silu(gate) * up: its factors are saved already (engine/gated_mlp.py)
-        ctx.save_for_backward(*(factors or (flat,)))
-        ctx.flat_again = factors is not None
+        # the down projection's input is act(gate) * up: its factors are saved already (engine/gated_mlp.py)
+        ctx.save_for_backward(*(factors[:2] if factors is not None else (flat,)))
+        ctx.flat_again = factors[2] if factors is not None else None  # the activation, or None: flat is saved
         ctx.landing = landing
         base_weight = group.base_weight
         ctx.weights, ctx.versions = (a, b, base_weight), (a._version, b._version, base_weight._version)
@@ -308,7 +308,7 @@ def _land(ctx, grad: torch.Tensor, grad_rank: torch.Tensor, a: torch.Tensor) -> 
     if not (want_a or want_b):
         return
     saved = ctx.saved_tensors
-    flat = silu_and_mul_again(*saved).flatten(0, -2) if ctx.flat_again else saved[0]
+    flat = act_and_mul_again(*saved, ctx.flat_again).flatten(0, -2) if ctx.flat_again else saved[0]
     if want_a:
         landing.add_a(grad_rank.t() @ flat)
     if want_b:
