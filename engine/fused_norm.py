@@ -52,13 +52,14 @@ def _gemma_scale(norm: nn.Module) -> torch.Tensor:
     """1 + weight in float32, made once per value of the weight (a frozen one, as under LoRA:
     a weight that is trained gets it formed in its graph each time)."""
     weight = norm.weight
-    if weight.requires_grad and torch.is_grad_enabled():
+    if (weight.requires_grad and torch.is_grad_enabled()) or weight.is_inference():  # (no version to key by)
         return 1.0 + weight.float()
+    key = (weight._version, weight.data_ptr(), weight.dtype, weight.device)  # a value, a move or a cast
     made = getattr(norm, "_scale_of", None)
-    if made is None or made[0] is not weight or made[1] != weight._version or made[2].device != weight.device:
+    if made is None or made[0] != key:
         with torch.inference_mode(False), torch.no_grad():  # a tensor a recorded graph may save
-            made = norm._scale_of = (weight, weight._version, 1.0 + weight.float())
-    return made[2]
+            made = norm._scale_of = (key, 1.0 + weight.float())
+    return made[1]
 
 
 @functools.cache

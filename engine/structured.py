@@ -105,6 +105,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int):
         import llguidance.hf
 
+        self.model_vocab = vocab_size
         self.vocab_size = mask_vocab(tokenizer, vocab_size)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size)
 
@@ -112,9 +113,14 @@ class GrammarCompiler:
         """A matcher of `grammar` at its start; raises InvalidParameter for a grammar that
         does not compile, or that no text satisfies (its first mask leaves the matcher in error)."""
         matcher = self.matcher(grammar)
-        fill_allowed_tokens(matcher, token_bitmask(1, self.vocab_size)[0])
+        row = token_bitmask(1, self.vocab_size)[0]
+        fill_allowed_tokens(matcher, row)
         if matcher.is_error():  # (a rule defined only by itself: answered with empty text and "stop" before)
             raise InvalidParameter(grammar.param, f"{grammar.param} cannot be satisfied: no text matches it")
+        if self.vocab_size > self.model_vocab and not np.unpackbits(row.view(np.uint8), bitorder="little")[
+                :self.model_vocab].any():  # only a token past the model's vocabulary (Gemma 3's image token)
+            raise InvalidParameter(grammar.param, f"{grammar.param} cannot be satisfied: its first token is none "
+                                                  "the model can write")
         return matcher
 
     def matcher(self, grammar: Grammar):

@@ -73,6 +73,9 @@ def test_an_added_special_token_past_the_vocabulary_is_taken_and_a_prompt_holdin
         assert chat("Hello", response_format={"type": "json_object"}).status_code == 200
         refused = chat("Look: <image_soft_token>")
         assert refused.status_code == 400 and "'<image_soft_token>', id 400" in refused.json()["error"]["message"]
+        for grammar in ("start: <[400]>", "start: <image_soft_token>"):  # a first token the model cannot write
+            refused = chat("Hello", guided_grammar=grammar)
+            assert refused.status_code == 400 and "none the model can write" in refused.json()["error"]["message"]
     _with_added_token(special=False).save_pretrained(tmp_path)  # a plain token past it is text the model cannot read
     with pytest.raises(ValueError, match="'<image_soft_token>' past it"):
         load_model(str(tmp_path), "float32", "cpu")

@@ -6,6 +6,7 @@ import copy
 import json
 
 import pytest
+from tokenizers import AddedToken
 
 from tests.tiny import tiny_tokenizer
 from trainer.eval_set import load_eval_set
@@ -20,7 +21,8 @@ GEMMA_LIKE = ("{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 
 def gemma_like():
     """The tiny tokenizer with a chat turn that ends on a special token of its own, not on its eos."""
     tokenizer = copy.deepcopy(tiny_tokenizer())
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    # added as special, not named (not in `additional_special_tokens`), as Gemma 3's tokenizer has them
+    tokenizer.add_tokens([AddedToken("<start_of_turn>", special=True), AddedToken("<end_of_turn>", special=True)])
     tokenizer.chat_template = GEMMA_LIKE
     return tokenizer
 

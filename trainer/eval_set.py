@@ -45,7 +45,7 @@ def load_eval_set(path: str | Path, tokenizer, max_model_len: int) -> list[Probe
     except UnicodeDecodeError as exc:
         line = path.read_bytes()[:exc.start].count(b"\n") + 1
         raise EvalSetError(f"train.eval_set {path}:{line}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    probes = []
+    probes, turn_end = [], chat_turn_end(tokenizer)
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -54,7 +54,7 @@ def load_eval_set(path: str | Path, tokenizer, max_model_len: int) -> list[Probe
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             raise EvalSetError(f"{where}: not JSON ({exc.msg})") from None
-        probe = _probe(record, tokenizer, where)
+        probe = _probe(record, tokenizer, where, turn_end)
         if len(probe.prompt_ids) + max(len(r) for r in probe.responses) > max_model_len:
             raise EvalSetError(f"{where}: the probe is longer than max_model_len ({max_model_len} tokens)")
         probes.append(probe)
@@ -63,7 +63,7 @@ def load_eval_set(path: str | Path, tokenizer, max_model_len: int) -> list[Probe
     return probes
 
 
-def _probe(record, tokenizer, where: str) -> Probe:
+def _probe(record, tokenizer, where: str, turn_end: int | None) -> Probe:
     if not isinstance(record, dict):
         raise EvalSetError(f"{where}: a probe is a JSON object")
     texts = {k: record.get(k) for k in ("chosen", "rejected", "completion")}
@@ -87,7 +87,7 @@ def _probe(record, tokenizer, where: str) -> Probe:
                                                             return_dict=True)["input_ids"])
         except Exception as exc:  # noqa: BLE001 - the template's own errors (jinja2's, ValueError)
             raise EvalSetError(f"{where}: the chat template cannot render these messages: {exc}") from None
-        end = label_end(None, prompt_ids, frozenset(), chat_turn_end(tokenizer), tokenizer.eos_token_id)
+        end = label_end(None, prompt_ids, frozenset(), turn_end, tokenizer.eos_token_id)
         responses = tuple(tokenizer(texts[n], add_special_tokens=False)["input_ids"] + end for n in names)
     else:
         if not isinstance(prompt, str) or not prompt:

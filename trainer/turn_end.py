@@ -25,7 +25,9 @@ def chat_turn_end(tokenizer) -> int | None:
     except Exception:  # noqa: BLE001 - the template's own errors (jinja2's, ValueError): no end to learn
         return None
     shared = next((i for i, (a, b) in enumerate(zip(opened, whole)) if a != b), min(len(opened), len(whole)))
-    special = set(tokenizer.all_special_ids)
+    # the named special tokens, and those only added as special (Gemma's <end_of_turn>, Phi-3's <|end|>)
+    special = set(tokenizer.all_special_ids) | {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                                                if token.special}
     return next((token for token in whole[shared:] if token in special), None)
 
 
