@@ -75,7 +75,8 @@ def install_fused_rms_norm(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         name = type(module).__name__
-        if (name in _SAME_AS_LLAMA and hasattr(module, "variance_epsilon")) or (name in _GEMMA and hasattr(module, "eps")):
+        if (name in _SAME_AS_LLAMA and hasattr(module, "variance_epsilon")) or \
+                (name in _GEMMA and hasattr(module, "eps")):
             module.__class__ = _fused_class(type(module))
             count += 1
     return count

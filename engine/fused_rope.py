@@ -72,8 +72,8 @@ class SignedRotary:
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> RotaryTables | LayerTables:
         if self.layer_kinds is None:
             return _signed(*self.rotary(x, position_ids))
-        return LayerTables({kind: _signed(*self.rotary(x, position_ids, kind)) for kind in dict.fromkeys(self.layer_kinds)},
-                           self.layer_kinds)
+        kinds = dict.fromkeys(self.layer_kinds)
+        return LayerTables({kind: _signed(*self.rotary(x, position_ids, kind)) for kind in kinds}, self.layer_kinds)
 
 
 def _signed(cos: torch.Tensor, sin: torch.Tensor) -> RotaryTables:

@@ -87,6 +87,14 @@ class ReasoningSplitter:
                 break
         return reasoning, content
 
+    def split(self, text: str, final: bool = False) -> tuple[str, str]:
+        """`feed`, and `finish` too where `text` is the choice's last."""
+        reasoning, content = self.feed(text)
+        if final:
+            more, rest = self.finish()
+            reasoning, content = reasoning + more, content + rest
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         """What was held back, once the choice has ended."""
         pending, self._pending = self._pending, ""

@@ -38,9 +38,8 @@ def assistant_message(text: str, parser: ToolCallParser | None,
     were offered), its tool calls split from its text; with a splitter, its reasoning."""
     reasoning = None
     if splitter is not None:
-        (reasoning, text), (more_reasoning, rest) = splitter.feed(text), splitter.finish()
-        # an answer that began with reasoning has it, if empty (a thought cut at its tag)
-        reasoning, text = (reasoning + more_reasoning) if splitter.began else None, text + rest
+        reasoning, text = splitter.split(text, final=True)
+        reasoning = reasoning if splitter.began else None  # an answer that began with reasoning has it, if empty
     if parser is None:
         message = {"role": "assistant", "content": text if text or reasoning is None else None}
         return _with_reasoning(message, splitter, reasoning), False

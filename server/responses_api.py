@@ -126,10 +126,7 @@ class Answer:
         """Decoded text in (`final`: the last); the stream's events of what it adds."""
         events = []
         if self.splitter is not None:  # the reasoning apart (server/reasoning.py)
-            reasoning, text = self.splitter.feed(text)
-            if final:
-                more, rest = self.splitter.finish()
-                reasoning, text = reasoning + more, text + rest
+            reasoning, text = self.splitter.split(text, final)
             if reasoning:
                 events += self._reasoned(reasoning)
         content, deltas = self.parser.feed(text) if self.parser is not None else (text, [])

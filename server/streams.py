@@ -237,10 +237,7 @@ def _chat_delta(parser: ToolCallParser | None, splitter: ReasoningSplitter | Non
     (server/tool_calls.py) — and whether the choice ends as "tool_calls"."""
     delta: dict = {}
     if splitter is not None:
-        reasoning, text = splitter.feed(text)
-        if finished:
-            more_reasoning, rest = splitter.finish()
-            reasoning, text = reasoning + more_reasoning, text + rest
+        reasoning, text = splitter.split(text, finished)
         if reasoning:  # under vLLM's name, and its earlier one (DeepSeek's)
             delta["reasoning"] = delta["reasoning_content"] = reasoning
     if parser is None:

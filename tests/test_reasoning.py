@@ -219,7 +219,8 @@ def test_a_responses_output_sent_back_as_input_gives_the_template_its_reasoning(
               {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "get_weather",
                "arguments": '{"city": "Rome"}', "status": "completed"},
               {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
-              {"type": "reasoning", "id": "rs_2", "summary": [], "content": [{"type": "reasoning_text", "text": "So."}]},
+              {"type": "reasoning", "id": "rs_2", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "So."}]},
               {"type": "message", "role": "assistant", "id": "msg_2", "status": "completed",
                "content": [{"type": "output_text", "text": "It is sunny.", "annotations": []}]},
               {"role": "user", "content": "Thanks"}]
