@@ -140,11 +140,11 @@ class AsyncEngine:
 
     # -- requests (on the asyncio loop) -----------------------------------------------
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     train: bool = False, client_prompt: object = None, matcher=None) -> EngineRequest:
+    def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, train: bool = False,
+                     client_prompt: object = None, matcher=None, cache_salt: str | None = None) -> EngineRequest:
         """Validates a request (no tensor work); raises InvalidParameter. `matcher`: `check_grammar`'s."""
         return self.engine.make_request(request_id, prompt_token_ids, params, time.monotonic(), train,
-                                        client_prompt, matcher)
+                                        client_prompt, matcher, cache_salt)
 
     async def check_grammar(self, params: SamplingParams):
         """Its grammar's matcher (or None), compiled off the loop: 60,000 choices held it 3 s."""

@@ -73,6 +73,10 @@ class CacheConfig:
     block_size: int = 16
     # bytes of KV cache preallocated for all layers, K and V together
     kv_cache_bytes: int = 1 << 30
+    # automatic prefix caching (vLLM's --enable-prefix-caching, on by default there too): a
+    # prompt that begins with blocks of tokens computed before under the same weights takes
+    # their K/V instead of computing them again (engine/block_pool.py)
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

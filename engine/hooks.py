@@ -100,6 +100,10 @@ class EngineHooks:
     # manager (the trainer's: v's stashed weights while the eval gate keeps serving on the
     # promoted version); None: the live weights
     recording_weights: Callable[[int], contextlib.AbstractContextManager] | None = None
+    # which weights serving runs with: a number that changes whenever they do (the trainer's,
+    # trainer/maintenance.py), so that the prefix cache never hands K/V computed under other
+    # weights to a prompt; None: the weights never change
+    weights_generation: Callable[[], int] | None = None
     # receive every step's stats and outputs (metrics, the recorder)
     observers: tuple[EngineObserver, ...] = field(default_factory=tuple)
 

@@ -6,7 +6,9 @@ of fixed-size blocks. A sequence owns a list of blocks (its block table); token 
 allocated as a sequence grows and freed when it finishes or is preempted, so memory
 follows the tokens actually held, not max_model_len per sequence. Blocks are reference
 counted: the samples of one request share their prompt's full blocks (a fork, see
-engine/scheduler.py), and a block returns to the free list when its last holder lets go.
+engine/scheduler.py), and a block returns to the pool when its last holder lets go;
+prompts that begin alike share their full blocks through the prefix cache
+(engine/block_pool.py).
 
 Memory per token: 2 (K, V) * num_layers * num_kv_heads * head_dim * dtype bytes
 (SmolLM2-135M in float32: 2 * 30 * 3 * 64 * 4 = 46,080 bytes).
@@ -14,7 +16,6 @@ Memory per token: 2 (K, V) * num_layers * num_kv_heads * head_dim * dtype bytes
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -22,49 +23,6 @@ import torch
 
 from engine.paged_decode import PagedDecode
 from engine.step_inputs import StepBuckets
-
-
-class OutOfBlocks(RuntimeError):
-    pass
-
-
-class BlockAllocator:
-    """Free list and reference counts of KV block ids; no tensors, so the scheduler can own it."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        # holders of each block (0: free)
-        self._refs = [0] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self._free):
-            raise OutOfBlocks(f"need {count} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
-            self._refs[block] = 1
-        return blocks
-
-    def share(self, block_ids: list[int]) -> None:
-        """One more holder for each of `block_ids` (a forked sequence)."""
-        for block in block_ids:
-            assert self._refs[block] > 0, f"sharing free KV block {block}"
-            self._refs[block] += 1
-
-    def refs(self, block_id: int) -> int:
-        return self._refs[block_id]
-
-    def free(self, block_ids: list[int]) -> None:
-        """One holder fewer for each of `block_ids`; a block nobody holds is free again."""
-        for block in block_ids:
-            self._refs[block] -= 1
-            assert self._refs[block] >= 0, f"KV block {block} freed twice"
-            if self._refs[block] == 0:
-                self._free.append(block)
 
 
 @dataclass(frozen=True)

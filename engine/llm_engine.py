@@ -74,7 +74,8 @@ class LLMEngine:
         self.eos_token_ids = runner.sampler.eos_token_ids
         self.vocab_size = self.model.config.vocab_size
         self.scheduler = Scheduler(config.scheduler, runner.kv_cache.num_blocks, self.kv_spec.block_size,
-                                   self._admit_recording, self._confirm_recording)
+                                   self._admit_recording, self._confirm_recording,
+                                   config.cache.enable_prefix_caching, self.hooks.weights_generation)
         self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids)
         self._seq_ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
@@ -130,18 +131,18 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      arrival_time: float | None = None, train: bool = False,
-                     client_prompt: object = None, matcher=None) -> EngineRequest:
+                     client_prompt: object = None, matcher=None, cache_salt: str | None = None) -> EngineRequest:
         """Validates a request (the only place it is validated); raises InvalidParameter
         for one this engine can never serve. `train`: the client allows training on it;
         `client_prompt`: its prompt as the client wrote it, for the recorder (a reward
         function is shown it); `matcher`: its grammar's, from `grammars.check` (which compiles
-        it: a server does so off its event loop). Scoring requests (prompt logprobs,
-        max_tokens 0) are never trained on."""
+        it: a server does so off its event loop); `cache_salt`: the client's for the prefix
+        cache. Scoring requests (prompt logprobs, max_tokens 0) are never trained on."""
         matcher = self._validate(prompt_token_ids, params, matcher)
         scoring = params.prompt_logprobs is not None or params.max_tokens == 0
         request = EngineRequest(request_id, tuple(prompt_token_ids), params,
                                 time.monotonic() if arrival_time is None else arrival_time, train and not scoring,
-                                client_prompt, matcher)
+                                client_prompt, matcher, cache_salt)
         self.expect(request)  # its id may reach the client (a stream's first chunk) before it is queued
         return request
 
@@ -173,7 +174,7 @@ class LLMEngine:
                 client_prompt=request.client_prompt if request.train and index == 0 else None,
                 # (a choice that does not fork choice 0 may start before choice 0's admission)
                 track_logprob=recorder is not None and recorder.wants_served_logprobs,
-                logprob_temperature=logprob_temperature,
+                logprob_temperature=logprob_temperature, cache_salt=request.cache_salt,
             )
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
@@ -278,9 +279,11 @@ class LLMEngine:
                 if model_output.recording is not None and hooks.recorder is not None:
                     hooks.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
             touched |= self.outputs.update(scheduled, model_output, step_started)
+            self.scheduler.name_computed_blocks(scheduled)
         outputs = [out for rid in touched if (out := self.outputs.collect(rid)) is not None]
         stats = self._state(time.perf_counter() - started, scheduled.num_tokens, len(scheduled.preempted), kind)
         stats.page_faults = minor_page_faults() - faults
+        stats.prefix_cache_queries, stats.prefix_cache_hits = self.scheduler.take_cache_counts()
         self._publish(outputs, stats)
         return outputs, stats
 

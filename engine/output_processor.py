@@ -109,6 +109,7 @@ class OutputProcessor:
         meta.num_generation_tokens = sum(len(s.output_token_ids) for s in seqs)
         prompt_logprobs = None
         lead = seqs[0]
+        meta.num_cached_tokens = lead.num_cached_tokens or 0
         if lead.params.prompt_logprobs is not None and not lead.prompt_logprobs_sent \
                 and len(lead.prompt_logprobs) == lead.num_prompt_tokens:
             prompt_logprobs, lead.prompt_logprobs_sent = lead.prompt_logprobs, True

@@ -47,6 +47,8 @@ class RequestMetrics:
     num_generation_tokens: int
     # when the request's first chunk of prefill was scheduled (leaving the queue)
     first_scheduled_time: float | None = None
+    # prompt tokens whose K/V its prefill took from the prefix cache (engine/block_pool.py)
+    num_cached_tokens: int = 0
 
 
 class ErrorKind(enum.Enum):
@@ -77,6 +79,9 @@ class StepStats:
     kind: str = ""
     # minor page faults the process took during the step (engine/malloc_tuning.py)
     page_faults: int = 0
+    # prompt tokens of the sequences it admitted looked up in the prefix cache, and found there
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass

@@ -23,3 +23,5 @@ class EngineRequest:
     # its grammar's matcher at the start, compiled when the request was checked (off the
     # engine's thread): choice 0 decodes with it, the others with copies
     matcher: object = field(default=None, compare=False, repr=False)
+    # the client's salt for the prefix cache: prompts salted otherwise share no blocks with it
+    cache_salt: str | None = None

@@ -14,6 +14,15 @@ counts) and get their own copy of its last, partial block, which they will write
 (copy-on-write, done at the fork since the first decode writes it at once). A choice
 that cannot fork (no free block, `max_num_seqs` reached) is queued and prefilled alone.
 A forked choice is an ordinary sequence afterwards: preempted, it recomputes alone.
+
+With the prefix cache on (vLLM's automatic prefix caching), a sequence admitted to its
+first prefill (or again after a preemption) takes the cached blocks that begin its tokens
+(engine/block_pool.py) and computes only the rest; every full block a step computes is
+cached by name. A recorded prefill computes its whole prompt (training needs its graph)
+and one that reports prompt log-probs reads nothing from the cache (it needs every
+position's logits); both cache what they compute. The names start from the weights'
+generation: when the weights serving runs with change, every name is forgotten, and a
+sequence admitted before the change caches nothing more.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.config import SchedulerConfig
-from engine.kv_cache import BlockAllocator, blocks_needed
+from engine.block_pool import BlockPool, block_names, cache_root
+from engine.kv_cache import blocks_needed
 from engine.recording import RecordSpec
 from engine.sequence import Sequence, SequenceStatus
 
@@ -96,7 +106,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  admit_recording: Callable[[Sequence], RecordSpec | None] | None = None,
-                 confirm_recording: Callable[[Sequence], RecordSpec | None] | None = None):
+                 confirm_recording: Callable[[Sequence], RecordSpec | None] | None = None,
+                 prefix_caching: bool = False, weights_generation: Callable[[], int] | None = None):
         self.config = config
         # asked once per trainable sequence, before its first prefill: record it, and how?
         self.admit_recording = admit_recording
@@ -104,7 +115,13 @@ class Scheduler:
         # may have changed since it was admitted): the spec still holds, or None
         self.confirm_recording = confirm_recording
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockPool(num_blocks)
+        self.prefix_caching = prefix_caching
+        # which weights serving runs with: a new value when they change (None: they never do)
+        self.weights_generation = weights_generation
+        self._generation = weights_generation() if weights_generation is not None else 0
+        # prompt tokens looked up in the prefix cache, and those found, since `take_cache_counts`
+        self._cache_queries = self._cache_hits = 0
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # running sequences sat out the last step, a recorded prefill's: the next is theirs
@@ -127,8 +144,76 @@ class Scheduler:
         return True
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.block_ids)
+        """Frees `seq`'s blocks, caching the full ones first; its last blocks, the least
+        likely to begin another prompt, are the first given to other tokens."""
+        self._name_computed_blocks(seq)
+        self.allocator.free(seq.block_ids[::-1])
         seq.block_ids = []
+
+    # -- the prefix cache -------------------------------------------------------------
+
+    def _follow_weights(self) -> None:
+        """Forgets every cached name when the weights serving runs with have changed."""
+        if self.weights_generation is not None:
+            generation = self.weights_generation()
+            if generation != self._generation:
+                self._generation = generation
+                self.allocator.forget_names()
+
+    def _begin_computing(self, seq: Sequence) -> None:
+        """`seq` is admitted to compute its tokens from position 0 under today's weights: it
+        takes the cached blocks that begin them, unless it reports prompt log-probs."""
+        seq.kv_generation, seq.block_names, seq.num_named_blocks = self._generation, [], 0
+        if not self.prefix_caching:
+            return
+        # the last token is computed whatever is cached: its logits sample the next
+        seq.block_names = block_names(cache_root(self._generation, seq.cache_salt),
+                                      seq.token_ids_until(seq.num_tokens - 1), self.block_size)
+        if seq.params.prompt_logprobs is None:
+            seq.block_ids = self.allocator.take_cached_prefix(seq.block_names)
+            seq.num_named_blocks = len(seq.block_ids)
+            seq.num_computed_tokens = len(seq.block_ids) * self.block_size
+
+    def _count_cache_lookup(self, seq: Sequence) -> None:
+        """`seq` was admitted: its first prefill's cached tokens are what its request's usage reports."""
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            if self.prefix_caching:
+                self._cache_queries += seq.num_prompt_tokens
+                self._cache_hits += seq.num_computed_tokens
+
+    def _give_back_cached_prefix(self, seq: Sequence) -> None:
+        """Undoes `_begin_computing` for a sequence that could not be admitted after all."""
+        self.allocator.free(seq.block_ids[::-1])
+        seq.block_ids, seq.num_computed_tokens, seq.num_named_blocks = [], 0, 0
+
+    def _name_computed_blocks(self, seq: Sequence) -> None:
+        """Caches `seq`'s full blocks whose K/V are computed, under today's weights."""
+        full = seq.num_computed_tokens // self.block_size
+        if not self.prefix_caching or full <= seq.num_named_blocks or seq.kv_generation != self._generation:
+            return
+        names = seq.block_names
+        if len(names) < full:
+            names += block_names(names[-1] if names else cache_root(self._generation, seq.cache_salt),
+                                 seq.token_ids_until(full * self.block_size)[len(names) * self.block_size:],
+                                 self.block_size)
+        for index in range(seq.num_named_blocks, full):
+            self.allocator.name(seq.block_ids[index], names[index])
+        seq.num_named_blocks = full
+
+    def name_computed_blocks(self, step: SchedulerOutput) -> None:
+        """After a step has run (and its sequences' computed tokens advanced): caches the
+        blocks it filled."""
+        if self.prefix_caching:
+            for entry in step.scheduled:
+                if not entry.seq.is_finished:  # (a finished one cached its blocks as it let go of them)
+                    self._name_computed_blocks(entry.seq)
+
+    def take_cache_counts(self) -> tuple[int, int]:
+        """Prompt tokens looked up in the prefix cache and found there since the last call."""
+        counts = self._cache_queries, self._cache_hits
+        self._cache_queries = self._cache_hits = 0
+        return counts
 
     def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -156,6 +241,8 @@ class Scheduler:
         if seq.record is None or not self._grow(seq, seq.num_tokens):
             return None
         self.waiting.popleft()
+        seq.kv_generation, seq.block_names, seq.num_named_blocks = self._generation, [], 0
+        self._count_cache_lookup(seq)
         decoding = [s for s in self.running if s.num_pending_tokens == 1]
         join = not self.config.recorded_prefill_alone
         decodes = [ScheduledSequence(s, 1) for s in decoding if join and self._grow(s, s.num_tokens)]
@@ -191,6 +278,8 @@ class Scheduler:
                     child.block_ids = child.block_ids + [own]
                     fork.block_copies.append((parent.block_ids[num_full], own))
                 child.num_computed_tokens = parent.num_prompt_tokens
+                child.kv_generation, child.num_cached_tokens = parent.kv_generation, parent.num_cached_tokens
+                child.block_names = parent.block_names[:num_full]
                 child.status = SequenceStatus.RUNNING
                 self.running.append(child)
                 fork.children.append(child)
@@ -198,6 +287,7 @@ class Scheduler:
                 output.forks.append(fork)
 
     def schedule(self) -> SchedulerOutput:
+        self._follow_weights()
         # running sequences that sat out a recorded prefill's step take the next one, before any other
         recorded = None if self._running_sat_out else self._schedule_recorded_prefill()
         output = recorded or self._schedule_batch()
@@ -231,10 +321,13 @@ class Scheduler:
                 self._decide_recording(seq)  # a trainable request not recorded joins this step like any other
                 if seq.record is not None:
                     break  # waits for a step of its own (see _schedule_recorded_prefill)
+                self._begin_computing(seq)
             num_new = min(seq.num_pending_tokens, budget)
             if not self._grow(seq, seq.num_computed_tokens + num_new):
+                self._give_back_cached_prefix(seq)  # (a waiting sequence holds only cached blocks)
                 break
             self.waiting.popleft()
+            self._count_cache_lookup(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             output.scheduled.append(ScheduledSequence(seq, num_new))

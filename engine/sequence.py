@@ -85,6 +85,15 @@ class Sequence:
     fork_parent: "Sequence | None" = None
     # structured outputs: the grammar's state for this sequence (engine/structured.py)
     matcher: object | None = None
+    # the prefix cache (engine/block_pool.py): the weights generation this sequence's K/V are
+    # computed under (set when it is admitted; None before), the names of its full blocks
+    # under it, how many of its blocks are cached by name, the prompt tokens its first
+    # prefill read from the cache, and the client's salt that keeps its prefixes its own
+    kv_generation: int | None = None
+    block_names: list[bytes] = field(default_factory=list)
+    num_named_blocks: int = 0
+    num_cached_tokens: int | None = None
+    cache_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,6 +106,11 @@ class Sequence:
     @property
     def num_pending_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def token_ids_until(self, end: int) -> list[int]:
+        """The ids of positions 0 .. end - 1, prompt then output."""
+        prompt = self.prompt_token_ids
+        return prompt[:end] if end <= len(prompt) else prompt + self.output_token_ids[:end - len(prompt)]
 
     def token_id_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)

@@ -78,6 +78,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=token_count)
     parser.add_argument("--kv-cache-bytes", type=int)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the K/V of prompts' shared beginnings across requests (default: on, as vLLM's)")
     parser.add_argument("--train-mode", choices=list(TRAIN_MODES), help="online training from served traffic")
     parser.add_argument("--learning-rate", type=float,
                         help="AdamW's rate per entry trained (default 1e-4; a step applies it times its entries)")
@@ -125,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
                   "tokenizer": args.tokenizer, "load_format": args.load_format,
                   "generation_config": args.generation_config},
         "scheduler": {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
-        "cache": {"kv_cache_bytes": args.kv_cache_bytes},
+        "cache": {"kv_cache_bytes": args.kv_cache_bytes, "enable_prefix_caching": args.enable_prefix_caching},
         "train": {"mode": getattr(args, "train_mode", None), "learning_rate": getattr(args, "learning_rate", None),
                   "dpo_reference": getattr(args, "dpo_reference", None),
                   "reward_function": getattr(args, "reward_function", None),

@@ -74,6 +74,32 @@ class StepsByKind:
         self.page_faults[stats.kind].inc(stats.page_faults)
 
 
+class KVCacheMetrics:
+    """The KV cache's use, its preemptions and its prefix cache's lookups."""
+
+    def __init__(self, model_name: str, registry: CollectorRegistry):
+        def child(metric):
+            return metric.labels(model_name=model_name)
+
+        labels = ["model_name"]
+        self.usage = child(Gauge(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                                 labels, registry=registry))
+        self.preemptions = child(Counter(f"{PREFIX}num_preemptions", "Sequences preempted for KV cache space.",
+                                         labels, registry=registry))
+        self.queries = child(Counter(f"{PREFIX}prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                     "cache (each request's first prefill).", labels, registry=registry))
+        self.hits = child(Counter(f"{PREFIX}prefix_cache_hits", "Prompt tokens whose K/V the prefix cache "
+                                  "held (not computed again).", labels, registry=registry))
+
+    def observe(self, stats: StepStats) -> None:
+        self.usage.set(stats.kv_usage)
+        if stats.num_preempted:
+            self.preemptions.inc(stats.num_preempted)
+        if stats.prefix_cache_queries:
+            self.queries.inc(stats.prefix_cache_queries)
+            self.hits.inc(stats.prefix_cache_hits)
+
+
 class ServingMetrics:
     def __init__(self, model_name: str, cache_info: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
@@ -112,18 +138,15 @@ class ServingMetrics:
                                        "that ran to its end (all choices), in tokens.", labels, registry=r,
                                        buckets=_TOKEN_BUCKETS))
         self.steps = StepsByKind(model_name, r)
+        self.kv_cache = KVCacheMetrics(model_name, r)
         self.running = child(Gauge(f"{PREFIX}num_requests_running", "Sequences in the running batch.",
                                    labels, registry=r))
         self.waiting = child(Gauge(f"{PREFIX}num_requests_waiting", "Sequences waiting to be scheduled.",
                                    labels, registry=r))
-        self.kv_usage = child(Gauge(f"{PREFIX}kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
-                                    labels, registry=r))
         self.prompt_tokens = child(Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of requests that began "
                                            "generating.", labels, registry=r))
         self.generation_tokens = child(Counter(f"{PREFIX}generation_tokens", "Generated tokens.", labels,
                                                registry=r))
-        self.preemptions = child(Counter(f"{PREFIX}num_preemptions", "Sequences preempted for KV cache space.",
-                                         labels, registry=r))
         self.http_responses = Counter(f"{PREFIX}http_requests", _HTTP_RESPONSES_HELP, ["handler", "status"], registry=r)
         self.success = Counter(f"{PREFIX}request_success", "Finished requests, each once, by finish reason (of "
                                "several choices' reasons: abort, else length, else the first by name).",
@@ -159,9 +182,7 @@ class ServingMetrics:
     def on_step(self, stats: StepStats) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
-        if stats.num_preempted:
-            self.preemptions.inc(stats.num_preempted)
+        self.kv_cache.observe(stats)
         if stats.kind:
             self.steps.observe(stats)
 

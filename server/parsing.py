@@ -71,13 +71,14 @@ def check_unsupported(body) -> None:
 
 
 def make_request(async_engine, request_id: str, prompt_ids: list[int], params: SamplingParams, train: bool,
-                 prompt_param: str, client_prompt: object = None, matcher=None) -> EngineRequest:
+                 prompt_param: str, client_prompt: object = None, matcher=None,
+                 cache_salt: str | None = None) -> EngineRequest:
     """The engine's request, validated (once); `prompt_param` names the prompt's field,
     which the engine's errors call `prompt`; `client_prompt`: the prompt as the client
     wrote it, when a reward function will be shown it; `matcher`: its grammar's, which
-    `AsyncEngine.check_grammar` compiled off the event loop."""
+    `AsyncEngine.check_grammar` compiled off the event loop; `cache_salt`: the request's."""
     try:
-        return async_engine.make_request(request_id, prompt_ids, params, train, client_prompt, matcher)
+        return async_engine.make_request(request_id, prompt_ids, params, train, client_prompt, matcher, cache_salt)
     except InvalidParameter as exc:
         if exc.param in ("prompt", "messages"):
             exc.param = prompt_param

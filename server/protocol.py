@@ -102,6 +102,9 @@ class _SamplingFields(Strict):
     # smallest applies); beam search is not offered, so num_beams is 1
     max_new_tokens: LimitFrom0 | None = None
     num_beams: Annotated[int, Field(json_schema_extra={"minimum": 1, "maximum": 1}), INTEGRAL] = 1
+    # vLLM's: prompts with another salt share no prefix-cache blocks with this one (one
+    # tenant cannot time another's cached prompts)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # alchemist: false keeps this request out of online training
     train: bool = True
 

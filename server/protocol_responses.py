@@ -214,6 +214,8 @@ class ResponsesRequest(Strict):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # vLLM's (server/protocol.py)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     prompt_cache_retention: str | None = None
     reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -259,6 +261,8 @@ class ResponsesRequest(Strict):
                              ("top_p", "top_p")):
             if getattr(self, ours) is not None:
                 body[theirs] = getattr(self, ours)
+        if self.cache_salt is not None:
+            body["cache_salt"] = self.cache_salt
         if self.tools and self.parallel_tool_calls is not None:  # (the Responses API takes it without tools)
             body["parallel_tool_calls"] = self.parallel_tool_calls
         if self.tools:

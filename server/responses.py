@@ -18,9 +18,11 @@ from server.tool_calls import ToolCallParser
 MIN_LOGPROB = -9999.0
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; `cached_tokens`: prompt tokens whose K/V came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def finish_reason(reason: str | None, called_tools: bool = False) -> str | None:
@@ -125,10 +127,13 @@ class Choices:
         self.stop_reasons: list = [None] * count
         # prompt index -> its prompt logprobs (position 0 is None)
         self.prompt_logprobs: dict[int, list] = {}
+        # prompt index -> its prompt tokens read from the prefix cache
+        self.cached_tokens: dict[int, int] = {}
 
     def add(self, output: RequestOutput, prompt_index: int = 0) -> None:
         if output.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = output.prompt_logprobs
+        self.cached_tokens[prompt_index] = output.metrics.num_cached_tokens
         for c in output.outputs:
             k = prompt_index * self.n + c.index
             self.texts[k] += c.text
@@ -141,6 +146,10 @@ class Choices:
     @property
     def completion_tokens(self) -> int:
         return sum(len(t) for t in self.token_ids)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.cached_tokens.values())
 
 
 def chat_completion(request_id: str, model: str, created: int, choices: Choices, num_prompt_tokens: int,
@@ -160,7 +169,8 @@ def chat_completion(request_id: str, model: str, created: int, choices: Choices,
             "stop_reason": choices.stop_reasons[i],
         })
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": rendered, "usage": usage(num_prompt_tokens, choices.completion_tokens)}
+            "choices": rendered,
+            "usage": usage(num_prompt_tokens, choices.completion_tokens, choices.num_cached_tokens)}
 
 
 def text_completion(request_id: str, model: str, created: int, choices: Choices,
@@ -184,7 +194,7 @@ def text_completion(request_id: str, model: str, created: int, choices: Choices,
                          "stop_reason": choices.stop_reasons[k]})
     prompt_tokens = sum(len(ids) for ids, _ in prompts)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": rendered, "usage": usage(prompt_tokens, choices.completion_tokens)}
+            "choices": rendered, "usage": usage(prompt_tokens, choices.completion_tokens, choices.num_cached_tokens)}
 
 
 def chunk(request_id: str, obj: str, model: str, created: int, choices: list[dict],

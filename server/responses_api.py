@@ -88,8 +88,9 @@ def _named_as_sent(exc: APIError) -> APIError:
     return exc
 
 
-def output_usage(prompt_tokens: int, output_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+def output_usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt_tokens + output_tokens}
 
@@ -113,10 +114,12 @@ class Answer:
         self._id = run.request_id.rsplit("-", 1)[-1]
         self.reason: str | None = None  # why decoding ended
         self.output_tokens = 0
+        self.cached_tokens = 0  # prompt tokens read from the prefix cache
 
     async def decoded(self):
         """Feeds the engine's outputs as they come; yields the stream's events of each."""
         async for output in self.run.outputs:
+            self.cached_tokens = output.metrics.num_cached_tokens
             for choice in output.outputs:
                 self.output_tokens += len(choice.token_ids)
                 self.reason = choice.finish_reason or self.reason
@@ -229,7 +232,8 @@ class Answer:
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
             "truncation": body.truncation or "disabled", "metadata": body.metadata or {},
             "user": body.user,
-            "usage": output_usage(self.run.num_prompt_tokens, output_tokens) if output_tokens is not None else None,
+            "usage": (output_usage(self.run.num_prompt_tokens, output_tokens, self.cached_tokens)
+                      if output_tokens is not None else None),
         }
 
     def finish(self) -> tuple[dict, list[bytes]]:

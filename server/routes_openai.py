@@ -110,7 +110,7 @@ async def start_chat(state: ServerState, request: Request, body: ChatCompletionR
     client_prompt = ledger_prompt(state.tokenizer, body, tools) if state.keeps_client_prompt and not truncated \
         else None
     engine_request = make_request(state.engine, request_id, prompt_ids, params, body.train, "messages",
-                                  client_prompt, await state.engine.check_grammar(params))
+                                  client_prompt, await state.engine.check_grammar(params), body.cache_salt)
     state.metrics.count_constraints(params.grammar, tools)
     parsers = None
     if tools is not None:  # a forced call's layout is the grammar's, so its arguments can stream as decoded
@@ -168,7 +168,8 @@ async def serve_completion(state: ServerState, request: Request):
     matcher = await state.engine.check_grammar(params)  # compiled once, copied for the other prompts
     engine_requests = [make_request(state.engine, rid, prompt_ids, params, body.train, "prompt",
                                     ClientPrompt(text, as_written=text == client_text) if state.keeps_client_prompt
-                                    else None, matcher if i == 0 or matcher is None else matcher.deep_copy())
+                                    else None, matcher if i == 0 or matcher is None else matcher.deep_copy(),
+                                    body.cache_salt)
                        for i, (rid, (prompt_ids, text), client_text) in enumerate(zip(ids, prompts, written))]
     state.metrics.count_constraints(params.grammar, None)
     streams = [engine_stream(state.engine, r) for r in engine_requests]

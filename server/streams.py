@@ -189,9 +189,11 @@ class _Usage:
         self.continuous = self.include and stream_options.continuous_usage_stats
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        # prompt index -> its prompt tokens read from the prefix cache
+        self.cached_tokens: dict[int, int] = {}
 
     def now(self) -> dict:
-        return usage(self.prompt_tokens, self.completion_tokens)
+        return usage(self.prompt_tokens, self.completion_tokens, sum(self.cached_tokens.values()))
 
 
 # characters orjson writes as they are, which line readers (httpx's, Python's
@@ -278,6 +280,7 @@ async def chat_events(request_id: str, model: str, stream, n: int, num_prompt_to
                           "finish_reason": None}])
         closed = [False] * n  # a finished choice rides along in its request's later outputs: closed once
         async for output in stream:
+            counts.cached_tokens[0] = output.metrics.num_cached_tokens
             for c in output.outputs:
                 if closed[c.index]:
                     continue
@@ -322,6 +325,7 @@ async def completion_events(request_id: str, model: str, streams, prompts: list[
     try:
         async for prompt_index, output in merge(streams):
             prompt_ids, prompt_text = prompts[prompt_index]
+            counts.cached_tokens[prompt_index] = output.metrics.num_cached_tokens
             for c in output.outputs:
                 k = prompt_index * n + c.index
                 if closed[k]:

@@ -64,7 +64,8 @@ def test_a_prefill_step_builds_no_mask_and_pads_nothing_on_the_cpu(monkeypatch):
             plain_path(monkeypatch, engine.runner)
         engine.add_request("warm-up", encode(PROMPTS[1]), SamplingParams(temperature=0.0, max_tokens=1))
         engine.step()
-        engine.add_request("r", encode(PROMPTS[1] + " " + PROMPTS[3]), SamplingParams(temperature=0.0, max_tokens=1))
+        # (a prompt that does not begin as the warm-up's: none of it is in the prefix cache)
+        engine.add_request("r", encode(PROMPTS[3] + " " + PROMPTS[1]), SamplingParams(temperature=0.0, max_tokens=1))
         counts[path] = AtenOps()
         with counts[path].counting():
             engine.step()

@@ -34,7 +34,7 @@ def test_gauges_follow_adds_and_aborts_with_no_step_in_between():
     engine.step()
     assert value(metrics.running) == 3 and value(metrics.waiting) == 0
     engine.abort_request("a")  # a client gone, nothing else running: no step follows
-    assert value(metrics.running) == 0 and value(metrics.waiting) == 0 and value(metrics.kv_usage) == 0
+    assert value(metrics.running) == 0 and value(metrics.waiting) == 0 and value(metrics.kv_cache.usage) == 0
 
 
 def test_inter_token_latency_per_output_and_time_per_output_token_per_request():

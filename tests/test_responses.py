@@ -25,7 +25,8 @@ def output(index: int, text: str, ids: list[int], reason=None, logprobs=None, pr
 
 
 def test_usage_and_finish_reasons():
-    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage(3, 4, 2) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                              "prompt_tokens_details": {"cached_tokens": 2}}
     assert finish_reason("abort") == "stop" and finish_reason("length") == "length" and finish_reason(None) is None
 
 

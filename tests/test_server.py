@@ -40,10 +40,12 @@ def test_chat_completion_shape_and_usage(client):
 
 
 def test_streaming_chat_with_usage_matches_non_streaming(client):
-    expected = chat(client, max_tokens=10, temperature=0, ignore_eos=True).json()
+    # (each its own cache salt: neither reads the other's prompt from the prefix cache, so their usage is equal)
+    expected = chat(client, max_tokens=10, temperature=0, ignore_eos=True, cache_salt="whole").json()
     with client.stream("POST", "/v1/chat/completions", json={
             "model": TINY_NAME, "messages": [{"role": "user", "content": "Hello, how are you?"}], "max_tokens": 10,
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "cache_salt": "streamed"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
     assert events[-1] == "[DONE]"

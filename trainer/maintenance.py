@@ -11,7 +11,10 @@ The arbiter (trainer/arbiter.py) triggers all of it, on the device thread:
     weights are stale, and then `warm_heap(budget_s)` while recordings come faster than
     idle gaps (and through a pause, as much as the trim slack).
 The adapter's lifecycle marks merged weights stale when the adapter changes
-(`invalidate_merged`) and rebuilds them all at a resume (`merge_all`).
+(`invalidate_merged`) and rebuilds them all at a resume (`merge_all`). Both count a new
+generation of the weights serving runs with (`serving_generation`): the engine's prefix
+cache forgets the K/V computed under the last one. (While the eval gate pins serving,
+serving changes only when it releases the pin, in the same device item as one of them.)
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class Maintenance:
         self.warmer = warmer
         self.trim_slack_bytes = trim_slack_bytes
         self._merge_pending = False
+        # a new number each time the weights serving runs with may have changed (EngineHooks.weights_generation)
+        self.serving_generation = 0
         self._freeing_work_at_last_trim = (0, 0)
         self._last_trim = float("-inf")
         # resident bytes outside live recordings and the warm heap after the last trim, or
@@ -90,12 +95,14 @@ class Maintenance:
             merge_all(self.peft_model)
         refresh_serving_copies(self.serving_copies)
         self._merge_pending = False
+        self.serving_generation += 1
 
     def invalidate_merged(self) -> None:
         """The adapter changed: the serving copy follows it now (a few small copies),
         merged serving weights are rebuilt in the next items."""
         refresh_serving_copies(self.serving_copies)
         self._merge_pending = self.merged_serving
+        self.serving_generation += 1
 
     def merged_stale(self) -> bool:
         """A cheap check, safe on the asyncio loop."""

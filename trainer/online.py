@@ -91,10 +91,14 @@ class OnlineTraining:
 
     def engine_hooks(self, observers: tuple[EngineObserver, ...] = ()) -> EngineHooks:
         """What the engine is built with: the recorder, the offloader (room on the device,
-        recorded segments), the stash (stale weights), and `observers` besides the recorder."""
+        recorded segments), the stash (stale weights), the serving weights' generation (the
+        prefix cache's), and `observers` besides the recorder."""
         return EngineHooks(recorder=self.recorder, memory_guard=self.offloader, segment_sink=self.offloader,
                            stale_resolver=self.stash.resolve, recording_weights=self.lifecycle.recording_weights,
-                           observers=(*observers, self.recorder))
+                           weights_generation=self._serving_generation, observers=(*observers, self.recorder))
+
+    def _serving_generation(self) -> int:
+        return self.maintenance.serving_generation
 
     # -- device work in the gaps (device thread) -------------------------------------
 
