@@ -12,9 +12,8 @@ from bench.arguments import (at_least, existing_file, fraction, listed, named_fi
 
 
 def add_bench_commands(commands, add_config_flags) -> None:
-    """Adds `bench {serving,steps,http,structured,training,staleness,backlog,recording,colocate,offload,soak,replicas}`
-    and `profile` to the CLI;
-    `add_config_flags` adds the server's config flags to a parser."""
+    """Adds `bench {serving,prefix-cache,steps,http,structured,training,staleness,backlog,recording,colocate,
+    offload,soak,replicas}` and `profile` to the CLI; `add_config_flags` adds the server's config flags to a parser."""
     bench = commands.add_parser("bench", help="benchmarks, each a side-by-side ratio in one run")
     benches = bench.add_subparsers(dest="bench", required=True)
     _add_serving_benches(benches, add_config_flags)
@@ -99,6 +98,15 @@ def _add_serving_benches(benches, add_config_flags) -> None:
     serving.add_argument("--prompt-tokens", type=at_least(1), default=1000, help="with --n: the prompt's length")
     serving.add_argument("--paths", default="engine,engine_sequential,engine_plain_linear,hf_generate,"
                          "hf_generate_batch", help="comma-separated paths to run (engine always runs)")
+    prefix = benches.add_parser("prefix-cache", help="requests sharing a long beginning, with the prefix cache and "
+                                "without it: time to first token, tokens computed")
+    add_config_flags(prefix)
+    prefix.add_argument("--prefix-tokens", type=at_least(1), default=1000, help="the shared beginning's length")
+    prefix.add_argument("--suffix-tokens", type=at_least(1), default=32, help="each request's own question's length")
+    prefix.add_argument("--num-requests", type=at_least(2), default=8, help="requests per round, one after another")
+    prefix.add_argument("--max-tokens", type=at_least(1), default=16)
+    prefix.add_argument("--repeats", type=at_least(1), default=3, help="interleaved rounds, each on a new beginning")
+    prefix.add_argument("--json", type=output_path, help="write the results to this JSON file")
     structured = benches.add_parser("structured", help="grammar-constrained decoding vs unconstrained, per token")
     add_config_flags(structured)
     structured.add_argument("--num-prompts", type=at_least(1), default=8)
@@ -195,6 +203,11 @@ def run_bench_command(args: argparse.Namespace, config) -> int:
     if args.bench == "serving" and args.n:
         from bench.serving_groups import run_group_serving_bench
         run_group_serving_bench(config, args.n, args.prompt_tokens, args.max_tokens, args.repeats, args.json)
+        return 0
+    if args.bench == "prefix-cache":
+        from bench.prefix_cache import run_prefix_cache_bench
+        run_prefix_cache_bench(config, args.prefix_tokens, args.suffix_tokens, args.num_requests, args.max_tokens,
+                               args.repeats, args.json)
         return 0
     if args.bench == "serving":
         from bench.serving import PATHS as SERVING_PATHS, run_serving_bench

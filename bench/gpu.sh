@@ -6,7 +6,7 @@
 # (fastapi needs opentelemetry-api, the server orjson, uvloop, httptools: ../shared/gpu/wheels.sh opentelemetry-api
 # importlib-metadata orjson uvloop httptools pytest-timeout; the openai wheel imports httpx2, which the image lacks: without
 # httpx2 httpcore2 truststore in that list, the tests that import openai are not collected there)
-# Issue 23 (serving), in order: bringup steps serving paged profile http colocate
+# Issue 23 (serving), in order: bringup steps serving paged profile http colocate; prefix-cache (2026-12-01)
 # Issue 24 (training): training grpo profile-dpo precision
 # With 15 device minutes (machine start included; 10 minutes and 8 files back per call; a machine idle for 30 s is
 # given back), one long call, its phases within one deadline, then short ones while the machine is warm:
@@ -73,8 +73,13 @@ PY
         tests/test_step_costs.py tests/test_decode_graphs.py tests/test_structured_outputs.py tests/test_fused_rope.py \
         tests/test_fused_norm.py tests/test_serving_copy.py tests/test_backward_sweep.py tests/test_dpo_gradients.py \
         tests/test_gated_mlp.py tests/test_training_copy.py tests/test_serving_steps.py tests/test_shared_prefix_pack.py \
-        tests/test_direct_apply.py tests/test_optimizer.py tests/test_attention_mask.py tests/test_causal_prefill.py} \
+        tests/test_direct_apply.py tests/test_optimizer.py tests/test_attention_mask.py tests/test_causal_prefill.py \
+        tests/test_prefix_cache.py} \
         2>&1 | tee "$OUT/cuda-tests.log" | tail -30
+      ;;
+    prefix-cache)  # requests sharing a 2,000-token beginning, with the prefix cache and without: TTFT, tokens computed
+      bench prefix-cache "${MODEL[@]}" --prefix-tokens 2000 --suffix-tokens 64 --num-requests 8 --repeats 3 \
+        --json "$OUT/prefix-cache.json"
       ;;
     smoke)  # every benchmark once, short, on the 8B shape
       bench training "${MODEL[@]}" --mode cpt --tokens 512 --repeats 1 --json "$OUT/smoke-cpt.json"

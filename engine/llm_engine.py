@@ -73,9 +73,10 @@ class LLMEngine:
         self.kv_spec = runner.kv_cache.spec
         self.eos_token_ids = runner.sampler.eos_token_ids
         self.vocab_size = self.model.config.vocab_size
+        prefix_caching = config.cache.enable_prefix_caching and not _rotary_follows_length(self.model.config)
         self.scheduler = Scheduler(config.scheduler, runner.kv_cache.num_blocks, self.kv_spec.block_size,
                                    self._admit_recording, self._confirm_recording,
-                                   config.cache.enable_prefix_caching, self.hooks.weights_generation)
+                                   prefix_caching, self.hooks.weights_generation)
         self.outputs = OutputProcessor(self.scheduler, self.eos_token_ids)
         self._seq_ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
@@ -329,6 +330,19 @@ class LLMEngine:
                 for completion in out.outputs:
                     results[out.request_id][completion.index].extend(completion.token_ids)
         return [results[rid] for rid in ids]
+
+
+def _rotary_follows_length(config) -> bool:
+    """Whether the model's RoPE frequencies depend on the longest position a forward holds
+    (transformers' longrope, Phi-3's 128k models, and dynamic NTK scaling): a key cached by one
+    step was then rotated as another step may not rotate it, so the prefix cache is off."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kinds = [p for p in params.values() if isinstance(p, dict)] or [params]  # (Gemma 3: one per kind of layer)
+    names = [str(kind.get("rope_type") or kind.get("type") or "") for kind in kinds]
+    follows = any(name == "longrope" or "dynamic" in name for name in names)
+    if follows:
+        logger.warning("prefix caching is off: this model's RoPE (%s) changes with the length of a step", names)
+    return follows
 
 
 def _eos_token_ids(model, tokenizer) -> set[int]:

@@ -160,25 +160,40 @@ class Scheduler:
                 self._generation = generation
                 self.allocator.forget_names()
 
+    def _names_until(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The names of `seq`'s first `num_blocks` full blocks under today's weights (those
+        named before kept: a request that waits at the queue's head is not hashed again)."""
+        names = seq.block_names if seq.kv_generation == self._generation else []
+        if len(names) < num_blocks:
+            tokens = seq.token_ids_until(num_blocks * self.block_size)[len(names) * self.block_size:]
+            root = names[-1] if names else cache_root(self._generation, seq.cache_salt)
+            names = names + block_names(root, tokens, self.block_size)
+        return names
+
     def _begin_computing(self, seq: Sequence) -> None:
         """`seq` is admitted to compute its tokens from position 0 under today's weights: it
         takes the cached blocks that begin them, unless it reports prompt log-probs."""
-        seq.kv_generation, seq.block_names, seq.num_named_blocks = self._generation, [], 0
-        if not self.prefix_caching:
-            return
-        # the last token is computed whatever is cached: its logits sample the next
-        seq.block_names = block_names(cache_root(self._generation, seq.cache_salt),
-                                      seq.token_ids_until(seq.num_tokens - 1), self.block_size)
-        if seq.params.prompt_logprobs is None:
+        if self.prefix_caching:
+            # the last token is computed whatever is cached: its logits sample the next
+            needed = (seq.num_tokens - 1) // self.block_size
+            seq.block_names = self._names_until(seq, needed)[:needed]
+        seq.kv_generation, seq.num_named_blocks = self._generation, 0
+        if self.reads_cache(seq):
             seq.block_ids = self.allocator.take_cached_prefix(seq.block_names)
             seq.num_named_blocks = len(seq.block_ids)
             seq.num_computed_tokens = len(seq.block_ids) * self.block_size
 
+    def reads_cache(self, seq: Sequence) -> bool:
+        """Whether `seq`'s prefill may take K/V from the prefix cache (one recorded, or
+        reporting prompt log-probs, computes its whole prompt)."""
+        return self.prefix_caching and seq.params.prompt_logprobs is None and seq.record is None
+
     def _count_cache_lookup(self, seq: Sequence) -> None:
-        """`seq` was admitted: its first prefill's cached tokens are what its request's usage reports."""
+        """`seq` was admitted: its first prefill's cached tokens are what its request's usage
+        reports; a lookup counts where the prefill could read the cache (as vLLM counts them)."""
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed_tokens
-            if self.prefix_caching:
+            if self.reads_cache(seq):
                 self._cache_queries += seq.num_prompt_tokens
                 self._cache_hits += seq.num_computed_tokens
 
@@ -192,11 +207,7 @@ class Scheduler:
         full = seq.num_computed_tokens // self.block_size
         if not self.prefix_caching or full <= seq.num_named_blocks or seq.kv_generation != self._generation:
             return
-        names = seq.block_names
-        if len(names) < full:
-            names += block_names(names[-1] if names else cache_root(self._generation, seq.cache_salt),
-                                 seq.token_ids_until(full * self.block_size)[len(names) * self.block_size:],
-                                 self.block_size)
+        names = seq.block_names = self._names_until(seq, full)
         for index in range(seq.num_named_blocks, full):
             self.allocator.name(seq.block_ids[index], names[index])
         seq.num_named_blocks = full
@@ -242,7 +253,7 @@ class Scheduler:
             return None
         self.waiting.popleft()
         seq.kv_generation, seq.block_names, seq.num_named_blocks = self._generation, [], 0
-        self._count_cache_lookup(seq)
+        self._count_cache_lookup(seq)  # (it reads nothing: its graph covers its whole prompt)
         decoding = [s for s in self.running if s.num_pending_tokens == 1]
         join = not self.config.recorded_prefill_alone
         decodes = [ScheduledSequence(s, 1) for s in decoding if join and self._grow(s, s.num_tokens)]
