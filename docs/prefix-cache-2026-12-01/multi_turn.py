@@ -7,7 +7,7 @@ per turn: the prompt's tokens, those the cache held (`usage.prompt_tokens_detail
 the time to the first streamed token. Run from the repository root:
 
     PYTHONPATH=. .venv/bin/python docs/prefix-cache-2026-12-01/multi_turn.py \
-        --json docs/prefix-cache-2026-12-01/multi_turn.json
+        --json docs/prefix-cache-2026-12-01/multi_turn.json --plot docs/bench-prefix-cache-multi-turn.png
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import openai
 
 from bench.launch import running_server
+from bench.report import pyplot, save_figure
 from bench.traces import PASSAGE
 
 SYSTEM = ("You are a patient tutor. Read the passage the student studies, then answer each of their questions in "
@@ -42,11 +43,25 @@ def turn(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[
     return text, (first or time.perf_counter()) - started, usage
 
 
+def plot(turns: list[dict], path: str) -> None:
+    """Median time to first token per turn, with the prefix cache and without."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    numbers = sorted({r["turn"] for r in turns})
+    for key, label in (("cached", "prefix cache on"), ("plain", "prefix cache off")):
+        ax.plot([n + 1 for n in numbers], [statistics.median(r[key]["ttft_ms"] for r in turns if r["turn"] == n)
+                                           for n in numbers], marker="o", label=label)
+    ax.set_ylim(bottom=0)
+    save_figure(fig, ax, "turn of the conversation", "time to first token, ms (median)",
+                "Multi-turn chat over HTTP, embedded model, CPU", path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--json")
+    parser.add_argument("--plot", help="a PNG of the time to first token per turn")
     args = parser.parse_args()
     flags = ("--train-mode", "off", "--log-level", "WARNING")
     with running_server(*flags) as cached_url, running_server(*flags, "--no-enable-prefix-caching") as plain_url:
@@ -88,6 +103,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "turns": turns}, f, indent=1)
+    if args.plot:
+        plot(turns, args.plot)
 
 
 if __name__ == "__main__":
