@@ -6,6 +6,7 @@ imports bench/)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from bench.arguments import (at_least, existing_file, fraction, listed, named_file, one_of, output_path,
                              positive)
@@ -194,8 +195,16 @@ def _add_training_benches(benches, add_config_flags) -> None:
     recording.add_argument("--json", type=output_path, help="write the results to this JSON file")
 
 
+# benchmarks that start servers (they serve as a user's would: the prefix cache on), and the
+# one that measures the cache; the others compare paths in one process, the cache off: a
+# round would otherwise find the prompts of the round before, or a path those of the path before
+_PREFIX_CACHE_AS_CONFIGURED = frozenset({"colocate", "replicas", "soak", "backlog", "prefix-cache"})
+
+
 def run_bench_command(args: argparse.Namespace, config) -> int:
     """Runs the parsed `bench …` or `profile` command; its exit status."""
+    if getattr(args, "bench", None) not in _PREFIX_CACHE_AS_CONFIGURED:
+        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
     if args.command == "profile":
         from bench.profile import run_profile
         run_profile(config, args.out, tuple(int(n) for n in args.tokens.split(",")))

@@ -85,7 +85,8 @@ class PagedKVCache:
 @dataclass
 class AttentionGroup:
     """Sequences whose attention runs as one call: b sequences padded to q query rows and
-    S keys. A serving step has up to two — its decodes (q = 1) and its prefill chunks —
+    S keys. A serving step has up to three — its decodes (q = 1), its prefills from position
+    0 and those going on from earlier tokens —
     each with b, q and S rounded up to buckets (engine/step_inputs.py), so that decodes
     never pad to a prefill's length; the extra sequences, rows and keys are masked."""
 

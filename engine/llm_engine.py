@@ -271,6 +271,9 @@ class LLMEngine:
             try:
                 model_output = self.runner.execute(scheduled, hooks.segment_sink, hooks.stale_resolver,
                                                    hooks.recording_weights)
+            except BaseException:
+                self.scheduler.forget_unwritten()
+                raise
             finally:
                 if hooks.memory_guard is not None:
                     hooks.memory_guard.after_step()

@@ -20,9 +20,10 @@ first prefill (or again after a preemption) takes the cached blocks that begin i
 (engine/block_pool.py) and computes only the rest; every full block a step computes is
 cached by name. A recorded prefill computes its whole prompt (training needs its graph)
 and one that reports prompt log-probs reads nothing from the cache (it needs every
-position's logits); both cache what they compute. The names start from the weights'
-generation: when the weights serving runs with change, every name is forgotten, and a
-sequence admitted before the change caches nothing more.
+position's logits); both cache what they compute. A step's blocks are named as it is scheduled, so that a
+prompt admitted later in the same step takes those it shares (as in vLLM). The names start
+from the weights' generation: when the weights serving runs with change, every name is
+forgotten, and a sequence admitted before the change caches nothing more.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         """Frees `seq`'s blocks, caching the full ones first; its last blocks, the least
         likely to begin another prompt, are the first given to other tokens."""
-        self._name_computed_blocks(seq)
+        self._name_blocks(seq, seq.num_computed_tokens)
         self.allocator.free(seq.block_ids[::-1])
         seq.block_ids = []
 
@@ -202,9 +203,13 @@ class Scheduler:
         self.allocator.free(seq.block_ids[::-1])
         seq.block_ids, seq.num_computed_tokens, seq.num_named_blocks = [], 0, 0
 
-    def _name_computed_blocks(self, seq: Sequence) -> None:
-        """Caches `seq`'s full blocks whose K/V are computed, under today's weights."""
-        full = seq.num_computed_tokens // self.block_size
+    def _name_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Caches `seq`'s full blocks among its first `num_tokens`, under today's weights:
+        those whose K/V are computed, or that the step being scheduled computes — a prompt
+        admitted after it in the same step takes them, since each layer writes the step's K/V
+        to the pool before any attention reads it (engine/kv_cache.py, `StepKV`); a step that
+        fails forgets every name (`forget_unwritten`)."""
+        full = num_tokens // self.block_size
         if not self.prefix_caching or full <= seq.num_named_blocks or seq.kv_generation != self._generation:
             return
         names = seq.block_names = self._names_until(seq, full)
@@ -218,7 +223,11 @@ class Scheduler:
         if self.prefix_caching:
             for entry in step.scheduled:
                 if not entry.seq.is_finished:  # (a finished one cached its blocks as it let go of them)
-                    self._name_computed_blocks(entry.seq)
+                    self._name_blocks(entry.seq, entry.seq.num_computed_tokens)
+
+    def forget_unwritten(self) -> None:
+        """A step failed: blocks named for what it was to compute may hold anything."""
+        self.allocator.forget_names()
 
     def take_cache_counts(self) -> tuple[int, int]:
         """Prompt tokens looked up in the prefix cache and found there since the last call."""
@@ -322,6 +331,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break
             output.scheduled.append(ScheduledSequence(seq, num_new))
+            self._name_blocks(seq, seq.num_computed_tokens + num_new)
             budget -= num_new
             index += 1
         if output.preempted:
@@ -342,6 +352,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             output.scheduled.append(ScheduledSequence(seq, num_new))
+            self._name_blocks(seq, seq.num_computed_tokens + num_new)
             budget -= num_new
         return output
 

@@ -88,12 +88,21 @@ class StepLayout:
     causal: list[bool]
 
 
+def attention_kinds(members: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> list[np.ndarray]:
+    """A serving step's sequences (`members`) by the attention group they join: decodes;
+    prefills from position 0 (causal); prefills going on from earlier tokens."""
+    prefills = members[lengths[members] > 1]
+    return [members[lengths[members] == 1], prefills[starts[prefills] == 0], prefills[starts[prefills] > 0]]
+
+
 def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[int]], token_ids: list[int],
                 sample_rows: list[int], buckets: StepBuckets | None, block_size: int,
                 scratch_slot: int, first_alone: bool = False, exact_shapes: bool = False) -> StepLayout:
     """Sequence b computes `lengths[b]` tokens from position `starts[b]`, packed in order
-    into rows `token_ids`. The decodes form one attention group and the prefill chunks
-    another, each padded to its own bucketed shape (`buckets`; None: one exact group, as a
+    into rows `token_ids`. The decodes form one attention group, the prefills from position 0
+    another (causal), and the prefills that go on from earlier tokens (a chunked prompt's
+    next chunk, a prompt after its cached beginning) a third — none padded to another's
+    queries — each padded to its own bucketed shape (`buckets`; None: one exact group, as a
     recorded prefill runs). With `first_alone` the first sequence is group 0 by itself
     (a recorded prefill, which attends to its own graph-connected K/V) and the others
     follow, grouped as above (decodes riding along in its step). With `exact_shapes` the
@@ -107,7 +116,7 @@ def layout_step(lengths: list[int], starts: list[int], block_tables: list[list[i
     row_in_seq = np.arange(num_rows) - row_offsets[seq_of_row]
     positions = starts_[seq_of_row] + row_in_seq
     rest = np.arange(1 if first_alone else 0, len(lengths_))
-    kinds = [rest] if buckets is None else [rest[lengths_[rest] == 1], rest[lengths_[rest] > 1]]
+    kinds = [rest] if buckets is None else attention_kinds(rest, lengths_, starts_)
     members = ([np.arange(1)] if first_alone else []) + [m for m in kinds if m.size]
     arrays: dict[str, np.ndarray] = {"input_ids": np.array(token_ids, dtype=np.int64), "positions": positions,
                                      "sample_rows": np.array(sample_rows, dtype=np.int64),

@@ -37,11 +37,13 @@ def pytest_collection_modifyitems(config, items):
 
 def make_config(max_model_len: int = 256, block_size: int = 4, kv_cache_bytes: int = 4 << 20,
                 max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                offload: OffloadConfig | None = None, fork_choices: bool = True) -> AlchemistConfig:
+                offload: OffloadConfig | None = None, fork_choices: bool = True,
+                enable_prefix_caching: bool = True) -> AlchemistConfig:
     return AlchemistConfig(
         offload=offload or OffloadConfig(),
         model=ModelConfig(max_model_len=max_model_len),
-        cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes),
+        cache=CacheConfig(block_size=block_size, kv_cache_bytes=kv_cache_bytes,
+                          enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                   fork_choices=fork_choices),
     )

@@ -82,14 +82,17 @@ def test_layout_exact_groups_on_the_cpu_and_causal_only_from_position_0():
     kwargs = dict(block_size=16, scratch_slot=999)
     exact = layout_step(lengths, starts, tables, ids, [], buckets, exact_shapes=True, **kwargs)
     padded = layout_step(lengths, starts, tables, ids, [], buckets, **kwargs)
-    assert exact.shapes == [(2, 41), (2, 37)]  # decodes and prefill chunks apart, each exact
-    assert padded.shapes == [(2, 64), (2, 64)]
-    assert exact.arrays["query_index1"].shape == (2, 37) and padded.arrays["query_index1"].shape == (2, 64)
+    # decodes, prefills from 0 and prefills going on from earlier tokens apart, each exact: the later
+    # chunk's 5 queries are not padded to the first chunk's 37
+    assert exact.shapes == [(2, 41), (1, 37), (1, 25)]
+    assert padded.shapes == [(2, 64), (1, 64), (1, 32)]
+    assert exact.arrays["query_index1"].shape == (1, 37) and padded.arrays["query_index1"].shape == (1, 64)
+    assert exact.arrays["query_index2"].shape == (1, 5) and padded.arrays["query_index2"].shape == (1, 8)
     decodes_only = dict(lengths=[1] * 3, starts=[9, 40, 3], block_tables=tables[:3], token_ids=[0, 1, 2],
                         sample_rows=[0, 1, 2], buckets=buckets, **kwargs)
     assert not layout_step(**decodes_only, exact_shapes=True).static  # no row padded to the batch bucket
     assert layout_step(**decodes_only).static and layout_step(**decodes_only).shapes == [(4, 64)]
-    assert exact.causal == [False, False]  # the later chunk starts at 20
+    assert exact.causal == [False, True, False]  # the first chunk from 0, causal; the later one starts at 20
     alone = layout_step([37, 12], [0, 0], tables[:2], list(range(49)), [], buckets, exact_shapes=True, **kwargs)
     assert alone.causal == [True]
 

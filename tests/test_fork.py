@@ -1,6 +1,6 @@
 """One prefill for n choices: the choices of a request fork choice 0's prompt KV blocks.
 
-Against the plain path (`fork_choices=False`: every choice prefills the prompt itself):
+Against the plain path (`fork_choices=False`, no prefix cache: every choice prefills the prompt itself):
 the same tokens for greedy and seeded sampling, alone, batched, chunked and under
 preemption; the prompt is computed once; every block is free again at the end."""
 
@@ -50,7 +50,7 @@ def assert_all_blocks_free(engine):
 @pytest.mark.parametrize("prompt_len", [8, 11])  # a whole number of 4-token blocks, and a partial last block
 def test_seeded_choices_equal_the_per_choice_path_and_prefill_once(prompt_len):
     prompt = (encode(PROMPTS[1]) * 2)[:prompt_len]
-    forked_engine, plain_engine = make_engine(), make_engine(fork_choices=False)
+    forked_engine, plain_engine = make_engine(), make_engine(fork_choices=False, enable_prefix_caching=False)
     forked, forked_totals = run(forked_engine, [prompt], seeded(4))
     plain, plain_totals = run(plain_engine, [prompt], seeded(4))
     assert forked == plain
@@ -91,7 +91,7 @@ def test_forked_choices_share_the_prompt_blocks_and_own_the_partial_one():
 def test_forked_choices_under_preemption_equal_the_per_choice_path():
     # 14 blocks of 4 tokens for 2 requests x 3 choices growing to 16 + 20 tokens
     kwargs = dict(kv_cache_bytes=14 * 4 * 2 * 2 * 2 * 16 * 4, max_model_len=48)
-    forked_engine, plain_engine = make_engine(**kwargs), make_engine(fork_choices=False, **kwargs)
+    forked_engine, plain_engine = make_engine(**kwargs), make_engine(fork_choices=False, enable_prefix_caching=False, **kwargs)
     prompts = [encode(p)[:16] for p in PROMPTS[:2]]
     forked, totals = run(forked_engine, prompts, seeded(3, max_tokens=20))
     plain, _ = run(plain_engine, prompts, seeded(3, max_tokens=20))
@@ -118,6 +118,6 @@ def test_abort_frees_forked_and_waiting_choices(steps_before_abort):
 def test_choices_that_cannot_fork_are_prefilled_alone():
     engine = make_engine(max_num_seqs=2)  # room for the parent and one forked choice
     forked, _ = run(engine, [encode(PROMPTS[0])], seeded(4))
-    plain, _ = run(make_engine(fork_choices=False, max_num_seqs=2), [encode(PROMPTS[0])], seeded(4))
+    plain, _ = run(make_engine(fork_choices=False, enable_prefix_caching=False, max_num_seqs=2), [encode(PROMPTS[0])], seeded(4))
     assert forked == plain
     assert_all_blocks_free(engine)

@@ -31,10 +31,7 @@ QUESTIONS = ["What is the capital of France?", "Name a prime number.", "Why is t
 
 
 def make_engine(caching: bool, family: str = "llama", model=None, generation=None, **config_kwargs) -> LLMEngine:
-    config = make_config(**config_kwargs)
-    config = config.__class__(**{**config.__dict__, "cache": config.cache.__class__(
-        block_size=config.cache.block_size, kv_cache_bytes=config.cache.kv_cache_bytes,
-        enable_prefix_caching=caching)})
+    config = make_config(enable_prefix_caching=caching, **config_kwargs)
     torch.manual_seed(0)
     return LLMEngine.for_model(model or tiny_model(family), tiny_tokenizer(), config,
                                EngineHooks(weights_generation=generation))
@@ -102,6 +99,51 @@ def test_prompts_sharing_a_beginning_take_its_blocks_and_answer_as_the_plain_pat
     assert hits[3] == (len(prompts[3]) - 1) // 4 * 4  # its own question's blocks too
     assert plain_computed - cached_computed == sum(hits)
     assert_all_blocks_free(engine)
+
+
+def test_prompts_admitted_in_one_step_take_the_blocks_it_computes_for_the_first():
+    prompts = [SYSTEM + encode(q) for q in QUESTIONS]
+
+    def together(engine):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"s{i}", prompt, GREEDY)
+        got, computed, cached = {}, 0, {}
+        first = engine.step()[1]  # all three admitted in one step
+        computed += first.num_scheduled_tokens
+        while engine.has_unfinished():
+            outputs, stats = engine.step()
+            computed += stats.num_scheduled_tokens
+            for o in outputs:
+                got[o.request_id] = got.get(o.request_id, []) + o.outputs[0].token_ids
+                cached[o.request_id] = o.metrics.num_cached_tokens
+        return got, computed, cached
+
+    plain, plain_computed, _ = together(make_engine(False, max_num_batched_tokens=512))
+    engine = make_engine(True, max_num_batched_tokens=512)
+    shared, shared_computed, cached = together(engine)
+    full = len(SYSTEM) // 4 * 4
+    assert shared == plain and cached == {"s0": 0, "s1": full, "s2": full}
+    assert plain_computed - shared_computed == 2 * full
+    assert_all_blocks_free(engine)
+
+
+def test_a_step_that_fails_leaves_no_name_on_what_it_was_to_compute():
+    engine = make_engine(True)
+    prompt = SYSTEM + encode(QUESTIONS[0])
+    execute = engine.runner.execute
+
+    def fails(*args, **kwargs):
+        engine.runner.execute = execute
+        raise RuntimeError("the device fell over")
+
+    engine.runner.execute = fails
+    engine.add_request("failed", prompt, GREEDY)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine.abort_request("failed")
+    assert engine.scheduler.allocator.num_named == 0
+    again, _ = run_one_by_one(engine, [prompt], GREEDY)
+    assert again[0] == run_one_by_one(make_engine(False), [prompt], GREEDY)[0][0]
 
 
 def test_seeded_sampling_and_several_choices_are_unchanged_by_the_cache():
