@@ -195,10 +195,11 @@ def _add_training_benches(benches, add_config_flags) -> None:
     recording.add_argument("--json", type=output_path, help="write the results to this JSON file")
 
 
-# benchmarks that start servers (they serve as a user's would: the prefix cache on), and the
-# one that measures the cache; the others compare paths in one process, the cache off: a
-# round would otherwise find the prompts of the round before, or a path those of the path before
-_PREFIX_CACHE_AS_CONFIGURED = frozenset({"colocate", "replicas", "soak", "backlog", "prefix-cache"})
+# benchmarks that start servers (they serve as a user's would: the prefix cache on), the
+# trace of a server's steps, and the one that measures the cache; the others compare paths in
+# one process, the cache off: a round would otherwise find the prompts of the round before, or a
+# path those of the path before
+_PREFIX_CACHE_AS_CONFIGURED = frozenset({"colocate", "replicas", "soak", "backlog", "steps", "prefix-cache"})
 
 
 def run_bench_command(args: argparse.Namespace, config) -> int:

@@ -255,33 +255,25 @@ class LLMEngine:
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         started, faults = time.perf_counter(), minor_page_faults()
-        scheduled = self.scheduler.schedule()
-        kind = scheduled.kind  # before the step: it advances the sequences' computed tokens
-        if kind != "decode":  # a prefill's forward is longer and host-bound: what waits for it goes now
-            self._before_read_back_now()
-            if not scheduled.is_empty:  # the gauges count the prompts it admitted as running during it
-                self._publish([], self._state())
+        try:  # from the moment blocks are named for what the step computes until it has computed them
+            scheduled = self.scheduler.schedule()
+            kind = scheduled.kind  # before the step: it advances the sequences' computed tokens
+            if kind != "decode":  # a prefill's forward is longer and host-bound: what waits for it goes now
+                self._before_read_back_now()
+                if not scheduled.is_empty:  # the gauges count the prompts it admitted as running during it
+                    self._publish([], self._state())
+            step_started = time.monotonic()
+            model_output = self._execute(scheduled) if not scheduled.is_empty else None
+        except BaseException:
+            self.scheduler.forget_unwritten()
+            raise
         touched: set[str] = {s.request_id for s in scheduled.preempted}
-        step_started = time.monotonic()
-        if not scheduled.is_empty:
-            hooks = self.hooks
-            if hooks.memory_guard is not None:
-                recorded = scheduled.num_tokens if scheduled.recorded else 0  # riding decodes' rows too
-                hooks.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
-            try:
-                model_output = self.runner.execute(scheduled, hooks.segment_sink, hooks.stale_resolver,
-                                                   hooks.recording_weights)
-            except BaseException:
-                self.scheduler.forget_unwritten()
-                raise
-            finally:
-                if hooks.memory_guard is not None:
-                    hooks.memory_guard.after_step()
+        if model_output is not None:
             if scheduled.recorded:  # the recorded sequence is the step's first; decodes may follow it
                 recorded_seq = scheduled.scheduled[0].seq
                 recorded_seq.record = None
-                if model_output.recording is not None and hooks.recorder is not None:
-                    hooks.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
+                if model_output.recording is not None and self.hooks.recorder is not None:
+                    self.hooks.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
             touched |= self.outputs.update(scheduled, model_output, step_started)
             self.scheduler.name_computed_blocks(scheduled)
         outputs = [out for rid in touched if (out := self.outputs.collect(rid)) is not None]
@@ -290,6 +282,18 @@ class LLMEngine:
         stats.prefix_cache_queries, stats.prefix_cache_hits = self.scheduler.take_cache_counts()
         self._publish(outputs, stats)
         return outputs, stats
+
+    def _execute(self, scheduled):
+        """The step's forward, with room made on the device before it (the memory guard)."""
+        hooks = self.hooks
+        if hooks.memory_guard is not None:
+            recorded = scheduled.num_tokens if scheduled.recorded else 0  # riding decodes' rows too
+            hooks.memory_guard.before_step(scheduled.num_tokens, len(scheduled.scheduled), recorded)
+        try:
+            return self.runner.execute(scheduled, hooks.segment_sink, hooks.stale_resolver, hooks.recording_weights)
+        finally:
+            if hooks.memory_guard is not None:
+                hooks.memory_guard.after_step()
 
     def _state(self, seconds: float = 0.0, num_tokens: int = 0, num_preempted: int = 0, kind: str = "") -> StepStats:
         """The scheduler's state as StepStats: after each step, and after a request is

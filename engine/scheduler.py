@@ -123,6 +123,8 @@ class Scheduler:
         self._generation = weights_generation() if weights_generation is not None else 0
         # prompt tokens looked up in the prefix cache, and those found, since `take_cache_counts`
         self._cache_queries = self._cache_hits = 0
+        # the sequences the step being scheduled admitted or forked (`forget_unwritten`)
+        self._admitted: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # running sequences sat out the last step, a recorded prefill's: the next is theirs
@@ -226,8 +228,20 @@ class Scheduler:
                     self._name_blocks(entry.seq, entry.seq.num_computed_tokens)
 
     def forget_unwritten(self) -> None:
-        """A step failed: blocks named for what it was to compute may hold anything."""
+        """A step failed, or its scheduling did: blocks named for what it was to compute may
+        hold anything. Every name goes (the next steps name what they compute), and every
+        sequence the step admitted or forked, which may count such blocks as computed, starts
+        again from its first token, as a preempted one does."""
         self.allocator.forget_names()
+        for seq in reversed(self._admitted):
+            if seq in self.running:
+                self.running.remove(seq)
+                self.allocator.free(seq.block_ids[::-1])
+                seq.block_ids, seq.num_computed_tokens = [], 0
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+        for seq in self.running:
+            seq.num_named_blocks = 0
 
     def take_cache_counts(self) -> tuple[int, int]:
         """Prompt tokens looked up in the prefix cache and found there since the last call."""
@@ -302,11 +316,13 @@ class Scheduler:
                 child.block_names = parent.block_names[:num_full]
                 child.status = SequenceStatus.RUNNING
                 self.running.append(child)
+                self._admitted.append(child)
                 fork.children.append(child)
             if fork.children:
                 output.forks.append(fork)
 
     def schedule(self) -> SchedulerOutput:
+        self._admitted.clear()
         self._follow_weights()
         # running sequences that sat out a recorded prefill's step take the next one, before any other
         recorded = None if self._running_sat_out else self._schedule_recorded_prefill()
@@ -348,6 +364,7 @@ class Scheduler:
                 self._give_back_cached_prefix(seq)  # (a waiting sequence holds only cached blocks)
                 break
             self.waiting.popleft()
+            self._admitted.append(seq)
             self._count_cache_lookup(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -127,23 +127,70 @@ def test_prompts_admitted_in_one_step_take_the_blocks_it_computes_for_the_first(
     assert_all_blocks_free(engine)
 
 
-def test_a_step_that_fails_leaves_no_name_on_what_it_was_to_compute():
-    engine = make_engine(True)
-    prompt = SYSTEM + encode(QUESTIONS[0])
-    execute = engine.runner.execute
+class _FailsOnce:
+    """Replaces `owner.name` with a function that raises once, then puts the original back."""
 
-    def fails(*args, **kwargs):
-        engine.runner.execute = execute
+    def __init__(self, owner, name: str):
+        self.owner, self.name, self.original = owner, name, getattr(owner, name)
+        setattr(owner, name, self)
+
+    def __call__(self, *args, **kwargs):
+        setattr(self.owner, self.name, self.original)
         raise RuntimeError("the device fell over")
 
-    engine.runner.execute = fails
-    engine.add_request("failed", prompt, GREEDY)
+
+class _RoomMaker:
+    """A memory guard (the offloader's seam) that does nothing."""
+
+    def before_step(self, *args):
+        pass
+
+    def after_step(self):
+        pass
+
+
+class _RefusingRecorder:
+    """A recorder (the trainer's seam) whose admission of a prefill raises."""
+
+    wants_served_logprobs = False
+
+    def logprob_temperature(self, temperature, n):
+        return 1.0
+
+    def expect(self, request_id, expected=True):
+        pass
+
+    def admit(self, *args):
+        raise RuntimeError("the recorder fell over")
+
+
+@pytest.mark.parametrize("where", ["forward", "memory_guard", "admission"])
+def test_a_step_that_fails_leaves_no_name_and_no_taken_block_on_what_it_was_to_compute(where):
+    """Two prompts alike in one step, the step fails (in its forward, in the memory guard before
+    it, or while scheduling it, after the first prompt was admitted and its blocks named): the
+    first is aborted, the second goes on — and computes its tokens, not the first's unwritten ones."""
+    engine = make_engine(True, max_num_batched_tokens=512)
+    prompt = SYSTEM + encode(QUESTIONS[0])
+    if where == "forward":
+        _FailsOnce(engine.runner, "execute")
+    elif where == "memory_guard":
+        guard = _RoomMaker()
+        engine.hooks = EngineHooks(memory_guard=guard)
+        _FailsOnce(guard, "before_step")
+    elif where == "admission":  # the second is trainable: the recorder is asked about it, and raises
+        engine.hooks = EngineHooks(recorder=_RefusingRecorder())
+    engine.add_request("first", prompt, GREEDY)
+    engine.add_request("second", prompt, GREEDY, train=where == "admission")
     with pytest.raises(RuntimeError):
         engine.step()
-    engine.abort_request("failed")
     assert engine.scheduler.allocator.num_named == 0
-    again, _ = run_one_by_one(engine, [prompt], GREEDY)
-    assert again[0] == run_one_by_one(make_engine(False), [prompt], GREEDY)[0][0]
+    engine.hooks = EngineHooks()
+    engine.abort_request("first")
+    tokens = []
+    while engine.has_unfinished():
+        for output in engine.step()[0]:
+            tokens += output.outputs[0].token_ids
+    assert tokens == run_one_by_one(make_engine(False), [prompt], GREEDY)[0][0][0]
 
 
 def test_seeded_sampling_and_several_choices_are_unchanged_by_the_cache():
