@@ -275,7 +275,6 @@ class LLMEngine:
                 if model_output.recording is not None and self.hooks.recorder is not None:
                     self.hooks.recorder.on_recorded(recorded_seq.request_id, model_output.recording)
             touched |= self.outputs.update(scheduled, model_output, step_started)
-            self.scheduler.name_computed_blocks(scheduled)
         outputs = [out for rid in touched if (out := self.outputs.collect(rid)) is not None]
         stats = self._state(time.perf_counter() - started, scheduled.num_tokens, len(scheduled.preempted), kind)
         stats.page_faults = minor_page_faults() - faults

@@ -18,10 +18,10 @@ A forked choice is an ordinary sequence afterwards: preempted, it recomputes alo
 With the prefix cache on (vLLM's automatic prefix caching), a sequence admitted to its
 first prefill (or again after a preemption) takes the cached blocks that begin its tokens
 (engine/block_pool.py) and computes only the rest; every full block a step computes is
-cached by name. A recorded prefill computes its whole prompt (training needs its graph)
-and one that reports prompt log-probs reads nothing from the cache (it needs every
-position's logits); both cache what they compute. A step's blocks are named as it is scheduled, so that a
-prompt admitted later in the same step takes those it shares (as in vLLM). The names start
+cached by name as the step is scheduled, so that a prompt admitted later in the same step
+takes those it shares (as in vLLM). A recorded prefill computes its whole prompt (training
+needs its graph) and one that reports prompt log-probs reads nothing from the cache (it
+needs every position's logits); both cache what they compute. The names start
 from the weights' generation: when the weights serving runs with change, every name is
 forgotten, and a sequence admitted before the change caches nothing more.
 """
@@ -147,9 +147,8 @@ class Scheduler:
         return True
 
     def _release(self, seq: Sequence) -> None:
-        """Frees `seq`'s blocks, caching the full ones first; its last blocks, the least
-        likely to begin another prompt, are the first given to other tokens."""
-        self._name_blocks(seq, seq.num_computed_tokens)
+        """Frees `seq`'s blocks (its full ones were cached as they were scheduled); its last
+        blocks, the least likely to begin another prompt, are the first given to other tokens."""
         self.allocator.free(seq.block_ids[::-1])
         seq.block_ids = []
 
@@ -181,12 +180,12 @@ class Scheduler:
             needed = (seq.num_tokens - 1) // self.block_size
             seq.block_names = self._names_until(seq, needed)[:needed]
         seq.kv_generation, seq.num_named_blocks = self._generation, 0
-        if self.reads_cache(seq):
+        if self._reads_cache(seq):
             seq.block_ids = self.allocator.take_cached_prefix(seq.block_names)
             seq.num_named_blocks = len(seq.block_ids)
             seq.num_computed_tokens = len(seq.block_ids) * self.block_size
 
-    def reads_cache(self, seq: Sequence) -> bool:
+    def _reads_cache(self, seq: Sequence) -> bool:
         """Whether `seq`'s prefill may take K/V from the prefix cache (one recorded, or
         reporting prompt log-probs, computes its whole prompt)."""
         return self.prefix_caching and seq.params.prompt_logprobs is None and seq.record is None
@@ -196,7 +195,7 @@ class Scheduler:
         reports; a lookup counts where the prefill could read the cache (as vLLM counts them)."""
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed_tokens
-            if self.reads_cache(seq):
+            if self._reads_cache(seq):
                 self._cache_queries += seq.num_prompt_tokens
                 self._cache_hits += seq.num_computed_tokens
 
@@ -206,11 +205,11 @@ class Scheduler:
         seq.block_ids, seq.num_computed_tokens, seq.num_named_blocks = [], 0, 0
 
     def _name_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Caches `seq`'s full blocks among its first `num_tokens`, under today's weights:
-        those whose K/V are computed, or that the step being scheduled computes — a prompt
-        admitted after it in the same step takes them, since each layer writes the step's K/V
-        to the pool before any attention reads it (engine/kv_cache.py, `StepKV`); a step that
-        fails forgets every name (`forget_unwritten`)."""
+        """Caches `seq`'s full blocks among its first `num_tokens` — those the step being
+        scheduled computes, and those before them — under today's weights. A prompt admitted
+        after it in the same step takes them, since each layer writes the step's K/V to the
+        pool before any attention reads it (engine/kv_cache.py, `StepKV`); a step that fails
+        forgets every name (`forget_unwritten`)."""
         full = num_tokens // self.block_size
         if not self.prefix_caching or full <= seq.num_named_blocks or seq.kv_generation != self._generation:
             return
@@ -218,14 +217,6 @@ class Scheduler:
         for index in range(seq.num_named_blocks, full):
             self.allocator.name(seq.block_ids[index], names[index])
         seq.num_named_blocks = full
-
-    def name_computed_blocks(self, step: SchedulerOutput) -> None:
-        """After a step has run (and its sequences' computed tokens advanced): caches the
-        blocks it filled."""
-        if self.prefix_caching:
-            for entry in step.scheduled:
-                if not entry.seq.is_finished:  # (a finished one cached its blocks as it let go of them)
-                    self._name_blocks(entry.seq, entry.seq.num_computed_tokens)
 
     def forget_unwritten(self) -> None:
         """A step failed, or its scheduling did: blocks named for what it was to compute may
@@ -283,7 +274,10 @@ class Scheduler:
         self._running_sat_out = len(decodes) < len(self.running)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        return SchedulerOutput([ScheduledSequence(seq, seq.num_tokens)] + decodes, recorded=True)
+        scheduled = [ScheduledSequence(seq, seq.num_tokens)] + decodes
+        for entry in scheduled:
+            self._name_blocks(entry.seq, entry.seq.num_computed_tokens + entry.num_new_tokens)
+        return SchedulerOutput(scheduled, recorded=True)
 
     def _decide_recording(self, seq: Sequence) -> None:
         """Asks, once, whether a trainable sequence's first prefill is recorded."""

@@ -313,9 +313,9 @@ def test_after_the_weights_change_nothing_computed_before_is_read():
     assert again[0][1] > 0 and again[0][0] == after[0][0]
 
 
-def _serve(trainer, prompt, train):
+def _serve(trainer, prompt, train, params=GREEDY):
     engine = engine_of(trainer)
-    engine.add_request(f"t{next(_ids)}", prompt, GREEDY, train=train)
+    engine.add_request(f"t{next(_ids)}", prompt, params, train=train)
     tokens, cached = [], None
     while engine.has_unfinished():
         for o in engine.step()[0]:
@@ -339,6 +339,14 @@ def test_a_recorded_prefill_computes_its_whole_prompt_and_an_optimizer_step_empt
     assert cached == 0
     again, cached = _serve(trainer, prompt, train=False)
     assert cached > 0 and again == tokens
+
+
+def test_what_a_recorded_prefill_computed_is_read_by_the_prompts_after_it():
+    trainer = make_trainer(mode="cpt")
+    # one token: the request ends with its recorded step (no decode step names its blocks later)
+    _serve(trainer, SYSTEM + encode(QUESTIONS[1]), train=True, params=SamplingParams(temperature=0.0, max_tokens=1))
+    assert [e.recording is not None for e in trainer.cache.entries()] == [True]
+    assert _serve(trainer, SYSTEM + encode(QUESTIONS[2]), train=False)[1] == len(SYSTEM) // 4 * 4
 
 
 SYSTEM_TEXT = "You are a careful assistant. Answer in one short sentence, and never guess. " * 3
