@@ -1,5 +1,5 @@
 """The HTTP app: the OpenAI routes (server/routes_openai.py, and the Responses API's in
-server/responses_api.py), the admin routes
+server/responses_api.py and server/responses_stored.py), the admin routes
 (server/routes_admin.py), vLLM's tokenizer routes (server/routes_tokens.py), OpenAI-style
 errors (server/errors.py), the request guard (authentication, body size, capacity:
 server/guards.py) and the OpenAPI document (server/openapi.py)."""
@@ -15,6 +15,7 @@ from server.guards import GuardConfig, RequestGuard
 from server.openapi import Offered, openapi_document
 from server.route_table import expected_statuses
 from server.responses_api import responses_router
+from server.responses_stored import stored_router
 from server.routes_admin import admin_router
 from server.routes_openai import openai_router
 from server.routes_tokens import tokens_router
@@ -33,7 +34,8 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
                            allow_headers=["*"], expose_headers=["x-request-id"])
     state.metrics.expect_responses(expected_statuses(bool(guard.api_key), bool(guard.admin_key)))
     app.state.alchemist = state
-    routers = [admin_router(state), openai_router(state), responses_router(state), tokens_router(state)]
+    routers = [admin_router(state), openai_router(state), responses_router(state), stored_router(state),
+               tokens_router(state)]
     for router in routers:
         _add_head_routes(router)
         app.include_router(router)
@@ -55,10 +57,11 @@ def offered(state: ServerState) -> Offered:
     training = state.training
     if training is None:  # feedback and rollback answer 400; an adapter only if one is served frozen
         return Offered(feedback=None, rollback=False, adapters=state.served_adapter is not None,
-                       models=state.model_names)
+                       responses=state.responses is not None, models=state.model_names)
     method = training.method
     return Offered(feedback=method.label_kind if method.uses_feedback else None,
-                   rollback=training.status().saves is not None, adapters=True, stores=True, models=state.model_names)
+                   rollback=training.status().saves is not None, adapters=True, stores=True,
+                   responses=state.responses is not None, models=state.model_names)
 
 
 def _add_head_routes(router: APIRouter) -> None:

@@ -146,7 +146,8 @@ def config_from_args(args: argparse.Namespace) -> AlchemistConfig:
                    "max_body_bytes": getattr(args, "max_body_bytes", None),
                    "read_timeout_s": getattr(args, "read_timeout", None),
                    "allowed_origins": getattr(args, "allowed_origins", None),
-                   "reasoning_parser": getattr(args, "reasoning_parser", None)},
+                   "reasoning_parser": getattr(args, "reasoning_parser", None),
+                   "max_stored_responses": getattr(args, "max_stored_responses", None)},
     }
     return load_config(args.config, overrides)
 
@@ -178,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences (prompts x n) waiting beyond --max-num-seqs running; more get 429 "
                        "(default 256)")
     serve.add_argument("--max-body-bytes", type=int, help="larger request bodies get 413 (default 4 MiB)")
+    serve.add_argument("--max-stored-responses", type=int, metavar="N",
+                       help="stored responses of the Responses API (retrieve, previous_response_id), the oldest "
+                       "pruned beyond N (default 10000; 0: none stored)")
     serve.add_argument("--read-timeout", type=float, metavar="SECONDS",
                        help="a request's headers must arrive within this long of the connection's opening, and its "
                        "body may pause no longer; else the connection closes (default 30)")

@@ -59,6 +59,10 @@ class ServerConfig:
     # a thinking model's reasoning apart from its answer in chat completions (server/reasoning.py):
     # "qwen3" or "deepseek_r1", as vLLM's --reasoning-parser; empty: the answer's text as generated
     reasoning_parser: str = ""
+    # the Responses API's stored responses (`GET /v1/responses/{id}`, `previous_response_id`), the
+    # oldest pruned beyond this many: in the adapter directory beside the ledger when training
+    # keeps one there, else in memory. 0: none stored
+    max_stored_responses: int = 10_000
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -80,9 +84,10 @@ class ServerConfig:
         if self.reasoning_parser not in ("", *REASONING_PARSERS):
             raise ValueError(f"server.reasoning_parser must be one of {', '.join(REASONING_PARSERS)} (or empty), "
                              f"got {self.reasoning_parser!r}")
-        if not isinstance(self.max_queued_requests, int) or self.max_queued_requests < 0:
-            raise ValueError(f"server.max_queued_requests must be a non-negative integer, "
-                             f"got {self.max_queued_requests!r}")
+        for name in ("max_queued_requests", "max_stored_responses"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"server.{name} must be a non-negative integer, got {value!r}")
 
 
 @dataclass(frozen=True)

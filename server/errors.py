@@ -55,6 +55,8 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def _loc_to_param(loc: tuple) -> str:
+    if loc[:1] in (("query",), ("path",)):  # a URL's parameter (FastAPI's validation), named as sent
+        loc = loc[1:]
     parts = [str(p) for p in loc if p not in ("body",)]
     # pydantic appends the union member it tried ("str", "list[TextPart]"); drop those
     # and a union's model by its class name ("NamedToolChoice"): fields are snake_case

@@ -40,6 +40,7 @@ _FEEDBACK, _ADAPTERS, _ROLLBACK = ("post", "/v1/feedback"), ("get", "/v1/adapter
 _DELETE_LABEL = ("delete", "/v1/feedback/{completion_id}")
 _DELETE_STORED = ("delete", "/v1/chat/completions/{completion_id}")
 _DELETE_RESPONSE = ("delete", "/v1/responses/{response_id}")
+_STORED_RESPONSE = (("get", "/v1/responses/{response_id}"), ("get", "/v1/responses/{response_id}/input_items"))
 # the feedback body, by the label the training method takes (trainer/feedback.py)
 _FEEDBACK_BODIES = {"preference": ("A preference between responses of a served completion (DPO)",
                                    (protocol_training.PreferenceTexts, protocol_training.PreferenceIndices)),
@@ -67,6 +68,8 @@ class Offered:
     adapters: bool
     # training is on: the server keeps completions (and labels) that a client may delete
     stores: bool = False
+    # finished responses are stored (server/response_store.py): retrieved, listed, deleted
+    responses: bool = False
     # the model names requests may give (any other is a 404); none: any string
     models: tuple[str, ...] = ()
 
@@ -88,7 +91,12 @@ def served_operations(offered: Offered) -> dict[tuple[str, str], Operation]:
         del operations[_ROLLBACK]
     if not offered.stores:
         operations.pop(_DELETE_LABEL, None)
-        del operations[_DELETE_STORED], operations[_DELETE_RESPONSE]
+        del operations[_DELETE_STORED]
+    if not offered.responses:
+        for operation in _STORED_RESPONSE:
+            del operations[operation]
+        if not offered.stores:
+            del operations[_DELETE_RESPONSE]
     return operations
 
 

@@ -4,9 +4,10 @@ chat body (server/protocol.py), and its conversion to the chat request it is ser
 A response is a chat completion of one choice: `instructions` are the system turn, `input`
 a string (one user turn) or items — messages, the model's function calls and their outputs
 (what the SDK and OpenAI's Agents SDK send back each turn) — and `text.format` is
-`response_format`. Nothing is stored between requests: `previous_response_id` and
-`conversation` are refused (send the turns as `input`), as vLLM refuses them without its
-store. Fields that do not change generation here (store, metadata, user, reasoning,
+`response_format`. `previous_response_id` continues a stored response (server/response_store.py):
+its conversation's items come before `input`, under this request's `instructions` only (as
+OpenAI: the earlier instructions are not carried over). `conversation` (OpenAI's Conversations
+API) is refused. Fields that do not change generation here (metadata, user, reasoning,
 truncation, service tier, `max_tool_calls`, which bounds calls of OpenAI's built-in tools,
 none offered here, ...) are accepted and ignored.
 """
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BeforeValidator, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (BeforeValidator, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from server.protocol_fields import (TOOL_CHOICE_TYPES, Int, LimitFrom1, Metadata, Strict, documented,
@@ -26,8 +28,8 @@ from server.tool_calls import NAME_PATTERN
 _KNOWN_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 # fields of OpenAI's Responses API that this server does not offer, and what to send instead (null: not asked)
 NOT_OFFERED = {
-    "previous_response_id": "responses are not stored here; send the whole conversation with each request",
-    "conversation": "conversations are not stored here; send the whole conversation with each request",
+    "conversation": "the Conversations API is not offered here; continue a stored response with "
+                    "'previous_response_id', or send the whole conversation as 'input'",
 }
 
 
@@ -136,6 +138,11 @@ InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
                             Annotated[ReasoningItem, Tag("ReasoningItem")]],
                       Discriminator(_item_model)]
 
+# a stored conversation's items (server/response_store.py), read back as input
+CONVERSATION_ITEMS = TypeAdapter(list[InputItem])
+# the prefix of an input item's id, by type, where the client gave it none
+_ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
 
 class FunctionTool(Strict):
     type: Literal["function"]
@@ -207,8 +214,11 @@ class ResponsesRequest(Strict):
     stream: bool | None = False
     stream_options: ResponsesStreamOptions | None = None
     top_logprobs: documented(Int, minimum=0, maximum=0) | None = None
-    # OpenAI's, without effect here
+    # a stored response this one continues (server/response_store.py)
+    previous_response_id: Annotated[str, Field(min_length=1)] | None = None
+    # false: this response is not stored (it cannot be retrieved or continued)
     store: bool | None = None
+    # OpenAI's, without effect here
     metadata: Metadata | None = None
     user: str | None = None
     service_tier: str | None = None
@@ -253,10 +263,11 @@ class ResponsesRequest(Strict):
                                           "this server offers function tools", {"i": i, "kind": kind})
         return value
 
-    def chat_body(self) -> dict:
+    def chat_body(self, context: list | None = None) -> dict:
         """The chat completion request this response is served as (a dict for
-        ChatCompletionRequest, so that one validation path checks both)."""
-        body: dict[str, Any] = {"model": self.model, "messages": self._messages(), "train": self.train}
+        ChatCompletionRequest, so that one validation path checks both); `context`: the
+        items of the conversation it continues (`conversation_items`), before its input."""
+        body: dict[str, Any] = {"model": self.model, "messages": self._messages(context or []), "train": self.train}
         for ours, theirs in (("max_output_tokens", "max_completion_tokens"), ("temperature", "temperature"),
                              ("top_p", "top_p")):
             if getattr(self, ours) is not None:
@@ -280,6 +291,23 @@ class ResponsesRequest(Strict):
                                              exclude_none=True)}
         return body
 
+    def input_items(self, response_key: str) -> list[dict]:
+        """This request's input as `GET /v1/responses/{id}/input_items` lists it: items with
+        ids (`<kind>_<response_key>_in<index>` where the client gave none), a message's text
+        as parts."""
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        listed = []
+        for index, item in enumerate(items):
+            entry = item.model_dump(exclude_none=True)
+            entry.setdefault("id", f"{_ITEM_ID_PREFIXES[entry['type']]}_{response_key}_in{index}")
+            if entry["type"] != "reasoning":
+                entry.setdefault("status", "completed")
+            if isinstance(entry.get("content"), str):
+                part = "output_text" if entry["role"] == "assistant" else "input_text"
+                entry["content"] = [{"type": part, "text": entry["content"]}]
+            listed.append(entry)
+        return listed
+
     def _chat_tool_choice(self):
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
@@ -289,15 +317,15 @@ class ResponsesRequest(Strict):
             return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": named}}
         return choice
 
-    def _messages(self) -> list[dict]:
-        """`instructions` and `input` as chat turns: an assistant's reasoning opens its turn
-        and its function calls join it (one turn of reasoning, text and calls), their outputs
-        are tool turns."""
+    def _messages(self, context: list) -> list[dict]:
+        """`instructions`, then `context` and `input`, as chat turns: an assistant's reasoning
+        opens its turn and its function calls join it (one turn of reasoning, text and
+        calls), their outputs are tool turns."""
         messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        if isinstance(self.input, str):
-            return messages + [{"role": "user", "content": self.input}]
+        items = [*context, *([InputMessage(role="user", content=self.input)] if isinstance(self.input, str)
+                             else self.input)]
         reasoning = None  # a reasoning item's text, for the assistant turn it opens
-        for item in self.input:
+        for item in items:
             if isinstance(item, ReasoningItem):
                 reasoning = item.text()
                 messages.append({"role": "assistant", "content": None, "reasoning_content": reasoning})

@@ -3,7 +3,9 @@
 runs it), its answer rendered as a `response` object or streamed as the API's typed events.
 
 The response's id is its completion's: it is what `POST /v1/feedback` labels and
-`DELETE /v1/responses/{id}` forgets, as for a chat completion. Its output is messages (the
+`DELETE /v1/responses/{id}` forgets, as for a chat completion. A finished response is
+stored unless it says `"store": false`, and `previous_response_id` continues one
+(server/responses_stored.py). Its output is messages (the
 answer's text) and a `function_call` item per call; an answer cut by `max_output_tokens`
 is `incomplete`. With a reasoning parser (server/reasoning.py), the answer's <think> section is a
 `reasoning` item before them (`response.reasoning_text.delta` as it streams). Items come in the order
@@ -29,6 +31,7 @@ from server.parsing import check_unsupported, parse_body
 from server.protocol import ChatCompletionRequest
 from server.protocol_responses import ResponsesRequest
 from server.reasoning import ReasoningSplitter
+from server.responses_stored import conversation_before, keep_response
 from server.routes_openai import ChatRun, start_chat
 from server.state import ServerState
 from server.streams import event_stream_response, sse_json, until_disconnect
@@ -57,8 +60,9 @@ async def serve_response(state: ServerState, request: Request):
     if _NO_LOGPROBS in (body.include or ()) or body.top_logprobs:
         raise APIError(400, "log-probabilities are not offered by /v1/responses here; /v1/chat/completions gives "
                             "them ('logprobs': true)", "include" if body.top_logprobs is None else "top_logprobs")
+    context = await conversation_before(state, request, body)
     try:
-        chat = ChatCompletionRequest.model_validate(body.chat_body())
+        chat = ChatCompletionRequest.model_validate(body.chat_body(context))
         run = await start_chat(state, request, chat, id_prefix="resp")
     except ValidationError as exc:
         raise _named_as_sent(validation_error(exc)) from None
@@ -66,14 +70,17 @@ async def serve_response(state: ServerState, request: Request):
         raise _named_as_sent(APIError(400, str(exc), exc.param, exc.code)) from None
     except APIError as exc:
         raise _named_as_sent(exc) from None
-    answer = Answer(run, body, int(time.time()))
+    answer = Answer(run, body, int(time.time()), stored=state.responses is not None and body.store is not False)
+    keep = lambda response: keep_response(state, body, response, answer.key)  # noqa: E731
     if body.stream:
-        return event_stream_response(answer.events(), state.engine, [run.request_id])
+        return event_stream_response(answer.events(keep), state.engine, [run.request_id])
 
     async def whole():
         async for _ in answer.decoded():  # as a stream is fed: the same pieces, the same items
             pass
-        return answer.finish()[0]
+        response = answer.finish()[0]
+        await keep(response)
+        return response
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)
@@ -101,8 +108,9 @@ class Answer:
     object that describes it at each moment. A stream and a whole answer feed it the same
     pieces, so both have the same items."""
 
-    def __init__(self, run: ChatRun, body: ResponsesRequest, created: int):
-        self.run, self.body, self.created = run, body, created
+    def __init__(self, run: ChatRun, body: ResponsesRequest, created: int, stored: bool = False):
+        """`stored`: the finished response will be stored (the object says so)."""
+        self.run, self.body, self.created, self.stored = run, body, created, stored
         self.parser: ToolCallParser | None = run.parsers[0] if run.parsers else None
         self.parser_ended = False
         self.splitter: ReasoningSplitter | None = run.splitters[0] if run.splitters else None
@@ -111,7 +119,7 @@ class Answer:
         self.items: list[dict] = []
         self.is_open = False
         self.sequence = 0
-        self._id = run.request_id.rsplit("-", 1)[-1]
+        self.key = run.request_id.rsplit("-", 1)[-1]  # what the ids of its items end with
         self.reason: str | None = None  # why decoding ended
         self.output_tokens = 0
         self.cached_tokens = 0  # prompt tokens read from the prefix cache
@@ -141,7 +149,7 @@ class Answer:
             if not (self.is_open and self.items[-1]["type"] == "message"):
                 messages = sum(item["type"] == "message" for item in self.items)
                 events += self._open({"type": "message", "text": "",
-                                      "id": f"msg_{self._id}" + (f"_{messages}" if messages else "")})
+                                      "id": f"msg_{self.key}" + (f"_{messages}" if messages else "")})
             self.items[-1]["text"] += content
             events.append(self.event("response.output_text.delta", item_id=self.items[-1]["id"],
                                      output_index=len(self.items) - 1, content_index=0, delta=content, logprobs=[]))
@@ -159,7 +167,7 @@ class Answer:
     def _reasoned(self, text: str) -> list[bytes]:
         """The events of reasoning `text`: a reasoning item's, opened if the last is not one."""
         events = [] if self.is_open and self.items[-1]["type"] == "reasoning" else \
-            self._open({"type": "reasoning", "id": f"rs_{self._id}", "text": ""})
+            self._open({"type": "reasoning", "id": f"rs_{self.key}", "text": ""})
         self.items[-1]["text"] += text
         return events + [self.event("response.reasoning_text.delta", item_id=self.items[-1]["id"],
                                     output_index=len(self.items) - 1, content_index=0, delta=text)]
@@ -224,8 +232,8 @@ class Answer:
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "model": body.model, "output": output,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": {"effort": None, "summary": None},
-            "store": False, "temperature": chat_params.temperature, "top_p": chat_params.top_p,
+            "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": self.stored, "temperature": chat_params.temperature, "top_p": chat_params.top_p,
             "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                                 if body.text is not None and body.text.format is not None else {"type": "text"})},
             "tool_choice": _dumped(body.tool_choice) if body.tool_choice is not None else "auto",
@@ -241,7 +249,7 @@ class Answer:
         output (the last item's, or an empty message's where nothing was written)."""
         events = self.feed("", final=True)
         if not self.items:  # an answer of nothing is an empty message
-            events += self._open({"type": "message", "id": f"msg_{self._id}", "text": ""})
+            events += self._open({"type": "message", "id": f"msg_{self.key}", "text": ""})
         cut = self.reason == "length"
         output = [self.rendered(item, "completed") for item in self.items]
         if cut and not _whole_call(output[-1]):  # the limit cut the last item
@@ -256,10 +264,12 @@ class Answer:
         self.sequence += 1
         return b"event: " + kind.encode() + b"\ndata: " + sse_json(data) + b"\n\n"
 
-    async def events(self):
+    async def events(self, keep=None):
         """The API's stream: created, in progress, then each output item as it is written —
         opened, its text or arguments as decoded, done before the next opens — then
-        completed (or incomplete); an error is an `error` event, then `response.failed`."""
+        completed (or incomplete); an error is an `error` event, then `response.failed`.
+        `keep(response)` is awaited with the finished response before its last event (a
+        client that continues it on that event finds it stored)."""
         yield self.event("response.created", response=self.response("in_progress", []))
         yield self.event("response.in_progress", response=self.response("in_progress", []))
         try:
@@ -280,6 +290,8 @@ class Answer:
         whole, ending = self.finish()
         for event in ending:
             yield event
+        if keep is not None:
+            await keep(whole)
         yield self.event("response.incomplete" if whole["status"] == "incomplete" else "response.completed",
                          response=whole)
 

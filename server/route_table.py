@@ -7,11 +7,12 @@ and the OpenAPI document (server/openapi.py) are read off this table.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from server import protocol, protocol_responses, protocol_training, response_schemas as out
+from server import protocol, protocol_responses, protocol_training, response_objects, response_schemas as out
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("post", "/v1/chat/completions"): Operation("Chat completion (OpenAI's)", out.ChatCompletion,
                                                 protocol.ChatCompletionRequest, _GENERATION_ERRORS, streams=True),
     ("post", "/v1/responses"): Operation("A response (OpenAI's Responses API), served as a chat completion",
-                                         out.ModelResponse, protocol_responses.ResponsesRequest, _GENERATION_ERRORS,
-                                         streams=True),
+                                         response_objects.ModelResponse, protocol_responses.ResponsesRequest,
+                                         _GENERATION_ERRORS, streams=True),
     ("post", "/v1/completions"): Operation("Text completion (OpenAI's)", out.Completion, protocol.CompletionRequest,
                                            _GENERATION_ERRORS, streams=True),
     ("get", "/v1/models"): Operation("The served model", out.ModelList),
@@ -50,6 +51,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("delete", "/v1/chat/completions/{completion_id}"): Operation(
         "Delete what the server keeps of a completion: its request and label (OpenAI's stored completions)",
         out.CompletionDeleted, errors=(400, 404, 409, 503)),
+    ("get", "/v1/responses/{response_id}"): Operation("A stored response (OpenAI's)", response_objects.ModelResponse,
+                                                       errors=(404, 503)),  # 503: its replica did not answer
+    ("get", "/v1/responses/{response_id}/input_items"): Operation(
+        "A stored response's input items (OpenAI's)", response_objects.InputItemList, errors=(400, 404, 503)),
     ("delete", "/v1/responses/{response_id}"): Operation(
         "Delete what the server keeps of a response: its request and label (OpenAI's)", out.ResponseDeleted,
         errors=(400, 404, 409, 503)),
@@ -75,15 +80,25 @@ TEMPLATED_PATHS: tuple[str, ...] = tuple(dict.fromkeys(path for _, path in OPERA
 
 
 def route_of(path: str) -> str | None:
-    """The table's path a request's path is (a template, for one with a parameter at its
-    end, which a model's id fills with slashes and all); None if none."""
+    """The table's path a request's path is (a template, for one with a parameter, whose
+    last parameter a model's id may fill with slashes and all); None if none."""
     if path in PLAIN_PATHS:
         return path
-    for template in TEMPLATED_PATHS:
-        prefix = template[:template.index("{")]
-        if path.startswith(prefix) and len(path) > len(prefix):
+    for patterns in (_SEGMENT_PATTERNS, _TRAILING_PATTERNS):  # a template whose segments all match comes first
+        template = next((t for t, pattern in patterns.items() if pattern.fullmatch(path)), None)
+        if template is not None:
             return template
     return None
+
+
+def _pattern(template: str, last: str) -> re.Pattern:
+    """A template's paths: each parameter one segment, the last one `last`."""
+    pieces = re.split(r"\{[^}]+\}", template)
+    return re.compile("[^/]+".join(map(re.escape, pieces[:-1])) + last + re.escape(pieces[-1]))
+
+
+_SEGMENT_PATTERNS = {template: _pattern(template, "[^/]+") for template in TEMPLATED_PATHS}
+_TRAILING_PATTERNS = {template: _pattern(template, ".+") for template in TEMPLATED_PATHS}
 
 
 def expected_statuses(api_key: bool, admin_key: bool) -> dict[str, tuple[int, ...]]:

@@ -109,7 +109,7 @@ def admin_router(state: ServerState) -> APIRouter:
             return await state.peers.forward(owner, request, b"")
         if not response_id.startswith("resp-"):  # a chat's or a completion's id: its own route deletes it
             raise APIError(404, f"no response {response_id!r}: a response's id begins 'resp-'", "id", "not_found")
-        return await forget(state, response_id, label_only=False, deleted_object="response")
+        return await forget_response(state, response_id)
 
     add_adapter_routes(router, state)
     return router
@@ -207,6 +207,24 @@ def whole_server_status(answers: list[dict]) -> dict:
         merged["gate"] = {**merged["gate"], "quarantined_labels": sum(a["gate"]["quarantined_labels"]
                                                                       for a in answers)}
     return merged
+
+
+async def forget_response(state: ServerState, response_id: str) -> dict:
+    """Deletes what the server keeps of a response: its request and label (as `forget`),
+    then its stored copy (server/response_store.py); a 404 if it keeps neither."""
+    forgotten = None
+    if state.training is not None:
+        try:
+            forgotten = await forget(state, response_id, label_only=False, deleted_object="response")
+        except APIError as exc:
+            if exc.status != 404 or state.responses is None:
+                raise
+    stored = state.responses is not None and await asyncio.to_thread(state.responses.delete, response_id)
+    if forgotten is not None:
+        return forgotten
+    if not stored:
+        raise APIError(404, f"No response found with id '{response_id}'.", "id", "not_found")
+    return {"id": response_id, "object": "response", "deleted": True, "trained_into_version": None}
 
 
 async def forget(state: ServerState, completion_id: str, label_only: bool, deleted_object: str | None = None) -> dict:

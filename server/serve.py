@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 
 import torch
 import uvicorn
@@ -30,6 +31,7 @@ from server.generation_config import log_defaults, sampling_defaults
 from server.fanout import Peers
 from server.guards import GuardConfig
 from server.read_deadline import uvicorn_config
+from server.response_store import RESPONSES_FILE, ResponseStore
 from server.replicas import ensure_port_free, exchange_addresses, mark_serving, private_socket, public_socket
 from trainer.replicated import Replica
 
@@ -56,7 +58,7 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, training,
                         stack.served_adapter, aliases, keeps_client_prompt=keeps_client_prompt,
                         sampling_defaults=defaults, reasoning_parser=config.server.reasoning_parser,
-                        replica=replica, peers=peers)
+                        replica=replica, peers=peers, responses=response_store(config))
     server = config.server
     app = build_app(state, GuardConfig(server.api_key, server.admin_key,
                                        config.scheduler.max_num_seqs + server.max_queued_requests,
@@ -74,10 +76,22 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
             await asyncio.to_thread(training.close)  # the final adapter version, when saving is on
         if peers is not None:
             await peers.close()
+        if state.responses is not None:
+            state.responses.close()
         logger.info("shutdown complete")
 
     app.router.lifespan_context = lifespan
     return app
+
+
+def response_store(config: AlchemistConfig) -> ResponseStore | None:
+    """The stored responses: beside the feedback ledger where training keeps one (so that a
+    conversation outlives a restart), else in memory; None when none are to be kept."""
+    if config.server.max_stored_responses == 0:
+        return None
+    on_disk = config.train.mode != "off" and config.adapter.dir and config.ledger.enabled
+    return ResponseStore(Path(config.adapter.dir) / RESPONSES_FILE if on_disk else None,
+                         config.server.max_stored_responses)
 
 
 def run(app: FastAPI, config: AlchemistConfig) -> None:

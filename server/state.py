@@ -13,6 +13,7 @@ from typing import Protocol
 from engine.async_engine import AsyncEngine
 from server.fanout import Peers
 from server.metrics import ServingMetrics
+from server.response_store import ResponseStore
 from server.token_shown import TokenShown
 from server.tool_calls import TOOL_CALL_OPEN
 from trainer.adapter_store import AdapterSnapshot, SavedVersion
@@ -96,6 +97,8 @@ class ServerState:
     # (server/replicas.py, server/fanout.py); None for a single server
     replica: Replica | None = None
     peers: Peers | None = None
+    # stored responses (the Responses API's `store`); None: none are kept
+    responses: ResponseStore | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     # `<tool_call>` as one special token (Qwen's), or None where the tokenizer spells it in text
     tool_call_token: int | None = field(init=False)

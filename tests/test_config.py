@@ -46,10 +46,11 @@ def test_bad_environment_variables_are_errors(environ, message):
 def test_file_then_flags_override(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[scheduler]\nmax_num_seqs = 3\n[server]\nport = 9000\n")
-    args = build_parser().parse_args(["serve", "--config", str(path), "--port", "9100", "--dtype", "bfloat16"])
+    args = build_parser().parse_args(["serve", "--config", str(path), "--port", "9100", "--dtype", "bfloat16",
+                                      "--max-stored-responses", "0"])
     config = config_from_args(args)
     assert config.scheduler.max_num_seqs == 3
-    assert config.server.port == 9100
+    assert config.server.port == 9100 and config.server.max_stored_responses == 0
     assert config.model.dtype == "bfloat16"
 
 
@@ -57,6 +58,7 @@ def test_file_then_flags_override(tmp_path):
     ("[schedulr]\nmax_num_seqs = 3\n", "unknown section"),
     ("[scheduler]\nmax_seqs = 3\n", "unknown key scheduler.max_seqs"),
     ("[scheduler]\nmax_num_seqs = 0\n", "positive integer"),
+    ("[server]\nmax_stored_responses = -1\n", "server.max_stored_responses must be a non-negative integer"),
     # TOML has every type: a value of another one is a mistake, never taken as meant
     ("[server]\nport = \"8141\"\n", "server.port must be an integer, got '8141'"),
     ("[ledger]\nenabled = \"false\"\n", "ledger.enabled must be true or false"),

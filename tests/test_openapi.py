@@ -18,7 +18,8 @@ from tests.tiny import tiny_tokenizer
 from trainer.config import AdapterConfig, TrainConfig
 
 # the live server takes preferences and saves adapters, so every route can succeed
-LIVE_OPERATIONS = served_operations(Offered(feedback="preference", rollback=True, adapters=True, stores=True))
+LIVE_OPERATIONS = served_operations(Offered(feedback="preference", rollback=True, adapters=True, stores=True,
+                                                   responses=True))
 
 
 @pytest.fixture(scope="module")
@@ -227,10 +228,10 @@ def test_the_app_serves_exactly_the_route_table():
 
 
 @pytest.mark.parametrize("mode, saves, offered", [
-    ("off", False, Offered(feedback=None, rollback=False, adapters=False)),
-    ("cpt", True, Offered(feedback=None, rollback=True, adapters=True, stores=True)),
-    ("dpo", False, Offered(feedback="preference", rollback=False, adapters=True, stores=True)),
-    ("grpo", True, Offered(feedback="rewards", rollback=True, adapters=True, stores=True)),
+    ("off", False, Offered(feedback=None, rollback=False, adapters=False, responses=True)),
+    ("cpt", True, Offered(feedback=None, rollback=True, adapters=True, stores=True, responses=True)),
+    ("dpo", False, Offered(feedback="preference", rollback=False, adapters=True, stores=True, responses=True)),
+    ("grpo", True, Offered(feedback="rewards", rollback=True, adapters=True, stores=True, responses=True)),
 ])
 def test_the_document_offers_only_what_this_server_takes(tmp_path, mode, saves, offered):
     """A route that answers 400 to every valid request on this server is left out (feedback

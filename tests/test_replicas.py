@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import torch
 import torch.distributed as dist
@@ -349,14 +350,15 @@ def _trained(url: str) -> dict[str, float]:
     return counts
 
 
-def _flags(tmp_path: Path) -> list[str]:
-    """`alchemist serve` with two replicas on a tiny model saved to `tmp_path`."""
+def _flags(tmp_path: Path, training: bool = True) -> list[str]:
+    """`alchemist serve` with two replicas on a tiny model saved to `tmp_path` (`training`:
+    DPO, saving every version to an adapter directory there)."""
     model_dir = tmp_path / "model"
     tiny_model("llama").save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
+    trains = ["--train-mode", "dpo", "--adapter-dir", str(tmp_path / "adapters"), "--adapter-save-every", "1"]
     return ["--data-parallel-size", "2", "--model", str(model_dir), "--served-model-name", "tiny", "--device", "cpu",
-            "--dtype", "float32", "--train-mode", "dpo", "--adapter-dir", str(tmp_path / "adapters"),
-            "--adapter-save-every", "1", "--max-model-len", "512"]
+            "--dtype", "float32", *(trains if training else []), "--max-model-len", "512"]
 
 
 def _assert_listens_on_loopback_only(agent_pid: int) -> None:
@@ -380,6 +382,15 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
         ids = _served_by_each(url, addresses)
         assert all(i.startswith(f"chatcmpl-r{rank}-") for rank, served in ids.items() for i in served)
         _assert_listens_on_loopback_only(launcher.pid)
+
+        # the node's replicas store responses in one file beside the ledger: either continues the other's
+        first = httpx.post(f"http://{addresses[0]}/v1/responses", timeout=120, json={
+            "model": "tiny", "input": "Hi", "max_output_tokens": 2, "train": False}).json()
+        second = httpx.post(f"http://{addresses[1]}/v1/responses", timeout=120, json={
+            "model": "tiny", "input": "Then?", "max_output_tokens": 2, "previous_response_id": first["id"],
+            "train": False})
+        assert second.status_code == 200 and second.json()["previous_response_id"] == first["id"], second.text
+        assert (adapter_dir / "responses.sqlite3").is_file()
 
         # a label posted to the replica that did not serve its completion trains where it was served
         for rank, served in ids.items():
@@ -831,3 +842,32 @@ def test_a_replica_whose_agent_is_gone_before_it_starts_exits(agent_alive):
     else:
         assert run.returncode != 0 and f"(pid {agent}) is gone" in run.stderr
 
+
+
+@pytest.mark.slow  # a group of two server processes
+def test_a_conversation_continues_across_replicas_that_store_their_own_responses(tmp_path):
+    """Without an adapter directory each replica stores the responses it served (in memory):
+    a turn continued on the other replica is fetched from the one that stored it, a
+    conversation may hop between them, and either answers for any stored response."""
+    with server_process(*_flags(tmp_path, training=False), env={"OMP_NUM_THREADS": "1"}) as (url, launcher):
+        addresses = _private_addresses(launcher.log_path, 2)
+        clients = {rank: openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0)
+                   for rank, address in addresses.items()}
+        turns, previous = [], None
+        for rank in (0, 1, 0):  # each turn on the other replica
+            response = clients[rank].responses.create(model="tiny", input=f"turn {len(turns)}", temperature=0,
+                                                      max_output_tokens=3, previous_response_id=previous)
+            assert response.id.startswith(f"resp-r{rank}-")
+            turns.append(response)
+            previous = response.id
+        chat = clients[1].chat.completions.create(model="tiny", temperature=0, max_tokens=3, messages=[
+            message for i, turn in enumerate(turns[:2]) for message in (
+                {"role": "user", "content": f"turn {i}"}, {"role": "assistant", "content": turn.output_text})
+        ] + [{"role": "user", "content": "turn 2"}])
+        assert turns[2].output_text == chat.choices[0].message.content
+        assert turns[2].usage.input_tokens == chat.usage.prompt_tokens
+        assert clients[0].responses.retrieve(turns[1].id).output_text == turns[1].output_text
+        assert [i.content[0].text for i in clients[1].responses.input_items.list(turns[0].id)] == ["turn 0"]
+        assert clients[1].responses.delete(turns[0].id) is None  # deleted where it is stored
+        with pytest.raises(openai.NotFoundError):
+            clients[0].responses.retrieve(turns[0].id)

@@ -143,7 +143,9 @@ def test_text_format_json_schema_shapes_the_answer(client):
 
 @pytest.mark.parametrize("extra, param, words", [
     ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input", "type 'web_search_call'"),
-    ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id", "not stored"),
+    ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id", "'resp-1' not found"),
+    ({"input": "x", "previous_response_id": ""}, "previous_response_id", "at least 1 character"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation", "Conversations API is not offered"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "type 'web_search'"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
     ({"input": []}, "input", "at least 1 item"),
