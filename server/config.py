@@ -63,6 +63,8 @@ class ServerConfig:
     # oldest pruned beyond this many: in the adapter directory beside the ledger when training
     # keeps one there, else in memory. 0: none stored
     max_stored_responses: int = 10_000
+    # and at most this many bytes of them (their JSON), the least recently used pruned first
+    max_stored_response_bytes: int = 512 << 20
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -76,6 +78,7 @@ class ServerConfig:
                              f"{list(self.allowed_origins)!r}")
         object.__setattr__(self, "allowed_origins", tuple(origin.lower() for origin in self.allowed_origins))
         check_positive(self, "max_body_bytes")
+        check_positive(self, "max_stored_response_bytes")
         if not (isinstance(self.read_timeout_s, (int, float)) and not isinstance(self.read_timeout_s, bool)
                 and 0 < self.read_timeout_s < float("inf")):
             raise ValueError(f"server.read_timeout_s must be positive and finite, got {self.read_timeout_s!r}")

@@ -70,15 +70,16 @@ class Peers:
         return self._client
 
     async def ask(self, rank: int, request: Request, path: str | None = None, body: bytes | None = None,
-                  method: str | None = None) -> httpx.Response:
-        """`request` (or `method` `path` with its headers), as another replica's question to
-        `rank`; a replica that cannot be reached is a 503 for the client, to send again."""
+                  method: str | None = None, params: dict | None = None) -> httpx.Response:
+        """`request` (or `method` `path` with its headers, and `params` as its query), as
+        another replica's question to `rank`; a replica that cannot be reached is a 503 for
+        the client, to send again."""
         headers = {k: v for k, v in request.headers.items() if k.lower() in _PASSED_HEADERS}
         headers[LOCAL_HEADER] = "1"
         url = f"http://{self.addresses[rank]}{path or request.url.path}"
         try:
             return await self.client().request(method or request.method, url, headers=headers, content=body,
-                                               params=None if path else request.query_params)
+                                               params=params if path else request.query_params)
         except httpx.HTTPError as exc:
             raise APIError(503, f"replica {rank} did not answer ({type(exc).__name__}); it may be restarting: "
                                 "send the request again", code="replica_unavailable",

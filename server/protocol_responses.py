@@ -24,6 +24,8 @@ from server.protocol_fields import (TOOL_CHOICE_TYPES, Int, LimitFrom1, Metadata
                                     drop_unasked, only_parts)
 from server.tool_calls import NAME_PATTERN
 
+# an item's status, as the API gives it (and a client sends an item back)
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
 # items of the API's input this server does not take, and why (an item of another type is refused by its type)
 _KNOWN_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 # fields of OpenAI's Responses API that this server does not offer, and what to send instead (null: not asked)
@@ -67,7 +69,7 @@ class InputMessage(_SentBack):
     content: str | TextParts
     # what the SDK sends back with an output message
     id: str | None = None
-    status: str | None = None
+    status: ItemStatus | None = None
 
     _parts = field_validator("content", mode="before")(only_parts("input_text", "output_text"))
 
@@ -83,7 +85,7 @@ class FunctionCallItem(_SentBack):
     name: str
     arguments: str  # a JSON object, as text
     id: str | None = None
-    status: str | None = None
+    status: ItemStatus | None = None
 
 
 class ReasoningTextPart(_SentBack):
@@ -98,7 +100,7 @@ class ReasoningItem(_SentBack):
 
     type: Literal["reasoning"]
     id: str | None = None
-    status: str | None = None
+    status: ItemStatus | None = None
     summary: list[dict[str, Any]] | None = None
     content: list[ReasoningTextPart] | None = None
     encrypted_content: str | None = None
@@ -114,7 +116,7 @@ class FunctionCallOutputItem(_SentBack):
     call_id: str
     output: str | TextParts
     id: str | None = None
-    status: str | None = None
+    status: ItemStatus | None = None
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "\n".join(part.text for part in self.output)
@@ -137,6 +139,16 @@ InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
                             Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
                             Annotated[ReasoningItem, Tag("ReasoningItem")]],
                       Discriminator(_item_model)]
+
+def duplicate_item_id(ids: list[str]) -> str | None:
+    """The first id that occurs twice (None: each once)."""
+    seen: set[str] = set()
+    for item_id in ids:
+        if item_id in seen:
+            return item_id
+        seen.add(item_id)
+    return None
+
 
 # a stored conversation's items (server/response_store.py), read back as input
 CONVERSATION_ITEMS = TypeAdapter(list[InputItem])
@@ -253,6 +265,14 @@ class ResponsesRequest(Strict):
                                           {"i": i, "kind": kind})
         return value
 
+    @field_validator("input", mode="after")
+    @classmethod
+    def _ids_once(cls, value):
+        repeated = duplicate_item_id([item.id for item in value if item.id]) if isinstance(value, list) else None
+        if repeated is not None:
+            raise PydanticCustomError("duplicate_item", "Duplicate item found with id '{id}'", {"id": repeated})
+        return value
+
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, value):
@@ -305,6 +325,9 @@ class ResponsesRequest(Strict):
             if isinstance(entry.get("content"), str):
                 part = "output_text" if entry["role"] == "assistant" else "input_text"
                 entry["content"] = [{"type": part, "text": entry["content"]}]
+            for part in entry.get("content") or ():
+                if part["type"] == "output_text":
+                    part.setdefault("annotations", [])
             listed.append(entry)
         return listed
 

@@ -8,12 +8,15 @@ input and output, oldest first — comes before the new input (server/responses_
 
 SQLite, in the adapter directory beside the feedback ledger where the server keeps one (a
 conversation outlives a restart, and the replicas of a node share the file), else in
-memory; at most `max_stored` responses, the oldest pruned first. Every call blocks: the
-routes make them on a worker thread.
+memory. Bounded by count and by bytes: the least recently used go first, and continuing a
+conversation uses every turn of it (one still going on is not pruned from under it).
+Deleted text is overwritten (`secure_delete`) and checkpointed out of the write-ahead log.
+Every call blocks: the routes make them on a worker thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
@@ -27,11 +30,24 @@ _BUSY_TIMEOUT_S = 10.0
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
+    -- recency: the order in which responses were stored or continued (the least recent pruned first)
+    used INTEGER NOT NULL,
     stored_at REAL NOT NULL,
     previous_id TEXT,
     response TEXT NOT NULL,
-    input_items TEXT NOT NULL
+    input_items TEXT NOT NULL,
+    bytes INTEGER NOT NULL
 );
+CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used);
+"""
+# the chain of responses a response continues, newest first (a conversation's turns, from its last)
+_CHAIN = """
+WITH RECURSIVE chain (id, previous_id, response, input_items, depth) AS (
+    SELECT id, previous_id, response, input_items, 0 FROM responses WHERE id = ?
+    UNION ALL
+    SELECT r.id, r.previous_id, r.response, r.input_items, c.depth + 1
+    FROM responses r JOIN chain c ON r.id = c.previous_id WHERE c.depth < 100000
+)
 """
 
 
@@ -50,56 +66,92 @@ class StoredResponse:
 
 
 class ResponseStore:
-    def __init__(self, path: Path | None = None, max_stored: int = 10_000):
+    def __init__(self, path: Path | None = None, max_stored: int = 10_000, max_bytes: int = 512 << 20):
         """`path`: the SQLite file (created, owner-only); None: in memory."""
-        if max_stored < 1:
-            raise ValueError(f"max_stored must be at least 1, got {max_stored}")
-        self.path, self.max_stored = path, max_stored
-        self._lock = threading.Lock()
+        if max_stored < 1 or max_bytes < 1:
+            raise ValueError(f"max_stored and max_bytes must be at least 1, got {max_stored} and {max_bytes}")
+        self.path, self.max_stored, self.max_bytes = path, max_stored, max_bytes
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch(mode=0o600, exist_ok=True)
-        self._db = sqlite3.connect(str(path) if path is not None else ":memory:", timeout=_BUSY_TIMEOUT_S,
-                                   check_same_thread=False, isolation_level=None)
-        if path is not None:
-            self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = NORMAL")
-        self._db.executescript(_SCHEMA)
+        self._writer = self._connect()
+        self._writer.executescript(_SCHEMA)
+        # in WAL mode a reader does not wait on a writer (another replica's included); in memory, one connection
+        self._reader = self._connect() if path is not None else self._writer
+        self._write_lock = threading.Lock()
+        self._read_lock = threading.Lock() if path is not None else self._write_lock
 
-    def put(self, stored: StoredResponse) -> None:
-        """Stores a response (replacing one of its id), then prunes the oldest beyond `max_stored`."""
-        row = (stored.id, time.time(), stored.previous_id, json.dumps(stored.response),
-               json.dumps(stored.input_items))
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(str(self.path) if self.path is not None else ":memory:", timeout=_BUSY_TIMEOUT_S,
+                             check_same_thread=False, isolation_level=None)
+        db.execute("PRAGMA secure_delete = ON")
+        if self.path is not None:
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = NORMAL")
+        return db
+
+    def put(self, stored: StoredResponse) -> bool:
+        """Stores a response (replacing one of its id) and marks the turns it continues as
+        used now; then prunes the least recently used beyond the bounds. Whether it was
+        stored (one larger than `max_bytes` alone is not)."""
+        response, items = json.dumps(stored.response), json.dumps(stored.input_items)
+        if len(response) + len(items) > self.max_bytes:  # (it would push every other out, then itself)
+            return False
+        with self._write_lock:
+            self._writer.execute("BEGIN IMMEDIATE")
             try:
-                self._db.execute("INSERT OR REPLACE INTO responses (id, stored_at, previous_id, response, input_items) "
-                                 "VALUES (?, ?, ?, ?, ?)", row)
-                self._db.execute("DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY rowid DESC "
-                                 "LIMIT -1 OFFSET ?)", (self.max_stored,))
-                self._db.execute("COMMIT")
+                used = self._writer.execute("SELECT COALESCE(MAX(used), 0) + 1 FROM responses").fetchone()[0]
+                self._writer.execute(
+                    "INSERT OR REPLACE INTO responses (id, used, stored_at, previous_id, response, input_items, bytes) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (stored.id, used, time.time(), stored.previous_id, response, items, len(response) + len(items)))
+                if stored.previous_id is not None:
+                    self._writer.execute(_CHAIN + "UPDATE responses SET used = ? WHERE id IN (SELECT id FROM chain)",
+                                         (stored.previous_id, used))
+                self._writer.execute(
+                    "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, COUNT(*) OVER newest AS rank, "
+                    "SUM(bytes) OVER newest AS total FROM responses WINDOW newest AS (ORDER BY used DESC, rowid DESC)) "
+                    "WHERE rank > ? OR total > ?)", (self.max_stored, self.max_bytes))
+                self._writer.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._writer.execute("ROLLBACK")
                 raise
+        return True
 
     def get(self, response_id: str) -> StoredResponse | None:
-        with self._lock:
-            row = self._db.execute("SELECT response, input_items, previous_id FROM responses WHERE id = ?",
-                                   (response_id,)).fetchone()
-        if row is None:
-            return None
-        return StoredResponse(json.loads(row[0]), json.loads(row[1]), row[2])
+        turns, _ = self.chain(response_id, depth=1)
+        return turns[0] if turns else None
+
+    def chain(self, response_id: str, depth: int | None = None) -> tuple[list[StoredResponse], str | None]:
+        """The stored turns of the conversation that ends with `response_id`, newest first
+        (at most `depth`), and the id of the turn before the oldest of them that this store
+        does not hold (None: they go back to the conversation's first)."""
+        with self._read_lock:
+            rows = self._reader.execute(_CHAIN + "SELECT response, input_items, previous_id FROM chain "
+                                        "ORDER BY depth LIMIT ?", (response_id, -1 if depth is None else depth)
+                                        ).fetchall()
+        turns = [StoredResponse(json.loads(r), json.loads(i), p) for r, i, p in rows]
+        if not turns:
+            return [], response_id
+        return turns, (turns[-1].previous_id if depth is None or len(turns) < depth else None)
 
     def delete(self, response_id: str) -> bool:
-        """Forgets a stored response; whether one was stored. The responses that continued it
-        stay, but can no longer be continued (their conversation lacks a turn)."""
-        with self._lock:
-            return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+        """Forgets a stored response (its text overwritten, and out of the write-ahead log);
+        whether one was stored. The responses that continued it stay, but can no longer be
+        continued (their conversation lacks a turn)."""
+        with self._write_lock:
+            deleted = self._writer.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+            if deleted and self.path is not None:
+                self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return deleted
 
     def __len__(self) -> int:
-        with self._lock:
-            return self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+        with self._read_lock:
+            return self._reader.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
 
     def close(self) -> None:
-        with self._lock:
-            self._db.close()
+        separate = self._read_lock is not self._write_lock
+        with self._write_lock, self._read_lock if separate else contextlib.nullcontext():
+            self._writer.close()
+            if separate:
+                self._reader.close()

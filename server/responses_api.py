@@ -63,7 +63,7 @@ async def serve_response(state: ServerState, request: Request):
     context = await conversation_before(state, request, body)
     try:
         chat = ChatCompletionRequest.model_validate(body.chat_body(context))
-        run = await start_chat(state, request, chat, id_prefix="resp")
+        run = await start_chat(state, request, chat, id_prefix="resp_")
     except ValidationError as exc:
         raise _named_as_sent(validation_error(exc)) from None
     except InvalidParameter as exc:
@@ -119,7 +119,7 @@ class Answer:
         self.items: list[dict] = []
         self.is_open = False
         self.sequence = 0
-        self.key = run.request_id.rsplit("-", 1)[-1]  # what the ids of its items end with
+        self.key = re.split("[-_]", run.request_id)[-1]  # what the ids of its items end with
         self.reason: str | None = None  # why decoding ended
         self.output_tokens = 0
         self.cached_tokens = 0  # prompt tokens read from the prefix cache

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 
 from server.errors import APIError
-from server.protocol_responses import CONVERSATION_ITEMS, ResponsesRequest
+from server.protocol_responses import CONVERSATION_ITEMS, ResponsesRequest, duplicate_item_id
 from server.response_store import StoredResponse
 from server.state import ServerState
 
@@ -24,6 +25,8 @@ logger = logging.getLogger(__name__)
 
 # the most items one page of input_items lists (OpenAI's bound)
 MAX_PAGE = 100
+# the ids this server gives responses (server/state.py's completion_id): only such an id can be stored anywhere
+_ISSUED_ID = re.compile(r"resp_(r\d+-)?[0-9a-f]{32}")
 
 
 def stored_router(state: ServerState) -> APIRouter:
@@ -31,19 +34,26 @@ def stored_router(state: ServerState) -> APIRouter:
 
     @router.get("/v1/responses/{response_id}")
     async def get_response(response_id: str, request: Request):
-        return (await _stored_or_404(state, request, response_id)).response
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):  # (the SDK's stream=True)
+            raise APIError(400, "a stored response is not streamed again here: retrieve it whole", "stream",
+                           "invalid_value")
+        stored = await _stored_here(state, request, response_id)
+        return stored.response if isinstance(stored, StoredResponse) else stored
 
     @router.get("/v1/responses/{response_id}/input_items")
     async def input_items(response_id: str, request: Request, limit: int = Query(20, ge=1, le=MAX_PAGE),
                           order: Literal["asc", "desc"] = "desc", after: str | None = None):
-        items = (await _stored_or_404(state, request, response_id)).input_items
+        stored = await _stored_here(state, request, response_id)
+        if not isinstance(stored, StoredResponse):
+            return stored
+        items = stored.input_items
         return page(items if order == "asc" else items[::-1], limit, after)
 
     return router
 
 
 def page(items: list[dict], limit: int, after: str | None) -> dict:
-    """One page of `items` (in the order asked), from the one after item `after`."""
+    """One page of `items` (in the order asked; their ids unique), from the one after item `after`."""
     if after is not None:
         ids = [item["id"] for item in items]
         if after not in ids:
@@ -54,31 +64,32 @@ def page(items: list[dict], limit: int, after: str | None) -> dict:
             "last_id": shown[-1]["id"] if shown else None, "has_more": len(items) > limit}
 
 
-async def _stored_or_404(state: ServerState, request: Request, response_id: str) -> StoredResponse:
-    stored = await load_stored(state, request, response_id)
-    if stored is None:
-        raise APIError(404, f"No response found with id '{response_id}'.", "response_id", "not_found")
-    return stored
-
-
-async def load_stored(state: ServerState, request: Request, response_id: str) -> StoredResponse | None:
-    """A stored response: this server's, or (replicas, each with a store of its own) the
-    replica's that served it; None if none keeps it."""
-    if state.responses is None:
-        return None
-    stored = await asyncio.to_thread(state.responses.get, response_id)
-    if stored is not None or state.peers is None or state.peers.is_local(request):
+async def _stored_here(state: ServerState, request: Request, response_id: str):
+    """The stored response, or the answer of the replica that keeps it (a 404 if none does)."""
+    stored = await asyncio.to_thread(state.responses.get, response_id) if state.responses is not None else None
+    if stored is not None:
         return stored
+    owner = _owner_elsewhere(state, request, response_id)
+    if owner is not None:
+        return await state.peers.forward(owner, request, b"")
+    raise APIError(404, f"No response found with id '{response_id}'.", "response_id", "not_found")
+
+
+def _owner_elsewhere(state: ServerState, request: Request, response_id: str) -> int | None:
+    """The other replica that would keep `response_id` (None: this one, or none could)."""
+    if state.peers is None or state.peers.is_local(request) or not _ISSUED_ID.fullmatch(response_id):
+        return None
     owner = state.replica.owner_of(response_id)
-    if owner == state.replica.rank:
-        return None
+    return None if owner == state.replica.rank else owner
+
+
+async def _from_replica(state: ServerState, request: Request, owner: int, response_id: str) -> StoredResponse | None:
+    """A response another replica keeps, with all its input items; None if it keeps none."""
     answer = await state.peers.ask(owner, request, f"/v1/responses/{response_id}", method="GET")
-    if answer.status_code == 404:
-        return None
-    items, after = [], None
+    items, params = [], {"order": "asc", "limit": MAX_PAGE}
     while answer.is_success:
-        listed = await state.peers.ask(owner, request, f"/v1/responses/{response_id}/input_items?order=asc&limit="
-                                       f"{MAX_PAGE}" + (f"&after={after}" if after else ""), method="GET")
+        listed = await state.peers.ask(owner, request, f"/v1/responses/{response_id}/input_items", method="GET",
+                                       params=params)
         if not listed.is_success:
             answer = listed
             break
@@ -87,31 +98,43 @@ async def load_stored(state: ServerState, request: Request, response_id: str) ->
         if not body["has_more"]:
             response = answer.json()
             return StoredResponse(response, items, response.get("previous_response_id"))
-        after = body["last_id"]
+        params["after"] = body["last_id"]
+    if answer.status_code == 404:
+        return None
     raise APIError(503, f"replica {owner}, which keeps response {response_id!r}, answered {answer.status_code}; "
                         "send the request again", code="replica_unavailable", headers={"Retry-After": "1"})
 
 
 async def conversation_before(state: ServerState, request: Request, body: ResponsesRequest) -> list:
     """The items a request continues (`previous_response_id`): each earlier turn's input,
-    then its output, oldest first; none without one. A 400 where a turn is not stored."""
+    then its output, oldest first; none without one. A 400 where a turn is not stored, or
+    where the request's input repeats an item of them."""
     if body.previous_response_id is None:
         return []
     if state.responses is None:
         raise APIError(400, "responses are not stored on this server (server.max_stored_responses = 0): send the "
                             "whole conversation as 'input'", "previous_response_id", "previous_response_not_found")
     turns: list[StoredResponse] = []
-    next_id: str | None = body.previous_response_id
-    while next_id is not None:
-        stored = await load_stored(state, request, next_id)
-        if stored is None:
-            missing = "" if next_id == body.previous_response_id else f" (response {next_id!r}, which it continues)"
-            raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found{missing}: "
+    missing: str | None = body.previous_response_id
+    while missing is not None:
+        found, missing = await asyncio.to_thread(state.responses.chain, missing)
+        owner = _owner_elsewhere(state, request, missing) if not found else None
+        if owner is not None:  # a turn another replica served
+            turn = await _from_replica(state, request, owner, missing)
+            found, missing = ([turn], turn.previous_id) if turn is not None else ([], missing)
+        if not found:
+            which = "" if missing == body.previous_response_id else f" (response {missing!r}, which it continues)"
+            raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found{which}: "
                                 "never stored, deleted, or pruned.", "previous_response_id",
                            "previous_response_not_found")
-        turns.append(stored)
-        next_id = stored.previous_id
+        turns += found
     items = [item for turn in reversed(turns) for item in (*turn.input_items, *turn.response["output"])]
+    given = [item.id for item in body.input if item.id] if isinstance(body.input, list) else []
+    repeated = duplicate_item_id([*(item["id"] for item in items), *given])
+    if repeated is not None:
+        raise APIError(400, f"Duplicate item found with id {repeated!r}: 'input' repeats an item of the "
+                            "conversation 'previous_response_id' continues (send the new items only)", "input",
+                       "duplicate_item")
     return CONVERSATION_ITEMS.validate_python(items)
 
 
@@ -122,6 +145,9 @@ async def keep_response(state: ServerState, body: ResponsesRequest, response: di
         return
     stored = StoredResponse(response, body.input_items(response_key), body.previous_response_id)
     try:
-        await asyncio.to_thread(state.responses.put, stored)
+        kept = await asyncio.to_thread(state.responses.put, stored)
     except Exception:  # (sqlite3's errors, a full disk): the answer matters more than its copy
         logger.exception("response %s could not be stored: it cannot be retrieved or continued", response["id"])
+        return
+    if not kept:
+        logger.warning("response %s is larger than server.max_stored_response_bytes: not stored", response["id"])

@@ -52,7 +52,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
         "Delete what the server keeps of a completion: its request and label (OpenAI's stored completions)",
         out.CompletionDeleted, errors=(400, 404, 409, 503)),
     ("get", "/v1/responses/{response_id}"): Operation("A stored response (OpenAI's)", response_objects.ModelResponse,
-                                                       errors=(404, 503)),  # 503: its replica did not answer
+                                                       errors=(400, 404, 503)),  # 503: its replica did not answer
     ("get", "/v1/responses/{response_id}/input_items"): Operation(
         "A stored response's input items (OpenAI's)", response_objects.InputItemList, errors=(400, 404, 503)),
     ("delete", "/v1/responses/{response_id}"): Operation(

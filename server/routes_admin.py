@@ -107,8 +107,8 @@ def admin_router(state: ServerState) -> APIRouter:
         owner = owner_elsewhere(state, request, response_id)
         if owner is not None:
             return await state.peers.forward(owner, request, b"")
-        if not response_id.startswith("resp-"):  # a chat's or a completion's id: its own route deletes it
-            raise APIError(404, f"no response {response_id!r}: a response's id begins 'resp-'", "id", "not_found")
+        if not response_id.startswith("resp_"):  # a chat's or a completion's id: its own route deletes it
+            raise APIError(404, f"no response {response_id!r}: a response's id begins 'resp_'", "id", "not_found")
         return await forget_response(state, response_id)
 
     add_adapter_routes(router, state)

@@ -91,7 +91,7 @@ class ChatRun:
 
 
 async def start_chat(state: ServerState, request: Request, body: ChatCompletionRequest,
-                     id_prefix: str = "chatcmpl") -> ChatRun:
+                     id_prefix: str = "chatcmpl-") -> ChatRun:
     """Checks, renders and starts `body` in the engine, under a new id beginning `id_prefix`."""
     check_model(state.model_names, body.model)
     check_unsupported(body)
@@ -160,7 +160,7 @@ async def serve_completion(state: ServerState, request: Request):
                                       body.prompt_tail(state.max_model_len, params.max_tokens))
     # one request of many prompts holds as many sequences
     admit_sequences(request, len(prompts) * params.n, "prompt" if len(prompts) > 1 else "n")
-    request_id = state.completion_id("cmpl")
+    request_id = state.completion_id("cmpl-")
     # with one prompt, the completion id is the training entry's id (for feedback)
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     # the ledger keeps a prompt as the client wrote it: not one sent as token ids, nor one cut short

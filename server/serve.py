@@ -91,7 +91,7 @@ def response_store(config: AlchemistConfig) -> ResponseStore | None:
         return None
     on_disk = config.train.mode != "off" and config.adapter.dir and config.ledger.enabled
     return ResponseStore(Path(config.adapter.dir) / RESPONSES_FILE if on_disk else None,
-                         config.server.max_stored_responses)
+                         config.server.max_stored_responses, config.server.max_stored_response_bytes)
 
 
 def run(app: FastAPI, config: AlchemistConfig) -> None:

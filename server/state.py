@@ -115,6 +115,7 @@ class ServerState:
         return (self.model_name, *self.model_aliases)
 
     def completion_id(self, prefix: str) -> str:
-        """A new completion's id; among replicas it names the one serving it."""
-        tag = self.replica.tag(prefix) if self.replica is not None else f"{prefix}-"
+        """A new completion's id, after `prefix` (with its separator: "chatcmpl-", OpenAI's
+        "resp_"); among replicas it names the one serving it."""
+        tag = self.replica.tag(prefix) if self.replica is not None else prefix
         return tag + uuid.uuid4().hex

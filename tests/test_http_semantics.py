@@ -21,8 +21,8 @@ def client():
 @pytest.mark.parametrize("method, path, allow", [("GET", "/v1/chat/completions", "POST"),
                                                  ("DELETE", "/health", "GET, HEAD"),
                                                  ("GET", "/v1/feedback", "POST"),
-                                                 ("POST", "/v1/responses/resp-0123", "GET, HEAD, DELETE"),
-                                                 ("DELETE", "/v1/responses/resp-0123/input_items", "GET, HEAD")])
+                                                 ("POST", "/v1/responses/resp_0123", "GET, HEAD, DELETE"),
+                                                 ("DELETE", "/v1/responses/resp_0123/input_items", "GET, HEAD")])
 def test_405_names_the_allowed_methods(client, method, path, allow):
     r = client.request(method, path)
     assert r.status_code == 405 and set(r.headers["allow"].split(", ")) == set(allow.split(", "))

@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from bench.launch import free_port, server_process
 from server.fanout import merge_metrics
 from server.replicas import replica_device
+from server.response_store import RESPONSES_FILE, ResponseStore
 from server.routes_admin import whole_server_status
 from tests.servers import wait_for
 from tests.tiny import tiny_model, tiny_tokenizer
@@ -43,12 +44,13 @@ STEPS = 3
 
 def test_a_completion_id_names_the_replica_that_served_it():
     replica = Replica(rank=1, world_size=2)
-    completion = replica.tag("chatcmpl") + "0123abcd"
+    completion = replica.tag("chatcmpl-") + "0123abcd"
     assert completion.startswith("chatcmpl-r1-") and replica.owns(completion)
     assert Replica(0, 2).owner_of(completion) == 1
     assert Replica(0, 2).owner_of("chatcmpl-0123abcd") == 0  # served by a single server
     assert Replica(0, 1).owner_of(completion) == 0  # a smaller group takes it
     assert Replica(0, 2).owner_of("cmpl-r1-abc-0") == 1  # one of several prompts
+    assert Replica(0, 2).owner_of(Replica(1, 2).tag("resp_") + "0123abcd") == 1  # OpenAI's response id
 
 
 def test_each_replica_takes_its_own_device():
@@ -390,7 +392,9 @@ def test_two_replicas_serve_one_adapter_on_one_port(tmp_path):
             "model": "tiny", "input": "Then?", "max_output_tokens": 2, "previous_response_id": first["id"],
             "train": False})
         assert second.status_code == 200 and second.json()["previous_response_id"] == first["id"], second.text
-        assert (adapter_dir / "responses.sqlite3").is_file()
+        shared = ResponseStore(adapter_dir / RESPONSES_FILE)  # each replica wrote the one it served there
+        assert shared.get(first["id"]) is not None and shared.get(second.json()["id"]) is not None
+        shared.close()
 
         # a label posted to the replica that did not serve its completion trains where it was served
         for rank, served in ids.items():
@@ -857,7 +861,7 @@ def test_a_conversation_continues_across_replicas_that_store_their_own_responses
         for rank in (0, 1, 0):  # each turn on the other replica
             response = clients[rank].responses.create(model="tiny", input=f"turn {len(turns)}", temperature=0,
                                                       max_output_tokens=3, previous_response_id=previous)
-            assert response.id.startswith(f"resp-r{rank}-")
+            assert response.id.startswith(f"resp_r{rank}-")
             turns.append(response)
             previous = response.id
         chat = clients[1].chat.completions.create(model="tiny", temperature=0, max_tokens=3, messages=[
@@ -868,6 +872,10 @@ def test_a_conversation_continues_across_replicas_that_store_their_own_responses
         assert turns[2].usage.input_tokens == chat.usage.prompt_tokens
         assert clients[0].responses.retrieve(turns[1].id).output_text == turns[1].output_text
         assert [i.content[0].text for i in clients[1].responses.input_items.list(turns[0].id)] == ["turn 0"]
+        assert [i.content[0].text for i in clients[1].responses.input_items.list(turns[2].id, limit=1)] == ["turn 2"]
+        for odd in (turns[0].id + "?x=1", turns[0].id[:-1] + "#"):  # (an id no replica gave is asked of none)
+            with pytest.raises(openai.BadRequestError):
+                clients[1].responses.create(model="tiny", input="x", previous_response_id=odd, max_output_tokens=2)
         assert clients[1].responses.delete(turns[0].id) is None  # deleted where it is stored
         with pytest.raises(openai.NotFoundError):
             clients[0].responses.retrieve(turns[0].id)

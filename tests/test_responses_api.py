@@ -36,7 +36,7 @@ def test_a_response_is_the_chat_completion_of_its_turns(client):
                                        temperature=0, max_output_tokens=8)
     chat = client.chat.completions.create(model=TINY_NAME, temperature=0, max_tokens=8, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
-    assert response.object == "response" and response.id.startswith("resp-")
+    assert response.object == "response" and response.id.startswith("resp_")
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.input_tokens == chat.usage.prompt_tokens
     assert response.usage.output_tokens == chat.usage.completion_tokens == 8
@@ -64,7 +64,7 @@ def test_the_stream_sends_the_apis_events_in_order_and_the_same_text(client):
     text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert text == whole.output_text == events[-4].text
     final = events[-1].response
-    assert final.output_text == text and final.usage.output_tokens == 6 and final.id.startswith("resp-")
+    assert final.output_text == text and final.usage.output_tokens == 6 and final.id.startswith("resp_")
 
 
 def test_a_forced_call_then_its_output_in_the_next_turn(client):
@@ -128,7 +128,7 @@ def test_a_streamed_call_is_counted_once_and_events_carry_no_raw_line_separator(
 
 def test_a_response_delete_takes_response_ids_alone(server):
     r = httpx.delete(server.url + "/v1/responses/chatcmpl-0123", timeout=120)
-    assert r.status_code == 404 and "begins 'resp-'" in r.json()["error"]["message"], r.text
+    assert r.status_code == 404 and "begins 'resp_'" in r.json()["error"]["message"], r.text
 
 
 def test_text_format_json_schema_shapes_the_answer(client):
@@ -143,7 +143,7 @@ def test_text_format_json_schema_shapes_the_answer(client):
 
 @pytest.mark.parametrize("extra, param, words", [
     ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input", "type 'web_search_call'"),
-    ({"input": "x", "previous_response_id": "resp-1"}, "previous_response_id", "'resp-1' not found"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "'resp_1' not found"),
     ({"input": "x", "previous_response_id": ""}, "previous_response_id", "at least 1 character"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "Conversations API is not offered"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "type 'web_search'"),

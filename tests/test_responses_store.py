@@ -56,6 +56,34 @@ def test_a_continued_response_is_the_chat_completion_of_the_whole_conversation(c
     assert third.usage.input_tokens == chat.usage.prompt_tokens
 
 
+def test_a_continued_conversation_reads_its_earlier_turns_from_the_prefix_cache(client):
+    first = client.responses.create(model=TINY_NAME, input="Tell me a long story about the sea", temperature=0,
+                                    max_output_tokens=8, extra_body={"train": False})
+    second = client.responses.create(model=TINY_NAME, previous_response_id=first.id, input="Go on",
+                                     max_output_tokens=2, extra_body={"train": False})
+    cached = second.usage.input_tokens_details.cached_tokens
+    # the first turn's prompt, whole blocks of it (4 tokens here), read back instead of computed again
+    assert first.usage.input_tokens - 4 < cached < second.usage.input_tokens, (cached, first.usage)
+
+
+def test_langchain_continues_a_conversation_by_its_previous_response_id(client, server):
+    """LangChain's `use_previous_response_id` sends only the turns after its last answer, with
+    that answer's id, where the id is OpenAI's (`resp_…`)."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model=TINY_NAME, base_url=server.url + "/v1", api_key="unused", use_responses_api=True,
+                     use_previous_response_id=True, max_tokens=5, temperature=0)
+    first = llm.invoke([HumanMessage("Hello there")])
+    second = llm.invoke([HumanMessage("Hello there"), first, HumanMessage("And again?")])
+    stored = client.responses.retrieve(second.response_metadata["id"])
+    assert stored.previous_response_id == first.response_metadata["id"]
+    assert [item.content[0].text for item in client.responses.input_items.list(stored.id)] == ["And again?"]
+    whole = _chat(client, [{"role": "user", "content": "Hello there"},
+                           {"role": "assistant", "content": first.text}, {"role": "user", "content": "And again?"}], 5)
+    assert second.text == whole.choices[0].message.content
+
+
 def test_the_tool_loop_continues_from_the_stored_call(client):
     call = client.responses.create(model=TINY_NAME, input="Weather in Paris?", tools=[WEATHER],
                                    tool_choice="required", temperature=0, max_output_tokens=60)
@@ -93,21 +121,65 @@ def test_a_stored_response_is_retrieved_and_its_input_listed_a_page_at_a_time(cl
     for query, param in (("limit=0", "limit"), ("limit=101", "limit"), ("order=up", "order"), ("after=nope", "after")):
         r = httpx.get(f"{server.url}/v1/responses/{response.id}/input_items?{query}", timeout=120)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    with pytest.raises(openai.BadRequestError):  # a stored response is not streamed again
+        client.responses.retrieve(response.id, stream=True)
     with pytest.raises(openai.NotFoundError):
-        client.responses.retrieve("resp-0123")
+        client.responses.retrieve("resp_0123")
     with pytest.raises(openai.NotFoundError):
-        client.responses.input_items.list("resp-0123")
+        client.responses.input_items.list("resp_0123")
 
 
-def test_a_streamed_response_is_stored_before_its_last_event(client):
+def test_a_streamed_response_is_stored_before_its_last_event():
+    """A client may continue a response as soon as its stream says it is complete."""
+    import asyncio
+
+    from tests.test_responses_api import answer_of
+
+    answer, stored = answer_of(["It is ", "sunny."]), []
+
+    async def keep(response: dict):
+        await asyncio.sleep(0.05)  # (a write that takes a while)
+        stored.append(response)
+
+    async def stream() -> list[tuple[str, int]]:
+        seen = []
+        async for event in answer.events(keep):
+            seen.append((event.split(b"\n", 1)[0].decode(), len(stored)))
+        return seen
+
+    seen = asyncio.run(stream())
+    assert seen[-1] == ("event: response.completed", 1) and all(n == 0 for _, n in seen[:-1])
+    assert stored[0]["status"] == "completed" and stored[0]["output"][0]["content"][0]["text"] == "It is sunny."
+
+
+def test_a_response_is_continued_on_the_event_that_completes_its_stream(client):
     events = client.responses.create(model=TINY_NAME, input="Hi", temperature=0, max_output_tokens=4, stream=True)
-    for event in events:
-        if event.type in ("response.completed", "response.incomplete"):
-            # continued at once, while the stream is still open
-            continued = client.responses.create(model=TINY_NAME, previous_response_id=event.response.id,
-                                                input="Then?", max_output_tokens=2)
-            assert continued.previous_response_id == event.response.id
-            assert client.responses.retrieve(event.response.id).output_text == event.response.output_text
+    ended = [event for event in events if event.type in ("response.completed", "response.incomplete")]
+    assert len(ended) == 1
+    continued = client.responses.create(model=TINY_NAME, previous_response_id=ended[0].response.id, input="Then?",
+                                        max_output_tokens=2)
+    assert continued.previous_response_id == ended[0].response.id
+    assert client.responses.retrieve(ended[0].response.id).output_text == ended[0].response.output_text
+
+
+def test_item_ids_are_each_given_once(client, server):
+    message = {"type": "message", "role": "user", "content": "x", "id": "msg_1"}
+    r = httpx.post(server.url + "/v1/responses", timeout=120, json={
+        "model": TINY_NAME, "input": [message, {**message, "content": "y"}], "max_output_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert "Duplicate item found with id 'msg_1'" in r.json()["error"]["message"]
+    first = client.responses.create(model=TINY_NAME, input=[message], max_output_tokens=2)
+    # the output sent back beside previous_response_id, which holds it already (OpenAI refuses this too)
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model=TINY_NAME, previous_response_id=first.id, input=[
+            *[item.model_dump(exclude_none=True) for item in first.output], {"role": "user", "content": "z"}],
+            max_output_tokens=2)
+    assert error.value.body["code"] == "duplicate_item" and first.output[0].id in error.value.body["message"]
+    # an id no replica could have given is not found (nothing is asked of another replica)
+    for odd in ("resp_r1-abc?x=1", "resp_r1-abc#x", "resp_..%2F"):
+        r = httpx.post(server.url + "/v1/responses", timeout=120, json={
+            "model": TINY_NAME, "input": "x", "previous_response_id": odd, "max_output_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found", r.text
 
 
 def test_store_false_keeps_nothing_and_cannot_be_continued(client):
@@ -169,15 +241,43 @@ def test_a_server_that_stores_no_responses_says_so():
         assert "/v1/responses/{response_id}" not in paths  # neither retrieved nor deleted here
 
 
-def test_the_store_keeps_the_newest_and_forgets_what_is_deleted(tmp_path):
-    store = ResponseStore(tmp_path / RESPONSES_FILE, max_stored=2)
-    for i in range(3):
-        previous = f"resp-{i - 1}" if i else None
-        store.put(StoredResponse({"id": f"resp-{i}", "output": []}, [{"id": f"msg_{i}"}], previous))
-    assert len(store) == 2 and store.get("resp-0") is None
-    assert store.get("resp-2") == StoredResponse({"id": "resp-2", "output": []}, [{"id": "msg_2"}], "resp-1")
-    assert store.delete("resp-1") and not store.delete("resp-1") and len(store) == 1
+def _turn(i: int, previous: int | None = None, text: str = "") -> StoredResponse:
+    return StoredResponse({"id": f"resp-{i}", "output": [{"text": text}]}, [{"id": f"msg_{i}"}],
+                          None if previous is None else f"resp-{previous}")
+
+
+def test_the_store_prunes_the_least_recently_used_and_a_conversation_going_on_is_in_use(tmp_path):
+    store = ResponseStore(tmp_path / RESPONSES_FILE, max_stored=3)
+    for turn in (_turn(0), _turn(1), _turn(2, previous=0)):  # continuing 0 uses it: 1 is now the oldest
+        assert store.put(turn)
+    assert store.put(_turn(3))
+    assert store.get("resp-1") is None and len(store) == 3
+    turns, missing = store.chain("resp-2")
+    assert [t.id for t in turns] == ["resp-2", "resp-0"] and missing is None
+    assert store.get("resp-2") == _turn(2, previous=0)
+    assert store.delete("resp-0") and not store.delete("resp-0")
+    turns, missing = store.chain("resp-2")
+    assert [t.id for t in turns] == ["resp-2"] and missing == "resp-0"  # a turn lacking: not continued
+    assert store.chain("resp-9") == ([], "resp-9")
     store.close()
-    assert ResponseStore(tmp_path / RESPONSES_FILE, max_stored=2).get("resp-2") is not None  # on disk
+    assert ResponseStore(tmp_path / RESPONSES_FILE, max_stored=3).get("resp-3") is not None  # on disk
     with pytest.raises(ValueError):
         ResponseStore(None, max_stored=0)
+
+
+def test_the_store_keeps_under_its_bytes_and_a_response_larger_than_them_is_not_kept():
+    store = ResponseStore(None, max_bytes=1000)
+    for i in range(5):
+        assert store.put(_turn(i, text="x" * 300))
+    assert len(store) == 2 and store.get("resp-4") is not None and store.get("resp-2") is None
+    assert not store.put(_turn(9, text="x" * 2000)) and store.get("resp-9") is None and len(store) == 2
+
+
+def test_a_deleted_response_leaves_no_text_in_the_files(tmp_path):
+    store = ResponseStore(tmp_path / RESPONSES_FILE)
+    store.put(_turn(0, text="a secret only this response holds"))
+    store.put(_turn(1, text="kept"))
+    assert store.delete("resp-0")
+    for path in tmp_path.iterdir():  # the database, its write-ahead log and shared memory
+        assert b"a secret only this response holds" not in path.read_bytes(), path
+    assert store.get("resp-1") is not None

@@ -65,7 +65,7 @@ ROUND_TIMEOUT_S = 60
 # most), and the elastic agent kills them 30 s after its SIGTERM
 LAST_WORD_TIMEOUT_S = 20
 # a completion id names the replica that served it: chatcmpl-r1-<hex>
-_REPLICA_TAG = re.compile(r"^[a-z]+-r(\d+)-")
+_REPLICA_TAG = re.compile(r"^[a-z]+[-_]r(\d+)-")
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,9 @@ class Replica:
     local_world_size: int = 1
 
     def tag(self, prefix: str) -> str:
-        """The start of the ids of completions this replica serves."""
-        return f"{prefix}-r{self.rank}-"
+        """The start of the ids of completions this replica serves (`prefix` ends with its
+        separator: "chatcmpl-", "resp_")."""
+        return f"{prefix}r{self.rank}-"
 
     def owner_of(self, completion_id: str) -> int:
         """The rank whose recording a completion's label trains on (ids without a tag were
