@@ -252,6 +252,10 @@ class ServingMetrics:
     def add_trainer(self, trainer) -> None:
         self.registry.register(TrainingCollector(trainer))
 
+    def add_response_store(self, store) -> None:
+        """The Responses API's stored responses (server/response_store.py)."""
+        self.registry.register(_ResponseStoreCollector(store))
+
     def add_engine(self, async_engine, arbiter, policy: str) -> None:
         """`arbiter`: the idle hook, or None when training is off (its counters stay 0)."""
         self.registry.register(_EngineCollector(async_engine, arbiter, policy))
@@ -309,3 +313,14 @@ class _EngineCollector:
                                   value=stats.slo_backoffs)
         yield GaugeMetricFamily(f"{PREFIX}arbiter_tpot_ema_seconds", "Smoothed time per output token the "
                                 "arbiter measures between decode steps, in seconds.", value=stats.tpot_ema)
+
+
+class _ResponseStoreCollector:
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        yield GaugeMetricFamily(f"{PREFIX}stored_responses", "Responses kept for retrieval and previous_response_id "
+                                "(as of this process's last write).", value=self.store.count)
+        yield GaugeMetricFamily(f"{PREFIX}stored_response_bytes", "Bytes of the stored responses' JSON (as of this "
+                                "process's last write).", value=self.store.bytes)

@@ -7,9 +7,10 @@ a string (one user turn) or items — messages, the model's function calls and t
 `response_format`. `previous_response_id` continues a stored response (server/response_store.py):
 its conversation's items come before `input`, under this request's `instructions` only (as
 OpenAI: the earlier instructions are not carried over). `conversation` (OpenAI's Conversations
-API) is refused. Fields that do not change generation here (metadata, user, reasoning,
-truncation, service tier, `max_tool_calls`, which bounds calls of OpenAI's built-in tools,
-none offered here, ...) are accepted and ignored.
+API) is refused; `truncation: "auto"` drops a conversation's oldest turns until it fits the
+context (server/responses_api.py). Fields that do not change generation here (metadata, user,
+reasoning, service tier, `max_tool_calls`, which bounds calls of OpenAI's built-in tools, none
+offered here, ...) are accepted and ignored.
 """
 
 from __future__ import annotations

@@ -80,6 +80,11 @@ class ResponseStore:
         self._reader = self._connect() if path is not None else self._writer
         self._write_lock = threading.Lock()
         self._read_lock = threading.Lock() if path is not None else self._write_lock
+        # how many are stored, and their bytes, as of this process's last write (`alchemist:stored_response*`)
+        self.count, self.bytes = self._measure()
+
+    def _measure(self) -> tuple[int, int]:
+        return self._writer.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM responses").fetchone()
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(str(self.path) if self.path is not None else ":memory:", timeout=_BUSY_TIMEOUT_S,
@@ -116,6 +121,7 @@ class ResponseStore:
             except BaseException:
                 self._writer.execute("ROLLBACK")
                 raise
+            self.count, self.bytes = self._measure()
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:
@@ -143,6 +149,7 @@ class ResponseStore:
             deleted = self._writer.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
             if deleted and self.path is not None:
                 self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            self.count, self.bytes = self._measure()
         return deleted
 
     def __len__(self) -> int:

@@ -55,10 +55,13 @@ def build_server(config: AlchemistConfig, model=None, tokenizer=None, model_name
     async_engine, training, name = stack.async_engine, stack.training, stack.name
     keeps_client_prompt = training is not None and training.recorder.keeps_client_prompt
     aliases = tuple(names[1:]) if name == names[0] else ()  # a frozen adapter is served under its own name
+    responses = response_store(config)
+    if responses is not None:
+        stack.metrics.add_response_store(responses)
     state = ServerState(async_engine, tokenizer, name, config.model.max_model_len, stack.metrics, training,
                         stack.served_adapter, aliases, keeps_client_prompt=keeps_client_prompt,
                         sampling_defaults=defaults, reasoning_parser=config.server.reasoning_parser,
-                        replica=replica, peers=peers, responses=response_store(config))
+                        replica=replica, peers=peers, responses=responses)
     server = config.server
     app = build_app(state, GuardConfig(server.api_key, server.admin_key,
                                        config.scheduler.max_num_seqs + server.max_queued_requests,

@@ -7,6 +7,7 @@ and a training server's stored responses outlive a restart."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import httpx
 import openai
@@ -196,7 +197,14 @@ def test_store_false_keeps_nothing_and_cannot_be_continued(client):
 def test_deleting_a_turn_breaks_the_conversations_that_continue_it(client, server):
     first = client.responses.create(model=TINY_NAME, input="One", max_output_tokens=2)
     second = client.responses.create(model=TINY_NAME, previous_response_id=first.id, input="Two", max_output_tokens=2)
+    def stored() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=120).text
+        return float(next(line for line in text.splitlines() if line.startswith("alchemist:stored_responses ")
+                          ).split()[1])
+
+    before = stored()
     r = httpx.delete(f"{server.url}/v1/responses/{first.id}", timeout=120)  # training off: the stored copy only
+    assert stored() == before - 1
     assert r.status_code == 200 and r.json() == {"id": first.id, "object": "response", "deleted": True,
                                                  "trained_into_version": None}
     with pytest.raises(openai.NotFoundError):
@@ -237,6 +245,7 @@ def test_a_server_that_stores_no_responses_says_so():
         with pytest.raises(openai.BadRequestError) as error:
             client.responses.create(model=TINY_NAME, previous_response_id=response.id, input="x", max_output_tokens=2)
         assert "max_stored_responses" in error.value.body["message"]
+        assert "alchemist:stored_responses " not in httpx.get(running.url + "/metrics", timeout=120).text
         paths = httpx.get(running.url + "/openapi.json", timeout=120).json()["paths"]
         assert "/v1/responses/{response_id}" not in paths  # neither retrieved nor deleted here
 
@@ -255,7 +264,9 @@ def test_the_store_prunes_the_least_recently_used_and_a_conversation_going_on_is
     turns, missing = store.chain("resp-2")
     assert [t.id for t in turns] == ["resp-2", "resp-0"] and missing is None
     assert store.get("resp-2") == _turn(2, previous=0)
-    assert store.delete("resp-0") and not store.delete("resp-0")
+    assert (store.count, store.bytes) == (3, sum(len(json.dumps(t.response)) + len(json.dumps(t.input_items))
+                                                 for t in (_turn(0), _turn(2, previous=0), _turn(3))))
+    assert store.delete("resp-0") and not store.delete("resp-0") and store.count == 2
     turns, missing = store.chain("resp-2")
     assert [t.id for t in turns] == ["resp-2"] and missing == "resp-0"  # a turn lacking: not continued
     assert store.chain("resp-9") == ([], "resp-9")
@@ -281,3 +292,43 @@ def test_a_deleted_response_leaves_no_text_in_the_files(tmp_path):
     for path in tmp_path.iterdir():  # the database, its write-ahead log and shared memory
         assert b"a secret only this response holds" not in path.read_bytes(), path
     assert store.get("resp-1") is not None
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits():
+    """OpenAI's `truncation: "auto"`: a conversation longer than the context loses turns from
+    its beginning (a call with its output); `disabled` (the default) is the context's 400."""
+    with ServerThread(tiny_app()) as running:  # (a context of 256 tokens)
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        words = " ".join(["word"] * 25)
+        previous, turns = None, []
+        for i in range(12):
+            try:
+                response = client.responses.create(model=TINY_NAME, input=f"{i}: {words}", temperature=0,
+                                                   max_output_tokens=4, previous_response_id=previous)
+            except openai.BadRequestError as error:
+                assert error.body["code"] == "context_length_exceeded", error.body
+                break
+            turns.append(response)
+            previous = response.id
+        else:
+            raise AssertionError("the conversation never outgrew the context")
+        fitted = client.responses.create(model=TINY_NAME, input=f"{len(turns)}: {words}", temperature=0,
+                                         max_output_tokens=4, previous_response_id=previous, truncation="auto")
+        assert fitted.truncation == "auto" and fitted.usage.input_tokens + 4 <= 256
+        # the same as the chat of the turns it kept: the newest that fit, whole
+        for first in range(1, len(turns) + 1):
+            messages = [m for i in range(first, len(turns)) for m in (
+                {"role": "user", "content": f"{i}: {words}"}, {"role": "assistant", "content": turns[i].output_text})]
+            messages.append({"role": "user", "content": f"{len(turns)}: {words}"})
+            try:
+                chat = _chat(client, messages, 4)
+            except openai.BadRequestError:
+                continue
+            assert fitted.output_text == chat.choices[0].message.content
+            assert fitted.usage.input_tokens == chat.usage.prompt_tokens
+            break
+        else:
+            raise AssertionError("no kept turns fit")
+        with pytest.raises(openai.BadRequestError):  # the newest turn alone does not fit: nothing to drop
+            client.responses.create(model=TINY_NAME, input=" ".join(["word"] * 300), truncation="auto",
+                                    max_output_tokens=4)
