@@ -213,8 +213,15 @@ def _a_boolean(value):
 
 
 class ResponsesRequest(Strict):
+    # an input is required unless a stored conversation is continued (OpenAI's rule; `input_error`)
+    model_config = ConfigDict(**Strict.model_config, json_schema_extra={
+        "if": {"properties": {"previous_response_id": {"type": "null"}}},
+        "then": {"required": ["input"], "properties": {"input": {"anyOf": [{"type": "string"},
+                                                                            {"type": "array", "minItems": 1}]}}}})
+
     model: str
-    input: str | Annotated[list[InputItem], Field(min_length=1)]
+    # with `previous_response_id` it may be left out (the conversation goes on as it stands)
+    input: str | list[InputItem] | None = None
     instructions: str | None = None
     max_output_tokens: LimitFrom1 | None = None
     temperature: documented(float, minimum=0, maximum=2) | None = None
@@ -316,7 +323,7 @@ class ResponsesRequest(Strict):
         """This request's input as `GET /v1/responses/{id}/input_items` lists it: items with
         ids (`<kind>_<response_key>_in<index>` where the client gave none), a message's text
         as parts."""
-        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        items = self.input_models()
         listed = []
         for index, item in enumerate(items):
             entry = item.model_dump(exclude_none=True)
@@ -332,6 +339,25 @@ class ResponsesRequest(Strict):
             listed.append(entry)
         return listed
 
+    def input_error(self) -> tuple[str, str] | None:
+        """What is wrong with `input` (a message and its code), where nothing continues: it
+        is then required, and not empty."""
+        if self.previous_response_id is not None:
+            return None
+        if self.input is None:
+            return "Missing required parameter: 'input'.", "missing_required_parameter"
+        if self.input == []:
+            return ("Invalid value for 'input': List should have at least 1 item after validation, not 0 (an "
+                    "empty input continues only a stored response, given as 'previous_response_id').",
+                    "invalid_value")
+        return None
+
+    def input_models(self) -> list:
+        """`input` as items (a string is one user message; none, no item)."""
+        if isinstance(self.input, str):
+            return [InputMessage(role="user", content=self.input)]
+        return list(self.input or ())
+
     def _chat_tool_choice(self):
         choice = self.tool_choice
         if isinstance(choice, FunctionChoice):
@@ -346,8 +372,7 @@ class ResponsesRequest(Strict):
         opens its turn and its function calls join it (one turn of reasoning, text and
         calls), their outputs are tool turns."""
         messages: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        items = [*context, *([InputMessage(role="user", content=self.input)] if isinstance(self.input, str)
-                             else self.input)]
+        items = [*context, *self.input_models()]
         reasoning = None  # a reasoning item's text, for the assistant turn it opens
         for item in items:
             if isinstance(item, ReasoningItem):

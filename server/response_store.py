@@ -18,35 +18,43 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 RESPONSES_FILE = "responses.sqlite3"
 # how long a write waits for another process's (a replica's) lock
 _BUSY_TIMEOUT_S = 10.0
+# the texts apart from what each write reads and rewrites (which turn a response continues, its
+# recency and size): marking a conversation's turns used touches none of their text
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
-    -- recency: the order in which responses were stored or continued (the least recent pruned first)
-    used INTEGER NOT NULL,
-    stored_at REAL NOT NULL,
-    previous_id TEXT,
     response TEXT NOT NULL,
-    input_items TEXT NOT NULL,
-    bytes INTEGER NOT NULL
+    input_items TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used);
+CREATE TABLE IF NOT EXISTS recency (
+    id TEXT PRIMARY KEY REFERENCES responses (id) ON DELETE CASCADE,
+    previous_id TEXT,
+    -- the order in which responses were stored or continued (the least recent pruned first)
+    used INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    stored_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS recency_by_use ON recency (used, bytes);
 """
 # the chain of responses a response continues, newest first (a conversation's turns, from its last)
 _CHAIN = """
-WITH RECURSIVE chain (id, previous_id, response, input_items, depth) AS (
-    SELECT id, previous_id, response, input_items, 0 FROM responses WHERE id = ?
+WITH RECURSIVE chain (id, previous_id, depth) AS (
+    SELECT id, previous_id, 0 FROM recency WHERE id = ?
     UNION ALL
-    SELECT r.id, r.previous_id, r.response, r.input_items, c.depth + 1
-    FROM responses r JOIN chain c ON r.id = c.previous_id WHERE c.depth < 100000
+    SELECT r.id, r.previous_id, c.depth + 1 FROM recency r JOIN chain c ON r.id = c.previous_id
+    WHERE c.depth < 100000
 )
 """
 
@@ -84,12 +92,13 @@ class ResponseStore:
         self.count, self.bytes = self._measure()
 
     def _measure(self) -> tuple[int, int]:
-        return self._writer.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM responses").fetchone()
+        return self._writer.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM recency").fetchone()
 
     def _connect(self) -> sqlite3.Connection:
         db = sqlite3.connect(str(self.path) if self.path is not None else ":memory:", timeout=_BUSY_TIMEOUT_S,
                              check_same_thread=False, isolation_level=None)
         db.execute("PRAGMA secure_delete = ON")
+        db.execute("PRAGMA foreign_keys = ON")
         if self.path is not None:
             db.execute("PRAGMA journal_mode = WAL")
             db.execute("PRAGMA synchronous = NORMAL")
@@ -105,17 +114,18 @@ class ResponseStore:
         with self._write_lock:
             self._writer.execute("BEGIN IMMEDIATE")
             try:
-                used = self._writer.execute("SELECT COALESCE(MAX(used), 0) + 1 FROM responses").fetchone()[0]
-                self._writer.execute(
-                    "INSERT OR REPLACE INTO responses (id, used, stored_at, previous_id, response, input_items, bytes) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (stored.id, used, time.time(), stored.previous_id, response, items, len(response) + len(items)))
+                used = self._writer.execute("SELECT COALESCE(MAX(used), 0) + 1 FROM recency").fetchone()[0]
+                self._writer.execute("INSERT OR REPLACE INTO responses (id, response, input_items) VALUES (?, ?, ?)",
+                                     (stored.id, response, items))
+                self._writer.execute("INSERT OR REPLACE INTO recency (id, previous_id, used, bytes, stored_at) "
+                                     "VALUES (?, ?, ?, ?, ?)",
+                                     (stored.id, stored.previous_id, used, len(response) + len(items), time.time()))
                 if stored.previous_id is not None:
-                    self._writer.execute(_CHAIN + "UPDATE responses SET used = ? WHERE id IN (SELECT id FROM chain)",
+                    self._writer.execute(_CHAIN + "UPDATE recency SET used = ? WHERE id IN (SELECT id FROM chain)",
                                          (stored.previous_id, used))
                 self._writer.execute(
                     "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, COUNT(*) OVER newest AS rank, "
-                    "SUM(bytes) OVER newest AS total FROM responses WINDOW newest AS (ORDER BY used DESC, rowid DESC)) "
+                    "SUM(bytes) OVER newest AS total FROM recency WINDOW newest AS (ORDER BY used DESC, rowid DESC)) "
                     "WHERE rank > ? OR total > ?)", (self.max_stored, self.max_bytes))
                 self._writer.execute("COMMIT")
             except BaseException:
@@ -125,21 +135,20 @@ class ResponseStore:
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:
-        turns, _ = self.chain(response_id, depth=1)
-        return turns[0] if turns else None
-
-    def chain(self, response_id: str, depth: int | None = None) -> tuple[list[StoredResponse], str | None]:
-        """The stored turns of the conversation that ends with `response_id`, newest first
-        (at most `depth`), and the id of the turn before the oldest of them that this store
-        does not hold (None: they go back to the conversation's first)."""
         with self._read_lock:
-            rows = self._reader.execute(_CHAIN + "SELECT response, input_items, previous_id FROM chain "
-                                        "ORDER BY depth LIMIT ?", (response_id, -1 if depth is None else depth)
-                                        ).fetchall()
+            row = self._reader.execute("SELECT s.response, s.input_items, r.previous_id FROM responses s JOIN recency "
+                                       "r ON r.id = s.id WHERE s.id = ?", (response_id,)).fetchone()
+        return None if row is None else StoredResponse(json.loads(row[0]), json.loads(row[1]), row[2])
+
+    def chain(self, response_id: str) -> tuple[list[StoredResponse], str | None]:
+        """The stored turns of the conversation that ends with `response_id`, newest first,
+        and the id of the turn before the oldest of them that this store does not hold
+        (None: they go back to the conversation's first)."""
+        with self._read_lock:
+            rows = self._reader.execute(_CHAIN + "SELECT s.response, s.input_items, c.previous_id FROM chain c "
+                                        "JOIN responses s ON s.id = c.id ORDER BY c.depth", (response_id,)).fetchall()
         turns = [StoredResponse(json.loads(r), json.loads(i), p) for r, i, p in rows]
-        if not turns:
-            return [], response_id
-        return turns, (turns[-1].previous_id if depth is None or len(turns) < depth else None)
+        return turns, (turns[-1].previous_id if turns else response_id)
 
     def delete(self, response_id: str) -> bool:
         """Forgets a stored response (its text overwritten, and out of the write-ahead log);
@@ -148,7 +157,10 @@ class ResponseStore:
         with self._write_lock:
             deleted = self._writer.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
             if deleted and self.path is not None:
-                self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                busy, _, _ = self._writer.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                if busy:  # another process (a replica) reads an older snapshot: the next checkpoint takes it
+                    logger.warning("a deleted response's text stays in %s-wal until the next checkpoint: another "
+                                   "process held the database", self.path)
             self.count, self.bytes = self._measure()
         return deleted
 

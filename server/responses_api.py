@@ -29,9 +29,10 @@ from engine.sampling_params import InvalidParameter
 from server.errors import APIError, validation_error
 from server.parsing import check_unsupported, parse_body
 from server.protocol import ChatCompletionRequest
-from server.protocol_responses import InputMessage, ResponsesRequest
+from server.protocol_responses import ResponsesRequest
 from server.reasoning import ReasoningSplitter
 from server.responses_stored import conversation_before, keep_response
+from server.responses_truncation import fit_to_context
 from server.routes_openai import ChatRun, start_chat
 from server.state import ServerState
 from server.streams import event_stream_response, sse_json, until_disconnect
@@ -57,25 +58,27 @@ def responses_router(state: ServerState) -> APIRouter:
 async def serve_response(state: ServerState, request: Request):
     body: ResponsesRequest = await parse_body(request, ResponsesRequest)
     check_unsupported(body)
+    wrong = body.input_error()
+    if wrong is not None:
+        message, code = wrong
+        raise APIError(400, message, "input", code)
     if _NO_LOGPROBS in (body.include or ()) or body.top_logprobs:
         raise APIError(400, "log-probabilities are not offered by /v1/responses here; /v1/chat/completions gives "
                             "them ('logprobs': true)", "include" if body.top_logprobs is None else "top_logprobs")
     context = await conversation_before(state, request, body)
     served = body
-    while True:
-        try:
-            chat = ChatCompletionRequest.model_validate(served.chat_body(context))
-            run = await start_chat(state, request, chat, id_prefix="resp_")
-            break
-        except ValidationError as exc:
-            raise _named_as_sent(validation_error(exc)) from None
-        except InvalidParameter as exc:
-            shorter = _first_turn_dropped(served, context) if exc.code == "context_length_exceeded" else None
-            if shorter is None:
-                raise _named_as_sent(APIError(400, str(exc), exc.param, exc.code)) from None
-            served, context = shorter
-        except APIError as exc:
-            raise _named_as_sent(exc) from None
+    if body.truncation == "auto":  # the conversation, flat, without the oldest turns that do not fit
+        fitted = await fit_to_context(state, body, [*context, *body.input_models()])
+        served, context = body.model_copy(update={"input": fitted}), []
+    try:
+        chat = ChatCompletionRequest.model_validate(served.chat_body(context))
+        run = await start_chat(state, request, chat, id_prefix="resp_")
+    except ValidationError as exc:
+        raise _named_as_sent(validation_error(exc)) from None
+    except InvalidParameter as exc:
+        raise _named_as_sent(APIError(400, str(exc), exc.param, exc.code)) from None
+    except APIError as exc:
+        raise _named_as_sent(exc) from None
     answer = Answer(run, body, int(time.time()), stored=state.responses is not None and body.store is not False)
     keep = lambda response: keep_response(state, body, response, answer.key)  # noqa: E731
     if body.stream:
@@ -90,23 +93,6 @@ async def serve_response(state: ServerState, request: Request):
 
     result = await until_disconnect(request, whole())
     return result if result is not None else Response(status_code=499)
-
-
-def _first_turn_dropped(body: ResponsesRequest, context: list) -> tuple[ResponsesRequest, list] | None:
-    """With `"truncation": "auto"`, the conversation without its first turn (its items up to
-    the next user message: a turn's calls go with their outputs), the last user turn kept;
-    None where nothing more may be dropped (OpenAI's truncation drops items from the
-    beginning of the conversation until it fits)."""
-    if body.truncation != "auto":
-        return None
-    items = [*context, *([InputMessage(role="user", content=body.input)] if isinstance(body.input, str)
-                         else body.input)]
-    starts = [i for i, item in enumerate(items) if isinstance(item, InputMessage) and item.role == "user" and i > 0]
-    if not starts:
-        return None
-    rest = items[starts[0]:]
-    kept_context = max(len(context) - starts[0], 0)
-    return body.model_copy(update={"input": rest[kept_context:]}), rest[:kept_context]
 
 
 def _named_as_sent(exc: APIError) -> APIError:

@@ -122,14 +122,17 @@ async def conversation_before(state: ServerState, request: Request, body: Respon
         if owner is not None:  # a turn another replica served
             turn = await _from_replica(state, request, owner, missing)
             found, missing = ([turn], turn.previous_id) if turn is not None else ([], missing)
+        if not found and turns and body.truncation == "auto":  # (an older turn pruned or deleted: dropped)
+            break
         if not found:
             which = "" if missing == body.previous_response_id else f" (response {missing!r}, which it continues)"
             raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found{which}: "
                                 "never stored, deleted, or pruned.", "previous_response_id",
                            "previous_response_not_found")
         turns += found
-    items = [item for turn in reversed(turns) for item in (*turn.input_items, *turn.response["output"])]
-    given = [item.id for item in body.input if item.id] if isinstance(body.input, list) else []
+    items = [item for turn in reversed(turns) for item in (*turn.input_items, *turn.response["output"])
+             if not _cut_call(item)]
+    given = [item.id for item in body.input_models() if item.id]
     repeated = duplicate_item_id([*(item["id"] for item in items), *given])
     if repeated is not None:
         raise APIError(400, f"Duplicate item found with id {repeated!r}: 'input' repeats an item of the "
@@ -138,9 +141,16 @@ async def conversation_before(state: ServerState, request: Request, body: Respon
     return CONVERSATION_ITEMS.validate_python(items)
 
 
+def _cut_call(item: dict) -> bool:
+    """A function call a limit cut before its arguments ended (`incomplete`): no call was
+    made, and its text is no JSON a chat template could render as one."""
+    return item.get("type") == "function_call" and item.get("status") == "incomplete"
+
+
 async def keep_response(state: ServerState, body: ResponsesRequest, response: dict, response_key: str) -> None:
-    """Stores a finished response unless it asked not to be (`"store": false`); a store
-    that cannot be written is logged, and the answer still given."""
+    """Stores a finished response unless it asked not to be (`"store": false`); one that
+    could not be stored (too large, or the store failed: logged) says `"store": false`, and
+    the answer is still given."""
     if state.responses is None or not response["store"]:
         return
     stored = StoredResponse(response, body.input_items(response_key), body.previous_response_id)
@@ -148,6 +158,8 @@ async def keep_response(state: ServerState, body: ResponsesRequest, response: di
         kept = await asyncio.to_thread(state.responses.put, stored)
     except Exception:  # (sqlite3's errors, a full disk): the answer matters more than its copy
         logger.exception("response %s could not be stored: it cannot be retrieved or continued", response["id"])
-        return
-    if not kept:
-        logger.warning("response %s is larger than server.max_stored_response_bytes: not stored", response["id"])
+        kept = False
+    else:
+        if not kept:
+            logger.warning("response %s is larger than server.max_stored_response_bytes: not stored", response["id"])
+    response["store"] = kept

@@ -107,7 +107,7 @@ def admin_router(state: ServerState) -> APIRouter:
         owner = owner_elsewhere(state, request, response_id)
         if owner is not None:
             return await state.peers.forward(owner, request, b"")
-        if not response_id.startswith("resp_"):  # a chat's or a completion's id: its own route deletes it
+        if not response_id.startswith(("resp_", "resp-")):  # (resp-: before OpenAI's ids; a chat's: its route)
             raise APIError(404, f"no response {response_id!r}: a response's id begins 'resp_'", "id", "not_found")
         return await forget_response(state, response_id)
 

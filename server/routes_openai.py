@@ -71,7 +71,7 @@ def served_adapter_card(state: ServerState) -> dict | None:
     return {"version": adapter.version, "path": adapter.path, "frozen": True}
 
 
-def _tools_and_sampling(state: ServerState, body: ChatCompletionRequest):
+def tools_and_sampling(state: ServerState, body: ChatCompletionRequest):
     """A chat's tools (their schemas compiled) and sampling parameters."""
     tools = body.tool_use()
     return tools, body.sampling_params(tools=tools, tool_call_token=state.tool_call_token,
@@ -98,7 +98,7 @@ async def start_chat(state: ServerState, request: Request, body: ChatCompletionR
     # the CPU work of a request runs on worker threads (the tokenizer and llguidance let go of
     # the GIL): a 4 MB prompt, or a tool schema's or grammar's compiling, held the event loop
     # for seconds, and every other client with it (an outside pass)
-    tools, params = await on_compile_threads(_tools_and_sampling, state, body)
+    tools, params = await on_compile_threads(tools_and_sampling, state, body)
     admit_sequences(request, params.n)
     prompt_ids = await asyncio.to_thread(render_chat, state.tokenizer, body, tools)
     tail = body.prompt_tail(state.max_model_len, params.max_tokens)

@@ -299,11 +299,13 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits():
     its beginning (a call with its output); `disabled` (the default) is the context's 400."""
     with ServerThread(tiny_app()) as running:  # (a context of 256 tokens)
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
-        words = " ".join(["word"] * 25)
+        words = " ".join(["word"] * 6)
         previous, turns = None, []
-        for i in range(12):
+        system = {"role": "system", "content": "Be terse."}  # (as LangChain sends a system message: an item)
+        for i in range(30):
+            sent = [system, {"role": "user", "content": f"{i}: {words}"}] if i == 0 else f"{i}: {words}"
             try:
-                response = client.responses.create(model=TINY_NAME, input=f"{i}: {words}", temperature=0,
+                response = client.responses.create(model=TINY_NAME, input=sent, temperature=0,
                                                    max_output_tokens=4, previous_response_id=previous)
             except openai.BadRequestError as error:
                 assert error.body["code"] == "context_length_exceeded", error.body
@@ -315,9 +317,9 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits():
         fitted = client.responses.create(model=TINY_NAME, input=f"{len(turns)}: {words}", temperature=0,
                                          max_output_tokens=4, previous_response_id=previous, truncation="auto")
         assert fitted.truncation == "auto" and fitted.usage.input_tokens + 4 <= 256
-        # the same as the chat of the turns it kept: the newest that fit, whole
+        # the same as the chat of the turns it kept, the newest that fit, whole, and the system message
         for first in range(1, len(turns) + 1):
-            messages = [m for i in range(first, len(turns)) for m in (
+            messages = [system] + [m for i in range(first, len(turns)) for m in (
                 {"role": "user", "content": f"{i}: {words}"}, {"role": "assistant", "content": turns[i].output_text})]
             messages.append({"role": "user", "content": f"{len(turns)}: {words}"})
             try:
@@ -332,3 +334,50 @@ def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits():
         with pytest.raises(openai.BadRequestError):  # the newest turn alone does not fit: nothing to drop
             client.responses.create(model=TINY_NAME, input=" ".join(["word"] * 300), truncation="auto",
                                     max_output_tokens=4)
+        # an older turn deleted: with truncation, the conversation goes on from what is kept
+        assert client.responses.delete(turns[0].id) is None
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(model=TINY_NAME, input="x", previous_response_id=turns[1].id, max_output_tokens=2)
+        going_on = client.responses.create(model=TINY_NAME, input="x", previous_response_id=turns[1].id,
+                                           truncation="auto", max_output_tokens=2, temperature=0)
+        chat = _chat(client, [{"role": "user", "content": f"1: {words}"},
+                              {"role": "assistant", "content": turns[1].output_text},
+                              {"role": "user", "content": "x"}], 2)
+        assert going_on.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_a_stored_conversation_goes_on_without_new_input(client, server):
+    first = client.responses.create(model=TINY_NAME, input="Hello there", temperature=0, max_output_tokens=3)
+    for given in ({}, {"input": []}):  # (LangChain sends nothing new after an answer of its own)
+        more = client.responses.create(model=TINY_NAME, previous_response_id=first.id, temperature=0,
+                                       max_output_tokens=3, **given)
+        chat = _chat(client, [{"role": "user", "content": "Hello there"},
+                              {"role": "assistant", "content": first.output_text}], 3)
+        assert more.output_text == chat.choices[0].message.content
+        assert client.responses.input_items.list(more.id).data == []
+    r = httpx.post(server.url + "/v1/responses", json={"model": TINY_NAME}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    assert r.json()["error"]["code"] == "missing_required_parameter"
+
+
+def test_a_call_a_limit_cut_is_not_part_of_the_conversation_that_continues(client):
+    cut = client.responses.create(model=TINY_NAME, input="Weather?", tools=[WEATHER], tool_choice="required",
+                                  temperature=0, max_output_tokens=3)
+    assert cut.output[-1].type == "function_call" and cut.output[-1].status == "incomplete"
+    more = client.responses.create(model=TINY_NAME, previous_response_id=cut.id, input="Never mind.",
+                                   temperature=0, max_output_tokens=3)
+    chat = _chat(client, [{"role": "user", "content": "Weather?"}, {"role": "user", "content": "Never mind."}], 3)
+    assert more.usage.input_tokens == chat.usage.prompt_tokens and more.output_text == chat.choices[0].message.content
+
+
+def test_a_response_larger_than_the_store_says_it_was_not_stored():
+    app = tiny_app(server=dataclasses.replace(ServerConfig(), max_stored_response_bytes=200))
+    with ServerThread(app) as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+        response = client.responses.create(model=TINY_NAME, input="Hi", max_output_tokens=2)
+        assert response.store is False
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(response.id)
+        streamed = list(client.responses.create(model=TINY_NAME, input="Hi", max_output_tokens=2, stream=True))
+        assert streamed[-1].response.store is False
+
