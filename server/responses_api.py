@@ -67,10 +67,10 @@ async def serve_response(state: ServerState, request: Request):
                             "them ('logprobs': true)", "include" if body.top_logprobs is None else "top_logprobs")
     context = await conversation_before(state, request, body)
     served = body
-    if body.truncation == "auto":  # the conversation, flat, without the oldest turns that do not fit
-        fitted = await fit_to_context(state, body, [*context, *body.input_models()])
-        served, context = body.model_copy(update={"input": fitted}), []
     try:
+        if body.truncation == "auto":  # the conversation, flat, without the oldest turns that do not fit
+            fitted = await fit_to_context(state, body, [*context, *body.input_models()])
+            served, context = body.model_copy(update={"input": fitted}), []
         chat = ChatCompletionRequest.model_validate(served.chat_body(context))
         run = await start_chat(state, request, chat, id_prefix="resp_")
     except ValidationError as exc:

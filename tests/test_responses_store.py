@@ -381,3 +381,11 @@ def test_a_response_larger_than_the_store_says_it_was_not_stored():
         streamed = list(client.responses.create(model=TINY_NAME, input="Hi", max_output_tokens=2, stream=True))
         assert streamed[-1].response.store is False
 
+
+
+def test_truncation_names_what_is_wrong_with_a_request_as_without_it(server):
+    for truncation in ("auto", "disabled"):
+        r = httpx.post(server.url + "/v1/responses", timeout=120, json={
+            "model": TINY_NAME, "input": "x", "truncation": truncation, "max_output_tokens": 2, "tools": [WEATHER],
+            "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.tools[0]", r.text
