@@ -123,15 +123,18 @@ class ResponseStore:
                 if stored.previous_id is not None:
                     self._writer.execute(_CHAIN + "UPDATE recency SET used = ? WHERE id IN (SELECT id FROM chain)",
                                          (stored.previous_id, used))
-                self._writer.execute(
-                    "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, COUNT(*) OVER newest AS rank, "
-                    "SUM(bytes) OVER newest AS total FROM recency WINDOW newest AS (ORDER BY used DESC, rowid DESC)) "
-                    "WHERE rank > ? OR total > ?)", (self.max_stored, self.max_bytes))
+                self.count, self.bytes = self._measure()
+                if self.count > self.max_stored or self.bytes > self.max_bytes:
+                    self._writer.execute(
+                        "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, COUNT(*) OVER newest AS rank, "
+                        "SUM(bytes) OVER newest AS total FROM recency WINDOW newest AS (ORDER BY used DESC, rowid "
+                        "DESC)) WHERE rank > ? OR total > ?)", (self.max_stored, self.max_bytes))
+                    self.count, self.bytes = self._measure()
                 self._writer.execute("COMMIT")
             except BaseException:
                 self._writer.execute("ROLLBACK")
+                self.count, self.bytes = self._measure()
                 raise
-            self.count, self.bytes = self._measure()
         return True
 
     def get(self, response_id: str) -> StoredResponse | None:

@@ -62,8 +62,9 @@ def plot(turns: list[dict], path: str) -> None:
     right.set_ylim(bottom=0)
     left.set_xlabel("turn")
     left.set_ylabel("request body, bytes (median)")
-    save_figure(fig, right, "turn", "time to first token, ms (median)",
-                "Continuing a response: by id or resent (embedded model, CPU)", path)
+    left.set_title("What the client sends")
+    fig.suptitle("Continuing a response by previous_response_id or resending it (embedded model, CPU)")
+    save_figure(fig, right, "turn", "time to first token, ms (median)", "Time to first token", path)
 
 
 def main() -> None:
@@ -72,7 +73,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--json")
     parser.add_argument("--plot")
+    parser.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier run's --json")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f)["turns"], args.plot)
+        return
     with running_server("--train-mode", "off", "--log-level", "WARNING") as url, \
             httpx.Client(base_url=url) as client:
         respond(client, {"model": MODEL, "input": "Hello", "max_output_tokens": 4})  # warm-up
