@@ -6,6 +6,7 @@ and a training server's stored responses outlive a restart."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -15,20 +16,20 @@ import pytest
 
 from server.config import ServerConfig
 from server.response_store import RESPONSES_FILE, ResponseStore, StoredResponse
+from tests import test_responses_api
 from tests.servers import TINY_NAME, ServerThread, long_context_app, tiny_app
 from tests.test_responses_api import CHAT_WEATHER, WEATHER
 from trainer.config import AdapterConfig, TrainConfig
 
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerThread(long_context_app()) as running:
-        yield running
+# the server of that module's tests (its fixtures), here too
+server, client = test_responses_api.server, test_responses_api.client
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+@contextlib.contextmanager
+def _served(**settings):
+    """A tiny server with these server settings, and an SDK client of it."""
+    with ServerThread(tiny_app(server=dataclasses.replace(ServerConfig(), **settings))) as running:
+        yield running, openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
 
 
 def _chat(client, messages: list[dict], max_tokens: int, **kwargs):
@@ -237,9 +238,7 @@ def test_a_training_servers_stored_responses_outlive_a_restart(tmp_path):
 
 
 def test_a_server_that_stores_no_responses_says_so():
-    app = tiny_app(server=dataclasses.replace(ServerConfig(), max_stored_responses=0))
-    with ServerThread(app) as running:
-        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+    with _served(max_stored_responses=0) as (running, client):
         response = client.responses.create(model=TINY_NAME, input="Hi", max_output_tokens=2)
         assert response.store is False
         with pytest.raises(openai.BadRequestError) as error:
@@ -297,8 +296,7 @@ def test_a_deleted_response_leaves_no_text_in_the_files(tmp_path):
 def test_truncation_auto_drops_the_oldest_turns_until_the_conversation_fits():
     """OpenAI's `truncation: "auto"`: a conversation longer than the context loses turns from
     its beginning (a call with its output); `disabled` (the default) is the context's 400."""
-    with ServerThread(tiny_app()) as running:  # (a context of 256 tokens)
-        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+    with _served() as (_, client):  # (a context of 256 tokens)
         words = " ".join(["word"] * 6)
         previous, turns = None, []
         system = {"role": "system", "content": "Be terse."}  # (as LangChain sends a system message: an item)
@@ -371,9 +369,7 @@ def test_a_call_a_limit_cut_is_not_part_of_the_conversation_that_continues(clien
 
 
 def test_a_response_larger_than_the_store_says_it_was_not_stored():
-    app = tiny_app(server=dataclasses.replace(ServerConfig(), max_stored_response_bytes=200))
-    with ServerThread(app) as running:
-        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+    with _served(max_stored_response_bytes=200) as (_, client):
         response = client.responses.create(model=TINY_NAME, input="Hi", max_output_tokens=2)
         assert response.store is False
         with pytest.raises(openai.NotFoundError):
