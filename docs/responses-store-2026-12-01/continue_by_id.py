@@ -6,7 +6,8 @@ request carries every earlier item, as the SDK's `input += response.output` loop
 Each way has its own `cache_salt`, so that neither reads the prefix cache the other wrote.
 Per turn: the request body's bytes, the time to the first streamed token, the prompt's
 tokens and those the prefix cache held, and whether both ways answered the same. The
-embedded model, training off. Run from the repository root:
+embedded model, training off (`--train-mode dpo`: every answer recorded, as `make serve`
+serves). Run from the repository root:
 
     PYTHONPATH=. .venv/bin/python docs/responses-store-2026-12-01/continue_by_id.py \
         --json docs/responses-store-2026-12-01/continue_by_id.json --plot docs/bench-responses-continue-by-id.png
@@ -74,12 +75,13 @@ def main() -> None:
     parser.add_argument("--json")
     parser.add_argument("--plot")
     parser.add_argument("--replot", metavar="JSON", help="only draw --plot from an earlier run's --json")
+    parser.add_argument("--train-mode", default="off", help="the server's (dpo: every answer recorded for training)")
     args = parser.parse_args()
     if args.replot:
         with open(args.replot) as f:
             plot(json.load(f)["turns"], args.plot)
         return
-    with running_server("--train-mode", "off", "--log-level", "WARNING") as url, \
+    with running_server("--train-mode", args.train_mode, "--log-level", "WARNING") as url, \
             httpx.Client(base_url=url) as client:
         respond(client, {"model": MODEL, "input": "Hello", "max_output_tokens": 4})  # warm-up
         turns = []
