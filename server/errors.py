@@ -54,6 +54,12 @@ def error_response(err: APIError) -> JSONResponse:
                         headers=err.headers)
 
 
+def shown(value: str, limit: int = 100) -> str:
+    """A client's string as an error message quotes it: its beginning, where it is long (a
+    60,000-character id is not echoed back whole)."""
+    return value if len(value) <= limit else value[:limit] + "…"
+
+
 def _loc_to_param(loc: tuple) -> str:
     if loc[:1] in (("query",), ("path",)):  # a URL's parameter (FastAPI's validation), named as sent
         loc = loc[1:]

@@ -2,33 +2,30 @@
 chat body (server/protocol.py), and its conversion to the chat request it is served as.
 
 A response is a chat completion of one choice: `instructions` are the system turn, `input`
-a string (one user turn) or items — messages, the model's function calls and their outputs
-(what the SDK and OpenAI's Agents SDK send back each turn) — and `text.format` is
-`response_format`. `previous_response_id` continues a stored response (server/response_store.py):
-its conversation's items come before `input`, under this request's `instructions` only (as
-OpenAI: the earlier instructions are not carried over). `conversation` (OpenAI's Conversations
-API) is refused; `truncation: "auto"` drops a conversation's oldest turns until it fits the
-context (server/responses_api.py). Fields that do not change generation here (metadata, user,
+a string (one user turn) or items (server/protocol_items.py) — messages, the model's function
+calls and their outputs (what the SDK and OpenAI's Agents SDK send back each turn) — and
+`text.format` is `response_format`. `previous_response_id` continues a stored response
+(server/responses_stored.py): its conversation's items come before `input`, under this
+request's `instructions` only (as OpenAI: the earlier instructions are not carried over).
+`conversation` (OpenAI's Conversations API) is refused; `truncation: "auto"` drops a
+conversation's oldest turns until it fits the context (server/responses_truncation.py). Fields that do not change generation here (metadata, user,
 reasoning, service tier, `max_tool_calls`, which bounds calls of OpenAI's built-in tools, none
 offered here, ...) are accepted and ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import (BeforeValidator, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator,
-                      model_validator)
+from pydantic import BeforeValidator, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from server.protocol_fields import (TOOL_CHOICE_TYPES, Int, LimitFrom1, Metadata, Strict, documented,
-                                    drop_unasked, only_parts)
+                                    drop_unasked)
+from server.protocol_items import (KNOWN_ITEMS, FunctionCallItem, InputItem, InputMessage, ReasoningItem,
+                                   duplicate_item_id, item_kind)
 from server.tool_calls import NAME_PATTERN
 
-# an item's status, as the API gives it (and a client sends an item back)
-ItemStatus = Literal["in_progress", "completed", "incomplete"]
-# items of the API's input this server does not take, and why (an item of another type is refused by its type)
-_KNOWN_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 # fields of OpenAI's Responses API that this server does not offer, and what to send instead (null: not asked)
 NOT_OFFERED = {
     "conversation": "the Conversations API is not offered here; continue a stored response with "
@@ -36,123 +33,6 @@ NOT_OFFERED = {
 }
 
 
-class _SentBack(Strict):
-    """An item or part a client may send back as the API returned it: the SDK's objects
-    carry fields that newer versions of the API added, null where unused; a null field is
-    not asked (any other unknown field is still refused)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _nulls_unasked(cls, data):
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-class InputText(_SentBack):
-    type: Literal["input_text"]
-    text: str
-
-
-class OutputText(_SentBack):
-    """A part of an earlier answer, as this API returned it (sent back with its message)."""
-
-    type: Literal["output_text"]
-    text: str
-    annotations: list[dict[str, Any]] | None = None
-    logprobs: list[dict[str, Any]] | None = None
-
-
-TextParts = Annotated[list[Annotated[Union[InputText, OutputText], Field(discriminator="type")]], Field(min_length=1)]
-
-
-class InputMessage(_SentBack):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | TextParts
-    # what the SDK sends back with an output message
-    id: str | None = None
-    status: ItemStatus | None = None
-
-    _parts = field_validator("content", mode="before")(only_parts("input_text", "output_text"))
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
-
-
-class FunctionCallItem(_SentBack):
-    """A function call the model made in an earlier turn."""
-
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str  # a JSON object, as text
-    id: str | None = None
-    status: ItemStatus | None = None
-
-
-class ReasoningTextPart(_SentBack):
-    type: Literal["reasoning_text"]
-    text: str
-
-
-class ReasoningItem(_SentBack):
-    """An earlier answer's reasoning, as this API returned it (`--reasoning-parser`): the
-    assistant turn it opens carries it to the chat template as `reasoning_content` (Qwen3's
-    renders it in a tool loop; others drop it)."""
-
-    type: Literal["reasoning"]
-    id: str | None = None
-    status: ItemStatus | None = None
-    summary: list[dict[str, Any]] | None = None
-    content: list[ReasoningTextPart] | None = None
-    encrypted_content: str | None = None
-
-    def text(self) -> str:
-        return "\n".join(part.text for part in self.content or ())
-
-
-class FunctionCallOutputItem(_SentBack):
-    """A function call's result, which the next turn is answered with."""
-
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | TextParts
-    id: str | None = None
-    status: ItemStatus | None = None
-
-    def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "\n".join(part.text for part in self.output)
-
-
-def _item_kind(value) -> str:
-    """An item's type; "message" where it has none (or one that is not a string, which the message refuses)."""
-    kind = value.get("type", "message") if isinstance(value, dict) else "message"
-    return kind if isinstance(kind, str) else "message"
-
-
-def _item_model(value) -> str:
-    """The item's model, by its type (named as errors.py leaves a union member out of a field's path)."""
-    return {"function_call": "FunctionCallItem", "function_call_output": "FunctionCallOutputItem",
-            "reasoning": "ReasoningItem"}.get(_item_kind(value), "InputMessage")
-
-
-InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
-                            Annotated[FunctionCallItem, Tag("FunctionCallItem")],
-                            Annotated[FunctionCallOutputItem, Tag("FunctionCallOutputItem")],
-                            Annotated[ReasoningItem, Tag("ReasoningItem")]],
-                      Discriminator(_item_model)]
-
-def duplicate_item_id(ids: list[str]) -> str | None:
-    """The first id that occurs twice (None: each once)."""
-    seen: set[str] = set()
-    for item_id in ids:
-        if item_id in seen:
-            return item_id
-        seen.add(item_id)
-    return None
-
-
-# a stored conversation's items (server/response_store.py), read back as input
-CONVERSATION_ITEMS = TypeAdapter(list[InputItem])
 # the prefix of an input item's id, by type, where the client gave it none
 _ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
@@ -266,8 +146,8 @@ class ResponsesRequest(Strict):
     @classmethod
     def _known_items(cls, value):
         for i, item in enumerate(value if isinstance(value, list) else ()):
-            kind = _item_kind(item)
-            if isinstance(kind, str) and kind not in _KNOWN_ITEMS:
+            kind = item_kind(item)
+            if isinstance(kind, str) and kind not in KNOWN_ITEMS:
                 raise PydanticCustomError("unsupported_item", "input[{i}] is an item of type '{kind}', which is not "
                                           "supported: messages, function calls and their outputs, and reasoning are",
                                           {"i": i, "kind": kind})

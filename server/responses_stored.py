@@ -16,8 +16,9 @@ from typing import Literal
 
 from fastapi import APIRouter, Query, Request
 
-from server.errors import APIError
-from server.protocol_responses import CONVERSATION_ITEMS, ResponsesRequest, duplicate_item_id
+from server.errors import APIError, shown
+from server.protocol_items import CONVERSATION_ITEMS, duplicate_item_id
+from server.protocol_responses import ResponsesRequest
 from server.response_store import StoredResponse
 from server.state import ServerState
 
@@ -72,7 +73,7 @@ async def _stored_here(state: ServerState, request: Request, response_id: str):
     owner = _owner_elsewhere(state, request, response_id)
     if owner is not None:
         return await state.peers.forward(owner, request, b"")
-    raise APIError(404, f"No response found with id '{response_id}'.", "response_id", "not_found")
+    raise APIError(404, f"No response found with id '{shown(response_id)}'.", "response_id", "not_found")
 
 
 def _owner_elsewhere(state: ServerState, request: Request, response_id: str) -> int | None:
@@ -125,8 +126,8 @@ async def conversation_before(state: ServerState, request: Request, body: Respon
         if not found and turns and body.truncation == "auto":  # (an older turn pruned or deleted: dropped)
             break
         if not found:
-            which = "" if missing == body.previous_response_id else f" (response {missing!r}, which it continues)"
-            raise APIError(400, f"Previous response with id '{body.previous_response_id}' not found{which}: "
+            which = "" if missing == body.previous_response_id else f" (response '{missing}', which it continues)"
+            raise APIError(400, f"Previous response with id '{shown(body.previous_response_id)}' not found{which}: "
                                 "never stored, deleted, or pruned.", "previous_response_id",
                            "previous_response_not_found")
         turns += found

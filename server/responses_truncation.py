@@ -4,7 +4,8 @@ context loses turns from its beginning until its prompt fits.
 A turn begins with a user message (the items before the first one are a turn too); its
 calls, their outputs and its reasoning go with it. System and developer messages stay
 wherever they are (a client's persona and rules, sent as items, are not what goes first),
-and so does the newest turn: where even that does not fit, the prompt's own 400 says so.
+and so does the newest turn: where even that does not fit, the whole prompt's 400 says so.
+The prompt must leave room for `max_output_tokens`, as every request's must.
 The fitting cut is found by a binary search over the turns (fitting only gets easier as
 turns go), each probe a rendering of the chat template, not a started request.
 """
@@ -16,7 +17,8 @@ import asyncio
 from engine.grammar_limits import on_compile_threads
 from server.parsing import render_chat
 from server.protocol import ChatCompletionRequest
-from server.protocol_responses import InputMessage, ResponsesRequest
+from server.protocol_items import InputMessage
+from server.protocol_responses import ResponsesRequest
 from server.routes_openai import tools_and_sampling
 from server.state import ServerState
 
@@ -47,9 +49,9 @@ async def fit_to_context(state: ServerState, body: ResponsesRequest, items: list
         prompt = await asyncio.to_thread(render_chat, state.tokenizer, chat_of(cuts[index]), tools)
         return len(prompt) <= longest
 
-    if await fits(0):
+    if await fits(0) or not await fits(len(cuts) - 1):  # (where nothing fits, the whole prompt's 400 says so)
         return items
-    low, high = 0, len(cuts) - 1  # cuts[low] does not fit; the answer is in (low, high]
+    low, high = 0, len(cuts) - 1  # cuts[low] does not fit, cuts[high] does
     while high - low > 1:
         middle = (low + high) // 2
         if await fits(middle):

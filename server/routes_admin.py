@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.async_engine import EngineDeadError
-from server.errors import APIError, error_body
+from server.errors import APIError, error_body, shown
 from server.fanout import METRICS_PEER_TIMEOUT_S, STATUS_PEER_TIMEOUT_S, merge_metrics
 from server.parsing import parse_body
 from server.protocol_training import FeedbackRequest, RollbackRequest
@@ -108,7 +108,8 @@ def admin_router(state: ServerState) -> APIRouter:
         if owner is not None:
             return await state.peers.forward(owner, request, b"")
         if not response_id.startswith(("resp_", "resp-")):  # (resp-: before OpenAI's ids; a chat's: its route)
-            raise APIError(404, f"no response {response_id!r}: a response's id begins 'resp_'", "id", "not_found")
+            raise APIError(404, f"no response '{shown(response_id)}': a response's id begins 'resp_'", "id",
+                           "not_found")
         return await forget_response(state, response_id)
 
     add_adapter_routes(router, state)
@@ -223,7 +224,7 @@ async def forget_response(state: ServerState, response_id: str) -> dict:
     if forgotten is not None:
         return forgotten
     if not stored:
-        raise APIError(404, f"No response found with id '{response_id}'.", "id", "not_found")
+        raise APIError(404, f"No response found with id '{shown(response_id)}'.", "id", "not_found")
     return {"id": response_id, "object": "response", "deleted": True, "trained_into_version": None}
 
 

@@ -385,3 +385,41 @@ def test_truncation_names_what_is_wrong_with_a_request_as_without_it(server):
             "model": TINY_NAME, "input": "x", "truncation": truncation, "max_output_tokens": 2, "tools": [WEATHER],
             "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "nope"}]}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.tools[0]", r.text
+
+
+def test_a_conversations_calls_and_their_outputs_pair_up(client, server):
+    """OpenAI's 400s: a call left without its output, an output naming no call."""
+    call = client.responses.create(model=TINY_NAME, input="Weather in Paris?", tools=[WEATHER],
+                                   tool_choice="required", temperature=0, max_output_tokens=60)
+    assert call.output[-1].type == "function_call" and call.output[-1].status == "completed"
+    for sent, words in (("never mind", f"No tool output found for function call {call.output[-1].call_id}"),
+                        ([{"type": "function_call_output", "call_id": "call_bogus", "output": "x"}],
+                         "No tool call found for function call output with call_id call_bogus")):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.responses.create(model=TINY_NAME, previous_response_id=call.id, input=sent, tools=[WEATHER],
+                                    max_output_tokens=2)
+        assert words in error.value.body["message"] and error.value.body["param"] == "input"
+    r = httpx.post(server.url + "/v1/responses", timeout=120, json={  # (without a stored conversation too)
+        "model": TINY_NAME, "max_output_tokens": 2,
+        "input": [{"type": "function_call_output", "call_id": "call_bogus", "output": "x"}]})
+    assert r.status_code == 400 and "call_bogus" in r.json()["error"]["message"], r.text
+
+
+def test_an_error_quotes_a_long_id_by_its_beginning(server):
+    long_id = "resp_" + "a" * 60_000
+    for method in ("GET", "DELETE"):
+        r = httpx.request(method, f"{server.url}/v1/responses/{long_id}", timeout=120)
+        assert r.status_code == 404 and len(r.content) < 1000, (method, len(r.content))
+
+
+def test_truncation_that_cannot_fit_the_newest_turn_reports_the_whole_prompt():
+    with _served() as (_, client):
+        first = client.responses.create(model=TINY_NAME, input="My name is Zed.", max_output_tokens=2)
+        with pytest.raises(openai.BadRequestError) as error:  # the output alone asks for more than the context
+            client.responses.create(model=TINY_NAME, previous_response_id=first.id, input="Who am I?",
+                                    truncation="auto", max_output_tokens=300)
+        whole = _chat(client, [{"role": "user", "content": "My name is Zed."},
+                               {"role": "assistant", "content": first.output_text},
+                               {"role": "user", "content": "Who am I?"}], 2).usage.prompt_tokens
+        assert f"({whole} in the prompt" in error.value.body["message"], error.value.body
+
