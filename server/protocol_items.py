@@ -123,30 +123,28 @@ InputItem = Annotated[Union[Annotated[InputMessage, Tag("InputMessage")],
                             Annotated[ReasoningItem, Tag("ReasoningItem")]],
                       Discriminator(_item_model)]
 
-def duplicate_item_id(ids: list[str]) -> str | None:
-    """The first id that occurs twice (None: each once)."""
+def conversation_error(items: list) -> tuple[str, str] | None:
+    """What breaks OpenAI's rules in a conversation's items (its stored turns', then the
+    request's input), and its error code: an item id given twice (the conversation's items
+    sent back beside `previous_response_id` too), an output naming no earlier call, a call
+    left without its output. None: they keep them."""
     seen: set[str] = set()
-    for item_id in ids:
-        if item_id in seen:
-            return item_id
-        seen.add(item_id)
-    return None
-
-
-def unpaired_call(items: list) -> str | None:
-    """OpenAI's complaint where a conversation's calls and outputs do not pair up: an output
-    naming no earlier call, or a call left without its output (None: they pair)."""
     calls: list[str] = []
     answered: set[str] = set()
     for item in items:
+        if item.id is not None:
+            if item.id in seen:
+                return f"Duplicate item found with id '{item.id}' (send each item once: a continued " \
+                       "conversation's items are not sent again)", "duplicate_item"
+            seen.add(item.id)
         if isinstance(item, FunctionCallItem):
             calls.append(item.call_id)
         elif isinstance(item, FunctionCallOutputItem):
             if item.call_id not in calls:
-                return f"No tool call found for function call output with call_id {item.call_id}."
+                return f"No tool call found for function call output with call_id {item.call_id}.", "invalid_value"
             answered.add(item.call_id)
     unanswered = [call for call in calls if call not in answered]
-    return f"No tool output found for function call {unanswered[0]}." if unanswered else None
+    return (f"No tool output found for function call {unanswered[0]}.", "invalid_value") if unanswered else None
 
 
 # a stored conversation's items (server/response_store.py), read back as input

@@ -22,8 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from server.protocol_fields import (TOOL_CHOICE_TYPES, Int, LimitFrom1, Metadata, Strict, documented,
                                     drop_unasked)
-from server.protocol_items import (KNOWN_ITEMS, FunctionCallItem, InputItem, InputMessage, ReasoningItem,
-                                   duplicate_item_id, item_kind)
+from server.protocol_items import KNOWN_ITEMS, FunctionCallItem, InputItem, InputMessage, ReasoningItem, item_kind
 from server.tool_calls import NAME_PATTERN
 
 # fields of OpenAI's Responses API that this server does not offer, and what to send instead (null: not asked)
@@ -151,14 +150,6 @@ class ResponsesRequest(Strict):
                 raise PydanticCustomError("unsupported_item", "input[{i}] is an item of type '{kind}', which is not "
                                           "supported: messages, function calls and their outputs, and reasoning are",
                                           {"i": i, "kind": kind})
-        return value
-
-    @field_validator("input", mode="after")
-    @classmethod
-    def _ids_once(cls, value):
-        repeated = duplicate_item_id([item.id for item in value if item.id]) if isinstance(value, list) else None
-        if repeated is not None:
-            raise PydanticCustomError("duplicate_item", "Duplicate item found with id '{id}'", {"id": repeated})
         return value
 
     @field_validator("tools", mode="before")

@@ -21,7 +21,6 @@ import json
 import logging
 import sqlite3
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +42,7 @@ CREATE TABLE IF NOT EXISTS recency (
     previous_id TEXT,
     -- the order in which responses were stored or continued (the least recent pruned first)
     used INTEGER NOT NULL,
-    bytes INTEGER NOT NULL,
-    stored_at REAL NOT NULL
+    bytes INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS recency_by_use ON recency (used, bytes);
 """
@@ -109,7 +107,8 @@ class ResponseStore:
         used now; then prunes the least recently used beyond the bounds. Whether it was
         stored (one larger than `max_bytes` alone is not)."""
         response, items = json.dumps(stored.response), json.dumps(stored.input_items)
-        if len(response) + len(items) > self.max_bytes:  # (it would push every other out, then itself)
+        size = len(response) + len(items)
+        if size > self.max_bytes:  # (it would push every other out, then itself)
             return False
         with self._write_lock:
             self._writer.execute("BEGIN IMMEDIATE")
@@ -117,9 +116,8 @@ class ResponseStore:
                 used = self._writer.execute("SELECT COALESCE(MAX(used), 0) + 1 FROM recency").fetchone()[0]
                 self._writer.execute("INSERT OR REPLACE INTO responses (id, response, input_items) VALUES (?, ?, ?)",
                                      (stored.id, response, items))
-                self._writer.execute("INSERT OR REPLACE INTO recency (id, previous_id, used, bytes, stored_at) "
-                                     "VALUES (?, ?, ?, ?, ?)",
-                                     (stored.id, stored.previous_id, used, len(response) + len(items), time.time()))
+                self._writer.execute("INSERT OR REPLACE INTO recency (id, previous_id, used, bytes) "
+                                     "VALUES (?, ?, ?, ?)", (stored.id, stored.previous_id, used, size))
                 if stored.previous_id is not None:
                     self._writer.execute(_CHAIN + "UPDATE recency SET used = ? WHERE id IN (SELECT id FROM chain)",
                                          (stored.previous_id, used))
@@ -166,10 +164,6 @@ class ResponseStore:
                                    "process held the database", self.path)
             self.count, self.bytes = self._measure()
         return deleted
-
-    def __len__(self) -> int:
-        with self._read_lock:
-            return self._reader.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
 
     def close(self) -> None:
         separate = self._read_lock is not self._write_lock

@@ -29,7 +29,7 @@ from engine.sampling_params import InvalidParameter
 from server.errors import APIError, validation_error
 from server.parsing import check_unsupported, parse_body
 from server.protocol import ChatCompletionRequest
-from server.protocol_items import unpaired_call
+from server.protocol_items import conversation_error
 from server.protocol_responses import ResponsesRequest
 from server.reasoning import ReasoningSplitter
 from server.responses_stored import conversation_before, keep_response
@@ -67,9 +67,10 @@ async def serve_response(state: ServerState, request: Request):
         raise APIError(400, "log-probabilities are not offered by /v1/responses here; /v1/chat/completions gives "
                             "them ('logprobs': true)", "include" if body.top_logprobs is None else "top_logprobs")
     context = await conversation_before(state, request, body)
-    unpaired = unpaired_call([*context, *body.input_models()])
-    if unpaired is not None:
-        raise APIError(400, unpaired, "input", "invalid_value")
+    broken = conversation_error([*context, *body.input_models()])
+    if broken is not None:
+        message, code = broken
+        raise APIError(400, message, "input", code)
     served = body
     try:
         if body.truncation == "auto":  # the conversation, flat, without the oldest turns that do not fit

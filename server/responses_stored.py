@@ -17,9 +17,10 @@ from typing import Literal
 from fastapi import APIRouter, Query, Request
 
 from server.errors import APIError, shown
-from server.protocol_items import CONVERSATION_ITEMS, duplicate_item_id
+from server.protocol_items import CONVERSATION_ITEMS
 from server.protocol_responses import ResponsesRequest
 from server.response_store import StoredResponse
+from server.routes_admin import owner_elsewhere
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -77,11 +78,9 @@ async def _stored_here(state: ServerState, request: Request, response_id: str):
 
 
 def _owner_elsewhere(state: ServerState, request: Request, response_id: str) -> int | None:
-    """The other replica that would keep `response_id` (None: this one, or none could)."""
-    if state.peers is None or state.peers.is_local(request) or not _ISSUED_ID.fullmatch(response_id):
-        return None
-    owner = state.replica.owner_of(response_id)
-    return None if owner == state.replica.rank else owner
+    """The other replica that would keep `response_id` (None: this one, or none could: an
+    id this server never issues is asked of no replica)."""
+    return owner_elsewhere(state, request, response_id) if _ISSUED_ID.fullmatch(response_id) else None
 
 
 async def _from_replica(state: ServerState, request: Request, owner: int, response_id: str) -> StoredResponse | None:
@@ -108,8 +107,7 @@ async def _from_replica(state: ServerState, request: Request, owner: int, respon
 
 async def conversation_before(state: ServerState, request: Request, body: ResponsesRequest) -> list:
     """The items a request continues (`previous_response_id`): each earlier turn's input,
-    then its output, oldest first; none without one. A 400 where a turn is not stored, or
-    where the request's input repeats an item of them."""
+    then its output, oldest first; none without one. A 400 where a turn is not stored."""
     if body.previous_response_id is None:
         return []
     if state.responses is None:
@@ -133,12 +131,6 @@ async def conversation_before(state: ServerState, request: Request, body: Respon
         turns += found
     items = [item for turn in reversed(turns) for item in (*turn.input_items, *turn.response["output"])
              if not _cut_call(item)]
-    given = [item.id for item in body.input_models() if item.id]
-    repeated = duplicate_item_id([*(item["id"] for item in items), *given])
-    if repeated is not None:
-        raise APIError(400, f"Duplicate item found with id {repeated!r}: 'input' repeats an item of the "
-                            "conversation 'previous_response_id' continues (send the new items only)", "input",
-                       "duplicate_item")
     return CONVERSATION_ITEMS.validate_python(items)
 
 

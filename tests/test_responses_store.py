@@ -169,7 +169,8 @@ def test_item_ids_are_each_given_once(client, server):
     r = httpx.post(server.url + "/v1/responses", timeout=120, json={
         "model": TINY_NAME, "input": [message, {**message, "content": "y"}], "max_output_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
-    assert "Duplicate item found with id 'msg_1'" in r.json()["error"]["message"]
+    error = r.json()["error"]
+    assert "Duplicate item found with id 'msg_1'" in error["message"] and error["code"] == "duplicate_item"
     first = client.responses.create(model=TINY_NAME, input=[message], max_output_tokens=2)
     # the output sent back beside previous_response_id, which holds it already (OpenAI refuses this too)
     with pytest.raises(openai.BadRequestError) as error:
@@ -259,7 +260,7 @@ def test_the_store_prunes_the_least_recently_used_and_a_conversation_going_on_is
     for turn in (_turn(0), _turn(1), _turn(2, previous=0)):  # continuing 0 uses it: 1 is now the oldest
         assert store.put(turn)
     assert store.put(_turn(3))
-    assert store.get("resp-1") is None and len(store) == 3
+    assert store.get("resp-1") is None and store.count == 3
     turns, missing = store.chain("resp-2")
     assert [t.id for t in turns] == ["resp-2", "resp-0"] and missing is None
     assert store.get("resp-2") == _turn(2, previous=0)
@@ -279,8 +280,8 @@ def test_the_store_keeps_under_its_bytes_and_a_response_larger_than_them_is_not_
     store = ResponseStore(None, max_bytes=1000)
     for i in range(5):
         assert store.put(_turn(i, text="x" * 300))
-    assert len(store) == 2 and store.get("resp-4") is not None and store.get("resp-2") is None
-    assert not store.put(_turn(9, text="x" * 2000)) and store.get("resp-9") is None and len(store) == 2
+    assert store.count == 2 and store.get("resp-4") is not None and store.get("resp-2") is None
+    assert not store.put(_turn(9, text="x" * 2000)) and store.get("resp-9") is None and store.count == 2
 
 
 def test_a_deleted_response_leaves_no_text_in_the_files(tmp_path):
