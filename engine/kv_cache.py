@@ -246,6 +246,11 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def _cached_leaf(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The pool's rows at `slots` as (1, KVH, P, D), a copy made an autograd leaf."""
+    return pool.index_select(0, slots).transpose(0, 1).contiguous().unsqueeze(0).requires_grad_()
+
+
 class RecordedStepKV(NamedTuple):
     """A recorded step's keys (or values) for attention when other sequences' decodes ride
     along in it: the recorded prompt's own, graph-connected rows, padded to the key length
@@ -265,14 +270,28 @@ class StepKV:
     graph-connected K/V, padded to its group's key length, whose prompt rows are kept in
     `recorded` per layer (once: where a pad copies them, the rows are views of the copy
     attention saves); decode later reads only the pool, so it never touches the graph. Decodes
-    riding along in the step (the rows past those) read the pool (`RecordedStepKV`).
+    riding along in the step (the rows past those) read the pool (`RecordedStepKV`). With
+    `cached_rows` too (the prompt after a beginning of that many tokens the prefix cache
+    holds, at its group's first key slots) the beginning's K/V are read from the pool as autograd leaves (`prefix`, per layer),
+    whose gradients training back-propagates through the beginning recomputed, and go
+    before the recorded rows: `recorded` holds the whole prompt's.
     """
 
-    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, recorded_rows: int | None = None):
+    def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, recorded_rows: int | None = None,
+                 cached_rows: int = 0):
         self.cache = cache
         self.metadata = metadata
         self.recorded_rows = recorded_rows
+        self.prefix_slots = metadata.groups[0].key_slots[0, :cached_rows] if cached_rows else None
         self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prefix_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The cached beginning's K/V leaves, layer by layer (none without `prefix_slots`)."""
+        return [self.prefix[i] for i in sorted(self.prefix)]
+
+    def prefix_bytes(self) -> int:
+        return sum(t.nbytes for pair in self.prefix.values() for t in pair)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key, value: (1, KVH, T, D) -> the pools; when recording, (1, KVH, S, D) each, or
@@ -284,6 +303,10 @@ class StepKV:
         rows = self.recorded_rows
         if rows is None:
             return k_pool, v_pool
+        if self.prefix_slots is not None:
+            cached = self.prefix[layer_idx] = tuple(_cached_leaf(pool, self.prefix_slots) for pool in (k_pool, v_pool))
+            key, value = (torch.cat([c, t[:, :, :rows]], dim=2) for c, t in zip(cached, (key, value)))
+            rows += len(self.prefix_slots)
         pad = self.metadata.groups[0].num_keys - rows
         if pad:  # to a bucketed key length (a GPU's): copies, which attention saves; the rows kept are views of them
             key, value = (torch.nn.functional.pad(t[:, :, :rows], (0, 0, 0, pad)) for t in (key, value))

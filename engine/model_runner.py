@@ -267,11 +267,11 @@ class ModelRunner:
 
     def _execute_recorded(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
                           stale_resolver, recording_weights=None) -> ModelOutput:
-        """A recorded prefill: one sequence's whole prompt with autograd on (LoRA only; base
-        weights are frozen), kept as per-layer segments plus a head segment. Other
-        sequences' decodes in the step ride along: one GEMM per linear layer over all rows,
-        their attention on the pool and their logits without autograd; no gradient reaches
-        them (`bench recording`, cases beside_decodes*)."""
+        """A recorded prefill: one sequence's prompt (after what the prefix cache gave it,
+        whose K/V it reads as leaves) with autograd on (LoRA only; base weights are frozen),
+        kept as per-layer segments plus a head segment. Other sequences' decodes ride along:
+        one GEMM per linear layer over all rows, their attention on the pool and their
+        logits without autograd; no gradient reaches them (`bench recording`, beside_decodes*)."""
         weights = (recording_weights(step.scheduled[0].seq.record.adapter_version) if recording_weights is not None
                    else contextlib.nullcontext())
         with weights:
@@ -288,9 +288,9 @@ class ModelRunner:
         tracker.resolve_stale = stale_resolver
         saved_sizes: list[int] = []
         bytes_before = tracker.live_bytes
-        leaves: list[torch.Tensor] = []
-        outs: list[torch.Tensor] = []
-        past = StepKV(self.kv_cache, packed.metadata, recorded_rows=num_prompt)
+        leaves, outs = [], []
+        cached = seq.num_computed_tokens  # the prompt's beginning the prefix cache gave it (RecordSpec)
+        past = StepKV(self.kv_cache, packed.metadata, recorded_rows=num_prompt, cached_rows=cached)
         rows = packed.input_ids.shape[0]  # the prompt's, then the riders'
         placement = segment_sink.begin_recording(num_prompt, rows) if segment_sink is not None else None
         all_rows = seq.record.all_logit_rows
@@ -300,7 +300,7 @@ class ModelRunner:
         if memo is not None:
             group = packed.metadata.groups[0]
             shape = RecordingShape(rows, len(step.scheduled) - 1, group.query_index.shape[1],
-                                   group.num_keys, all_rows)
+                                   group.num_keys, all_rows, cached)
             known = memo.lookup(shape)
         try:
             tracker.new_storage_sizes = saved_sizes
@@ -320,9 +320,9 @@ class ModelRunner:
             if known is None and memo is not None:
                 memo.measured(shape, saved_bytes, saved_sizes)
             recording = RecordedPrefill(list(seq.prompt_token_ids), seq.record.adapter_version, segments,
-                                        head_leaf, logits, all_rows, rows=rows, saved_bytes=saved_bytes,
-                                        saved_sizes=saved_sizes if known is None else known.sizes,
-                                        placement=placement)
+                                        head_leaf, logits, all_rows, rows, saved_bytes + past.prefix_bytes(),
+                                        saved_sizes if known is None else known.sizes, placement, cached,
+                                        past.prefix_kv())
             if placement is not None:
                 placement.finish(recording, _collected(tracker, len(segments)))
         except BaseException:

@@ -1,7 +1,8 @@
 """What a recorded prefill keeps, and how many bytes autograd really holds for it.
 
 A recorded prefill runs one sequence's whole prompt with autograd enabled for the LoRA
-path. Each decoder layer's input is made a fresh leaf, so every layer is a separate
+path — or the prompt after a beginning the prefix cache holds, whose K/V it then reads
+as leaves (`RecordedPrefill.prefix_kv`). Each decoder layer's input is made a fresh leaf, so every layer is a separate
 segment `(leaf, out, key, value)` (DESIGN.md, "Layer-segmented execution"): backward
 can run one segment at a time, and the K/V of the prompt can receive gradients from
 suffixes that attended to them.
@@ -37,7 +38,9 @@ class LayerSegment:
     # (1, T, hidden) the layer's output, with its graph back to `leaf` and the LoRA weights
     out: torch.Tensor
     # (1, KVH, T, D) the layer's keys (after RoPE) and values, part of the same graph: a
-    # prompt's, which its suffixes' gradients reach (None: a training forward's own)
+    # prompt's, which its suffixes' gradients reach (None: a training forward's own); a
+    # recording after a cached prefix: the whole prompt's, P + T rows
+    # (RecordedPrefill.prefix_len)
     key: torch.Tensor | None = None
     value: torch.Tensor | None = None
 
@@ -55,18 +58,33 @@ class RecordedPrefill:
     all_logit_rows: bool
     # the recorded step's rows: the prompt's, then any riding decodes' (its layers' inputs hold them)
     rows: int
-    # bytes autograd saved for this recording (measured)
+    # bytes autograd saved for this recording (measured), and `prefix_kv`'s
     saved_bytes: int = 0
     # the bytes of each storage it saved (HeapWarmer.fit)
     saved_sizes: list[int] = field(default_factory=list)
     # where the segments' saved tensors live (offload/), when an offloader manages them
     placement: object | None = None
+    # prompt tokens read from the prefix cache, not recorded (RecordSpec.reads_cached_prefix):
+    # the segments, head leaf and logits are of the tokens after them, and each segment's
+    # key and value of the whole prompt — these tokens' rows are `prefix_kv`'s
+    prefix_len: int = 0
+    # per layer, the cached tokens' (key, value), (1, KVH, prefix_len, D): autograd leaves
+    # the recorded tokens' attention read, where their gradients accumulate; training
+    # recomputes the cached tokens' layers and back-propagates those gradients
+    # (trainer.methods.cached_prefix_backward)
+    prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def recorded_bytes(self) -> int:
+        """`saved_bytes` less what the cached beginning adds: its K/V leaves, and their rows
+        in the whole prompt's K/V that attention saved — what recording its tokens cost."""
+        return self.saved_bytes - 2 * sum(t.nbytes for pair in self.prefix_kv for t in pair)
 
     def release(self) -> None:
         """Drop the graph (after training on it, or when the entry is evicted); on the
         device thread only (freeing a graph and the offloader's copies is tensor work)."""
         assert_off_event_loop("releasing a recorded prefill")
-        self.segments = []
+        self.segments, self.prefix_kv = [], []
         self.head_leaf = self.logits = None
         if self.placement is not None:
             self.placement.release()
@@ -111,6 +129,9 @@ class RecordSpec:
     all_logit_rows: bool
     # the adapter version serving runs under: the recording's graph is of these weights
     adapter_version: int
+    # the prompt's beginning may come from the prefix cache, only the rest recorded: the
+    # method trains the cached tokens by recomputing them (RecordedPrefill.prefix_len)
+    reads_cached_prefix: bool = False
 
 
 def stale_tensor_error(tensor: torch.Tensor, expected_version: int) -> RuntimeError:

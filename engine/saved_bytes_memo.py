@@ -37,6 +37,7 @@ class RecordingShape:
     query_rows: int  # its attention's query rows, padded to a bucket
     num_keys: int  # its attention's key length, padded to a bucket
     all_logit_rows: bool  # the head's logits kept for every row, or the last one only
+    cached_tokens: int = 0  # the prompt's beginning read from the prefix cache (its keys saved with the rest)
 
 
 @dataclass

@@ -19,9 +19,11 @@ With the prefix cache on (vLLM's automatic prefix caching), a sequence admitted 
 first prefill (or again after a preemption) takes the cached blocks that begin its tokens
 (engine/block_pool.py) and computes only the rest; every full block a step computes is
 cached by name as the step is scheduled, so that a prompt admitted later in the same step
-takes those it shares (as in vLLM). A recorded prefill computes its whole prompt (training
-needs its graph) and one that reports prompt log-probs reads nothing from the cache (it
-needs every position's logits); both cache what they compute. The names start
+takes those it shares (as in vLLM). A recorded prefill reads the cache too and records
+the rest of its prompt, the cached beginning's K/V as autograd leaves (training recomputes
+that beginning: engine/recording.py) — unless its method trains only on recordings of the
+whole prompt (`RecordSpec.reads_cached_prefix`); one that reports prompt log-probs reads
+nothing from the cache (it needs every position's logits). All cache what they compute. The names start
 from the weights' generation: when the weights serving runs with change, every name is
 forgotten, and a sequence admitted before the change caches nothing more.
 """
@@ -186,9 +188,11 @@ class Scheduler:
             seq.num_computed_tokens = len(seq.block_ids) * self.block_size
 
     def _reads_cache(self, seq: Sequence) -> bool:
-        """Whether `seq`'s prefill may take K/V from the prefix cache (one recorded, or
-        reporting prompt log-probs, computes its whole prompt)."""
-        return self.prefix_caching and seq.params.prompt_logprobs is None and seq.record is None
+        """Whether `seq`'s prefill may take K/V from the prefix cache (one reporting prompt
+        log-probs computes its whole prompt, as does one recorded for a method that trains
+        only on recordings of the whole prompt)."""
+        return (self.prefix_caching and seq.params.prompt_logprobs is None
+                and (seq.record is None or seq.record.reads_cached_prefix))
 
     def _count_cache_lookup(self, seq: Sequence) -> None:
         """`seq` was admitted: its first prefill's cached tokens are what its request's usage
@@ -250,7 +254,8 @@ class Scheduler:
 
     def _schedule_recorded_prefill(self) -> SchedulerOutput | None:
         """A sequence selected for training is prefilled whole (not chunked), first in its
-        step, so its graph covers exactly its prompt. Running sequences that are decoding
+        step, so its graph covers exactly its prompt (after the beginning the prefix cache
+        gave it, where its method reads one). Running sequences that are decoding
         ride along in its forward (engine/model_runner.py), one token each; with
         `recorded_prefill_alone` they take the next step instead, before any other recorded
         prefill (`schedule`), as do the running sequences that could not ride: a prompt
@@ -263,18 +268,21 @@ class Scheduler:
         self._decide_recording(seq)
         if seq.record is not None and self.confirm_recording is not None:
             seq.record = self.confirm_recording(seq)
-        if seq.record is None or not self._grow(seq, seq.num_tokens):
+        if seq.record is None:
+            return None
+        self._begin_computing(seq)
+        if not self._grow(seq, seq.num_tokens):
+            self._give_back_cached_prefix(seq)
             return None
         self.waiting.popleft()
-        seq.kv_generation, seq.block_names, seq.num_named_blocks = self._generation, [], 0
-        self._count_cache_lookup(seq)  # (it reads nothing: its graph covers its whole prompt)
+        self._count_cache_lookup(seq)
         decoding = [s for s in self.running if s.num_pending_tokens == 1]
         join = not self.config.recorded_prefill_alone
         decodes = [ScheduledSequence(s, 1) for s in decoding if join and self._grow(s, s.num_tokens)]
         self._running_sat_out = len(decodes) < len(self.running)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        scheduled = [ScheduledSequence(seq, seq.num_tokens)] + decodes
+        scheduled = [ScheduledSequence(seq, seq.num_tokens - seq.num_computed_tokens)] + decodes
         for entry in scheduled:
             self._name_blocks(entry.seq, entry.seq.num_computed_tokens + entry.num_new_tokens)
         return SchedulerOutput(scheduled, recorded=True)

@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 # attention to the longest sequence beside it, which the model bounds only approximately
 _IN_FLIGHT_MARGIN = 1.25
 
-# recompute(layer index, the layer's kept input rows (1, P, hidden)) -> a fresh segment
-RecomputeFn = Callable[[int, torch.Tensor], LayerSegment]
+# recompute(layer index, the layer's kept input rows (1, T, hidden)[, the K/V leaves of the
+# prompt's cached beginning at that layer]) -> a fresh segment (trainer.forward.recompute_segment)
+RecomputeFn = Callable[..., LayerSegment]
 
 
 @dataclass
@@ -170,7 +171,9 @@ class ActivationOffloader:
         """A recording's kept tensors are all known: they refine the prediction of a new
         recording's kept bytes, and its layers are freed to the step's allowance."""
         with self._lock:
-            self._kept_per_token = max(self._kept_per_token, recording.kept_bytes / max(recording.rows, 1))
+            # (over the cached beginning's tokens too: the whole prompt's keys and values are kept)
+            tokens = recording.rows + recording.prefix_len
+            self._kept_per_token = max(self._kept_per_token, recording.kept_bytes / max(tokens, 1))
             self.free_to(self._allowed_bytes)
 
     def _copy_to_host(self, storage: StorageCopy) -> bool:

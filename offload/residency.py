@@ -88,7 +88,10 @@ class Residency:
         else:  # dropped, or planned for recompute
             started = self._mark()
             num = self.placement.num_tokens
-            segment = self.offloader.recompute(index, layer.segment.leaf[:, :num])
+            rows = layer.segment.leaf[:, :num]
+            prefix = self.placement.prefix_kv
+            segment = self.offloader.recompute(index, rows, prefix[index]) if prefix else \
+                self.offloader.recompute(index, rows)
             self.offloader.stats.recomputed_layers += 1
             self._timed.append((self._observe_recompute, started, self._mark(), num))
         self._backward_started = self._mark()

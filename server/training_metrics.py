@@ -51,6 +51,12 @@ class TrainingCollector:
                                   value=stats.failed_jobs)
         yield CounterMetricFamily(f"{PREFIX}recorded_prefills", "Prefills recorded into the activation cache.",
                                   value=stats.recorded)
+        tokens = CounterMetricFamily(f"{PREFIX}recorded_prefill_tokens", "Prompt tokens of the prefills recorded, "
+                                     "by where their K/V came from: recorded (a graph kept for training), or the "
+                                     "prefix cache (training recomputes them).", labels=["source"])
+        tokens.add_metric(["recorded"], stats.recorded_prompt_tokens)
+        tokens.add_metric(["prefix_cache"], stats.recorded_cached_tokens)
+        yield tokens
         yield _staleness_histogram(stats.staleness)
         cumulative, buckets = 0, []
         for bound, count in stats.slice_buckets.items():

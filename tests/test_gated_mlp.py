@@ -53,6 +53,10 @@ def test_act_and_mul_saves_gate_and_up_only(kind):
     assert len(saved) == 2 and saved[0] is gate and saved[1] is up
 
 
+# the same prompt served twice, each recording of the whole prompt (not after the first's cached beginning)
+WHOLE_RECORDINGS = TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model", record_after_cached_prefix=False)
+
+
 def _own_mlps(model) -> None:
     for mlp in _mlps(model):  # back to the family's own class
         if type(mlp).__name__.startswith("Gated"):
@@ -64,7 +68,7 @@ def _own_mlps(model) -> None:
 def test_a_recording_keeps_two_intermediate_wide_tensors_less_per_token_and_layer(family, dtype):
     """silu(gate) (autograd's `*` saved it) and the product (the down projection's LoRA
     function saved it: the merged one in float32, the training copies' in bfloat16)."""
-    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model"), family=family,
+    trainer = make_training(WHOLE_RECORDINGS, family=family,
                             dtype=dtype, init_lora_weights=False)
     model = trainer.peft_model
     serve(trainer, "gated", max_tokens=1)
@@ -90,7 +94,7 @@ def test_the_adapters_gradients_are_the_models_own_to_the_bit(family, dtype):
     """Reuse (the recorded prefill's backward) and recompute, through the merged LoRA
     function (float32) and the training copies (bfloat16): the product formed again in
     the down projection's backward gives the gradients the model's own MLP gives."""
-    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model"), family=family,
+    trainer = make_training(WHOLE_RECORDINGS, family=family,
                             dtype=dtype, init_lora_weights=False)
     grads = {}
     for name in ("gated", "own"):
@@ -109,7 +113,7 @@ def test_a_product_changed_in_place_before_the_down_projection_is_saved_as_autog
     """A hook that edits the down projection's input in place: the product is no longer
     silu(gate) * up, so the LoRA function saves what it was given, and the gradients are
     those of the model's own MLP under the same hook."""
-    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model"), dtype=torch.bfloat16,
+    trainer = make_training(WHOLE_RECORDINGS, dtype=torch.bfloat16,
                             init_lora_weights=False)
     def double_in_place(module, args):
         args[0].mul_(2)

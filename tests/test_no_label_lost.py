@@ -62,11 +62,13 @@ def test_every_label_is_accepted_and_trained_when_activations_cannot_be_kept(tra
 
 
 def test_partly_full_cache_keeps_some_recordings_and_the_rest_as_label_entries():
-    probe = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4))
+    # the same question each time, each recording of the whole prompt (no cached beginning read)
+    probe = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4, record_after_cached_prefix=False))
     with ServerThread(probe) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         client.post("/v1/chat/completions", json=QUESTION)
         size = metric(client, "alchemist:activation_cache_bytes")
-    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4, cache_bytes=int(size * 2.5)))
+    app = tiny_app(train=TrainConfig(mode="dpo", lora_rank=4, cache_bytes=int(size * 2.5),
+                                     record_after_cached_prefix=False))
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
         ids = [client.post("/v1/chat/completions", json=QUESTION).json()["id"] for _ in range(5)]
         assert metric(client, "alchemist:label_entries") == 3

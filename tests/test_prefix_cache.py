@@ -3,7 +3,8 @@
 Against the plain path (`enable_prefix_caching=False`): the same tokens, greedy and
 seeded, for requests that share a beginning, chunked, preempted, forked, on every family;
 fewer tokens computed by exactly the cached ones; nothing read across salts, for prompt
-log-probs, by a recorded prefill, or after the weights serving runs with changed."""
+log-probs, or after the weights serving runs with changed; a recorded prefill reads it
+unless told to record its whole prompt (tests/test_recorded_after_cached_prefix.py)."""
 
 import itertools
 import json
@@ -324,15 +325,19 @@ def _serve(trainer, prompt, train, params=GREEDY):
     return tokens, cached
 
 
-def test_a_recorded_prefill_computes_its_whole_prompt_and_an_optimizer_step_empties_the_cache():
-    trainer = make_trainer(mode="cpt")
+@pytest.mark.parametrize("reads", [True, False])
+def test_a_recorded_prefill_reads_the_cache_and_an_optimizer_step_empties_it(reads):
+    """A recorded prefill records the prompt after its cached beginning (or, with
+    `train.record_after_cached_prefix = false`, its whole prompt); an optimizer step changes
+    the weights serving runs with, and nothing cached before is read again."""
+    trainer = make_trainer(mode="cpt", record_after_cached_prefix=reads)
     prompt = SYSTEM + encode(QUESTIONS[1])
     assert _serve(trainer, prompt, train=False)[1] == 0
     assert _serve(trainer, prompt, train=False)[1] > 0
     _, cached = _serve(trainer, prompt, train=True)  # recorded: CPT trains on every prompt
-    assert cached == 0
+    assert cached == ((len(prompt) - 1) // 4 * 4 if reads else 0)
     [entry] = [e for e in trainer.cache.entries() if e.recording is not None]
-    assert entry.recording.rows == len(prompt)
+    assert entry.recording.prefix_len == cached and entry.recording.rows == len(prompt) - cached
     trainer.train_until_idle()
     assert trainer.optimizer.version == 1  # the serving weights changed: nothing before is read
     tokens, cached = _serve(trainer, prompt, train=False)

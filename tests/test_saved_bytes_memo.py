@@ -42,11 +42,14 @@ def packs(monkeypatch):
 
 # the two ways a recording saves activations only: bfloat16 training copies, float32 merged copies
 PATHS = ("copies", "merged")
+# a prompt recorded again is recorded whole, in the shape of its first recording (not after
+# the beginning that one left in the prefix cache)
+WHOLE = {"record_after_cached_prefix": False}
 
 
 def bfloat16_training(mode: str = "dpo", offload: OffloadConfig | None = None, family: str = "llama"):
     torch.manual_seed(0)
-    return make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype="model"), family,
+    return make_training(TrainConfig(mode=mode, lora_rank=4, lora_compute_dtype="model", **WHOLE), family,
                          dtype=torch.bfloat16, offload=offload, init_lora_weights=False)
 
 
@@ -54,7 +57,7 @@ def training(path: str, mode: str = "dpo", family: str = "llama"):
     if path == "copies":
         return bfloat16_training(mode, family=family)
     torch.manual_seed(0)
-    return make_training(TrainConfig(mode=mode, lora_rank=4), family, init_lora_weights=False)
+    return make_training(TrainConfig(mode=mode, lora_rank=4, **WHOLE), family, init_lora_weights=False)
 
 
 def recorded(trainer, request_id: str, packs, prompt: str = PROMPT) -> tuple[object, int]:
@@ -158,7 +161,7 @@ def test_float32_merged_copies_made_stale_by_an_optimizer_step_record_with_the_h
 
 
 def test_peft_float32_math_and_an_offloader_keep_the_hooks_on_every_recording(packs):
-    peft_math = make_training(TrainConfig(mode="dpo", lora_rank=4, lora_compute_dtype="float32"),
+    peft_math = make_training(TrainConfig(mode="dpo", lora_rank=4, lora_compute_dtype="float32", **WHOLE),
                               dtype=torch.bfloat16, init_lora_weights=False)
     assert engine_of(peft_math).runner.saved_bytes_memo is None  # PEFT's float32 LoRA math on a bfloat16 model
     offloaded = bfloat16_training(offload=OffloadConfig(device_budget_bytes=1 << 30))
@@ -195,7 +198,7 @@ def test_the_trainer_trains_recordings_without_hooks_fresh_and_stale(packs, stal
     first is fresh, the rest stale by one version and more — each on its own recording,
     none failed."""
     torch.manual_seed(0)
-    trainer = make_training(TrainConfig(mode="dpo", lora_rank=4, lora_compute_dtype="model", max_staleness=4,
+    trainer = make_training(TrainConfig(mode="dpo", lora_rank=4, lora_compute_dtype="model", max_staleness=4, **WHOLE,
                                         entries_per_step=1, cohort_max_entries=1, stale_weights=stale_weights),
                             dtype=torch.bfloat16, init_lora_weights=False)
     prompts = [PROMPT, OTHER, PROMPT, OTHER]

@@ -139,7 +139,8 @@ def test_a_recorded_prefill_keeps_its_key_and_value_rows_where_attention_saved_t
     from tests.test_training import gradients_of, relative_difference
     from trainer.config import TrainConfig
 
-    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model"),
+    trainer = make_training(TrainConfig(mode="cpt", lora_rank=4, lora_compute_dtype="model",
+                                        record_after_cached_prefix=False),  # the prompt again, recorded whole
                             dtype=torch.bfloat16, init_lora_weights=False)
     engine = engine_of(trainer)
     # the CPU's own lengths, or a GPU's buckets, whatever the test device

@@ -165,11 +165,12 @@ def test_cache_full_drop_new_keeps_old_entries_and_evict_oldest_evicts():
     probe = make_trainer()
     serve(probe, "a")
     size = probe.cache.get("a").nbytes
-    keep_old = make_trainer(cache_bytes=int(size * 1.5), cache_full_policy="drop_new")
+    # (each recording of the one prompt whole: one after the first's cached beginning is smaller)
+    keep_old = make_trainer(cache_bytes=int(size * 1.5), cache_full_policy="drop_new", record_after_cached_prefix=False)
     serve(keep_old, "a")
     serve(keep_old, "b")
     assert keep_old.cache.get("a") is not None and keep_old.cache.get("b") is None
-    evict = make_trainer(cache_bytes=int(size * 1.5), cache_full_policy="evict_oldest")
+    evict = make_trainer(cache_bytes=int(size * 1.5), cache_full_policy="evict_oldest", record_after_cached_prefix=False)
     serve(evict, "a")
     serve(evict, "b")
     assert evict.cache.get("a") is None and evict.cache.get("b") is not None
@@ -180,7 +181,9 @@ def test_unlabelled_recordings_give_way_to_new_ones_and_labelled_ones_keep_their
     probe = make_trainer(mode="dpo")
     serve(probe, "a")
     size = probe.cache.get("a").nbytes
-    trainer = make_trainer(mode="dpo", cache_bytes=int(size * 2.5), cache_full_policy="unlabelled_give_way")
+    # (one prompt served again and again, each recording of it whole: the sizes this counts on)
+    trainer = make_trainer(mode="dpo", cache_bytes=int(size * 2.5), cache_full_policy="unlabelled_give_way",
+                           record_after_cached_prefix=False)
     cache = trainer.cache
     serve(trainer, "a")
     serve(trainer, "b")
@@ -276,7 +279,10 @@ def test_recorded_prefill_shares_its_step_with_decodes_without_changing_anything
     """Running decodes ride along in a recorded prefill's forward (the default); with
     `recorded_prefill_alone` it takes its step alone and the decodes the next one, before
     another recorded prefill. Either way: the same tokens, and the same gradients."""
-    trainer = make_trainer(family, mode.split("-")[0])
+    # each recording of its whole prompt, whose shapes this checks (the answers alone, served
+    # first, leave the prompts cached; a recording after a cached beginning with riders:
+    # tests/test_recorded_after_cached_prefix.py)
+    trainer = make_trainer(family, mode.split("-")[0], record_after_cached_prefix=False)
     engine = engine_of(trainer)
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config, recorded_prefill_alone=alone)
     other_ids, recorded_ids, first_ids = encode("Hello, how are you today?"), encode(PROMPT), encode("Hi there!")

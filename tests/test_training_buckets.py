@@ -68,8 +68,8 @@ def test_bucketed_shapes_give_the_exact_shapes_gradients(mode):
 
 def test_prompts_of_many_lengths_attend_in_a_few_shapes(monkeypatch):
     """Counted at the attention call: the recorded prefills' shapes (more than one query
-    row), then the recompute jobs'."""
-    trainer = make_trainer(mode="cpt")
+    row), then the recompute jobs'; prompts that share a beginning, each recorded whole."""
+    trainer = make_trainer(mode="cpt", record_after_cached_prefix=False)
     shapes = {"recorded prefill": set(), "training": set()}
     phase = "recorded prefill"
     sdpa = torch.nn.functional.scaled_dot_product_attention

@@ -98,6 +98,10 @@ class TrainConfig:
     # and always with a device budget (offload): the suffixes' sweep, then the prompt's
     # (BENCHMARKS.md, "One backward sweep for suffixes and prompt")
     one_backward_sweep: bool = True
+    # a recorded prefill reads the prompt's beginning from the prefix cache and records the
+    # rest; its job recomputes that beginning (the methods that can: CPT, DPO, GRPO). False:
+    # every recorded prefill computes its whole prompt, whatever the cache holds
+    record_after_cached_prefix: bool = True
     # gradient clipping (max global norm over LoRA parameters)
     max_grad_norm: float = 1.0
     # entries per AdamW update, and at most this many entries trained by recomputation

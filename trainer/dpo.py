@@ -37,6 +37,7 @@ class DPOMethod(TrainingMethod):
 
     name = "dpo"
     all_logit_rows = False  # only the last prompt row: it scores each response's first token
+    reads_cached_prefix = True
     uses_feedback = True
 
     def __init__(self, beta: float = 0.1, reference: str = "base"):

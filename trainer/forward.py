@@ -46,7 +46,8 @@ class SequenceKV:
     reach); a training forward's own are not: nothing back-propagates into them but its
     own attention, and a kept copy of a fused projection's slice would cost a copy."""
 
-    def __init__(self, metadata: AttentionMetadata, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    def __init__(self, metadata: AttentionMetadata,
+                 prefix: list[tuple[torch.Tensor, torch.Tensor]] | dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
                  keep: bool = False):
         assert prefix is None or not metadata.reads_packed_keys, "a shared-prefix pack holds its prefix itself"
         self.metadata = metadata
@@ -85,10 +86,12 @@ class SegmentedForward:
 
 def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], starts: list[int] | None = None,
                      prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None, with_grad: bool = True,
-                     shared_prefix: bool = False):
+                     shared_prefix: bool = False, keep_kv: bool = False):
     """Generator: one slice per layer; returns a SegmentedForward (segments empty without
     grad). `shared_prefix`: token_lists[0] is a prompt that each of the others continues
-    (they attend to it, then to themselves), all in one pack (`starts` is implied)."""
+    (they attend to it, then to themselves), all in one pack (`starts` is implied).
+    `keep_kv`: each segment keeps its layer's K/V, graph-connected (a prompt run again,
+    whose K/V other tokens' gradients reach)."""
     device = runner.device
     lengths = [len(t) for t in token_lists]
     assert starts is None or not shared_prefix, "a shared-prefix pack's positions follow from its lengths"
@@ -100,14 +103,15 @@ def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], start
         metadata = runner.attention_metadata(lengths, starts)
     ids = torch.tensor([t for tokens in token_lists for t in tokens], device=device)
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
-    past = SequenceKV(metadata, prefix)
+    past = SequenceKV(metadata, prefix, keep=keep_kv)
     leaves: list[torch.Tensor] | None = [] if with_grad else None
     outs: list[torch.Tensor] | None = [] if with_grad else None
     with torch.no_grad():
         hidden = runner.embed(ids.unsqueeze(0))
     layers = runner.iter_layers(hidden, positions, metadata, past, leaves, outs)
     hidden = yield from within(lambda: torch.set_grad_enabled(with_grad), layers)
-    segments = [LayerSegment(leaf, out) for leaf, out in zip(leaves or [], outs or [])]
+    segments = [LayerSegment(leaf, out, *past.new.get(i, ()))
+                for i, (leaf, out) in enumerate(zip(leaves or [], outs or []))]
     head_leaf = hidden.detach().requires_grad_(with_grad)
     offsets = [0]
     for n in lengths:
@@ -199,19 +203,25 @@ def kv_leaves(segments: list[LayerSegment]) -> list[tuple[torch.Tensor, torch.Te
     return [(s.key.detach().requires_grad_(), s.value.detach().requires_grad_()) for s in segments]
 
 
-def recompute_segment(runner: LayerwiseModel, index: int, leaf_rows: torch.Tensor) -> LayerSegment:
+def recompute_segment(runner: LayerwiseModel, index: int, leaf_rows: torch.Tensor,
+                      prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerSegment:
     """Decoder layer `index` run again under grad from its kept input, `leaf_rows`
-    (1, P, hidden): the recorded prompt's rows, positions 0 .. P-1. The fresh segment
-    equals the recorded one on those rows (a recorded step's other rows are decodes of
-    other sequences, which get no gradient)."""
+    (1, T, hidden): the recorded prompt's rows, positions 0 .. T-1 — or, after a cached
+    beginning whose K/V leaves of this layer are `prefix` (RecordedPrefill.prefix_kv),
+    positions P .. P+T-1, attending to them first. The fresh segment equals the recorded
+    one on those rows (a recorded step's other rows are decodes of other sequences, which
+    get no gradient), its K/V the whole prompt's as the recording's are."""
     num = leaf_rows.shape[1]
-    metadata = runner.attention_metadata([num], [0])
-    past = SequenceKV(metadata, keep=True)
+    start = 0 if prefix is None else prefix[0].shape[2]
+    metadata = runner.attention_metadata([num], [start])
+    past = SequenceKV(metadata, None if prefix is None else {index: prefix}, keep=True)
     leaf = leaf_rows.detach().requires_grad_()
-    position_ids = torch.arange(num, device=runner.device).unsqueeze(0)
+    position_ids = torch.arange(start, start + num, device=runner.device).unsqueeze(0)
     with torch.enable_grad():
         out = runner.run_layer(index, leaf, position_ids, metadata, past, runner.rotary(leaf, position_ids))
-    key, value = next(iter(past.new.values()))
+        key, value = past.new[index]
+        if prefix is not None:
+            key, value = torch.cat([prefix[0], key], dim=2), torch.cat([prefix[1], value], dim=2)
     return LayerSegment(leaf, out, key, value)
 
 

@@ -83,6 +83,7 @@ class _Tally:
 class GRPOMethod(TrainingMethod):
     name = "grpo"
     all_logit_rows = False  # the prompt's last row scores each sample's first token
+    reads_cached_prefix = True
     uses_feedback = True
     label_kind = "rewards"
     logprobs_at_sampling_temperature = True

@@ -87,13 +87,35 @@ def prompt_head_backward(recording: RecordedPrefill, last: torch.Tensor) -> None
         recording.logits[-1:].backward(last.grad)
 
 
+def cached_prefix_backward(recording: RecordedPrefill, ctx: TrainContext, targets: torch.Tensor | None = None,
+                           weights: torch.Tensor | None = None):
+    """Generator: the backward of the prompt's beginning the recording read from the prefix
+    cache (`recording.prefix_len` tokens; none: nothing to do), once the recorded tokens'
+    backward has left its gradients on that beginning's K/V leaves (`prefix_kv`): the
+    beginning is recomputed under grad — under the weights the job runs with, the
+    recording's own — its layers keeping their K/V, and back-propagated with those
+    gradients; with `targets` and `weights`, also a weighted next-token loss on its rows
+    (CPT's, whose tokens these are). Returns that loss's value (0.0 without one)."""
+    num = recording.prefix_len
+    if not num:
+        return 0.0
+    fwd = yield from forward_segments(ctx.runner, [recording.prompt_token_ids[:num]], keep_kv=True)
+    loss = 0.0
+    if targets is not None:
+        loss = yield from head_backward(ctx.runner, fwd.head_leaf, 0, targets, weights, ctx.head_chunk_rows)
+    top = fwd.head_leaf.grad if fwd.head_leaf.grad is not None else torch.zeros_like(fwd.head_leaf)
+    yield from backward_segments(fwd.segments, top, [(k.grad, v.grad) for k, v in recording.prefix_kv])
+    return loss
+
+
 def prompt_backward(recording: RecordedPrefill, last: torch.Tensor, prefix, ctx: TrainContext):
     """Generator: a recorded prompt's backward, once, with what its suffixes left on its
-    last logits row `last` and on its K/V leaves `prefix`."""
+    last logits row `last` and on its K/V leaves `prefix`; then its cached beginning's."""
     prompt_head_backward(recording, last)
     yield
     yield from backward_segments(recording.segments, recording.head_leaf.grad,
                                  [(k.grad, v.grad) for k, v in prefix], ctx.residency(recording))
+    yield from cached_prefix_backward(recording, ctx)
 
 
 def suffixes_and_prompt_backward(recording: RecordedPrefill, last: torch.Tensor, suffixes: SegmentedForward,
@@ -112,12 +134,17 @@ def suffixes_and_prompt_backward(recording: RecordedPrefill, last: torch.Tensor,
     yield
     yield from backward_sweep(recording.segments, recording.head_leaf.grad, suffixes.segments,
                               suffixes.head_leaf.grad, prefix, ctx.residency(recording))
+    yield from cached_prefix_backward(recording, ctx)
 
 
 class TrainingMethod:
     name = "base"
     # which prefill logits the recording keeps (RecordSpec.all_logit_rows)
     all_logit_rows = True
+    # a recording may begin after the prompt's cached beginning (RecordSpec.reads_cached_prefix):
+    # the reuse job then trains that beginning by recomputing it (`cached_prefix_backward`);
+    # off for a method that reads the recording's every row
+    reads_cached_prefix = False
     # entries wait for POST /v1/feedback, and which label they take there ("preference" or
     # "rewards", trainer/feedback.py)
     uses_feedback = False
@@ -132,7 +159,8 @@ class TrainingMethod:
 
     def record_spec(self, adapter_version: int) -> RecordSpec:
         """How a prefill is recorded for this method, under `adapter_version`."""
-        return RecordSpec(all_logit_rows=self.all_logit_rows, adapter_version=adapter_version)
+        return RecordSpec(all_logit_rows=self.all_logit_rows, adapter_version=adapter_version,
+                          reads_cached_prefix=self.reads_cached_prefix)
 
     def make_entry(self, completion_id: str, recording: RecordedPrefill) -> CacheEntry:
         return CacheEntry(completion_id, list(recording.prompt_token_ids), recording, recording.adapter_version,
@@ -167,24 +195,33 @@ class CPTMethod(TrainingMethod):
 
     name = "cpt"
     all_logit_rows = False
+    reads_cached_prefix = True
 
     def token_weights(self, entry: CacheEntry, ctx: TrainContext) -> torch.Tensor:
         """(T - 1,) the weight of each next-token target of the T-token prompt."""
         return cpt_weights(len(entry.prompt_token_ids), ctx.runner.device)
 
-    def _train_head(self, entry: CacheEntry, ctx: TrainContext, head_leaf: torch.Tensor):
-        """Generator: the head segment's chunks; returns the JobResult."""
+    def _train_head(self, entry: CacheEntry, ctx: TrainContext, head_leaf: torch.Tensor, first: int = 0):
+        """Generator: the head segment's chunks over the prompt's rows from `first` on (its
+        rows, `head_leaf`'s); returns the JobResult."""
         weights = self.token_weights(entry, ctx)
-        loss = yield from head_backward(ctx.runner, head_leaf, 0, ctx.ids(entry.prompt_token_ids[1:]), weights,
-                                        ctx.head_chunk_rows)
+        loss = yield from head_backward(ctx.runner, head_leaf, 0, ctx.ids(entry.prompt_token_ids[first + 1:]),
+                                        weights[first:], ctx.head_chunk_rows)
         return JobResult(loss, int((weights != 0).sum().item()), {"loss": loss})
 
     def reuse_job(self, entry: CacheEntry, ctx: TrainContext):
         recording = entry.recording
-        result = yield from self._train_head(entry, ctx, recording.head_leaf)
+        cached = recording.prefix_len  # the rows before the recorded ones: recomputed last
+        result = yield from self._train_head(entry, ctx, recording.head_leaf, cached)
         if recording.head_leaf.grad is not None:  # (a one-token prompt scores no token: no gradient)
             yield from backward_segments(recording.segments, recording.head_leaf.grad,
                                          residency=ctx.residency(recording))
+        if cached:
+            weights = self.token_weights(entry, ctx)[:cached]
+            loss = yield from cached_prefix_backward(recording, ctx, ctx.ids(entry.prompt_token_ids[1:cached + 1]),
+                                                     weights)
+            result.loss += loss
+            result.metrics["loss"] = result.loss
         return result
 
     def recompute_job(self, entry: CacheEntry, ctx: TrainContext):

@@ -27,6 +27,8 @@ finishes — its tokens, without activations — and its label trains by recompu
 
 from __future__ import annotations
 
+import dataclasses
+
 import concurrent.futures
 import random
 import time
@@ -159,7 +161,10 @@ class Recorder:
             with self.stats.lock:
                 self.stats.not_recorded += 1
             return None
-        return self.method.record_spec(self.adapter_version())
+        spec = self.method.record_spec(self.adapter_version())
+        if not self.config.record_after_cached_prefix:
+            spec = dataclasses.replace(spec, reads_cached_prefix=False)
+        return spec
 
     def _would_go_stale(self) -> bool:
         """Whether the recordings ready to train before this one take more optimizer steps
@@ -175,7 +180,7 @@ class Recorder:
         return lag > bound
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None:
-        self._bytes_per_token = recording.saved_bytes / max(recording.rows, 1)
+        self._bytes_per_token = recording.recorded_bytes / max(recording.rows, 1)
         if self.warmer is not None:
             self.warmer.fit(recording.saved_sizes)
         entry = self.method.make_entry(request_id, recording)
@@ -187,6 +192,8 @@ class Recorder:
         with self.stats.lock:
             if added:
                 self.stats.recorded += 1
+                self.stats.recorded_cached_tokens += recording.prefix_len
+                self.stats.recorded_prompt_tokens += len(recording.prompt_token_ids) - recording.prefix_len
             else:
                 self.stats.not_recorded += 1
 

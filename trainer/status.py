@@ -37,6 +37,10 @@ class TrainingStats:
     # times a job was interrupted by serving and resumed where it stopped
     preemptions: int = 0
     recorded: int = 0
+    # their prompts' tokens: recorded (a graph kept), and read from the prefix cache (the
+    # tokens before those, which their jobs recompute)
+    recorded_prompt_tokens: int = 0
+    recorded_cached_tokens: int = 0
     # requests selected but not recorded: cache full, prompt too long, no room on the device
     not_recorded: int = 0
     # idle slices that returned freed host memory to the OS

@@ -43,26 +43,40 @@ def turn(client: openai.OpenAI, messages: list[dict], max_tokens: int) -> tuple[
     return text, (first or time.perf_counter()) - started, usage
 
 
-def plot(turns: list[dict], path: str) -> None:
-    """Median time to first token per turn, with the prefix cache and without."""
+def plot(turns: list[dict], path: str, series=(("cached", "prefix cache on"), ("plain", "prefix cache off")),
+         title: str = "Multi-turn chat over HTTP, embedded model, CPU") -> None:
+    """Median time to first token per turn, of each (key, label) in `series`."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
     numbers = sorted({r["turn"] for r in turns})
-    for key, label in (("cached", "prefix cache on"), ("plain", "prefix cache off")):
+    for key, label in series:
         ax.plot([n + 1 for n in numbers], [statistics.median(r[key]["ttft_ms"] for r in turns if r["turn"] == n)
                                            for n in numbers], marker="o", label=label)
     ax.set_ylim(bottom=0)
-    save_figure(fig, ax, "turn of the conversation", "time to first token, ms (median)",
-                "Multi-turn chat over HTTP, embedded model, CPU", path)
+    save_figure(fig, ax, "turn of the conversation", "time to first token, ms (median)", title, path)
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--json")
     parser.add_argument("--plot", help="a PNG of the time to first token per turn")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def report(summary: dict, turns: list[dict], args: argparse.Namespace, **plot_options) -> None:
+    """Prints the summary; writes it with every turn to `--json`, and the plot to `--plot`."""
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "turns": turns}, f, indent=1)
+    if args.plot:
+        plot(turns, args.plot, **plot_options)
+
+
+def main() -> None:
+    args = arguments()
     flags = ("--train-mode", "off", "--log-level", "WARNING")
     with running_server(*flags) as cached_url, running_server(*flags, "--no-enable-prefix-caching") as plain_url:
         clients = {"cached": openai.OpenAI(base_url=f"{cached_url}/v1", api_key="-"),
@@ -99,12 +113,7 @@ def main() -> None:
     summary["ttft_plain_over_cached_after_the_first_turn"] = round(
         summary["median_ttft_ms_after_the_first_turn"]["plain"]
         / summary["median_ttft_ms_after_the_first_turn"]["cached"], 2)
-    print(json.dumps(summary, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"summary": summary, "turns": turns}, f, indent=1)
-    if args.plot:
-        plot(turns, args.plot)
+    report(summary, turns, args)
 
 
 if __name__ == "__main__":

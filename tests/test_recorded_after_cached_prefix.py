@@ -1,0 +1,201 @@
+"""A recorded prefill after the prompt's cached beginning: it reads that beginning's K/V
+from the prefix cache as leaves and records only the rest; its job recomputes the
+beginning. Every method's reuse job gives the separate trainer's gradients (every
+family; one backward sweep or two; layers offloaded or recomputed; a stale recording
+under its stashed weights), the served tokens are those of a recording of the whole
+prompt, and the prefix cache counts what the recording read."""
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from offload.config import OffloadConfig
+from tests.conftest import encode, engine_of
+from tests.test_grpo import make_trainer as make_grpo_trainer, reward, serve_group
+from tests.test_stash import make_trainer as make_stash_trainer, stale_and_fresh_gradients
+from tests.test_training import PROMPT, gradients_of, label, make_trainer, relative_difference, serve
+from tests.tiny import FAMILIES
+from trainer.adapter import lora_parameters
+from trainer.config import TrainConfig
+
+BLOCK_SIZE = 4  # tests/conftest.make_config's
+CONTINUED = PROMPT + " And what is the capital of Spain?"
+
+
+def cache_beginning(trainer, prompt: str = PROMPT) -> None:
+    """Serves `prompt` untrained: its full blocks are cached for the next request."""
+    engine = engine_of(trainer)
+    engine.add_request("warm", encode(prompt), SamplingParams(temperature=0.0, max_tokens=2), train=False)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def cached_tokens(prompt: str) -> int:
+    return len(encode(prompt)) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def assert_recorded_after(entry, cached: int) -> None:
+    recording = entry.recording
+    assert recording.prefix_len == cached > 0
+    assert len(recording.prefix_kv) == len(recording.segments)
+    assert recording.head_leaf.shape[1] == len(entry.prompt_token_ids) - cached
+    assert all(s.key.shape[2] == len(entry.prompt_token_ids) for s in recording.segments)  # the whole prompt's
+
+
+@pytest.mark.parametrize("mode", ["cpt", "dpo-served", "dpo-both"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reuse_after_a_cached_beginning_gives_the_separate_trainers_gradients(family, mode):
+    trainer = make_trainer(family, mode.split("-")[0])
+    cache_beginning(trainer)
+    serve(trainer, "r", prompt=CONTINUED, max_tokens=8)
+    entry = trainer.cache.get("r")
+    assert_recorded_after(entry, cached_tokens(PROMPT))
+    if mode == "dpo-served":
+        label(trainer, "r", chosen="Paris, of course. It is a lovely city.")
+    elif mode == "dpo-both":
+        label(trainer, "r", chosen="Paris, of course. It is a lovely city.", rejected="Rome.")
+    context = trainer.context
+    reuse = gradients_of(trainer, trainer.method.reuse_job(entry, context))
+    baseline = gradients_of(trainer, trainer.method.baseline_job(entry, context))
+    assert set(reuse) == set(baseline) and len(reuse) == len(lora_parameters(trainer.peft_model))
+    assert all(g.norm() > 0 for g in baseline.values())
+    assert relative_difference(reuse, baseline) <= 1e-4
+
+
+@pytest.mark.parametrize("one_sweep", [True, False])
+@pytest.mark.parametrize("schedule", ["batched", "one_at_a_time"])
+def test_every_dpo_schedule_after_a_cached_beginning(one_sweep, schedule):
+    trainer = make_trainer("llama", "dpo", one_backward_sweep=one_sweep)
+    cache_beginning(trainer)
+    serve(trainer, "r", prompt=CONTINUED, max_tokens=8)
+    label(trainer, "r", chosen="Paris, of course. It is a lovely city.", rejected="Rome.")
+    entry = trainer.cache.get("r")
+    job = trainer.method.reuse_job if schedule == "batched" else trainer.method._reuse_one_response_at_a_time
+    reuse = gradients_of(trainer, job(entry, trainer.context))
+    baseline = gradients_of(trainer, trainer.method.baseline_job(entry, trainer.context))
+    assert relative_difference(reuse, baseline) <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_a_grpo_group_after_a_cached_beginning(family):
+    trainer = make_grpo_trainer(family)
+    cache_beginning(trainer)
+    serve_group(trainer, prompt=CONTINUED)
+    entry = trainer.cache.get("g")
+    assert_recorded_after(entry, cached_tokens(PROMPT))
+    assert reward(trainer).accepted
+    reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    packed = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+    assert all(g.norm() > 0 for g in packed.values())
+    assert relative_difference(reuse, packed) <= 1e-4
+
+
+@pytest.mark.parametrize("policy", ["load", "recompute"])
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+def test_offloaded_layers_of_a_recording_after_a_cached_beginning(mode, policy):
+    """Every recorded layer freed: reloaded, or recomputed attending to the beginning's leaves."""
+    grads = {}
+    for offload in (None, OffloadConfig(device_budget_bytes=1 << 40, policy=policy)):
+        trainer = make_stash_trainer(mode, offload=offload)  # (the same seed: the same weights)
+        cache_beginning(trainer)
+        serve(trainer, "r", prompt=CONTINUED, max_tokens=8)
+        if offload is not None:
+            trainer.offloader.free_to(0)
+        if mode == "dpo":
+            label(trainer, "r", chosen="Paris, of course. It is a lovely city.", rejected="Rome.")
+        entry = trainer.cache.get("r")
+        assert_recorded_after(entry, cached_tokens(PROMPT))
+        grads[offload is None] = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    stats = trainer.offloader.stats
+    assert stats.reloaded_layers + stats.recomputed_layers == len(engine_of(trainer).runner.layers)
+    assert relative_difference(grads[False], grads[True]) <= 1e-5
+
+
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+def test_a_stale_recording_after_a_cached_beginning_trains_under_its_served_version(mode):
+    """The beginning is recomputed under the stashed weights the job runs with, as the
+    recorded rest was recorded under them."""
+    trainer = make_stash_trainer(mode, max_staleness=4)
+    cache_beginning(trainer)
+    stale, fresh, current = stale_and_fresh_gradients(trainer, mode, 2)
+    assert relative_difference(stale, fresh) <= 1e-5
+    assert relative_difference(current, fresh) > 1e-3
+
+
+def test_the_served_answer_is_the_whole_prompts_recordings_and_its_usage_counts_the_cache():
+    answers, recordings, cached = {}, {}, {}
+    for reads in (True, False):
+        trainer = make_trainer("llama", "cpt", record_after_cached_prefix=reads)
+        cache_beginning(trainer)
+        engine = engine_of(trainer)
+        engine.add_request("r", encode(CONTINUED), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                           train=True)
+        answers[reads] = []
+        while engine.has_unfinished():
+            for out in engine.step()[0]:
+                answers[reads] += out.outputs[0].token_ids
+                cached[reads] = out.metrics.num_cached_tokens
+        recordings[reads] = trainer.cache.get("r").recording
+    assert answers[True] == answers[False] and len(answers[True]) == 12
+    assert cached == {True: cached_tokens(PROMPT), False: 0}
+    assert recordings[True].prefix_len == cached_tokens(PROMPT) and recordings[False].prefix_len == 0
+    assert recordings[True].saved_bytes < recordings[False].saved_bytes
+
+
+def test_a_method_that_reads_every_recorded_row_records_the_whole_prompt():
+    """A custom method keeping every row's logits (the base class's default) is never given
+    a recording that begins after a cached beginning."""
+    from trainer.methods import TrainingMethod
+    assert TrainingMethod.reads_cached_prefix is False
+    assert TrainingMethod().record_spec(0).reads_cached_prefix is False
+    assert TrainConfig().record_after_cached_prefix is True
+
+
+@pytest.mark.parametrize("mode", ["cpt", "dpo"])
+def test_bucketed_shapes_after_a_cached_beginning(mode):
+    """A GPU's bucketed shapes (the recorded keys padded past the whole prompt's): the same
+    gradients as the separate trainer's."""
+    from tests.test_training_buckets import bucketed
+    trainer = make_trainer("llama", mode)
+    bucketed(trainer, True)
+    cache_beginning(trainer)
+    serve(trainer, "r", prompt=CONTINUED, max_tokens=8)
+    entry = trainer.cache.get("r")
+    assert_recorded_after(entry, cached_tokens(PROMPT))
+    if mode == "dpo":
+        label(trainer, "r", chosen="Paris, of course. It is a lovely city.", rejected="Rome.")
+    reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    bucketed(trainer, False)
+    baseline = gradients_of(trainer, trainer.method.baseline_job(entry, trainer.context))
+    assert relative_difference(reuse, baseline) <= 1e-4
+
+
+def test_decodes_riding_along_a_recording_after_a_cached_beginning():
+    """Another request decoding meanwhile rides along in the recorded step: both answers are
+    those each gets alone, and the recording trains as one made alone."""
+    answers = {}
+    for together in (False, True):
+        trainer = make_trainer("llama", "cpt")
+        cache_beginning(trainer)
+        engine = engine_of(trainer)
+        greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        engine.add_request("rider", encode("Tell me about the ocean."), greedy, train=False)
+        if together:
+            engine.step()  # the rider's prefill: it decodes from the next step on
+        else:
+            while engine.has_unfinished():
+                engine.step()
+        engine.add_request("r", encode(CONTINUED), greedy, train=True)
+        kinds, tokens = [], {"rider": [], "r": []}
+        while engine.has_unfinished():
+            outputs, stats = engine.step()
+            kinds.append(stats.kind)
+            for out in outputs:
+                tokens[out.request_id] += out.outputs[0].token_ids
+        assert ("recorded_mixed" in kinds) == together
+        answers[together] = tokens
+        entry = trainer.cache.get("r")
+        assert_recorded_after(entry, cached_tokens(PROMPT))
+        reuse = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+        baseline = gradients_of(trainer, trainer.method.baseline_job(entry, trainer.context))
+        assert relative_difference(reuse, baseline) <= 1e-4
+    assert answers[True]["r"] == answers[False]["r"] and len(answers[True]["r"]) == 10
