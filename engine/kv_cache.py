@@ -272,9 +272,10 @@ class StepKV:
     attention saves); decode later reads only the pool, so it never touches the graph. Decodes
     riding along in the step (the rows past those) read the pool (`RecordedStepKV`). With
     `cached_rows` too (the prompt after a beginning of that many tokens the prefix cache
-    holds, at its group's first key slots) the beginning's K/V are read from the pool as autograd leaves (`prefix`, per layer),
-    whose gradients training back-propagates through the beginning recomputed, and go
-    before the recorded rows: `recorded` holds the whole prompt's.
+    holds, at its group's first key slots) the beginning's K/V are read from the pool as
+    autograd leaves (`prefix`, per layer), whose gradients training back-propagates through
+    the beginning recomputed, and go before the recorded rows: `recorded` holds the whole
+    prompt's.
     """
 
     def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, recorded_rows: int | None = None,

@@ -38,6 +38,10 @@ def within(context: Callable[[], contextlib.AbstractContextManager], generator):
         yield
 
 
+# per layer, a prefix's (key, value), (1, KVH, P, D) each: a list, or a dict by layer index
+PrefixKV = list[tuple[torch.Tensor, torch.Tensor]] | dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
 class SequenceKV:
     """`past_key_values` for a training forward: each sequence attends to its own new
     tokens, after the prefix K/V if one is given (the suffixes of one prefix: the prefix is
@@ -46,9 +50,7 @@ class SequenceKV:
     reach); a training forward's own are not: nothing back-propagates into them but its
     own attention, and a kept copy of a fused projection's slice would cost a copy."""
 
-    def __init__(self, metadata: AttentionMetadata,
-                 prefix: list[tuple[torch.Tensor, torch.Tensor]] | dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 keep: bool = False):
+    def __init__(self, metadata: AttentionMetadata, prefix: "PrefixKV | None" = None, keep: bool = False):
         assert prefix is None or not metadata.reads_packed_keys, "a shared-prefix pack holds its prefix itself"
         self.metadata = metadata
         self.prefix = prefix

@@ -92,8 +92,9 @@ def cached_prefix_backward(recording: RecordedPrefill, ctx: TrainContext, target
     """Generator: the backward of the prompt's beginning the recording read from the prefix
     cache (`recording.prefix_len` tokens; none: nothing to do), once the recorded tokens'
     backward has left its gradients on that beginning's K/V leaves (`prefix_kv`): the
-    beginning is recomputed under grad — under the weights the job runs with, the
-    recording's own — its layers keeping their K/V, and back-propagated with those
+    beginning is recomputed under grad — under the weights the job runs with: the
+    recording's own (stashed when stale), or today's under `stale_weights = "live"` — its
+    layers keeping their K/V, and back-propagated with those
     gradients; with `targets` and `weights`, also a weighted next-token loss on its rows
     (CPT's, whose tokens these are). Returns that loss's value (0.0 without one)."""
     num = recording.prefix_len

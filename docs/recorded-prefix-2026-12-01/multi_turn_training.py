@@ -70,9 +70,9 @@ def main() -> None:
                                 "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "text": text}
                 row["same_answers"] = len({row[key]["text"] for key in keys}) == 1
                 turns.append(row)
+                firsts = [f"{key} {row[key]['ttft_ms']} ms ({row[key]['cached_tokens']} cached)" for key in keys]
                 print(f"conversation {c} turn {t}: {row['off']['prompt_tokens']} prompt tokens; first token "
-                      + ", ".join(f"{key} {row[key]['ttft_ms']} ms ({row[key]['cached_tokens']} cached)" for key in keys)
-                      + f"; same answers: {row['same_answers']}", flush=True)
+                      f"{', '.join(firsts)}; same answers: {row['same_answers']}", flush=True)
         recorded = {key: recordings(urls[key]) for key in ("reads_cache", "whole_prompt")}
     later = [r for r in turns if r["turn"] > 0]
     median_ttft = {key: statistics.median(r[key]["ttft_ms"] for r in later) for key in keys}
