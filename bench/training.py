@@ -65,6 +65,7 @@ class Bench:
             for name, param in self.trainer.peft_model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(0.0, 1e-3)
+        self.trainer.maintenance.merge_all()  # serving runs with these weights too, as after a step
         self.method = self.trainer.method
         self.given_responses = False
         self.context = self.trainer.context

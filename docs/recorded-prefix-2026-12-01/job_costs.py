@@ -12,7 +12,7 @@ beginning on both, in alternating order:
   - the label's training job on each: the reuse job on each engine's recording, and the
     recompute job (the server's, for an entry without a recording) on the first.
 Medians over the rounds after a warm-up round, with the ratios, and the gradients of the
-two reuse jobs against the recompute job's. Run from the repository root:
+two reuse jobs against the recompute job's and each other's. Run from the repository root:
 
     PYTHONPATH=. .venv/bin/python docs/recorded-prefix-2026-12-01/job_costs.py --rounds 5 \
         --json docs/recorded-prefix-2026-12-01/job_costs.json
@@ -71,6 +71,8 @@ def one_round(benches: dict[str, Bench], r: int, args) -> dict:
         if key != "recompute":
             bench.trainer.cache.end(entries[key], EntryState.TRAINED)
     row["reads_cache_grad_rel_diff"] = rel_diff(grads["reads_cache"], grads["recompute"])
+    row["whole_prompt_grad_rel_diff"] = rel_diff(grads["whole_prompt"], grads["recompute"])
+    row["reads_cache_vs_whole_prompt_grad_rel_diff"] = rel_diff(grads["reads_cache"], grads["whole_prompt"])
     return row
 
 
@@ -101,7 +103,8 @@ def main() -> None:
         "job_reads_cache_over_whole_prompt": round(median["reads_cache_job_s"] / median["whole_prompt_job_s"], 3),
         "job_reads_cache_over_recompute": round(median["reads_cache_job_s"] / median["recompute_job_s"], 3),
         "job_whole_prompt_over_recompute": round(median["whole_prompt_job_s"] / median["recompute_job_s"], 3),
-        "max_grad_rel_diff": max(row["reads_cache_grad_rel_diff"] for row in rows),
+        "max_grad_rel_diff": {key: max(row[f"{key}_grad_rel_diff"] for row in rows)
+                              for key in ("reads_cache", "whole_prompt", "reads_cache_vs_whole_prompt")},
     }
     print(json.dumps(summary, indent=2))
     write_json({"summary": summary, "rounds": rows}, args.json)
