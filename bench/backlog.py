@@ -14,7 +14,7 @@ trained at the version that served it is recomputed at the current one), "steps_
 (`cohort_max_entries = 4`: steps of 4 whatever was recorded under one version, the
 default before cohorts) and "default" (the shipped config). Reported per condition:
 entries trained by path and the share on their recordings (reuse + stashed), optimizer
-steps, the prefills recorded, the held-out gain and its ratio to strict's, the seconds the
+steps, the mean adapter versions between serving an entry and training it, the prefills recorded, the held-out gain and its ratio to strict's, the seconds the
 client took to serve and label, and those from the last label to the last entry trained.
 `--warm-up N` first trains N labelled answers one at a time (waiting for each), as a
 server that has been learning for a while has: from a fresh adapter (LoRA's B = 0) the
@@ -111,7 +111,10 @@ def run_condition(scenario: str, config_path: str, learning_rate: float, timeout
     paths = trained_by_path(after, scenario, before)
     steps = read_metric(after, "alchemist:adapter_version") - read_metric(before, "alchemist:adapter_version")
     recorded = "alchemist:recorded_prefills_total"
+    staleness = {part: read_metric(after, f"alchemist:trained_entry_staleness_{part}")
+                 - read_metric(before, f"alchemist:trained_entry_staleness_{part}") for part in ("sum", "count")}
     return {"paths": paths, "reuse_share": round(reuse_share(paths), 3), "optimizer_steps": steps,
+            "mean_staleness": round(staleness["sum"] / max(staleness["count"], 1), 3),
             "recorded_prefills": read_metric(after, recorded) - read_metric(before, recorded),
             "gain_nats": round(gain, 3), "seconds_to_serve_and_label": round(labelled - started, 1),
             "seconds_to_train_after_last_label": round(drained_s, 1)}

@@ -45,6 +45,18 @@ def block_names(previous: bytes, token_ids: Sequence[int], block_size: int) -> l
     return names
 
 
+def names_of_first_blocks(seq, num_blocks: int, weights_generation: int, block_size: int) -> list[bytes]:
+    """The names of an engine `Sequence`'s first `num_blocks` full blocks under the weights
+    of `weights_generation` (those it was named before kept: a request that waits at the
+    queue's head is not hashed again)."""
+    names = seq.block_names if seq.kv_generation == weights_generation else []
+    if len(names) < num_blocks:
+        tokens = seq.token_ids_until(num_blocks * block_size)[len(names) * block_size:]
+        root = names[-1] if names else cache_root(weights_generation, seq.cache_salt)
+        names = names + block_names(root, tokens, block_size)
+    return names
+
+
 class BlockPool:
     """Free KV block ids, each block's holders, and the names of the cached ones."""
 
@@ -104,15 +116,20 @@ class BlockPool:
                 else:
                     self._free.append(block)
 
-    def take_cached_prefix(self, names: list[bytes]) -> list[int]:
-        """The blocks named by the longest run of `names` from the first, each with one
-        holder more (the caller)."""
+    def cached_run(self, names: list[bytes]) -> list[int]:
+        """The blocks named by the longest run of `names` from the first (nothing taken)."""
         blocks = []
         for name in names:
             block = self._block_named.get(name)
             if block is None:
                 break
             blocks.append(block)
+        return blocks
+
+    def take_cached_prefix(self, names: list[bytes]) -> list[int]:
+        """The blocks named by the longest run of `names` from the first, each with one
+        holder more (the caller)."""
+        blocks = self.cached_run(names)
         for block in blocks:
             if self._refs[block] == 0:
                 del self._cached_free[block]

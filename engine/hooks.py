@@ -43,12 +43,15 @@ class PrefillRecorder(Protocol):
         ...
 
     def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,
-              client_prompt: object = None, logprob_temperature: float = 1.0) -> RecordSpec | None:
+              client_prompt: object = None, logprob_temperature: float = 1.0,
+              num_cached_tokens: int = 0) -> RecordSpec | None:
         """Asked once per trainable request, when its prefill is about to be scheduled:
         how to record it, stamped with the adapter version serving runs under, or None.
         `num_choices`: the request's n (its choices share the one recording);
         `client_prompt`: the request's `EngineRequest.client_prompt`; `logprob_temperature`:
-        what its tracked log-probs are taken at (`logprob_temperature`'s answer)."""
+        what its tracked log-probs are taken at (`logprob_temperature`'s answer);
+        `num_cached_tokens`: the prompt's beginning the prefix cache holds now (a recording
+        that reads it records only the rest)."""
         ...
 
     def confirm(self, request_id: str, prompt_token_ids: list[int], spec: RecordSpec) -> RecordSpec | None:

@@ -201,14 +201,15 @@ class LLMEngine:
         """`make_request` and `add` in one (offline use)."""
         self.add(self.make_request(request_id, prompt_token_ids, params, arrival_time, train))
 
-    def _admit_recording(self, seq: Sequence) -> RecordSpec | None:
-        """Asks the recorder about a trainable request (its choice 0, before its prefill);
-        its choices then track their served log-probs if the recording or label needs them."""
+    def _admit_recording(self, seq: Sequence, num_cached_tokens: int) -> RecordSpec | None:
+        """Asks the recorder about a trainable request (its choice 0, before its prefill, with
+        the prompt tokens the prefix cache holds for it); its choices then track their served
+        log-probs if the recording or label needs them."""
         recorder = self.hooks.recorder
         if recorder is None:
             return None
         spec = recorder.admit(seq.request_id, seq.prompt_token_ids, seq.params.n, seq.client_prompt,
-                              seq.logprob_temperature)
+                              seq.logprob_temperature, num_cached_tokens)
         for member in self.outputs.requests.get(seq.request_id, [seq]):  # forked or not (scheduler.fork_choices)
             if member is seq or not member.output_token_ids:  # (one that started before tracks as it started)
                 member.track_logprob = spec is not None or recorder.wants_served_logprobs

@@ -18,14 +18,12 @@ A forked choice is an ordinary sequence afterwards: preempted, it recomputes alo
 With the prefix cache on (vLLM's automatic prefix caching), a sequence admitted to its
 first prefill (or again after a preemption) takes the cached blocks that begin its tokens
 (engine/block_pool.py) and computes only the rest; every full block a step computes is
-cached by name as the step is scheduled, so that a prompt admitted later in the same step
-takes those it shares (as in vLLM). A recorded prefill reads the cache too and records
-the rest of its prompt, the cached beginning's K/V as autograd leaves (training recomputes
-that beginning: engine/recording.py) — unless its method trains only on recordings of the
-whole prompt (`RecordSpec.reads_cached_prefix`); one that reports prompt log-probs reads
-nothing from the cache (it needs every position's logits). All cache what they compute. The names start
-from the weights' generation: when the weights serving runs with change, every name is
-forgotten, and a sequence admitted before the change caches nothing more.
+named as the step is scheduled, so a prompt admitted later in the same step takes those it
+shares (as in vLLM). A recorded prefill records only the rest too, its method permitting
+(`RecordSpec.reads_cached_prefix`; the recorder is told the cached length when it admits
+one); one reporting prompt log-probs reads nothing cached. Names start from the weights'
+generation: when serving's weights change, every name is forgotten, and a sequence
+admitted before names nothing more.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from engine.config import SchedulerConfig
-from engine.block_pool import BlockPool, block_names, cache_root
+from engine.block_pool import BlockPool, names_of_first_blocks
 from engine.kv_cache import blocks_needed
 from engine.recording import RecordSpec
 from engine.sequence import Sequence, SequenceStatus
@@ -108,11 +106,12 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
-                 admit_recording: Callable[[Sequence], RecordSpec | None] | None = None,
+                 admit_recording: Callable[[Sequence, int], RecordSpec | None] | None = None,
                  confirm_recording: Callable[[Sequence], RecordSpec | None] | None = None,
                  prefix_caching: bool = False, weights_generation: Callable[[], int] | None = None):
         self.config = config
-        # asked once per trainable sequence, before its first prefill: record it, and how?
+        # asked once per trainable sequence, before its first prefill, with the prompt tokens
+        # the prefix cache holds for it now: record it, and how?
         self.admit_recording = admit_recording
         # asked again each time its recorded prefill is about to be scheduled (the weights
         # may have changed since it was admitted): the spec still holds, or None
@@ -164,24 +163,21 @@ class Scheduler:
                 self._generation = generation
                 self.allocator.forget_names()
 
-    def _names_until(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The names of `seq`'s first `num_blocks` full blocks under today's weights (those
-        named before kept: a request that waits at the queue's head is not hashed again)."""
-        names = seq.block_names if seq.kv_generation == self._generation else []
-        if len(names) < num_blocks:
-            tokens = seq.token_ids_until(num_blocks * self.block_size)[len(names) * self.block_size:]
-            root = names[-1] if names else cache_root(self._generation, seq.cache_salt)
-            names = names + block_names(root, tokens, self.block_size)
-        return names
+    def _name_cacheable_blocks(self, seq: Sequence) -> int:
+        """Names the blocks the prefix cache could give `seq` under today's weights (every
+        full block but one holding its last token); returns the tokens it holds of them now."""
+        if self.prefix_caching:
+            # the last token is computed whatever is cached: its logits sample the next
+            needed = (seq.num_tokens - 1) // self.block_size
+            seq.block_names = names_of_first_blocks(seq, needed, self._generation, self.block_size)[:needed]
+        seq.kv_generation = self._generation
+        return len(self.allocator.cached_run(seq.block_names)) * self.block_size if self.prefix_caching else 0
 
     def _begin_computing(self, seq: Sequence) -> None:
         """`seq` is admitted to compute its tokens from position 0 under today's weights: it
         takes the cached blocks that begin them, unless it reports prompt log-probs."""
-        if self.prefix_caching:
-            # the last token is computed whatever is cached: its logits sample the next
-            needed = (seq.num_tokens - 1) // self.block_size
-            seq.block_names = self._names_until(seq, needed)[:needed]
-        seq.kv_generation, seq.num_named_blocks = self._generation, 0
+        self._name_cacheable_blocks(seq)
+        seq.num_named_blocks = 0
         if self._reads_cache(seq):
             seq.block_ids = self.allocator.take_cached_prefix(seq.block_names)
             seq.num_named_blocks = len(seq.block_ids)
@@ -205,8 +201,8 @@ class Scheduler:
 
     def _give_back_cached_prefix(self, seq: Sequence) -> None:
         """Undoes `_begin_computing` for a sequence that could not be admitted after all."""
-        self.allocator.free(seq.block_ids[::-1])
-        seq.block_ids, seq.num_computed_tokens, seq.num_named_blocks = [], 0, 0
+        self._release(seq)
+        seq.num_computed_tokens, seq.num_named_blocks = 0, 0
 
     def _name_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Caches `seq`'s full blocks among its first `num_tokens` — those the step being
@@ -217,7 +213,7 @@ class Scheduler:
         full = num_tokens // self.block_size
         if not self.prefix_caching or full <= seq.num_named_blocks or seq.kv_generation != self._generation:
             return
-        names = seq.block_names = self._names_until(seq, full)
+        names = seq.block_names = names_of_first_blocks(seq, full, self._generation, self.block_size)
         for index in range(seq.num_named_blocks, full):
             self.allocator.name(seq.block_ids[index], names[index])
         seq.num_named_blocks = full
@@ -254,12 +250,11 @@ class Scheduler:
 
     def _schedule_recorded_prefill(self) -> SchedulerOutput | None:
         """A sequence selected for training is prefilled whole (not chunked), first in its
-        step, so its graph covers exactly its prompt (after the beginning the prefix cache
-        gave it, where its method reads one). Running sequences that are decoding
-        ride along in its forward (engine/model_runner.py), one token each; with
-        `recorded_prefill_alone` they take the next step instead, before any other recorded
-        prefill (`schedule`), as do the running sequences that could not ride: a prompt
-        still being prefilled in chunks waits one recorded prefill at most, not a queue of them."""
+        step, so its graph covers exactly its prompt (after its cached beginning, where its
+        method reads one). Decoding sequences ride along in its forward, one token each
+        (engine/model_runner.py); with `recorded_prefill_alone`, and those that could not
+        ride, they take the next step, before any other recorded prefill (`schedule`): a
+        prompt prefilled in chunks waits one recorded prefill at most, not a queue of them."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         seq = self.waiting[0]
@@ -291,7 +286,8 @@ class Scheduler:
         """Asks, once, whether a trainable sequence's first prefill is recorded."""
         if seq.awaits_admission:
             seq.awaits_admission = False
-            seq.record = self.admit_recording(seq) if self.admit_recording is not None else None
+            cached = self._name_cacheable_blocks(seq) if self._reads_cache(seq) else 0  # (not yet recorded)
+            seq.record = self.admit_recording(seq, cached) if self.admit_recording is not None else None
 
     def _fork(self, output: SchedulerOutput) -> None:
         """Forks the waiting choices of every prompt this step completes."""

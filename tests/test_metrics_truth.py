@@ -374,5 +374,6 @@ def test_a_trained_group_is_exported_with_trls_clip_ratio_and_kl(beta, rewards, 
     clipped_side = 1 if shift < 0 else -1
     assert families["alchemist:grpo_clipped_tokens"]["alchemist:grpo_clipped_tokens_total"] == sum(
         len(response) for response, advantage in zip(served, advantages) if advantage * clipped_side > 0) > 0
+    # (a float32 sum over every token: its last bits differ between machines' kernels)
     assert families["alchemist:grpo_kl"] == {"alchemist:grpo_kl_count": tokens if beta else 0,
-                                             "alchemist:grpo_kl_sum": pytest.approx(kl, abs=1e-5)}
+                                             "alchemist:grpo_kl_sum": pytest.approx(kl, rel=1e-6, abs=1e-5)}

@@ -43,7 +43,8 @@ def one_token_of_recording() -> int:
 @pytest.mark.parametrize("train", [
     {"cache_bytes": "one token"},  # no recording ever fits
     {"record_fraction": 0.0},  # none drawn
-    {"max_record_tokens": 1},  # every prompt too long to record
+    # every prompt too long to record (whole: a recording after a cached beginning may record one token)
+    {"max_record_tokens": 1, "record_after_cached_prefix": False},
     {"cache_bytes": "one token", "cache_full_policy": "evict_oldest"},
 ], ids=["cache-full", "not-drawn", "too-long", "evict-oldest"])
 def test_every_label_is_accepted_and_trained_when_activations_cannot_be_kept(train):

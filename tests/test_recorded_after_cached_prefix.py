@@ -144,10 +144,32 @@ def test_the_served_answer_is_the_whole_prompts_recordings_and_its_usage_counts_
 def test_a_method_that_reads_every_recorded_row_records_the_whole_prompt():
     """A custom method keeping every row's logits (the base class's default) is never given
     a recording that begins after a cached beginning."""
-    from trainer.methods import TrainingMethod
+    from trainer.methods import CPTMethod, TrainingMethod
     assert TrainingMethod.reads_cached_prefix is False
     assert TrainingMethod().record_spec(0).reads_cached_prefix is False
     assert TrainConfig().record_after_cached_prefix is True
+
+    class EveryRowCPT(CPTMethod):  # a subclass that reads every row inherits CPT's reads_cached_prefix
+        all_logit_rows = True
+    assert CPTMethod().record_spec(0).reads_cached_prefix is True
+    assert EveryRowCPT().record_spec(0).reads_cached_prefix is False
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_max_record_tokens_counts_the_tokens_recorded_after_the_cached_beginning(reads):
+    """A conversation longer than `max_record_tokens` whose new turn is shorter is still
+    recorded when its recording reads the cached beginning (it records only the new turn);
+    recording whole prompts, it is served unrecorded."""
+    whole, new = len(encode(CONTINUED)), len(encode(CONTINUED)) - cached_tokens(PROMPT)
+    trainer = make_trainer("llama", "cpt", record_after_cached_prefix=reads, max_record_tokens=new + 1)
+    assert whole > new + 1
+    cache_beginning(trainer)
+    serve(trainer, "r", prompt=CONTINUED, max_tokens=4)
+    entry = trainer.cache.get("r")
+    if reads:
+        assert_recorded_after(entry, cached_tokens(PROMPT))
+    else:
+        assert entry is None and trainer.stats.not_recorded == 1
 
 
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])

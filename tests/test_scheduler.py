@@ -90,7 +90,7 @@ def test_finish_frees_blocks():
 def test_recording_is_decided_once_by_the_admission_callback_before_the_first_prefill():
     asked = []
 
-    def admit(seq):
+    def admit(seq, num_cached_tokens):
         asked.append(seq.seq_id)
         return RecordSpec(all_logit_rows=True, adapter_version=7) if seq.seq_id == 0 else None
 
@@ -121,7 +121,7 @@ def test_trainable_requests_not_recorded_join_one_step_together():
     own before: a burst of 32 over HTTP cost the running streams 31 mixed steps)."""
     asked = []
 
-    def admit(seq):
+    def admit(seq, num_cached_tokens):
         asked.append(seq.seq_id)
         return RecordSpec(all_logit_rows=True, adapter_version=1) if seq.seq_id == 3 else None
 
@@ -149,7 +149,7 @@ def test_trainable_requests_not_recorded_join_one_step_together():
 def test_a_request_not_recorded_that_finds_no_blocks_is_not_asked_again():
     asked = []
 
-    def admit(seq):
+    def admit(seq, num_cached_tokens):
         asked.append(seq.seq_id)
         return None
 

@@ -70,7 +70,8 @@ class TrainConfig:
     trim_slack_mib: int = 256
     # fraction of requests whose prefill is recorded (1: every request)
     record_fraction: float = 1.0
-    # prompts longer than this are served but not recorded
+    # prompts that would record more tokens than this (those after the beginning the prefix
+    # cache holds, where the method reads one) are served but not recorded
     max_record_tokens: int = 2048
     # entries waiting for a label without activations (they train by recomputation) kept
     # at most; past it a new one is refused, logged and counted (refused_label_entries)

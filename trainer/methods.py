@@ -161,7 +161,7 @@ class TrainingMethod:
     def record_spec(self, adapter_version: int) -> RecordSpec:
         """How a prefill is recorded for this method, under `adapter_version`."""
         return RecordSpec(all_logit_rows=self.all_logit_rows, adapter_version=adapter_version,
-                          reads_cached_prefix=self.reads_cached_prefix)
+                          reads_cached_prefix=self.reads_cached_prefix and not self.all_logit_rows)
 
     def make_entry(self, completion_id: str, recording: RecordedPrefill) -> CacheEntry:
         return CacheEntry(completion_id, list(recording.prompt_token_ids), recording, recording.adapter_version,

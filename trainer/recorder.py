@@ -86,6 +86,8 @@ class Recorder:
         self._rng = random.Random(config.seed)
         # measured bytes per recorded prompt token (to predict whether a recording fits)
         self._bytes_per_token: float | None = None
+        # bytes a recording holds per cached prompt token it read (its K/V leaves), once seen
+        self._bytes_per_cached_token = 0.0
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}
         # completion id -> choice index -> each served token's log-prob, and the response
@@ -123,7 +125,8 @@ class Recorder:
             self.cache.expected.add(request_id)
 
     def admit(self, request_id: str, prompt_token_ids: list[int], num_choices: int = 1,
-              client_prompt: object = None, logprob_temperature: float = 1.0) -> RecordSpec | None:
+              client_prompt: object = None, logprob_temperature: float = 1.0,
+              num_cached_tokens: int = 0) -> RecordSpec | None:
         if not self.method.trains_on(num_choices):
             self.cache.expected.discard(request_id)  # its feedback: why it cannot take one, once it ends
             return None
@@ -132,7 +135,7 @@ class Recorder:
         if self.keeps_client_prompt and client_prompt is not None:
             self._client_prompts[request_id] = client_prompt if isinstance(client_prompt, ClientPrompt) \
                 else ClientPrompt(client_prompt)
-        spec = None if self.recording_paused() else self._decide(len(prompt_token_ids))
+        spec = None if self.recording_paused() else self._decide(len(prompt_token_ids), num_cached_tokens)
         if spec is None and self.method.uses_feedback:  # its label will train by recomputation
             self._label_only[request_id] = (list(prompt_token_ids), self.adapter_version())
             self._responses[request_id] = {}
@@ -151,19 +154,26 @@ class Recorder:
             self._responses[request_id] = {}
         return None
 
-    def _decide(self, num_prompt_tokens: int) -> RecordSpec | None:
+    def _decide(self, num_prompt_tokens: int, num_cached_tokens: int) -> RecordSpec | None:
+        """Whether to record a prompt of `num_prompt_tokens` whose first `num_cached_tokens`
+        the prefix cache holds now: `max_record_tokens` and the activation cache's room by
+        the tokens it would record and the cached tokens' K/V it would hold (a guess: the
+        cache may change before its step); the offloader's device room by the whole prompt,
+        as it counts what a recording keeps on the device."""
         if self._rng.random() >= self.config.record_fraction:
             return None
-        expected = (self._bytes_per_token or 0.0) * num_prompt_tokens
-        if (num_prompt_tokens > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
+        spec = self.method.record_spec(self.adapter_version())
+        if not self.config.record_after_cached_prefix:
+            spec = dataclasses.replace(spec, reads_cached_prefix=False)
+        cached = num_cached_tokens if spec.reads_cached_prefix else 0
+        recorded = num_prompt_tokens - cached
+        expected = (self._bytes_per_token or 0.0) * recorded + self._bytes_per_cached_token * cached
+        if (recorded > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
                 or (self.device_room is not None and not self.device_room.admits(num_prompt_tokens))
                 or self._would_go_stale()):
             with self.stats.lock:
                 self.stats.not_recorded += 1
             return None
-        spec = self.method.record_spec(self.adapter_version())
-        if not self.config.record_after_cached_prefix:
-            spec = dataclasses.replace(spec, reads_cached_prefix=False)
         return spec
 
     def _would_go_stale(self) -> bool:
@@ -181,6 +191,8 @@ class Recorder:
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None:
         self._bytes_per_token = recording.recorded_bytes / max(recording.rows, 1)
+        if recording.prefix_len:
+            self._bytes_per_cached_token = (recording.saved_bytes - recording.recorded_bytes) / recording.prefix_len
         if self.warmer is not None:
             self.warmer.fit(recording.saved_sizes)
         entry = self.method.make_entry(request_id, recording)
