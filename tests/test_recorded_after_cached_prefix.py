@@ -11,7 +11,8 @@ from engine.sampling_params import SamplingParams
 from offload.config import OffloadConfig
 from tests.conftest import encode, engine_of
 from tests.test_grpo import make_trainer as make_grpo_trainer, reward, serve_group
-from tests.test_stash import make_trainer as make_stash_trainer, stale_and_fresh_gradients
+from tests.test_stash import advance, hold, make_trainer as make_stash_trainer, stale_and_fresh_gradients, \
+    stashed_gradients
 from tests.test_training import PROMPT, gradients_of, label, make_trainer, relative_difference, serve
 from tests.tiny import FAMILIES
 from trainer.adapter import lora_parameters
@@ -119,6 +120,30 @@ def test_a_stale_recording_after_a_cached_beginning_trains_under_its_served_vers
     stale, fresh, current = stale_and_fresh_gradients(trainer, mode, 2)
     assert relative_difference(stale, fresh) <= 1e-5
     assert relative_difference(current, fresh) > 1e-3
+
+
+def test_a_stale_cpt_recording_with_live_weights_after_a_cached_beginning_is_nearer_todays_gradient():
+    """Under `stale_weights = "live"` a stale recording trains with today's LoRA weights on
+    the activations of the version that served it. A CPT recording that read its cached
+    beginning recomputes that beginning, and its tokens' loss, under today's weights, so its
+    gradient is nearer a fresh forward's today than a recording of the whole prompt's is
+    (`bench backlog`'s CPT finding). (DPO's responses read the beginning's K/V as served:
+    its recomputation changes only the path back through the beginning's layers.)"""
+    distance = {}
+    for reads in (True, False):
+        trainer = make_stash_trainer("cpt", max_staleness=4, record_after_cached_prefix=reads)
+        cache_beginning(trainer)
+        serve(trainer, "s", prompt=CONTINUED, max_tokens=8)
+        hold(trainer, "s")
+        advance(trainer, 1, "cpt")
+        entry = trainer.cache.get("s")
+        assert entry.recording.prefix_len == (cached_tokens(PROMPT) if reads else 0)
+        trainer.stash.aim_at_live(0)  # as the trainer starts such a job (trainer/trainer.py, `_start`)
+        trainer.context.under_served_weights = False
+        live = stashed_gradients(trainer, entry, 0)
+        today = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+        distance[reads] = relative_difference(live, today)
+    assert 0 < distance[True] < 0.75 * distance[False]
 
 
 def test_the_served_answer_is_the_whole_prompts_recordings_and_its_usage_counts_the_cache():
