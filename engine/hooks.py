@@ -54,10 +54,12 @@ class PrefillRecorder(Protocol):
         that reads it records only the rest)."""
         ...
 
-    def confirm(self, request_id: str, prompt_token_ids: list[int], spec: RecordSpec) -> RecordSpec | None:
+    def confirm(self, request_id: str, prompt_token_ids: list[int], spec: RecordSpec,
+                num_cached_tokens: int = 0) -> RecordSpec | None:
         """Asked each time an admitted recording's prefill is about to be scheduled: `spec`
-        if it still holds (the weights serving runs under are still its version), else
-        None — the prefill then runs unrecorded."""
+        if it still holds (the weights serving runs under are still its version, and what
+        it would record after the `num_cached_tokens` the prefix cache holds now is within
+        bounds), else None — the prefill then runs unrecorded."""
         ...
 
     def on_recorded(self, request_id: str, recording: RecordedPrefill) -> None: ...

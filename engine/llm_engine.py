@@ -215,9 +215,10 @@ class LLMEngine:
                 member.track_logprob = spec is not None or recorder.wants_served_logprobs
         return spec
 
-    def _confirm_recording(self, seq: Sequence) -> RecordSpec | None:
-        """Asks the recorder whether an admitted recording still holds, just before its prefill."""
-        return self.hooks.recorder.confirm(seq.request_id, seq.prompt_token_ids, seq.record)
+    def _confirm_recording(self, seq: Sequence, num_cached_tokens: int) -> RecordSpec | None:
+        """Asks the recorder whether an admitted recording still holds, just before its
+        prefill, with the prompt tokens the prefix cache holds for it now."""
+        return self.hooks.recorder.confirm(seq.request_id, seq.prompt_token_ids, seq.record, num_cached_tokens)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request at this step boundary; returns its final output (None if unknown)."""

@@ -107,7 +107,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int,
                  admit_recording: Callable[[Sequence, int], RecordSpec | None] | None = None,
-                 confirm_recording: Callable[[Sequence], RecordSpec | None] | None = None,
+                 confirm_recording: Callable[[Sequence, int], RecordSpec | None] | None = None,
                  prefix_caching: bool = False, weights_generation: Callable[[], int] | None = None):
         self.config = config
         # asked once per trainable sequence, before its first prefill, with the prompt tokens
@@ -262,7 +262,7 @@ class Scheduler:
             return None
         self._decide_recording(seq)
         if seq.record is not None and self.confirm_recording is not None:
-            seq.record = self.confirm_recording(seq)
+            seq.record = self.confirm_recording(seq, self._name_cacheable_blocks(seq) if self._reads_cache(seq) else 0)
         if seq.record is None:
             return None
         self._begin_computing(seq)

@@ -197,6 +197,16 @@ def test_max_record_tokens_counts_the_tokens_recorded_after_the_cached_beginning
         assert entry is None and trainer.stats.not_recorded == 1
 
 
+def test_a_recording_whose_cached_beginning_was_evicted_before_its_step_is_confirmed_by_what_it_would_record():
+    """Admitted on a cached beginning that is gone by its step (evicted for other tokens),
+    a recording would record more than `max_record_tokens`: it runs unrecorded instead."""
+    ids = encode(CONTINUED)
+    trainer = make_trainer("llama", "dpo", max_record_tokens=len(ids) - cached_tokens(PROMPT))
+    spec = trainer.method.record_spec(0)
+    assert trainer.recorder.confirm("r", ids, spec, num_cached_tokens=cached_tokens(PROMPT)) is spec
+    assert trainer.recorder.confirm("r", ids, spec, num_cached_tokens=0) is None
+
+
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])
 def test_bucketed_shapes_after_a_cached_beginning(mode):
     """A GPU's bucketed shapes (the recorded keys padded past the whole prompt's): the same

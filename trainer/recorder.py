@@ -141,11 +141,16 @@ class Recorder:
             self._responses[request_id] = {}
         return spec
 
-    def confirm(self, request_id: str, prompt_token_ids: list[int], spec: RecordSpec) -> RecordSpec | None:
+    def confirm(self, request_id: str, prompt_token_ids: list[int], spec: RecordSpec,
+                num_cached_tokens: int = 0) -> RecordSpec | None:
         """An admitted recording holds while the weights serving runs under are its
-        version's and recording is not paused; otherwise its prefill runs unrecorded and
+        version's, recording is not paused and what it would record (after the
+        `num_cached_tokens` the prefix cache holds now, which may be fewer than when it was
+        admitted) is within `max_record_tokens`; otherwise its prefill runs unrecorded and
         the request gets a label entry, as one not drawn does."""
-        if not self.recording_paused() and spec.adapter_version == self.adapter_version():
+        recorded = len(prompt_token_ids) - (num_cached_tokens if spec.reads_cached_prefix else 0)
+        if (not self.recording_paused() and spec.adapter_version == self.adapter_version()
+                and recorded <= self.config.max_record_tokens):
             if self.warmer is not None:  # each time: pages warmed again while it waited for KV blocks
                 self.warmer.release()  # the recording's activations take the warm pages
             return spec
