@@ -14,8 +14,9 @@ trained at the version that served it is recomputed at the current one), "steps_
 (`cohort_max_entries = 4`: steps of 4 whatever was recorded under one version, the
 default before cohorts) and "default" (the shipped config). Reported per condition:
 entries trained by path and the share on their recordings (reuse + stashed), optimizer
-steps, the mean adapter versions between serving an entry and training it, the prefills recorded, the held-out gain and its ratio to strict's, the seconds the
-client took to serve and label, and those from the last label to the last entry trained.
+steps, the mean adapter versions between serving an entry and training it, the prefills
+recorded, the held-out gain and its ratio to strict's, the seconds the client took to
+serve and label, and those from the last label to the last entry trained.
 `--warm-up N` first trains N labelled answers one at a time (waiting for each), as a
 server that has been learning for a while has: from a fresh adapter (LoRA's B = 0) the
 first step cannot move A.

@@ -133,6 +133,11 @@ class RecordSpec:
     # method trains the cached tokens by recomputing them (RecordedPrefill.prefix_len)
     reads_cached_prefix: bool = False
 
+    def tokens_to_record(self, num_prompt_tokens: int, num_cached_tokens: int) -> int:
+        """The prompt tokens this recording records when the prefix cache holds the first
+        `num_cached_tokens`: those after them, where it reads the cache; else all."""
+        return num_prompt_tokens - (num_cached_tokens if self.reads_cached_prefix else 0)
+
 
 def stale_tensor_error(tensor: torch.Tensor, expected_version: int) -> RuntimeError:
     """What backward raises for a tensor a graph needs that was changed in place since (as

@@ -165,13 +165,14 @@ class Scheduler:
 
     def _name_cacheable_blocks(self, seq: Sequence) -> int:
         """Names the blocks the prefix cache could give `seq` under today's weights (every
-        full block but one holding its last token); returns the tokens it holds of them now."""
+        full block but one holding its last token); returns the tokens it holds of them now,
+        where `seq`'s prefill may read them (0 where it may not)."""
         if self.prefix_caching:
             # the last token is computed whatever is cached: its logits sample the next
             needed = (seq.num_tokens - 1) // self.block_size
             seq.block_names = names_of_first_blocks(seq, needed, self._generation, self.block_size)[:needed]
         seq.kv_generation = self._generation
-        return len(self.allocator.cached_run(seq.block_names)) * self.block_size if self.prefix_caching else 0
+        return len(self.allocator.cached_run(seq.block_names)) * self.block_size if self._reads_cache(seq) else 0
 
     def _begin_computing(self, seq: Sequence) -> None:
         """`seq` is admitted to compute its tokens from position 0 under today's weights: it
@@ -262,7 +263,7 @@ class Scheduler:
             return None
         self._decide_recording(seq)
         if seq.record is not None and self.confirm_recording is not None:
-            seq.record = self.confirm_recording(seq, self._name_cacheable_blocks(seq) if self._reads_cache(seq) else 0)
+            seq.record = self.confirm_recording(seq, self._name_cacheable_blocks(seq))
         if seq.record is None:
             return None
         self._begin_computing(seq)
@@ -286,8 +287,8 @@ class Scheduler:
         """Asks, once, whether a trainable sequence's first prefill is recorded."""
         if seq.awaits_admission:
             seq.awaits_admission = False
-            cached = self._name_cacheable_blocks(seq) if self._reads_cache(seq) else 0  # (not yet recorded)
-            seq.record = self.admit_recording(seq, cached) if self.admit_recording is not None else None
+            if self.admit_recording is not None:  # (no spec yet: the tokens its prefill could read)
+                seq.record = self.admit_recording(seq, self._name_cacheable_blocks(seq))
 
     def _fork(self, output: SchedulerOutput) -> None:
         """Forks the waiting choices of every prompt this step completes."""

@@ -148,9 +148,8 @@ class Recorder:
         `num_cached_tokens` the prefix cache holds now, which may be fewer than when it was
         admitted) is within `max_record_tokens`; otherwise its prefill runs unrecorded and
         the request gets a label entry, as one not drawn does."""
-        recorded = len(prompt_token_ids) - (num_cached_tokens if spec.reads_cached_prefix else 0)
         if (not self.recording_paused() and spec.adapter_version == self.adapter_version()
-                and recorded <= self.config.max_record_tokens):
+                and spec.tokens_to_record(len(prompt_token_ids), num_cached_tokens) <= self.config.max_record_tokens):
             if self.warmer is not None:  # each time: pages warmed again while it waited for KV blocks
                 self.warmer.release()  # the recording's activations take the warm pages
             return spec
@@ -170,8 +169,8 @@ class Recorder:
         spec = self.method.record_spec(self.adapter_version())
         if not self.config.record_after_cached_prefix:
             spec = dataclasses.replace(spec, reads_cached_prefix=False)
-        cached = num_cached_tokens if spec.reads_cached_prefix else 0
-        recorded = num_prompt_tokens - cached
+        recorded = spec.tokens_to_record(num_prompt_tokens, num_cached_tokens)
+        cached = num_prompt_tokens - recorded
         expected = (self._bytes_per_token or 0.0) * recorded + self._bytes_per_cached_token * cached
         if (recorded > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
                 or (self.device_room is not None and not self.device_room.admits(num_prompt_tokens))
