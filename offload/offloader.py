@@ -61,6 +61,9 @@ class OffloadStats:
     peak_device_bytes: int = 0
     # the most they held plus the running serving step's bytes (what the budget bounds)
     peak_budget_bytes: int = 0
+    # layers of prompts' cached beginnings run again in backward from their kept input,
+    # their graphs not fitting (trainer.methods.cached_prefix_backward)
+    beginning_layers_recomputed: int = 0
 
 
 class ActivationOffloader:
@@ -107,15 +110,19 @@ class ActivationOffloader:
     def kept_bytes(self) -> int:
         return sum(r.kept_bytes for r in self._recordings)
 
-    def admits(self, num_tokens: int) -> bool:
-        """Whether a recorded prefill of `num_tokens` may run now: its kept tensors (which
-        are never freed) and what its step holds before a layer can be freed (as
-        `before_step` will reckon it) fit beside everything kept now and its own step.
-        Asked when the recorded step is scheduled; if not, the prefill runs unrecorded.
-        Later steps must fit too: the room left is for the largest serving step seen."""
+    def admits(self, num_tokens: int, recorded_tokens: int | None = None) -> bool:
+        """Whether a recorded prefill of a `num_tokens` prompt may run now, computing its
+        last `recorded_tokens` (all by default; fewer after a beginning read from the
+        prefix cache): its kept tensors (never freed; the whole prompt's keys and values
+        among them) and what its step holds before a layer can be freed (its computed
+        rows', as `before_step` will reckon it) fit beside everything kept now and its own
+        step. Asked when the recorded step is scheduled; if not, the prefill runs
+        unrecorded. Later steps must fit too: the room left is for the largest serving
+        step seen."""
+        rows = num_tokens if recorded_tokens is None else recorded_tokens
         with self._lock:
-            need = self.kept_bytes + int(self._kept_per_token * num_tokens) + self.in_flight_bytes(num_tokens)
-            step = max(self.map.serving_bytes(num_tokens, 1), self._max_step_bytes)
+            need = self.kept_bytes + int(self._kept_per_token * num_tokens) + self.in_flight_bytes(rows)
+            step = max(self.map.serving_bytes(rows, 1), self._max_step_bytes)
             return need + step <= self.budget_bytes
 
     def reload_room(self) -> int:
@@ -130,6 +137,19 @@ class ActivationOffloader:
         with self._lock:
             need = self.map.model.num_layers * self.layer_bytes(num_tokens)
             return self.device_bytes + need <= self.budget_bytes - self._max_step_bytes
+
+    def graph_layers_fit(self, num_tokens: int) -> int:
+        """How many layers' training graphs of `num_tokens` rows fit at once in the room
+        `graph_fits` reckons, beside every layer's input kept (each layer's kept tensors
+        per token bound an input's bytes): the others are run again from their input."""
+        with self._lock:
+            model = self.map.model
+            room = self.budget_bytes - self._max_step_bytes - self.device_bytes
+            if model.num_layers * self.layer_bytes(num_tokens) <= room:
+                return model.num_layers
+            kept_per_layer = (model.kept_per_token - model.head_per_token) / max(model.num_layers, 1)
+            room -= int(model.num_layers * kept_per_layer * num_tokens)
+            return max(0, min(model.num_layers, room // max(self.layer_bytes(num_tokens), 1)))
 
     def kept_fit(self) -> bool:
         """Whether the never-freed tensors of the recordings held now leave room for the

@@ -1,12 +1,16 @@
 """A recorded prefill after the prompt's cached beginning: it reads that beginning's K/V
 from the prefix cache as leaves and records only the rest; its job recomputes the
 beginning. Every method's reuse job gives the separate trainer's gradients (every
-family; one backward sweep or two; layers offloaded or recomputed; a stale recording
-under its stashed weights), the served tokens are those of a recording of the whole
+family; one backward sweep or two; layers offloaded or recomputed; the beginning a layer
+at a time where its graph does not fit the budget; a stale recording under its stashed
+weights), the served tokens are those of a recording of the whole
 prompt, and the prefix cache counts what the recording read."""
+
+import dataclasses
 
 import pytest
 
+from engine.recording import SavedTensorTracker
 from engine.sampling_params import SamplingParams
 from offload.config import OffloadConfig
 from tests.conftest import encode, engine_of
@@ -109,6 +113,97 @@ def test_offloaded_layers_of_a_recording_after_a_cached_beginning(mode, policy):
     stats = trainer.offloader.stats
     assert stats.reloaded_layers + stats.recomputed_layers == len(engine_of(trainer).runner.layers)
     assert relative_difference(grads[False], grads[True]) <= 1e-5
+
+
+def set_budget(trainer, budget: int) -> None:
+    """The device budget changed after the recording was admitted under a roomy one."""
+    trainer.offloader.config = dataclasses.replace(trainer.offloader.config, device_budget_bytes=budget)
+
+
+def room_for_beginning_layers(trainer, entry, num_layers: int) -> int:
+    """A budget with room for `num_layers` of the beginning's layer graphs beside every
+    layer's input (as `ActivationOffloader.graph_layers_fit` reckons them), once the
+    recorded tokens' layers have been back-propagated and released (their kept tensors
+    stay until the entry ends)."""
+    offloader, cached = trainer.offloader, cached_tokens(PROMPT)
+    model = offloader.map.model
+    inputs = int(model.num_layers * (model.kept_per_token - model.head_per_token) / model.num_layers * cached)
+    return (offloader._max_step_bytes + entry.recording.placement.kept_bytes + inputs
+            + num_layers * offloader.layer_bytes(cached))
+
+
+def serve_and_label(mode: str, offload: OffloadConfig | None):
+    """A trainer of `mode` with its entry "r" recorded after the cached beginning and labelled."""
+    if mode == "grpo":
+        trainer = make_grpo_trainer(offload=offload)
+        cache_beginning(trainer)
+        serve_group(trainer, request_id="r", prompt=CONTINUED)
+        assert reward(trainer, "r").accepted
+    else:
+        trainer = make_stash_trainer(mode, offload=offload)
+        cache_beginning(trainer)
+        serve(trainer, "r", prompt=CONTINUED, max_tokens=8)
+        if mode == "dpo":
+            label(trainer, "r", chosen="Paris, of course. It is a lovely city.", rejected="Rome.")
+    entry = trainer.cache.get("r")
+    assert_recorded_after(entry, cached_tokens(PROMPT))
+    return trainer, entry
+
+
+@pytest.mark.parametrize("kept", [0, 1])
+@pytest.mark.parametrize("mode", ["cpt", "dpo", "grpo"])
+def test_a_beginning_whose_graphs_do_not_fit_the_budget_runs_its_lower_layers_again(mode, kept):
+    """Where the budget has room for `kept` of the beginning's layer graphs (of two), the
+    layers below keep only their input through its forward and run again in its backward:
+    the gradients of every layer's graph kept (no budget), holding less."""
+    grads, peaks = {}, {}
+    for tight in (False, True):
+        trainer, entry = serve_and_label(mode, OffloadConfig(device_budget_bytes=1 << 40, policy="recompute")
+                                         if tight else None)
+        if tight:
+            set_budget(trainer, room_for_beginning_layers(trainer, entry, kept))
+        tracker = SavedTensorTracker()
+        with tracker.hooks():
+            grads[tight] = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+        peaks[tight] = tracker.peak_bytes
+    num_layers = len(engine_of(trainer).runner.layers)
+    assert trainer.offloader.stats.beginning_layers_recomputed == num_layers - kept
+    assert all(g.norm() > 0 for g in grads[False].values())
+    assert relative_difference(grads[True], grads[False]) <= 1e-5
+    if mode == "cpt":  # (the job's only graph is the beginning's: its layers', then fewer, and their inputs)
+        inputs = num_layers * cached_tokens(PROMPT) * trainer.peft_model.config.hidden_size * 4
+        assert peaks[True] + inputs < (0.75 if kept == 0 else 1.0) * peaks[False]
+
+
+def test_a_tight_budget_records_a_new_turn_by_the_rows_its_step_computes():
+    """The offloader admits a recording by the whole prompt's kept keys and values and the
+    rows its step computes: a budget with room for the new turn's step and not for the
+    whole prompt's records it, and its job gives the gradients of no budget at all."""
+    whole, cached = len(encode(CONTINUED)), cached_tokens(PROMPT)
+    probe = make_stash_trainer("cpt", offload=OffloadConfig(device_budget_bytes=1 << 40))
+    cache_beginning(probe)
+    offloader = probe.offloader
+
+    def need(rows: int) -> int:  # what admission reckons for a prompt of `whole` tokens computing `rows`
+        step = max(offloader.map.serving_bytes(rows, 1), offloader._max_step_bytes)
+        return int(offloader.map.model.kept_per_token * whole) + offloader.in_flight_bytes(rows) + step
+
+    budget = need(whole - cached)
+    assert budget < need(whole)
+    offloader.config = dataclasses.replace(offloader.config, device_budget_bytes=budget)
+    assert offloader.admits(whole, whole - cached) and not offloader.admits(whole)
+
+    reference = make_stash_trainer("cpt")
+    cache_beginning(reference)
+    serve(reference, "r", prompt=CONTINUED, max_tokens=8)
+    expected = gradients_of(reference, reference.method.reuse_job(reference.cache.get("r"), reference.context))
+    trainer = make_stash_trainer("cpt", offload=OffloadConfig(device_budget_bytes=budget, policy="recompute"))
+    cache_beginning(trainer)
+    serve(trainer, "r", prompt=CONTINUED, max_tokens=8)
+    entry = trainer.cache.get("r")
+    assert_recorded_after(entry, cached)
+    grads = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
+    assert relative_difference(grads, expected) <= 1e-5
 
 
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])

@@ -5,6 +5,8 @@ layer a segment (DESIGN.md); with `prefix` it runs one sequence's new tokens att
 a prefix's K/V given per layer — detached leaves of a recorded prompt, whose gradients
 (gK, gV) then accumulate there. `backward_segments` runs backward one segment at a time,
 top to bottom, handing each layer's input gradient to the layer below.
+`forward_checkpoints` and `checkpointed_backward` do the same keeping only the top
+layers' graphs, and each lower layer's input, from which the backward runs it again.
 
 Both are generators that yield after each layer (so that a caller can stop between
 slices) and return their result through StopIteration, for `yield from`.
@@ -88,12 +90,10 @@ class SegmentedForward:
 
 def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], starts: list[int] | None = None,
                      prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None, with_grad: bool = True,
-                     shared_prefix: bool = False, keep_kv: bool = False):
+                     shared_prefix: bool = False):
     """Generator: one slice per layer; returns a SegmentedForward (segments empty without
     grad). `shared_prefix`: token_lists[0] is a prompt that each of the others continues
-    (they attend to it, then to themselves), all in one pack (`starts` is implied).
-    `keep_kv`: each segment keeps its layer's K/V, graph-connected (a prompt run again,
-    whose K/V other tokens' gradients reach)."""
+    (they attend to it, then to themselves), all in one pack (`starts` is implied)."""
     device = runner.device
     lengths = [len(t) for t in token_lists]
     assert starts is None or not shared_prefix, "a shared-prefix pack's positions follow from its lengths"
@@ -105,15 +105,14 @@ def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], start
         metadata = runner.attention_metadata(lengths, starts)
     ids = torch.tensor([t for tokens in token_lists for t in tokens], device=device)
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
-    past = SequenceKV(metadata, prefix, keep=keep_kv)
+    past = SequenceKV(metadata, prefix)
     leaves: list[torch.Tensor] | None = [] if with_grad else None
     outs: list[torch.Tensor] | None = [] if with_grad else None
     with torch.no_grad():
         hidden = runner.embed(ids.unsqueeze(0))
     layers = runner.iter_layers(hidden, positions, metadata, past, leaves, outs)
     hidden = yield from within(lambda: torch.set_grad_enabled(with_grad), layers)
-    segments = [LayerSegment(leaf, out, *past.new.get(i, ()))
-                for i, (leaf, out) in enumerate(zip(leaves or [], outs or []))]
+    segments = [LayerSegment(leaf, out) for leaf, out in zip(leaves or [], outs or [])]
     head_leaf = hidden.detach().requires_grad_(with_grad)
     offsets = [0]
     for n in lengths:
@@ -225,6 +224,46 @@ def recompute_segment(runner: LayerwiseModel, index: int, leaf_rows: torch.Tenso
         if prefix is not None:
             key, value = torch.cat([prefix[0], key], dim=2), torch.cat([prefix[1], value], dim=2)
     return LayerSegment(leaf, out, key, value)
+
+
+def forward_checkpoints(runner: LayerwiseModel, tokens: list[int], graph_layers: int):
+    """Generator: one sequence (positions 0 .. T-1) forwarded, one slice per layer: its top
+    `graph_layers` layers under grad, each a segment keeping its graph and K/V; the layers
+    below without grad, each keeping only its input (1, T, hidden) — a checkpoint, one
+    hidden row per token, from which `checkpointed_backward` runs it again. Returns (per
+    layer, its segment or its checkpoint; the last layer's output as a head leaf)."""
+    num = len(tokens)
+    metadata = runner.attention_metadata([num], [0])
+    position_ids = torch.arange(num, device=runner.device).unsqueeze(0)
+    past = SequenceKV(metadata)
+    with torch.no_grad():
+        hidden = runner.embed(torch.tensor(tokens, device=runner.device).unsqueeze(0))
+        tables = runner.rotary(hidden, position_ids)
+    first_graph = len(runner.layers) - graph_layers
+    layers: list[LayerSegment | torch.Tensor] = []
+    for index in range(len(runner.layers)):
+        graph = index >= first_graph
+        past.keep = graph
+        leaf = hidden.detach().requires_grad_(graph)
+        with torch.set_grad_enabled(graph):
+            hidden = runner.run_layer(index, leaf, position_ids, metadata, past, tables)
+        layers.append(LayerSegment(leaf, hidden, *past.new.pop(index)) if graph else leaf)
+        yield
+    return layers, hidden.detach().requires_grad_()
+
+
+def checkpointed_backward(runner: LayerwiseModel, layers: list[LayerSegment | torch.Tensor], top_grad: torch.Tensor,
+                          kv_grads: list[tuple[torch.Tensor | None, torch.Tensor | None]]):
+    """Generator: `backward_segments` over `forward_checkpoints`' layers, a layer kept as
+    its checkpoint first run again under grad from it (a slice of its own): one such
+    layer's graph alive at a time."""
+    grad = top_grad
+    for index in reversed(range(len(layers))):
+        if not isinstance(layers[index], LayerSegment):
+            layers[index] = recompute_segment(runner, index, layers[index])
+            yield
+        grad = backward_layer(layers, index, grad, kv_grads[index])
+        yield
 
 
 def _fit_rows(grad: torch.Tensor, rows: int) -> torch.Tensor:
