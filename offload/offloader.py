@@ -61,9 +61,9 @@ class OffloadStats:
     peak_device_bytes: int = 0
     # the most they held plus the running serving step's bytes (what the budget bounds)
     peak_budget_bytes: int = 0
-    # layers of prompts' cached beginnings run again in backward from their kept input,
-    # their graphs not fitting (trainer.methods.cached_prefix_backward)
-    beginning_layers_recomputed: int = 0
+    # layers of training forwards (a recomputation's, a cached beginning's) run again in
+    # backward from their kept input, their graphs not fitting (TrainContext.graph_layers)
+    rerun_training_layers: int = 0
 
 
 class ActivationOffloader:
@@ -84,8 +84,13 @@ class ActivationOffloader:
         self._step_bytes = 0
         # the largest serving step's bytes seen: what never-freed tensors must leave room for
         self._max_step_bytes = 0
-        # the most kept bytes per recorded token seen (predicts a new recording's kept bytes)
+        # the most sequences a serving step has held: bounds the decodes that may ride along
+        # in a recorded prefill's step (its graph holds their rows too)
+        self._max_batch = 0
+        # the most kept bytes per recorded token seen (predicts a new recording's kept bytes),
+        # and per token of a cached beginning it read (the memory model's: its K/V, exact)
         self._kept_per_token = offloading_map.model.kept_per_token
+        self._kept_per_cached_token = offloading_map.model.kept_per_cached_token or self._kept_per_token
         self._layer_per_token = 0.0
         self._recordings: list[RecordingPlacement] = []
         self._sequence = 0
@@ -110,19 +115,20 @@ class ActivationOffloader:
     def kept_bytes(self) -> int:
         return sum(r.kept_bytes for r in self._recordings)
 
-    def admits(self, num_tokens: int, recorded_tokens: int | None = None) -> bool:
-        """Whether a recorded prefill of a `num_tokens` prompt may run now, computing its
-        last `recorded_tokens` (all by default; fewer after a beginning read from the
-        prefix cache): its kept tensors (never freed; the whole prompt's keys and values
-        among them) and what its step holds before a layer can be freed (its computed
-        rows', as `before_step` will reckon it) fit beside everything kept now and its own
-        step. Asked when the recorded step is scheduled; if not, the prefill runs
+    def admits(self, num_tokens: int, cached_tokens: int = 0) -> bool:
+        """Whether a recorded prefill of a `num_tokens` prompt may run now, its first
+        `cached_tokens` read from the prefix cache (of which it keeps the keys and values
+        only): its kept tensors (never freed) and what its step holds before a layer can be
+        freed (as `before_step` will reckon it: the rows it computes, and as many decodes
+        riding along as the fullest step seen held) fit beside everything kept now and its
+        own step. Asked when the recorded step is scheduled; if not, the prefill runs
         unrecorded. Later steps must fit too: the room left is for the largest serving
         step seen."""
-        rows = num_tokens if recorded_tokens is None else recorded_tokens
+        recorded = num_tokens - cached_tokens
         with self._lock:
-            need = self.kept_bytes + int(self._kept_per_token * num_tokens) + self.in_flight_bytes(rows)
-            step = max(self.map.serving_bytes(rows, 1), self._max_step_bytes)
+            kept = self._kept_per_token * recorded + self._kept_per_cached_token * cached_tokens
+            need = self.kept_bytes + int(kept) + self.in_flight_bytes(recorded + max(self._max_batch - 1, 0))
+            step = max(self.map.serving_bytes(recorded, 1), self._max_step_bytes)
             return need + step <= self.budget_bytes
 
     def reload_room(self) -> int:
@@ -191,9 +197,8 @@ class ActivationOffloader:
         """A recording's kept tensors are all known: they refine the prediction of a new
         recording's kept bytes, and its layers are freed to the step's allowance."""
         with self._lock:
-            # (over the cached beginning's tokens too: the whole prompt's keys and values are kept)
-            tokens = recording.rows + recording.prefix_len
-            self._kept_per_token = max(self._kept_per_token, recording.kept_bytes / max(tokens, 1))
+            kept = recording.kept_bytes - self._kept_per_cached_token * recording.prefix_len
+            self._kept_per_token = max(self._kept_per_token, kept / max(recording.rows, 1))
             self.free_to(self._allowed_bytes)
 
     def _copy_to_host(self, storage: StorageCopy) -> bool:
@@ -236,6 +241,7 @@ class ActivationOffloader:
         with self._lock:
             self._step_bytes = self.map.serving_bytes(num_tokens, batch_size)
             self._max_step_bytes = max(self._max_step_bytes, self._step_bytes)
+            self._max_batch = max(self._max_batch, batch_size)
             in_flight = 0
             if recorded_tokens:  # the rows the recorded graph holds: the prompt's, and any riding decodes'
                 in_flight = self.in_flight_bytes(recorded_tokens)

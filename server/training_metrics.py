@@ -257,8 +257,9 @@ def _offload_metrics(offload):
             ("recomputed_layers", "Freed layers recomputed from their kept input for backward."),
             ("over_budget_steps", "Serving steps before which the device budget could not be met (only "
                                   "never-freed tensors were left)."),
-            ("beginning_layers_recomputed", "Layers of prompts' cached beginnings run again in backward from "
-                                            "their kept input, their training graphs not fitting the device budget.")):
+            ("rerun_training_layers", "Layers of training forwards (a recomputation's, a prompt's cached "
+                                      "beginning's) run again in backward from their kept input, their graphs not "
+                                      "fitting the device budget.")):
         yield CounterMetricFamily(f"{PREFIX}{name}", text, value=getattr(offload, name))
     yield CounterMetricFamily(f"{PREFIX}reload_wait_seconds", "Seconds backward waited for reloads (not hidden "
                               "behind compute).", value=offload.reload_wait_seconds)

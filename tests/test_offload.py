@@ -212,7 +212,7 @@ def test_device_budget_holds_while_serving_and_training_continue():
     rng = random.Random(0)
     finished = 0
     for i in range(24):
-        ids = encode(f"{rng.choice([PROMPT, OTHER_PROMPT])} request {i}")
+        ids = encode(f"Request {i}: {rng.choice([PROMPT, OTHER_PROMPT])}")  # (no beginning cached: whole recordings)
         engine.add_request(f"r{i}", ids, params, train=True)
         for _ in range(rng.randint(1, 4)):
             outputs, _ = engine.step()
@@ -407,6 +407,46 @@ def test_dpo_responses_go_one_at_a_time_when_the_budget_has_no_room_for_both():
     grads = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
     assert schedules == [1]
     assert relative_difference(grads, reference) <= 1e-5
+
+
+def room_for_graph_layers(offloader, rows: int, kept: int, held: int | None = None) -> int:
+    """A budget with room, beside the offloader's largest step and what it holds (`held`
+    when the job asks; None: now), for `kept` layer graphs of a `rows`-row training
+    forward and every layer's input (as `ActivationOffloader.graph_layers_fit` reckons)."""
+    model = offloader.map.model
+    inputs = int((model.kept_per_token - model.head_per_token) * rows)
+    held = offloader.device_bytes if held is None else held
+    return offloader._max_step_bytes + held + inputs + kept * offloader.layer_bytes(rows)
+
+
+@pytest.mark.parametrize("mode,kept", [("cpt", 0), ("cpt", 1), ("dpo", 0), ("grpo", 0)])
+def test_a_recomputation_whose_graphs_do_not_fit_the_budget_runs_its_lower_layers_again(mode, kept):
+    """An entry trained from its tokens under a budget with room for `kept` of its forward's
+    layer graphs (of two): the layers below keep their input only and run again in
+    backward, with the gradients of every graph kept (no budget)."""
+    from tests.test_grpo import make_trainer as make_grpo_trainer, reward, serve_group
+    grads = {}
+    for tight in (False, True):
+        offload = OffloadConfig(device_budget_bytes=1 << 40) if tight else None
+        if mode == "grpo":
+            trainer = make_grpo_trainer(offload=offload)
+            serve_group(trainer)
+            assert reward(trainer).accepted
+            entry = trainer.cache.get("g")
+        else:
+            trainer = make_trainer(mode=mode, offload=offload)
+            serve_two(trainer)
+            if mode == "dpo":
+                label(trainer, "b", chosen="Paris, of course. It is a lovely city.")
+            entry = trainer.cache.get("b")
+        if tight:
+            offloader = trainer.offloader
+            budget = room_for_graph_layers(offloader, len(entry.prompt_token_ids), kept) if kept else 1
+            offloader.config = dataclasses.replace(offloader.config, device_budget_bytes=budget)
+        grads[tight] = gradients_of(trainer, trainer.method.recompute_job(entry, trainer.context))
+    assert trainer.offloader.stats.rerun_training_layers == 2 - kept
+    assert all(g.norm() > 0 for g in grads[False].values())
+    assert relative_difference(grads[True], grads[False]) <= 1e-5
 
 
 def test_a_profile_of_another_model_or_with_impossible_figures_is_refused_naming_it(tmp_path):

@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 from offload.config import OffloadConfig
 from tests.conftest import encode, engine_of
 from tests.test_grpo import make_trainer as make_grpo_trainer, reward, serve_group
+from tests.test_offload import room_for_graph_layers
 from tests.test_stash import advance, hold, make_trainer as make_stash_trainer, stale_and_fresh_gradients, \
     stashed_gradients
 from tests.test_training import PROMPT, gradients_of, label, make_trainer, relative_difference, serve
@@ -120,18 +121,6 @@ def set_budget(trainer, budget: int) -> None:
     trainer.offloader.config = dataclasses.replace(trainer.offloader.config, device_budget_bytes=budget)
 
 
-def room_for_beginning_layers(trainer, entry, num_layers: int) -> int:
-    """A budget with room for `num_layers` of the beginning's layer graphs beside every
-    layer's input (as `ActivationOffloader.graph_layers_fit` reckons them), once the
-    recorded tokens' layers have been back-propagated and released (their kept tensors
-    stay until the entry ends)."""
-    offloader, cached = trainer.offloader, cached_tokens(PROMPT)
-    model = offloader.map.model
-    inputs = int(model.num_layers * (model.kept_per_token - model.head_per_token) / model.num_layers * cached)
-    return (offloader._max_step_bytes + entry.recording.placement.kept_bytes + inputs
-            + num_layers * offloader.layer_bytes(cached))
-
-
 def serve_and_label(mode: str, offload: OffloadConfig | None):
     """A trainer of `mode` with its entry "r" recorded after the cached beginning and labelled."""
     if mode == "grpo":
@@ -161,13 +150,15 @@ def test_a_beginning_whose_graphs_do_not_fit_the_budget_runs_its_lower_layers_ag
         trainer, entry = serve_and_label(mode, OffloadConfig(device_budget_bytes=1 << 40, policy="recompute")
                                          if tight else None)
         if tight:
-            set_budget(trainer, room_for_beginning_layers(trainer, entry, kept))
+            # (the recorded layers back-propagated and released by then, their kept tensors held)
+            held = entry.recording.placement.kept_bytes
+            set_budget(trainer, room_for_graph_layers(trainer.offloader, cached_tokens(PROMPT), kept, held))
         tracker = SavedTensorTracker()
         with tracker.hooks():
             grads[tight] = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
         peaks[tight] = tracker.peak_bytes
     num_layers = len(engine_of(trainer).runner.layers)
-    assert trainer.offloader.stats.beginning_layers_recomputed == num_layers - kept
+    assert trainer.offloader.stats.rerun_training_layers == num_layers - kept
     assert all(g.norm() > 0 for g in grads[False].values())
     assert relative_difference(grads[True], grads[False]) <= 1e-5
     if mode == "cpt":  # (the job's only graph is the beginning's: its layers', then fewer, and their inputs)
@@ -175,23 +166,27 @@ def test_a_beginning_whose_graphs_do_not_fit_the_budget_runs_its_lower_layers_ag
         assert peaks[True] + inputs < (0.75 if kept == 0 else 1.0) * peaks[False]
 
 
-def test_a_tight_budget_records_a_new_turn_by_the_rows_its_step_computes():
-    """The offloader admits a recording by the whole prompt's kept keys and values and the
-    rows its step computes: a budget with room for the new turn's step and not for the
-    whole prompt's records it, and its job gives the gradients of no budget at all."""
+def test_a_tight_budget_records_a_new_turn_by_what_it_keeps_of_its_cached_beginning():
+    """The offloader admits a recording by what it keeps — of its cached beginning, the
+    keys and values — and the rows its step computes: a budget with room for those and not
+    for a whole prompt's recording records it, and its job gives the gradients of no budget."""
     whole, cached = len(encode(CONTINUED)), cached_tokens(PROMPT)
     probe = make_stash_trainer("cpt", offload=OffloadConfig(device_budget_bytes=1 << 40))
     cache_beginning(probe)
     offloader = probe.offloader
+    model = offloader.map.model
+    assert 0 < model.kept_per_cached_token < model.kept_per_token
 
-    def need(rows: int) -> int:  # what admission reckons for a prompt of `whole` tokens computing `rows`
+    def need(cached_part: int) -> int:  # what admission reckons for a prompt of `whole` tokens
+        rows = whole - cached_part
         step = max(offloader.map.serving_bytes(rows, 1), offloader._max_step_bytes)
-        return int(offloader.map.model.kept_per_token * whole) + offloader.in_flight_bytes(rows) + step
+        kept = model.kept_per_token * rows + model.kept_per_cached_token * cached_part
+        return int(kept) + offloader.in_flight_bytes(rows + offloader._max_batch - 1) + step
 
-    budget = need(whole - cached)
-    assert budget < need(whole)
+    budget = need(cached)
+    assert budget < need(0)
     offloader.config = dataclasses.replace(offloader.config, device_budget_bytes=budget)
-    assert offloader.admits(whole, whole - cached) and not offloader.admits(whole)
+    assert offloader.admits(whole, cached) and not offloader.admits(whole)
 
     reference = make_stash_trainer("cpt")
     cache_beginning(reference)
@@ -202,6 +197,8 @@ def test_a_tight_budget_records_a_new_turn_by_the_rows_its_step_computes():
     serve(trainer, "r", prompt=CONTINUED, max_tokens=8)
     entry = trainer.cache.get("r")
     assert_recorded_after(entry, cached)
+    placement = entry.recording.placement  # what it keeps is within what admission reckoned
+    assert placement.kept_bytes <= model.kept_per_token * placement.rows + model.kept_per_cached_token * cached
     grads = gradients_of(trainer, trainer.method.reuse_job(entry, trainer.context))
     assert relative_difference(grads, expected) <= 1e-5
 

@@ -274,17 +274,19 @@ class DPOMethod(TrainingMethod):
     def recompute_job(self, entry: PreferenceEntry, ctx: TrainContext):
         """The prompt and both responses in one forward (AttentionMetadata.shared_prefix:
         the prompt computed once, as the reuse job's recording computed it), the loss from
-        that forward, one backward through all of it."""
+        that forward, one backward through all of it (the layers whose graphs the device
+        budget has no room for run again there: `TrainContext.graph_layers`)."""
         yield from self._base_reference(entry, ctx)
         prompt = entry.prompt_token_ids
         responses = {"chosen": entry.label.chosen, "rejected": entry.label.rejected}
-        fwd = yield from forward_segments(ctx.runner, [prompt, *(r[:-1] for r in responses.values() if len(r) > 1)],
-                                          shared_prefix=True)
+        pack = [prompt, *(r[:-1] for r in responses.values() if len(r) > 1)]
+        fwd = yield from forward_segments(ctx.runner, pack, shared_prefix=True,
+                                          graph_layers=ctx.graph_layers(sum(map(len, pack))))
         with torch.enable_grad():  # the prompt's last row scores each response's first token
             last = head_logits(ctx, fwd.head_leaf[0, len(prompt) - 1:len(prompt)])
         values, rows = yield from self._score(ctx, responses, last.detach(), fwd, 1, with_grad=True)
         metrics = yield from self._loss_onto_heads(ctx, entry, responses, values, last, fwd, rows)
-        yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+        yield from backward_segments(fwd.segments, fwd.head_leaf.grad, residency=fwd.rerun)
         return JobResult(metrics["loss"], entry.num_tokens, metrics)
 
     def baseline_job(self, entry: PreferenceEntry, ctx: TrainContext):

@@ -5,8 +5,9 @@ layer a segment (DESIGN.md); with `prefix` it runs one sequence's new tokens att
 a prefix's K/V given per layer — detached leaves of a recorded prompt, whose gradients
 (gK, gV) then accumulate there. `backward_segments` runs backward one segment at a time,
 top to bottom, handing each layer's input gradient to the layer below.
-`forward_checkpoints` and `checkpointed_backward` do the same keeping only the top
-layers' graphs, and each lower layer's input, from which the backward runs it again.
+With `graph_layers`, only the top layers keep their graphs through the forward; each
+layer below keeps its input, and `backward_segments` runs it again from there
+(`SegmentedForward.rerun`): a training forward held within a device budget.
 
 Both are generators that yield after each layer (so that a caller can stop between
 slices) and return their result through StopIteration, for `yield from`.
@@ -80,20 +81,56 @@ class SequenceKV:
 
 
 @dataclass
+class Rerun:
+    """The layers of a forward that kept only their input (a segment whose `out` is None),
+    run again under grad for their backward, as they ran: the residency
+    `backward_segments` takes (`before` gives each layer's segment, `after` has nothing
+    to release)."""
+    runner: LayerwiseModel
+    segments: list[LayerSegment]
+    metadata: AttentionMetadata
+    position_ids: torch.Tensor
+    tables: object
+    prefix: "PrefixKV | None"
+    keep_kv: bool
+
+    def before(self, index: int) -> LayerSegment:
+        segment = self.segments[index]
+        if segment.out is not None:
+            return segment
+        past = SequenceKV(self.metadata, self.prefix, keep=self.keep_kv)
+        leaf = segment.leaf.requires_grad_()
+        with torch.enable_grad():
+            out = self.runner.run_layer(index, leaf, self.position_ids, self.metadata, past, self.tables)
+        return LayerSegment(leaf, out, *past.new.get(index, ()))
+
+    def after(self, index: int) -> None:
+        pass
+
+
+@dataclass
 class SegmentedForward:
+    # per layer: its graph (input leaf, output, and its K/V with `keep_kv`), or below
+    # `graph_layers` its input alone (`out` None), run again by `rerun`
     segments: list[LayerSegment]
     # (1, T, hidden) the last layer's output as a leaf (the head segment's input)
     head_leaf: torch.Tensor
     # packed row ranges of each sequence: rows offsets[b] .. offsets[b + 1] - 1
     offsets: list[int]
+    # the residency that runs a layer kept as its input again (None: every graph kept)
+    rerun: Rerun | None = None
 
 
 def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], starts: list[int] | None = None,
                      prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None, with_grad: bool = True,
-                     shared_prefix: bool = False):
+                     shared_prefix: bool = False, keep_kv: bool = False, graph_layers: int | None = None):
     """Generator: one slice per layer; returns a SegmentedForward (segments empty without
     grad). `shared_prefix`: token_lists[0] is a prompt that each of the others continues
-    (they attend to it, then to themselves), all in one pack (`starts` is implied)."""
+    (they attend to it, then to themselves), all in one pack (`starts` is implied).
+    `keep_kv`: each segment keeps its layer's K/V, graph-connected (a prompt run again,
+    whose K/V other tokens' gradients reach). `graph_layers` (with grad; None: all): the
+    top layers that keep their graph; each layer below runs without grad keeping only its
+    input, and is run again in backward (`SegmentedForward.rerun`)."""
     device = runner.device
     lengths = [len(t) for t in token_lists]
     assert starts is None or not shared_prefix, "a shared-prefix pack's positions follow from its lengths"
@@ -104,20 +141,31 @@ def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], start
         starts = starts or [0] * len(token_lists)
         metadata = runner.attention_metadata(lengths, starts)
     ids = torch.tensor([t for tokens in token_lists for t in tokens], device=device)
-    positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device)
+    position_ids = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)]).to(device).unsqueeze(0)
     past = SequenceKV(metadata, prefix)
-    leaves: list[torch.Tensor] | None = [] if with_grad else None
-    outs: list[torch.Tensor] | None = [] if with_grad else None
+    num_layers = len(runner.layers)
+    first_graph = num_layers - (num_layers if graph_layers is None else graph_layers) if with_grad else num_layers
     with torch.no_grad():
         hidden = runner.embed(ids.unsqueeze(0))
-    layers = runner.iter_layers(hidden, positions, metadata, past, leaves, outs)
-    hidden = yield from within(lambda: torch.set_grad_enabled(with_grad), layers)
-    segments = [LayerSegment(leaf, out) for leaf, out in zip(leaves or [], outs or [])]
+        tables = runner.rotary(hidden, position_ids)
+    segments: list[LayerSegment] = []
+    for index in range(num_layers):
+        graph = index >= first_graph
+        past.keep = keep_kv and graph
+        if with_grad:  # each layer's input a fresh leaf: one segment per layer
+            hidden = hidden.detach().requires_grad_(graph)
+        leaf = hidden
+        with torch.set_grad_enabled(graph):
+            hidden = runner.run_layer(index, leaf, position_ids, metadata, past, tables)
+        if with_grad:
+            segments.append(LayerSegment(leaf, hidden, *past.new.pop(index, ())) if graph else LayerSegment(leaf, None))
+        yield
+    rerun = Rerun(runner, segments, metadata, position_ids, tables, prefix, keep_kv) if first_graph > 0 else None
     head_leaf = hidden.detach().requires_grad_(with_grad)
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    return SegmentedForward(segments, head_leaf, offsets)
+    return SegmentedForward(segments, head_leaf, offsets, rerun if with_grad else None)
 
 
 def head_score(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor, chunk_rows: int):
@@ -224,46 +272,6 @@ def recompute_segment(runner: LayerwiseModel, index: int, leaf_rows: torch.Tenso
         if prefix is not None:
             key, value = torch.cat([prefix[0], key], dim=2), torch.cat([prefix[1], value], dim=2)
     return LayerSegment(leaf, out, key, value)
-
-
-def forward_checkpoints(runner: LayerwiseModel, tokens: list[int], graph_layers: int):
-    """Generator: one sequence (positions 0 .. T-1) forwarded, one slice per layer: its top
-    `graph_layers` layers under grad, each a segment keeping its graph and K/V; the layers
-    below without grad, each keeping only its input (1, T, hidden) — a checkpoint, one
-    hidden row per token, from which `checkpointed_backward` runs it again. Returns (per
-    layer, its segment or its checkpoint; the last layer's output as a head leaf)."""
-    num = len(tokens)
-    metadata = runner.attention_metadata([num], [0])
-    position_ids = torch.arange(num, device=runner.device).unsqueeze(0)
-    past = SequenceKV(metadata)
-    with torch.no_grad():
-        hidden = runner.embed(torch.tensor(tokens, device=runner.device).unsqueeze(0))
-        tables = runner.rotary(hidden, position_ids)
-    first_graph = len(runner.layers) - graph_layers
-    layers: list[LayerSegment | torch.Tensor] = []
-    for index in range(len(runner.layers)):
-        graph = index >= first_graph
-        past.keep = graph
-        leaf = hidden.detach().requires_grad_(graph)
-        with torch.set_grad_enabled(graph):
-            hidden = runner.run_layer(index, leaf, position_ids, metadata, past, tables)
-        layers.append(LayerSegment(leaf, hidden, *past.new.pop(index)) if graph else leaf)
-        yield
-    return layers, hidden.detach().requires_grad_()
-
-
-def checkpointed_backward(runner: LayerwiseModel, layers: list[LayerSegment | torch.Tensor], top_grad: torch.Tensor,
-                          kv_grads: list[tuple[torch.Tensor | None, torch.Tensor | None]]):
-    """Generator: `backward_segments` over `forward_checkpoints`' layers, a layer kept as
-    its checkpoint first run again under grad from it (a slice of its own): one such
-    layer's graph alive at a time."""
-    grad = top_grad
-    for index in reversed(range(len(layers))):
-        if not isinstance(layers[index], LayerSegment):
-            layers[index] = recompute_segment(runner, index, layers[index])
-            yield
-        grad = backward_layer(layers, index, grad, kv_grads[index])
-        yield
 
 
 def _fit_rows(grad: torch.Tensor, rows: int) -> torch.Tensor:

@@ -243,7 +243,8 @@ class GRPOMethod(TrainingMethod):
     def recompute_job(self, entry: GroupEntry, ctx: TrainContext):
         """The prompt and the samples in one forward (AttentionMetadata.shared_prefix: the
         prompt computed once, not once per sample), in packs of as many samples as
-        `recompute_tokens` holds beside the prompt; each pack's backward at once."""
+        `recompute_tokens` holds beside the prompt; each pack's backward at once (the
+        layers whose graphs the device budget has no room for run again there)."""
         yield from self._reference(entry, ctx)
         prompt = entry.prompt_token_ids
         samples = self._samples(entry)
@@ -252,8 +253,9 @@ class GRPOMethod(TrainingMethod):
         for start in range(0, len(samples), rows):
             batch = samples[start:start + rows]
             longer = [sample for sample in batch if len(sample[1]) > 1]
-            fwd = yield from forward_segments(ctx.runner, [prompt, *(response[:-1] for _, response, _, _ in longer)],
-                                              shared_prefix=True)
+            pack = [prompt, *(response[:-1] for _, response, _, _ in longer)]
+            fwd = yield from forward_segments(ctx.runner, pack, shared_prefix=True,
+                                              graph_layers=ctx.graph_layers(sum(map(len, pack))))
             losses = {index: self._token_loss(entry, index, response, advantage, weight, fwd.head_leaf.device, tally)
                       for index, response, advantage, weight in batch}
             with torch.enable_grad():  # the prompt's last row scores every sample's first token
@@ -265,7 +267,7 @@ class GRPOMethod(TrainingMethod):
                 total += yield from head_token_loss(ctx.runner, fwd.head_leaf, fwd.offsets[b + 1], len(response) - 1,
                                                     lambda logits, a, loss=losses[index]: loss(logits, a + 1),
                                                     ctx.head_chunk_rows)
-            yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+            yield from backward_segments(fwd.segments, fwd.head_leaf.grad, residency=fwd.rerun)
         return tally.result(total, entry.num_tokens)
 
     def _samples_per_pack(self, prompt_len: int, responses: list[list[int]]) -> int:

@@ -24,8 +24,7 @@ from engine.layerwise import LayerwiseModel
 from engine.recording import RecordedPrefill, RecordSpec
 from trainer.adapter import adapters_disabled
 from trainer.entries import CacheEntry
-from trainer.forward import SegmentedForward, backward_segments, backward_sweep, checkpointed_backward, \
-    forward_checkpoints, forward_segments, head_backward
+from trainer.forward import SegmentedForward, backward_segments, backward_sweep, forward_segments, head_backward
 from trainer.losses import cpt_weights
 
 
@@ -55,12 +54,17 @@ class TrainContext:
         """Token ids as a tensor on the model's device."""
         return torch.tensor(tokens, device=self.runner.device)
 
-    def graph_layers_fit(self, num_tokens: int) -> int:
-        """How many decoder layers' training graphs of `num_tokens` rows fit the offloader's
-        device budget at once beside what it holds, each other layer holding its input (no
-        budget: every layer)."""
+    def graph_layers(self, num_tokens: int) -> int:
+        """How many of a training forward's top layers keep their graph, at `num_tokens`
+        rows: as many as fit the offloader's device budget at once beside what it holds,
+        each other layer holding its input, run again in backward (counted in the
+        offloader's stats); no budget: every layer."""
         num_layers = len(self.runner.layers)
-        return num_layers if self.offloader is None else min(num_layers, self.offloader.graph_layers_fit(num_tokens))
+        if self.offloader is None:
+            return num_layers
+        kept = min(num_layers, self.offloader.graph_layers_fit(num_tokens))
+        self.offloader.stats.rerun_training_layers += num_layers - kept
+        return kept
 
     def graph_fits(self, num_tokens: int) -> bool:
         """Whether a training forward of `num_tokens` rows, every layer's graph alive at
@@ -96,39 +100,29 @@ def prompt_head_backward(recording: RecordedPrefill, last: torch.Tensor) -> None
 
 
 def cached_prefix_backward(recording: RecordedPrefill, ctx: TrainContext, targets: torch.Tensor | None = None,
-                           weights: torch.Tensor | None = None):
+                           weights: torch.Tensor | None = None, graph_layers: int | None = None):
     """Generator: the backward of the prompt's beginning the recording read from the prefix
     cache (`recording.prefix_len` tokens; none: nothing to do), once the recorded tokens'
     backward has left its gradients on that beginning's K/V leaves (`prefix_kv`): the
     beginning is recomputed under grad — under the weights the job runs with: the
-    recording's own (stashed when stale), or today's under `stale_weights = "live"` — and
-    back-propagated with those gradients; with `targets` and `weights`, also a weighted
-    next-token loss on its rows (CPT's, whose tokens these are). Returns that loss's value
-    (0.0 without one). As many of its top layers keep their graph through the forward as
-    the offloader's device budget has room for (`ctx.graph_layers_fit`; no budget: all);
-    each layer below keeps its input only and runs again in the backward."""
+    recording's own (stashed when stale), or today's under `stale_weights = "live"` — its
+    layers keeping their K/V, and back-propagated with those gradients; with `targets` and
+    `weights`, also a weighted next-token loss on its rows (CPT's, whose tokens these are).
+    Returns that loss's value (0.0 without one). Its top `graph_layers` layers keep their
+    graph through the forward (None: as many as the device budget has room for,
+    `ctx.graph_layers`), each layer below its input only, run again in the backward."""
     num = recording.prefix_len
     if not num:
         return 0.0
-    graph_layers = ctx.graph_layers_fit(num)
-    if ctx.offloader is not None:
-        ctx.offloader.stats.beginning_layers_recomputed += len(recording.prefix_kv) - graph_layers
-    return (yield from beginning_backward(recording, ctx, graph_layers, targets, weights))
-
-
-def beginning_backward(recording: RecordedPrefill, ctx: TrainContext, graph_layers: int,
-                       targets: torch.Tensor | None = None, weights: torch.Tensor | None = None):
-    """Generator: `cached_prefix_backward`'s work, the beginning's top `graph_layers`
-    layers keeping their graph through its forward and the layers below run again in its
-    backward from their inputs (trainer.forward.forward_checkpoints): every layer, one
-    forward; none, one layer's graph alive at a time, for one more forward."""
-    tokens = recording.prompt_token_ids[:recording.prefix_len]
-    layers, head_leaf = yield from forward_checkpoints(ctx.runner, tokens, graph_layers)
+    if graph_layers is None:
+        graph_layers = ctx.graph_layers(num)
+    fwd = yield from forward_segments(ctx.runner, [recording.prompt_token_ids[:num]], keep_kv=True,
+                                      graph_layers=graph_layers)
     loss = 0.0
     if targets is not None:
-        loss = yield from head_backward(ctx.runner, head_leaf, 0, targets, weights, ctx.head_chunk_rows)
-    top = head_leaf.grad if head_leaf.grad is not None else torch.zeros_like(head_leaf)
-    yield from checkpointed_backward(ctx.runner, layers, top, [(k.grad, v.grad) for k, v in recording.prefix_kv])
+        loss = yield from head_backward(ctx.runner, fwd.head_leaf, 0, targets, weights, ctx.head_chunk_rows)
+    top = fwd.head_leaf.grad if fwd.head_leaf.grad is not None else torch.zeros_like(fwd.head_leaf)
+    yield from backward_segments(fwd.segments, top, [(k.grad, v.grad) for k, v in recording.prefix_kv], fwd.rerun)
     return loss
 
 
@@ -249,8 +243,9 @@ class CPTMethod(TrainingMethod):
         return result
 
     def recompute_job(self, entry: CacheEntry, ctx: TrainContext):
-        fwd = yield from forward_segments(ctx.runner, [entry.prompt_token_ids])
+        tokens = entry.prompt_token_ids
+        fwd = yield from forward_segments(ctx.runner, [tokens], graph_layers=ctx.graph_layers(len(tokens)))
         result = yield from self._train_head(entry, ctx, fwd.head_leaf)
         if fwd.head_leaf.grad is not None:
-            yield from backward_segments(fwd.segments, fwd.head_leaf.grad)
+            yield from backward_segments(fwd.segments, fwd.head_leaf.grad, residency=fwd.rerun)
         return result

@@ -318,7 +318,7 @@ class OnlineTraining:
             o = self.offloader.stats
             offload = OffloadStatus(self.offloader.device_bytes, self.offloader.host_bytes, o.offloaded_layers,
                                     o.dropped_layers, o.reloaded_layers, o.recomputed_layers, o.over_budget_steps,
-                                    o.reload_wait_seconds, o.beginning_layers_recomputed)
+                                    o.reload_wait_seconds, o.rerun_training_layers)
         saves = None
         checkpointer = self.lifecycle.checkpointer
         if checkpointer is not None:

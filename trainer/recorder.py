@@ -50,7 +50,7 @@ from trainer.status import TrainingStats
 class DeviceRoom(Protocol):
     """Whether a recording's never-freed tensors fit on the device (the offloader)."""
 
-    def admits(self, num_tokens: int, recorded_tokens: int | None = None) -> bool: ...
+    def admits(self, num_tokens: int, cached_tokens: int = 0) -> bool: ...
 
 
 class Recorder:
@@ -162,8 +162,8 @@ class Recorder:
         """Whether to record a prompt of `num_prompt_tokens` whose first `num_cached_tokens`
         the prefix cache holds now: `max_record_tokens` and the activation cache's room by
         the tokens it would record and the cached tokens' K/V it would hold (a guess: the
-        cache may change before its step); the offloader's device room by the whole
-        prompt's kept keys and values and the recorded tokens' step."""
+        cache may change before its step); the offloader's device room by what it would
+        keep of each (a cached token's keys and values) and the recorded tokens' step."""
         if self._rng.random() >= self.config.record_fraction:
             return None
         spec = self.method.record_spec(self.adapter_version())
@@ -173,7 +173,7 @@ class Recorder:
         cached = num_prompt_tokens - recorded
         expected = (self._bytes_per_token or 0.0) * recorded + self._bytes_per_cached_token * cached
         if (recorded > self.config.max_record_tokens or not self.cache.has_room_for(int(expected))
-                or (self.device_room is not None and not self.device_room.admits(num_prompt_tokens, recorded))
+                or (self.device_room is not None and not self.device_room.admits(num_prompt_tokens, cached))
                 or self._would_go_stale()):
             with self.stats.lock:
                 self.stats.not_recorded += 1

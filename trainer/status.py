@@ -112,8 +112,8 @@ class OffloadStatus:
     recomputed_layers: int = 0
     over_budget_steps: int = 0
     reload_wait_seconds: float = 0.0
-    # layers of prompts' cached beginnings run again in backward (their graphs not fitting)
-    beginning_layers_recomputed: int = 0
+    # layers of training forwards run again in backward (their graphs not fitting)
+    rerun_training_layers: int = 0
 
 
 @dataclass(frozen=True)

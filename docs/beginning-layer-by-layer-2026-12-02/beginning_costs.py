@@ -4,7 +4,7 @@ A recording that read a prompt's beginning from the prefix cache leaves its job 
 recompute that beginning (trainer.methods.cached_prefix_backward): with every layer's
 graph kept through its forward (no device budget, or room in it), or — as much as the
 budget has room for — only the top layers', each layer below keeping its input and run
-again in the backward (`beginning_backward`'s `graph_layers`). Three ways here: every
+again in the backward (`cached_prefix_backward`'s `graph_layers`). Three ways here: every
 layer's graph kept, the top half's, none. All take the same gK/gV.
 
 Each round, on the embedded model (`alchemist bench training`'s `Bench`, DPO, prefix cache
@@ -36,7 +36,7 @@ from bench.training import Bench
 from engine.recording import SavedTensorTracker
 from server.config import AlchemistConfig
 from trainer.entries import EntryState
-from trainer.methods import beginning_backward
+from trainer.methods import cached_prefix_backward
 
 WAYS = {"all": 1.0, "half": 0.5, "none": 0.0}  # the share of the layers whose graphs are kept
 
@@ -65,11 +65,11 @@ def one_round(bench: Bench, r: int, args) -> dict:
     grads = {}
     for way in (list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]):
         row[f"{way}_s"], grads[way], row[f"{way}_longest_slice_s"] = bench.run_job(
-            beginning_backward(recording, bench.context, kept[way]), None)
+            cached_prefix_backward(recording, bench.context, graph_layers=kept[way]), None)
     hidden_row = bench.trainer.peft_model.config.hidden_size * recording.prefix_kv[0][0].element_size()
     for way in WAYS:
         tracker = SavedTensorTracker()
-        bench.run_job(beginning_backward(recording, bench.context, kept[way]), tracker)
+        bench.run_job(cached_prefix_backward(recording, bench.context, graph_layers=kept[way]), tracker)
         inputs = (layers - kept[way]) * recording.prefix_len * hidden_row
         row[f"{way}_held_mib"] = (tracker.peak_bytes + inputs) / 2 ** 20
         if way != "all":
