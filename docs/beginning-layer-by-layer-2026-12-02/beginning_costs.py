@@ -17,7 +17,8 @@ saves (peak), with the inputs kept for the layers run again beside it; the LoRA
 gradients of each way compared with every layer's graph kept. Medians over the rounds after a warm-up round. From the root:
 
     PYTHONPATH=. .venv/bin/python docs/beginning-layer-by-layer-2026-12-02/beginning_costs.py --rounds 5 \\
-        --json docs/beginning-layer-by-layer-2026-12-02/beginning_costs.json
+        --json docs/beginning-layer-by-layer-2026-12-02/beginning_costs.json \\
+        --plot docs/bench-beginning-layer-by-layer.png
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 
 import torch
 
-from bench.report import rel_diff, write_json
+from bench.report import pyplot, rel_diff, save_figure, write_json
 from bench.traces import synthetic_tokens
 from bench.training import Bench
 from engine.recording import SavedTensorTracker
@@ -78,6 +79,21 @@ def one_round(bench: Bench, r: int, args) -> dict:
     return row
 
 
+def plot(summary: dict, path: str) -> None:
+    """Each way's median seconds against what it held, one point per way."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    median = summary["medians"]
+    for way, label in (("all", "every layer's graph kept"), ("half", "the top half's kept"),
+                       ("none", "none kept: each layer run again")):
+        ax.scatter([median[f"{way}_held_mib"]], [median[f"{way}_s"]], s=60, label=label)
+    ax.set_xlim(left=0)
+    ax.set_ylim(0, 1.5 * max(median[f"{way}_s"] for way in WAYS))  # (room above the points for the legend)
+    shape = summary["shape"]
+    save_figure(fig, ax, "held at the peak, MiB (saved by autograd + inputs kept)", "seconds (median)",
+                f"Training a {shape['cached']}-token cached beginning, embedded model, CPU", path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cached", type=int, default=1000, help="tokens of the beginning the prefix cache holds")
@@ -85,6 +101,7 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=48, help="tokens of each response")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json")
+    parser.add_argument("--plot")
     args = parser.parse_args()
     bench = make_bench(args.cached + args.new + args.response + 64)
     rows = []
@@ -104,6 +121,8 @@ def main() -> None:
     }
     print(json.dumps(summary, indent=2))
     write_json({"summary": summary, "rounds": rows}, args.json)
+    if args.plot:
+        plot(summary, args.plot)
 
 
 if __name__ == "__main__":
