@@ -9,7 +9,7 @@ through `attention_metadata`.
 
 from __future__ import annotations
 
-from typing import Generator, Protocol
+from typing import Protocol
 
 import torch
 
@@ -26,6 +26,8 @@ class LayerwiseModel(Protocol):
     norm: torch.nn.Module
     lm_head: torch.nn.Module
     rotary: torch.nn.Module
+    # the decoder layers (`run_layer` runs one)
+    layers: torch.nn.ModuleList
 
     def attention_metadata(self, lengths: list[int], starts: list[int]) -> AttentionMetadata:
         """B sequences packed along one axis, sequence b's queries at positions
@@ -35,14 +37,6 @@ class LayerwiseModel(Protocol):
     def shared_prefix_metadata(self, prefix_len: int, suffix_lengths: list[int]) -> AttentionMetadata:
         """A prompt (positions 0 .. prefix_len - 1) and suffixes that each continue it,
         packed along one axis in that order: AttentionMetadata.shared_prefix."""
-        ...
-
-    def iter_layers(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, past,
-                    leaves: list[torch.Tensor] | None = None, outputs: list[torch.Tensor] | None = None,
-                    position_embeddings: RotaryTables | LayerTables | None = None
-                    ) -> Generator[None, None, torch.Tensor]:
-        """The decoder layers one at a time (yielding after each), on (1, T, hidden);
-        with `leaves`/`outputs`, each layer's input is made a fresh autograd leaf."""
         ...
 
     def run_layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, metadata: AttentionMetadata,

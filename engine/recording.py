@@ -35,8 +35,10 @@ import torch
 class LayerSegment:
     # (1, T, hidden) the layer's input, an autograd leaf
     leaf: torch.Tensor
-    # (1, T, hidden) the layer's output, with its graph back to `leaf` and the LoRA weights
-    out: torch.Tensor
+    # (1, T, hidden) the layer's output, with its graph back to `leaf` and the LoRA weights;
+    # None in a training forward's layer kept as its input alone, run again for its
+    # backward (trainer.forward.Rerun)
+    out: torch.Tensor | None
     # (1, KVH, T, D) the layer's keys (after RoPE) and values, part of the same graph: a
     # prompt's, which its suffixes' gradients reach (None: a training forward's own); a
     # recording after a cached prefix: the whole prompt's, P + T rows

@@ -121,14 +121,16 @@ class ActivationOffloader:
         only): its kept tensors (never freed) and what its step holds before a layer can be
         freed (as `before_step` will reckon it: the rows it computes, and as many decodes
         riding along as the fullest step seen held) fit beside everything kept now and its
-        own step. Asked when the recorded step is scheduled; if not, the prefill runs
-        unrecorded. Later steps must fit too: the room left is for the largest serving
-        step seen."""
+        own step. If not, the prefill runs unrecorded. Later steps must fit too: the room
+        left is for the largest serving step seen. Asked when it is admitted and again when
+        its step is scheduled (the prefix cache may hold less of its beginning by then)."""
         recorded = num_tokens - cached_tokens
         with self._lock:
             kept = self._kept_per_token * recorded + self._kept_per_cached_token * cached_tokens
             need = self.kept_bytes + int(kept) + self.in_flight_bytes(recorded + max(self._max_batch - 1, 0))
-            step = max(self.map.serving_bytes(recorded, 1), self._max_step_bytes)
+            # (its attention scores the cached keys too)
+            scores = int(self.map.model.step_per_score * recorded * cached_tokens)
+            step = max(self.map.serving_bytes(recorded, 1) + scores, self._max_step_bytes)
             return need + step <= self.budget_bytes
 
     def reload_room(self) -> int:

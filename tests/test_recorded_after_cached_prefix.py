@@ -179,7 +179,8 @@ def test_a_tight_budget_records_a_new_turn_by_what_it_keeps_of_its_cached_beginn
 
     def need(cached_part: int) -> int:  # what admission reckons for a prompt of `whole` tokens
         rows = whole - cached_part
-        step = max(offloader.map.serving_bytes(rows, 1), offloader._max_step_bytes)
+        scores = int(model.step_per_score * rows * cached_part)
+        step = max(offloader.map.serving_bytes(rows, 1) + scores, offloader._max_step_bytes)
         kept = model.kept_per_token * rows + model.kept_per_cached_token * cached_part
         return int(kept) + offloader.in_flight_bytes(rows + offloader._max_batch - 1) + step
 

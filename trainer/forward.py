@@ -129,8 +129,10 @@ def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], start
     (they attend to it, then to themselves), all in one pack (`starts` is implied).
     `keep_kv`: each segment keeps its layer's K/V, graph-connected (a prompt run again,
     whose K/V other tokens' gradients reach). `graph_layers` (with grad; None: all): the
-    top layers that keep their graph; each layer below runs without grad keeping only its
-    input, and is run again in backward (`SegmentedForward.rerun`)."""
+    top layers that keep their graph; each layer below keeps only its input (its graph,
+    built as the kept layers' are so that the rerun computes exactly what it did, is
+    dropped as soon as the layer has run), and is run again in backward
+    (`SegmentedForward.rerun`)."""
     device = runner.device
     lengths = [len(t) for t in token_lists]
     assert starts is None or not shared_prefix, "a shared-prefix pack's positions follow from its lengths"
@@ -155,17 +157,20 @@ def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], start
         if with_grad:  # each layer's input a fresh leaf: one segment per layer
             hidden = hidden.detach().requires_grad_(graph)
         leaf = hidden
-        with torch.set_grad_enabled(graph):
+        with torch.set_grad_enabled(with_grad):
             hidden = runner.run_layer(index, leaf, position_ids, metadata, past, tables)
-        if with_grad:
-            segments.append(LayerSegment(leaf, hidden, *past.new.pop(index, ())) if graph else LayerSegment(leaf, None))
+        if with_grad and graph:
+            segments.append(LayerSegment(leaf, hidden, *past.new.pop(index, ())))
+        elif with_grad:
+            segments.append(LayerSegment(leaf, None))
+            hidden = hidden.detach()  # its graph dropped now, not across the slice's end
         yield
     rerun = Rerun(runner, segments, metadata, position_ids, tables, prefix, keep_kv) if first_graph > 0 else None
     head_leaf = hidden.detach().requires_grad_(with_grad)
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
-    return SegmentedForward(segments, head_leaf, offsets, rerun if with_grad else None)
+    return SegmentedForward(segments, head_leaf, offsets, rerun)
 
 
 def head_score(runner: LayerwiseModel, leaf: torch.Tensor, start: int, targets: torch.Tensor, chunk_rows: int):
@@ -289,6 +294,7 @@ def backward_layer(segments: list[LayerSegment], index: int, grad: torch.Tensor,
     on its K and V (None: none); frees the segment (`residency`: brings it back first,
     releases it after) and returns the gradient on its input."""
     segment = segments[index] if residency is None else residency.before(index)
+    assert segment.out is not None, "a layer kept as its input alone runs again by its forward's `rerun`"
     if grad.shape[1] != segment.out.shape[1]:
         grad = _fit_rows(grad, segment.out.shape[1])
     tensors, grads = [segment.out], [grad]
@@ -311,9 +317,11 @@ def backward_segments(segments: list[LayerSegment], top_grad: torch.Tensor,
 
     top_grad: gradient on the last segment's output. kv_grads: per layer, gradients on
     its K and V from suffixes that attended to them (None where there are none). Each
-    segment's graph is freed as soon as it has been back-propagated. `residency`
-    (offload.offloader.Residency) brings freed layers back — reloaded or recomputed —
-    before their backward, and releases them after."""
+    segment's graph is freed as soon as it has been back-propagated. `residency` gives
+    each layer's segment before its backward and releases it after: a recording's
+    (offload.offloader.Residency) brings its freed layers back, reloaded or recomputed;
+    a training forward's (`SegmentedForward.rerun`) runs its layers kept as their input
+    again."""
     grad = top_grad
     for index in reversed(range(len(segments))):
         grad = backward_layer(segments, index, grad, None if kv_grads is None else kv_grads[index], residency)

@@ -146,10 +146,14 @@ class Recorder:
         """An admitted recording holds while the weights serving runs under are its
         version's, recording is not paused and what it would record (after the
         `num_cached_tokens` the prefix cache holds now, which may be fewer than when it was
-        admitted) is within `max_record_tokens`; otherwise its prefill runs unrecorded and
-        the request gets a label entry, as one not drawn does."""
+        admitted) is within `max_record_tokens` and the offloader's device room as it is
+        now; otherwise its prefill runs unrecorded and the request gets a label entry, as
+        one not drawn does."""
+        recorded = spec.tokens_to_record(len(prompt_token_ids), num_cached_tokens)
         if (not self.recording_paused() and spec.adapter_version == self.adapter_version()
-                and spec.tokens_to_record(len(prompt_token_ids), num_cached_tokens) <= self.config.max_record_tokens):
+                and recorded <= self.config.max_record_tokens
+                and (self.device_room is None
+                     or self.device_room.admits(len(prompt_token_ids), len(prompt_token_ids) - recorded))):
             if self.warmer is not None:  # each time: pages warmed again while it waited for KV blocks
                 self.warmer.release()  # the recording's activations take the warm pages
             return spec
