@@ -7,7 +7,9 @@ import contextlib
 import json
 import math
 import platform
+import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -99,6 +101,18 @@ def reuse_share(paths: dict[str, float]) -> float:
     """The share of trained entries that trained on their served activations (NaN: none)."""
     total = sum(paths.values())
     return (paths["reuse"] + paths["stashed"]) / total if total else float("nan")
+
+
+def rounds_after_warm_up(run_round: Callable[[int], dict], rounds: int) -> tuple[list[dict], dict]:
+    """Runs `run_round(r)` for r = 0 .. rounds (round 0 warms up and is not kept), printing
+    each round's figures; returns the kept rounds and each figure's median over them."""
+    rows = []
+    for r in range(rounds + 1):
+        row = run_round(r)
+        print(f"round {r}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
+        if r:
+            rows.append(row)
+    return rows, {key: statistics.median(row[key] for row in rows) for key in rows[0]}
 
 
 def write_json(report: dict, path: str | None) -> None:

@@ -23,21 +23,24 @@ gradients of each way compared with every layer's graph kept. Medians over the r
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import statistics
+import os
+import sys
 import time
 
 import torch
 
-from bench.report import pyplot, rel_diff, save_figure, write_json
+from bench.report import pyplot, rel_diff, rounds_after_warm_up, save_figure, write_json
 from bench.traces import synthetic_tokens
 from bench.training import Bench
 from engine.recording import SavedTensorTracker
 from server.config import AlchemistConfig
 from trainer.entries import EntryState
 from trainer.methods import cached_prefix_backward
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "recorded-prefix-2026-12-01"))
+from job_costs import turn_arguments  # noqa: E402  (the same turn's shape as the job costs' there)
 
 WAYS = {"all": 1.0, "half": 0.5, "none": 0.0}  # the share of the layers whose graphs are kept
 
@@ -95,22 +98,11 @@ def plot(summary: dict, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cached", type=int, default=1000, help="tokens of the beginning the prefix cache holds")
-    parser.add_argument("--new", type=int, default=40, help="tokens of the new turn")
-    parser.add_argument("--response", type=int, default=48, help="tokens of each response")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json")
+    parser = turn_arguments()
     parser.add_argument("--plot")
     args = parser.parse_args()
     bench = make_bench(args.cached + args.new + args.response + 64)
-    rows = []
-    for r in range(args.rounds + 1):  # round 0 warms up
-        row = one_round(bench, r, args)
-        print(f"round {r}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
-        if r:
-            rows.append(row)
-    median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    rows, median = rounds_after_warm_up(lambda r: one_round(bench, r, args), args.rounds)
     summary = {
         "shape": {"cached": args.cached, "new": args.new, "response": args.response}, "rounds": args.rounds,
         "medians": median,

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import time
 
 import torch
 
-from bench.report import rel_diff, write_json
+from bench.report import rel_diff, rounds_after_warm_up, write_json
 from bench.traces import synthetic_tokens
 from bench.training import Bench
 from server.config import AlchemistConfig
@@ -76,23 +75,23 @@ def one_round(benches: dict[str, Bench], r: int, args) -> dict:
     return row
 
 
-def main() -> None:
+def turn_arguments() -> argparse.ArgumentParser:
+    """A conversation's next turn: its cached beginning's, new turn's and responses'
+    tokens; rounds; where the JSON goes."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--cached", type=int, default=1000, help="tokens of the beginning the prefix cache holds")
     parser.add_argument("--new", type=int, default=40, help="tokens of the new turn")
     parser.add_argument("--response", type=int, default=48, help="tokens of each response")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = turn_arguments().parse_args()
     max_tokens = args.cached + args.new + args.response + 64
     benches = {"reads_cache": make_bench(True, max_tokens), "whole_prompt": make_bench(False, max_tokens)}
-    rows = []
-    for r in range(args.rounds + 1):  # round 0 warms up
-        row = one_round(benches, r, args)
-        print(f"round {r}: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()), flush=True)
-        if r:
-            rows.append(row)
-    median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    rows, median = rounds_after_warm_up(lambda r: one_round(benches, r, args), args.rounds)
     summary = {
         "shape": {"cached": args.cached, "new": args.new, "response": args.response}, "rounds": args.rounds,
         "medians": median,
