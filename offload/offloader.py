@@ -142,14 +142,13 @@ class ActivationOffloader:
     def graph_fits(self, num_tokens: int) -> bool:
         """Whether a training forward of `num_tokens` rows, every layer's graph alive,
         fits in the room reloads may use beside what the recordings hold on the device."""
-        with self._lock:
-            need = self.map.model.num_layers * self.layer_bytes(num_tokens)
-            return self.device_bytes + need <= self.budget_bytes - self._max_step_bytes
+        return self.graph_layers_fit(num_tokens) == self.map.model.num_layers
 
     def graph_layers_fit(self, num_tokens: int) -> int:
         """How many layers' training graphs of `num_tokens` rows fit at once in the room
-        `graph_fits` reckons, beside every layer's input kept (each layer's kept tensors
-        per token bound an input's bytes): the others are run again from their input."""
+        reloads may use beside what the recordings hold on the device: all, or as many as
+        fit beside every layer's input kept (each layer's kept tensors per token bound an
+        input's bytes), the others run again from their input."""
         with self._lock:
             model = self.map.model
             room = self.budget_bytes - self._max_step_bytes - self.device_bytes

@@ -297,7 +297,9 @@ def test_a_recording_whose_cached_beginning_was_evicted_before_its_step_is_confi
     trainer = make_trainer("llama", "dpo", max_record_tokens=len(ids) - cached_tokens(PROMPT))
     spec = trainer.method.record_spec(0)
     assert trainer.recorder.confirm("r", ids, spec, num_cached_tokens=cached_tokens(PROMPT)) is spec
+    assert trainer.stats.not_recorded == 0
     assert trainer.recorder.confirm("r", ids, spec, num_cached_tokens=0) is None
+    assert trainer.stats.not_recorded == 1  # (`alchemist:unrecorded_prefills_total` counts it)
 
 
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])

@@ -165,7 +165,8 @@ def forward_segments(runner: LayerwiseModel, token_lists: list[list[int]], start
             segments.append(LayerSegment(leaf, None))
             hidden = hidden.detach()  # its graph dropped now, not across the slice's end
         yield
-    rerun = Rerun(runner, segments, metadata, position_ids, tables, prefix, keep_kv) if first_graph > 0 else None
+    below = with_grad and first_graph > 0  # layers kept as their input, run again in backward
+    rerun = Rerun(runner, segments, metadata, position_ids, tables, prefix, keep_kv) if below else None
     head_leaf = hidden.detach().requires_grad_(with_grad)
     offsets = [0]
     for n in lengths:

@@ -157,6 +157,8 @@ class Recorder:
             if self.warmer is not None:  # each time: pages warmed again while it waited for KV blocks
                 self.warmer.release()  # the recording's activations take the warm pages
             return spec
+        with self.stats.lock:
+            self.stats.not_recorded += 1
         if self.method.uses_feedback:
             self._label_only[request_id] = (list(prompt_token_ids), self.adapter_version())
             self._responses[request_id] = {}
