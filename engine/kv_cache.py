@@ -246,9 +246,57 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _cached_leaf(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The pool's rows at `slots` as (1, KVH, P, D), a copy made an autograd leaf."""
-    return pool.index_select(0, slots).transpose(0, 1).contiguous().unsqueeze(0).requires_grad_()
+def _cached_rows(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The pool's rows at `slots` as (1, KVH, P, D): a copy, strided as the pool is."""
+    return pool.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+
+
+class CachedPrefixGrads:
+    """Where the gradients on one layer's keys and values of a prompt's cached beginning
+    accumulate, (1, KVH, P, D) each (None until a backward reaches them): what training
+    back-propagates through that beginning recomputed (trainer.methods.cached_prefix_backward).
+    It holds no rows itself: the beginning's rows live once, in the whole prompt's K/V."""
+
+    __slots__ = ("key", "value")
+
+    def __init__(self):
+        self.key: torch.Tensor | None = None
+        self.value: torch.Tensor | None = None
+
+    def add(self, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> None:
+        """Accumulates gradients on the rows, (1, KVH, P, D) each: slices of a larger
+        gradient are copied, not kept as views of all of it (with one K/V head a slice is
+        contiguous already)."""
+        if key is not None:
+            self.key = own_storage(key.contiguous()) if self.key is None else self.key + key
+        if value is not None:
+            self.value = own_storage(value.contiguous()) if self.value is None else self.value + value
+
+
+class _AfterCachedPrefix(torch.autograd.Function):
+    """(key, value) of new tokens -> the whole prompt's, the cached beginning's rows before
+    them; backward hands those rows' gradients to `grads` (CachedPrefixGrads) instead of to
+    autograd leaves, which the graph would keep alive beside the concatenation: a second
+    copy of every cached row for as long as the recording lives."""
+
+    @staticmethod
+    def forward(ctx, key, value, cached_key, cached_value, grads):
+        ctx.grads, ctx.num = grads, cached_key.shape[2]
+        return torch.cat([cached_key, key], dim=2), torch.cat([cached_value, value], dim=2)
+
+    @staticmethod
+    def backward(ctx, grad_key, grad_value):
+        num = ctx.num
+        ctx.grads.add(grad_key[:, :, :num], grad_value[:, :, :num])
+        return grad_key[:, :, num:], grad_value[:, :, num:], None, None, None
+
+
+def after_cached_prefix(key: torch.Tensor, value: torch.Tensor, cached_key: torch.Tensor,
+                        cached_value: torch.Tensor, grads: CachedPrefixGrads) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole prompt's (key, value), (1, KVH, P + T, D): the cached beginning's rows
+    `cached_key`, `cached_value` (no grad; P of them) before the new tokens' `key`, `value`
+    (T); the gradients on the cached rows accumulate in `grads`."""
+    return _AfterCachedPrefix.apply(key, value, cached_key.detach(), cached_value.detach(), grads)
 
 
 class RecordedStepKV(NamedTuple):
@@ -272,10 +320,10 @@ class StepKV:
     attention saves); decode later reads only the pool, so it never touches the graph. Decodes
     riding along in the step (the rows past those) read the pool (`RecordedStepKV`). With
     `cached_rows` too (the prompt after a beginning of that many tokens the prefix cache
-    holds, at its group's first key slots) the beginning's K/V are read from the pool as
-    autograd leaves (`prefix`, per layer), whose gradients training back-propagates through
-    the beginning recomputed, and go before the recorded rows: `recorded` holds the whole
-    prompt's.
+    holds, at its group's first key slots) the beginning's K/V are read from the pool and
+    go before the recorded rows (`recorded` holds the whole prompt's, the beginning's rows
+    once); their gradients land in `prefix` (per layer), which training back-propagates
+    through the beginning recomputed.
     """
 
     def __init__(self, cache: PagedKVCache, metadata: AttentionMetadata, recorded_rows: int | None = None,
@@ -285,14 +333,14 @@ class StepKV:
         self.recorded_rows = recorded_rows
         self.prefix_slots = metadata.groups[0].key_slots[0, :cached_rows] if cached_rows else None
         self.recorded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.prefix: dict[int, CachedPrefixGrads] = {}
+        # bytes of the cached beginning's rows within the recorded K/V, every layer's
+        self.prefix_bytes = 0
 
-    def prefix_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The cached beginning's K/V leaves, layer by layer (none without `prefix_slots`)."""
+    def prefix_grads(self) -> list[CachedPrefixGrads]:
+        """Where the cached beginning's K/V gradients land, layer by layer (none without
+        `prefix_slots`)."""
         return [self.prefix[i] for i in sorted(self.prefix)]
-
-    def prefix_bytes(self) -> int:
-        return sum(t.nbytes for pair in self.prefix.values() for t in pair)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key, value: (1, KVH, T, D) -> the pools; when recording, (1, KVH, S, D) each, or
@@ -305,8 +353,10 @@ class StepKV:
         if rows is None:
             return k_pool, v_pool
         if self.prefix_slots is not None:
-            cached = self.prefix[layer_idx] = tuple(_cached_leaf(pool, self.prefix_slots) for pool in (k_pool, v_pool))
-            key, value = (torch.cat([c, t[:, :, :rows]], dim=2) for c, t in zip(cached, (key, value)))
+            grads = self.prefix[layer_idx] = CachedPrefixGrads()
+            cached_key, cached_value = (_cached_rows(pool, self.prefix_slots) for pool in (k_pool, v_pool))
+            key, value = after_cached_prefix(key[:, :, :rows], value[:, :, :rows], cached_key, cached_value, grads)
+            self.prefix_bytes += cached_key.nbytes + cached_value.nbytes
             rows += len(self.prefix_slots)
         pad = self.metadata.groups[0].num_keys - rows
         if pad:  # to a bucketed key length (a GPU's): copies, which attention saves; the rows kept are views of them

@@ -268,7 +268,7 @@ class ModelRunner:
     def _execute_recorded(self, step: SchedulerOutput, segment_sink: SegmentSink | None,
                           stale_resolver, recording_weights=None) -> ModelOutput:
         """A recorded prefill: one sequence's prompt (after what the prefix cache gave it,
-        whose K/V it reads as leaves) with autograd on (LoRA only; base weights are frozen),
+        whose K/V it reads from the pool) with autograd on (LoRA only; base weights are frozen),
         kept as per-layer segments plus a head segment. Other sequences' decodes ride along:
         one GEMM per linear layer over all rows, their attention on the pool and their
         logits without autograd; no gradient reaches them (`bench recording`, beside_decodes*)."""
@@ -320,9 +320,9 @@ class ModelRunner:
             if known is None and memo is not None:
                 memo.measured(shape, saved_bytes, saved_sizes)
             recording = RecordedPrefill(list(seq.prompt_token_ids), seq.record.adapter_version, segments,
-                                        head_leaf, logits, all_rows, rows, saved_bytes + past.prefix_bytes(),
+                                        head_leaf, logits, all_rows, rows, saved_bytes,
                                         saved_sizes if known is None else known.sizes, placement, cached,
-                                        past.prefix_kv())
+                                        past.prefix_grads(), past.prefix_bytes)
             if placement is not None:
                 placement.finish(recording, _collected(tracker, len(segments)))
         except BaseException:

@@ -2,7 +2,7 @@
 
 A recorded prefill runs one sequence's whole prompt with autograd enabled for the LoRA
 path — or the prompt after a beginning the prefix cache holds, whose K/V it then reads
-as leaves (`RecordedPrefill.prefix_kv`). Each decoder layer's input is made a fresh leaf, so every layer is a separate
+from the pool (`RecordedPrefill.prefix_len`, `prefix_grads`). Each decoder layer's input is made a fresh leaf, so every layer is a separate
 segment `(leaf, out, key, value)` (DESIGN.md, "Layer-segmented execution"): backward
 can run one segment at a time, and the K/V of the prompt can receive gradients from
 suffixes that attended to them.
@@ -60,7 +60,7 @@ class RecordedPrefill:
     all_logit_rows: bool
     # the recorded step's rows: the prompt's, then any riding decodes' (its layers' inputs hold them)
     rows: int
-    # bytes autograd saved for this recording (measured), and `prefix_kv`'s
+    # bytes autograd saved for this recording (measured)
     saved_bytes: int = 0
     # the bytes of each storage it saved (HeapWarmer.fit)
     saved_sizes: list[int] = field(default_factory=list)
@@ -68,25 +68,26 @@ class RecordedPrefill:
     placement: object | None = None
     # prompt tokens read from the prefix cache, not recorded (RecordSpec.reads_cached_prefix):
     # the segments, head leaf and logits are of the tokens after them, and each segment's
-    # key and value of the whole prompt — these tokens' rows are `prefix_kv`'s
+    # key and value of the whole prompt, whose first `prefix_len` rows are these tokens'
     prefix_len: int = 0
-    # per layer, the cached tokens' (key, value), (1, KVH, prefix_len, D): autograd leaves
-    # the recorded tokens' attention read, where their gradients accumulate; training
-    # recomputes the cached tokens' layers and back-propagates those gradients
-    # (trainer.methods.cached_prefix_backward)
-    prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # per layer, where the gradients on the cached tokens' key and value rows accumulate
+    # (engine.kv_cache.CachedPrefixGrads); training recomputes the cached tokens' layers and
+    # back-propagates those gradients (trainer.methods.cached_prefix_backward)
+    prefix_grads: list = field(default_factory=list)
+    # of `saved_bytes`, the cached tokens' rows within the whole prompt's K/V, every layer's
+    prefix_bytes: int = 0
 
     @property
     def recorded_bytes(self) -> int:
-        """`saved_bytes` less what the cached beginning adds: its K/V leaves, and their rows
-        in the whole prompt's K/V that attention saved — what recording its tokens cost."""
-        return self.saved_bytes - 2 * sum(t.nbytes for pair in self.prefix_kv for t in pair)
+        """`saved_bytes` less what the cached beginning adds, its rows in the whole prompt's
+        K/V — what recording its tokens cost."""
+        return self.saved_bytes - self.prefix_bytes
 
     def release(self) -> None:
         """Drop the graph (after training on it, or when the entry is evicted); on the
         device thread only (freeing a graph and the offloader's copies is tensor work)."""
         assert_off_event_loop("releasing a recorded prefill")
-        self.segments, self.prefix_kv = [], []
+        self.segments, self.prefix_grads = [], []
         self.head_leaf = self.logits = None
         if self.placement is not None:
             self.placement.release()

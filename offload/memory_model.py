@@ -44,8 +44,8 @@ class MemoryModel:
     # of which once per recording, not per layer: the rotary tables, the head segment
     head_per_token: float = 0.0
     # bytes per token of a prompt's beginning read from the prefix cache that its recording
-    # keeps: each layer's keys and values, as leaves and within the whole prompt's (0: not
-    # known, as in a profile written before: a recorded token's `kept_per_token`)
+    # keeps: each layer's keys and values, within the whole prompt's (0: not known, as in a
+    # profile written before: a recorded token's `kept_per_token`)
     kept_per_cached_token: float = 0.0
 
     @classmethod
@@ -66,7 +66,7 @@ class MemoryModel:
         # engine/fused_rope.py), the head's input and the logits
         head = dtype_bytes * (3 * head_dim + hidden + config.vocab_size)
         kept = dtype_bytes * config.num_hidden_layers * (2 * hidden + 2 * kv) + head
-        kept_cached = 2 * dtype_bytes * config.num_hidden_layers * 2 * kv
+        kept_cached = dtype_bytes * config.num_hidden_layers * 2 * kv
         return cls(config.num_hidden_layers, float(per_token), 0.0, float(step_per_token),
                    float(4 * heads), float(4 * config.vocab_size), max_model_len, kept_per_token=float(kept),
                    head_per_token=float(head), kept_per_cached_token=float(kept_cached))

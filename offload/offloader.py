@@ -43,8 +43,9 @@ logger = logging.getLogger(__name__)
 # attention to the longest sequence beside it, which the model bounds only approximately
 _IN_FLIGHT_MARGIN = 1.25
 
-# recompute(layer index, the layer's kept input rows (1, T, hidden)[, the K/V leaves of the
-# prompt's cached beginning at that layer]) -> a fresh segment (trainer.forward.recompute_segment)
+# recompute(layer index, the layer's kept input rows (1, T, hidden)[, the prompt's cached
+# beginning at that layer: its K/V rows and their gradients' sink]) -> a fresh segment
+# (trainer.forward.recompute_segment)
 RecomputeFn = Callable[..., LayerSegment]
 
 

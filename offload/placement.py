@@ -86,14 +86,19 @@ class RecordingPlacement:
         self.released = False
         # a training job is back-propagating this recording: free it last
         self.active = False
-        # per layer, the K/V leaves of the prompt's cached beginning (RecordedPrefill.prefix_kv):
-        # a dropped layer is recomputed attending to them
-        self.prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # tokens of the prompt's cached beginning before the recorded ones, and per layer where
+        # their K/V gradients accumulate (RecordedPrefill.prefix_grads): a dropped layer is
+        # recomputed attending to the beginning's rows of its kept K/V, handing them on
+        self.prefix_len = 0
+        self.prefix_grads: list = []
 
-    @property
-    def prefix_len(self) -> int:
-        """Tokens of the prompt's cached beginning before the recorded ones."""
-        return self.prefix_kv[0][0].shape[2] if self.prefix_kv else 0
+    def cached_prefix(self, index: int) -> tuple[torch.Tensor, torch.Tensor, object] | None:
+        """Layer `index`'s cached beginning, as `recompute_segment` takes it (None: none)."""
+        if not self.prefix_len:
+            return None
+        segment = self.layers[index].segment
+        num = self.prefix_len
+        return segment.key[:, :, :num], segment.value[:, :, :num], self.prefix_grads[index]
 
     def _keep(self, key: int, nbytes: int) -> None:
         if key not in self._owners:
@@ -136,10 +141,8 @@ class RecordingPlacement:
             del self._owners[storage.key]
 
     def finish(self, recording: RecordedPrefill, head_saved: list[SavedTensor]) -> None:
-        """The head segment (final norm and LM head), the logits and the cached beginning's
-        K/V leaves stay on the device."""
-        self.prefix_kv = recording.prefix_kv  # (kept, with the head's tensors)
-        self.keep(*(t for pair in self.prefix_kv for t in pair))
+        """The head segment (final norm and LM head) and the logits stay on the device."""
+        self.prefix_len, self.prefix_grads = recording.prefix_len, recording.prefix_grads
         for tensor in [recording.head_leaf, recording.logits] + [h.tensor for h in head_saved if h.tensor is not None]:
             if tensor.untyped_storage().data_ptr() not in self.offloader.param_keys:
                 self._keep(storage_key(tensor), tensor.untyped_storage().nbytes())

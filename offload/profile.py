@@ -69,8 +69,9 @@ def load_profile(path: str | Path, model_config=None, dtype_bytes: int | None = 
                          f"bandwidth positive: {sizes}, {speeds}")
     if model_config is not None:
         served = MemoryModel.analytic(model_config, dtype_bytes, memory.max_model_len)
-        if "kept_per_cached_token" not in data["memory_model"]:  # a profile written before it was measured
-            memory.kept_per_cached_token = served.kept_per_cached_token
+        # a cached token's kept K/V is exact by the shapes, not fitted: a profile written
+        # before it was known, or when a recording kept them twice, takes today's
+        memory.kept_per_cached_token = served.kept_per_cached_token
         shape = ("num_layers", "step_per_token", "step_per_row")  # (per_token is fitted to measurements)
         if any(not math.isclose(getattr(memory, name), getattr(served, name)) for name in shape):
             raise ValueError(f"offload.profile {path} was written for another model's shape "

@@ -89,9 +89,8 @@ class Residency:
             started = self._mark()
             num = self.placement.num_tokens
             rows = layer.segment.leaf[:, :num]
-            prefix = self.placement.prefix_kv
-            segment = self.offloader.recompute(index, rows, prefix[index]) if prefix else \
-                self.offloader.recompute(index, rows)
+            prefix = self.placement.cached_prefix(index)
+            segment = self.offloader.recompute(index, rows, prefix) if prefix else self.offloader.recompute(index, rows)
             self.offloader.stats.recomputed_layers += 1
             self._timed.append((self._observe_recompute, started, self._mark(), num))
         self._backward_started = self._mark()

@@ -1,5 +1,6 @@
 """A recorded prefill after the prompt's cached beginning: it reads that beginning's K/V
-from the prefix cache as leaves and records only the rest; its job recomputes the
+from the prefix cache, holds them once (in the whole prompt's K/V, their gradients landing
+beside) and records only the rest; its job recomputes the
 beginning. Every method's reuse job gives the separate trainer's gradients (every
 family; one backward sweep or two; layers offloaded or recomputed; the beginning a layer
 at a time where its graph does not fit the budget; a stale recording under its stashed
@@ -42,9 +43,42 @@ def cached_tokens(prompt: str) -> int:
 def assert_recorded_after(entry, cached: int) -> None:
     recording = entry.recording
     assert recording.prefix_len == cached > 0
-    assert len(recording.prefix_kv) == len(recording.segments)
+    assert len(recording.prefix_grads) == len(recording.segments)
     assert recording.head_leaf.shape[1] == len(entry.prompt_token_ids) - cached
     assert all(s.key.shape[2] == len(entry.prompt_token_ids) for s in recording.segments)  # the whole prompt's
+
+
+def graph_leaves(tensors) -> list:
+    """Every autograd leaf the graphs of `tensors` reach (what their AccumulateGrad nodes hold)."""
+    stack, seen, leaves = [t.grad_fn for t in tensors if t.grad_fn is not None], set(), []
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_a_recording_holds_its_cached_beginnings_keys_and_values_once(bucketed):
+    """The beginning's rows live in the whole prompt's K/V alone: no autograd leaf of them
+    beside (the graph would keep it as long as the recording), and what the recording
+    counts beyond its recorded tokens is those rows, once."""
+    from tests.test_training_buckets import bucketed as gpu_shapes
+    trainer = make_trainer("llama", "dpo")
+    gpu_shapes(trainer, bucketed)  # a GPU's: the recorded K/V padded to a bucketed key length
+    cache_beginning(trainer)
+    serve(trainer, "r", prompt=CONTINUED, max_tokens=8)
+    recording = trainer.cache.get("r").recording
+    cached = recording.prefix_len
+    assert cached > 0
+    segments = recording.segments
+    leaves = graph_leaves([t for s in segments for t in (s.out, s.key, s.value)])
+    assert not [leaf for leaf in leaves if leaf.dim() == 4 and leaf.shape[2] == cached]
+    assert recording.prefix_bytes == sum(t[:, :, :cached].nbytes for s in segments for t in (s.key, s.value)) > 0
 
 
 @pytest.mark.parametrize("mode", ["cpt", "dpo-served", "dpo-both"])
@@ -98,7 +132,7 @@ def test_a_grpo_group_after_a_cached_beginning(family):
 @pytest.mark.parametrize("policy", ["load", "recompute"])
 @pytest.mark.parametrize("mode", ["cpt", "dpo"])
 def test_offloaded_layers_of_a_recording_after_a_cached_beginning(mode, policy):
-    """Every recorded layer freed: reloaded, or recomputed attending to the beginning's leaves."""
+    """Every recorded layer freed: reloaded, or recomputed attending to the beginning's rows."""
     grads = {}
     for offload in (None, OffloadConfig(device_budget_bytes=1 << 40, policy=policy)):
         trainer = make_stash_trainer(mode, offload=offload)  # (the same seed: the same weights)

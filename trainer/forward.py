@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import AttentionMetadata, gather_rows, own_storage
+from engine.kv_cache import AttentionMetadata, CachedPrefixGrads, gather_rows, own_storage
 from engine.layerwise import LayerwiseModel
 from engine.recording import LayerSegment
 from trainer.losses import weighted_nll
@@ -259,16 +259,22 @@ def kv_leaves(segments: list[LayerSegment]) -> list[tuple[torch.Tensor, torch.Te
 
 
 def recompute_segment(runner: LayerwiseModel, index: int, leaf_rows: torch.Tensor,
-                      prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> LayerSegment:
+                      prefix: tuple[torch.Tensor, torch.Tensor, CachedPrefixGrads] | None = None) -> LayerSegment:
     """Decoder layer `index` run again under grad from its kept input, `leaf_rows`
     (1, T, hidden): the recorded prompt's rows, positions 0 .. T-1 — or, after a cached
-    beginning whose K/V leaves of this layer are `prefix` (RecordedPrefill.prefix_kv),
-    positions P .. P+T-1, attending to them first. The fresh segment equals the recorded
-    one on those rows (a recorded step's other rows are decodes of other sequences, which
-    get no gradient), its K/V the whole prompt's as the recording's are."""
+    beginning, positions P .. P+T-1, attending first to that beginning's keys and values
+    of this layer, `prefix` = (key, value, where their gradients accumulate: the
+    recording's `prefix_grads[index]`). The fresh segment equals the recorded one on
+    those rows (a recorded step's other rows are decodes of other sequences, which get no
+    gradient), its K/V the whole prompt's as the recording's are."""
     num = leaf_rows.shape[1]
     start = 0 if prefix is None else prefix[0].shape[2]
     metadata = runner.attention_metadata([num], [start])
+    if prefix is not None:  # leaves for this layer's backward alone, handing their gradients on
+        key_rows, value_rows, grads = prefix
+        prefix = key_rows.detach().requires_grad_(), value_rows.detach().requires_grad_()
+        prefix[0].register_post_accumulate_grad_hook(lambda leaf: _hand_on(leaf, grads.add, "key"))
+        prefix[1].register_post_accumulate_grad_hook(lambda leaf: _hand_on(leaf, grads.add, "value"))
     past = SequenceKV(metadata, None if prefix is None else {index: prefix}, keep=True)
     leaf = leaf_rows.detach().requires_grad_()
     position_ids = torch.arange(start, start + num, device=runner.device).unsqueeze(0)
@@ -278,6 +284,12 @@ def recompute_segment(runner: LayerwiseModel, index: int, leaf_rows: torch.Tenso
         if prefix is not None:
             key, value = torch.cat([prefix[0], key], dim=2), torch.cat([prefix[1], value], dim=2)
     return LayerSegment(leaf, out, key, value)
+
+
+def _hand_on(leaf: torch.Tensor, add: Callable, name: str) -> None:
+    """Moves a temporary leaf's gradient to where it accumulates (held once, not twice)."""
+    grad, leaf.grad = leaf.grad, None
+    add(**{name: grad})
 
 
 def _fit_rows(grad: torch.Tensor, rows: int) -> torch.Tensor:

@@ -103,7 +103,7 @@ def cached_prefix_backward(recording: RecordedPrefill, ctx: TrainContext, target
                            weights: torch.Tensor | None = None, graph_layers: int | None = None):
     """Generator: the backward of the prompt's beginning the recording read from the prefix
     cache (`recording.prefix_len` tokens; none: nothing to do), once the recorded tokens'
-    backward has left its gradients on that beginning's K/V leaves (`prefix_kv`): the
+    backward has left its gradients on that beginning's K/V (`prefix_grads`): the
     beginning is recomputed under grad — under the weights the job runs with: the
     recording's own (stashed when stale), or today's under `stale_weights = "live"` — its
     layers keeping their K/V, and back-propagated with those gradients; with `targets` and
@@ -122,7 +122,7 @@ def cached_prefix_backward(recording: RecordedPrefill, ctx: TrainContext, target
     if targets is not None:
         loss = yield from head_backward(ctx.runner, fwd.head_leaf, 0, targets, weights, ctx.head_chunk_rows)
     top = fwd.head_leaf.grad if fwd.head_leaf.grad is not None else torch.zeros_like(fwd.head_leaf)
-    yield from backward_segments(fwd.segments, top, [(k.grad, v.grad) for k, v in recording.prefix_kv], fwd.rerun)
+    yield from backward_segments(fwd.segments, top, [(g.key, g.value) for g in recording.prefix_grads], fwd.rerun)
     return loss
 
 

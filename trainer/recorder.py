@@ -86,7 +86,7 @@ class Recorder:
         self._rng = random.Random(config.seed)
         # measured bytes per recorded prompt token (to predict whether a recording fits)
         self._bytes_per_token: float | None = None
-        # bytes a recording holds per cached prompt token it read (its K/V leaves), once seen
+        # bytes a recording holds per cached prompt token it read (its K/V rows), once seen
         self._bytes_per_cached_token = 0.0
         # completion id -> choice index -> served token ids, for recorded requests in flight
         self._responses: dict[str, dict[int, list[int]]] = {}

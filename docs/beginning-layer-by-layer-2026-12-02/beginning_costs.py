@@ -63,14 +63,14 @@ def one_round(bench: Bench, r: int, args) -> dict:
     assert recording.prefix_len > 0
     row = {"cached_tokens": recording.prefix_len}
     row["job_s"], _, _ = bench.run_job(bench.method.reuse_job(entry, bench.context), None)
-    assert all(k.grad is not None for k, _ in recording.prefix_kv)  # the beginning's gK/gV, left by the job
+    assert all(g.key is not None for g in recording.prefix_grads)  # the beginning's gK/gV, left by the job
     layers = len(bench.engine.runner.layers)
     kept = {way: round(share * layers) for way, share in WAYS.items()}
     grads = {}
     for way in (list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]):
         row[f"{way}_s"], grads[way], row[f"{way}_longest_slice_s"] = bench.run_job(
             cached_prefix_backward(recording, bench.context, graph_layers=kept[way]), None)
-    hidden_row = bench.trainer.peft_model.config.hidden_size * recording.prefix_kv[0][0].element_size()
+    hidden_row = bench.trainer.peft_model.config.hidden_size * recording.prefix_grads[0].key.element_size()
     for way in WAYS:
         tracker = SavedTensorTracker()
         bench.run_job(cached_prefix_backward(recording, bench.context, graph_layers=kept[way]), tracker)
