@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.direct_apply import direct_apply
 from engine.paged_decode import PagedDecode
 from engine.step_inputs import StepBuckets
 
@@ -291,12 +292,15 @@ class _AfterCachedPrefix(torch.autograd.Function):
         return grad_key[:, :, num:], grad_value[:, :, num:], None, None, None
 
 
+_after_cached_prefix = direct_apply(_AfterCachedPrefix)
+
+
 def after_cached_prefix(key: torch.Tensor, value: torch.Tensor, cached_key: torch.Tensor,
                         cached_value: torch.Tensor, grads: CachedPrefixGrads) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole prompt's (key, value), (1, KVH, P + T, D): the cached beginning's rows
     `cached_key`, `cached_value` (no grad; P of them) before the new tokens' `key`, `value`
     (T); the gradients on the cached rows accumulate in `grads`."""
-    return _AfterCachedPrefix.apply(key, value, cached_key.detach(), cached_value.detach(), grads)
+    return _after_cached_prefix(key, value, cached_key, cached_value, grads)
 
 
 class RecordedStepKV(NamedTuple):
