@@ -6,7 +6,7 @@ its own shape, so under real traffic most recorded prefills are new shapes.
 The embedded model, DPO (the server's defaults); each round r a length n_r = `--tokens` + r
 that no recording had: a recorded prefill of n_r (a new shape: hooks), one of n_{r-1}
 (recorded in the round before: known, no hooks), and plain prefills of both lengths, in
-alternating order; each recording dropped before the next request. Medians over the
+alternating order, the prefix cache off (the bench's prompts share text); each recording dropped before the next request. Medians over the
 rounds after two warm-up rounds. Run from the repository root:
 
     PYTHONPATH=. .venv/bin/python docs/recording-shapes-2026-12-02/memo_miss.py --rounds 12 \
@@ -16,6 +16,7 @@ rounds after two warm-up rounds. Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -32,7 +33,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--json")
     args = parser.parse_args()
-    engine, trainer, tokenizer = embedded_training_engine(AlchemistConfig())
+    config = AlchemistConfig()
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False))
+    engine, trainer, tokenizer = embedded_training_engine(config)
     memo = engine.runner.saved_bytes_memo
     assert memo is not None, "the server's recordings use the memo on this path"
     lookups, lookup = [], memo.lookup
@@ -46,7 +49,7 @@ def main() -> None:
 
     def prefill(kind: str, length: int, r: int) -> float:
         request_id = f"{kind}-{r}-{length}"
-        seconds, _ = first_token_seconds(engine, request_id, synthetic_tokens(tokenizer, length, 1000 * r + length),
+        seconds, _ = first_token_seconds(engine, request_id, synthetic_tokens(tokenizer, length, r),
                                          kind != "plain")
         if kind != "plain":
             assert lookups.pop() == (kind == "known"), f"the memo's answer for a {kind} shape"
