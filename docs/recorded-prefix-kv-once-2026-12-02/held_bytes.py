@@ -8,7 +8,8 @@ it holds counted: what autograd saved, the layers' K/V and inputs beside, and ev
 autograd leaf the graph keeps that is not a parameter), then the label's reuse job (its
 seconds, its gradients against the recompute job's in the first round). Medians over the
 rounds after a warm-up round. Run from the repository root in this tree, and in a
-worktree of an older one with that tree first on PYTHONPATH, alternately:
+worktree of an older one (this script and tests/test_recorded_after_cached_prefix.py,
+whose `graph_leaves` it uses, copied into it), alternately:
 
     PYTHONPATH=.:docs/recorded-prefix-2026-12-01 .venv/bin/python docs/recorded-prefix-kv-once-2026-12-02/held_bytes.py --rounds 3 \
         --json docs/recorded-prefix-kv-once-2026-12-02/held_bytes-1.json
@@ -25,20 +26,7 @@ from engine.recording import SavedTensorTracker
 from trainer.entries import EntryState
 
 from job_costs import make_bench, turn_arguments  # docs/recorded-prefix-2026-12-01
-
-
-def graph_leaves(tensors) -> list:
-    """Every autograd leaf the graphs of `tensors` reach (what their AccumulateGrad nodes hold)."""
-    stack, seen, leaves = [t.grad_fn for t in tensors if t.grad_fn is not None], set(), []
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if hasattr(node, "variable"):
-            leaves.append(node.variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return leaves
+from tests.test_recorded_after_cached_prefix import graph_leaves
 
 
 def held_storages(recording, tracker: SavedTensorTracker, parameters: set[int]) -> dict[int, int]:
