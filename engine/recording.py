@@ -2,10 +2,10 @@
 
 A recorded prefill runs one sequence's whole prompt with autograd enabled for the LoRA
 path — or the prompt after a beginning the prefix cache holds, whose K/V it then reads
-from the pool (`RecordedPrefill.prefix_len`, `prefix_grads`). Each decoder layer's input is made a fresh leaf, so every layer is a separate
-segment `(leaf, out, key, value)` (DESIGN.md, "Layer-segmented execution"): backward
-can run one segment at a time, and the K/V of the prompt can receive gradients from
-suffixes that attended to them.
+from the pool (`RecordedPrefill.prefix_len`, `prefix_grads`). Each decoder layer's input
+is made a fresh leaf, so every layer is a separate segment `(leaf, out, key, value)`
+(DESIGN.md, "Layer-segmented execution"): backward can run one segment at a time, and
+the K/V of the prompt can receive gradients from suffixes that attended to them.
 
 `SavedTensorTracker` measures activation memory instead of estimating it: it counts the
 bytes of every tensor autograd saves (each storage once) from the moment it is saved

@@ -6,8 +6,8 @@ its own shape, so under real traffic most recorded prefills are new shapes.
 The embedded model, DPO (the server's defaults); each round r a length n_r = `--tokens` + r
 that no recording had: a recorded prefill of n_r (a new shape: hooks), one of n_{r-1}
 (recorded in the round before: known, no hooks), and plain prefills of both lengths, in
-alternating order, the prefix cache off (the bench's prompts share text); each recording dropped before the next request. Medians over the
-rounds after two warm-up rounds. Run from the repository root:
+alternating order, the prefix cache off (the bench's prompts share text); each recording
+dropped before the next request. Medians over the rounds after two warm-up rounds. Run from the repository root:
 
     PYTHONPATH=. .venv/bin/python docs/recording-shapes-2026-12-02/memo_miss.py --rounds 12 \
         --json docs/recording-shapes-2026-12-02/memo_miss.json
